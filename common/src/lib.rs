@@ -1,0 +1,195 @@
+//! Types shared by the kernel and user halves of stallwatch.
+//!
+//! Everything here is `#[repr(C)]` plain data that crosses the BPF map or
+//! ring-buffer boundary. The eBPF side is deliberately generic: it does what a
+//! [`SlotConfig`] tells it (where to read the request key, when to emit) and
+//! knows nothing about NIXL, the demo or any other target. All meaning (which
+//! lifecycle event a slot is, which return values are errors) lives in the
+//! agent's probe profiles.
+#![no_std]
+
+/// Number of probe slots (attachments) one agent can drive at once.
+pub const MAX_SLOTS: u32 = 1024;
+/// Longest dereference chain a [`ValueSource`] can follow.
+pub const MAX_DEREF: usize = 4;
+/// Bytes of external id (room id, notification message) captured per event.
+pub const EXT_ID_LEN: usize = 64;
+/// Return-value rules a slot can carry; an event is emitted when any matches.
+pub const MAX_RET_RULES: usize = 2;
+/// Function arguments saved at entry for a return probe: the six integer
+/// registers of the x86-64 SysV ABI and the first two stack slots.
+pub const SAVED_ARGS: usize = 8;
+
+/// Where a [`ValueSource`] starts.
+pub mod base {
+    /// The source is unused.
+    pub const NONE: u8 = 0;
+    /// Argument `index` (0 is the first; 6 and up are read from the stack).
+    pub const ARG: u8 = 1;
+    /// The function's return value (return probes only).
+    pub const RET: u8 = 2;
+    /// The request key this same event resolved (for the external id and
+    /// its guard, e.g. a string inside the object the key points at).
+    pub const KEY: u8 = 3;
+}
+
+/// A value read from the probed function's context: start at `base`, then
+/// for each of the first `depth` offsets replace the value with the `u64`
+/// read from user memory at `value + offset`, then add `add`.
+///
+/// A key `{ ARG 0, depth 1, offsets [8] }` is `*(u64 *)(arg0 + 8)`.
+/// A string source ends on the address of the string's first byte.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ValueSource {
+    pub base: u8,
+    pub index: u8,
+    pub depth: u8,
+    pub _pad: [u8; 5],
+    pub offsets: [i64; MAX_DEREF],
+    pub add: i64,
+}
+
+/// Comparison applied to the return value by a [`RetRule`].
+pub mod cmp {
+    pub const NONE: u8 = 0;
+    pub const EQ: u8 = 1;
+    pub const NE: u8 = 2;
+    pub const LT: u8 = 3;
+    pub const LE: u8 = 4;
+    pub const GT: u8 = 5;
+    pub const GE: u8 = 6;
+}
+
+/// `ret <op> value`, signed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RetRule {
+    pub op: u8,
+    pub _pad: [u8; 7],
+    pub value: i64,
+}
+
+/// Bits of [`SlotConfig::flags`].
+pub mod slot_flags {
+    /// The slot is a return probe; its entry attachment only saves arguments.
+    pub const RETURN: u32 = 1 << 0;
+    /// The return probe reads arguments, so the entry attachment saves them.
+    pub const NEEDS_ARGS: u32 = 1 << 1;
+    /// Emit only when (slot, return value) differs from the last event
+    /// emitted for the same (pid, key): for status-polling functions.
+    pub const ONLY_ON_CHANGE: u32 = 1 << 2;
+    /// The return value is a C `int`: sign-extend its low 32 bits.
+    pub const RET_I32: u32 = 1 << 3;
+    /// Capture a string from [`SlotConfig::ext`] into the event.
+    pub const HAS_EXT: u32 = 1 << 4;
+    /// Capture the string only when the byte at [`SlotConfig::guard`] is not 0
+    /// (e.g. the engaged flag of a `std::optional<std::string>`).
+    pub const HAS_GUARD: u32 = 1 << 5;
+    /// Record each emitted event in the last-emitted map, so that an
+    /// [`ONLY_ON_CHANGE`] slot of the same target sees a release between two
+    /// identical statuses (the handle address is reused by the next request).
+    pub const TRACK_LAST: u32 = 1 << 6;
+}
+
+/// What one attachment does. Indexed by the attach cookie.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SlotConfig {
+    pub flags: u32,
+    /// How many arguments the entry attachment of a [`slot_flags::NEEDS_ARGS`]
+    /// return slot saves (at most [`SAVED_ARGS`]); stack slots cost a read.
+    pub nargs: u32,
+    pub key: ValueSource,
+    pub ext: ValueSource,
+    pub guard: ValueSource,
+    pub rules: [RetRule; MAX_RET_RULES],
+}
+
+/// Bits of [`Event::flags`].
+pub mod event_flags {
+    /// `ext` holds a NUL-terminated string.
+    pub const HAS_EXT: u32 = 1 << 0;
+    /// Set when return rule `n` matched: `RULE_MATCHED << n`.
+    pub const RULE_MATCHED: u32 = 1 << 8;
+}
+
+/// One probe hit that passed its slot's filters, as written to the ring
+/// buffer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Event {
+    /// `bpf_ktime_get_ns()`: CLOCK_MONOTONIC.
+    pub ts_ns: u64,
+    pub key: u64,
+    /// Return value (sign-extended per [`slot_flags::RET_I32`]); 0 at entry.
+    pub ret: i64,
+    /// Thread group id (the pid userspace sees).
+    pub pid: u32,
+    pub tid: u32,
+    pub slot: u32,
+    pub flags: u32,
+    pub ext: [u8; EXT_ID_LEN],
+}
+
+/// Arguments saved by a return slot's entry attachment, keyed by
+/// [`SavedArgsKey`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SavedArgs {
+    pub args: [u64; SAVED_ARGS],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SavedArgsKey {
+    pub pid_tgid: u64,
+    pub slot: u32,
+    pub _pad: u32,
+}
+
+/// Key of the last-emitted map behind [`slot_flags::ONLY_ON_CHANGE`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RequestKey {
+    pub key: u64,
+    pub pid: u32,
+    pub _pad: u32,
+}
+
+/// The last event emitted for a [`RequestKey`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LastEmitted {
+    pub ret: i64,
+    pub slot: u32,
+    pub _pad: u32,
+}
+
+/// Indices of the per-CPU `COUNTERS` array: what the kernel side could not do.
+/// Every one is reported by the agent; none is silent.
+pub mod counter {
+    /// The ring buffer was full: an event was lost.
+    pub const RINGBUF_FULL: u32 = 0;
+    /// Reading the key or external id from user memory failed.
+    pub const READ_FAILED: u32 = 1;
+    /// A return probe found no arguments saved by its entry attachment.
+    pub const ARGS_MISSING: u32 = 2;
+    /// A hit on a cookie with no slot configured.
+    pub const NO_SLOT: u32 = 3;
+    /// Events suppressed by `ONLY_ON_CHANGE` (expected, not an error).
+    pub const UNCHANGED: u32 = 4;
+    pub const COUNT: u32 = 5;
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: all of these are #[repr(C)] integer aggregates with explicit
+    // padding fields, so every bit pattern is valid and none is uninit.
+    unsafe impl aya::Pod for super::SlotConfig {}
+    unsafe impl aya::Pod for super::Event {}
+    unsafe impl aya::Pod for super::SavedArgs {}
+    unsafe impl aya::Pod for super::SavedArgsKey {}
+    unsafe impl aya::Pod for super::RequestKey {}
+    unsafe impl aya::Pod for super::LastEmitted {}
+}

@@ -1,0 +1,299 @@
+//! The stallwatch kernel side: two generic programs, one for function entry
+//! and one for function return, attached once per probe slot. The attach
+//! cookie names the slot; the slot's [`SlotConfig`] says where the request key
+//! lives and which hits become events. No target-specific code lives here.
+#![no_std]
+#![no_main]
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::pt_regs,
+    helpers::{
+        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
+        bpf_probe_read_user_str_bytes, generated::bpf_get_attach_cookie,
+    },
+    macros::{map, uprobe, uretprobe},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    programs::{ProbeContext, RetProbeContext},
+};
+use aya_log_ebpf::warn;
+use stallwatch_common::{
+    Event, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS, RequestKey, RetRule, SAVED_ARGS,
+    SavedArgs, SavedArgsKey, SlotConfig, ValueSource, base, cmp, counter, event_flags, slot_flags,
+};
+
+/// Per-slot configuration, written by the agent before it attaches.
+#[map]
+static SLOTS: Array<SlotConfig> = Array::with_max_entries(MAX_SLOTS, 0);
+
+/// Lifecycle events for the agent. 4 MiB holds ~40 000 events.
+#[map]
+static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 22, 0);
+
+/// What went wrong in the kernel, per CPU (see [`counter`]).
+#[map]
+static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
+
+/// Every hit of every slot, emitted or not, per CPU.
+#[map]
+static HITS: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_SLOTS, 0);
+
+/// Arguments saved at entry for return slots that read them.
+#[map]
+static SAVED: HashMap<SavedArgsKey, SavedArgs> = HashMap::with_max_entries(16384, 0);
+
+/// Last event emitted per (pid, key), for `ONLY_ON_CHANGE` slots.
+#[map]
+static LAST: LruHashMap<RequestKey, LastEmitted> = LruHashMap::with_max_entries(65536, 0);
+
+#[uprobe]
+pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
+    let Some((slot, cfg)) = slot_of(&ctx) else {
+        return 0;
+    };
+    let args = Args::Live(ctx.regs);
+    if cfg.flags & slot_flags::RETURN != 0 {
+        // The entry half of a return slot: keep the arguments for the return.
+        save_args(slot, cfg, &args);
+    } else {
+        count_hit(slot);
+        emit(slot, cfg, &args, 0, 0);
+    }
+    0
+}
+
+#[uretprobe]
+pub fn lifecycle_return(ctx: RetProbeContext) -> u32 {
+    let Some((slot, cfg)) = slot_of(&ctx) else {
+        return 0;
+    };
+    count_hit(slot);
+    // Take the saved arguments first, so a filtered-out return never leaves
+    // its entry behind.
+    let args = if cfg.flags & slot_flags::NEEDS_ARGS != 0 {
+        match take_saved(slot) {
+            Some(saved) => Args::Saved(saved),
+            None => {
+                bump(counter::ARGS_MISSING);
+                return 0;
+            }
+        }
+    } else {
+        Args::None
+    };
+    let raw: u64 = ctx.ret();
+    let ret = if cfg.flags & slot_flags::RET_I32 != 0 {
+        i64::from(raw as i32)
+    } else {
+        raw as i64
+    };
+    let matched = match_rules(&cfg.rules, ret);
+    if matched == NO_MATCH {
+        return 0;
+    }
+    emit(slot, cfg, &args, ret, matched);
+    0
+}
+
+/// Where arguments come from: live registers at entry, the saved copy at
+/// return, or nowhere (a return slot that reads only the return value).
+enum Args {
+    Live(*mut pt_regs),
+    Saved(SavedArgs),
+    None,
+}
+
+impl Args {
+    fn get(&self, n: usize) -> Option<u64> {
+        match self {
+            Self::Live(regs) => live_arg(*regs, n),
+            Self::Saved(saved) => saved.args.get(n).copied(),
+            Self::None => None,
+        }
+    }
+}
+
+/// Argument `n` of the x86-64 SysV calling convention at function entry:
+/// six registers, then the stack above the return address.
+fn live_arg(regs: *mut pt_regs, n: usize) -> Option<u64> {
+    // SAFETY: `regs` is the probe context the kernel handed this program.
+    let regs = unsafe { &*regs };
+    match n {
+        0 => Some(regs.rdi),
+        1 => Some(regs.rsi),
+        2 => Some(regs.rdx),
+        3 => Some(regs.rcx),
+        4 => Some(regs.r8),
+        5 => Some(regs.r9),
+        6..SAVED_ARGS => {
+            let slot = regs.rsp + 8 * (n as u64 - 5);
+            // SAFETY: a user-memory read; failure is an error, not a fault.
+            unsafe { bpf_probe_read_user(slot as *const u64) }.ok()
+        }
+        _ => None,
+    }
+}
+
+fn slot_of<C: EbpfContext>(ctx: &C) -> Option<(u32, &'static SlotConfig)> {
+    // SAFETY: the helper only reads the cookie of the running attachment.
+    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
+    let slot = cookie as u32;
+    match SLOTS.get(slot) {
+        Some(cfg) if cfg.flags != 0 => Some((slot, cfg)),
+        _ => {
+            bump(counter::NO_SLOT);
+            warn!(ctx, "stallwatch: hit on cookie {} with no slot configured", cookie);
+            None
+        }
+    }
+}
+
+fn save_args(slot: u32, cfg: &SlotConfig, args: &Args) {
+    let mut saved = SavedArgs::default();
+    let nargs = cfg.nargs as usize;
+    for (n, value) in saved.args.iter_mut().enumerate() {
+        if n >= nargs {
+            break;
+        }
+        *value = args.get(n).unwrap_or(0);
+    }
+    let key = SavedArgsKey { pid_tgid: bpf_get_current_pid_tgid(), slot, _pad: 0 };
+    if SAVED.insert(&key, &saved, 0).is_err() {
+        bump(counter::ARGS_MISSING);
+    }
+}
+
+fn take_saved(slot: u32) -> Option<SavedArgs> {
+    let key = SavedArgsKey { pid_tgid: bpf_get_current_pid_tgid(), slot, _pad: 0 };
+    // SAFETY: the value is copied out before the entry is removed.
+    let saved = unsafe { SAVED.get(&key) }.copied()?;
+    let _ = SAVED.remove(&key);
+    Some(saved)
+}
+
+const NO_MATCH: u32 = u32::MAX;
+
+/// `RULE_MATCHED << n` for every rule `n` that holds, 0 when the slot has no
+/// rules (every return is emitted), [`NO_MATCH`] when it has rules and none
+/// holds.
+fn match_rules(rules: &[RetRule; MAX_RET_RULES], ret: i64) -> u32 {
+    let mut any_rule = false;
+    let mut matched = 0;
+    for (n, rule) in rules.iter().enumerate() {
+        let holds = match rule.op {
+            cmp::EQ => ret == rule.value,
+            cmp::NE => ret != rule.value,
+            cmp::LT => ret < rule.value,
+            cmp::LE => ret <= rule.value,
+            cmp::GT => ret > rule.value,
+            cmp::GE => ret >= rule.value,
+            _ => continue,
+        };
+        any_rule = true;
+        if holds {
+            matched |= event_flags::RULE_MATCHED << n;
+        }
+    }
+    if any_rule && matched == 0 { NO_MATCH } else { matched }
+}
+
+/// Follow a [`ValueSource`]: its base, `depth` dereferences, then `add`.
+fn resolve(src: &ValueSource, args: &Args, ret: i64, key: u64) -> Option<u64> {
+    let mut value = match src.base {
+        base::ARG => args.get(src.index as usize)?,
+        base::RET => ret as u64,
+        base::KEY => key,
+        _ => return None,
+    };
+    for (n, offset) in src.offsets.iter().enumerate() {
+        if n >= src.depth as usize || n >= MAX_DEREF {
+            break;
+        }
+        let at = value.wrapping_add(*offset as u64);
+        // SAFETY: a user-memory read; failure is reported, not a fault.
+        value = unsafe { bpf_probe_read_user(at as *const u64) }.ok()?;
+    }
+    Some(value.wrapping_add(src.add as u64))
+}
+
+fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: u32) {
+    let Some(key) = resolve(&cfg.key, args, ret, 0) else {
+        bump(counter::READ_FAILED);
+        return;
+    };
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let request = RequestKey { key, pid: (pid_tgid >> 32) as u32, _pad: 0 };
+    let last = LastEmitted { ret, slot, _pad: 0 };
+    if cfg.flags & slot_flags::ONLY_ON_CHANGE != 0 {
+        // SAFETY: the value is only compared, never kept.
+        if unsafe { LAST.get(&request) } == Some(&last) {
+            bump(counter::UNCHANGED);
+            return;
+        }
+    }
+    let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
+        bump(counter::RINGBUF_FULL);
+        return;
+    };
+    let event = entry.as_mut_ptr();
+    // SAFETY: `event` points at a reserved, exclusively owned ring-buffer
+    // record of the right size; every field but the tail of `ext` is written.
+    unsafe {
+        (*event).ts_ns = bpf_ktime_get_ns();
+        (*event).key = key;
+        (*event).ret = ret;
+        (*event).pid = request.pid;
+        (*event).tid = pid_tgid as u32;
+        (*event).slot = slot;
+        (*event).flags = matched;
+        (*event).ext[0] = 0;
+        if cfg.flags & slot_flags::HAS_EXT != 0 && guard_holds(cfg, args, ret, key) {
+            match resolve(&cfg.ext, args, ret, key) {
+                Some(at) if bpf_probe_read_user_str_bytes(at as *const u8, &mut (*event).ext).is_ok() => {
+                    (*event).flags |= event_flags::HAS_EXT;
+                }
+                _ => bump(counter::READ_FAILED),
+            }
+        }
+    }
+    entry.submit(0);
+    if cfg.flags & slot_flags::TRACK_LAST != 0 {
+        let _ = LAST.insert(&request, &last, 0);
+    }
+}
+
+fn guard_holds(cfg: &SlotConfig, args: &Args, ret: i64, key: u64) -> bool {
+    if cfg.flags & slot_flags::HAS_GUARD == 0 {
+        return true;
+    }
+    let Some(at) = resolve(&cfg.guard, args, ret, key) else {
+        return false;
+    };
+    // SAFETY: a user-memory read; failure means "no string".
+    matches!(unsafe { bpf_probe_read_user(at as *const u8) }, Ok(flag) if flag != 0)
+}
+
+fn count_hit(slot: u32) {
+    if let Some(hits) = HITS.get_ptr_mut(slot) {
+        // SAFETY: per-CPU slot, no other writer on this CPU while we run.
+        unsafe { *hits += 1 };
+    }
+}
+
+fn bump(index: u32) {
+    if let Some(count) = COUNTERS.get_ptr_mut(index) {
+        // SAFETY: per-CPU slot, no other writer on this CPU while we run.
+        unsafe { *count += 1 };
+    }
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo<'_>) -> ! {
+    loop {}
+}
+
+/// GPL-compatible, for the user-memory read helpers.
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
