@@ -16,9 +16,10 @@ pub const MAX_DEREF: usize = 4;
 pub const EXT_ID_LEN: usize = 64;
 /// Return-value rules a slot can carry; an event is emitted when any matches.
 pub const MAX_RET_RULES: usize = 2;
-/// Function arguments saved at entry for a return probe: the six integer
-/// registers of the x86-64 SysV ABI and the first two stack slots.
-pub const SAVED_ARGS: usize = 8;
+/// Function arguments a probe can read: the six integer registers of the
+/// x86-64 SysV ABI and the first four stack slots (NIXL's span overload of
+/// `makeXferReq` passes its handle reference as the ninth).
+pub const SAVED_ARGS: usize = 10;
 
 /// Where a [`ValueSource`] starts.
 pub mod base {
@@ -90,6 +91,9 @@ pub mod slot_flags {
     /// [`ONLY_ON_CHANGE`] slot of the same target sees a release between two
     /// identical statuses (the handle address is reused by the next request).
     pub const TRACK_LAST: u32 = 1 << 6;
+    /// Set on every configured slot, so that an all-zero entry reads as
+    /// "no slot" to the kernel side.
+    pub const CONFIGURED: u32 = 1 << 31;
 }
 
 /// What one attachment does. Indexed by the attach cookie.

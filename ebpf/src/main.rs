@@ -2,6 +2,9 @@
 //! and one for function return, attached once per probe slot. The attach
 //! cookie names the slot; the slot's [`SlotConfig`] says where the request key
 //! lives and which hits become events. No target-specific code lives here.
+//!
+//! Every helper is `#[inline(always)]`: as BPF-to-BPF calls, LLVM may leave a
+//! stack pointer in r0 on return, which the verifier rejects.
 #![no_std]
 #![no_main]
 
@@ -95,6 +98,19 @@ pub fn lifecycle_return(ctx: RetProbeContext) -> u32 {
     0
 }
 
+/// The overhead floor for `cargo bench --bench uprobe`: uprobes that do
+/// nothing, attached where ours are, so the bench can tell the kernel's
+/// uprobe cost from the cost of our program.
+#[uprobe]
+pub fn empty_entry(_ctx: ProbeContext) -> u32 {
+    0
+}
+
+#[uretprobe]
+pub fn empty_return(_ctx: RetProbeContext) -> u32 {
+    0
+}
+
 /// Where arguments come from: live registers at entry, the saved copy at
 /// return, or nowhere (a return slot that reads only the return value).
 enum Args {
@@ -104,6 +120,7 @@ enum Args {
 }
 
 impl Args {
+#[inline(always)]
     fn get(&self, n: usize) -> Option<u64> {
         match self {
             Self::Live(regs) => live_arg(*regs, n),
@@ -115,6 +132,7 @@ impl Args {
 
 /// Argument `n` of the x86-64 SysV calling convention at function entry:
 /// six registers, then the stack above the return address.
+#[inline(always)]
 fn live_arg(regs: *mut pt_regs, n: usize) -> Option<u64> {
     // SAFETY: `regs` is the probe context the kernel handed this program.
     let regs = unsafe { &*regs };
@@ -134,6 +152,7 @@ fn live_arg(regs: *mut pt_regs, n: usize) -> Option<u64> {
     }
 }
 
+#[inline(always)]
 fn slot_of<C: EbpfContext>(ctx: &C) -> Option<(u32, &'static SlotConfig)> {
     // SAFETY: the helper only reads the cookie of the running attachment.
     let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
@@ -148,6 +167,7 @@ fn slot_of<C: EbpfContext>(ctx: &C) -> Option<(u32, &'static SlotConfig)> {
     }
 }
 
+#[inline(always)]
 fn save_args(slot: u32, cfg: &SlotConfig, args: &Args) {
     let mut saved = SavedArgs::default();
     let nargs = cfg.nargs as usize;
@@ -163,6 +183,7 @@ fn save_args(slot: u32, cfg: &SlotConfig, args: &Args) {
     }
 }
 
+#[inline(always)]
 fn take_saved(slot: u32) -> Option<SavedArgs> {
     let key = SavedArgsKey { pid_tgid: bpf_get_current_pid_tgid(), slot, _pad: 0 };
     // SAFETY: the value is copied out before the entry is removed.
@@ -176,6 +197,7 @@ const NO_MATCH: u32 = u32::MAX;
 /// `RULE_MATCHED << n` for every rule `n` that holds, 0 when the slot has no
 /// rules (every return is emitted), [`NO_MATCH`] when it has rules and none
 /// holds.
+#[inline(always)]
 fn match_rules(rules: &[RetRule; MAX_RET_RULES], ret: i64) -> u32 {
     let mut any_rule = false;
     let mut matched = 0;
@@ -198,6 +220,7 @@ fn match_rules(rules: &[RetRule; MAX_RET_RULES], ret: i64) -> u32 {
 }
 
 /// Follow a [`ValueSource`]: its base, `depth` dereferences, then `add`.
+#[inline(always)]
 fn resolve(src: &ValueSource, args: &Args, ret: i64, key: u64) -> Option<u64> {
     let mut value = match src.base {
         base::ARG => args.get(src.index as usize)?,
@@ -216,6 +239,7 @@ fn resolve(src: &ValueSource, args: &Args, ret: i64, key: u64) -> Option<u64> {
     Some(value.wrapping_add(src.add as u64))
 }
 
+#[inline(always)]
 fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: u32) {
     let Some(key) = resolve(&cfg.key, args, ret, 0) else {
         bump(counter::READ_FAILED);
@@ -262,6 +286,7 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: u32) {
     }
 }
 
+#[inline(always)]
 fn guard_holds(cfg: &SlotConfig, args: &Args, ret: i64, key: u64) -> bool {
     if cfg.flags & slot_flags::HAS_GUARD == 0 {
         return true;
@@ -273,6 +298,7 @@ fn guard_holds(cfg: &SlotConfig, args: &Args, ret: i64, key: u64) -> bool {
     matches!(unsafe { bpf_probe_read_user(at as *const u8) }, Ok(flag) if flag != 0)
 }
 
+#[inline(always)]
 fn count_hit(slot: u32) {
     if let Some(hits) = HITS.get_ptr_mut(slot) {
         // SAFETY: per-CPU slot, no other writer on this CPU while we run.
@@ -280,6 +306,7 @@ fn count_hit(slot: u32) {
     }
 }
 
+#[inline(always)]
 fn bump(index: u32) {
     if let Some(count) = COUNTERS.get_ptr_mut(index) {
         // SAFETY: per-CPU slot, no other writer on this CPU while we run.

@@ -1,1 +1,67 @@
-fn main() {}
+//! Build orchestration for stallwatch: `cargo run -p xtask -- <command>`.
+//!
+//! Every command installs what it needs first and is idempotent: the nightly
+//! `rust-src` component, `bpf-linker` built against the nightly rustc's own
+//! libLLVM, and (for tests) the Python venv with NIXL.
+mod setup;
+mod steps;
+
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "stallwatch build orchestration")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Install the toolchain pieces: nightly rust-src, bpf-linker, and with
+    /// --python the test venv.
+    Setup {
+        #[arg(long)]
+        python: bool,
+    },
+    /// Build the agent (eBPF object embedded) and the demo target.
+    Build,
+    /// Run the agent on the bundled demo with injected stalls (needs root).
+    Demo {
+        /// How long the demo target runs.
+        #[arg(long, default_value = "12s", value_parser = humantime::parse_duration)]
+        duration: Duration,
+        /// The agent's stall timeout.
+        #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+    },
+    /// Run the whole test suite: unit tests and the integration tests that
+    /// load the real eBPF object into this kernel (needs root).
+    Test,
+    /// Run the benchmarks and print their figures (needs root).
+    Bench,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Setup { python } => setup::all(python),
+        Command::Build => setup::all(false).and_then(|()| steps::build().map(drop)),
+        Command::Demo { duration, timeout } => {
+            setup::all(false)?;
+            let built = steps::build()?;
+            steps::demo(&built, duration, timeout)
+        }
+        Command::Test => {
+            setup::all(true)?;
+            let built = steps::build()?;
+            steps::test(&built)
+        }
+        Command::Bench => {
+            setup::all(false)?;
+            let built = steps::build()?;
+            steps::bench(&built)
+        }
+    }
+}

@@ -1,1 +1,328 @@
-fn main() {}
+//! A tiny stand-in for the prefill side of a disaggregated LLM server.
+//!
+//! Each request goes through four exported functions, the lifecycle points
+//! stallwatch's built-in `demo` profile probes:
+//! `prefill_enqueue(req)` -> `kv_transfer_post(id, bytes)` ->
+//! `kv_transfer_poll(id)` (1 = in progress, 0 = done, < 0 = error, called in
+//! a loop) -> `prefill_release(id)`. Healthy requests flow at `--rate`; on
+//! request, the program also pins requests at each stall point, exactly the
+//! zero-log stalls the agent exists to catch:
+//! - `--waiting-for-peer N`: enqueued, never posted;
+//! - `--transfer-hung N`: posted, then polled forever, always in progress;
+//! - `--release-lost N`: done, never released;
+//! - `--recover N`: hung for `--recover-after`, then done and released.
+//!
+//! It prints JSON lines on stdout: `ready` (with its pid), one `injected`
+//! per pinned request (with its key), and `done` at the end.
+//!
+//! Build it with frame pointers (`-C force-frame-pointers=yes`, as xtask
+//! does) so every probed function starts with `push %rbp`, which the kernel
+//! emulates instead of single-stepping.
+use std::{
+    hint::black_box,
+    io::{BufRead as _, Write as _},
+    thread,
+    time::{Duration, Instant},
+};
+
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(about = "A demo prefill server with injectable silent stalls")]
+struct Args {
+    /// Healthy requests per second.
+    #[arg(long, default_value_t = 2000)]
+    rate: u64,
+    /// Stop after this many healthy requests (0: run until --duration).
+    #[arg(long, default_value_t = 0)]
+    requests: u64,
+    /// Run this long, then exit (pinned requests are held until then).
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// Pin this many requests as enqueued, never posted.
+    #[arg(long, default_value_t = 0)]
+    waiting_for_peer: u64,
+    /// Pin this many requests as posted, polled, never done.
+    #[arg(long, default_value_t = 0)]
+    transfer_hung: u64,
+    /// Pin this many requests as done, never released.
+    #[arg(long, default_value_t = 0)]
+    release_lost: u64,
+    /// Hang this many requests for --recover-after, then finish them.
+    #[arg(long, default_value_t = 0)]
+    recover: u64,
+    #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+    recover_after: Duration,
+    /// Inject the pinned requests this long after start.
+    #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
+    inject_after: Duration,
+    /// Fail this many requests (poll returns -3), then release them.
+    #[arg(long, default_value_t = 0)]
+    fail: u64,
+    /// Abort this many requests after posting them.
+    #[arg(long, default_value_t = 0)]
+    abort: u64,
+    /// Wait for a line on stdin before starting (so an agent can attach).
+    #[arg(long)]
+    wait_for_go: bool,
+    /// Benchmark mode for `cargo bench --bench uprobe`: for every line
+    /// `enqueue`, `post` or `poll` on stdin, time this many calls of that
+    /// function and print the mean.
+    #[arg(long)]
+    bench_calls: Option<u64>,
+}
+
+/// What `prefill_enqueue` receives: the layout the demo profile reads
+/// (`id` at offset 0, the room string at offset 8).
+#[repr(C)]
+pub struct Request {
+    pub id: u64,
+    pub room: [u8; 24],
+}
+
+impl Request {
+    fn new(id: u64) -> Self {
+        let mut room = [0; 24];
+        let text = format!("room-{id}");
+        let n = text.len().min(room.len() - 1);
+        room[..n].copy_from_slice(&text.as_bytes()[..n]);
+        Self { id, room }
+    }
+}
+
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn prefill_enqueue(req: *const Request) {
+    // Each lifecycle function touches a different marker, so the linker
+    // cannot fold identical bodies into one address (which would make one
+    // probe fire for all of them).
+    black_box((req, b'E'));
+}
+
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn kv_transfer_post(id: u64, bytes: u64) -> i32 {
+    black_box((id, bytes));
+    0
+}
+
+/// The transfer's status, as a KV-transfer library reports it.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn kv_transfer_poll(id: u64, status: i32) -> i32 {
+    black_box(id);
+    black_box(status)
+}
+
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn prefill_release(id: u64) {
+    black_box((id, b'R'));
+}
+
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn prefill_abort(id: u64) {
+    black_box((id, b'A'));
+}
+
+const IN_PROGRESS: i32 = 1;
+const DONE: i32 = 0;
+const ERR_BACKEND: i32 = -3;
+/// Polls a healthy transfer answers "in progress" before it is done.
+const POLLS_PER_TRANSFER: u32 = 3;
+/// Pinned requests get their ids from here up, apart from healthy ones.
+const PINNED_BASE: u64 = 1 << 40;
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    // A closed stdout must not stop the demo: it only loses the narration.
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// How a request that is not pinned ends.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum End {
+    Released,
+    Failed,
+    Aborted,
+}
+
+fn run_request(id: u64, end: End) {
+    let req = Request::new(id);
+    prefill_enqueue(&req);
+    kv_transfer_post(id, 4096);
+    if end == End::Aborted {
+        prefill_abort(id);
+        return;
+    }
+    for _ in 0..POLLS_PER_TRANSFER {
+        kv_transfer_poll(id, IN_PROGRESS);
+    }
+    kv_transfer_poll(id, if end == End::Failed { ERR_BACKEND } else { DONE });
+    prefill_release(id);
+}
+
+#[derive(Clone, Copy)]
+enum Pin {
+    WaitingForPeer,
+    TransferHung,
+    ReleaseLost,
+    Recover,
+}
+
+impl Pin {
+    fn name(self) -> &'static str {
+        match self {
+            Self::WaitingForPeer => "waiting_for_peer",
+            Self::TransferHung => "transfer_hung",
+            Self::ReleaseLost => "release_lost",
+            Self::Recover => "recover",
+        }
+    }
+}
+
+struct Pinned {
+    id: u64,
+    pin: Pin,
+    req: Request,
+}
+
+fn main() {
+    let args = Args::parse();
+    say(&format!("{{\"event\":\"ready\",\"pid\":{}}}", std::process::id()));
+    if args.wait_for_go {
+        let mut line = String::new();
+        // EOF counts as "go" too.
+        let _ = std::io::stdin().lock().read_line(&mut line);
+    }
+    if let Some(calls) = args.bench_calls {
+        bench(calls);
+        return;
+    }
+    let start = Instant::now();
+    let interval = Duration::from_secs_f64(1.0 / args.rate.max(1) as f64);
+    let mut pinned: Vec<Pinned> = Vec::new();
+    let mut injected = false;
+    let mut healthy = 0u64;
+    let mut failed = 0u64;
+    let mut aborted = 0u64;
+    let mut next = start;
+    let mut last_poll = start;
+    while start.elapsed() < args.duration {
+        if !injected && start.elapsed() >= args.inject_after {
+            injected = true;
+            pinned = inject(&args);
+        }
+        let started = healthy + failed + aborted;
+        if args.requests == 0 || started < args.requests {
+            let end = if failed < args.fail {
+                failed += 1;
+                End::Failed
+            } else if aborted < args.abort {
+                aborted += 1;
+                End::Aborted
+            } else {
+                healthy += 1;
+                End::Released
+            };
+            run_request(started + 1, end);
+        } else if args.requests > 0 && pinned.is_empty() && injected {
+            break;
+        }
+        // A hung transfer is still polled, as a real prefill loop does:
+        // "in progress" answers are not life.
+        if last_poll.elapsed() >= Duration::from_millis(10) {
+            last_poll = Instant::now();
+            pinned.retain(|p| tend(p, start.elapsed(), args.inject_after + args.recover_after));
+        }
+        next += interval;
+        if let Some(wait) = next.checked_duration_since(Instant::now()) {
+            thread::sleep(wait);
+        }
+    }
+    say(&format!(
+        "{{\"event\":\"done\",\"healthy\":{healthy},\"failed\":{failed},\"aborted\":{aborted}}}"
+    ));
+    // Pinned requests stay pinned: the process exits with them in flight.
+    black_box(&pinned);
+}
+
+fn bench(calls: u64) {
+    let req = Request::new(7);
+    for line in std::io::stdin().lock().lines().map_while(Result::ok) {
+        let function = line.trim();
+        let start = Instant::now();
+        for i in 0..calls {
+            match function {
+                "enqueue" => prefill_enqueue(&req),
+                "post" => {
+                    kv_transfer_post(i, 4096);
+                }
+                "poll" => {
+                    kv_transfer_poll(7, IN_PROGRESS);
+                }
+                _ => break,
+            }
+        }
+        let ns = start.elapsed().as_nanos() as f64 / calls.max(1) as f64;
+        say(&format!("{{\"event\":\"bench\",\"fn\":\"{function}\",\"calls\":{calls},\"ns_per_call\":{ns:.1}}}"));
+    }
+}
+
+fn inject(args: &Args) -> Vec<Pinned> {
+    let plan = [
+        (Pin::WaitingForPeer, args.waiting_for_peer),
+        (Pin::TransferHung, args.transfer_hung),
+        (Pin::ReleaseLost, args.release_lost),
+        (Pin::Recover, args.recover),
+    ];
+    let mut pinned = Vec::new();
+    for (pin, count) in plan {
+        for _ in 0..count {
+            let id = PINNED_BASE + pinned.len() as u64;
+            let req = Request::new(id);
+            prefill_enqueue(&req);
+            match pin {
+                Pin::WaitingForPeer => {}
+                Pin::TransferHung | Pin::Recover => {
+                    kv_transfer_post(id, 1 << 20);
+                    kv_transfer_poll(id, IN_PROGRESS);
+                }
+                Pin::ReleaseLost => {
+                    kv_transfer_post(id, 1 << 20);
+                    kv_transfer_poll(id, DONE);
+                }
+            }
+            say(&format!(
+                "{{\"event\":\"injected\",\"stall\":\"{}\",\"key\":{id},\"room\":\"room-{id}\"}}",
+                pin.name()
+            ));
+            pinned.push(Pinned { id, pin, req });
+        }
+    }
+    pinned
+}
+
+/// Poll a pinned request; returns whether it stays pinned.
+fn tend(p: &Pinned, elapsed: Duration, recover_at: Duration) -> bool {
+    black_box(&p.req);
+    match p.pin {
+        Pin::TransferHung => {
+            kv_transfer_poll(p.id, IN_PROGRESS);
+            true
+        }
+        Pin::Recover if elapsed >= recover_at => {
+            kv_transfer_poll(p.id, DONE);
+            prefill_release(p.id);
+            say(&format!("{{\"event\":\"recovered\",\"key\":{}}}", p.id));
+            false
+        }
+        Pin::Recover => {
+            kv_transfer_poll(p.id, IN_PROGRESS);
+            true
+        }
+        Pin::WaitingForPeer | Pin::ReleaseLost => true,
+    }
+}

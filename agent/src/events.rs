@@ -1,0 +1,120 @@
+//! Reading the kernel's ring buffer and turning raw records into lifecycle
+//! observations.
+use anyhow::{Context as _, Result, anyhow, bail};
+use aya::maps::{MapData, RingBuf};
+use stallwatch_common::{EXT_ID_LEN, Event, event_flags};
+use tokio::io::unix::AsyncFd;
+
+use crate::{lifecycle::Observation, probes::Probes, reactor};
+
+/// The `EVENTS` ring buffer, registered with the tokio reactor.
+pub struct EventReader {
+    ring: AsyncFd<RingBuf<MapData>>,
+}
+
+impl EventReader {
+    pub fn new(probes: &mut Probes) -> Result<Self> {
+        let map = probes
+            .ebpf_mut()
+            .take_map("EVENTS")
+            .ok_or_else(|| anyhow!("the eBPF object has no map `EVENTS`"))?;
+        let ring = RingBuf::try_from(map).context("EVENTS is not a ring buffer")?;
+        Ok(Self { ring: reactor::register(ring, "the EVENTS ring buffer")? })
+    }
+
+    /// Wait until records are ready, then hand every one to `sink`.
+    pub async fn read(&mut self, mut sink: impl FnMut(&[u8])) -> Result<()> {
+        let mut guard = self.ring.readable_mut().await.context("waiting on the ring buffer")?;
+        let ring = guard.get_inner_mut();
+        while let Some(item) = ring.next() {
+            sink(&item);
+        }
+        guard.clear_ready();
+        Ok(())
+    }
+
+    /// Hand every record already in the buffer to `sink`, without waiting.
+    pub fn drain(&mut self, mut sink: impl FnMut(&[u8])) {
+        let ring = self.ring.get_mut();
+        while let Some(item) = ring.next() {
+            sink(&item);
+        }
+    }
+}
+
+/// A record as the kernel wrote it.
+pub fn decode(bytes: &[u8]) -> Result<Event> {
+    if bytes.len() < size_of::<Event>() {
+        bail!("ring-buffer record of {} bytes, expected {}: agent and eBPF object disagree", bytes.len(), size_of::<Event>());
+    }
+    // SAFETY: the length is checked above and Event is plain old data that
+    // any bit pattern fits; the record need not be aligned.
+    Ok(unsafe { bytes.as_ptr().cast::<Event>().read_unaligned() })
+}
+
+/// Why an event did not become an observation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Skipped {
+    /// The slot is not (or no longer) known to the agent.
+    UnknownSlot,
+    /// Rules matched that map to no event (cannot happen with a valid
+    /// profile; counted rather than trusted).
+    NoStage,
+}
+
+/// The lifecycle observation an event stands for.
+pub fn observe(event: &Event, probes: &Probes) -> Result<Observation, Skipped> {
+    let slot = probes.slot(event.slot).ok_or(Skipped::UnknownSlot)?;
+    let stage = slot.spec.stage_for(event.flags).ok_or(Skipped::NoStage)?;
+    Ok(Observation {
+        pid: event.pid,
+        key: event.key,
+        stage,
+        ts_ns: event.ts_ns,
+        external_id: external_id(event),
+    })
+}
+
+fn external_id(event: &Event) -> Option<Box<str>> {
+    if event.flags & event_flags::HAS_EXT == 0 {
+        return None;
+    }
+    let bytes = &event.ext[..EXT_ID_LEN];
+    let len = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    (len > 0).then(|| String::from_utf8_lossy(&bytes[..len]).into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(flags: u32, ext: &[u8]) -> Event {
+        let mut event = Event { ts_ns: 5, key: 7, ret: 0, pid: 9, tid: 9, slot: 0, flags, ext: [0; EXT_ID_LEN] };
+        event.ext[..ext.len()].copy_from_slice(ext);
+        event
+    }
+
+    #[test]
+    fn short_records_are_refused() {
+        assert!(decode(&[0; 8]).is_err());
+    }
+
+    #[test]
+    fn records_round_trip() {
+        let original = event(event_flags::HAS_EXT, b"room-1\0");
+        // SAFETY: viewing a POD value as its bytes.
+        let bytes = unsafe {
+            std::slice::from_raw_parts((&raw const original).cast::<u8>(), size_of::<Event>())
+        };
+        assert_eq!(decode(bytes).unwrap(), original);
+    }
+
+    #[test]
+    fn external_ids_stop_at_nul_and_need_the_flag() {
+        assert_eq!(external_id(&event(event_flags::HAS_EXT, b"room-42\0junk")).as_deref(), Some("room-42"));
+        assert_eq!(external_id(&event(0, b"room-42\0")), None);
+        assert_eq!(external_id(&event(event_flags::HAS_EXT, b"\0")), None);
+        let full = [b'x'; EXT_ID_LEN];
+        assert_eq!(external_id(&event(event_flags::HAS_EXT, &full)).map(|s| s.len()), Some(EXT_ID_LEN));
+    }
+}

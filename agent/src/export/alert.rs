@@ -1,0 +1,206 @@
+//! One line per alert on stdout: human-readable or JSON lines.
+//!
+//! Alerts are the reports someone must look at: a stall (while it is still
+//! stuck), a recovery from one, and the lifecycles that ended badly
+//! (failed, process exited, evicted by the tracking cap). Normal ends are
+//! only counted, in the summary.
+use std::{collections::HashMap, io::Write, time::Duration};
+
+use serde_json::{Map, Value, json};
+
+use super::clock::Clock;
+use crate::lifecycle::{EngineStats, Outcome, Report, RequestSnapshot, Stage};
+use crate::probes::KernelCounters;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    Human,
+    Json,
+}
+
+pub struct AlertWriter<W> {
+    out: W,
+    format: Format,
+    clock: Clock,
+    /// Process names by pid, taken when a process is attached (it may be
+    /// gone by the time its requests are reported).
+    names: HashMap<u32, Box<str>>,
+}
+
+impl<W: Write> AlertWriter<W> {
+    pub fn new(out: W, format: Format, clock: Clock) -> Self {
+        Self { out, format, clock, names: HashMap::new() }
+    }
+
+    pub fn name_process(&mut self, pid: u32, name: &str) {
+        self.names.insert(pid, name.into());
+    }
+
+    /// Write the alert line a report calls for, if any.
+    pub fn report(&mut self, report: &Report) -> std::io::Result<()> {
+        let Some(alert) = Alert::of(report) else {
+            return Ok(());
+        };
+        let line = match self.format {
+            Format::Human => self.human(&alert),
+            Format::Json => self.json(&alert).to_string(),
+        };
+        writeln!(self.out, "{line}")?;
+        self.out.flush()
+    }
+
+    /// The end-of-run summary.
+    pub fn summary(&mut self, stats: &EngineStats, kernel: &KernelCounters) -> std::io::Result<()> {
+        let line = match self.format {
+            Format::Human => format!(
+                "SUMMARY seen={} completed={} stalled={} recovered={} failed={} aborted={} process_exited={} \
+                 evicted={} in_flight={} lost_events={} (ringbuf_full={} read_failed={} args_missing={} no_slot={}) \
+                 stale_events={} duplicate_events={}",
+                stats.seen,
+                stats.completed,
+                stats.stalled,
+                stats.recovered,
+                stats.failed,
+                stats.aborted,
+                stats.process_exited,
+                stats.evicted,
+                stats.in_flight,
+                kernel.lost(),
+                kernel.ringbuf_full,
+                kernel.read_failed,
+                kernel.args_missing,
+                kernel.no_slot,
+                stats.stale_events,
+                stats.duplicate_events,
+            ),
+            Format::Json => json!({
+                "alert": "summary",
+                "seen": stats.seen,
+                "completed": stats.completed,
+                "stalled": stats.stalled,
+                "recovered": stats.recovered,
+                "failed": stats.failed,
+                "aborted": stats.aborted,
+                "process_exited": stats.process_exited,
+                "evicted": stats.evicted,
+                "in_flight": stats.in_flight,
+                "lost_events": kernel.lost(),
+                "ringbuf_full": kernel.ringbuf_full,
+                "read_failed": kernel.read_failed,
+                "args_missing": kernel.args_missing,
+                "no_slot": kernel.no_slot,
+                "stale_events": stats.stale_events,
+                "duplicate_events": stats.duplicate_events,
+            })
+            .to_string(),
+        };
+        writeln!(self.out, "{line}")?;
+        self.out.flush()
+    }
+
+    fn human(&self, alert: &Alert<'_>) -> String {
+        let request = alert.request;
+        let mut line = format!(
+            "{} {:<14} pid={} process={} key={:#x}",
+            self.clock.rfc3339(alert.at_ns),
+            alert.kind.to_uppercase(),
+            request.pid,
+            self.process_name(request.pid),
+            request.key
+        );
+        if let Some(ext) = &request.external_id {
+            line.push_str(&format!(" external_id={ext}"));
+        }
+        if let Some(class) = alert.class {
+            line.push_str(&format!(" class={class}"));
+        }
+        line.push_str(&format!(" stage={}", request.stage));
+        if let Some((name, ns)) = alert.duration {
+            line.push_str(&format!(" {name}={}", seconds(ns)));
+        }
+        for (stage, ns) in stages(request) {
+            line.push_str(&format!(" {stage}={}", self.clock.rfc3339(ns)));
+        }
+        line
+    }
+
+    fn json(&self, alert: &Alert<'_>) -> Value {
+        let request = alert.request;
+        let stages: Map<String, Value> = stages(request)
+            .map(|(stage, ns)| (stage.to_string(), Value::String(self.clock.rfc3339(ns))))
+            .collect();
+        let mut value = json!({
+            "ts": self.clock.rfc3339(alert.at_ns),
+            "alert": alert.kind,
+            "pid": request.pid,
+            "process": self.process_name(request.pid),
+            "key": format!("{:#x}", request.key),
+            "external_id": request.external_id.as_deref(),
+            "stage": request.stage.as_str(),
+            "class": alert.class,
+            "stages": stages,
+        });
+        if let (Some((name, ns)), Some(object)) = (alert.duration, value.as_object_mut()) {
+            object.insert(format!("{name}_ms"), json!(ns / 1_000_000));
+        }
+        value
+    }
+
+    fn process_name(&self, pid: u32) -> &str {
+        self.names.get(&pid).map_or("?", |name| name)
+    }
+}
+
+/// The parts of a report that an alert line shows.
+struct Alert<'a> {
+    kind: &'static str,
+    request: &'a RequestSnapshot,
+    class: Option<&'static str>,
+    /// ("silent", ns) for a stall, ("stuck", ns) for a recovery.
+    duration: Option<(&'static str, u64)>,
+    at_ns: u64,
+}
+
+impl<'a> Alert<'a> {
+    fn of(report: &'a Report) -> Option<Self> {
+        match report {
+            Report::Stalled { request, class, silent_ns, at_ns } => Some(Self {
+                kind: "stalled",
+                request,
+                class: Some(class.as_str()),
+                duration: Some(("silent", *silent_ns)),
+                at_ns: *at_ns,
+            }),
+            Report::Recovered { request, class, stuck_ns } => Some(Self {
+                kind: "recovered",
+                request,
+                class: Some(class.as_str()),
+                duration: Some(("stuck", *stuck_ns)),
+                at_ns: request.last_ns,
+            }),
+            Report::Ended { request, outcome, at_ns } => {
+                let kind = match outcome {
+                    Outcome::Failed => "failed",
+                    Outcome::ProcessExited => "process_exited",
+                    Outcome::Evicted => "evicted",
+                    Outcome::Released | Outcome::Aborted => return None,
+                };
+                Some(Self {
+                    kind,
+                    request,
+                    class: request.stalled.map(|class| class.as_str()),
+                    duration: Some(("age", at_ns.saturating_sub(request.first_ns))),
+                    at_ns: *at_ns,
+                })
+            }
+        }
+    }
+}
+
+fn stages(request: &RequestSnapshot) -> impl Iterator<Item = (Stage, u64)> + '_ {
+    Stage::ALL.into_iter().filter_map(|stage| Some((stage, request.stage_at(stage)?)))
+}
+
+fn seconds(ns: u64) -> String {
+    format!("{:.2}s", Duration::from_nanos(ns).as_secs_f64())
+}

@@ -1,0 +1,355 @@
+//! The engine: applies observations to lifecycles and turns silence into
+//! reports. The rules it follows are listed in the [module docs](super).
+
+use super::index::{Index, Mixer, PidCounts};
+use super::recent::RecentLog;
+use super::report::{EngineStats, Observation, Report, RequestSnapshot};
+use super::slab::{List, MAX_RECORDS, Place, Record, Slab};
+use super::stage::{Outcome, Stage, StallClass};
+use super::wheel::Wheel;
+
+/// Most recent request ends remembered for stale-event detection.
+pub const RECENT_ENDS: usize = 1 << 16;
+/// Fewest, however small `max_tracked` is.
+pub const RECENT_ENDS_MIN: usize = 256;
+/// Most recent process exits remembered for stale-event detection.
+pub const RECENT_EXITS: usize = 4096;
+
+/// Tuning of an [`Engine`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Silence after which a request is stalled. 0 stalls a request at the
+    /// first `advance` at or after its last event.
+    pub timeout_ns: u64,
+    /// Most requests tracked at once; at least 1 is used.
+    pub max_tracked: usize,
+    /// Timer-wheel granularity; the interval `advance` is meant to be
+    /// called at. At least 1 is used.
+    pub tick_ns: u64,
+}
+
+impl Default for EngineConfig {
+    /// 60 s timeout, a million requests, 10 ms ticks.
+    fn default() -> Self {
+        EngineConfig {
+            timeout_ns: 60_000_000_000,
+            max_tracked: 1_000_000,
+            tick_ns: 10_000_000,
+        }
+    }
+}
+
+/// The lifecycle engine. Single-threaded and synchronous: the event loop
+/// owns it, feeds it observations in arrival order and calls
+/// [`advance`](Engine::advance) every tick. See the [module docs](super).
+#[derive(Debug)]
+pub struct Engine {
+    config: EngineConfig,
+    slab: Slab,
+    index: Index,
+    wheel: Wheel,
+    /// Requests whose `Stalled` went out, oldest stall first: the first
+    /// choice for eviction.
+    stalled: List,
+    pids: PidCounts,
+    ends: RecentLog<(u32, u64)>,
+    exits: RecentLog<u32>,
+    stats: EngineStats,
+}
+
+impl Engine {
+    /// An engine with `config`, made usable: `max_tracked` and `tick_ns`
+    /// are raised to at least 1 (and `max_tracked` capped at 2^32 - 2);
+    /// [`config`](Engine::config) returns what is in force.
+    pub fn new(config: EngineConfig) -> Self {
+        let config = EngineConfig {
+            timeout_ns: config.timeout_ns,
+            max_tracked: config.max_tracked.clamp(1, MAX_RECORDS),
+            tick_ns: config.tick_ns.max(1),
+        };
+        let mixer = Mixer::new();
+        Engine {
+            config,
+            slab: Slab::new(),
+            index: Index::new(mixer),
+            wheel: Wheel::new(config.tick_ns, config.timeout_ns),
+            stalled: List::new(),
+            pids: PidCounts::new(mixer),
+            ends: RecentLog::new(
+                config.max_tracked.clamp(RECENT_ENDS_MIN, RECENT_ENDS),
+                mixer,
+            ),
+            exits: RecentLog::new(RECENT_EXITS, mixer),
+            stats: EngineStats::default(),
+        }
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Apply one observation; reports it causes are appended to `out`.
+    pub fn observe(&mut self, obs: Observation, out: &mut Vec<Report>) {
+        let Observation {
+            pid,
+            key,
+            stage,
+            ts_ns,
+            external_id,
+        } = obs;
+        match self.index.find(self.slab.records(), pid, key) {
+            Some(i) => self.observe_tracked(i, stage, ts_ns, external_id, out),
+            None => self.observe_new(pid, key, stage, ts_ns, external_id, out),
+        }
+    }
+
+    /// Fire every timer due at `now_ns` (monotonic ns, same clock as ts_ns).
+    /// Work proportional to the ticks crossed and the timers due, never to
+    /// the number of tracked requests.
+    pub fn advance(&mut self, now_ns: u64, out: &mut Vec<Report>) {
+        let Engine {
+            wheel,
+            slab,
+            stalled,
+            stats,
+            ..
+        } = self;
+        wheel.advance(slab.records_mut(), now_ns, |recs, i| {
+            let r = &mut recs[i as usize];
+            // A tracked record's stage is never terminal, so this is always
+            // Some; should that ever break, the request stays visible as
+            // stalled (the safe failure) rather than silently unarmed.
+            let class = StallClass::for_stage(r.stage).unwrap_or(StallClass::ReleaseLost);
+            r.set_place(Place::Stalled(class));
+            let silent_ns = now_ns.saturating_sub(r.last_ns);
+            let request = r.snapshot();
+            stalled.push_back(recs, i);
+            stats.stalled += 1;
+            out.push(Report::Stalled {
+                request,
+                class,
+                silent_ns,
+                at_ns: now_ns,
+            });
+        });
+    }
+
+    /// The process is gone: every request it still held ends with
+    /// Outcome::ProcessExited.
+    ///
+    /// This scans the record store (stopping once it has found as many as
+    /// the pid held): exits of traced processes are rare, and a per-pid
+    /// list would cost 8 bytes on every request to speed up only this. A pid
+    /// that holds nothing returns at once, so hearing of every exit on the
+    /// host is cheap. The exit is remembered, so events of the dead process
+    /// still in the pipeline (`ts_ns <= now_ns`) are stale rather than
+    /// starting lifecycles that could never end.
+    pub fn process_exited(&mut self, pid: u32, now_ns: u64, out: &mut Vec<Report>) {
+        self.exits.record(pid, now_ns);
+        let mut left = self.pids.get(pid);
+        if left == 0 {
+            return;
+        }
+        let mut i = 0u32;
+        while left > 0 && (i as usize) < self.slab.records().len() {
+            let r = self.slab.get(i);
+            if r.pid == pid && r.place() != Place::Free {
+                let end_ns = r.last_ns.max(now_ns);
+                self.end(i, Outcome::ProcessExited, now_ns, end_ns, out);
+                left -= 1;
+            }
+            i += 1;
+        }
+    }
+
+    /// Every tracked request (any order); the query layer sorts.
+    pub fn inflight(&self) -> impl Iterator<Item = RequestSnapshot> + '_ {
+        self.slab.live().map(|(_, r)| r.snapshot())
+    }
+
+    /// Counters, and the number of requests tracked now.
+    pub fn stats(&self) -> EngineStats {
+        debug_assert_eq!(self.index.len(), self.slab.len());
+        EngineStats {
+            in_flight: self.slab.len() as u64,
+            ..self.stats
+        }
+    }
+
+    /// The tracked request (pid, key), if any.
+    pub fn get(&self, pid: u32, key: u64) -> Option<RequestSnapshot> {
+        self.index
+            .find(self.slab.records(), pid, key)
+            .map(|i| self.slab.get(i).snapshot())
+    }
+
+    /// Requests tracked now (the same as `stats().in_flight`).
+    pub fn len(&self) -> usize {
+        self.slab.len()
+    }
+
+    /// Whether no request is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.slab.len() == 0
+    }
+
+    /// An event for an untracked (pid, key).
+    fn observe_new(
+        &mut self,
+        pid: u32,
+        key: u64,
+        stage: Stage,
+        ts_ns: u64,
+        external_id: Option<Box<str>>,
+        out: &mut Vec<Report>,
+    ) {
+        // Only a live stage can open a lifecycle: a terminal event for
+        // something never tracked carries nothing to report.
+        if stage.is_terminal() || self.ended_after(pid, key, ts_ns) {
+            self.stats.stale_events += 1;
+            return;
+        }
+        if self.slab.len() >= self.config.max_tracked {
+            self.evict_one(ts_ns, out);
+            if self.slab.len() >= self.config.max_tracked {
+                // Unreachable: every tracked request is on the wheel or the
+                // stalled list, so there is always a victim. The cap wins.
+                debug_assert!(false, "no eviction victim");
+                return;
+            }
+        }
+        let Some(i) = self
+            .slab
+            .alloc(Record::new(pid, key, stage, ts_ns, external_id))
+        else {
+            // Unreachable with max_tracked capped below MAX_RECORDS; if it
+            // ever happens the event is dropped, never a panic.
+            self.stats.stale_events += 1;
+            return;
+        };
+        self.index.insert(self.slab.records(), i);
+        self.pids.increment(pid);
+        self.stats.seen += 1;
+        self.wheel.start(ts_ns);
+        let deadline = ts_ns.saturating_add(self.config.timeout_ns);
+        self.wheel.insert(self.slab.records_mut(), i, deadline);
+    }
+
+    /// An event for the tracked record `i`.
+    fn observe_tracked(
+        &mut self,
+        i: u32,
+        stage: Stage,
+        ts_ns: u64,
+        external_id: Option<Box<str>>,
+        out: &mut Vec<Report>,
+    ) {
+        let r = self.slab.get(i);
+        // Older than this lifecycle and no later than the previous end of
+        // the same (pid, key): a straggler of the previous lifecycle that
+        // lost the race with this one's first event.
+        if ts_ns < r.first_ns && self.ended_after(r.pid, r.key, ts_ns) {
+            self.stats.stale_events += 1;
+            return;
+        }
+        if r.stage_ts(stage) == Some(ts_ns) || (stage == r.stage && ts_ns == r.last_ns) {
+            self.stats.duplicate_events += 1;
+            return;
+        }
+
+        let r = self.slab.get_mut(i);
+        if r.external_id.is_none() {
+            r.external_id = external_id;
+        }
+        let before = r.last_ns;
+        r.first_ns = r.first_ns.min(ts_ns);
+        r.last_ns = r.last_ns.max(ts_ns);
+        r.note_stage_ts(stage, ts_ns);
+        r.stage = r.stage.max(stage);
+        let place = r.place();
+
+        // Life after a reported silence ends the episode. An event dated at
+        // or before the last one is late news from inside the silence, not
+        // life after it: it is recorded, and the request stays stalled.
+        if let Place::Stalled(class) = place {
+            if ts_ns > before {
+                self.stalled.unlink(self.slab.records_mut(), i);
+                self.slab.get_mut(i).set_place(Place::Detached);
+                self.stats.recovered += 1;
+                out.push(Report::Recovered {
+                    request: self.slab.get(i).snapshot(),
+                    class,
+                    stuck_ns: ts_ns - before,
+                });
+                if !stage.is_terminal() {
+                    let deadline = ts_ns.saturating_add(self.config.timeout_ns);
+                    self.wheel.insert(self.slab.records_mut(), i, deadline);
+                }
+            }
+        }
+        // Otherwise the wheel entry stays where it is: it re-arms itself
+        // lazily from `last_ns` when its bucket comes due.
+
+        if let Some(outcome) = Outcome::for_stage(stage) {
+            let end_ns = self.slab.get(i).last_ns;
+            self.end(i, outcome, ts_ns, end_ns, out);
+        }
+    }
+
+    /// Whether (pid, key) or pid is known to have ended at or after `ts_ns`.
+    fn ended_after(&self, pid: u32, key: u64, ts_ns: u64) -> bool {
+        self.ends.get((pid, key)).is_some_and(|end| ts_ns <= end)
+            || self.exits.get(pid).is_some_and(|exit| ts_ns <= exit)
+    }
+
+    /// Make room for one more request: the oldest stall if any (its alert
+    /// already went out), else the request silent longest.
+    fn evict_one(&mut self, at_ns: u64, out: &mut Vec<Report>) {
+        let victim = match self.stalled.first() {
+            Some(i) => Some(i),
+            None => self.wheel.oldest(self.slab.records_mut()),
+        };
+        if let Some(i) = victim {
+            let last_ns = self.slab.get(i).last_ns;
+            self.end(i, Outcome::Evicted, at_ns.max(last_ns), last_ns, out);
+        }
+    }
+
+    /// End the tracked record `i`: off its list, out of the index, into the
+    /// recent ends (stale before `end_ns`), counted, reported, freed.
+    fn end(&mut self, i: u32, outcome: Outcome, at_ns: u64, end_ns: u64, out: &mut Vec<Report>) {
+        match self.slab.get(i).place() {
+            Place::Wheel => self.wheel.remove(self.slab.records_mut(), i),
+            Place::Stalled(_) => {
+                // The snapshot below still says stalled: it ended stuck.
+                self.stalled.unlink(self.slab.records_mut(), i);
+            }
+            Place::Detached | Place::Free => {}
+        }
+        self.index.remove(self.slab.records(), i);
+        let r = self.slab.get_mut(i);
+        let (pid, key) = (r.pid, r.key);
+        let request = RequestSnapshot {
+            external_id: r.external_id.take(),
+            ..r.snapshot()
+        };
+        r.set_place(Place::Detached);
+        self.slab.free(i);
+        self.pids.decrement(pid);
+        self.ends.record((pid, key), end_ns);
+        let counter = match outcome {
+            Outcome::Released => &mut self.stats.completed,
+            Outcome::Aborted => &mut self.stats.aborted,
+            Outcome::Failed => &mut self.stats.failed,
+            Outcome::ProcessExited => &mut self.stats.process_exited,
+            Outcome::Evicted => &mut self.stats.evicted,
+        };
+        *counter += 1;
+        out.push(Report::Ended {
+            request,
+            outcome,
+            at_ns,
+        });
+    }
+}

@@ -1,0 +1,159 @@
+//! What goes into the engine ([`Observation`]) and what comes out of it
+//! ([`Report`], [`RequestSnapshot`], [`EngineStats`]).
+//!
+//! Everything that leaves is an owned copy, so exporters and the query layer
+//! can keep, send or sort it without holding a borrow of the engine (which
+//! the event loop needs back for the next event).
+
+use super::stage::{Outcome, Stage, StallClass};
+
+/// One decoded lifecycle event for one request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Observation {
+    /// Thread-group id of the process that holds the request.
+    pub pid: u32,
+    /// The request key the probe resolved (a handle address, a request id).
+    pub key: u64,
+    pub stage: Stage,
+    /// CLOCK_MONOTONIC nanoseconds (`bpf_ktime_get_ns`), the clock that
+    /// [`Engine::advance`](super::Engine::advance) is driven with.
+    pub ts_ns: u64,
+    /// A cross-node identity (bootstrap room, notification message) if the
+    /// probe captured one.
+    pub external_id: Option<Box<str>>,
+}
+
+/// What the engine knows of one request (a copy, for reports and queries).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestSnapshot {
+    pub pid: u32,
+    pub key: u64,
+    /// The first external id any observation of this lifecycle carried.
+    pub external_id: Option<Box<str>>,
+    /// Furthest stage reached (never moves backwards). For a lifecycle that
+    /// ended on a terminal event this is that event's stage.
+    pub stage: Stage,
+    /// When Enqueued, TransferPosted, TransferDone and Released were first
+    /// seen (index = `stage as usize`). Gaps are normal: an agent attached
+    /// mid-flight, or a probe that missed.
+    pub stage_ns: [Option<u64>; 4],
+    /// Earliest event timestamp of this lifecycle.
+    pub first_ns: u64,
+    /// Latest event timestamp of this lifecycle: silence is measured from it.
+    pub last_ns: u64,
+    /// `Some` while the request is stalled, or if it was still stalled when
+    /// it ended (evicted, its process exited, or only stale news came).
+    pub stalled: Option<StallClass>,
+}
+
+impl RequestSnapshot {
+    /// When stage `s` was first seen, for the four main-path stages; `None`
+    /// for a stage never seen and for the side exits (whose time is the
+    /// `at_ns` of the [`Report::Ended`]).
+    pub fn stage_at(&self, s: Stage) -> Option<u64> {
+        s.timestamp_slot().and_then(|i| self.stage_ns[i])
+    }
+
+    /// The furthest main-path stage that has a timestamp: where a request
+    /// that was aborted, failed, evicted or orphaned had got to.
+    pub fn progress(&self) -> Option<Stage> {
+        [
+            Stage::Released,
+            Stage::TransferDone,
+            Stage::TransferPosted,
+            Stage::Enqueued,
+        ]
+        .into_iter()
+        .find(|s| self.stage_at(*s).is_some())
+    }
+
+    /// Time since the last event, as of `now_ns` (0 if the clock is behind).
+    pub fn silent_ns(&self, now_ns: u64) -> u64 {
+        now_ns.saturating_sub(self.last_ns)
+    }
+
+    /// Time since the first event, as of `now_ns` (0 if the clock is behind).
+    pub fn age_ns(&self, now_ns: u64) -> u64 {
+        now_ns.saturating_sub(self.first_ns)
+    }
+}
+
+/// Something the exporters must hear about.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Report {
+    /// The request has been silent for at least the timeout. Fired exactly
+    /// once per silence episode.
+    Stalled {
+        request: RequestSnapshot,
+        class: StallClass,
+        /// `at_ns - request.last_ns`.
+        silent_ns: u64,
+        /// The `now_ns` of the `advance` call that found it.
+        at_ns: u64,
+    },
+    /// A stalled request showed life again (the first event after Stalled
+    /// with a timestamp later than its last one). For a terminal event this
+    /// is immediately followed by the `Ended` for it.
+    Recovered {
+        request: RequestSnapshot,
+        /// The class it was stalled with.
+        class: StallClass,
+        /// The reviving event's timestamp minus the last event before it.
+        stuck_ns: u64,
+    },
+    /// The lifecycle is over and no longer tracked: every tracked request
+    /// ends in exactly one of these.
+    Ended {
+        request: RequestSnapshot,
+        outcome: Outcome,
+        /// The terminal event's timestamp; for `ProcessExited` the exit
+        /// time given; for `Evicted` the latest of the evicting event's
+        /// timestamp and the victim's last event.
+        at_ns: u64,
+    },
+}
+
+impl Report {
+    /// The request this report is about.
+    pub fn request(&self) -> &RequestSnapshot {
+        match self {
+            Report::Stalled { request, .. }
+            | Report::Recovered { request, .. }
+            | Report::Ended { request, .. } => request,
+        }
+    }
+}
+
+/// Counters since the engine was created (plus the `in_flight` gauge).
+///
+/// Lifecycle counters count requests: `seen` = `completed` + `failed` +
+/// `aborted` + `process_exited` + `evicted` + `in_flight` always holds.
+/// `stalled` and `recovered` count episodes (a request can stall and recover
+/// several times). The `_events` counters count observations the engine
+/// dropped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Lifecycles started.
+    pub seen: u64,
+    /// Lifecycles ended by `released`.
+    pub completed: u64,
+    /// Lifecycles ended by `failed`.
+    pub failed: u64,
+    /// Lifecycles ended by `aborted`.
+    pub aborted: u64,
+    /// `Report::Stalled` emitted.
+    pub stalled: u64,
+    /// `Report::Recovered` emitted.
+    pub recovered: u64,
+    /// Lifecycles ended because their process exited.
+    pub process_exited: u64,
+    /// Lifecycles dropped to stay within `max_tracked`.
+    pub evicted: u64,
+    /// Observations ignored as belonging to a lifecycle already over (or
+    /// never seen: a terminal event for an unknown request).
+    pub stale_events: u64,
+    /// Observations ignored as exact repeats (same request, stage and ts).
+    pub duplicate_events: u64,
+    /// Requests tracked right now.
+    pub in_flight: u64,
+}

@@ -1,0 +1,303 @@
+//! Storage for tracked requests: one flat `Vec` of fixed-size records
+//! addressed by `u32` index, with a free list, and intrusive circular
+//! doubly-linked lists threaded through the records.
+//!
+//! Why this shape:
+//! - Every other structure (the hash index, the timer wheel, the stalled
+//!   list) refers to a request by a 4-byte index instead of owning or
+//!   copying it, which is most of what keeps a tracked request under a
+//!   hundred bytes at a million in flight.
+//! - A request is in exactly one list at a time (a wheel bucket while it
+//!   waits for its deadline, the stalled list while its alert is out), so one
+//!   pair of `prev`/`next` links serves both, and leaving a list is O(1)
+//!   wherever the request is. That is what lets an ended request take its
+//!   timer with it: the wheel never holds an entry for a request that is not
+//!   tracked, so a reused slot or a reused key can never inherit a timer.
+//! - Free slots are reused LIFO, so a steady churn of lifecycles keeps
+//!   touching the same warm memory.
+
+use super::report::RequestSnapshot;
+use super::stage::{Stage, StallClass};
+
+/// "No record": the end of a list, an empty bucket.
+pub(crate) const NIL: u32 = u32::MAX;
+
+/// The most records a slab can hold (indices are `u32`, `NIL` reserved).
+pub(crate) const MAX_RECORDS: usize = (u32::MAX - 1) as usize;
+
+/// Which list a record is on.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Place {
+    /// Not a tracked request: on the free list.
+    Free,
+    /// Tracked, waiting in a timer-wheel bucket (`Record::bucket`).
+    Wheel,
+    /// Tracked, reported stalled with this class, on the stalled list.
+    Stalled(StallClass),
+    /// Tracked but momentarily on no list (being moved or ended).
+    Detached,
+}
+
+// Layout of `Record::flags`: four "stage timestamp present" bits, then the
+// place, then the stall class. Packed so that the record stays at 88 bytes.
+const SEEN_MASK: u8 = 0b0000_1111;
+const PLACE_SHIFT: u8 = 4;
+const PLACE_MASK: u8 = 0b0011_0000;
+const CLASS_SHIFT: u8 = 6;
+
+/// One tracked request (or a free slot).
+///
+/// `repr(C)` to fix the order: what the index compares on every lookup
+/// (key, pid) and what every event reads or writes (flags, stage, last_ns,
+/// first_ns, stage_ns) come first and together, so an event touches as few
+/// cache lines as the 88 bytes allow; the list links, used only when the
+/// request is armed, moved or ended, come last.
+#[repr(C)]
+#[derive(Debug)]
+pub(crate) struct Record {
+    pub(crate) key: u64,
+    pub(crate) pid: u32,
+    pub(crate) stage: Stage,
+    flags: u8,
+    /// The wheel bucket this record is linked into while `Place::Wheel`
+    /// (wheels have at most 2^16 buckets).
+    pub(crate) bucket: u16,
+    pub(crate) last_ns: u64,
+    pub(crate) first_ns: u64,
+    /// Valid where the matching bit of `flags & SEEN_MASK` is set.
+    stage_ns: [u64; 4],
+    pub(crate) external_id: Option<Box<str>>,
+    pub(crate) prev: u32,
+    pub(crate) next: u32,
+}
+
+impl Record {
+    /// A new lifecycle whose first event is `stage` at `ts_ns`.
+    pub(crate) fn new(
+        pid: u32,
+        key: u64,
+        stage: Stage,
+        ts_ns: u64,
+        external_id: Option<Box<str>>,
+    ) -> Record {
+        let mut rec = Record {
+            key,
+            first_ns: ts_ns,
+            last_ns: ts_ns,
+            stage_ns: [0; 4],
+            external_id,
+            pid,
+            prev: NIL,
+            next: NIL,
+            stage,
+            flags: 0,
+            bucket: 0,
+        };
+        rec.set_place(Place::Detached);
+        rec.note_stage_ts(stage, ts_ns);
+        rec
+    }
+
+    pub(crate) fn stage_ts(&self, stage: Stage) -> Option<u64> {
+        let i = stage.timestamp_slot()?;
+        (self.flags & (1 << i) != 0).then(|| self.stage_ns[i])
+    }
+
+    /// Record when `stage` was seen, unless it already has a time: the
+    /// snapshot says when the engine first learned of each stage.
+    pub(crate) fn note_stage_ts(&mut self, stage: Stage, ts_ns: u64) {
+        if let Some(i) = stage.timestamp_slot() {
+            if self.flags & (1 << i) == 0 {
+                self.flags |= 1 << i;
+                self.stage_ns[i] = ts_ns;
+            }
+        }
+    }
+
+    pub(crate) fn place(&self) -> Place {
+        match (self.flags & PLACE_MASK) >> PLACE_SHIFT {
+            0 => Place::Free,
+            1 => Place::Wheel,
+            2 => Place::Stalled(StallClass::from_bits(self.flags >> CLASS_SHIFT)),
+            _ => Place::Detached,
+        }
+    }
+
+    pub(crate) fn set_place(&mut self, place: Place) {
+        let (p, class) = match place {
+            Place::Free => (0, 0),
+            Place::Wheel => (1, 0),
+            Place::Stalled(c) => (2, c as u8),
+            Place::Detached => (3, 0),
+        };
+        self.flags = (self.flags & SEEN_MASK) | (p << PLACE_SHIFT) | (class << CLASS_SHIFT);
+    }
+
+    pub(crate) fn stalled(&self) -> Option<StallClass> {
+        match self.place() {
+            Place::Stalled(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// A copy of what is known, for reports and queries.
+    pub(crate) fn snapshot(&self) -> RequestSnapshot {
+        RequestSnapshot {
+            pid: self.pid,
+            key: self.key,
+            external_id: self.external_id.clone(),
+            stage: self.stage,
+            stage_ns: [
+                self.stage_ts(Stage::Enqueued),
+                self.stage_ts(Stage::TransferPosted),
+                self.stage_ts(Stage::TransferDone),
+                self.stage_ts(Stage::Released),
+            ],
+            first_ns: self.first_ns,
+            last_ns: self.last_ns,
+            stalled: self.stalled(),
+        }
+    }
+}
+
+/// The record store. See the module docs.
+#[derive(Debug, Default)]
+pub(crate) struct Slab {
+    slots: Vec<Record>,
+    free_head: u32,
+    live: usize,
+}
+
+impl Slab {
+    pub(crate) fn new() -> Slab {
+        Slab {
+            slots: Vec::new(),
+            free_head: NIL,
+            live: 0,
+        }
+    }
+
+    /// Tracked records.
+    pub(crate) fn len(&self) -> usize {
+        self.live
+    }
+
+    /// Store `rec`, returning its index. `None` only if the slab already
+    /// holds [`MAX_RECORDS`] (the engine caps `max_tracked` below that).
+    pub(crate) fn alloc(&mut self, rec: Record) -> Option<u32> {
+        let i = if self.free_head != NIL {
+            let i = self.free_head;
+            let slot = &mut self.slots[i as usize];
+            self.free_head = slot.next;
+            *slot = rec;
+            i
+        } else {
+            if self.slots.len() >= MAX_RECORDS {
+                return None;
+            }
+            let i = self.slots.len() as u32;
+            self.slots.push(rec);
+            i
+        };
+        self.live += 1;
+        Some(i)
+    }
+
+    /// Return record `i` (already off every list) to the free list.
+    pub(crate) fn free(&mut self, i: u32) {
+        let slot = &mut self.slots[i as usize];
+        debug_assert!(matches!(slot.place(), Place::Detached));
+        slot.external_id = None;
+        slot.set_place(Place::Free);
+        slot.prev = NIL;
+        slot.next = self.free_head;
+        self.free_head = i;
+        self.live -= 1;
+    }
+
+    pub(crate) fn get(&self, i: u32) -> &Record {
+        &self.slots[i as usize]
+    }
+
+    pub(crate) fn get_mut(&mut self, i: u32) -> &mut Record {
+        &mut self.slots[i as usize]
+    }
+
+    pub(crate) fn records(&self) -> &[Record] {
+        &self.slots
+    }
+
+    pub(crate) fn records_mut(&mut self) -> &mut [Record] {
+        &mut self.slots
+    }
+
+    /// Every tracked record with its index.
+    pub(crate) fn live(&self) -> impl Iterator<Item = (u32, &Record)> + '_ {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.place() != Place::Free)
+            .map(|(i, r)| (i as u32, r))
+    }
+}
+
+/// Append record `i` to the circular list whose head is `*head`.
+pub(crate) fn push_back(recs: &mut [Record], head: &mut u32, i: u32) {
+    if *head == NIL {
+        let r = &mut recs[i as usize];
+        r.prev = i;
+        r.next = i;
+        *head = i;
+    } else {
+        let h = *head;
+        let tail = recs[h as usize].prev;
+        recs[i as usize].prev = tail;
+        recs[i as usize].next = h;
+        recs[tail as usize].next = i;
+        recs[h as usize].prev = i;
+    }
+}
+
+/// Take record `i` off the circular list whose head is `*head`.
+pub(crate) fn unlink(recs: &mut [Record], head: &mut u32, i: u32) {
+    let (prev, next) = {
+        let r = &recs[i as usize];
+        (r.prev, r.next)
+    };
+    if next == i {
+        *head = NIL;
+    } else {
+        recs[prev as usize].next = next;
+        recs[next as usize].prev = prev;
+        if *head == i {
+            *head = next;
+        }
+    }
+    let r = &mut recs[i as usize];
+    r.prev = NIL;
+    r.next = NIL;
+}
+
+/// A list with its own head: the stalled list, oldest stall first.
+#[derive(Debug)]
+pub(crate) struct List {
+    head: u32,
+}
+
+impl List {
+    pub(crate) fn new() -> List {
+        List { head: NIL }
+    }
+
+    pub(crate) fn first(&self) -> Option<u32> {
+        (self.head != NIL).then_some(self.head)
+    }
+
+    pub(crate) fn push_back(&mut self, recs: &mut [Record], i: u32) {
+        push_back(recs, &mut self.head, i);
+    }
+
+    pub(crate) fn unlink(&mut self, recs: &mut [Record], i: u32) {
+        unlink(recs, &mut self.head, i);
+    }
+}

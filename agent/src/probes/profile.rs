@@ -1,0 +1,488 @@
+//! Probe profiles: which functions of a target are which lifecycle points,
+//! and where each hit's request key lives.
+//!
+//! A profile is a TOML file (format in the README) or one of the built-ins.
+//! Parsing checks everything the kernel side cannot: every error names the
+//! file, the line of the `[[probe]]` table and what to write instead.
+use std::{fmt, path::Path};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use serde::Deserialize;
+use stallwatch_common::{
+    MAX_DEREF, MAX_RET_RULES, RetRule, SAVED_ARGS, SlotConfig, ValueSource, base, cmp, slot_flags,
+};
+use toml::Spanned;
+
+use crate::lifecycle::Stage;
+
+/// Built-in profiles: (name, TOML text).
+const BUILTIN: &[(&str, &str)] = &[
+    ("demo", include_str!("builtin/demo.toml")),
+];
+
+/// Names of the built-in profiles, for help texts and errors.
+pub fn builtin_names() -> impl Iterator<Item = &'static str> {
+    BUILTIN.iter().map(|(name, _)| *name)
+}
+
+/// The TOML text of a built-in profile.
+pub fn builtin_text(name: &str) -> Option<&'static str> {
+    BUILTIN.iter().find(|(n, _)| *n == name).map(|(_, text)| *text)
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Profile {
+    pub name: String,
+    /// Where it came from: a path, or `built-in NAME`; used in errors.
+    pub origin: String,
+    pub probes: Vec<ProbeSpec>,
+}
+
+/// Entry or return of the probed function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum At {
+    Entry,
+    Return,
+}
+
+/// Width of the return value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RetType {
+    #[default]
+    I64,
+    /// A C `int` (a status enum): only the low 32 bits of `rax` are defined.
+    I32,
+}
+
+/// Where a value comes from, before the dereference chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum From {
+    Arg(u8),
+    Ret,
+    /// The request key of the same hit (for external ids and guards).
+    Key,
+}
+
+/// `from`, then `deref` (each step reads a `u64` at value + offset), then
+/// `add`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    pub from: From,
+    pub deref: Vec<i64>,
+    pub add: i64,
+}
+
+/// A string read at the address a [`Source`] yields, optionally only when
+/// the byte at `guard` is non-zero.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StringSource {
+    pub at: Source,
+    pub guard: Option<Source>,
+}
+
+/// Which lifecycle event a hit is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Every hit is this event.
+    Always(Stage),
+    /// Return probes: the first rule the return value satisfies picks the
+    /// event; other returns (e.g. "still in progress") emit nothing.
+    OnReturn(Vec<(RetRule, Stage)>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeSpec {
+    /// 1-based line of the `[[probe]]` table.
+    pub line: usize,
+    /// Executable or library name as mapped in the target; `None` is the
+    /// main executable.
+    pub object: Option<String>,
+    pub symbol: String,
+    pub at: At,
+    pub action: Action,
+    pub key: Source,
+    pub external_id: Option<StringSource>,
+    pub ret: RetType,
+    pub only_on_change: bool,
+}
+
+impl Profile {
+    /// `spec` is a built-in name or a path to a TOML file.
+    pub fn load(spec: &str) -> Result<Self> {
+        if let Some(text) = builtin_text(spec) {
+            return Self::parse(text, &format!("built-in profile `{spec}`"));
+        }
+        let path = Path::new(spec);
+        if !path.exists() {
+            bail!(
+                "no built-in profile named `{spec}` and no file `{spec}`: built-ins are {}; \
+                 otherwise pass the path of a profile TOML file",
+                builtin_names().collect::<Vec<_>>().join(", ")
+            );
+        }
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading profile file {}", path.display()))?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parse and validate profile text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Self> {
+        let raw: RawProfile =
+            toml::from_str(text).map_err(|err| anyhow!("profile {origin}: {err}"))?;
+        if raw.probe.is_empty() {
+            bail!("profile {origin}: no [[probe]] tables; a profile needs at least one lifecycle point");
+        }
+        let probes = raw
+            .probe
+            .into_iter()
+            .map(|spanned| {
+                let line = line_of(text, spanned.span().start);
+                let raw = spanned.into_inner();
+                let symbol = raw.symbol.clone();
+                raw.validate(line).map_err(|err| {
+                    anyhow!("profile {origin}, line {line} ([[probe]] for `{symbol}`): {err}")
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            name: raw.name.unwrap_or_else(|| origin.to_owned()),
+            origin: origin.to_owned(),
+            probes,
+        })
+    }
+
+    /// Whether any probe suppresses repeated returns, in which case every
+    /// probe of the profile must record what it emits (see
+    /// [`slot_flags::TRACK_LAST`]).
+    pub fn tracks_last(&self) -> bool {
+        self.probes.iter().any(|probe| probe.only_on_change)
+    }
+}
+
+impl ProbeSpec {
+    /// The kernel-side configuration of this probe's slot.
+    pub fn slot_config(&self, track_last: bool) -> SlotConfig {
+        let mut cfg = SlotConfig { key: self.key.lower(), ..SlotConfig::default() };
+        let mut flags = 0;
+        if self.at == At::Return {
+            flags |= slot_flags::RETURN;
+            if self.ret == RetType::I32 {
+                flags |= slot_flags::RET_I32;
+            }
+            let nargs = self.args_read();
+            if nargs > 0 {
+                flags |= slot_flags::NEEDS_ARGS;
+                cfg.nargs = nargs;
+            }
+        }
+        if let Action::OnReturn(rules) = &self.action {
+            for (slot, (rule, _)) in cfg.rules.iter_mut().zip(rules) {
+                *slot = *rule;
+            }
+        }
+        if let Some(ext) = &self.external_id {
+            flags |= slot_flags::HAS_EXT;
+            cfg.ext = ext.at.lower();
+            if let Some(guard) = &ext.guard {
+                flags |= slot_flags::HAS_GUARD;
+                cfg.guard = guard.lower();
+            }
+        }
+        if self.only_on_change {
+            flags |= slot_flags::ONLY_ON_CHANGE;
+        }
+        if track_last {
+            flags |= slot_flags::TRACK_LAST;
+        }
+        // A zero flags word means "no slot" to the kernel side.
+        cfg.flags = flags | slot_flags::CONFIGURED;
+        cfg
+    }
+
+    /// The lifecycle event of a hit whose return rules matched as `matched`
+    /// (the `RULE_MATCHED << n` bits of the event).
+    pub fn stage_for(&self, matched_rules: u32) -> Option<Stage> {
+        match &self.action {
+            Action::Always(stage) => Some(*stage),
+            Action::OnReturn(rules) => rules
+                .iter()
+                .enumerate()
+                .find(|(n, _)| matched_rules & (stallwatch_common::event_flags::RULE_MATCHED << n) != 0)
+                .map(|(_, (_, stage))| *stage),
+        }
+    }
+
+    /// How many arguments a return probe reads (so its entry must save them).
+    fn args_read(&self) -> u32 {
+        let ext = self.external_id.iter().flat_map(|ext| std::iter::once(&ext.at).chain(&ext.guard));
+        std::iter::once(&self.key)
+            .chain(ext)
+            .filter_map(|source| match source.from {
+                From::Arg(n) => Some(u32::from(n) + 1),
+                From::Ret | From::Key => None,
+            })
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+impl Source {
+    fn lower(&self) -> ValueSource {
+        let mut offsets = [0; MAX_DEREF];
+        offsets[..self.deref.len()].copy_from_slice(&self.deref);
+        let (base, index) = match self.from {
+            From::Arg(n) => (base::ARG, n),
+            From::Ret => (base::RET, 0),
+            From::Key => (base::KEY, 0),
+        };
+        ValueSource {
+            base,
+            index,
+            depth: self.deref.len() as u8,
+            _pad: [0; 5],
+            offsets,
+            add: self.add,
+        }
+    }
+}
+
+impl fmt::Display for From {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Arg(n) => write!(f, "arg{n}"),
+            Self::Ret => f.write_str("ret"),
+            Self::Key => f.write_str("key"),
+        }
+    }
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text.as_bytes()[..offset.min(text.len())].iter().filter(|&&b| b == b'\n').count() + 1
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProfile {
+    name: Option<String>,
+    #[serde(rename = "description")]
+    _description: Option<String>,
+    #[serde(default)]
+    probe: Vec<Spanned<RawProbe>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProbe {
+    object: Option<String>,
+    symbol: String,
+    at: At,
+    event: Option<String>,
+    on_return: Option<Vec<RawRule>>,
+    key: RawSource,
+    external_id: Option<RawString>,
+    ret: Option<RetType>,
+    #[serde(default)]
+    only_on_change: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    when: String,
+    event: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSource {
+    from: String,
+    #[serde(default)]
+    deref: Vec<i64>,
+    #[serde(default)]
+    add: i64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawString {
+    from: String,
+    #[serde(default)]
+    deref: Vec<i64>,
+    #[serde(default)]
+    add: i64,
+    guard: Option<RawSource>,
+}
+
+impl RawProbe {
+    fn validate(self, line: usize) -> Result<ProbeSpec> {
+        if self.symbol.trim().is_empty() {
+            bail!("`symbol` is empty: name the function to probe (mangled C++ names are fine)");
+        }
+        let action = match (self.event, self.on_return) {
+            (Some(event), None) => Action::Always(parse_stage(&event)?),
+            (None, Some(rules)) => {
+                if self.at != At::Return {
+                    bail!("`on_return` needs `at = \"return\"`; an entry probe takes a single `event`");
+                }
+                if rules.is_empty() || rules.len() > MAX_RET_RULES {
+                    bail!("`on_return` takes 1 to {MAX_RET_RULES} rules, found {}", rules.len());
+                }
+                let rules = rules
+                    .into_iter()
+                    .map(|rule| Ok((parse_rule(&rule.when)?, parse_stage(&rule.event)?)))
+                    .collect::<Result<_>>()?;
+                Action::OnReturn(rules)
+            }
+            (Some(_), Some(_)) => bail!("give either `event` or `on_return`, not both"),
+            (None, None) => bail!(
+                "no lifecycle event: add `event = \"...\"` (one of {}) or, for a return probe, `on_return = [...]`",
+                stage_names()
+            ),
+        };
+        if self.at == At::Entry && self.ret.is_some() {
+            bail!("`ret` describes a return value: it needs `at = \"return\"`");
+        }
+        if self.at == At::Entry && self.only_on_change {
+            bail!("`only_on_change` compares return values: it needs `at = \"return\"`");
+        }
+        let key = self.key.validate("key", self.at, false)?;
+        let external_id = self
+            .external_id
+            .map(|ext| -> Result<StringSource> {
+                let at = RawSource { from: ext.from, deref: ext.deref, add: ext.add }
+                    .validate("external_id", self.at, true)?;
+                let guard = ext.guard.map(|g| g.validate("external_id.guard", self.at, true)).transpose()?;
+                Ok(StringSource { at, guard })
+            })
+            .transpose()?;
+        Ok(ProbeSpec {
+            line,
+            object: self.object.filter(|object| !object.is_empty()),
+            symbol: self.symbol,
+            at: self.at,
+            action,
+            key,
+            external_id,
+            ret: self.ret.unwrap_or_default(),
+            only_on_change: self.only_on_change,
+        })
+    }
+}
+
+impl RawSource {
+    fn validate(self, field: &str, at: At, key_allowed: bool) -> Result<Source> {
+        let from = match self.from.as_str() {
+            "ret" if at == At::Return => From::Ret,
+            "ret" => bail!("`{field}.from = \"ret\"` needs `at = \"return\"`"),
+            "key" if key_allowed => From::Key,
+            "key" => bail!("`{field}.from = \"key\"` is only for `external_id`: the key cannot come from itself"),
+            other => match other.strip_prefix("arg").map(str::parse::<u8>) {
+                Some(Ok(n)) if usize::from(n) < SAVED_ARGS => From::Arg(n),
+                _ => bail!(
+                    "`{field}.from = \"{other}\"`: expected \"arg0\" .. \"arg{}\", \"ret\"{}",
+                    SAVED_ARGS - 1,
+                    if key_allowed { " or \"key\"" } else { "" }
+                ),
+            },
+        };
+        if self.deref.len() > MAX_DEREF {
+            bail!("`{field}.deref` has {} steps; at most {MAX_DEREF} are supported", self.deref.len());
+        }
+        Ok(Source { from, deref: self.deref, add: self.add })
+    }
+}
+
+fn stage_names() -> String {
+    Stage::ALL.iter().map(|s| format!("\"{s}\"")).collect::<Vec<_>>().join(", ")
+}
+
+fn parse_stage(name: &str) -> Result<Stage> {
+    name.parse::<Stage>()
+        .map_err(|_| anyhow!("unknown lifecycle event \"{name}\": expected one of {}", stage_names()))
+}
+
+/// `"== 0"`, `"< 0"`, `">= -3"`, `"!= 1"`...
+fn parse_rule(text: &str) -> Result<RetRule> {
+    let text = text.trim();
+    let (op, rest) = [("==", cmp::EQ), ("!=", cmp::NE), ("<=", cmp::LE), (">=", cmp::GE), ("<", cmp::LT), (">", cmp::GT)]
+        .into_iter()
+        .find_map(|(token, op)| text.strip_prefix(token).map(|rest| (op, rest)))
+        .ok_or_else(|| anyhow!("`when = \"{text}\"`: expected a comparison such as \"== 0\", \"< 0\", \"!= 1\""))?;
+    let value = rest
+        .trim()
+        .parse::<i64>()
+        .map_err(|err| anyhow!("`when = \"{text}\"`: `{}` is not an integer ({err})", rest.trim()))?;
+    Ok(RetRule { op, _pad: [0; 7], value })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_builtin_profile_parses() {
+        for name in builtin_names() {
+            let profile = Profile::load(name).unwrap_or_else(|err| panic!("{name}: {err:#}"));
+            assert!(!profile.probes.is_empty(), "{name}");
+        }
+    }
+
+    #[test]
+    fn entry_probes_emit_every_hit_and_save_nothing() {
+        let profile = Profile::parse(
+            "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg2\", deref = [8, 16], add = 4 }\n",
+            "test",
+        )
+        .unwrap();
+        let cfg = profile.probes[0].slot_config(false);
+        assert_eq!(cfg.flags, slot_flags::CONFIGURED);
+        assert_eq!(cfg.key.offsets[..2], [8, 16]);
+        assert_eq!(cfg.key.add, 4);
+        assert_eq!(profile.probes[0].stage_for(0), Some(Stage::Released));
+    }
+
+    #[test]
+    fn rules_parse_and_bad_ones_say_why() {
+        assert_eq!(parse_rule(">= -3").unwrap(), RetRule { op: cmp::GE, _pad: [0; 7], value: -3 });
+        assert_eq!(parse_rule("!=1").unwrap().op, cmp::NE);
+        assert!(parse_rule("~ 1").unwrap_err().to_string().contains("expected a comparison"));
+        assert!(parse_rule("== x").unwrap_err().to_string().contains("not an integer"));
+    }
+
+    fn error_of(text: &str) -> String {
+        format!("{:#}", Profile::parse(text, "p.toml").unwrap_err())
+    }
+
+    #[test]
+    fn invalid_probes_name_the_line_and_the_fix() {
+        let err = error_of("[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"ret\" }\nevent = \"enqueued\"\n");
+        assert!(err.contains("line 1") && err.contains("needs `at = \"return\"`"), "{err}");
+        let err = error_of("[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\" }\non_return = [{ when = \"== 0\", event = \"released\" }]\n");
+        assert!(err.contains("`on_return` needs `at = \"return\"`"), "{err}");
+        let err = error_of("[[probe]]\nsymbol = \"f\"\nat = \"return\"\nkey = { from = \"arg10\" }\nevent = \"released\"\n");
+        assert!(err.contains("expected \"arg0\" .. \"arg9\""), "{err}");
+        let err = error_of("[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\", deref = [1, 2, 3, 4, 5] }\nevent = \"released\"\n");
+        assert!(err.contains("at most 4"), "{err}");
+        let err = error_of("[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\" }\n");
+        assert!(err.contains("no lifecycle event"), "{err}");
+        let err = error_of("name = \"x\"\n");
+        assert!(err.contains("no [[probe]] tables"), "{err}");
+        let err = error_of("[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\" }\nevent = \"released\"\ncolour = 1\n");
+        assert!(err.contains("colour"), "{err}");
+    }
+
+    #[test]
+    fn return_probes_save_as_many_arguments_as_they_read() {
+        let profile = Profile::parse(
+            "[[probe]]\nsymbol = \"f\"\nat = \"return\"\nkey = { from = \"arg1\" }\nexternal_id = { from = \"arg3\" }\nevent = \"released\"\n\n[[probe]]\nsymbol = \"g\"\nat = \"return\"\nkey = { from = \"ret\" }\nevent = \"enqueued\"\n",
+            "test",
+        )
+        .unwrap();
+        let with_args = profile.probes[0].slot_config(false);
+        assert_eq!((with_args.flags & slot_flags::NEEDS_ARGS, with_args.nargs), (slot_flags::NEEDS_ARGS, 4));
+        let from_ret = profile.probes[1].slot_config(false);
+        assert_eq!((from_ret.flags & slot_flags::NEEDS_ARGS, from_ret.nargs), (0, 0));
+    }
+}

@@ -1,0 +1,309 @@
+//! Finding a probe's target in a live process: which mapped file a profile's
+//! `object` names (through `/proc/PID/maps`, opened through
+//! `/proc/PID/root` so containers' own paths work from the host), where the
+//! symbol sits in that file, and what its first instruction costs to probe.
+use std::{
+    collections::BTreeSet,
+    fmt,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use object::{Object as _, ObjectSection as _, ObjectSymbol as _, SymbolKind};
+
+/// A file mapped into the target process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MappedObject {
+    /// The path as the target sees it (in its mount namespace).
+    pub path: PathBuf,
+    /// The same file reached from here: `/proc/PID/root/<path>`.
+    pub host_path: PathBuf,
+}
+
+/// The files a process has mapped, and its main executable.
+#[derive(Debug, Clone)]
+pub struct ProcessImage {
+    pub pid: u32,
+    pub exe: PathBuf,
+    pub mapped: Vec<PathBuf>,
+}
+
+impl ProcessImage {
+    pub fn read(pid: u32) -> Result<Self> {
+        let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+        if !proc_dir.exists() {
+            bail!("no process with pid {pid} (check `ps -p {pid}`; with containers, run the agent in the host pid namespace)");
+        }
+        let maps_path = proc_dir.join("maps");
+        let maps = std::fs::read_to_string(&maps_path)
+            .with_context(|| format!("reading {} (the agent needs root or CAP_SYS_PTRACE)", maps_path.display()))?;
+        let exe = std::fs::read_link(proc_dir.join("exe"))
+            .with_context(|| format!("reading /proc/{pid}/exe (is pid {pid} a kernel thread?)"))?;
+        Ok(Self { pid, exe, mapped: parse_maps(&maps) })
+    }
+
+    /// The mapped file a profile's `object` names: `None` is the main
+    /// executable; a name with a `/` is a path; otherwise the basename of a
+    /// mapped file equals it or starts with it followed by `.` (so
+    /// `libfoo.so` finds `libfoo.so.1`).
+    pub fn find(&self, object: Option<&str>) -> Result<MappedObject> {
+        let path = match object {
+            None => self.exe.clone(),
+            Some(name) if name.contains('/') => self
+                .mapped
+                .iter()
+                .find(|path| path.as_os_str() == name)
+                .cloned()
+                .ok_or_else(|| self.not_mapped(name))?,
+            Some(name) => {
+                let matches: Vec<_> = self.mapped.iter().filter(|path| basename_matches(path, name)).collect();
+                match matches.as_slice() {
+                    [one] => (*one).clone(),
+                    [] => return Err(self.not_mapped(name)),
+                    many => bail!(
+                        "`{name}` matches {} files mapped by pid {}: {}; give the full path as `object`",
+                        many.len(),
+                        self.pid,
+                        many.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+                    ),
+                }
+            }
+        };
+        let host_path = host_path(self.pid, &path);
+        Ok(MappedObject { path, host_path })
+    }
+
+    fn not_mapped(&self, name: &str) -> anyhow::Error {
+        let mut libs: Vec<_> = self
+            .mapped
+            .iter()
+            .filter_map(|p| p.file_name()?.to_str())
+            .filter(|n| n.contains(".so"))
+            .collect();
+        libs.sort_unstable();
+        libs.dedup();
+        anyhow!(
+            "pid {} ({}) has no file `{name}` mapped: it is not loaded (yet), or the name differs; \
+             mapped libraries: {}",
+            self.pid,
+            self.exe.display(),
+            if libs.is_empty() { "none".to_owned() } else { libs.join(", ") }
+        )
+    }
+}
+
+fn basename_matches(path: &Path, name: &str) -> bool {
+    path.file_name().and_then(|n| n.to_str()).is_some_and(|base| {
+        base == name || base.strip_prefix(name).is_some_and(|rest| rest.starts_with('.'))
+    })
+}
+
+fn host_path(pid: u32, path: &Path) -> PathBuf {
+    let relative = path.strip_prefix("/").unwrap_or(path);
+    PathBuf::from(format!("/proc/{pid}/root")).join(relative)
+}
+
+/// Distinct file paths in `/proc/PID/maps` text.
+fn parse_maps(maps: &str) -> Vec<PathBuf> {
+    let paths: BTreeSet<PathBuf> = maps
+        .lines()
+        .filter_map(|line| {
+            // address perms offset dev inode path: the path is the sixth
+            // field and may contain spaces.
+            let path = line.splitn(6, ' ').nth(5)?.trim_start();
+            path.starts_with('/').then(|| PathBuf::from(path.trim_end_matches(" (deleted)")))
+        })
+        .collect();
+    paths.into_iter().collect()
+}
+
+/// What the kernel does with the first instruction of a probed function:
+/// it decides what each hit costs (see the README's overhead table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FirstInsn {
+    /// `push %reg`: emulated in the kernel (~1 us a hit here).
+    Push,
+    /// A multi-byte nop (`nop5` and kin): emulated, the cheapest (~0.6 us).
+    Nop,
+    /// `endbr64` (CET landing pad).
+    Endbr64,
+    /// Anything else: executed out of line by single-stepping (~12 us).
+    SingleStep,
+}
+
+impl FirstInsn {
+    fn classify(bytes: &[u8]) -> Self {
+        match bytes {
+            [0x50..=0x57, ..] | [0x41, 0x50..=0x57, ..] => Self::Push,
+            [0x90, ..] | [0x0f, 0x1f, ..] | [0x66, 0x0f, 0x1f, ..] | [0x66, 0x90, ..] => Self::Nop,
+            [0xf3, 0x0f, 0x1e, 0xfa, ..] => Self::Endbr64,
+            _ => Self::SingleStep,
+        }
+    }
+}
+
+impl fmt::Display for FirstInsn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Push => "push (emulated)",
+            Self::Nop => "nop (emulated)",
+            Self::Endbr64 => "endbr64",
+            Self::SingleStep => "single-stepped (slow)",
+        })
+    }
+}
+
+/// A function found in an ELF file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedSymbol {
+    /// Offset of the function's first byte in the file: what the kernel's
+    /// uprobe takes.
+    pub file_offset: u64,
+    pub first_insn: FirstInsn,
+    /// The first instruction bytes, for the log.
+    pub first_bytes: [u8; 4],
+}
+
+/// An ELF file read once and queried for many symbols.
+pub struct ElfFile {
+    path: PathBuf,
+    data: Vec<u8>,
+}
+
+impl ElfFile {
+    pub fn open(path: &Path) -> Result<Self> {
+        let data = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        object::File::parse(&*data).with_context(|| format!("{} is not an ELF file aya can read", path.display()))?;
+        Ok(Self { path: path.to_owned(), data })
+    }
+
+    /// Look `symbol` up in `.symtab` and `.dynsym` (mangled names as they
+    /// are in the file).
+    pub fn resolve(&self, symbol: &str) -> Result<ResolvedSymbol> {
+        let file = object::File::parse(&*self.data)
+            .with_context(|| format!("parsing {}", self.path.display()))?;
+        let found = file
+            .symbols()
+            .chain(file.dynamic_symbols())
+            .find(|sym| sym.name_bytes().is_ok_and(|name| name == symbol.as_bytes()) && sym.is_definition());
+        let Some(sym) = found else {
+            return Err(self.not_found(&file, symbol));
+        };
+        if sym.kind() != SymbolKind::Text {
+            bail!("`{symbol}` in {} is a {:?} symbol, not a function", self.path.display(), sym.kind());
+        }
+        let section_index = sym
+            .section_index()
+            .ok_or_else(|| anyhow!("`{symbol}` in {} has no section", self.path.display()))?;
+        let section = file.section_by_index(section_index)?;
+        let (section_offset, section_size) = section
+            .file_range()
+            .ok_or_else(|| anyhow!("section of `{symbol}` in {} has no file data", self.path.display()))?;
+        let within = sym
+            .address()
+            .checked_sub(section.address())
+            .filter(|within| *within < section_size)
+            .ok_or_else(|| anyhow!("`{symbol}` in {} lies outside its section", self.path.display()))?;
+        let file_offset = section_offset + within;
+        let start = usize::try_from(file_offset)?;
+        let mut first_bytes = [0; 4];
+        let available = self.data.get(start..).unwrap_or_default();
+        let n = available.len().min(first_bytes.len());
+        first_bytes[..n].copy_from_slice(&available[..n]);
+        Ok(ResolvedSymbol {
+            file_offset,
+            first_insn: FirstInsn::classify(available.get(..8).unwrap_or(available)),
+            first_bytes,
+        })
+    }
+
+    fn not_found(&self, file: &object::File<'_>, symbol: &str) -> anyhow::Error {
+        let mut names: Vec<&str> = file
+            .symbols()
+            .chain(file.dynamic_symbols())
+            .filter(|sym| sym.is_definition() && sym.kind() == SymbolKind::Text)
+            .filter_map(|sym| sym.name().ok())
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        if names.is_empty() {
+            return anyhow!(
+                "symbol `{symbol}` not found: {} has no function symbols (stripped?)",
+                self.path.display()
+            );
+        }
+        let mut scored: Vec<(f64, &str)> = names
+            .iter()
+            .map(|name| {
+                let score = if name.contains(symbol) || symbol.contains(name) {
+                    1.0
+                } else {
+                    strsim::jaro_winkler(symbol, name)
+                };
+                (score, *name)
+            })
+            .collect();
+        scored.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let close: Vec<&str> = scored.iter().take(3).filter(|(score, _)| *score > 0.7).map(|(_, n)| *n).collect();
+        anyhow!(
+            "symbol `{symbol}` not found in {} ({} function symbols){}",
+            self.path.display(),
+            names.len(),
+            if close.is_empty() { String::new() } else { format!("; did you mean: {}", close.join(", ")) }
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_paths_are_distinct_and_keep_spaces() {
+        let maps = "\
+55d0c-55d0d r--p 00000000 08:01 1234 /usr/bin/demo prefill
+55d0d-55d0e r-xp 00001000 08:01 1234 /usr/bin/demo prefill
+7f00-7f01 r-xp 00000000 08:01 99 /lib/libnixl.so (deleted)
+7f01-7f02 rw-p 00000000 00:00 0 
+7ffd-7ffe rw-p 00000000 00:00 0 [stack]
+";
+        assert_eq!(
+            parse_maps(maps),
+            vec![PathBuf::from("/lib/libnixl.so"), PathBuf::from("/usr/bin/demo prefill")]
+        );
+    }
+
+    #[test]
+    fn object_names_match_basename_and_versions() {
+        let image = ProcessImage {
+            pid: 1,
+            exe: "/bin/x".into(),
+            mapped: vec!["/bin/x".into(), "/a/libnixl.so.0".into(), "/a/libnixl_ucx.so".into()],
+        };
+        assert_eq!(image.find(Some("libnixl.so")).unwrap().path, PathBuf::from("/a/libnixl.so.0"));
+        assert_eq!(image.find(None).unwrap().host_path, PathBuf::from("/proc/1/root/bin/x"));
+        let err = image.find(Some("libucx.so")).unwrap_err().to_string();
+        assert!(err.contains("has no file `libucx.so` mapped"), "{err}");
+        assert!(err.contains("libnixl.so.0"), "{err}");
+    }
+
+    #[test]
+    fn first_instructions_are_classified() {
+        assert_eq!(FirstInsn::classify(&[0x55, 0x48, 0x89, 0xe5]), FirstInsn::Push);
+        assert_eq!(FirstInsn::classify(&[0x41, 0x57]), FirstInsn::Push);
+        assert_eq!(FirstInsn::classify(&[0x0f, 0x1f, 0x44, 0x00, 0x00]), FirstInsn::Nop);
+        assert_eq!(FirstInsn::classify(&[0xf3, 0x0f, 0x1e, 0xfa]), FirstInsn::Endbr64);
+        assert_eq!(FirstInsn::classify(&[0x48, 0x83, 0xec, 0x18]), FirstInsn::SingleStep);
+        assert_eq!(FirstInsn::classify(&[]), FirstInsn::SingleStep);
+    }
+
+    #[test]
+    fn symbols_resolve_in_our_own_executable() {
+        let exe = std::env::current_exe().unwrap();
+        let elf = ElfFile::open(&exe).unwrap();
+        let err = elf.resolve("definitely_not_a_symbol_here").unwrap_err().to_string();
+        assert!(err.contains("not found"), "{err}");
+        let resolved = elf.resolve("main").unwrap();
+        assert!(resolved.file_offset > 0);
+    }
+}

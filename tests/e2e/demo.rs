@@ -1,0 +1,149 @@
+//! The agent against the real demo target: real eBPF in this kernel, real
+//! uprobes on a real process.
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use stallwatch_tests::{Agent, Demo, Line, alerts, require_root, summary};
+
+const TIMEOUT: Duration = Duration::from_secs(2);
+/// How late a stall may be reported, past the timeout (the bound).
+const LATENESS: Duration = Duration::from_secs(1);
+
+/// Start the demo, attach the agent, let the demo go.
+fn watched(demo_args: &[&str], timeout: &str) -> (Demo, Agent) {
+    require_root();
+    let mut demo = Demo::start(demo_args);
+    let agent = Agent::watch(demo.proc.pid(), "demo", timeout, &[]);
+    demo.go();
+    (demo, agent)
+}
+
+/// The demo's `injected` lines: key (as the agent prints it) -> (stall kind, when seen).
+fn injected(lines: &[Line]) -> HashMap<String, (String, Instant)> {
+    lines
+        .iter()
+        .filter_map(|line| {
+            let value = line.json()?;
+            (value["event"] == "injected").then(|| {
+                let key = format!("{:#x}", value["key"].as_u64().expect("numeric key"));
+                (key, (value["stall"].as_str().expect("stall kind").to_owned(), line.at))
+            })
+        })
+        .collect()
+}
+
+fn key_of(alert: &Value) -> String {
+    alert["key"].as_str().expect("alert key").to_owned()
+}
+
+#[test]
+fn every_injected_stall_is_reported_once_with_its_class_while_stuck() {
+    let (mut demo, agent) = watched(
+        &["--rate", "2000", "--duration", "7s", "--inject-after", "500ms", "--waiting-for-peer", "2", "--transfer-hung", "2", "--release-lost", "2"],
+        "2s",
+    );
+    // The demo exits at 7 s, so the agent sees its exit and ends by itself.
+    let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(30));
+    let demo_lines = demo.proc.lines_until_exit(Duration::from_secs(5));
+    let injected = injected(&demo_lines);
+    assert_eq!(injected.len(), 6, "demo said: {demo_lines:?}");
+
+    let stalls: Vec<(Instant, Value)> = alerts(&agent_lines, "stalled").collect();
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for (at, alert) in &stalls {
+        let key = key_of(alert);
+        let (kind, injected_at) = injected.get(&key).unwrap_or_else(|| panic!("stall alert for a healthy request: {alert}"));
+        assert_eq!(alert["class"], kind.as_str(), "{alert}");
+        assert_eq!(alert["external_id"], format!("room-{}", u64::from_str_radix(&key[2..], 16).expect("hex key")));
+        *seen.entry(key).or_default() += 1;
+        // Reported while stuck: after the timeout, within timeout + 1 s of
+        // the request's last lifecycle event (the test saw that event's
+        // `injected` line just after it happened).
+        let latency = at.duration_since(*injected_at);
+        assert!(latency >= TIMEOUT - Duration::from_millis(50), "{alert} after {latency:?}");
+        assert!(latency <= TIMEOUT + LATENESS, "{alert} only after {latency:?}");
+        let silent = Duration::from_millis(alert["silent_ms"].as_u64().expect("silent_ms"));
+        assert!(silent >= TIMEOUT && silent <= TIMEOUT + LATENESS, "{alert}");
+    }
+    assert_eq!(seen.len(), 6, "every injected request stalls: {stalls:?}");
+    assert!(seen.values().all(|&n| n == 1), "each stall is reported exactly once: {seen:?}");
+
+    // The pinned requests were still held when the demo exited.
+    let exited: Vec<String> = alerts(&agent_lines, "process_exited").map(|(_, a)| key_of(&a)).collect();
+    assert_eq!(exited.len(), 6, "{exited:?}");
+    assert!(exited.iter().all(|key| injected.contains_key(key)));
+
+    let summary = summary(&agent_lines);
+    assert_eq!(summary["stalled"], 6, "{summary}");
+    assert_eq!(summary["lost_events"], 0, "{summary}");
+    let _ = demo.proc.wait(Duration::from_secs(5));
+}
+
+#[test]
+fn ten_thousand_healthy_requests_raise_no_alert() {
+    let (mut demo, agent) = watched(&["--rate", "5000", "--requests", "12000", "--duration", "20s"], "1s");
+    let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(40));
+    let demo_lines = demo.proc.lines_until_exit(Duration::from_secs(5));
+    let done = demo_lines.iter().filter_map(Line::json).find(|v| v["event"] == "done").expect("demo done line");
+    assert_eq!(done["healthy"], 12000, "{done}");
+
+    let alert_lines: Vec<&Line> = agent_lines.iter().filter(|l| l.json().is_some_and(|v| v["alert"] != "summary")).collect();
+    assert!(alert_lines.is_empty(), "healthy requests raised alerts: {alert_lines:?}");
+    let summary = summary(&agent_lines);
+    // Every lifecycle was seen whole: nothing lost, nothing left in flight.
+    assert_eq!(summary["seen"], 12000, "{summary}");
+    assert_eq!(summary["completed"], 12000, "{summary}");
+    assert_eq!(summary["in_flight"], 0, "{summary}");
+    assert_eq!(summary["lost_events"], 0, "{summary}");
+    let _ = demo.proc.wait(Duration::from_secs(5));
+}
+
+#[test]
+fn a_stall_that_moves_on_is_reported_recovered() {
+    let (mut demo, agent) = watched(
+        &["--rate", "500", "--duration", "6s", "--inject-after", "300ms", "--recover", "1", "--recover-after", "3s"],
+        "1s",
+    );
+    let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(30));
+    let stalled: Vec<Value> = alerts(&agent_lines, "stalled").map(|(_, v)| v).collect();
+    let recovered: Vec<Value> = alerts(&agent_lines, "recovered").map(|(_, v)| v).collect();
+    assert_eq!(stalled.len(), 1, "{agent_lines:?}");
+    assert_eq!(stalled[0]["class"], "transfer_hung");
+    assert_eq!(recovered.len(), 1, "{agent_lines:?}");
+    assert_eq!(recovered[0]["key"], stalled[0]["key"]);
+    // Hung from its post (at ~0.3 s) until ~3.3 s.
+    let stuck = recovered[0]["stuck_ms"].as_u64().expect("stuck_ms");
+    assert!((2_500..=4_000).contains(&stuck), "{}", recovered[0]);
+    let summary = summary(&agent_lines);
+    assert_eq!(summary["recovered"], 1, "{summary}");
+    assert_eq!(summary["in_flight"], 0, "the recovered request was released: {summary}");
+    let _ = demo.proc.wait(Duration::from_secs(5));
+}
+
+#[test]
+fn failed_and_aborted_requests_end_their_lifecycles() {
+    let (mut demo, agent) = watched(&["--rate", "1000", "--requests", "500", "--fail", "3", "--abort", "2", "--duration", "10s"], "1s");
+    let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(30));
+    let failed: Vec<Value> = alerts(&agent_lines, "failed").map(|(_, v)| v).collect();
+    assert_eq!(failed.len(), 3, "{agent_lines:?}");
+    assert!(alerts(&agent_lines, "stalled").next().is_none(), "{agent_lines:?}");
+    let summary = summary(&agent_lines);
+    assert_eq!(summary["failed"], 3, "{summary}");
+    assert_eq!(summary["aborted"], 2, "{summary}");
+    assert_eq!(summary["completed"], 495, "{summary}");
+    let _ = demo.proc.wait(Duration::from_secs(5));
+}
+
+#[test]
+fn sigint_prints_the_summary_with_requests_still_stuck() {
+    let (_demo, agent) = watched(&["--rate", "200", "--duration", "30s", "--inject-after", "100ms", "--waiting-for-peer", "1"], "1s");
+    std::thread::sleep(Duration::from_millis(2500));
+    let lines = agent.stop();
+    assert_eq!(alerts(&lines, "stalled").count(), 1, "{lines:?}");
+    let summary = summary(&lines);
+    assert_eq!(summary["stalled"], 1, "{summary}");
+    assert!(summary["in_flight"].as_u64().expect("in_flight") >= 1, "{summary}");
+}

@@ -1,0 +1,266 @@
+//! Helpers for the integration tests: finding the built binaries, running
+//! the agent and its targets as real processes, and reading what they say.
+//!
+//! Nothing here stands in for the kernel or a peer: the agent loads its real
+//! eBPF object and attaches real uprobes to the real target processes.
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    path::{Path, PathBuf},
+    process::{Child, ChildStdin, Command, Stdio},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+        mpsc::{Receiver, RecvTimeoutError, channel},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+fn built(var: &str, default: &str) -> PathBuf {
+    // Relative paths are taken from the workspace root, as xtask gives them.
+    let path = root().join(std::env::var_os(var).map_or_else(|| PathBuf::from(default), PathBuf::from));
+    assert!(
+        path.exists(),
+        "{} not found ({var}); build it with `cargo run -p xtask -- build` or run the suite with `cargo run -p xtask -- test`",
+        path.display()
+    );
+    path
+}
+
+pub fn agent_bin() -> PathBuf {
+    built("STALLWATCH_BIN", "target/release/stallwatch")
+}
+
+pub fn demo_bin() -> PathBuf {
+    built("STALLWATCH_DEMO", "target/demo/release/demo-prefill")
+}
+
+/// Integration tests load eBPF: without root they fail, loudly.
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "this test loads eBPF programs into the kernel and attaches uprobes: run it as root \
+         (`sudo cargo run -p xtask -- test`); it does not skip"
+    );
+}
+
+/// A line a child printed, and when the test saw it.
+#[derive(Debug, Clone)]
+pub struct Line {
+    pub at: Instant,
+    pub text: String,
+}
+
+impl Line {
+    pub fn json(&self) -> Option<Value> {
+        serde_json::from_str(&self.text).ok()
+    }
+}
+
+fn pump(reader: impl std::io::Read + Send + 'static) -> Receiver<Line> {
+    let (tx, rx) = channel();
+    thread::spawn(move || {
+        for text in BufReader::new(reader).lines().map_while(Result::ok) {
+            if tx.send(Line { at: Instant::now(), text }).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// A child process whose stdout lines arrive on a channel and whose
+/// stderr is kept for failure messages.
+pub struct Proc {
+    pub child: Child,
+    pub stdin: Option<ChildStdin>,
+    stdout: Receiver<Line>,
+    stderr: Arc<Mutex<Vec<String>>>,
+    /// Set once stderr is closed: the process has exited.
+    stderr_closed: Arc<AtomicBool>,
+    name: String,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, command: &mut Command) -> Self {
+        let mut child = command
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|err| panic!("starting {name} ({command:?}): {err}"));
+        let stdout = pump(child.stdout.take().expect("piped stdout"));
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        let stderr_lines = pump(child.stderr.take().expect("piped stderr"));
+        let stderr_closed = Arc::new(AtomicBool::new(false));
+        let (keep, closed) = (Arc::clone(&stderr), Arc::clone(&stderr_closed));
+        thread::spawn(move || {
+            for line in stderr_lines {
+                keep.lock().expect("stderr lock").push(line.text);
+            }
+            closed.store(true, Ordering::Release);
+        });
+        Self { stdin: child.stdin.take(), child, stdout, stderr, stderr_closed, name: name.to_owned() }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The next stdout line, or a panic naming what was awaited.
+    pub fn next_line(&self, within: Duration, awaiting: &str) -> Line {
+        match self.stdout.recv_timeout(within) {
+            Ok(line) => line,
+            Err(RecvTimeoutError::Timeout) => panic!("{}: no {awaiting} within {within:?}; stderr:\n{}", self.name, self.stderr()),
+            Err(RecvTimeoutError::Disconnected) => panic!("{}: exited before {awaiting}; stderr:\n{}", self.name, self.stderr()),
+        }
+    }
+
+    /// Stdout lines until the process closes stdout, or `within` passes.
+    pub fn lines_until_exit(&self, within: Duration) -> Vec<Line> {
+        let deadline = Instant::now() + within;
+        let mut lines = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.stdout.recv_timeout(left) {
+                Ok(line) => lines.push(line),
+                Err(RecvTimeoutError::Disconnected) => return lines,
+                Err(RecvTimeoutError::Timeout) => {
+                    panic!("{}: still running after {within:?}; stderr:\n{}", self.name, self.stderr())
+                }
+            }
+        }
+    }
+
+    /// Stdout lines seen so far, without waiting.
+    pub fn lines_now(&self) -> Vec<Line> {
+        self.stdout.try_iter().collect()
+    }
+
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().expect("stderr lock").join("\n")
+    }
+
+    /// Wait for a stderr line containing `needle`.
+    pub fn wait_stderr(&self, needle: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if self.stderr.lock().expect("stderr lock").iter().any(|line| line.contains(needle)) {
+                return;
+            }
+            if self.stderr_closed.load(Ordering::Acquire) {
+                panic!("{} exited before printing `{needle}`; stderr:\n{}", self.name, self.stderr());
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        panic!("{}: no `{needle}` on stderr within {within:?}; stderr:\n{}", self.name, self.stderr());
+    }
+
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.pid() as i32, signal) };
+    }
+
+    pub fn write_line(&mut self, text: &str) {
+        let stdin = self.stdin.as_mut().expect("piped stdin");
+        writeln!(stdin, "{text}").expect("writing to the child's stdin");
+        stdin.flush().expect("flushing the child's stdin");
+    }
+
+    pub fn wait(&mut self, within: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("{} did not exit within {within:?}; stderr:\n{}", self.name, self.stderr());
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The demo prefill target, started and waiting for `go`.
+pub struct Demo {
+    pub proc: Proc,
+}
+
+impl Demo {
+    pub fn start(args: &[&str]) -> Self {
+        let proc = Proc::spawn("demo-prefill", Command::new(demo_bin()).arg("--wait-for-go").args(args));
+        let ready = proc.next_line(Duration::from_secs(10), "ready line").json().expect("ready line is JSON");
+        assert_eq!(ready["event"], "ready", "{ready}");
+        Self { proc }
+    }
+
+    pub fn go(&mut self) {
+        self.proc.write_line("go");
+    }
+}
+
+/// The agent with `--output json`, attached and watching.
+pub struct Agent {
+    pub proc: Proc,
+}
+
+impl Agent {
+    /// Start `stallwatch run` and wait until its probes are attached.
+    pub fn watch(pid: u32, profile: &str, timeout: &str, extra: &[&str]) -> Self {
+        let proc = Proc::spawn(
+            "stallwatch",
+            Command::new(agent_bin())
+                .args(["run", "--pid", &pid.to_string(), "--profile", profile, "--timeout", timeout, "--output", "json"])
+                .args(extra),
+        );
+        proc.wait_stderr("watching", Duration::from_secs(30));
+        Self { proc }
+    }
+
+    /// SIGINT, then every line up to and including the summary.
+    pub fn stop(mut self) -> Vec<Line> {
+        self.proc.signal(libc::SIGINT);
+        let lines = self.proc.lines_until_exit(Duration::from_secs(20));
+        let status = self.proc.wait(Duration::from_secs(5));
+        assert!(status.success(), "agent exited with {status}; stderr:\n{}", self.proc.stderr());
+        lines
+    }
+}
+
+/// Run a command to completion, returning (success, stdout, stderr).
+pub fn run_to_end(command: &mut Command) -> (bool, String, String) {
+    let out = command.output().unwrap_or_else(|err| panic!("running {command:?}: {err}"));
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// The JSON alert lines of a given kind.
+pub fn alerts<'a>(lines: &'a [Line], kind: &'a str) -> impl Iterator<Item = (Instant, Value)> + 'a {
+    lines.iter().filter_map(move |line| {
+        let value = line.json()?;
+        (value["alert"] == kind).then_some((line.at, value))
+    })
+}
+
+/// The summary line's JSON.
+pub fn summary(lines: &[Line]) -> Value {
+    alerts(lines, "summary").map(|(_, v)| v).last().unwrap_or_else(|| {
+        panic!("no summary line in:\n{}", lines.iter().map(|l| l.text.as_str()).collect::<Vec<_>>().join("\n"))
+    })
+}

@@ -1,0 +1,108 @@
+//! Toolchain set-up, each step checked before it is done.
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::steps::{root, run};
+
+/// The bpf-linker release this project is built and tested with.
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+pub fn all(python: bool) -> Result<()> {
+    rust_src()?;
+    bpf_linker()?;
+    if python {
+        venv()?;
+    }
+    Ok(())
+}
+
+/// `rust-src` for the nightly toolchain: `-Z build-std=core` needs it.
+fn rust_src() -> Result<()> {
+    let installed = output(Command::new("rustup").args(["component", "list", "--toolchain", "nightly", "--installed"]))
+        .context("listing the nightly toolchain's components: is the `nightly` toolchain installed (`rustup toolchain list`)?")?;
+    if installed.lines().any(|line| line.starts_with("rust-src")) {
+        return Ok(());
+    }
+    run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))
+}
+
+/// bpf-linker, built against the nightly rustc's own libLLVM (no system
+/// LLVM needed): a prefix with `lib/libLLVM.so` pointing at the toolchain's
+/// library and a stand-in `bin/llvm-config` is all its build checks.
+fn bpf_linker() -> Result<()> {
+    if Command::new("bpf-linker").arg("--version").output().is_ok_and(|out| out.status.success()) {
+        return Ok(());
+    }
+    let sysroot = output(Command::new("rustc").args(["+nightly", "--print", "sysroot"]))?;
+    let lib_dir = Path::new(sysroot.trim()).join("lib");
+    let libllvm = fs::read_dir(&lib_dir)
+        .with_context(|| format!("reading {}", lib_dir.display()))?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .find(|path| path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libLLVM.so.")))
+        .with_context(|| format!("no libLLVM.so.* in {}: the nightly toolchain lacks its LLVM library", lib_dir.display()))?;
+    let soname = libllvm.file_name().and_then(|n| n.to_str()).context("libLLVM file name is not UTF-8")?;
+    // "libLLVM.so.22.1-rust-1.97.0-nightly" -> 22
+    let major = soname
+        .trim_start_matches("libLLVM.so.")
+        .split(['.', '-'])
+        .next()
+        .filter(|major| major.parse::<u32>().is_ok())
+        .with_context(|| format!("cannot read the LLVM major version from {soname}"))?;
+    let prefix = cache_dir()?.join("llvm-prefix");
+    let prefix_lib = prefix.join("lib");
+    let prefix_bin = prefix.join("bin");
+    fs::create_dir_all(&prefix_lib)?;
+    fs::create_dir_all(&prefix_bin)?;
+    // The soname link lets bpf-linker find libLLVM outside `rustup run` too.
+    for name in ["libLLVM.so", soname] {
+        let link = prefix_lib.join(name);
+        let _ = fs::remove_file(&link);
+        std::os::unix::fs::symlink(&libllvm, &link).with_context(|| format!("linking {}", link.display()))?;
+    }
+    let llvm_config = prefix_bin.join("llvm-config");
+    fs::write(&llvm_config, format!("#!/bin/sh\necho {major}.1.0\n"))?;
+    fs::set_permissions(&llvm_config, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    run(Command::new("cargo")
+        .args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION, "--locked", "--no-default-features"])
+        .args(["--features", &format!("llvm-{major}")])
+        .env("LLVM_PREFIX", &prefix))
+}
+
+/// The Python venv for the NIXL driver and the OTLP collector, in
+/// `target/venv`; reinstalled only when the requirement files change.
+fn venv() -> Result<()> {
+    let root = root()?;
+    let venv = root.join("target/venv");
+    let nodeps = root.join("tests/nixl/requirements-nodeps.txt");
+    let deps = root.join("tests/nixl/requirements.txt");
+    let wanted = format!("{}\n--\n{}", fs::read_to_string(&nodeps)?, fs::read_to_string(&deps)?);
+    let stamp = venv.join(".stallwatch-requirements");
+    if fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
+        return Ok(());
+    }
+    run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
+    let pip = venv.join("bin/pip");
+    // nixl-cu12's metadata asks for torch, which it never imports.
+    run(Command::new(&pip).args(["install", "--quiet", "--no-deps", "-r"]).arg(&nodeps))?;
+    run(Command::new(&pip).args(["install", "--quiet", "-r"]).arg(&deps))?;
+    fs::write(&stamp, wanted)?;
+    Ok(())
+}
+
+fn cache_dir() -> Result<PathBuf> {
+    let home = std::env::var_os("HOME").context("HOME is not set")?;
+    Ok(PathBuf::from(home).join(".cache/stallwatch"))
+}
+
+fn output(command: &mut Command) -> Result<String> {
+    let out = command.output().with_context(|| format!("running {command:?}"))?;
+    if !out.status.success() {
+        bail!("{command:?} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

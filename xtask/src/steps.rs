@@ -1,0 +1,130 @@
+//! Building, and the commands that run what was built.
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    path::PathBuf,
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+/// What `build` produced.
+pub struct Built {
+    pub agent: PathBuf,
+    pub demo: PathBuf,
+}
+
+/// The workspace root (xtask lives one level below it).
+pub fn root() -> Result<PathBuf> {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(PathBuf::from).context("xtask has no parent directory")
+}
+
+pub fn run(command: &mut Command) -> Result<()> {
+    eprintln!("xtask: running {command:?}");
+    let status = command.status().with_context(|| format!("starting {command:?}"))?;
+    if !status.success() {
+        bail!("{command:?} failed with {status}");
+    }
+    Ok(())
+}
+
+/// The agent in release mode (its build script compiles and embeds the
+/// eBPF object), and the demo target with frame pointers, in a target
+/// directory of its own so its flags never invalidate the main build.
+pub fn build() -> Result<Built> {
+    let root = root()?;
+    run(Command::new("cargo").current_dir(&root).args(["build", "--release", "-p", "stallwatch", "--bins"]))?;
+    let demo_target = root.join("target/demo");
+    run(Command::new("cargo")
+        .current_dir(&root)
+        .args(["build", "--release", "-p", "demo-prefill", "--target-dir"])
+        .arg(&demo_target)
+        .env("RUSTFLAGS", "-C force-frame-pointers=yes"))?;
+    Ok(Built { agent: root.join("target/release/stallwatch"), demo: demo_target.join("release/demo-prefill") })
+}
+
+fn require_root(what: &str) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("{what} loads eBPF programs into the kernel and needs root: run it with sudo (or as root)");
+    }
+    Ok(())
+}
+
+/// The README's first command: the demo with one request pinned at each
+/// stall point and one that recovers, watched live by the agent.
+pub fn demo(built: &Built, duration: Duration, timeout: Duration) -> Result<()> {
+    require_root("the demo")?;
+    let duration_arg = humantime::format_duration(duration).to_string();
+    let mut demo = Command::new(&built.demo)
+        .args(["--wait-for-go", "--rate", "1000", "--inject-after", "1s", "--duration", &duration_arg])
+        .args(["--waiting-for-peer", "1", "--transfer-hung", "1", "--release-lost", "1", "--recover", "1"])
+        .args(["--recover-after", &humantime::format_duration(timeout * 2).to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {}", built.demo.display()))?;
+    let mut demo_out = BufReader::new(demo.stdout.take().context("demo stdout")?).lines();
+    let ready = demo_out.next().context("the demo exited before it was ready")??;
+    let pid = ready
+        .split("\"pid\":")
+        .nth(1)
+        .and_then(|rest| rest.trim_end_matches('}').parse::<u32>().ok())
+        .with_context(|| format!("unexpected first line from the demo: {ready}"))?;
+    eprintln!("xtask: demo prefill server is pid {pid}; starting the agent");
+    let mut agent = Command::new(&built.agent)
+        .args(["run", "--pid", &pid.to_string(), "--profile", "demo"])
+        .args(["--timeout", &humantime::format_duration(timeout).to_string()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {}", built.agent.display()))?;
+    let agent_err = BufReader::new(agent.stderr.take().context("agent stderr")?);
+    let mut demo_in = demo.stdin.take().context("demo stdin")?;
+    let mut lines = agent_err.lines();
+    for line in lines.by_ref() {
+        let line = line?;
+        eprintln!("{line}");
+        if line.contains("watching") {
+            writeln!(demo_in, "go")?;
+            break;
+        }
+    }
+    let narrate = std::thread::spawn(move || {
+        for line in demo_out.map_while(Result::ok) {
+            eprintln!("demo: {line}");
+        }
+    });
+    for line in lines.map_while(Result::ok) {
+        eprintln!("{line}");
+    }
+    let status = agent.wait()?;
+    let _ = demo.kill();
+    let _ = demo.wait();
+    let _ = narrate.join();
+    if !status.success() {
+        bail!("the agent failed with {status}");
+    }
+    Ok(())
+}
+
+/// Unit tests and the integration tests, which find the built binaries
+/// through the environment.
+pub fn test(built: &Built) -> Result<()> {
+    let root = root()?;
+    run(Command::new("cargo")
+        .current_dir(&root)
+        .args(["test", "--release", "--workspace", "--exclude", "stallwatch-ebpf", "--", "--test-threads=1"])
+        .env("STALLWATCH_BIN", &built.agent)
+        .env("STALLWATCH_DEMO", &built.demo)
+        .env("STALLWATCH_VENV", root.join("target/venv")))
+}
+
+pub fn bench(built: &Built) -> Result<()> {
+    require_root("the uprobe benchmark")?;
+    let root = root()?;
+    run(Command::new("cargo")
+        .current_dir(&root)
+        .args(["bench", "-p", "stallwatch"])
+        .env("STALLWATCH_DEMO", &built.demo))
+}
