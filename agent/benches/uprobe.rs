@@ -4,28 +4,25 @@
 //! `cargo run --release -p xtask -- bench` runs it (as root). The demo
 //! target times N calls of one lifecycle function per request on its stdin;
 //! the cost of a hit is (ns per call probed) - (ns per call unprobed).
+mod support;
+
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     num::NonZeroU32,
     path::PathBuf,
     process::{Child, ChildStdin, Command, Stdio},
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    time::Duration,
 };
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 use aya::{
     Ebpf,
-    maps::RingBuf,
     programs::{
         UProbe,
         uprobe::{UProbeAttachLocation, UProbeScope},
     },
 };
-use stallwatch::probes::{Probes, Profile, resolve::{ElfFile, ProcessImage}};
+use stallwatch::probes::resolve::{ElfFile, ProcessImage};
+use support::Attached;
 
 const CALLS: u64 = 200_000;
 const ROUNDS: usize = 5;
@@ -91,46 +88,8 @@ fn attach_floor(pid: u32, symbol: &str, at_return: bool) -> Result<Ebpf> {
     Ok(ebpf)
 }
 
-/// Our probes, as the agent attaches them, with a thread consuming the ring
-/// buffer so that emitting events costs what it costs in production.
-struct Ours {
-    _probes: Probes,
-    stop: Arc<AtomicBool>,
-    drain: Option<std::thread::JoinHandle<u64>>,
-}
-
-impl Ours {
-    fn attach(pid: u32) -> Result<Self> {
-        let mut probes = Probes::load()?;
-        let map = probes.ebpf_mut().take_map("EVENTS").context("EVENTS map")?;
-        let mut ring = RingBuf::try_from(map)?;
-        probes.attach(pid, &Profile::load("demo")?)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = Arc::clone(&stop);
-        let drain = std::thread::spawn(move || {
-            let mut events = 0;
-            while !stopped.load(Ordering::Relaxed) {
-                while ring.next().is_some() {
-                    events += 1;
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            events
-        });
-        Ok(Self { _probes: probes, stop, drain: Some(drain) })
-    }
-
-    fn finish(mut self) -> u64 {
-        self.stop.store(true, Ordering::Relaxed);
-        self.drain.take().and_then(|drain| drain.join().ok()).unwrap_or(0)
-    }
-}
-
 fn main() -> Result<()> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        bail!("the uprobe benchmark loads eBPF and needs root: run `cargo run --release -p xtask -- bench` as root");
-    }
+    support::require_root("the uprobe benchmark")?;
     let mut demo = Demo::start()?;
     let pid = demo.child.id();
     let exe = ProcessImage::read(pid)?.find(None)?;
@@ -149,7 +108,7 @@ fn main() -> Result<()> {
             let _floor = attach_floor(pid, symbol, at_return)?;
             demo.time(function)? - base
         };
-        let ours = Ours::attach(pid)?;
+        let ours = Attached::new(pid, "demo")?;
         let cost = demo.time(function)? - base;
         let events = ours.finish();
         println!(

@@ -42,6 +42,19 @@ pub fn demo_bin() -> PathBuf {
     built("STALLWATCH_DEMO", "target/demo/release/demo-prefill")
 }
 
+/// The test venv's Python (NIXL, the OTLP collector), made by
+/// `cargo run --release -p xtask -- setup --python`.
+pub fn venv_python() -> PathBuf {
+    let venv = root().join(std::env::var_os("STALLWATCH_VENV").map_or_else(|| PathBuf::from("target/venv"), PathBuf::from));
+    let python = venv.join("bin/python");
+    assert!(
+        python.exists(),
+        "{} not found (STALLWATCH_VENV); create the venv with `cargo run --release -p xtask -- setup --python`",
+        python.display()
+    );
+    python
+}
+
 /// Integration tests load eBPF: without root they fail, loudly.
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.
@@ -232,6 +245,21 @@ impl Agent {
         );
         proc.wait_stderr("watching", Duration::from_secs(30));
         Self { proc }
+    }
+
+    /// Wait for `n` alerts of `kind`, returning them with when they arrived;
+    /// every other line seen meanwhile is kept in `seen`.
+    pub fn wait_alerts(&self, kind: &str, n: usize, within: Duration, seen: &mut Vec<Line>) -> Vec<(Instant, Value)> {
+        let deadline = Instant::now() + within;
+        loop {
+            let found: Vec<(Instant, Value)> = alerts(seen, kind).collect();
+            if found.len() >= n {
+                return found;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "only {} of {n} `{kind}` alerts within {within:?}: {seen:?}", found.len());
+            seen.push(self.proc.next_line(left, &format!("{n} `{kind}` alerts")));
+        }
     }
 
     /// SIGINT, then every line up to and including the summary.

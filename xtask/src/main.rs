@@ -59,7 +59,7 @@ fn main() -> Result<()> {
             steps::test(&built)
         }
         Command::Bench => {
-            setup::all(false)?;
+            setup::all(true)?;
             let built = steps::build()?;
             steps::bench(&built)
         }

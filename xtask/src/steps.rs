@@ -126,5 +126,6 @@ pub fn bench(built: &Built) -> Result<()> {
     run(Command::new("cargo")
         .current_dir(&root)
         .args(["bench", "-p", "stallwatch"])
-        .env("STALLWATCH_DEMO", &built.demo))
+        .env("STALLWATCH_DEMO", &built.demo)
+        .env("STALLWATCH_VENV", root.join("target/venv")))
 }

@@ -18,6 +18,7 @@ use crate::lifecycle::Stage;
 /// Built-in profiles: (name, TOML text).
 const BUILTIN: &[(&str, &str)] = &[
     ("demo", include_str!("builtin/demo.toml")),
+    ("nixl", include_str!("builtin/nixl.toml")),
 ];
 
 /// Names of the built-in profiles, for help texts and errors.
@@ -427,6 +428,26 @@ mod tests {
             let profile = Profile::load(name).unwrap_or_else(|err| panic!("{name}: {err:#}"));
             assert!(!profile.probes.is_empty(), "{name}");
         }
+    }
+
+    #[test]
+    fn the_nixl_profile_lowers_to_the_documented_slots() {
+        let profile = Profile::load("nixl").unwrap();
+        assert!(profile.tracks_last());
+        let create = &profile.probes[0];
+        let cfg = create.slot_config(true);
+        assert_eq!(cfg.flags & slot_flags::RETURN, slot_flags::RETURN);
+        // The out-reference is r9: six arguments saved, handle read through it.
+        assert_eq!(cfg.nargs, 6);
+        assert_eq!((cfg.key.base, cfg.key.index, cfg.key.depth), (base::ARG, 5, 1));
+        assert_eq!((cfg.ext.base, cfg.ext.depth, cfg.ext.offsets[0]), (base::KEY, 1, 144));
+        assert_eq!((cfg.guard.base, cfg.guard.add), (base::KEY, 176));
+        assert_eq!(cfg.flags & (slot_flags::HAS_EXT | slot_flags::HAS_GUARD | slot_flags::RET_I32), slot_flags::HAS_EXT | slot_flags::HAS_GUARD | slot_flags::RET_I32);
+        let status = profile.probes.iter().find(|p| p.symbol.contains("getXferStatus")).unwrap();
+        assert!(status.only_on_change);
+        assert_eq!(status.stage_for(stallwatch_common::event_flags::RULE_MATCHED), Some(Stage::TransferDone));
+        assert_eq!(status.stage_for(stallwatch_common::event_flags::RULE_MATCHED << 1), Some(Stage::Failed));
+        assert_eq!(status.stage_for(0), None);
     }
 
     #[test]
