@@ -1,0 +1,380 @@
+//! OTLP trace export, off the event path.
+//!
+//! The event loop hands each [`Report`] to [`OtlpExporter::report`], which
+//! only moves it into a bounded queue (`try_send`: never waits, never
+//! allocates beyond the report itself). A dedicated thread with its own
+//! tokio runtime drains the queue, turns reports into spans
+//! ([`spans::SpanMaker`]), batches them and sends them with the
+//! `opentelemetry-otlp` exporter (gRPC or HTTP/protobuf), which retries
+//! with exponential backoff within the export timeout
+//! (`OTEL_EXPORTER_OTLP_TIMEOUT`, 10 s by default). A collector that is
+//! down or slow therefore costs the event path nothing: the queue fills,
+//! further reports are dropped and counted ([`ExportCounts`]), and the agent
+//! keeps detecting and alerting.
+//!
+//! The export thread does not wait on the queue itself: it wakes every
+//! [`POLL_INTERVAL`] to drain it, so an enqueue is a lock-free push with
+//! no cross-thread wake-up (no syscall on the event path). Only a stall
+//! report also rings a [`Notify`], and its span is sent at once; other
+//! spans wait up to [`BATCH_DELAY`] or until [`MAX_BATCH`] have gathered.
+pub mod config;
+pub mod spans;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+        mpsc as std_mpsc,
+    },
+    thread,
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, anyhow};
+use opentelemetry_otlp::{RetryPolicy, WithExportConfig as _, WithHttpConfig as _, WithTonicConfig as _};
+use opentelemetry_sdk::trace::{SpanData, SpanExporter as _};
+use tokio::{
+    sync::{Notify, mpsc, mpsc::error::TryRecvError, watch},
+    time::Instant,
+};
+use tracing::{debug, info, warn};
+
+pub use self::config::{OtlpOptions, OtlpTarget, Protocol};
+use self::spans::SpanMaker;
+use super::clock::Clock;
+use crate::{lifecycle::Report, transport::Evidence};
+
+/// Reports the queue holds; beyond it they are dropped (and counted).
+pub const QUEUE_CAPACITY: usize = 16_384;
+/// Most spans per export request.
+pub const MAX_BATCH: usize = 512;
+/// Longest a span waits for its batch to fill (stall spans never wait).
+pub const BATCH_DELAY: Duration = Duration::from_millis(500);
+/// How often the export thread drains the queue when nothing is urgent.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(50);
+/// How long the agent waits at exit for queued spans to go out.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
+
+/// What [`OtlpExporter::start`] needs besides the target.
+#[derive(Debug, Clone)]
+pub struct ExportSettings {
+    pub queue_capacity: usize,
+    pub max_batch: usize,
+    pub batch_delay: Duration,
+}
+
+impl Default for ExportSettings {
+    fn default() -> Self {
+        Self { queue_capacity: QUEUE_CAPACITY, max_batch: MAX_BATCH, batch_delay: BATCH_DELAY }
+    }
+}
+
+enum Msg {
+    Process(u32, Box<str>),
+    /// Evidence is rare (stalls only) and large: boxed.
+    Report(Report, Option<Box<Evidence>>),
+}
+
+#[derive(Default)]
+struct Counters {
+    exported: AtomicU64,
+    queue_full: AtomicU64,
+    export_failed: AtomicU64,
+    failed_batches: AtomicU64,
+}
+
+impl Counters {
+    fn snapshot(&self, queued: u64, capacity: usize) -> ExportCounts {
+        ExportCounts {
+            exported: self.exported.load(Ordering::Relaxed),
+            dropped_queue_full: self.queue_full.load(Ordering::Relaxed),
+            dropped_export_failed: self.export_failed.load(Ordering::Relaxed),
+            failed_batches: self.failed_batches.load(Ordering::Relaxed),
+            queued,
+            queue_capacity: capacity as u64,
+        }
+    }
+}
+
+/// Export counters, for the metrics and the end-of-run summary.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExportCounts {
+    /// Spans the collector accepted.
+    pub exported: u64,
+    /// Reports dropped because the queue was full.
+    pub dropped_queue_full: u64,
+    /// Spans given up on: export failed after its retries, or still queued
+    /// when the agent exited and the collector did not take them in time.
+    pub dropped_export_failed: u64,
+    /// Export requests that failed after their retries.
+    pub failed_batches: u64,
+    /// Reports waiting in the queue right now.
+    pub queued: u64,
+    /// The queue's capacity.
+    pub queue_capacity: u64,
+}
+
+impl ExportCounts {
+    /// Everything that did not reach the collector.
+    pub fn dropped(&self) -> u64 {
+        self.dropped_queue_full + self.dropped_export_failed
+    }
+}
+
+/// The event loop's end of the export queue.
+pub struct OtlpExporter {
+    tx: mpsc::Sender<Msg>,
+    /// Rung for stall reports and at exit: the export thread drains now.
+    wake: Arc<Notify>,
+    counters: Arc<Counters>,
+    capacity: usize,
+    shutdown: watch::Sender<Option<Instant>>,
+    done: std_mpsc::Receiver<()>,
+    thread: thread::JoinHandle<()>,
+    target: OtlpTarget,
+}
+
+impl OtlpExporter {
+    /// Build the exporter for `target` on its own thread and return once it
+    /// is ready (or failed to build, e.g. an invalid header variable).
+    pub fn start(target: OtlpTarget, host: String, clock: Clock, settings: ExportSettings) -> Result<Self> {
+        let capacity = settings.queue_capacity.max(1);
+        let (tx, rx) = mpsc::channel(capacity);
+        let counters = Arc::new(Counters::default());
+        let (shutdown, shutdown_rx) = watch::channel(None);
+        let (ready_tx, ready_rx) = std_mpsc::channel();
+        let (done_tx, done) = std_mpsc::channel();
+        let wake = Arc::new(Notify::new());
+        let thread_wake = Arc::clone(&wake);
+        let thread_counters = Arc::clone(&counters);
+        let thread_target = target.clone();
+        let thread = thread::Builder::new()
+            .name("otlp-export".into())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(runtime) => runtime,
+                    Err(err) => {
+                        let _ = ready_tx.send(Err(anyhow!(err).context("starting the OTLP export thread's runtime")));
+                        return;
+                    }
+                };
+                runtime.block_on(async move {
+                    let exporter = match build(&thread_target, &host) {
+                        Ok(exporter) => exporter,
+                        Err(err) => {
+                            let _ = ready_tx.send(Err(err));
+                            return;
+                        }
+                    };
+                    let _ = ready_tx.send(Ok(()));
+                    let pump = Pump {
+                        exporter,
+                        maker: SpanMaker::new(host, clock),
+                        counters: thread_counters,
+                        settings,
+                        shutdown: shutdown_rx,
+                        target: thread_target,
+                        failing: false,
+                    };
+                    pump.run(rx, thread_wake).await;
+                });
+                let _ = done_tx.send(());
+            })
+            .context("spawning the OTLP export thread")?;
+        ready_rx
+            .recv()
+            .map_err(|_| anyhow!("the OTLP export thread died while starting"))?
+            .with_context(|| {
+                format!(
+                    "setting up OTLP/{} export to {} (from {}): check the endpoint and the OTEL_EXPORTER_OTLP_* variables",
+                    target.protocol, target.endpoint, target.source
+                )
+            })?;
+        Ok(Self { tx, wake, counters, capacity, shutdown, done, thread, target })
+    }
+
+    pub fn target(&self) -> &OtlpTarget {
+        &self.target
+    }
+
+    /// Tell the span maker the executable name of `pid`.
+    pub fn name_process(&self, pid: u32, executable: &str) {
+        if self.tx.try_send(Msg::Process(pid, executable.into())).is_err() {
+            debug!(pid, "export queue full: process name not sent");
+        }
+    }
+
+    /// Queue a report for export; never blocks. A full queue drops it and
+    /// counts the drop.
+    pub fn report(&self, report: Report, evidence: Option<Evidence>) {
+        let urgent = matches!(report, Report::Stalled { .. });
+        if self.tx.try_send(Msg::Report(report, evidence.map(Box::new))).is_err() {
+            self.counters.queue_full.fetch_add(1, Ordering::Relaxed);
+        } else if urgent {
+            self.wake.notify_one();
+        }
+    }
+
+    pub fn counts(&self) -> ExportCounts {
+        let queued = self.capacity.saturating_sub(self.tx.capacity()) as u64;
+        self.counters.snapshot(queued, self.capacity)
+    }
+
+    /// Send what is queued, waiting at most `grace`, then stop the thread.
+    /// What could not be sent in time counts as dropped.
+    pub fn shutdown(self, grace: Duration) -> ExportCounts {
+        let queued = self.counts().queued;
+        let OtlpExporter { tx, wake, counters, capacity, shutdown, done, thread, .. } = self;
+        let _ = shutdown.send(Some(Instant::now() + grace));
+        // Closing the queue tells the thread to flush and finish.
+        drop(tx);
+        wake.notify_one();
+        // The thread gives up exporting at the deadline; allow it a moment
+        // past that to count what it dropped.
+        match done.recv_timeout(grace + Duration::from_millis(500)) {
+            Ok(()) => {
+                let _ = thread.join();
+            }
+            Err(_) => {
+                warn!("the OTLP export thread did not finish in time; {queued} queued reports are lost");
+                counters.export_failed.fetch_add(queued, Ordering::Relaxed);
+            }
+        }
+        counters.snapshot(0, capacity)
+    }
+}
+
+fn build(target: &OtlpTarget, host: &str) -> Result<opentelemetry_otlp::SpanExporter> {
+    // Retries within the export timeout: a collector restart of a few
+    // seconds loses nothing that fits in the queue meanwhile.
+    let retry = RetryPolicy::recommended()
+        .with_max_retries(10)
+        .with_initial_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(2));
+    let builder = opentelemetry_otlp::SpanExporter::builder();
+    let mut exporter = match target.protocol {
+        Protocol::Grpc => builder.with_tonic().with_endpoint(&target.endpoint).with_retry_policy(retry).build(),
+        Protocol::HttpProtobuf => builder
+            .with_http()
+            .with_endpoint(&target.endpoint)
+            .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+            .with_retry_policy(retry)
+            .build(),
+    }
+    .map_err(|err| anyhow!("{err}"))
+    .context("building the OTLP span exporter")?;
+    exporter.set_resource(&config::resource(host));
+    Ok(exporter)
+}
+
+/// The export thread's loop.
+struct Pump {
+    exporter: opentelemetry_otlp::SpanExporter,
+    maker: SpanMaker,
+    counters: Arc<Counters>,
+    settings: ExportSettings,
+    shutdown: watch::Receiver<Option<Instant>>,
+    target: OtlpTarget,
+    /// The last export failed (so the next success is logged).
+    failing: bool,
+}
+
+impl Pump {
+    async fn run(mut self, mut rx: mpsc::Receiver<Msg>, wake: Arc<Notify>) {
+        let max_batch = self.settings.max_batch.max(1);
+        let mut batch: Vec<SpanData> = Vec::with_capacity(max_batch);
+        let mut flush_at: Option<Instant> = None;
+        loop {
+            // Never await the queue (that would make every enqueue wake this
+            // thread): sleep until the next poll, a stall, or exit.
+            tokio::select! {
+                () = tokio::time::sleep(POLL_INTERVAL) => {}
+                () = wake.notified() => {}
+            }
+            let mut urgent = false;
+            let mut closed = false;
+            loop {
+                match rx.try_recv() {
+                    Ok(Msg::Process(pid, name)) => self.maker.name_process(pid, &name),
+                    Ok(Msg::Report(report, evidence)) => urgent |= self.maker.push(report, evidence.map(|e| *e), &mut batch),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        closed = true;
+                        break;
+                    }
+                }
+                if batch.len() >= max_batch {
+                    self.send(std::mem::replace(&mut batch, Vec::with_capacity(max_batch))).await;
+                    flush_at = None;
+                }
+            }
+            if batch.is_empty() {
+                flush_at = None;
+            } else if urgent || closed || flush_at.is_some_and(|at| at <= Instant::now()) {
+                self.send(std::mem::replace(&mut batch, Vec::with_capacity(max_batch))).await;
+                flush_at = None;
+            } else if flush_at.is_none() {
+                flush_at = Some(Instant::now() + self.settings.batch_delay);
+            }
+            if closed {
+                break;
+            }
+        }
+        let _ = self.exporter.shutdown();
+    }
+
+    async fn send(&mut self, spans: Vec<SpanData>) {
+        let n = spans.len() as u64;
+        let deadline = *self.shutdown.borrow();
+        let result = match deadline {
+            Some(at) => match tokio::time::timeout_at(at, self.exporter.export(spans)).await {
+                Ok(result) => result.map_err(|err| err.to_string()),
+                Err(_) => Err("the agent is exiting and the grace period ran out".to_owned()),
+            },
+            None => {
+                let mut shutdown = self.shutdown.clone();
+                tokio::select! {
+                    result = self.exporter.export(spans) => result.map_err(|err| err.to_string()),
+                    // Exit began mid-export: give this one until the deadline.
+                    () = until_deadline(&mut shutdown) => Err("the agent is exiting and the grace period ran out".to_owned()),
+                }
+            }
+        };
+        match result {
+            Ok(()) => {
+                self.counters.exported.fetch_add(n, Ordering::Relaxed);
+                if std::mem::take(&mut self.failing) {
+                    info!(endpoint = %self.target.endpoint, "OTLP export works again");
+                }
+            }
+            Err(err) => {
+                self.counters.export_failed.fetch_add(n, Ordering::Relaxed);
+                self.counters.failed_batches.fetch_add(1, Ordering::Relaxed);
+                if !std::mem::replace(&mut self.failing, true) {
+                    warn!(
+                        endpoint = %self.target.endpoint,
+                        protocol = %self.target.protocol,
+                        spans = n,
+                        "OTLP export failed after retries: {err}; spans are dropped (and counted) until the collector answers"
+                    );
+                } else {
+                    debug!(spans = n, "OTLP export failed again: {err}");
+                }
+            }
+        }
+    }
+}
+
+/// Resolves when a shutdown deadline is set and has passed.
+async fn until_deadline(shutdown: &mut watch::Receiver<Option<Instant>>) {
+    loop {
+        let deadline = *shutdown.borrow_and_update();
+        if let Some(at) = deadline {
+            tokio::time::sleep_until(at).await;
+            return;
+        }
+        if shutdown.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}

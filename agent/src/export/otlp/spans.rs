@@ -1,0 +1,496 @@
+//! Reports become OTLP spans.
+//!
+//! # Span model
+//!
+//! - **`stallwatch.stall`**, sent the moment the timeout fires
+//!   ([`Report::Stalled`]), while the request is still stuck: it starts at
+//!   the request's last lifecycle event (when the silence began) and ends
+//!   when the stall was detected, with status error and
+//!   `stallwatch.stall.class`. One per silence episode.
+//! - **`stallwatch.request`**, sent when the lifecycle ends (released,
+//!   aborted, failed, process exited, evicted): from the first event seen to
+//!   the end, one span event per stage seen (at the stage's kernel
+//!   timestamp), `stalled` / `recovered` events for each episode, a span
+//!   link to every `stallwatch.stall` span of the lifecycle, and the same
+//!   trace id as those. Status error when it failed, or ended while stuck
+//!   or with its process gone.
+//!
+//! Both are root spans (the agent sees no parent); they share a trace id
+//! that [`trace_id`] derives from the request, so they meet the spans
+//! another node's agent sends for the same external id.
+use std::{collections::HashMap, sync::Arc, time::SystemTime};
+
+use opentelemetry::{
+    InstrumentationScope, KeyValue, StringValue, Value,
+    trace::{Event, Link, SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState},
+};
+use opentelemetry_sdk::trace::{IdGenerator as _, RandomIdGenerator, SpanData, SpanEvents, SpanLinks};
+use sha2::{Digest as _, Sha256};
+
+use crate::{
+    export::clock::Clock,
+    lifecycle::{Outcome, Report, RequestSnapshot, Stage, StallClass},
+    probes::ActivityKind,
+    transport::{Evidence, Verdict},
+};
+
+/// Span names.
+pub const REQUEST_SPAN: &str = "stallwatch.request";
+pub const STALL_SPAN: &str = "stallwatch.stall";
+
+/// Span attribute keys: semantic-convention names where one exists, the
+/// rest under `stallwatch.`.
+pub mod attr {
+    /// The watched process (semantic conventions).
+    pub const PROCESS_PID: &str = "process.pid";
+    pub const PROCESS_EXECUTABLE_NAME: &str = "process.executable.name";
+    /// The request key, hex (`0x…`), as in the alert lines.
+    pub const KEY: &str = "stallwatch.request.key";
+    /// The cross-node identity the probe captured (a bootstrap room).
+    pub const EXTERNAL_ID: &str = "stallwatch.request.external_id";
+    /// The furthest stage reached (for an ended request, how it ended if by
+    /// an event).
+    pub const STAGE: &str = "stallwatch.request.stage";
+    /// How the lifecycle ended (request spans).
+    pub const OUTCOME: &str = "stallwatch.request.outcome";
+    /// Silence episodes this lifecycle had (request spans, when > 0).
+    pub const STALLS: &str = "stallwatch.request.stalls";
+    /// `waiting_for_peer`, `transfer_hung` or `release_lost`: on stall
+    /// spans, and on request spans of a lifecycle that stalled (the last
+    /// episode's class).
+    pub const STALL_CLASS: &str = "stallwatch.stall.class";
+    /// How long the request had been silent when the stall was detected.
+    pub const SILENT_MS: &str = "stallwatch.stall.silent_ms";
+    /// How long a recovered request had been stuck (`recovered` events).
+    pub const STUCK_MS: &str = "stallwatch.stall.stuck_ms";
+    /// The transport's verdict on a stall (`peer_unresponsive`, ...).
+    pub const TRANSPORT_VERDICT: &str = "stallwatch.transport.verdict";
+    /// "last post 57.0s ago, last completion 57.0s ago, 120000 progress calls since, none completed".
+    pub const TRANSPORT_SUMMARY: &str = "stallwatch.transport.summary";
+    /// Calls of each kind since the request's last event.
+    pub const TRANSPORT_POSTS_SINCE: &str = "stallwatch.transport.posts_since";
+    pub const TRANSPORT_COMPLETIONS_SINCE: &str = "stallwatch.transport.completions_since";
+    pub const TRANSPORT_PROGRESS_SINCE: &str = "stallwatch.transport.progress_calls_since";
+}
+
+/// Domain prefixes of the trace-id hash; see [`trace_id`].
+const EXTERNAL_DOMAIN: &[u8] = b"stallwatch/v1/external\0";
+const LOCAL_DOMAIN: &[u8] = b"stallwatch/v1/local\0";
+
+/// The trace id of a request whose probe captured an external id:
+/// the first 16 bytes of `SHA-256("stallwatch/v1/external\0" ‖ id)`,
+/// `id` as the bytes captured (UTF-8). Every agent that sees the same
+/// external id (the prefill and the decode side of one room) derives the
+/// same trace id, with no propagation between them.
+pub fn external_trace_id(external_id: &str) -> TraceId {
+    trace_id_from(Sha256::new().chain_update(EXTERNAL_DOMAIN).chain_update(external_id.as_bytes()))
+}
+
+/// The trace id of a request without an external id: the first 16 bytes
+/// of `SHA-256("stallwatch/v1/local\0" ‖ host ‖ "\0" ‖ pid ‖ key ‖
+/// first_ns)`, the integers big-endian (u32, u64, u64). `first_ns` is the
+/// kernel's CLOCK_MONOTONIC time of the first event, so the id is unique to
+/// the lifecycle and the same in every span of it.
+pub fn local_trace_id(host: &str, pid: u32, key: u64, first_ns: u64) -> TraceId {
+    trace_id_from(
+        Sha256::new()
+            .chain_update(LOCAL_DOMAIN)
+            .chain_update(host.as_bytes())
+            .chain_update([0])
+            .chain_update(pid.to_be_bytes())
+            .chain_update(key.to_be_bytes())
+            .chain_update(first_ns.to_be_bytes()),
+    )
+}
+
+/// The trace id of a request: [`external_trace_id`] when it has an
+/// external id, else [`local_trace_id`].
+pub fn trace_id(host: &str, request: &RequestSnapshot) -> TraceId {
+    match &request.external_id {
+        Some(id) => external_trace_id(id),
+        None => local_trace_id(host, request.pid, request.key, request.first_ns),
+    }
+}
+
+fn trace_id_from(hash: Sha256) -> TraceId {
+    let digest = hash.finalize();
+    let mut bytes = [0; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    // All zeros is the invalid trace id (one chance in 2^128).
+    if bytes == [0; 16] {
+        bytes[15] = 1;
+    }
+    TraceId::from_bytes(bytes)
+}
+
+/// Most stalled lifecycles remembered for their request span's links; past
+/// it (only if `Ended` reports were lost) an arbitrary one is forgotten.
+const OPEN_CAP: usize = 1 << 16;
+
+/// A lifecycle that has stalled at least once: what its request span will
+/// need when it ends.
+struct Open {
+    trace_id: TraceId,
+    stalls: Vec<SpanContext>,
+    events: Vec<Event>,
+    last_class: StallClass,
+}
+
+/// Turns reports into spans, remembering the stall spans of the lifecycles
+/// still open so their request spans can link to them.
+pub struct SpanMaker {
+    host: String,
+    clock: Clock,
+    scope: InstrumentationScope,
+    executables: HashMap<u32, Arc<str>>,
+    open: HashMap<(u32, u64), Open>,
+    ids: RandomIdGenerator,
+}
+
+impl SpanMaker {
+    pub fn new(host: String, clock: Clock) -> Self {
+        Self {
+            host,
+            clock,
+            scope: InstrumentationScope::builder("stallwatch").with_version(env!("CARGO_PKG_VERSION")).build(),
+            executables: HashMap::new(),
+            open: HashMap::new(),
+            ids: RandomIdGenerator::default(),
+        }
+    }
+
+    /// The executable name spans of `pid` carry (`process.executable.name`).
+    pub fn name_process(&mut self, pid: u32, executable: &str) {
+        self.executables.insert(pid, executable.into());
+    }
+
+    /// The spans a report calls for (none for a recovery, which becomes an
+    /// event of the request span). Returns whether one is a stall span,
+    /// which should be sent at once.
+    pub fn push(&mut self, report: Report, evidence: Option<Evidence>, out: &mut Vec<SpanData>) -> bool {
+        match report {
+            Report::Stalled { request, class, silent_ns, at_ns } => {
+                let span_id = self.ids.new_span_id();
+                let detected = Event::new(
+                    "stalled",
+                    self.clock.wall(at_ns),
+                    vec![KeyValue::new(attr::STALL_CLASS, class.as_str()), KeyValue::new(attr::SILENT_MS, ms(silent_ns))],
+                    0,
+                );
+                let open = self.open(&request, class);
+                let context = SpanContext::new(open.trace_id, span_id, TraceFlags::SAMPLED, false, TraceState::NONE);
+                open.stalls.push(context.clone());
+                open.last_class = class;
+                open.events.push(detected);
+                let mut attributes = self.base(&request);
+                attributes.push(KeyValue::new(attr::STALL_CLASS, class.as_str()));
+                attributes.push(KeyValue::new(attr::SILENT_MS, ms(silent_ns)));
+                if let Some(evidence) = &evidence {
+                    attributes.extend(transport_attributes(evidence));
+                }
+                let status = Status::error(format!(
+                    "{class}: silent for {:.2}s at {}",
+                    silent_ns as f64 / 1e9,
+                    request.stage
+                ));
+                let events = self.stage_events(&request).collect();
+                out.push(self.span(context, STALL_SPAN, request.last_ns, at_ns, attributes, events, Vec::new(), status));
+                true
+            }
+            Report::Recovered { request, class, stuck_ns } => {
+                let at = self.clock.wall(request.last_ns);
+                self.open(&request, class).events.push(Event::new(
+                    "recovered",
+                    at,
+                    vec![KeyValue::new(attr::STALL_CLASS, class.as_str()), KeyValue::new(attr::STUCK_MS, ms(stuck_ns))],
+                    0,
+                ));
+                false
+            }
+            Report::Ended { request, outcome, at_ns } => {
+                let open = self.open.remove(&(request.pid, request.key));
+                let trace_id = open.as_ref().map_or_else(|| trace_id(&self.host, &request), |open| open.trace_id);
+                let context = SpanContext::new(trace_id, self.ids.new_span_id(), TraceFlags::SAMPLED, false, TraceState::NONE);
+                let mut attributes = self.base(&request);
+                attributes.push(KeyValue::new(attr::OUTCOME, outcome.as_str()));
+                let mut events: Vec<Event> = self.stage_events(&request).collect();
+                if outcome != Outcome::Released {
+                    events.push(Event::new(outcome.as_str(), self.clock.wall(at_ns), Vec::new(), 0));
+                }
+                let mut links = Vec::new();
+                let class = request.stalled.or(open.as_ref().map(|open| open.last_class));
+                if let Some(open) = open {
+                    attributes.push(KeyValue::new(attr::STALLS, open.stalls.len() as i64));
+                    links.extend(open.stalls.into_iter().map(Link::with_context));
+                    events.extend(open.events);
+                    events.sort_by_key(|event| event.timestamp);
+                }
+                if let Some(class) = class {
+                    attributes.push(KeyValue::new(attr::STALL_CLASS, class.as_str()));
+                }
+                let status = match (outcome, request.stalled) {
+                    (Outcome::Failed, _) => Status::error(format!("failed after {}", progress(&request))),
+                    (_, Some(class)) => Status::error(format!("{outcome} while stalled ({class}) at {}", request.stage)),
+                    (Outcome::ProcessExited, None) => {
+                        Status::error(format!("the process exited with the request at {}", request.stage))
+                    }
+                    _ => Status::Unset,
+                };
+                let end_ns = at_ns.max(request.last_ns);
+                out.push(self.span(context, REQUEST_SPAN, request.first_ns, end_ns, attributes, events, links, status));
+                false
+            }
+        }
+    }
+
+    /// The open-lifecycle record of a request, created on its first stall.
+    fn open(&mut self, request: &RequestSnapshot, class: StallClass) -> &mut Open {
+        let key = (request.pid, request.key);
+        if self.open.len() >= OPEN_CAP && !self.open.contains_key(&key) {
+            if let Some(victim) = self.open.keys().next().copied() {
+                self.open.remove(&victim);
+            }
+        }
+        let host = &self.host;
+        self.open.entry(key).or_insert_with(|| Open {
+            trace_id: trace_id(host, request),
+            stalls: Vec::new(),
+            events: Vec::new(),
+            last_class: class,
+        })
+    }
+
+    fn base(&self, request: &RequestSnapshot) -> Vec<KeyValue> {
+        let mut attributes = Vec::with_capacity(9);
+        attributes.push(KeyValue::new(attr::PROCESS_PID, i64::from(request.pid)));
+        if let Some(name) = self.executables.get(&request.pid) {
+            attributes.push(KeyValue::new(attr::PROCESS_EXECUTABLE_NAME, Value::String(StringValue::from(Arc::clone(name)))));
+        }
+        attributes.push(KeyValue::new(attr::KEY, format!("{:#x}", request.key)));
+        if let Some(id) = &request.external_id {
+            attributes.push(KeyValue::new(attr::EXTERNAL_ID, id.to_string()));
+        }
+        attributes.push(KeyValue::new(attr::STAGE, request.stage.as_str()));
+        attributes
+    }
+
+    fn stage_events<'a>(&'a self, request: &'a RequestSnapshot) -> impl Iterator<Item = Event> + 'a {
+        Stage::ALL.into_iter().filter_map(move |stage| {
+            let ns = request.stage_at(stage)?;
+            Some(Event::new(stage.as_str(), self.clock.wall(ns), Vec::new(), 0))
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn span(
+        &self,
+        span_context: SpanContext,
+        name: &'static str,
+        start_ns: u64,
+        end_ns: u64,
+        attributes: Vec<KeyValue>,
+        events: Vec<Event>,
+        links: Vec<Link>,
+        status: Status,
+    ) -> SpanData {
+        let mut span_events = SpanEvents::default();
+        span_events.events = events;
+        let mut span_links = SpanLinks::default();
+        span_links.links = links;
+        let start_time: SystemTime = self.clock.wall(start_ns);
+        SpanData {
+            span_context,
+            parent_span_id: SpanId::INVALID,
+            parent_span_is_remote: false,
+            span_kind: SpanKind::Internal,
+            name: name.into(),
+            start_time,
+            end_time: self.clock.wall(end_ns).max(start_time),
+            attributes,
+            dropped_attributes_count: 0,
+            events: span_events,
+            links: span_links,
+            status,
+            instrumentation_scope: self.scope.clone(),
+        }
+    }
+
+    /// Lifecycles that have stalled and not ended (for tests).
+    pub fn open_lifecycles(&self) -> usize {
+        self.open.len()
+    }
+}
+
+/// The transport evidence of a stall, as span attributes.
+fn transport_attributes(evidence: &Evidence) -> [KeyValue; 5] {
+    let since = |kind| evidence.since.get(kind).calls as i64;
+    [
+        KeyValue::new(attr::TRANSPORT_VERDICT, evidence.verdict.as_str()),
+        KeyValue::new(attr::TRANSPORT_SUMMARY, Verdict::describe(evidence)),
+        KeyValue::new(attr::TRANSPORT_POSTS_SINCE, since(ActivityKind::Post)),
+        KeyValue::new(attr::TRANSPORT_COMPLETIONS_SINCE, since(ActivityKind::Completion)),
+        KeyValue::new(attr::TRANSPORT_PROGRESS_SINCE, since(ActivityKind::Progress)),
+    ]
+}
+
+fn ms(ns: u64) -> i64 {
+    i64::try_from(ns / 1_000_000).unwrap_or(i64::MAX)
+}
+
+fn progress(request: &RequestSnapshot) -> &'static str {
+    request.progress().map_or("no stage", Stage::as_str)
+}
+
+#[cfg(test)]
+mod tests {
+    use opentelemetry::Key;
+
+    use super::*;
+
+    #[test]
+    fn external_trace_ids_are_fixed() {
+        // Fixed inputs, fixed ids: changing the derivation breaks the
+        // joining of two nodes' spans, so it must never change silently.
+        // (python3 -c 'import hashlib; print(hashlib.sha256(b"stallwatch/v1/external\0room-1").hexdigest()[:32])')
+        assert_eq!(external_trace_id("room-1").to_string(), "354a4a87db332ece49f9a971f8e2c916");
+        assert_eq!(external_trace_id("").to_string(), "132c97ae5acdf261570383bccb6a2bf5");
+        assert_ne!(external_trace_id("room-1"), external_trace_id("room-2"));
+    }
+
+    #[test]
+    fn local_trace_ids_are_fixed_and_tell_lifecycles_apart() {
+        assert_eq!(local_trace_id("node-a", 4242, 0x10, 1_000).to_string(), "51d020da45cbe1d7cb61ccc7c356b5a7");
+        let id = local_trace_id("node-a", 4242, 0x10, 1_000);
+        assert_ne!(id, local_trace_id("node-b", 4242, 0x10, 1_000));
+        assert_ne!(id, local_trace_id("node-a", 4243, 0x10, 1_000));
+        assert_ne!(id, local_trace_id("node-a", 4242, 0x11, 1_000));
+        assert_ne!(id, local_trace_id("node-a", 4242, 0x10, 1_001));
+    }
+
+    fn snapshot(stage: Stage, external_id: Option<&str>) -> RequestSnapshot {
+        let mut stage_ns = [None; 4];
+        for s in Stage::ALL {
+            if let Some(slot) = s.timestamp_slot().filter(|_| s <= stage) {
+                stage_ns[slot] = Some(1_000_000_000 + slot as u64 * 1_000_000);
+            }
+        }
+        let last_ns = stage_ns.iter().flatten().copied().max().unwrap_or(1_000_000_000);
+        RequestSnapshot {
+            pid: 7,
+            key: 0xab,
+            external_id: external_id.map(Into::into),
+            stage,
+            stage_ns,
+            first_ns: 1_000_000_000,
+            last_ns,
+            stalled: None,
+        }
+    }
+
+    fn attribute(span: &SpanData, key: &'static str) -> Option<String> {
+        span.attributes.iter().find(|kv| kv.key == Key::from_static_str(key)).map(|kv| kv.value.to_string())
+    }
+
+    #[test]
+    fn a_healthy_request_is_one_span_with_its_stage_events() {
+        let mut maker = SpanMaker::new("node-a".into(), Clock::new());
+        maker.name_process(7, "demo-prefill");
+        let mut spans = Vec::new();
+        let request = snapshot(Stage::Released, Some("room-9"));
+        let urgent = maker.push(Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released }, None, &mut spans);
+        assert!(!urgent);
+        let [span] = spans.as_slice() else { panic!("{spans:?}") };
+        assert_eq!(span.name, REQUEST_SPAN);
+        assert_eq!(span.span_context.trace_id(), external_trace_id("room-9"));
+        assert_eq!(span.status, Status::Unset);
+        let names: Vec<&str> = span.events.iter().map(|e| e.name.as_ref()).collect();
+        assert_eq!(names, ["enqueued", "transfer_posted", "transfer_done", "released"]);
+        assert!(span.events.windows(2).all(|w| w[0].timestamp < w[1].timestamp));
+        assert_eq!(attribute(span, attr::PROCESS_PID).as_deref(), Some("7"));
+        assert_eq!(attribute(span, attr::PROCESS_EXECUTABLE_NAME).as_deref(), Some("demo-prefill"));
+        assert_eq!(attribute(span, attr::KEY).as_deref(), Some("0xab"));
+        assert_eq!(attribute(span, attr::EXTERNAL_ID).as_deref(), Some("room-9"));
+        assert_eq!(attribute(span, attr::OUTCOME).as_deref(), Some("released"));
+        assert_eq!(attribute(span, attr::STALL_CLASS), None);
+        assert!(span.links.is_empty());
+        assert_eq!(span.start_time, Clock::new().wall(1_000_000_000).max(span.start_time));
+    }
+
+    #[test]
+    fn a_stall_span_carries_the_transport_evidence() {
+        let request = snapshot(Stage::TransferPosted, Some("room-3"));
+        let mut tracker = crate::transport::Tracker::new(2_000_000_000);
+        let mut busy = crate::transport::Totals::default();
+        busy.add_for_test(ActivityKind::Progress, 4_000, Some(request.last_ns + 1_900_000_000));
+        tracker.record_for_test(7, request.last_ns, crate::transport::Totals::default());
+        tracker.record_for_test(7, request.last_ns + 2_000_000_000, busy);
+        let evidence = tracker.evidence(&request, StallClass::TransferHung);
+        assert!(evidence.is_some());
+        let mut maker = SpanMaker::new("node-a".into(), Clock::new());
+        let mut spans = Vec::new();
+        let at_ns = request.last_ns + 2_000_000_000;
+        maker.push(Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns }, evidence, &mut spans);
+        let [stall] = spans.as_slice() else { panic!("{spans:?}") };
+        assert_eq!(attribute(stall, attr::TRANSPORT_VERDICT).as_deref(), Some("peer_unresponsive"));
+        assert_eq!(attribute(stall, attr::TRANSPORT_PROGRESS_SINCE).as_deref(), Some("4000"));
+        assert_eq!(attribute(stall, attr::TRANSPORT_COMPLETIONS_SINCE).as_deref(), Some("0"));
+        assert!(attribute(stall, attr::TRANSPORT_SUMMARY).is_some_and(|s| s.contains("4000 progress calls since, none completed")));
+    }
+
+    #[test]
+    fn a_stall_is_a_span_at_once_and_the_request_span_links_to_it() {
+        let mut maker = SpanMaker::new("node-a".into(), Clock::new());
+        let mut spans = Vec::new();
+        let mut request = snapshot(Stage::TransferPosted, None);
+        let silent_from = request.last_ns;
+        request.stalled = Some(StallClass::TransferHung);
+        let at_ns = silent_from + 2_000_000_000;
+        let stalled = Report::Stalled { request: request.clone(), class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns };
+        assert!(maker.push(stalled, None, &mut spans), "stall spans are urgent");
+        let stall = spans.pop().expect("stall span");
+        assert_eq!(stall.name, STALL_SPAN);
+        assert!(matches!(&stall.status, Status::Error { description } if description.contains("transfer_hung")), "{:?}", stall.status);
+        assert_eq!(attribute(&stall, attr::STALL_CLASS).as_deref(), Some("transfer_hung"));
+        assert_eq!(attribute(&stall, attr::SILENT_MS).as_deref(), Some("2000"));
+        assert_eq!(stall.span_context.trace_id(), local_trace_id("node-a", 7, 0xab, 1_000_000_000));
+        assert_eq!(maker.open_lifecycles(), 1);
+
+        // It moves on, then is released.
+        request.stalled = None;
+        request.last_ns = at_ns + 500_000_000;
+        request.stage = Stage::TransferDone;
+        request.stage_ns[2] = Some(request.last_ns);
+        let recovered = Report::Recovered { request: request.clone(), class: StallClass::TransferHung, stuck_ns: 2_500_000_000 };
+        assert!(!maker.push(recovered, None, &mut spans));
+        assert!(spans.is_empty(), "a recovery is an event of the request span");
+        request.stage = Stage::Released;
+        request.last_ns += 1_000_000;
+        request.stage_ns[3] = Some(request.last_ns);
+        maker.push(Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released }, None, &mut spans);
+        let [span] = spans.as_slice() else { panic!("{spans:?}") };
+        assert_eq!(span.span_context.trace_id(), stall.span_context.trace_id());
+        assert_eq!(span.links.len(), 1);
+        assert_eq!(span.links[0].span_context, stall.span_context);
+        let names: Vec<&str> = span.events.iter().map(|e| e.name.as_ref()).collect();
+        // The reviving event and the recovery share a timestamp.
+        assert_eq!(names, ["enqueued", "transfer_posted", "stalled", "transfer_done", "recovered", "released"]);
+        assert_eq!(attribute(span, attr::STALLS).as_deref(), Some("1"));
+        assert_eq!(attribute(span, attr::STALL_CLASS).as_deref(), Some("transfer_hung"));
+        assert_eq!(span.status, Status::Unset, "it recovered and completed");
+        assert_eq!(maker.open_lifecycles(), 0);
+    }
+
+    #[test]
+    fn ending_while_stuck_is_an_error() {
+        let mut maker = SpanMaker::new("node-a".into(), Clock::new());
+        let mut spans = Vec::new();
+        let mut request = snapshot(Stage::Enqueued, Some("room-3"));
+        request.stalled = Some(StallClass::WaitingForPeer);
+        let at_ns = request.last_ns + 5_000_000_000;
+        maker.push(Report::Ended { request, outcome: Outcome::ProcessExited, at_ns }, None, &mut spans);
+        let [span] = spans.as_slice() else { panic!("{spans:?}") };
+        assert!(matches!(&span.status, Status::Error { description } if description.contains("waiting_for_peer")));
+        assert_eq!(span.events.last().map(|e| e.name.as_ref()), Some("process_exited"));
+        assert_eq!(attribute(span, attr::STALL_CLASS).as_deref(), Some("waiting_for_peer"));
+    }
+}

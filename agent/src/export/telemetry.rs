@@ -1,0 +1,119 @@
+//! Everything besides the alert lines that reports feed: OTLP spans and the
+//! Prometheus metrics. The event loop owns one [`Telemetry`] and calls it
+//! with every report; nothing here blocks.
+use std::net::SocketAddr;
+
+use anyhow::Result;
+use tracing::{info, warn};
+
+use super::{
+    clock::Clock,
+    metrics::{self, Metrics, MetricsServer, Scrape},
+    otlp::{self, ExportCounts, ExportSettings, OtlpExporter, OtlpOptions, Protocol},
+};
+use crate::{
+    lifecycle::{Engine, Report},
+    probes::Probes,
+    transport::Evidence,
+};
+
+/// The `stallwatch run` flags for spans and metrics.
+#[derive(Debug, Clone, Default)]
+pub struct TelemetryOptions {
+    pub otlp: OtlpOptions,
+    /// `--metrics-addr`; `None`: no metrics endpoint.
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+pub struct Telemetry {
+    otlp: Option<OtlpExporter>,
+    metrics: Metrics,
+    server: Option<MetricsServer>,
+}
+
+impl Telemetry {
+    /// Start the exporter and the metrics endpoint the options ask for.
+    pub async fn start(options: &TelemetryOptions, clock: Clock) -> Result<Self> {
+        let otlp = match options.otlp.resolve()? {
+            Some(target) => {
+                if target.protocol == Protocol::HttpProtobuf && target.endpoint.contains(":4317") {
+                    warn!(
+                        endpoint = %target.endpoint,
+                        "OTLP over HTTP to port 4317, the gRPC port by convention: pass --otlp-protocol grpc if the collector speaks gRPC there"
+                    );
+                }
+                let exporter = OtlpExporter::start(target, otlp::config::host_name(), clock, ExportSettings::default())?;
+                let target = exporter.target();
+                info!(endpoint = %target.endpoint, protocol = %target.protocol, from = target.source, "exporting spans over OTLP");
+                Some(exporter)
+            }
+            None => None,
+        };
+        let server = match options.metrics_addr {
+            Some(addr) => {
+                let server = MetricsServer::bind(addr).await?;
+                info!(addr = %server.local_addr(), "serving metrics at /metrics");
+                Some(server)
+            }
+            None => None,
+        };
+        Ok(Self { otlp, metrics: Metrics::default(), server })
+    }
+
+    /// Name a watched process (spans carry `process.executable.name`).
+    pub fn name_process(&self, pid: u32) {
+        if let Some(otlp) = &self.otlp {
+            otlp.name_process(pid, &executable_name(pid));
+        }
+    }
+
+    /// Count a report and queue it for export, with the transport evidence
+    /// a stall carries.
+    pub fn report(&mut self, report: Report, evidence: Option<Evidence>) {
+        self.metrics.report(&report);
+        if let Some(otlp) = &self.otlp {
+            otlp.report(report, evidence);
+        }
+    }
+
+    /// The next metrics scrape; never resolves without a metrics endpoint.
+    pub async fn scrape(&mut self) -> Scrape {
+        match &mut self.server {
+            Some(server) => match server.next().await {
+                Some(scrape) => scrape,
+                None => std::future::pending().await,
+            },
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Answer a scrape with the current values.
+    pub fn answer(&self, scrape: Scrape, engine: &Engine, probes: &Probes) {
+        let kernel = probes.counters().map_err(|err| warn!("metrics: {err:#}")).ok();
+        let export = self.otlp.as_ref().map(OtlpExporter::counts);
+        let format = scrape.format;
+        scrape.answer(metrics::render(self.metrics.snapshot(engine, kernel, export), format));
+    }
+
+    /// Flush and stop the exporter; the export counts, for the summary.
+    pub fn finish(self) -> ExportCounts {
+        match self.otlp {
+            Some(otlp) => {
+                let counts = otlp.shutdown(otlp::SHUTDOWN_GRACE);
+                info!(exported = counts.exported, dropped = counts.dropped(), "OTLP export finished");
+                counts
+            }
+            None => ExportCounts::default(),
+        }
+    }
+}
+
+/// The base name of `/proc/PID/exe` (the semantic conventions'
+/// `process.executable.name`), else the kernel's `comm`.
+fn executable_name(pid: u32) -> String {
+    std::fs::read_link(format!("/proc/{pid}/exe"))
+        .ok()
+        .and_then(|path| path.file_name().map(|name| name.to_string_lossy().trim_end_matches(" (deleted)").to_owned()))
+        .or_else(|| std::fs::read_to_string(format!("/proc/{pid}/comm")).ok().map(|comm| comm.trim().to_owned()))
+        .unwrap_or_else(|| "?".to_owned())
+}

@@ -1,0 +1,359 @@
+//! OTLP export against a real collector (rotel) on loopback, the agent on
+//! the real demo target with real uprobes.
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use stallwatch_tests::{
+    Agent, Demo, Injected, Line,
+    otlp::{Collector, Span, expected_trace_id, http_get, watch_with_env},
+    require_root, summary,
+};
+
+const REQUEST_SPAN: &str = "stallwatch.request";
+const STALL_SPAN: &str = "stallwatch.stall";
+
+
+fn class_of(kind: &str) -> &str {
+    if kind == "recover" { "transfer_hung" } else { kind }
+}
+
+fn key_of(span: &Span) -> &str {
+    span.attr("stallwatch.request.key").unwrap_or_default()
+}
+
+fn stall_spans(spans: &[Span]) -> Vec<&Span> {
+    spans.iter().filter(|s| s.name == STALL_SPAN).collect()
+}
+
+fn request_spans(spans: &[Span]) -> Vec<&Span> {
+    spans.iter().filter(|s| s.name == REQUEST_SPAN).collect()
+}
+
+/// The checks every request span passes.
+fn check_request_span(span: &Span, pid: u32) {
+    assert_eq!(span.attr("process.pid"), Some(pid.to_string().as_str()), "{span:#?}");
+    assert_eq!(span.attr("process.executable.name"), Some("demo-prefill"), "{span:#?}");
+    let key = u64::from_str_radix(key_of(span).trim_start_matches("0x"), 16).expect("hex key");
+    let room = format!("room-{key}");
+    assert_eq!(span.attr("stallwatch.request.external_id"), Some(room.as_str()), "{span:#?}");
+    assert_eq!(span.trace_id, expected_trace_id(&room), "trace id from the external id: {span:#?}");
+    let names = span.event_names();
+    assert_eq!(names.first(), Some(&"enqueued"), "{span:#?}");
+    assert!(span.events.windows(2).all(|w| w[0].1 <= w[1].1), "events in time order: {span:#?}");
+    assert_eq!(span.start_unix_nano, span.events[0].1, "the span starts at the first stage: {span:#?}");
+    assert!(span.end_unix_nano >= span.start_unix_nano);
+}
+
+#[test]
+fn stalled_spans_arrive_while_stuck_and_lifecycles_when_they_end_grpc() {
+    require_root();
+    let mut collector = Collector::start();
+    let mut demo = Demo::start(&[
+        "--rate", "200", "--duration", "6s", "--inject-after", "300ms",
+        "--waiting-for-peer", "1", "--transfer-hung", "1", "--release-lost", "1",
+        "--recover", "1", "--recover-after", "2500ms",
+    ]);
+    let pid = demo.proc.pid();
+    let endpoint = collector.grpc_endpoint();
+    let agent = Agent::watch(pid, "demo", "1s", &["--otlp-endpoint", &endpoint, "--otlp-protocol", "grpc"]);
+    demo.go();
+    let mut demo_lines = Vec::new();
+    let injected = demo.wait_injected(4, &mut demo_lines);
+
+    // Every stuck request's stall span, while it is stuck: the demo is
+    // still running (it exits at 6 s) and holds them.
+    let spans = collector.wait_for(Duration::from_secs(4), "4 stall spans", |spans| stall_spans(spans).len() >= 4);
+    assert!(demo.proc.child.try_wait().expect("try_wait").is_none(), "stall spans must arrive before the demo ends");
+    let stalls = stall_spans(&spans);
+    assert_eq!(stalls.len(), 4, "one stall span per stuck request: {stalls:#?}");
+    for span in &stalls {
+        let Injected { stall: kind, room, at: injected_at } =
+            injected.get(key_of(span)).unwrap_or_else(|| panic!("stall span for a healthy request: {span:#?}"));
+        assert!(span.is_error(), "{span:#?}");
+        assert_eq!(span.attr("stallwatch.stall.class"), Some(class_of(kind)), "{span:#?}");
+        assert!(span.status_message.contains(class_of(kind)), "{span:#?}");
+        assert_eq!(span.trace_id, expected_trace_id(room), "{span:#?}");
+        assert_eq!(span.attr("stallwatch.request.external_id"), Some(room.as_str()));
+        let silent: u64 = span.attr("stallwatch.stall.silent_ms").expect("silent_ms").parse().expect("number");
+        assert!((1_000..2_000).contains(&silent), "{span:#?}");
+        let latency = span.seen_at.expect("seen").duration_since(*injected_at);
+        eprintln!("stall span {} ({}) at the collector {latency:?} after its request's last event (timeout 1 s)", key_of(span), class_of(kind));
+        assert!(latency < Duration::from_millis(2_500), "stall span {latency:?} after its request's last event: {span:#?}");
+        assert_eq!(span.resource.get("service.name").map(String::as_str), Some("stallwatch"));
+        assert!(span.resource.get("host.name").is_some_and(|h| !h.is_empty()), "{:?}", span.resource);
+    }
+
+    // The demo exits with three requests still pinned; the agent follows.
+    let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(20));
+    demo_lines.extend(demo.proc.lines_until_exit(Duration::from_secs(5)));
+    let summary = summary(&agent_lines);
+    assert_eq!(summary["export_drops"], 0, "{summary}");
+    assert_eq!(summary["stalled"], 4, "{summary}");
+    let seen = summary["seen"].as_u64().expect("seen") as usize;
+    let spans = collector.wait_for(Duration::from_secs(5), "a request span per lifecycle", |spans| request_spans(spans).len() >= seen);
+    let requests = request_spans(&spans);
+    assert_eq!(requests.len(), seen, "exactly one request span per lifecycle ({summary})");
+    for span in &requests {
+        check_request_span(span, pid);
+    }
+    let by_key: HashMap<&str, &Span> = requests.iter().map(|s| (key_of(s), *s)).collect();
+    assert_eq!(by_key.len(), requests.len(), "request keys are distinct here");
+    let stall_of: HashMap<&str, &Span> = stalls.iter().map(|s| (key_of(s), *s)).collect();
+    for (key, Injected { stall: kind, .. }) in &injected {
+        let span = by_key.get(key.as_str()).unwrap_or_else(|| panic!("no request span for pinned {key}"));
+        let stall = stall_of[key.as_str()];
+        assert_eq!(span.links, vec![(stall.trace_id.clone(), stall.span_id.clone())], "linked to its stall span: {span:#?}");
+        assert_eq!(span.trace_id, stall.trace_id, "same trace as its stall span");
+        assert_eq!(span.attr("stallwatch.stall.class"), Some(class_of(kind)), "{span:#?}");
+        assert!(span.event_names().contains(&"stalled"), "{span:#?}");
+        if kind == "recover" {
+            assert_eq!(span.attr("stallwatch.request.outcome"), Some("released"), "{span:#?}");
+            assert!(!span.is_error(), "it recovered and completed: {span:#?}");
+            let names = span.event_names();
+            for stage in ["transfer_posted", "stalled", "recovered", "transfer_done", "released"] {
+                assert!(names.contains(&stage), "{stage} in {names:?}");
+            }
+            let recovered = span.events.iter().find(|e| e.0 == "recovered").expect("recovered event");
+            let stuck: u64 = recovered.2["stallwatch.stall.stuck_ms"].parse().expect("stuck_ms");
+            assert!((2_000..3_500).contains(&stuck), "{recovered:?}");
+        } else {
+            assert_eq!(span.attr("stallwatch.request.outcome"), Some("process_exited"), "{span:#?}");
+            assert!(span.is_error(), "it ended stuck: {span:#?}");
+            assert_eq!(span.event_names().last(), Some(&"process_exited"), "{span:#?}");
+        }
+    }
+    // A healthy one: every stage, no stall, no error.
+    let healthy = requests.iter().find(|s| !injected.contains_key(key_of(s))).expect("a healthy request span");
+    assert_eq!(healthy.event_names(), ["enqueued", "transfer_posted", "transfer_done", "released"], "{healthy:#?}");
+    assert_eq!(healthy.attr("stallwatch.request.outcome"), Some("released"));
+    assert_eq!(healthy.attr("stallwatch.request.stage"), Some("released"));
+    assert!(!healthy.is_error() && healthy.links.is_empty() && healthy.attr("stallwatch.stall.class").is_none(), "{healthy:#?}");
+    let _ = collector.stop();
+}
+
+#[test]
+fn http_export_from_the_environment_with_resource_and_metrics() {
+    require_root();
+    let mut collector = Collector::start();
+    let mut demo = Demo::start(&["--rate", "100", "--duration", "5s", "--inject-after", "200ms", "--waiting-for-peer", "1"]);
+    let pid = demo.proc.pid();
+    let endpoint = collector.http_endpoint();
+    let agent = watch_with_env(
+        pid,
+        "1s",
+        &["--metrics-addr", "127.0.0.1:0"],
+        &[
+            // Base URL: the agent appends /v1/traces.
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+            ("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=stallwatch-test"),
+            ("OTEL_SERVICE_NAME", "prefill-watch"),
+            ("K8S_NODE_NAME", "gpu-node-7"),
+            ("K8S_POD_NAME", "stallwatch-x1"),
+        ],
+    );
+    demo.go();
+    let mut demo_lines = Vec::new();
+    let injected = demo.wait_injected(1, &mut demo_lines);
+    let (key, Injected { room, .. }) = injected.iter().next().expect("one injected");
+
+    let spans = collector.wait_for(Duration::from_secs(4), "the stall span over HTTP", |spans| !stall_spans(spans).is_empty());
+    assert!(demo.proc.child.try_wait().expect("try_wait").is_none(), "the stall span must arrive while the demo holds it");
+    let stall = stall_spans(&spans)[0].clone();
+    assert_eq!(key_of(&stall), key);
+    assert!(stall.is_error());
+    assert_eq!(stall.attr("stallwatch.stall.class"), Some("waiting_for_peer"));
+    assert_eq!(stall.trace_id, expected_trace_id(room));
+    let resource = &stall.resource;
+    assert_eq!(resource.get("service.name").map(String::as_str), Some("prefill-watch"), "{resource:?}");
+    assert_eq!(resource.get("k8s.node.name").map(String::as_str), Some("gpu-node-7"), "{resource:?}");
+    assert_eq!(resource.get("k8s.pod.name").map(String::as_str), Some("stallwatch-x1"), "{resource:?}");
+
+    // The metrics endpoint, scraped while the request is stuck.
+    let port = metrics_port(&agent);
+    let (status, body) = http_get(port, "/metrics", Some("application/openmetrics-text; version=1.0.0"));
+    assert_eq!(status, "HTTP/1.1 200 OK", "{body}");
+    for line in [
+        "stallwatch_stalls_total{class=\"waiting_for_peer\"} 1",
+        "stallwatch_requests_stalled{class=\"waiting_for_peer\"} 1",
+        "stallwatch_lost_events_total{reason=\"ringbuf_full\"} 0",
+        "stallwatch_export_drops_total{reason=\"queue_full\"} 0",
+        "# EOF",
+    ] {
+        assert!(body.lines().any(|l| l == line), "no `{line}` in:\n{body}");
+    }
+    let enqueued = metric(&body, "stallwatch_requests_in_flight{stage=\"enqueued\"}");
+    assert!(enqueued >= 1, "the pinned request is in flight at `enqueued`:\n{body}");
+    let exported = metric(&body, "stallwatch_export_spans_total");
+    assert!(exported >= 1, "{body}");
+    let (_, classic) = http_get(port, "/metrics", None);
+    assert!(classic.contains("stallwatch_requests_seen_total ") && !classic.contains("# EOF"), "{classic}");
+    assert_eq!(http_get(port, "/nope", None).0, "HTTP/1.1 404 Not Found");
+
+    let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(20));
+    let summary = summary(&agent_lines);
+    assert_eq!(summary["export_drops"], 0, "{summary}");
+    let seen = summary["seen"].as_u64().expect("seen") as usize;
+    let spans = collector.wait_for(Duration::from_secs(5), "every request span", |spans| request_spans(spans).len() >= seen);
+    let requests = request_spans(&spans);
+    assert_eq!(requests.len(), seen);
+    for span in &requests {
+        check_request_span(span, pid);
+    }
+    let pinned = requests.iter().find(|s| key_of(s) == key).expect("the pinned request's span");
+    assert_eq!(pinned.links, vec![(stall.trace_id.clone(), stall.span_id.clone())]);
+    assert_eq!(pinned.attr("stallwatch.request.outcome"), Some("process_exited"));
+    let _ = collector.stop();
+}
+
+#[test]
+fn a_collector_restart_never_stops_alerting_and_later_spans_arrive() {
+    require_root();
+    let collector = Collector::start();
+    let (grpc_port, http_port) = (collector.grpc_port, collector.http_port);
+    // Stalls are injected at 2 s, while the collector is down (1 s..4 s);
+    // the recovering one moves on at 5.5 s, after the restart.
+    let mut demo = Demo::start(&[
+        "--rate", "200", "--duration", "8s", "--inject-after", "2s",
+        "--transfer-hung", "1", "--recover", "1", "--recover-after", "3500ms",
+    ]);
+    let pid = demo.proc.pid();
+    let endpoint = collector.grpc_endpoint();
+    let agent = Agent::watch(pid, "demo", "1s", &["--otlp-endpoint", &endpoint, "--otlp-protocol", "grpc"]);
+    demo.go();
+    let started = Instant::now();
+    let mut collector = collector;
+    collector.wait_for(Duration::from_secs(3), "spans before the outage", |spans| !request_spans(spans).is_empty());
+    std::thread::sleep(Duration::from_secs(1).saturating_sub(started.elapsed()));
+    let before = collector.stop();
+    let killed_at = Instant::now();
+
+    // Down: the agent keeps detecting and alerting on time.
+    let mut demo_lines = Vec::new();
+    let injected = demo.wait_injected(2, &mut demo_lines);
+    let mut agent_lines = Vec::new();
+    let stalled = agent.wait_alerts("stalled", 2, Duration::from_secs(4), &mut agent_lines);
+    for (at, alert) in &stalled {
+        let key = alert["key"].as_str().expect("key");
+        let Injected { at: injected_at, .. } = injected.get(key).unwrap_or_else(|| panic!("stall of a healthy request: {alert}"));
+        let latency = at.duration_since(*injected_at);
+        assert!(latency < Duration::from_secs(2), "alert {latency:?} after the request went silent, collector down: {alert}");
+    }
+    assert!(Instant::now().duration_since(killed_at) < Duration::from_secs(3), "the stalls fired while the collector was down");
+
+    // Up again on the same ports, 3 s after it went away.
+    std::thread::sleep(Duration::from_secs(3).saturating_sub(killed_at.elapsed()));
+    let mut collector = Collector::start_on(grpc_port, http_port);
+    let restarted_at = Instant::now();
+    let recovered: Vec<(Instant, Value)> = agent.wait_alerts("recovered", 1, Duration::from_secs(5), &mut agent_lines);
+    assert!(recovered[0].0 > restarted_at, "the recovery happens after the restart");
+    let recovered_key = recovered[0].1["key"].as_str().expect("key").to_owned();
+
+    // Spans produced after the restart arrive: healthy request spans that
+    // started after it, and the recovered request's span linked to the
+    // stall span made while the collector was down.
+    let spans = collector.wait_for(Duration::from_secs(8), "the recovered request's span", |spans| {
+        request_spans(spans).iter().any(|s| key_of(s) == recovered_key)
+    });
+    let recovered_span = request_spans(&spans).into_iter().find(|s| key_of(s) == recovered_key).expect("recovered span").clone();
+    assert_eq!(recovered_span.attr("stallwatch.request.outcome"), Some("released"));
+    assert_eq!(recovered_span.links.len(), 1, "{recovered_span:#?}");
+    assert!(recovered_span.event_names().contains(&"recovered"));
+    let restart_unix = unix_nanos_at(restarted_at);
+    assert!(
+        request_spans(&spans).iter().any(|s| s.start_unix_nano > restart_unix && !injected.contains_key(key_of(s))),
+        "healthy requests begun after the restart are exported"
+    );
+
+    agent_lines.extend(agent.proc.lines_until_exit(Duration::from_secs(20)));
+    let summary = summary(&agent_lines);
+    // The engine saw every lifecycle through the outage.
+    assert_eq!(summary["lost_events"], 0, "{summary}");
+    assert_eq!(summary["stalled"], 2, "{summary}");
+    assert_eq!(summary["recovered"], 1, "{summary}");
+    let seen = summary["seen"].as_u64().expect("seen");
+    let done = demo.proc.lines_until_exit(Duration::from_secs(5)).iter().filter_map(Line::json).find(|v| v["event"] == "done");
+    let healthy = done.as_ref().and_then(|d| d["healthy"].as_u64()).expect("demo done line");
+    assert_eq!(seen, healthy + 2, "{summary}");
+    let spans = collector.wait_for(Duration::from_secs(5), "the last spans", |spans| {
+        request_spans(spans).iter().any(|s| s.attr("stallwatch.request.outcome") == Some("process_exited"))
+    });
+    let drops = summary["export_drops"].as_u64().expect("export_drops");
+    let delivered = (request_spans(&before).len() + request_spans(&spans).len()) as u64;
+    eprintln!(
+        "restart: {} request spans before the outage, {} after it, {drops} export drops, {} lifecycles",
+        request_spans(&before).len(),
+        request_spans(&spans).len(),
+        seen
+    );
+    assert!(delivered + drops >= seen, "every lifecycle is exported or counted as dropped ({delivered} + {drops} < {seen})");
+    let _ = collector.stop();
+}
+
+/// The port the agent's metrics endpoint listens on (`--metrics-addr
+/// 127.0.0.1:0` picks one; the agent logs it).
+fn metrics_port(agent: &Agent) -> u16 {
+    let stderr = agent.proc.stderr();
+    stderr
+        .lines()
+        .find(|l| l.contains("serving metrics"))
+        .and_then(|l| l.split("addr=127.0.0.1:").nth(1))
+        .and_then(|p| p.split_whitespace().next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no metrics address in stderr:\n{stderr}"))
+}
+
+/// The value of the sample `series` (name and labels) in an exposition.
+fn metric(body: &str, series: &str) -> u64 {
+    body.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no `{series}` in:\n{body}"))
+}
+
+/// Wall-clock nanoseconds at a test `Instant`.
+fn unix_nanos_at(at: Instant) -> u64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock after 1970");
+    let ago = Instant::now().saturating_duration_since(at);
+    u64::try_from(now.saturating_sub(ago).as_nanos()).expect("fits")
+}
+
+#[test]
+fn a_dead_collector_costs_counted_drops_not_alerts_http() {
+    require_root();
+    // Nobody listens there; a short export timeout makes every batch give
+    // up quickly.
+    let port = stallwatch_tests::otlp::free_port();
+    let mut demo = Demo::start(&["--rate", "200", "--duration", "4s", "--inject-after", "300ms", "--release-lost", "1"]);
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let agent = watch_with_env(
+        demo.proc.pid(),
+        "1s",
+        &["--otlp-endpoint", &endpoint, "--otlp-protocol", "http", "--metrics-addr", "127.0.0.1:0"],
+        &[("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "300")],
+    );
+    demo.go();
+    let mut demo_lines = Vec::new();
+    let injected = demo.wait_injected(1, &mut demo_lines);
+    let mut agent_lines = Vec::new();
+    let stalled = agent.wait_alerts("stalled", 1, Duration::from_secs(3), &mut agent_lines);
+    let (at, alert) = &stalled[0];
+    let Injected { at: injected_at, .. } = &injected[alert["key"].as_str().expect("key")];
+    assert!(at.duration_since(*injected_at) < Duration::from_secs(2), "the alert is on time with the collector gone: {alert}");
+    let (_, body) = http_get(metrics_port(&agent), "/metrics", None);
+    assert!(metric(&body, "stallwatch_export_drops_total{reason=\"export_failed\"}") > 0, "{body}");
+    assert_eq!(metric(&body, "stallwatch_export_spans_total"), 0, "{body}");
+    agent_lines.extend(agent.proc.lines_until_exit(Duration::from_secs(20)));
+    let summary = summary(&agent_lines);
+    // Every span the run made (one per lifecycle, one per stall) was given
+    // up on and counted, and nothing else was lost.
+    let spans = summary["seen"].as_u64().expect("seen") + summary["stalled"].as_u64().expect("stalled");
+    assert_eq!(summary["export_drops"].as_u64(), Some(spans), "{summary}");
+    assert_eq!(summary["lost_events"], 0, "{summary}");
+    assert_eq!(summary["process_exited"], 1, "{summary}");
+    let stderr = agent.proc.stderr();
+    assert!(stderr.contains("OTLP export failed after retries"), "the failure is logged:\n{stderr}");
+    let _ = demo.proc.wait(Duration::from_secs(5));
+}
