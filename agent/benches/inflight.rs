@@ -1,0 +1,212 @@
+//! `stallwatch inflight` end to end with 100 000 requests in flight: the
+//! real agent attached to the real demo target holding 100 000 requests
+//! pinned (enqueued, never posted, so all stalled), timed from starting
+//! the `stallwatch inflight` process to its exit with the whole answer read.
+//!
+//! `cargo run --release -p xtask -- bench` runs it (as root); alone:
+//! `cargo bench -p stallwatch --bench inflight` with `STALLWATCH_DEMO` set
+//! (the agent is this build's `stallwatch`, or `STALLWATCH_BIN`).
+#[allow(dead_code)] // only `require_root` is used here
+mod support;
+
+use std::{
+    io::{BufRead as _, BufReader},
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+const PINNED: u64 = 100_000;
+const RUNS: usize = 20;
+
+fn main() -> Result<()> {
+    support::require_root("the inflight benchmark")?;
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let demo_path = root.join(std::env::var("STALLWATCH_DEMO").unwrap_or_else(|_| "target/demo/release/demo-prefill".into()));
+    let agent_path = std::env::var_os("STALLWATCH_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_stallwatch")), PathBuf::from);
+    let dir = std::env::temp_dir().join(format!("stallwatch-bench-inflight-{}", std::process::id()));
+    let socket = dir.join("agent.sock");
+
+    // The demo, narrating one `injected` line per pinned request.
+    let mut demo = Killed(
+        Command::new(&demo_path)
+            .args(["--wait-for-go", "--rate", "100", "--duration", "900s", "--inject-after", "0ms"])
+            .args(["--waiting-for-peer", &PINNED.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {} (build it with `cargo run --release -p xtask -- build`)", demo_path.display()))?,
+    );
+    let mut demo_out = BufReader::new(demo.0.stdout.take().context("demo stdout")?).lines();
+    let ready: serde_json::Value = serde_json::from_str(&demo_out.next().context("demo exited before ready")??)?;
+    let pid = ready["pid"].as_u64().context("ready line without pid")?.to_string();
+    let injected = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&injected);
+    thread::spawn(move || {
+        for line in demo_out.map_while(Result::ok) {
+            if line.contains("\"injected\"") {
+                counted.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    });
+
+    // The agent: stalls after 2 s; its 100 000 alert lines go nowhere, its
+    // query timings (debug) are kept from stderr.
+    let mut agent = Killed(
+        Command::new(&agent_path)
+            .args(["run", "--pid", &pid, "--profile", "demo", "--timeout", "2s", "--output", "json", "--socket"])
+            .arg(&socket)
+            .env("STALLWATCH_LOG", "info,stallwatch::query=debug")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {}", agent_path.display()))?,
+    );
+    let stderr = Arc::new(Mutex::new(Vec::<String>::new()));
+    let kept = Arc::clone(&stderr);
+    let agent_err = BufReader::new(agent.0.stderr.take().context("agent stderr")?);
+    thread::spawn(move || {
+        for line in agent_err.lines().map_while(Result::ok) {
+            if let Ok(mut lines) = kept.lock() {
+                lines.push(line);
+            }
+        }
+    });
+    wait_for("the agent attached", Duration::from_secs(60), || {
+        Ok(stderr.lock().is_ok_and(|lines| lines.iter().any(|l| l.contains("watching"))))
+    })?;
+    {
+        use std::io::Write as _;
+        let mut stdin = demo.0.stdin.take().context("demo stdin")?;
+        writeln!(stdin, "go")?;
+    }
+    let started = Instant::now();
+    wait_for("the demo to pin every request", Duration::from_secs(120), || Ok(injected.load(Ordering::Relaxed) >= PINNED))?;
+    let pinned_in = started.elapsed();
+    // Until the agent holds all of them, every one stalled (its alerts out).
+    wait_for("the agent to hold every pinned request, stalled", Duration::from_secs(120), || {
+        let (out, _) = query(&agent_path, &socket, true)?;
+        let answer: serde_json::Value = serde_json::from_slice(&out)?;
+        let stalled = answer["requests"].as_array().map_or(0, |rows| rows.iter().filter(|r| !r["class"].is_null()).count());
+        Ok(stalled as u64 >= PINNED)
+    })?;
+    let logged_before = stderr.lock().map_or(0, |lines| lines.len());
+
+    let mut json = Vec::with_capacity(RUNS);
+    let mut bytes = 0;
+    let mut rows = 0;
+    for _ in 0..RUNS {
+        let (out, took) = query(&agent_path, &socket, true)?;
+        bytes = out.len();
+        rows = serde_json::from_slice::<serde_json::Value>(&out)?["requests"].as_array().map_or(0, Vec::len);
+        json.push(took);
+    }
+    let mut table = Vec::with_capacity(RUNS);
+    let mut table_bytes = 0;
+    for _ in 0..RUNS {
+        let (out, took) = query(&agent_path, &socket, false)?;
+        table_bytes = out.len();
+        table.push(took);
+    }
+
+    // What the agent logged for the timed queries: time on the event loop
+    // (the snapshot) and off it (sort + encode on a blocking thread).
+    let logged: Vec<String> = stderr.lock().map(|lines| lines[logged_before..].to_vec()).unwrap_or_default();
+    let mut on_loop = field_values(&logged, "loop_us");
+    let mut encode = field_values(&logged, "encode_us");
+
+    let _ = send_signal(agent.0.id(), libc::SIGINT);
+    let _ = agent.0.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    if (rows as u64) < PINNED {
+        bail!("expected at least {PINNED} requests in flight, the agent answered {rows}");
+    }
+
+    println!("stallwatch inflight, {rows} requests in flight ({PINNED} pinned + healthy ones caught mid-flight; demo pinned them in {pinned_in:.2?})");
+    println!("  `stallwatch inflight --json`, {RUNS} runs end to end (process start to exit, answer read whole):");
+    println!("    median {:>8.1} ms   p90 {:>8.1} ms   min {:>8.1} ms   max {:>8.1} ms", q(&mut json, 0.5), q(&mut json, 0.9), q(&mut json, 0.0), q(&mut json, 1.0));
+    println!("    response {:.1} MB ({bytes} bytes, {:.0} bytes a request)", bytes as f64 / 1e6, bytes as f64 / rows.max(1) as f64);
+    println!("  `stallwatch inflight` (table), {RUNS} runs:");
+    println!("    median {:>8.1} ms   p90 {:>8.1} ms   output {:.1} MB", q(&mut table, 0.5), q(&mut table, 0.9), table_bytes as f64 / 1e6);
+    if !on_loop.is_empty() {
+        println!(
+            "  agent side, per query: snapshot on the event loop median {:.1} ms (max {:.1} ms); sort + encode off the loop median {:.1} ms",
+            q(&mut on_loop, 0.5),
+            q(&mut on_loop, 1.0),
+            q(&mut encode, 0.5)
+        );
+    }
+    Ok(())
+}
+
+/// Kill the child when dropped (the benchmark may bail half-way).
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn send_signal(pid: u32, signal: i32) -> i32 {
+    // SAFETY: kill(2) on a child of ours.
+    unsafe { libc::kill(pid as i32, signal) }
+}
+
+/// One `stallwatch inflight` run: its stdout and how long it took (ms).
+fn query(agent: &PathBuf, socket: &PathBuf, json: bool) -> Result<(Vec<u8>, f64)> {
+    let mut command = Command::new(agent);
+    command.arg("inflight").arg("--socket").arg(socket);
+    if json {
+        command.arg("--json");
+    }
+    let started = Instant::now();
+    let out = command.output().context("running stallwatch inflight")?;
+    let took = started.elapsed().as_secs_f64() * 1e3;
+    if !out.status.success() {
+        bail!("stallwatch inflight failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok((out.stdout, took))
+}
+
+fn wait_for(what: &str, within: Duration, mut done: impl FnMut() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if done()? {
+            return Ok(());
+        }
+        thread::sleep(Duration::from_millis(200));
+    }
+    bail!("timed out after {within:?} waiting for {what}")
+}
+
+/// The values (µs, as ms) of `name=N` in the agent's log lines.
+fn field_values(lines: &[String], name: &str) -> Vec<f64> {
+    let needle = format!("{name}=");
+    lines
+        .iter()
+        .filter_map(|line| {
+            let at = line.find(&needle)? + needle.len();
+            let digits: String = line[at..].chars().take_while(char::is_ascii_digit).collect();
+            digits.parse::<f64>().ok().map(|us| us / 1e3)
+        })
+        .collect()
+}
+
+/// The q-quantile (nearest rank) of `values`.
+fn q(values: &mut [f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    values.sort_by(f64::total_cmp);
+    let i = ((values.len() - 1) as f64 * q).round() as usize;
+    values[i.min(values.len() - 1)]
+}
