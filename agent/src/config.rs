@@ -1,0 +1,686 @@
+//! `stallwatch run --config FILE`: the run settings as a TOML file.
+//!
+//! The file holds what the `run` flags hold, under the same names (format in
+//! the README). A flag given on the command line wins over the file, the
+//! file wins over the built-in defaults. Unknown keys are errors, and every
+//! error names the file and the line.
+//!
+//! Where the processes to watch come from: one `pid`, or a `[select]`
+//! table (executable, library, command line, cgroup) for the DaemonSet,
+//! where no pid is known in advance; one or the other.
+use std::{
+    fmt,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use clap::ValueEnum;
+use serde::{Deserialize, Deserializer, de};
+use toml::Spanned;
+
+use crate::{
+    export::{
+        alert::Format,
+        metrics,
+        otlp::{OtlpOptions, Protocol},
+        telemetry::TelemetryOptions,
+    },
+    discovery::Selector,
+    probes::{Profile, profile},
+    query,
+    run::Target,
+};
+
+/// `--timeout` when neither the flag nor the file sets it.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// `--tick` when neither the flag nor the file sets it.
+pub const DEFAULT_TICK: Duration = Duration::from_millis(10);
+/// `--max-tracked` when neither the flag nor the file sets it.
+pub const DEFAULT_MAX_TRACKED: usize = 1_000_000;
+/// `--output` when neither the flag nor the file sets it.
+pub const DEFAULT_OUTPUT: Format = Format::Human;
+
+/// `stallwatch run`'s settings as one source gives them (the flags, or the
+/// file); `None`: that source does not say. The flags are these fields.
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
+pub struct RunSettings {
+    /// The process to watch (the prefill server); the agent ends when it
+    /// exits. Without it, every process matching the selectors below is
+    /// watched, including ones started later.
+    #[arg(long)]
+    pub pid: Option<u32>,
+    /// Select processes by executable: a basename, or a full path.
+    #[arg(long, value_name = "NAME")]
+    pub exe: Option<String>,
+    /// Select processes that have this library mapped (e.g. libnixl.so);
+    /// checked again for a while after each exec, as it may be loaded late.
+    #[arg(long, value_name = "NAME")]
+    pub lib: Option<String>,
+    /// Select processes whose command line (arguments joined by spaces)
+    /// matches this regular expression.
+    #[arg(long, value_name = "REGEX")]
+    pub cmdline: Option<String>,
+    /// Select processes whose /proc/PID/cgroup contains this text (a
+    /// container id, a pod UID).
+    #[arg(long, value_name = "TEXT")]
+    pub cgroup: Option<String>,
+    /// A built-in profile name (see `stallwatch profile list`) or the
+    /// path of a profile TOML file.
+    #[arg(long)]
+    pub profile: Option<String>,
+    /// How long a request may stay silent before it is reported stalled
+    /// [default: 60s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub timeout: Option<Duration>,
+    /// Resolution of the stall timer [default: 10ms].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub tick: Option<Duration>,
+    /// Most requests tracked at once; beyond it the stalest is evicted
+    /// (and reported) [default: 1000000].
+    #[arg(long)]
+    pub max_tracked: Option<usize>,
+    /// Alert line format on stdout [default: human].
+    #[arg(long, value_enum)]
+    pub output: Option<Format>,
+    /// Export spans over OTLP to this collector (e.g.
+    /// `http://127.0.0.1:4318`). Without it, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+    /// or OTEL_EXPORTER_OTLP_ENDPOINT; none set: no export.
+    #[arg(long, value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
+    /// OTLP transport (default: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else http).
+    #[arg(long, value_enum, value_name = "PROTOCOL")]
+    pub otlp_protocol: Option<Protocol>,
+    /// Serve Prometheus metrics at /metrics on PORT (127.0.0.1) or
+    /// ADDRESS:PORT.
+    #[arg(long, value_name = "[ADDRESS:]PORT", value_parser = metrics::parse_addr)]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Serve `stallwatch inflight` on this unix socket (its directory is
+    /// created 0700, the socket is 0600) [default: /run/stallwatch/stallwatch.sock].
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+}
+
+impl RunSettings {
+    fn has_selector(&self) -> bool {
+        self.exe.is_some() || self.lib.is_some() || self.cmdline.is_some() || self.cgroup.is_some()
+    }
+
+    fn names_target(&self) -> bool {
+        self.pid.is_some() || self.has_selector()
+    }
+
+    /// These settings (the flags) over `file`'s: each one given here wins;
+    /// a target given here (a pid or any selector) replaces the file's
+    /// whole target, so `--pid` works with a DaemonSet's selecting config.
+    pub fn over(self, file: RunSettings) -> RunSettings {
+        let target = if self.names_target() { &self } else { &file };
+        let (pid, exe, lib, cmdline, cgroup) =
+            (target.pid, target.exe.clone(), target.lib.clone(), target.cmdline.clone(), target.cgroup.clone());
+        RunSettings {
+            pid,
+            exe,
+            lib,
+            cmdline,
+            cgroup,
+            profile: self.profile.or(file.profile),
+            timeout: self.timeout.or(file.timeout),
+            tick: self.tick.or(file.tick),
+            max_tracked: self.max_tracked.or(file.max_tracked),
+            output: self.output.or(file.output),
+            otlp_endpoint: self.otlp_endpoint.or(file.otlp_endpoint),
+            otlp_protocol: self.otlp_protocol.or(file.otlp_protocol),
+            metrics_addr: self.metrics_addr.or(file.metrics_addr),
+            socket: self.socket.or(file.socket),
+        }
+    }
+
+    /// The defaults for what is still unset; the target (a pid or a
+    /// selector) and the profile have none and must have been given.
+    pub fn finish(self) -> Result<RunConfig> {
+        let selects = self.has_selector();
+        let target = match (self.pid, selects) {
+            (Some(pid), false) => Target::Pid(pid),
+            (None, true) => Target::Select(Selector::new(self.exe, self.lib, self.cmdline.as_deref(), self.cgroup)?),
+            (Some(_), true) => bail!(
+                "both a pid and a process selector: watch one process (--pid) or every matching one \
+                 (--exe/--lib/--cmdline/--cgroup), not both"
+            ),
+            (None, false) => bail!(
+                "no process to watch: pass --pid PID, or a selector (--exe NAME, --lib NAME, --cmdline REGEX, \
+                 --cgroup TEXT), or set `pid` or a [select] table in the --config file"
+            ),
+        };
+        let profile = self.profile.context(
+            "no probe profile: pass --profile NAME|FILE, or set `profile` in the --config file \
+             (built-ins: see `stallwatch profile list`)",
+        )?;
+        Ok(RunConfig {
+            target,
+            profile,
+            timeout: self.timeout.unwrap_or(DEFAULT_TIMEOUT),
+            tick: self.tick.unwrap_or(DEFAULT_TICK),
+            max_tracked: self.max_tracked.unwrap_or(DEFAULT_MAX_TRACKED),
+            output: self.output.unwrap_or(DEFAULT_OUTPUT),
+            telemetry: TelemetryOptions {
+                otlp: OtlpOptions { endpoint: self.otlp_endpoint, protocol: self.otlp_protocol },
+                metrics_addr: self.metrics_addr,
+            },
+            socket: self.socket.unwrap_or_else(|| PathBuf::from(query::DEFAULT_SOCKET)),
+        })
+    }
+}
+
+/// Everything `stallwatch run` needs, flags, file and defaults merged.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    pub target: Target,
+    pub profile: String,
+    pub timeout: Duration,
+    pub tick: Duration,
+    pub max_tracked: usize,
+    pub output: Format,
+    pub telemetry: TelemetryOptions,
+    pub socket: PathBuf,
+}
+
+/// The flags over the file (if any) over the defaults.
+pub fn resolve(config: Option<&Path>, flags: RunSettings) -> Result<RunConfig> {
+    let file = match config {
+        Some(path) => ConfigFile::load(path)?.settings,
+        None => RunSettings::default(),
+    };
+    flags.over(file).finish()
+}
+
+/// A parsed and checked config file.
+#[derive(Debug, Clone)]
+pub struct ConfigFile {
+    pub path: PathBuf,
+    pub settings: RunSettings,
+}
+
+impl ConfigFile {
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading config file {}", path.display()))?;
+        Self::parse(&text, path)
+    }
+
+    /// Parse and check `text`, the contents of `path`. Relative profile and
+    /// socket paths are taken from the file's directory.
+    pub fn parse(text: &str, path: &Path) -> Result<Self> {
+        let origin = path.display();
+        let raw: RawConfig = toml::from_str(text).map_err(|err| {
+            let at = err.span().map(|span| format!(", line {}", line_of(text, span.start))).unwrap_or_default();
+            anyhow!("config file {origin}{at}: {}", err.message().trim_end())
+        })?;
+        let at = |span: std::ops::Range<usize>| format!("config file {origin}, line {}", line_of(text, span.start));
+
+        if let Some(timeout) = &raw.timeout {
+            let (tick, which) = match &raw.tick {
+                Some(tick) => (tick.get_ref().0, "tick"),
+                None => (DEFAULT_TICK, "the default tick"),
+            };
+            if timeout.get_ref().0 < tick {
+                bail!(
+                    "{}: timeout {} is shorter than {which} {}: raise the timeout or lower the tick",
+                    at(timeout.span()),
+                    timeout.get_ref(),
+                    Dur(tick)
+                );
+            }
+        }
+        let otlp = raw.otlp.unwrap_or_default();
+        if let Some(endpoint) = &otlp.endpoint {
+            let protocol = otlp.protocol.as_ref().map(|p| p.get_ref().0);
+            // The endpoint alone, as the flag would be checked (no
+            // environment): a typo fails here, with its line.
+            OtlpOptions { endpoint: Some(endpoint.get_ref().clone()), protocol }
+                .resolve_with(|_| None)
+                .map_err(|err| anyhow!("{}: [otlp] endpoint: {err:#}", at(endpoint.span())))?;
+        }
+        let beside = |name: String| match path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
+            Some(dir) if Path::new(&name).is_relative() => dir.join(&name).display().to_string(),
+            _ => name,
+        };
+        let profile = raw.profile.map(Spanned::into_inner).map(|name| {
+            if profile::builtin_text(&name).is_some() { name } else { beside(name) }
+        });
+        let socket = raw.socket.map(Spanned::into_inner).map(|socket| PathBuf::from(beside(socket)));
+        let select = raw.select.unwrap_or_default();
+        if let Some(pattern) = &select.cmdline {
+            regex::Regex::new(pattern.get_ref())
+                .map_err(|err| anyhow!("{}: [select] cmdline is not a valid regular expression: {err}", at(pattern.span())))?;
+        }
+        let settings = RunSettings {
+            pid: raw.pid.map(|pid| pid.into_inner().0),
+            exe: select.exe,
+            lib: select.lib,
+            cmdline: select.cmdline.map(Spanned::into_inner),
+            cgroup: select.cgroup,
+            profile,
+            timeout: raw.timeout.map(|d| d.into_inner().0),
+            tick: raw.tick.map(|d| d.into_inner().0),
+            max_tracked: raw.max_tracked.map(|n| n.into_inner().0),
+            output: raw.output.map(|o| o.into_inner().0),
+            otlp_endpoint: otlp.endpoint.map(Spanned::into_inner),
+            otlp_protocol: otlp.protocol.map(|p| p.into_inner().0),
+            metrics_addr: raw.metrics.and_then(|m| m.addr).map(|a| a.0),
+            socket,
+        };
+        Ok(Self { path: path.to_path_buf(), settings })
+    }
+
+    /// `stallwatch config check`: everything [`parse`](Self::parse) checks,
+    /// plus that the profile loads. Returns what `run` would use, one
+    /// setting a line.
+    pub fn check(path: &Path) -> Result<String> {
+        let file = Self::load(path)?;
+        let s = &file.settings;
+        let profile = match &s.profile {
+            Some(spec) => {
+                let loaded = Profile::load(spec).with_context(|| format!("config file {}: profile", path.display()))?;
+                format!("{} ({}, {} probes)", spec, loaded.origin, loaded.probes.len())
+            }
+            None => "not set: pass --profile at run time".to_owned(),
+        };
+        let selector = [("exe", &s.exe), ("lib", &s.lib), ("cmdline", &s.cmdline), ("cgroup", &s.cgroup)]
+            .into_iter()
+            .filter_map(|(name, value)| value.as_ref().map(|value| format!("{name}={value}")))
+            .collect::<Vec<_>>();
+        let pid = match (s.pid, selector.is_empty()) {
+            (Some(pid), true) => pid.to_string(),
+            (Some(_), false) => bail!("config file {}: both `pid` and [select]: give one or the other", path.display()),
+            (None, false) => format!("every process matching {}", selector.join(" ")),
+            (None, true) => "not set: pass --pid or a selector at run time".to_owned(),
+        };
+        let or_default = |value: Option<String>, default: String| value.unwrap_or_else(|| format!("{default} (default)"));
+        let otlp = match (&s.otlp_endpoint, s.otlp_protocol) {
+            (Some(endpoint), protocol) => {
+                let target = OtlpOptions { endpoint: Some(endpoint.clone()), protocol }.resolve_with(|_| None)?;
+                target.map_or_else(String::new, |t| format!("{} ({})", t.endpoint, t.protocol))
+            }
+            (None, _) => "not set here: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT decides, unset: off".to_owned(),
+        };
+        let rows = [
+            ("watch", pid),
+            ("profile", profile),
+            ("timeout", or_default(s.timeout.map(|d| Dur(d).to_string()), Dur(DEFAULT_TIMEOUT).to_string())),
+            ("tick", or_default(s.tick.map(|d| Dur(d).to_string()), Dur(DEFAULT_TICK).to_string())),
+            ("max_tracked", or_default(s.max_tracked.map(|n| n.to_string()), DEFAULT_MAX_TRACKED.to_string())),
+            ("output", or_default(s.output.map(choice_name), choice_name(DEFAULT_OUTPUT))),
+            ("otlp", otlp),
+            ("metrics", s.metrics_addr.map_or_else(|| "off".to_owned(), |addr| format!("http://{addr}/metrics"))),
+            (
+                "socket",
+                or_default(s.socket.as_ref().map(|p| p.display().to_string()), query::DEFAULT_SOCKET.to_owned()),
+            ),
+        ];
+        let mut out = format!("config file {}: ok\n", path.display());
+        for (name, value) in rows {
+            out.push_str(&format!("  {name:<12} {value}\n"));
+        }
+        Ok(out)
+    }
+}
+
+/// The file as written. New `run` flags get a field here and in
+/// [`RunSettings`].
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    pid: Option<Spanned<Pid>>,
+    select: Option<RawSelect>,
+    profile: Option<Spanned<String>>,
+    timeout: Option<Spanned<Dur>>,
+    tick: Option<Spanned<Dur>>,
+    max_tracked: Option<Spanned<Count>>,
+    output: Option<Spanned<Choice<Format>>>,
+    socket: Option<Spanned<String>>,
+    otlp: Option<RawOtlp>,
+    metrics: Option<RawMetrics>,
+}
+
+/// `[select]`: `--exe`, `--lib`, `--cmdline`, `--cgroup`.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawSelect {
+    exe: Option<String>,
+    lib: Option<String>,
+    cmdline: Option<Spanned<String>>,
+    cgroup: Option<String>,
+}
+
+/// `[otlp]`: `--otlp-endpoint`, `--otlp-protocol`.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawOtlp {
+    endpoint: Option<Spanned<String>>,
+    protocol: Option<Spanned<Choice<Protocol>>>,
+}
+
+/// `[metrics]`: `--metrics-addr`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMetrics {
+    addr: Option<Addr>,
+}
+
+/// A duration written as a string, as the flags take it (`"60s"`, `"1m 30s"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Dur(Duration);
+
+impl fmt::Display for Dur {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", humantime::format_duration(self.0))
+    }
+}
+
+impl<'de> Deserialize<'de> for Dur {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl de::Visitor<'_> for Visitor {
+            type Value = Dur;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a duration string such as \"60s\", \"500ms\" or \"2m\"")
+            }
+            fn visit_str<E: de::Error>(self, text: &str) -> Result<Dur, E> {
+                humantime::parse_duration(text.trim()).map(Dur).map_err(|err| {
+                    E::custom(format!("{text:?} is not a duration ({err}): write it like \"60s\", \"500ms\" or \"2m\""))
+                })
+            }
+            fn visit_i64<E: de::Error>(self, n: i64) -> Result<Dur, E> {
+                Err(E::custom(format!("a bare number ({n}) has no unit: write the duration as a string, e.g. \"{n}s\"")))
+            }
+            fn visit_f64<E: de::Error>(self, n: f64) -> Result<Dur, E> {
+                Err(E::custom(format!("a bare number ({n}) has no unit: write the duration as a string, e.g. \"{n}s\"")))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+/// A pid: a positive integer.
+struct Pid(u32);
+
+impl<'de> Deserialize<'de> for Pid {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let n = i64::deserialize(deserializer)?;
+        match u32::try_from(n) {
+            Ok(pid) if pid > 0 => Ok(Pid(pid)),
+            _ => Err(de::Error::custom(format!("pid {n} is not a process id (a positive integer)"))),
+        }
+    }
+}
+
+/// A positive count.
+struct Count(usize);
+
+impl<'de> Deserialize<'de> for Count {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let n = i64::deserialize(deserializer)?;
+        match usize::try_from(n) {
+            Ok(count) if count > 0 => Ok(Count(count)),
+            _ => Err(de::Error::custom(format!("{n} is not a positive count"))),
+        }
+    }
+}
+
+/// One of a flag's named values (`output = "json"`), spelled as on the
+/// command line.
+struct Choice<T>(T);
+
+impl<'de, T: ValueEnum> Deserialize<'de> for Choice<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        T::from_str(text.trim(), true).map(Choice).map_err(|_| {
+            let names: Vec<String> = T::value_variants()
+                .iter()
+                .filter_map(ValueEnum::to_possible_value)
+                .map(|value| format!("{:?}", value.get_name()))
+                .collect();
+            de::Error::custom(format!("{text:?} is not one of {}", names.join(", ")))
+        })
+    }
+}
+
+fn choice_name<T: ValueEnum>(value: T) -> String {
+    value.to_possible_value().map_or_else(|| "?".to_owned(), |v| v.get_name().to_owned())
+}
+
+/// `PORT` or `ADDRESS:PORT`, as `--metrics-addr` takes it.
+struct Addr(SocketAddr);
+
+impl<'de> Deserialize<'de> for Addr {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl de::Visitor<'_> for Visitor {
+            type Value = Addr;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a port number or an \"ADDRESS:PORT\" string")
+            }
+            fn visit_str<E: de::Error>(self, text: &str) -> Result<Addr, E> {
+                metrics::parse_addr(text).map(Addr).map_err(E::custom)
+            }
+            fn visit_i64<E: de::Error>(self, n: i64) -> Result<Addr, E> {
+                self.visit_str(&n.to_string())
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text.as_bytes()[..offset.min(text.len())].iter().filter(|&&b| b == b'\n').count() + 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<RunSettings> {
+        ConfigFile::parse(text, Path::new("/etc/stallwatch/config.toml")).map(|file| file.settings)
+    }
+
+    fn error(text: &str) -> String {
+        format!("{:#}", parse(text).expect_err(text))
+    }
+
+    const FULL: &str = r#"
+pid = 4242
+profile = "nixl"
+timeout = "90s"
+tick = "5ms"
+max_tracked = 500000
+output = "json"
+socket = "/run/sw/agent.sock"
+
+[otlp]
+endpoint = "http://collector:4317"
+protocol = "grpc"
+
+[metrics]
+addr = "0.0.0.0:9464"
+"#;
+
+    #[test]
+    fn every_setting_parses() {
+        let settings = parse(FULL).expect("valid");
+        assert_eq!(
+            settings,
+            RunSettings {
+                pid: Some(4242),
+                exe: None,
+                lib: None,
+                cmdline: None,
+                cgroup: None,
+                profile: Some("nixl".to_owned()),
+                timeout: Some(Duration::from_secs(90)),
+                tick: Some(Duration::from_millis(5)),
+                max_tracked: Some(500_000),
+                output: Some(Format::Json),
+                otlp_endpoint: Some("http://collector:4317".to_owned()),
+                otlp_protocol: Some(Protocol::Grpc),
+                metrics_addr: Some("0.0.0.0:9464".parse().expect("addr")),
+                socket: Some(PathBuf::from("/run/sw/agent.sock")),
+            }
+        );
+    }
+
+    #[test]
+    fn an_empty_file_is_all_defaults() {
+        assert_eq!(parse("").expect("valid"), RunSettings::default());
+        let config = RunSettings { pid: Some(1), profile: Some("demo".into()), ..RunSettings::default() }
+            .finish()
+            .expect("complete");
+        assert_eq!(config.timeout, DEFAULT_TIMEOUT);
+        assert_eq!(config.tick, DEFAULT_TICK);
+        assert_eq!(config.max_tracked, DEFAULT_MAX_TRACKED);
+        assert_eq!(config.output, DEFAULT_OUTPUT);
+        assert!(config.telemetry.otlp.endpoint.is_none() && config.telemetry.metrics_addr.is_none());
+        assert_eq!(config.socket, Path::new(query::DEFAULT_SOCKET));
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let file = parse(FULL).expect("valid");
+        let flags = RunSettings {
+            pid: Some(7),
+            timeout: Some(Duration::from_secs(5)),
+            output: Some(Format::Human),
+            socket: Some(PathBuf::from("/tmp/mine.sock")),
+            ..RunSettings::default()
+        };
+        let config = flags.over(file).finish().expect("complete");
+        assert!(matches!(config.target, Target::Pid(7)), "{:?}", config.target);
+        assert_eq!(config.timeout, Duration::from_secs(5));
+        assert_eq!(config.output, Format::Human);
+        assert_eq!(config.socket, Path::new("/tmp/mine.sock"));
+        // What the flags leave unset comes from the file.
+        assert_eq!(config.profile, "nixl");
+        assert_eq!(config.tick, Duration::from_millis(5));
+        assert_eq!(config.max_tracked, 500_000);
+        assert_eq!(config.telemetry.otlp.protocol, Some(Protocol::Grpc));
+        assert_eq!(config.telemetry.metrics_addr, Some("0.0.0.0:9464".parse().expect("addr")));
+    }
+
+    #[test]
+    fn a_select_table_watches_every_matching_process() {
+        let settings = parse("profile = \"nixl\"\n[select]\nlib = \"libnixl.so\"\ncmdline = \"sglang\"\n").expect("valid");
+        assert_eq!(settings.lib.as_deref(), Some("libnixl.so"));
+        let config = settings.finish().expect("complete");
+        let Target::Select(selector) = config.target else { panic!("a selector") };
+        assert_eq!(selector.describe(), "lib=libnixl.so cmdline=/sglang/");
+        let err = error("profile = \"nixl\"\n\n[select]\ncmdline = \"(\"\n");
+        assert!(err.contains("line 4") && err.contains("not a valid regular expression"), "{err}");
+        let both = RunSettings { pid: Some(1), exe: Some("x".into()), profile: Some("demo".into()), ..Default::default() };
+        assert!(format!("{:#}", both.finish().expect_err("both")).contains("not both"));
+        // A --pid flag replaces the file's [select]: on call, one process.
+        let file = parse("profile = \"nixl\"\n[select]\nlib = \"libnixl.so\"\n").expect("valid");
+        let config = RunSettings { pid: Some(9), ..Default::default() }.over(file).finish().expect("complete");
+        assert!(matches!(config.target, Target::Pid(9)), "{:?}", config.target);
+    }
+
+    #[test]
+    fn pid_and_profile_must_come_from_somewhere() {
+        let err = format!("{:#}", RunSettings { profile: Some("demo".into()), ..Default::default() }.finish().expect_err("no pid"));
+        assert!(err.contains("pass --pid PID, or a selector"), "{err}");
+        let err = format!("{:#}", RunSettings { pid: Some(1), ..Default::default() }.finish().expect_err("no profile"));
+        assert!(err.contains("pass --profile"), "{err}");
+    }
+
+    #[test]
+    fn unknown_keys_name_file_line_and_the_valid_keys() {
+        let err = error("profile = \"demo\"\n\ntimeot = \"5s\"\n");
+        assert!(err.starts_with("config file /etc/stallwatch/config.toml, line 3:"), "{err}");
+        assert!(err.contains("unknown field `timeot`"), "{err}");
+        assert!(err.contains("`timeout`"), "lists the valid keys: {err}");
+        let err = error("[otlp]\nendpoint = \"http://c:4318\"\nheaders = \"x\"\n");
+        assert!(err.contains("line 3") && err.contains("unknown field `headers`"), "{err}");
+        let err = error("[query]\nsocket = \"/run/x\"\n");
+        assert!(err.contains("line 1") && err.contains("unknown field `query`"), "{err}");
+        let err = error("[metrics]\nsocket = \"/run/x\"\n");
+        assert!(err.contains("line 2") && err.contains("unknown field `socket`, expected `addr`"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_the_line_and_the_fix() {
+        let err = error("pid = 1\ntimeout = 60\n");
+        assert!(err.contains("line 2") && err.contains("e.g. \"60s\""), "{err}");
+        let err = error("timeout = \"5 parsecs\"\n");
+        assert!(err.contains("line 1") && err.contains("is not a duration"), "{err}");
+        let err = error("\npid = 0\n");
+        assert!(err.contains("line 2") && err.contains("pid 0 is not a process id"), "{err}");
+        let err = error("pid = \"4242\"\n");
+        assert!(err.contains("line 1") && err.contains("invalid type: string"), "{err}");
+        let err = error("max_tracked = -1\n");
+        assert!(err.contains("line 1") && err.contains("not a positive count"), "{err}");
+        let err = error("output = \"yaml\"\n");
+        assert!(err.contains("\"yaml\" is not one of \"human\", \"json\""), "{err}");
+        let err = error("[otlp]\nprotocol = \"http/json\"\n");
+        assert!(err.contains("line 2") && err.contains("\"grpc\", \"http\""), "{err}");
+        let err = error("[metrics]\naddr = \"everywhere\"\n");
+        assert!(err.contains("line 2") && err.contains("is not PORT or ADDRESS:PORT"), "{err}");
+        let err = error("profile = \"demo\"\ntimeout = \"1ms\"\ntick = \"10ms\"\n");
+        assert!(err.contains("line 2") && err.contains("shorter than tick 10ms"), "{err}");
+        let err = error("timeout = \"1ms\"\n");
+        assert!(err.contains("shorter than the default tick"), "{err}");
+        let err = error("[otlp]\n\nendpoint = \"collector:4318\"\n");
+        assert!(err.contains("line 3") && err.contains("give the scheme, e.g. `http://collector:4318`"), "{err}");
+        let err = error("pid = 1\npid = 2\n");
+        assert!(err.contains("line 2") && err.contains("duplicate key"), "{err}");
+        let err = error("profile = \"demo\n");
+        assert!(err.contains("line 1"), "{err}");
+    }
+
+    #[test]
+    fn the_metrics_port_alone_is_localhost() {
+        let settings = parse("[metrics]\naddr = 9464\n").expect("valid");
+        assert_eq!(settings.metrics_addr, Some("127.0.0.1:9464".parse().expect("addr")));
+    }
+
+    #[test]
+    fn relative_paths_are_beside_the_config_file() {
+        assert_eq!(parse("profile = \"custom.toml\"").expect("valid").profile.as_deref(), Some("/etc/stallwatch/custom.toml"));
+        assert_eq!(parse("profile = \"/opt/p.toml\"").expect("valid").profile.as_deref(), Some("/opt/p.toml"));
+        assert_eq!(parse("profile = \"nixl\"").expect("valid").profile.as_deref(), Some("nixl"));
+        let bare = ConfigFile::parse("profile = \"p.toml\"", Path::new("config.toml")).expect("valid");
+        assert_eq!(bare.settings.profile.as_deref(), Some("p.toml"));
+        assert_eq!(parse("socket = \"q.sock\"").expect("valid").socket, Some(PathBuf::from("/etc/stallwatch/q.sock")));
+    }
+
+    #[test]
+    fn check_describes_what_run_would_use() {
+        let dir = std::env::temp_dir().join(format!("stallwatch-config-check-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("config.toml");
+        std::fs::write(&path, "profile = \"demo\"\ntimeout = \"2s\"\n").expect("write");
+        let out = ConfigFile::check(&path).expect("valid");
+        assert!(out.contains(": ok"), "{out}");
+        assert!(out.contains("watch        not set: pass --pid or a selector at run time"), "{out}");
+        assert!(out.contains("built-in profile `demo`"), "{out}");
+        assert!(out.contains("timeout      2s\n"), "{out}");
+        assert!(out.contains("tick         10ms (default)"), "{out}");
+        std::fs::write(&path, "profile = \"missing.toml\"\n").expect("write");
+        let err = format!("{:#}", ConfigFile::check(&path).expect_err("no such profile"));
+        assert!(err.contains("config file") && err.contains("missing.toml"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_shipped_example_config_is_valid() {
+        let settings = ConfigFile::parse(include_str!("../deploy/config.toml"), Path::new("/etc/stallwatch/config.toml"))
+            .expect("agent/deploy/config.toml parses")
+            .settings;
+        assert!(settings.profile.is_some(), "the example names a profile");
+    }
+
+    #[test]
+    fn the_daemonset_sets_every_variable_the_otlp_resource_reads() {
+        let manifest = include_str!("../deploy/daemonset.yaml");
+        for (attribute, var) in crate::export::otlp::config::K8S_ENV {
+            assert!(manifest.contains(&format!("name: {var}\n")), "daemonset.yaml does not set {var} (for {attribute})");
+        }
+    }
+}

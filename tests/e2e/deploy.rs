@@ -1,0 +1,246 @@
+//! The deployment files in agent/deploy/: the DaemonSet checked against the
+//! real Kubernetes API schemas (kubernetes-validate, from the test venv,
+//! offline), shown able to fail on a broken copy, and kept consistent with
+//! the example config, the kustomization and the Dockerfile.
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use serde_json::Value;
+use stallwatch_tests::{Demo, Proc, agent_bin, require_root, root, run_to_end, summary, test_socket, venv_python};
+
+fn deploy(file: &str) -> PathBuf {
+    root().join("agent/deploy").join(file)
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|err| panic!("reading {}: {err}", path.display()))
+}
+
+/// The venv's Python with kubernetes-validate importable, or a panic that
+/// says how to get it.
+fn validator() -> PathBuf {
+    let python = venv_python();
+    let (ok, _, stderr) = run_to_end(Command::new(&python).args(["-c", "import kubernetes_validate"]));
+    assert!(
+        ok,
+        "kubernetes-validate is not installed in the test venv ({}): tests/nixl/requirements.txt pins it; \
+         re-run `cargo run --release -p xtask -- setup --python`\n{stderr}",
+        python.display()
+    );
+    python
+}
+
+/// `kubernetes-validate --strict FILE`: (passed, everything it printed).
+fn validate(file: &Path) -> (bool, String) {
+    let (ok, stdout, stderr) =
+        run_to_end(Command::new(validator()).args(["-m", "kubernetes_validate", "--strict"]).arg(file));
+    (ok, format!("{stdout}{stderr}"))
+}
+
+/// The YAML documents of a file, as JSON (PyYAML from the same venv).
+fn yaml_documents(file: &Path) -> Vec<Value> {
+    let script = "import json, sys, yaml\nprint(json.dumps(list(yaml.safe_load_all(open(sys.argv[1])))))";
+    let (ok, stdout, stderr) = run_to_end(Command::new(validator()).args(["-c", script]).arg(file));
+    assert!(ok, "parsing {} as YAML: {stderr}", file.display());
+    match serde_json::from_str(&stdout) {
+        Ok(Value::Array(docs)) => docs.into_iter().filter(|doc| !doc.is_null()).collect(),
+        other => panic!("unexpected YAML documents in {}: {other:?}", file.display()),
+    }
+}
+
+fn daemonset() -> Value {
+    yaml_documents(&deploy("daemonset.yaml"))
+        .into_iter()
+        .find(|doc| doc["kind"] == "DaemonSet")
+        .expect("daemonset.yaml has a DaemonSet")
+}
+
+/// A copy of daemonset.yaml with one edit.
+fn broken_copy(from: &str, to: &str) -> tempfile::NamedTempFile {
+    let text = read(&deploy("daemonset.yaml"));
+    assert_eq!(text.matches(from).count(), 1, "daemonset.yaml should contain `{from}` once");
+    let file = tempfile::Builder::new().suffix(".yaml").tempfile().expect("temp manifest");
+    std::fs::write(file.path(), text.replacen(from, to, 1)).expect("writing the broken copy");
+    file
+}
+
+#[test]
+fn the_daemonset_passes_the_kubernetes_schemas() {
+    let (ok, out) = validate(&deploy("daemonset.yaml"));
+    assert!(ok, "agent/deploy/daemonset.yaml does not validate:\n{out}");
+    assert!(out.contains("passed for resource daemonset/stallwatch"), "{out}");
+    assert!(out.contains("passed for resource namespace/stallwatch"), "{out}");
+    assert!(!out.contains("Couldn't find schema"), "every resource was checked against a schema:\n{out}");
+}
+
+#[test]
+fn a_manifest_with_a_wrong_field_type_is_rejected() {
+    let broken = broken_copy("hostPID: true", "hostPID: \"yes\"");
+    let (ok, out) = validate(broken.path());
+    assert!(!ok, "a string hostPID passed validation:\n{out}");
+    assert!(out.contains("spec.template.spec.hostPID") && out.contains("is not of type 'boolean'"), "{out}");
+
+    let broken = broken_copy("containerPort: 9464", "containerPort: \"9464\"");
+    let (ok, out) = validate(broken.path());
+    assert!(!ok, "a string containerPort passed validation:\n{out}");
+    assert!(out.contains("containerPort") && out.contains("is not of type 'integer'"), "{out}");
+}
+
+#[test]
+fn a_manifest_with_a_misspelt_field_is_rejected() {
+    let broken = broken_copy("hostPID: true", "hostPid: true");
+    let (ok, out) = validate(broken.path());
+    assert!(!ok, "an unknown field passed strict validation:\n{out}");
+    assert!(out.contains("'hostPid' was unexpected"), "{out}");
+}
+
+#[test]
+fn the_example_config_passes_config_check() {
+    let config = deploy("config.toml");
+    let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).args(["config", "check"]).arg(&config));
+    assert!(ok, "stallwatch config check {}: {stdout}\n{stderr}", config.display());
+    assert!(stdout.contains(": ok"), "{stdout}");
+    assert!(stdout.contains("built-in profile `nixl`"), "{stdout}");
+}
+
+#[test]
+fn a_broken_config_fails_config_check_with_its_line() {
+    let text = read(&deploy("config.toml")).replacen("timeout = \"60s\"", "timeout = 60", 1);
+    let file = tempfile::Builder::new().suffix(".toml").tempfile().expect("temp config");
+    std::fs::write(file.path(), &text).expect("writing the broken config");
+    let line = text.lines().position(|l| l == "timeout = 60").map(|n| n + 1).expect("edited line");
+    let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).args(["config", "check"]).arg(file.path()));
+    assert!(!ok, "a bare-number timeout passed: {stdout}");
+    let path = file.path().display().to_string();
+    assert!(stderr.contains(&format!("config file {path}, line {line}:")), "{stderr}");
+    assert!(stderr.contains("e.g. \"60s\""), "{stderr}");
+}
+
+#[test]
+fn run_takes_its_settings_from_the_config_file_and_flags_win() {
+    require_root();
+    let mut demo = Demo::start(&["--duration", "3s"]);
+    let socket = test_socket();
+    // The file asks for human output and a 1s timeout; the flag asks for
+    // JSON, and wins; the pid comes from the flag, the rest from the file.
+    let text = format!(
+        "profile = \"demo\"\ntimeout = \"1s\"\ntick = \"5ms\"\noutput = \"human\"\nsocket = {:?}\n",
+        socket.display().to_string()
+    );
+    let file = tempfile::Builder::new().suffix(".toml").tempfile().expect("temp config");
+    std::fs::write(file.path(), text).expect("writing the config");
+    let mut agent = Proc::spawn(
+        "stallwatch",
+        Command::new(agent_bin())
+            .args(["run", "--config"])
+            .arg(file.path())
+            .args(["--pid", &demo.proc.pid().to_string(), "--output", "json"]),
+    );
+    agent.wait_stderr("watching", Duration::from_secs(30));
+    assert!(agent.stderr().contains("timeout=1s"), "the file's timeout: {}", agent.stderr());
+    assert!(socket.exists(), "the agent serves the file's socket {}", socket.display());
+    demo.go();
+    // The demo exits after 3s, and the agent with it.
+    let lines = agent.lines_until_exit(Duration::from_secs(30));
+    let status = agent.wait(Duration::from_secs(5));
+    assert!(status.success(), "agent exited with {status}; stderr:\n{}", agent.stderr());
+    let summary = summary(&lines);
+    assert!(summary["seen"].as_u64().is_some_and(|seen| seen > 0), "the flag's JSON output, with requests seen: {summary}");
+}
+
+#[test]
+fn the_daemonset_runs_the_agent_privileged_on_gpu_nodes_with_the_config() {
+    let ds = daemonset();
+    let pod = &ds["spec"]["template"]["spec"];
+    assert_eq!(pod["hostPID"], true);
+    assert_eq!(pod["nodeSelector"]["nvidia.com/gpu.present"], "true");
+    assert!(
+        pod["tolerations"].as_array().expect("tolerations").iter().any(|t| t["key"] == "nvidia.com/gpu" && t["effect"] == "NoSchedule"),
+        "{pod:#}"
+    );
+    let containers = pod["containers"].as_array().expect("containers");
+    assert_eq!(containers.len(), 1);
+    let agent = &containers[0];
+    assert_eq!(agent["securityContext"]["privileged"], true);
+    for kind in ["requests", "limits"] {
+        assert!(agent["resources"][kind]["cpu"].is_string() && agent["resources"][kind]["memory"].is_string(), "{kind}: {agent:#}");
+    }
+
+    // `run --config FILE`, FILE inside the ConfigMap's mount.
+    let args: Vec<&str> = agent["args"].as_array().expect("args").iter().filter_map(Value::as_str).collect();
+    let at = args.iter().position(|a| *a == "--config").expect("--config in the args");
+    assert_eq!(args[0], "run");
+    let config_path = Path::new(args[at + 1]);
+    let mounts = agent["volumeMounts"].as_array().expect("volumeMounts");
+    let mount_of = |dir: &str| mounts.iter().find(|m| m["mountPath"] == dir).unwrap_or_else(|| panic!("nothing mounted at {dir}"));
+    let config_dir = config_path.parent().and_then(Path::to_str).expect("config dir");
+    let config_volume = mount_of(config_dir)["name"].as_str().expect("volume name");
+    let volumes = pod["volumes"].as_array().expect("volumes");
+    let volume = |name: &str| volumes.iter().find(|v| v["name"] == name).unwrap_or_else(|| panic!("no volume {name}"));
+    let config_map = volume(config_volume)["configMap"]["name"].as_str().expect("config comes from a ConfigMap");
+    let file_name = config_path.file_name().and_then(|n| n.to_str()).expect("file name");
+
+    // kustomize makes that ConfigMap from config.toml, under that key.
+    let kustomization = yaml_documents(&deploy("kustomization.yaml")).remove(0);
+    assert!(kustomization["resources"].as_array().is_some_and(|r| r.iter().any(|r| r == "daemonset.yaml")));
+    let generator = kustomization["configMapGenerator"]
+        .as_array()
+        .and_then(|g| g.iter().find(|g| g["name"] == config_map))
+        .unwrap_or_else(|| panic!("kustomization.yaml generates no ConfigMap {config_map}"));
+    assert!(generator["files"].as_array().is_some_and(|f| f.iter().any(|f| f == file_name)), "{generator:#}");
+    assert_eq!(generator["namespace"], ds["metadata"]["namespace"]);
+
+    // The host filesystems, and the query socket's directory.
+    for dir in ["/sys/fs/bpf", "/sys/kernel/tracing", "/sys/kernel/debug", "/run/stallwatch"] {
+        let name = mount_of(dir)["name"].as_str().expect("volume name");
+        assert_eq!(volume(name)["hostPath"]["path"], dir, "{dir} comes from the host");
+    }
+    let (ok, check, stderr) = run_to_end(Command::new(agent_bin()).args(["config", "check"]).arg(deploy("config.toml")));
+    assert!(ok, "{stderr}");
+    let socket = check.lines().find_map(|l| l.trim().strip_prefix("socket")).map(str::trim).expect("socket line");
+    assert!(socket.starts_with("/run/stallwatch/"), "the agent's socket is in the mounted /run/stallwatch: {socket}");
+
+    // The metrics port the config serves is the one the pod declares.
+    let metrics = check.lines().find_map(|l| l.trim().strip_prefix("metrics")).map(str::trim).expect("metrics line");
+    let port = agent["ports"].as_array().and_then(|p| p.iter().find(|p| p["name"] == "metrics")).expect("metrics port");
+    assert!(metrics.ends_with(&format!(":{}/metrics", port["containerPort"])), "{metrics} vs {port}");
+}
+
+#[test]
+fn the_daemonset_passes_the_node_and_pod_to_the_otlp_resource() {
+    let ds = daemonset();
+    let env = ds["spec"]["template"]["spec"]["containers"][0]["env"].as_array().expect("env").clone();
+    let field = |name: &str| {
+        env.iter()
+            .find(|e| e["name"] == name)
+            .and_then(|e| e["valueFrom"]["fieldRef"]["fieldPath"].as_str().map(str::to_owned))
+            .unwrap_or_else(|| panic!("no downward-API {name} in {env:?}"))
+    };
+    // The variables agent/src/export/otlp/config.rs (K8S_ENV) reads.
+    assert_eq!(field("K8S_NODE_NAME"), "spec.nodeName");
+    assert_eq!(field("K8S_POD_NAME"), "metadata.name");
+    assert_eq!(field("K8S_NAMESPACE_NAME"), "metadata.namespace");
+    assert_eq!(field("K8S_POD_UID"), "metadata.uid");
+}
+
+#[test]
+fn liveness_and_the_init_check_run_doctor_from_the_image() {
+    let ds = daemonset();
+    let pod = &ds["spec"]["template"]["spec"];
+    let liveness: Vec<&str> =
+        pod["containers"][0]["livenessProbe"]["exec"]["command"].as_array().expect("exec probe").iter().filter_map(Value::as_str).collect();
+    assert_eq!(liveness.get(1), Some(&"doctor"), "{liveness:?}");
+    let init = &pod["initContainers"][0];
+    assert_eq!(init["args"][0], "doctor");
+    assert_eq!(init["image"], pod["containers"][0]["image"]);
+    // The binary the probe runs is where the Dockerfile puts it, and the
+    // image's entrypoint.
+    let dockerfile = read(&deploy("Dockerfile"));
+    let binary = liveness[0];
+    assert!(dockerfile.lines().any(|l| l.starts_with("COPY --from=build") && l.trim_end().ends_with(binary)), "Dockerfile copies no {binary}");
+    assert!(dockerfile.contains(&format!("ENTRYPOINT [\"{binary}\"]")), "the image's entrypoint is {binary}");
+    assert!(dockerfile.contains("cargo run --release -p xtask -- build"), "the image builds through xtask");
+}
