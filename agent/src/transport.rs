@@ -1,0 +1,311 @@
+//! Transport evidence: what the transport was doing while a request sat
+//! silent, from the `[[activity]]` probes of its process (posts, progress
+//! calls, completions) and the lifecycle events themselves (every
+//! `transfer_done` is a completion).
+//!
+//! The kernel keeps per-slot hit counts and last-hit times; the agent
+//! samples them once a second into a short history per process, so it can
+//! say how many calls happened *since* a request's last event ("120 000
+//! progress calls since, none completed") and refine the stall's class with
+//! a verdict.
+use std::collections::{HashMap, VecDeque};
+
+use anyhow::Result;
+
+use crate::{
+    lifecycle::{Observation, Report, RequestSnapshot, Stage, StallClass},
+    probes::{ActivityKind, Probes, Role},
+};
+
+/// One kind of activity in one process.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Activity {
+    pub calls: u64,
+    pub last_ns: Option<u64>,
+}
+
+/// Every kind, indexed by [`ActivityKind`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals([Activity; 3]);
+
+impl Totals {
+    pub fn get(&self, kind: ActivityKind) -> Activity {
+        self.0[kind as usize]
+    }
+
+    #[cfg(test)]
+    pub(crate) fn add_for_test(&mut self, kind: ActivityKind, calls: u64, last_ns: Option<u64>) {
+        self.add(kind, calls, last_ns);
+    }
+
+    fn add(&mut self, kind: ActivityKind, calls: u64, last_ns: Option<u64>) {
+        let slot = &mut self.0[kind as usize];
+        slot.calls += calls;
+        slot.last_ns = slot.last_ns.max(last_ns);
+    }
+}
+
+/// What the transport says about one stalled request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Evidence {
+    /// Counts since the process started being watched, and last-seen times.
+    pub total: Totals,
+    /// Calls since the request's last lifecycle event (at sampling
+    /// resolution: the sample at or before that event).
+    pub since: Totals,
+    /// When this was measured (monotonic ns).
+    pub at_ns: u64,
+    pub verdict: Verdict,
+}
+
+/// The stall's class refined by the transport's behaviour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Progress is being driven and nothing completes: the peer is gone,
+    /// stopped or not making progress of its own.
+    PeerUnresponsive,
+    /// Nobody is driving the transport's progress engine for this process.
+    NoProgress,
+    /// Other transfers of the process complete: this request alone is stuck
+    /// (its release, completion or destination was lost).
+    OthersCompleting,
+    /// The process's transport has done nothing since: it is idle.
+    Idle,
+}
+
+impl Verdict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::PeerUnresponsive => "peer_unresponsive",
+            Self::NoProgress => "no_progress",
+            Self::OthersCompleting => "others_completing",
+            Self::Idle => "idle",
+        }
+    }
+
+    fn of(class: StallClass, since: &Totals, has_progress_probe: bool) -> Self {
+        let completions = since.get(ActivityKind::Completion).calls;
+        let progress = since.get(ActivityKind::Progress).calls;
+        let posts = since.get(ActivityKind::Post).calls;
+        if completions > 0 {
+            return Self::OthersCompleting;
+        }
+        match class {
+            StallClass::TransferHung if progress > 0 => Self::PeerUnresponsive,
+            StallClass::TransferHung if has_progress_probe => Self::NoProgress,
+            _ if progress + posts > 0 => Self::PeerUnresponsive,
+            _ => Self::Idle,
+        }
+    }
+
+    /// One line for people: "last post 57.0s ago, last completion 57.0s
+    /// ago, 120000 progress calls since, none completed".
+    pub fn describe(evidence: &Evidence) -> String {
+        let ago = |kind: ActivityKind| match evidence.total.get(kind).last_ns {
+            Some(ns) => format!("{:.1}s ago", evidence.at_ns.saturating_sub(ns) as f64 / 1e9),
+            None => "never".to_owned(),
+        };
+        let completed = match evidence.since.get(ActivityKind::Completion).calls {
+            0 => "none completed".to_owned(),
+            n => format!("{n} completed"),
+        };
+        format!(
+            "last post {}, last completion {}, {} progress calls since, {completed}",
+            ago(ActivityKind::Post),
+            ago(ActivityKind::Completion),
+            evidence.since.get(ActivityKind::Progress).calls
+        )
+    }
+}
+
+struct Sample {
+    at_ns: u64,
+    totals: Totals,
+}
+
+#[derive(Default)]
+struct Process {
+    /// Oldest first, at most `keep` long.
+    history: VecDeque<Sample>,
+    /// Completions seen as lifecycle events.
+    done: Activity,
+    has_progress_probe: bool,
+    has_activity_probe: bool,
+}
+
+/// Per-process transport history. Lifecycle completions are folded into
+/// each sample's completion count.
+pub struct Tracker {
+    processes: HashMap<u32, Process>,
+    /// How far back samples are kept: a stall is judged against the sample
+    /// at its last event, up to one timeout (plus slack) ago.
+    keep_ns: u64,
+}
+
+impl Tracker {
+    pub fn new(timeout_ns: u64) -> Self {
+        Self { processes: HashMap::new(), keep_ns: timeout_ns.saturating_mul(2).saturating_add(5_000_000_000) }
+    }
+
+    /// Count a lifecycle completion.
+    pub fn observe(&mut self, observation: &Observation) {
+        if observation.stage == Stage::TransferDone {
+            let done = &mut self.processes.entry(observation.pid).or_default().done;
+            done.calls += 1;
+            done.last_ns = done.last_ns.max(Some(observation.ts_ns));
+        }
+    }
+
+    /// Read every activity slot and append a sample per process.
+    pub fn sample(&mut self, probes: &Probes, now_ns: u64) -> Result<()> {
+        let mut fresh: HashMap<u32, (Totals, bool)> = HashMap::new();
+        for (index, slot) in probes.slots().iter().enumerate() {
+            let Role::Activity(kind) = slot.role else { continue };
+            let index = index as u32;
+            let (totals, has_progress) = fresh.entry(slot.pid).or_default();
+            totals.add(kind, probes.hits(index)?, probes.last_hit(index)?);
+            *has_progress |= kind == ActivityKind::Progress;
+        }
+        for (pid, (totals, has_progress)) in fresh {
+            self.record(pid, now_ns, totals, has_progress);
+        }
+        Ok(())
+    }
+
+    /// Append one process's sample (probe counts; lifecycle completions are
+    /// added here) and drop what is older than `keep_ns`.
+    fn record(&mut self, pid: u32, now_ns: u64, mut totals: Totals, has_progress_probe: bool) {
+        let keep_ns = self.keep_ns;
+        let process = self.processes.entry(pid).or_default();
+        totals.add(ActivityKind::Completion, process.done.calls, process.done.last_ns);
+        process.has_progress_probe = has_progress_probe;
+        process.has_activity_probe = true;
+        process.history.push_back(Sample { at_ns: now_ns, totals });
+        while process.history.front().is_some_and(|s| now_ns.saturating_sub(s.at_ns) > keep_ns) {
+            process.history.pop_front();
+        }
+    }
+
+    /// The evidence for a stalled request, from the newest sample; `None`
+    /// when its process has no transport probes.
+    pub fn evidence(&self, request: &RequestSnapshot, class: StallClass) -> Option<Evidence> {
+        let process = self.processes.get(&request.pid)?;
+        if !process.has_activity_probe {
+            return None;
+        }
+        let newest = process.history.back()?;
+        let before = process
+            .history
+            .iter()
+            .rev()
+            .find(|sample| sample.at_ns <= request.last_ns)
+            .or_else(|| process.history.front())?;
+        let total = newest.totals;
+        let mut since = Totals::default();
+        for kind in ActivityKind::ALL {
+            let calls = total.get(kind).calls.saturating_sub(before.totals.get(kind).calls);
+            since.add(kind, calls, None);
+        }
+        let verdict = Verdict::of(class, &since, process.has_progress_probe);
+        Some(Evidence { total, since, at_ns: newest.at_ns, verdict })
+    }
+
+    /// The newest totals of a process with transport probes, and when they
+    /// were sampled.
+    pub fn latest(&self, pid: u32) -> Option<(Totals, u64)> {
+        let process = self.processes.get(&pid).filter(|p| p.has_activity_probe)?;
+        process.history.back().map(|sample| (sample.totals, sample.at_ns))
+    }
+
+    #[cfg(test)]
+    pub(crate) fn record_for_test(&mut self, pid: u32, now_ns: u64, totals: Totals) {
+        self.record(pid, now_ns, totals, true);
+    }
+
+    /// The evidence a report's alert carries: stalls only.
+    pub fn for_report(&self, report: &Report) -> Option<Evidence> {
+        match report {
+            Report::Stalled { request, class, .. } => self.evidence(request, *class),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    fn totals(post: u64, completion: u64, progress: u64, last_ns: u64) -> Totals {
+        let mut totals = Totals::default();
+        totals.add(ActivityKind::Post, post, Some(last_ns));
+        totals.add(ActivityKind::Completion, completion, (completion > 0).then_some(last_ns));
+        totals.add(ActivityKind::Progress, progress, Some(last_ns));
+        totals
+    }
+
+    fn stalled(pid: u32, stage: Stage, last_ns: u64) -> RequestSnapshot {
+        let mut stage_ns = [None; 4];
+        stage_ns[0] = Some(last_ns);
+        RequestSnapshot { pid, key: 1, external_id: None, stage, stage_ns, first_ns: last_ns, last_ns, stalled: None }
+    }
+
+    #[test]
+    fn a_hung_transfer_with_progress_and_no_completion_blames_the_peer() {
+        let mut tracker = Tracker::new(60 * S);
+        tracker.record(7, 10 * S, totals(5, 0, 100, 10 * S), true);
+        tracker.record(7, 11 * S, totals(6, 0, 150, 11 * S), true);
+        tracker.record(7, 80 * S, totals(6, 0, 120_150, 79 * S), true);
+        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 11 * S), StallClass::TransferHung).unwrap();
+        assert_eq!(evidence.verdict, Verdict::PeerUnresponsive);
+        assert_eq!(evidence.since.get(ActivityKind::Progress).calls, 120_000);
+        assert_eq!(evidence.since.get(ActivityKind::Post).calls, 0);
+        assert_eq!(
+            Verdict::describe(&evidence),
+            "last post 1.0s ago, last completion never, 120000 progress calls since, none completed"
+        );
+    }
+
+    #[test]
+    fn no_progress_calls_at_all_is_no_progress() {
+        let mut tracker = Tracker::new(60 * S);
+        tracker.record(7, 10 * S, totals(1, 0, 10, 10 * S), true);
+        tracker.record(7, 80 * S, totals(1, 0, 10, 10 * S), true);
+        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung).unwrap();
+        assert_eq!(evidence.verdict, Verdict::NoProgress);
+    }
+
+    #[test]
+    fn completions_of_other_requests_say_this_one_alone_is_stuck() {
+        let mut tracker = Tracker::new(60 * S);
+        tracker.record(7, 10 * S, totals(1, 0, 10, 10 * S), true);
+        for n in 0..3 {
+            tracker.observe(&Observation { pid: 7, key: 100 + n, stage: Stage::TransferDone, ts_ns: 20 * S, external_id: None });
+        }
+        tracker.record(7, 80 * S, totals(4, 0, 40, 20 * S), true);
+        let evidence = tracker.evidence(&stalled(7, Stage::TransferDone, 10 * S), StallClass::ReleaseLost).unwrap();
+        assert_eq!(evidence.since.get(ActivityKind::Completion).calls, 3);
+        assert_eq!(evidence.verdict, Verdict::OthersCompleting);
+    }
+
+    #[test]
+    fn a_process_without_transport_probes_has_no_evidence() {
+        let mut tracker = Tracker::new(60 * S);
+        tracker.observe(&Observation { pid: 8, key: 1, stage: Stage::TransferDone, ts_ns: S, external_id: None });
+        assert_eq!(tracker.evidence(&stalled(8, Stage::Enqueued, S), StallClass::WaitingForPeer), None);
+    }
+
+    #[test]
+    fn history_is_bounded_and_an_old_request_uses_the_oldest_sample() {
+        let mut tracker = Tracker::new(S);
+        for t in 0..100 {
+            tracker.record(7, t * S, totals(0, 0, t * 10, t * S), true);
+        }
+        let kept = tracker.processes[&7].history.len();
+        assert!(kept <= 8, "{kept}");
+        let evidence = tracker.evidence(&stalled(7, Stage::Enqueued, 0), StallClass::WaitingForPeer).unwrap();
+        assert_eq!(evidence.since.get(ActivityKind::Progress).calls, 990 - tracker.processes[&7].history[0].totals.get(ActivityKind::Progress).calls);
+        assert_eq!(evidence.verdict, Verdict::PeerUnresponsive);
+    }
+}
