@@ -12,6 +12,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
+use stallwatch::probes::Profile;
 use support::Attached;
 
 /// Alternating runs per configuration; the median is reported.
@@ -23,7 +24,7 @@ struct Run {
     events: u64,
 }
 
-fn run(size: u64, count: u64, attach: bool) -> Result<Run> {
+fn run(size: u64, count: u64, attach: Option<&Profile>) -> Result<Run> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let venv = root.join(std::env::var("STALLWATCH_VENV").unwrap_or_else(|_| "target/venv".into()));
     let python = venv.join("bin/python");
@@ -39,7 +40,7 @@ fn run(size: u64, count: u64, attach: bool) -> Result<Run> {
     let mut lines = BufReader::new(child.stdout.take().context("driver stdout")?).lines();
     let ready: serde_json::Value = serde_json::from_str(&lines.next().context("driver exited before ready")??)?;
     let pid = ready["initiator_pid"].as_u64().context("initiator_pid")? as u32;
-    let attached = attach.then(|| Attached::new(pid, "nixl")).transpose()?;
+    let attached = attach.map(|profile| Attached::new(pid, profile)).transpose()?;
     writeln!(stdin, "go")?;
     let done = loop {
         let value: serde_json::Value = serde_json::from_str(&lines.next().context("driver exited before done")??)?;
@@ -66,26 +67,40 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 fn main() -> Result<()> {
     support::require_root("the NIXL benchmark")?;
-    println!("NIXL healthy transfers, median of {RUNS} alternating runs (tests/nixl/driver.py, default UCX transports):");
-    println!("{:<22} {:>14} {:>14} {:>10} {:>10} {:>8} {:>10}", "transfer", "off: xfer/s", "on: xfer/s", "off: GB/s", "on: GB/s", "on/off", "events/xfer");
+    let full = Profile::load("nixl")?;
+    let lifecycle_only = Profile { activity: Vec::new(), ..full.clone() };
+    let configs: [(&str, Option<&Profile>); 3] =
+        [("off", None), ("lifecycle", Some(&lifecycle_only)), ("+transport", Some(&full))];
+    println!("NIXL healthy transfers, median of {RUNS} interleaved runs (tests/nixl/driver.py, default UCX transports):");
+    println!(
+        "{:<14} {:>11} {:>11} {:>11} {:>9} {:>9} {:>9} {:>13}",
+        "transfer", "off xfer/s", "lifecycle", "+transport", "off GB/s", "lc/off", "full/off", "events/xfer"
+    );
     for (label, size, count) in [("4 KiB x 5000", 4096, 5000), ("64 MiB x 40", 64 << 20, 40)] {
-        let (mut off, mut on, mut off_gb, mut on_gb, mut events) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), 0);
+        let mut rate: [Vec<f64>; 3] = Default::default();
+        let mut gb: [Vec<f64>; 3] = Default::default();
+        let mut events = 0;
         for _ in 0..RUNS {
-            let without = run(size, count, false)?;
-            let with = run(size, count, true)?;
-            off.push(without.transfers_per_s);
-            off_gb.push(without.gb_per_s);
-            on.push(with.transfers_per_s);
-            on_gb.push(with.gb_per_s);
-            events += with.events;
+            for (n, (_, profile)) in configs.iter().enumerate() {
+                let result = run(size, count, *profile)?;
+                rate[n].push(result.transfers_per_s);
+                gb[n].push(result.gb_per_s);
+                if n == 1 {
+                    events += result.events;
+                }
+            }
         }
-        let (off, on) = (median(off), median(on));
+        let [off, lifecycle, transport] = rate.map(median);
         println!(
-            "{label:<22} {off:>14.0} {on:>14.0} {:>10.2} {:>10.2} {:>7.2}x {:>10.1}",
-            median(off_gb),
-            median(on_gb),
-            on / off,
+            "{label:<14} {off:>11.0} {lifecycle:>11.0} {transport:>11.0} {:>9.2} {:>8.2}x {:>8.2}x {:>13.1}",
+            median(gb[0].clone()),
+            lifecycle / off,
+            transport / off,
             events as f64 / (RUNS as f64 * count as f64)
+        );
+        println!(
+            "{:<14} {:>11} {:>11} {:>11} {:>9} GB/s with lifecycle: {:.2}, with transport: {:.2}",
+            "", "", "", "", "", median(gb[1].clone()), median(gb[2].clone())
         );
     }
     Ok(())

@@ -21,7 +21,10 @@ use aya::{
         uprobe::{UProbeAttachLocation, UProbeScope},
     },
 };
-use stallwatch::probes::resolve::{ElfFile, ProcessImage};
+use stallwatch::probes::{
+    Profile,
+    resolve::{ElfFile, ProcessImage},
+};
 use support::Attached;
 
 const CALLS: u64 = 200_000;
@@ -90,6 +93,7 @@ fn attach_floor(pid: u32, symbol: &str, at_return: bool) -> Result<Ebpf> {
 
 fn main() -> Result<()> {
     support::require_root("the uprobe benchmark")?;
+    let demo_profile = Profile::load("demo")?;
     let mut demo = Demo::start()?;
     let pid = demo.child.id();
     let exe = ProcessImage::read(pid)?.find(None)?;
@@ -108,7 +112,7 @@ fn main() -> Result<()> {
             let _floor = attach_floor(pid, symbol, at_return)?;
             demo.time(function)? - base
         };
-        let ours = Attached::new(pid, "demo")?;
+        let ours = Attached::new(pid, &demo_profile)?;
         let cost = demo.time(function)? - base;
         let events = ours.finish();
         println!(

@@ -5,7 +5,11 @@ use aya::maps::{MapData, RingBuf};
 use stallwatch_common::{EXT_ID_LEN, Event, event_flags};
 use tokio::io::unix::AsyncFd;
 
-use crate::{lifecycle::Observation, probes::Probes, reactor};
+use crate::{
+    lifecycle::Observation,
+    probes::{Probes, Role},
+    reactor,
+};
 
 /// The `EVENTS` ring buffer, registered with the tokio reactor.
 pub struct EventReader {
@@ -65,7 +69,10 @@ pub enum Skipped {
 /// The lifecycle observation an event stands for.
 pub fn observe(event: &Event, probes: &Probes) -> Result<Observation, Skipped> {
     let slot = probes.slot(event.slot).ok_or(Skipped::UnknownSlot)?;
-    let stage = slot.spec.stage_for(event.flags).ok_or(Skipped::NoStage)?;
+    let Role::Lifecycle(spec) = &slot.role else {
+        return Err(Skipped::NoStage);
+    };
+    let stage = spec.stage_for(event.flags).ok_or(Skipped::NoStage)?;
     Ok(Observation {
         pid: event.pid,
         key: event.key,

@@ -3,11 +3,17 @@
 //! Data flows one way through the modules, in this order:
 //! [`probes`] (profiles, symbol resolution, attach) -> [`events`]
 //! (ring-buffer reader, decoding) -> [`lifecycle`] (per-request state
-//! machine, timer wheel, classification) -> [`export`] (alerts, summary).
-//! [`run`] wires them together.
+//! machine, timer wheel, classification) -> [`export`] (alerts, summary);
+//! [`query`] answers `stallwatch inflight`. [`run`] wires them together;
+//! [`config`] reads its settings from a file, [`doctor`] checks the host.
+pub mod config;
+pub mod doctor;
+pub mod discovery;
 pub mod events;
 pub mod export;
 pub mod lifecycle;
 pub mod probes;
+pub mod query;
 mod reactor;
 pub mod run;
+pub mod transport;

@@ -1,12 +1,13 @@
 //! The `stallwatch` command line.
-use std::{path::PathBuf, process::ExitCode, time::Duration};
+use std::{io::Write as _, path::PathBuf, process::ExitCode};
 
 use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 use stallwatch::{
-    export::alert::Format,
+    config::{self, ConfigFile},
+    doctor,
     probes::{Profile, profile},
-    run,
+    query, run,
 };
 
 #[derive(Parser)]
@@ -17,36 +18,52 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+#[expect(clippy::large_enum_variant, reason = "parsed once per process; boxing buys nothing")]
 enum Command {
     /// Watch a process: attach a probe profile and alert on every request
     /// silent past the timeout, while it is still stuck.
     Run {
-        /// The process to watch (the prefill server).
+        /// Settings from this TOML file (see the README); a flag given here
+        /// wins over the file.
+        #[arg(long, value_name = "FILE")]
+        config: Option<PathBuf>,
+        #[command(flatten)]
+        flags: config::RunSettings,
+    },
+    /// Check that this kernel and these privileges can run stallwatch: what
+    /// is missing and how to fix it. Exits non-zero when a required check
+    /// fails.
+    Doctor {
+        /// Print the report as one JSON document.
         #[arg(long)]
-        pid: u32,
-        /// A built-in profile name (see `stallwatch profile list`) or the
-        /// path of a profile TOML file.
+        json: bool,
+    },
+    /// `stallwatch run --config` files.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+    /// Every request in flight in the running agent, oldest first: stage,
+    /// age, silence and, if stalled, the class. Needs root.
+    Inflight {
+        /// The agent's socket (its `stallwatch run --socket`).
+        #[arg(long, value_name = "PATH", default_value = query::DEFAULT_SOCKET)]
+        socket: PathBuf,
+        /// Print the agent's answer as JSON (one document) instead of a table.
         #[arg(long)]
-        profile: String,
-        /// How long a request may stay silent before it is reported stalled.
-        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
-        timeout: Duration,
-        /// Resolution of the stall timer.
-        #[arg(long, default_value = "10ms", value_parser = humantime::parse_duration)]
-        tick: Duration,
-        /// Most requests tracked at once; beyond it the stalest is evicted
-        /// (and reported).
-        #[arg(long, default_value_t = 1_000_000)]
-        max_tracked: usize,
-        /// Alert line format on stdout.
-        #[arg(long, value_enum, default_value_t = Format::Human)]
-        output: Format,
+        json: bool,
     },
     /// Built-in probe profiles.
     Profile {
         #[command(subcommand)]
         command: ProfileCommand,
     },
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Validate a config file and print the settings `run` would use.
+    Check { path: PathBuf },
 }
 
 #[derive(Subcommand)]
@@ -79,14 +96,38 @@ fn main() -> ExitCode {
 
 fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Run { pid, profile, timeout, tick, max_tracked, output } => {
+        Command::Run { config, flags } => {
+            let config::RunConfig { target, profile, timeout, tick, max_tracked, output, telemetry, socket } =
+                config::resolve(config.as_deref(), flags)?;
             let profile = Profile::load(&profile)?;
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .context("starting the tokio runtime")?;
-            let options = run::Options { pid, profile, timeout, tick, max_tracked, format: output };
+            let options = run::Options { target, profile, timeout, tick, max_tracked, format: output, telemetry, socket };
             runtime.block_on(run::run(options, std::io::stdout().lock()))
+        }
+        Command::Doctor { json } => {
+            let report = doctor::run();
+            let mut out = std::io::stdout().lock();
+            if json {
+                serde_json::to_writer_pretty(&mut out, &report).context("writing the report")?;
+                writeln!(out).context("writing the report")?;
+            } else {
+                report.write_human(&mut out).context("writing the report")?;
+            }
+            if !report.ok {
+                anyhow::bail!("required checks missing: {} (the fixes are above)", report.failed_required.join(", "));
+            }
+            Ok(())
+        }
+        Command::Config { command: ConfigCommand::Check { path } } => {
+            print!("{}", ConfigFile::check(&path)?);
+            Ok(())
+        }
+        Command::Inflight { socket, json } => {
+            let (inflight, raw) = query::client::inflight(&socket, query::client::ANSWER_TIMEOUT)?;
+            query::client::print(&inflight, &raw, json, std::io::BufWriter::new(std::io::stdout().lock()))
         }
         Command::Profile { command } => match command {
             ProfileCommand::List => {

@@ -1,114 +1,312 @@
-//! `stallwatch run`: attach a profile to a process and follow its requests
-//! until it exits or the agent is told to stop.
+//! `stallwatch run`: attach a profile to one process (`--pid`) or to every
+//! process a selector matches, now and later, and follow their requests
+//! until told to stop (or, with `--pid`, until that process exits).
 use std::{
+    collections::HashMap,
     io::Write,
     os::fd::{FromRawFd as _, OwnedFd},
+    path::PathBuf,
     time::Duration,
 };
 
 use anyhow::{Context as _, Result, bail};
+use aya::maps::{MapData, RingBuf};
 use aya_log::EbpfLogger;
 use tokio::{
     io::unix::AsyncFd,
     signal::unix::{SignalKind, signal},
+    sync::mpsc,
+    task::JoinHandle,
     time::MissedTickBehavior,
 };
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::{
+    discovery::{Pending, Selector},
     events::{self, EventReader, Skipped},
     export::{
         alert::{AlertWriter, Format},
         clock::{Clock, monotonic_ns},
+        telemetry::{Telemetry, TelemetryOptions},
     },
     lifecycle::{Engine, EngineConfig, Report},
     probes::{KernelCounters, Probes, Profile},
+    query::QueryServer,
     reactor,
+    transport::Tracker,
 };
 
+/// Which processes to watch.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// This one; the agent ends when it exits.
+    Pid(u32),
+    /// Every process matching, including those started later.
+    Select(Selector),
+}
+
 pub struct Options {
-    pub pid: u32,
+    pub target: Target,
     pub profile: Profile,
     pub timeout: Duration,
     pub tick: Duration,
     pub max_tracked: usize,
     pub format: Format,
+    /// OTLP spans and the metrics endpoint (both off by default).
+    pub telemetry: TelemetryOptions,
+    /// The unix socket `stallwatch inflight` asks (`--socket`).
+    pub socket: PathBuf,
 }
 
-/// How often the kernel's loss counters are checked.
+/// How often the kernel's loss counters and transport counts are sampled.
 const COUNTER_PERIOD: Duration = Duration::from_secs(1);
 
 pub async fn run(options: Options, out: impl Write) -> Result<()> {
-    let Options { pid, profile, timeout, tick, max_tracked, format } = options;
+    let Options { target, profile, timeout, tick, max_tracked, format, telemetry, socket } = options;
     if timeout < tick {
         bail!("--timeout {timeout:?} is shorter than --tick {tick:?}: raise the timeout or lower the tick");
     }
-    // Open the pidfd first: if the pid is reused after an exit, the pidfd
-    // still refers to the process we attached to.
-    let exited = pidfd(pid)?;
+    // Before loading anything: a bad endpoint fails fast.
+    let clock = Clock::new();
+    let telemetry = Telemetry::start(&telemetry, clock).await?;
     let mut probes = Probes::load()?;
     let logger = EbpfLogger::init(probes.ebpf_mut()).context("setting up eBPF logging")?;
     let mut logger = reactor::register(logger, "the eBPF log buffer")?;
-    let mut reader = EventReader::new(&mut probes)?;
-    let slots = probes.attach(pid, &profile)?;
+    let reader = EventReader::new(&mut probes)?;
+    let (exit_tx, mut exits) = mpsc::unbounded_channel();
+    let mut session = Session {
+        engine: Engine::new(EngineConfig { timeout_ns: duration_ns(timeout), max_tracked, tick_ns: duration_ns(tick) }),
+        transport: Tracker::new(duration_ns(timeout)),
+        alerts: AlertWriter::new(out, format, clock),
+        telemetry,
+        probes,
+        reader,
+        profile,
+        watched: HashMap::new(),
+        exit_tx,
+        reports: Vec::new(),
+        ingest: Ingest::default(),
+    };
 
-    let clock = Clock::new();
-    let mut alerts = AlertWriter::new(out, format, clock);
-    alerts.name_process(pid, &process_name(pid));
-    let mut engine = Engine::new(EngineConfig {
-        timeout_ns: duration_ns(timeout),
-        max_tracked,
-        tick_ns: duration_ns(tick),
-    });
-    info!(
-        pid,
-        profile = %profile.name,
-        probes = slots.len(),
-        timeout = %humantime::format_duration(timeout),
-        "watching"
-    );
+    let (mut execs, selector) = match target {
+        Target::Pid(pid) => {
+            session.watch(pid)?;
+            (None, None)
+        }
+        Target::Select(selector) => {
+            // Hear of execs first, so nothing starting during the scan is missed.
+            let execs = reactor::register(session.probes.watch_execs()?, "the EXECS ring buffer")?;
+            info!(selector = %selector.describe(), profile = %session.profile.name, "discovering processes");
+            for pid in selector.scan()? {
+                session.watch_or_log(pid);
+            }
+            (Some(execs), Some(selector))
+        }
+    };
+    // After attaching, so a bad profile or pid is reported as such even
+    // when another agent serves this socket (a second agent fails here).
+    let mut queries = QueryServer::bind(&socket, clock)?;
+    for pid in session.watched.keys() {
+        queries.name_process(*pid, &process_name(*pid));
+    }
+    session.transport.sample(&session.probes, monotonic_ns())?;
 
     let mut ticks = tokio::time::interval(tick);
     ticks.set_missed_tick_behavior(MissedTickBehavior::Skip);
     let mut counter_ticks = tokio::time::interval(COUNTER_PERIOD);
+    let mut recheck = tokio::time::interval(Duration::from_nanos(Pending::RECHECK_NS));
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut reports = Vec::new();
     let mut reported = KernelCounters::default();
-    let mut ingest = Ingest::default();
+    let mut pending = Pending::default();
 
     loop {
         tokio::select! {
-            read = reader.read(|bytes| ingest.record(bytes, &probes, &mut engine, &mut reports)) => read?,
-            _ = ticks.tick() => engine.advance(monotonic_ns(), &mut reports),
-            _ = counter_ticks.tick() => reported = warn_on_loss(&probes, reported)?,
-            ready = exited.readable() => {
-                ready.context("waiting on the target's pidfd")?.retain_ready();
-                // Everything the process did before it died counts first.
-                reader.drain(|bytes| ingest.record(bytes, &probes, &mut engine, &mut reports));
-                info!(pid, "target process exited");
-                engine.process_exited(pid, monotonic_ns(), &mut reports);
-                probes.detach(pid);
-                emit(&mut alerts, &mut reports)?;
-                break;
+            read = session.reader.read(|bytes| session.ingest.record(
+                bytes, &session.probes, &mut session.transport, &mut session.engine, &mut session.reports,
+            )) => read?,
+            _ = ticks.tick() => session.engine.advance(monotonic_ns(), &mut session.reports),
+            _ = counter_ticks.tick() => {
+                reported = warn_on_loss(&session.probes, reported)?;
+                session.transport.sample(&session.probes, monotonic_ns())?;
+            }
+            Some(pid) = exits.recv() => {
+                session.exited(pid);
+                queries.forget_process(pid);
+                if selector.is_none() {
+                    session.emit()?;
+                    break;
+                }
+            }
+            ready = readable(&mut execs) => {
+                let Some(selector) = &selector else { continue };
+                for pid in drain_execs(ready?) {
+                    // An exec replaces the image a watched process had: its
+                    // probes and requests went with it.
+                    if session.watched.contains_key(&pid) {
+                        session.exited(pid);
+                        queries.forget_process(pid);
+                    }
+                    if selector.matches(pid) {
+                        if session.watch_or_log(pid) {
+                            queries.name_process(pid, &process_name(pid));
+                        }
+                    } else {
+                        pending.add(pid, monotonic_ns());
+                    }
+                }
+            }
+            _ = recheck.tick(), if !pending.is_empty() => {
+                if let Some(selector) = &selector {
+                    for pid in pending.recheck(selector, monotonic_ns()) {
+                        if session.watch_or_log(pid) {
+                            queries.name_process(pid, &process_name(pid));
+                        }
+                    }
+                }
             }
             log = logger.readable_mut() => {
                 let mut guard = log.context("waiting on the eBPF log buffer")?;
                 guard.get_inner_mut().flush();
                 guard.clear_ready();
             }
+            scrape = session.telemetry.scrape() => session.telemetry.answer(scrape, &session.engine, &session.probes),
+            query = queries.next() => queries.answer(query, &session.engine, &session.transport, monotonic_ns()),
             _ = interrupt.recv() => break,
             _ = terminate.recv() => break,
         }
-        emit(&mut alerts, &mut reports)?;
+        session.emit()?;
     }
-    reader.drain(|bytes| ingest.record(bytes, &probes, &mut engine, &mut reports));
-    engine.advance(monotonic_ns(), &mut reports);
-    emit(&mut alerts, &mut reports)?;
-    let kernel = probes.counters()?;
-    ingest.log();
-    alerts.summary(&engine.stats(), &kernel).context("writing the summary")?;
-    Ok(())
+    session.finish()
+}
+
+/// Everything one run holds, with the steps the loop takes on it.
+struct Session<W> {
+    engine: Engine,
+    transport: Tracker,
+    alerts: AlertWriter<W>,
+    telemetry: Telemetry,
+    probes: Probes,
+    reader: EventReader,
+    profile: Profile,
+    /// Attached processes and the tasks waiting on their pidfds.
+    watched: HashMap<u32, JoinHandle<()>>,
+    exit_tx: mpsc::UnboundedSender<u32>,
+    reports: Vec<Report>,
+    ingest: Ingest,
+}
+
+impl<W: Write> Session<W> {
+    /// Attach the profile to `pid` and learn when it exits.
+    fn watch(&mut self, pid: u32) -> Result<()> {
+        if self.watched.contains_key(&pid) {
+            return Ok(());
+        }
+        // Open the pidfd first: if the pid is reused after an exit, the
+        // pidfd still refers to the process we attached to.
+        let exited = pidfd(pid)?;
+        let slots = self.probes.attach(pid, &self.profile)?;
+        let name = process_name(pid);
+        self.alerts.name_process(pid, &name);
+        self.telemetry.name_process(pid);
+        let exit_tx = self.exit_tx.clone();
+        let waiter = tokio::spawn(async move {
+            // Readable means exited; an error means it cannot be watched,
+            // which is reported the same way rather than lost.
+            if let Ok(mut guard) = exited.readable().await {
+                guard.retain_ready();
+            }
+            let _ = exit_tx.send(pid);
+        });
+        self.watched.insert(pid, waiter);
+        info!(
+            pid,
+            process = %name,
+            profile = %self.profile.name,
+            probes = slots.len(),
+            timeout = %humantime::format_duration(Duration::from_nanos(self.engine.config().timeout_ns)),
+            "watching"
+        );
+        Ok(())
+    }
+
+    /// [`Self::watch`] for discovered processes: one that cannot be
+    /// attached (it lacks a symbol, it exited meanwhile) is logged, and the
+    /// agent goes on with the others.
+    fn watch_or_log(&mut self, pid: u32) -> bool {
+        match self.watch(pid) {
+            Ok(()) => true,
+            Err(err) => {
+                error!(pid, "not watching: {err:#}");
+                false
+            }
+        }
+    }
+
+    /// The process is gone: what it did before counts first, then every
+    /// request it still held ends `process_exited`.
+    fn exited(&mut self, pid: u32) {
+        let Session { reader, ingest, probes, transport, engine, reports, .. } = self;
+        reader.drain(|bytes| ingest.record(bytes, probes, transport, engine, reports));
+        info!(pid, "target process exited");
+        self.engine.process_exited(pid, monotonic_ns(), &mut self.reports);
+        self.probes.detach(pid);
+        if let Some(waiter) = self.watched.remove(&pid) {
+            waiter.abort();
+        }
+    }
+
+    fn emit(&mut self) -> Result<()> {
+        if self.reports.iter().any(|report| matches!(report, Report::Stalled { .. })) {
+            // Judge stalls on fresh counts, not the last periodic sample.
+            self.transport.sample(&self.probes, monotonic_ns())?;
+        }
+        for report in self.reports.drain(..) {
+            let evidence = self.transport.for_report(&report);
+            self.alerts.report(&report, evidence.as_ref()).context("writing an alert to stdout")?;
+            self.telemetry.report(report, evidence);
+        }
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<()> {
+        let Session { reader, ingest, probes, transport, engine, reports, .. } = &mut self;
+        reader.drain(|bytes| ingest.record(bytes, probes, transport, engine, reports));
+        self.engine.advance(monotonic_ns(), &mut self.reports);
+        self.emit()?;
+        let kernel = self.probes.counters()?;
+        self.ingest.log();
+        let export = self.telemetry.finish();
+        self.alerts
+            .summary(&self.engine.stats(), &kernel, export.dropped(), &self.probes.probe_hits()?)
+            .context("writing the summary")?;
+        Ok(())
+    }
+}
+
+/// Wait for exec notifications; never resolves without discovery.
+async fn readable(
+    execs: &mut Option<AsyncFd<RingBuf<MapData>>>,
+) -> Result<tokio::io::unix::AsyncFdReadyMutGuard<'_, RingBuf<MapData>>> {
+    match execs {
+        Some(execs) => execs.readable_mut().await.context("waiting on the EXECS ring buffer"),
+        None => std::future::pending().await,
+    }
+}
+
+/// The pids in the exec ring buffer, in order, each once.
+fn drain_execs(mut guard: tokio::io::unix::AsyncFdReadyMutGuard<'_, RingBuf<MapData>>) -> Vec<u32> {
+    let mut pids = Vec::new();
+    let ring = guard.get_inner_mut();
+    while let Some(item) = ring.next() {
+        if let Some(pid) = item.get(..4).and_then(|bytes| bytes.try_into().ok()).map(u32::from_ne_bytes) {
+            if !pids.contains(&pid) {
+                pids.push(pid);
+            }
+        }
+    }
+    guard.clear_ready();
+    pids
 }
 
 /// Records the ring buffer held that did not become observations.
@@ -120,7 +318,14 @@ struct Ingest {
 }
 
 impl Ingest {
-    fn record(&mut self, bytes: &[u8], probes: &Probes, engine: &mut Engine, reports: &mut Vec<Report>) {
+    fn record(
+        &mut self,
+        bytes: &[u8],
+        probes: &Probes,
+        transport: &mut Tracker,
+        engine: &mut Engine,
+        reports: &mut Vec<Report>,
+    ) {
         let event = match events::decode(bytes) {
             Ok(event) => event,
             Err(err) => {
@@ -130,7 +335,10 @@ impl Ingest {
             }
         };
         match events::observe(&event, probes) {
-            Ok(observation) => engine.observe(observation, reports),
+            Ok(observation) => {
+                transport.observe(&observation);
+                engine.observe(observation, reports);
+            }
             Err(Skipped::UnknownSlot) => self.unknown_slot += 1,
             Err(Skipped::NoStage) => self.no_stage += 1,
         }
@@ -148,13 +356,6 @@ impl Ingest {
     }
 }
 
-fn emit<W: Write>(alerts: &mut AlertWriter<W>, reports: &mut Vec<Report>) -> Result<()> {
-    for report in reports.drain(..) {
-        alerts.report(&report).context("writing an alert to stdout")?;
-    }
-    Ok(())
-}
-
 /// Log each new loss the kernel counted, as it happens.
 fn warn_on_loss(probes: &Probes, before: KernelCounters) -> Result<KernelCounters> {
     let now = probes.counters()?;
@@ -167,6 +368,9 @@ fn warn_on_loss(probes: &Probes, before: KernelCounters) -> Result<KernelCounter
             no_slot = now.no_slot,
             "events lost in the kernel"
         );
+    }
+    if now.exec_lost > before.exec_lost {
+        warn!(exec_lost = now.exec_lost, "exec notifications lost; such processes are found by the next rescan");
     }
     Ok(now)
 }

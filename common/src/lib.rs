@@ -91,6 +91,9 @@ pub mod slot_flags {
     /// [`ONLY_ON_CHANGE`] slot of the same target sees a release between two
     /// identical statuses (the handle address is reused by the next request).
     pub const TRACK_LAST: u32 = 1 << 6;
+    /// A transport-activity slot: count the hit and its time in `HITS` and
+    /// `SEEN`, emit nothing (the agent samples them as evidence).
+    pub const COUNT_ONLY: u32 = 1 << 7;
     /// Set on every configured slot, so that an all-zero entry reads as
     /// "no slot" to the kernel side.
     pub const CONFIGURED: u32 = 1 << 31;
@@ -183,7 +186,10 @@ pub mod counter {
     pub const NO_SLOT: u32 = 3;
     /// Events suppressed by `ONLY_ON_CHANGE` (expected, not an error).
     pub const UNCHANGED: u32 = 4;
-    pub const COUNT: u32 = 5;
+    /// Exec notifications lost (the EXECS ring buffer was full); discovery
+    /// falls back to its periodic scan of /proc.
+    pub const EXEC_LOST: u32 = 5;
+    pub const COUNT: u32 = 6;
 }
 
 #[cfg(feature = "user")]

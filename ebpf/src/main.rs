@@ -15,9 +15,9 @@ use aya_ebpf::{
         bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
         bpf_probe_read_user_str_bytes, generated::bpf_get_attach_cookie,
     },
-    macros::{map, uprobe, uretprobe},
+    macros::{btf_tracepoint, map, uprobe, uretprobe},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
-    programs::{ProbeContext, RetProbeContext},
+    programs::{BtfTracePointContext, ProbeContext, RetProbeContext},
 };
 use aya_log_ebpf::warn;
 use stallwatch_common::{
@@ -41,6 +41,11 @@ static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT
 #[map]
 static HITS: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_SLOTS, 0);
 
+/// When each slot was last hit, per CPU (the agent takes the maximum):
+/// "last post 57 s ago" for transport-activity slots.
+#[map]
+static SEEN: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_SLOTS, 0);
+
 /// Arguments saved at entry for return slots that read them.
 #[map]
 static SAVED: HashMap<SavedArgsKey, SavedArgs> = HashMap::with_max_entries(16384, 0);
@@ -54,6 +59,14 @@ pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
     let Some((slot, cfg)) = slot_of(&ctx) else {
         return 0;
     };
+    if cfg.flags & slot_flags::COUNT_ONLY != 0 {
+        count_hit(slot);
+        if let Some(seen) = SEEN.get_ptr_mut(slot) {
+            // SAFETY: per-CPU slot, no other writer on this CPU while we run.
+            unsafe { *seen = bpf_ktime_get_ns() };
+        }
+        return 0;
+    }
     let args = Args::Live(ctx.regs);
     if cfg.flags & slot_flags::RETURN != 0 {
         // The entry half of a return slot: keep the arguments for the return.
@@ -95,6 +108,21 @@ pub fn lifecycle_return(ctx: RetProbeContext) -> u32 {
         return 0;
     }
     emit(slot, cfg, &args, ret, matched);
+    0
+}
+
+/// Pids of processes that just exec'd, for process discovery.
+#[map]
+static EXECS: RingBuf = RingBuf::with_byte_size(1 << 16, 0);
+
+/// Every exec on the host: the agent checks the new program against its
+/// selectors. A BTF tracepoint, so it needs no tracefs mount.
+#[btf_tracepoint(function = "sched_process_exec")]
+pub fn process_exec(_ctx: BtfTracePointContext) -> u32 {
+    let pid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    if EXECS.output::<u32>(pid, 0).is_err() {
+        bump(counter::EXEC_LOST);
+    }
     0
 }
 

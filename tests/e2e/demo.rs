@@ -6,7 +6,7 @@ use std::{
 };
 
 use serde_json::Value;
-use stallwatch_tests::{Agent, Demo, Line, alerts, require_root, summary};
+use stallwatch_tests::{Agent, Demo, Line, alerts, injected, require_root, summary};
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 /// How late a stall may be reported, past the timeout (the bound).
@@ -19,20 +19,6 @@ fn watched(demo_args: &[&str], timeout: &str) -> (Demo, Agent) {
     let agent = Agent::watch(demo.proc.pid(), "demo", timeout, &[]);
     demo.go();
     (demo, agent)
-}
-
-/// The demo's `injected` lines: key (as the agent prints it) -> (stall kind, when seen).
-fn injected(lines: &[Line]) -> HashMap<String, (String, Instant)> {
-    lines
-        .iter()
-        .filter_map(|line| {
-            let value = line.json()?;
-            (value["event"] == "injected").then(|| {
-                let key = format!("{:#x}", value["key"].as_u64().expect("numeric key"));
-                (key, (value["stall"].as_str().expect("stall kind").to_owned(), line.at))
-            })
-        })
-        .collect()
 }
 
 fn key_of(alert: &Value) -> String {
@@ -55,14 +41,14 @@ fn every_injected_stall_is_reported_once_with_its_class_while_stuck() {
     let mut seen: HashMap<String, usize> = HashMap::new();
     for (at, alert) in &stalls {
         let key = key_of(alert);
-        let (kind, injected_at) = injected.get(&key).unwrap_or_else(|| panic!("stall alert for a healthy request: {alert}"));
-        assert_eq!(alert["class"], kind.as_str(), "{alert}");
+        let pinned = injected.get(&key).unwrap_or_else(|| panic!("stall alert for a healthy request: {alert}"));
+        assert_eq!(alert["class"], pinned.stall.as_str(), "{alert}");
         assert_eq!(alert["external_id"], format!("room-{}", u64::from_str_radix(&key[2..], 16).expect("hex key")));
         *seen.entry(key).or_default() += 1;
         // Reported while stuck: after the timeout, within timeout + 1 s of
         // the request's last lifecycle event (the test saw that event's
         // `injected` line just after it happened).
-        let latency = at.duration_since(*injected_at);
+        let latency = at.duration_since(pinned.at);
         assert!(latency >= TIMEOUT - Duration::from_millis(50), "{alert} after {latency:?}");
         assert!(latency <= TIMEOUT + LATENESS, "{alert} only after {latency:?}");
         let silent = Duration::from_millis(alert["silent_ms"].as_u64().expect("silent_ms"));

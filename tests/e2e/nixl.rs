@@ -8,7 +8,7 @@ use std::{
 };
 
 use serde_json::Value;
-use stallwatch_tests::{Agent, Line, Proc, alerts, require_root, root, summary, venv_python};
+use stallwatch_tests::{Agent, Line, Proc, agent_bin, alerts, require_root, root, run_to_end, summary, test_socket, venv_python};
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 const LATENESS: Duration = Duration::from_secs(1);
@@ -38,8 +38,12 @@ impl Driver {
 
     /// Attach the agent, then let the driver run.
     fn watched(mode: &str, count: usize) -> (Self, Agent) {
+        Self::watched_with(mode, count, &[])
+    }
+
+    fn watched_with(mode: &str, count: usize, extra: &[&str]) -> (Self, Agent) {
         let mut driver = Self::start(mode, count);
-        let agent = Agent::watch(driver.initiator, "nixl", "2s", &[]);
+        let agent = Agent::watch(driver.initiator, "nixl", "2s", extra);
         driver.proc.write_line("go");
         (driver, agent)
     }
@@ -105,14 +109,38 @@ fn created_never_posted_is_waiting_for_peer() {
 
 #[test]
 fn posted_to_a_stopped_peer_is_transfer_hung() {
-    let (mut driver, agent) = Driver::watched("hang", 3);
+    let socket = test_socket();
+    let socket_arg = socket.to_str().expect("utf-8 socket path");
+    let (mut driver, agent) = Driver::watched_with("hang", 3, &["--socket", socket_arg]);
     driver.until("holding", Duration::from_secs(20));
     let mut seen = Vec::new();
     let stalls = agent.wait_alerts("stalled", 3, TIMEOUT + Duration::from_secs(5), &mut seen);
     assert_stalls(&stalls, &driver.requests("posted"), "transfer_hung");
     for (_, alert) in &stalls {
         assert_eq!(alert["stage"], "transfer_posted", "{alert}");
+        // The transport evidence: UCX progress polled all along, the put
+        // was posted, nothing completed since.
+        let transport = &alert["transport"];
+        assert_eq!(transport["verdict"], "peer_unresponsive", "{alert}");
+        assert!(transport["progress"]["since"].as_u64().expect("progress since") > 0, "{alert}");
+        assert_eq!(transport["completion"]["since"], 0, "{alert}");
+        assert!(transport["post"]["total"].as_u64().expect("post total") > 0, "{alert}");
+        assert!(transport["summary"].as_str().expect("summary").contains("none completed"), "{alert}");
     }
+    // The on-call view shows the same: every hung request with its verdict,
+    // and the process's transport counts.
+    let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).args(["inflight", "--json", "--socket", socket_arg]));
+    assert!(ok, "{stderr}");
+    let inflight: Value = serde_json::from_str(&stdout).expect("inflight JSON");
+    let requests = inflight["requests"].as_array().expect("requests");
+    assert_eq!(requests.len(), 3, "{inflight}");
+    for request in requests {
+        assert_eq!(request["class"], "transfer_hung", "{request}");
+        assert_eq!(request["transport"]["verdict"], "peer_unresponsive", "{request}");
+    }
+    let process = &inflight["processes"][0];
+    assert!(process["transport"]["progress"]["total"].as_u64().expect("progress total") > 0, "{process}");
+    assert!(process["transport"]["post"]["total"].as_u64().expect("post total") >= 3, "{process}");
     // The initiator keeps polling getXferStatus (IN_PROG) the whole time:
     // polls are not life, and nothing else is reported.
     std::thread::sleep(Duration::from_secs(1));
@@ -165,4 +193,19 @@ fn two_thousand_healthy_transfers_raise_no_alert() {
     assert_eq!(summary["seen"], 2000, "{summary}");
     assert_eq!(summary["completed"], 2000, "{summary}");
     assert_eq!(summary["lost_events"], 0, "{summary}");
+
+    // Transport probes: UCX really ran under every transfer; the RDMA verbs
+    // transports the wheel ships are loaded, attached, and never called
+    // (this machine has no RDMA device).
+    let hits: HashMap<&str, u64> = summary["probes"]
+        .as_array()
+        .expect("probes")
+        .iter()
+        .map(|p| (p["symbol"].as_str().expect("symbol"), p["hits"].as_u64().expect("hits")))
+        .collect();
+    assert!(hits["ucp_put_nbx"] >= 2000, "{hits:?}");
+    assert!(hits["ucp_worker_progress"] > 0, "{hits:?}");
+    for verbs in ["uct_rc_verbs_ep_put_zcopy", "uct_rc_verbs_ep_get_zcopy", "uct_rc_mlx5_base_ep_put_zcopy", "uct_rc_mlx5_base_ep_get_zcopy"] {
+        assert_eq!(hits.get(verbs), Some(&0), "{verbs} attached with no hits: {hits:?}");
+    }
 }

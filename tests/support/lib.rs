@@ -4,6 +4,7 @@
 //! Nothing here stands in for the kernel or a peer: the agent loads its real
 //! eBPF object and attaches real uprobes to the real target processes.
 use std::{
+    collections::HashMap,
     io::{BufRead as _, BufReader, Write as _},
     path::{Path, PathBuf},
     process::{Child, ChildStdin, Command, Stdio},
@@ -17,6 +18,9 @@ use std::{
 };
 
 use serde_json::Value;
+
+/// The OTLP collector (rotel) the OTLP tests send spans to.
+pub mod otlp;
 
 /// The workspace root.
 pub fn root() -> PathBuf {
@@ -229,6 +233,49 @@ impl Demo {
     }
 }
 
+/// One request the demo pinned: its `injected` line.
+#[derive(Debug, Clone)]
+pub struct Injected {
+    /// `waiting_for_peer`, `transfer_hung`, `release_lost` or `recover`.
+    pub stall: String,
+    /// Its room, the external id the agent captures.
+    pub room: String,
+    /// When the test saw the line (just after the request's last event).
+    pub at: Instant,
+}
+
+/// The demo's `injected` lines among `lines`: key (hex, as the agent
+/// prints it) -> what was pinned.
+pub fn injected(lines: &[Line]) -> HashMap<String, Injected> {
+    lines
+        .iter()
+        .filter_map(|line| {
+            let value = line.json()?;
+            (value["event"] == "injected").then(|| {
+                let key = format!("{:#x}", value["key"].as_u64().expect("numeric key"));
+                let stall = value["stall"].as_str().expect("stall kind").to_owned();
+                let room = value["room"].as_str().expect("room").to_owned();
+                (key, Injected { stall, room, at: line.at })
+            })
+        })
+        .collect()
+}
+
+impl Demo {
+    /// Read the demo's lines into `seen` until `n` requests were injected.
+    pub fn wait_injected(&self, n: usize, seen: &mut Vec<Line>) -> HashMap<String, Injected> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let found = injected(seen);
+            if found.len() >= n {
+                return found;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            seen.push(self.proc.next_line(left, "the demo's injected lines"));
+        }
+    }
+}
+
 /// The agent with `--output json`, attached and watching.
 pub struct Agent {
     pub proc: Proc,
@@ -236,15 +283,51 @@ pub struct Agent {
 
 impl Agent {
     /// Start `stallwatch run` and wait until its probes are attached.
+    /// Without `--socket` in `extra` it serves a fresh [`test_socket`], so
+    /// agents of concurrent test runs never meet on the default socket.
     pub fn watch(pid: u32, profile: &str, timeout: &str, extra: &[&str]) -> Self {
-        let proc = Proc::spawn(
-            "stallwatch",
-            Command::new(agent_bin())
-                .args(["run", "--pid", &pid.to_string(), "--profile", profile, "--timeout", timeout, "--output", "json"])
-                .args(extra),
-        );
-        proc.wait_stderr("watching", Duration::from_secs(30));
-        Self { proc }
+        Self::watch_with_env(pid, profile, timeout, extra, &[])
+    }
+
+    /// [`Self::watch`] with environment variables set for the agent.
+    pub fn watch_with_env(pid: u32, profile: &str, timeout: &str, extra: &[&str], env: &[(&str, &str)]) -> Self {
+        let agent = Self::start(&["--pid", &pid.to_string()], profile, timeout, extra, env);
+        agent.proc.wait_stderr("watching", Duration::from_secs(30));
+        agent
+    }
+
+    /// Start `stallwatch run` with process selectors (`--exe NAME` ...) and
+    /// wait until its first scan is done.
+    pub fn discover(selectors: &[&str], profile: &str, timeout: &str, extra: &[&str]) -> Self {
+        let agent = Self::start(selectors, profile, timeout, extra, &[]);
+        agent.proc.wait_stderr("discovering processes", Duration::from_secs(30));
+        agent
+    }
+
+    fn start(target: &[&str], profile: &str, timeout: &str, extra: &[&str], env: &[(&str, &str)]) -> Self {
+        let mut command = Command::new(agent_bin());
+        command
+            .arg("run")
+            .args(target)
+            .args(["--profile", profile, "--timeout", timeout, "--output", "json"])
+            .args(extra);
+        if !extra.contains(&"--socket") {
+            command.arg("--socket").arg(test_socket());
+        }
+        // Only what the test sets: an OTEL_* or K8S_* variable in the
+        // test's own environment must not leak in.
+        for (name, _) in std::env::vars() {
+            if name.starts_with("OTEL_") || name.starts_with("K8S_") {
+                command.env_remove(name);
+            }
+        }
+        command.envs(env.iter().copied());
+        Self { proc: Proc::spawn("stallwatch", &mut command) }
+    }
+
+    /// Wait until the agent has attached to `pid`.
+    pub fn wait_watching(&self, pid: u32) {
+        self.proc.wait_stderr(&format!("watching pid={pid}"), Duration::from_secs(30));
     }
 
     /// Wait for `n` alerts of `kind`, returning them with when they arrived;
@@ -270,6 +353,16 @@ impl Agent {
         assert!(status.success(), "agent exited with {status}; stderr:\n{}", self.proc.stderr());
         lines
     }
+}
+
+/// A query socket path no other agent uses: one per call, under
+/// `/tmp/stallwatch-tests/` (the agent creates the directory and removes
+/// the socket when it exits).
+pub fn test_socket() -> PathBuf {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    std::env::temp_dir()
+        .join("stallwatch-tests")
+        .join(format!("{}-{}.sock", std::process::id(), N.fetch_add(1, Ordering::Relaxed)))
 }
 
 /// Run a command to completion, returning (success, stdout, stderr).

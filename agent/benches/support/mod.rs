@@ -30,11 +30,11 @@ pub struct Attached {
 }
 
 impl Attached {
-    pub fn new(pid: u32, profile: &str) -> Result<Self> {
+    pub fn new(pid: u32, profile: &Profile) -> Result<Self> {
         let mut probes = Probes::load()?;
         let map = probes.ebpf_mut().take_map("EVENTS").context("EVENTS map")?;
         let mut ring = RingBuf::try_from(map)?;
-        probes.attach(pid, &Profile::load(profile)?)?;
+        probes.attach(pid, profile)?;
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = Arc::clone(&stop);
         let drain = std::thread::spawn(move || {

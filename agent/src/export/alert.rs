@@ -10,7 +10,8 @@ use serde_json::{Map, Value, json};
 
 use super::clock::Clock;
 use crate::lifecycle::{EngineStats, Outcome, Report, RequestSnapshot, Stage};
-use crate::probes::KernelCounters;
+use crate::probes::{ActivityKind, KernelCounters, ProbeHits};
+use crate::transport::{Evidence, Verdict};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
@@ -36,11 +37,13 @@ impl<W: Write> AlertWriter<W> {
         self.names.insert(pid, name.into());
     }
 
-    /// Write the alert line a report calls for, if any.
-    pub fn report(&mut self, report: &Report) -> std::io::Result<()> {
-        let Some(alert) = Alert::of(report) else {
+    /// Write the alert line a report calls for, if any, with the transport
+    /// evidence of its process where there is some.
+    pub fn report(&mut self, report: &Report, evidence: Option<&Evidence>) -> std::io::Result<()> {
+        let Some(mut alert) = Alert::of(report) else {
             return Ok(());
         };
+        alert.evidence = evidence;
         let line = match self.format {
             Format::Human => self.human(&alert),
             Format::Json => self.json(&alert).to_string(),
@@ -49,13 +52,22 @@ impl<W: Write> AlertWriter<W> {
         self.out.flush()
     }
 
-    /// The end-of-run summary.
-    pub fn summary(&mut self, stats: &EngineStats, kernel: &KernelCounters) -> std::io::Result<()> {
+    /// The end-of-run summary. `export_drops`: spans (or the reports they
+    /// came from) that never reached the OTLP collector, 0 without OTLP.
+    /// Every attached probe's hit count follows (a `PROBE` line each, or a
+    /// `probes` array in JSON): a probe that never fired is visible.
+    pub fn summary(
+        &mut self,
+        stats: &EngineStats,
+        kernel: &KernelCounters,
+        export_drops: u64,
+        probes: &[ProbeHits],
+    ) -> std::io::Result<()> {
         let line = match self.format {
             Format::Human => format!(
                 "SUMMARY seen={} completed={} stalled={} recovered={} failed={} aborted={} process_exited={} \
                  evicted={} in_flight={} lost_events={} (ringbuf_full={} read_failed={} args_missing={} no_slot={}) \
-                 stale_events={} duplicate_events={}",
+                 stale_events={} duplicate_events={} export_drops={}",
                 stats.seen,
                 stats.completed,
                 stats.stalled,
@@ -72,7 +84,11 @@ impl<W: Write> AlertWriter<W> {
                 kernel.no_slot,
                 stats.stale_events,
                 stats.duplicate_events,
-            ),
+                export_drops,
+            ) + &probes
+                .iter()
+                .map(|p| format!("\nPROBE pid={} role={} hits={} symbol={}", p.pid, p.role, p.hits, p.symbol))
+                .collect::<String>(),
             Format::Json => json!({
                 "alert": "summary",
                 "seen": stats.seen,
@@ -91,6 +107,11 @@ impl<W: Write> AlertWriter<W> {
                 "no_slot": kernel.no_slot,
                 "stale_events": stats.stale_events,
                 "duplicate_events": stats.duplicate_events,
+                "export_drops": export_drops,
+                "probes": probes
+                    .iter()
+                    .map(|p| json!({"pid": p.pid, "role": p.role, "hits": p.hits, "symbol": p.symbol}))
+                    .collect::<Vec<_>>(),
             })
             .to_string(),
         };
@@ -121,6 +142,13 @@ impl<W: Write> AlertWriter<W> {
         for (stage, ns) in stages(request) {
             line.push_str(&format!(" {stage}={}", self.clock.rfc3339(ns)));
         }
+        if let Some(evidence) = alert.evidence {
+            line.push_str(&format!(
+                " verdict={} transport=\"{}\"",
+                evidence.verdict.as_str(),
+                Verdict::describe(evidence)
+            ));
+        }
         line
     }
 
@@ -140,8 +168,13 @@ impl<W: Write> AlertWriter<W> {
             "class": alert.class,
             "stages": stages,
         });
-        if let (Some((name, ns)), Some(object)) = (alert.duration, value.as_object_mut()) {
-            object.insert(format!("{name}_ms"), json!(ns / 1_000_000));
+        if let Some(object) = value.as_object_mut() {
+            if let Some((name, ns)) = alert.duration {
+                object.insert(format!("{name}_ms"), json!(ns / 1_000_000));
+            }
+            if let Some(evidence) = alert.evidence {
+                object.insert("transport".to_owned(), evidence_json(evidence));
+            }
         }
         value
     }
@@ -159,6 +192,7 @@ struct Alert<'a> {
     /// ("silent", ns) for a stall, ("stuck", ns) for a recovery.
     duration: Option<(&'static str, u64)>,
     at_ns: u64,
+    evidence: Option<&'a Evidence>,
 }
 
 impl<'a> Alert<'a> {
@@ -170,6 +204,7 @@ impl<'a> Alert<'a> {
                 class: Some(class.as_str()),
                 duration: Some(("silent", *silent_ns)),
                 at_ns: *at_ns,
+                evidence: None,
             }),
             Report::Recovered { request, class, stuck_ns } => Some(Self {
                 kind: "recovered",
@@ -177,6 +212,7 @@ impl<'a> Alert<'a> {
                 class: Some(class.as_str()),
                 duration: Some(("stuck", *stuck_ns)),
                 at_ns: request.last_ns,
+                evidence: None,
             }),
             Report::Ended { request, outcome, at_ns } => {
                 let kind = match outcome {
@@ -191,10 +227,30 @@ impl<'a> Alert<'a> {
                     class: request.stalled.map(|class| class.as_str()),
                     duration: Some(("age", at_ns.saturating_sub(request.first_ns))),
                     at_ns: *at_ns,
+                    evidence: None,
                 })
             }
         }
     }
+}
+
+/// `{"verdict": .., "summary": .., "post": {"since": n, "total": n, "last_ago_ms": n|null}, ..}`
+fn evidence_json(evidence: &Evidence) -> Value {
+    let mut object = Map::new();
+    object.insert("verdict".to_owned(), json!(evidence.verdict.as_str()));
+    object.insert("summary".to_owned(), json!(Verdict::describe(evidence)));
+    for kind in ActivityKind::ALL {
+        let total = evidence.total.get(kind);
+        object.insert(
+            kind.as_str().to_owned(),
+            json!({
+                "since": evidence.since.get(kind).calls,
+                "total": total.calls,
+                "last_ago_ms": total.last_ns.map(|ns| evidence.at_ns.saturating_sub(ns) / 1_000_000),
+            }),
+        );
+    }
+    Value::Object(object)
 }
 
 fn stages(request: &RequestSnapshot) -> impl Iterator<Item = (Stage, u64)> + '_ {

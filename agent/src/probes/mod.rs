@@ -12,16 +12,17 @@ use std::{collections::HashMap, num::NonZeroU32, path::PathBuf, sync::Arc};
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
     Ebpf,
-    maps::{Array, MapData, PerCpuArray},
+    Btf,
+    maps::{Array, MapData, PerCpuArray, RingBuf},
     programs::{
-        UProbe,
+        BtfTracePoint, UProbe,
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
     },
 };
-use stallwatch_common::{MAX_SLOTS, SlotConfig, counter};
+use stallwatch_common::{MAX_SLOTS, SlotConfig, counter, slot_flags};
 use tracing::info;
 
-pub use self::profile::{At, Profile, ProbeSpec};
+pub use self::profile::{ActivityKind, ActivitySpec, At, Profile, ProbeSpec};
 use self::resolve::{ElfFile, FirstInsn, ProcessImage};
 
 /// The eBPF object built by `build.rs`.
@@ -31,12 +32,23 @@ pub fn ebpf_object() -> &'static [u8] {
 
 const ENTRY_PROGRAM: &str = "lifecycle_entry";
 const RETURN_PROGRAM: &str = "lifecycle_return";
+const EXEC_PROGRAM: &str = "process_exec";
+
+/// What a slot's hits mean.
+#[derive(Debug, Clone)]
+pub enum Role {
+    /// Hits are lifecycle events, per the probe spec.
+    Lifecycle(Arc<ProbeSpec>),
+    /// Hits are counted as transport activity of this kind.
+    Activity(ActivityKind),
+}
 
 /// One attached probe: what the event decoder needs to know of a slot.
 #[derive(Debug, Clone)]
 pub struct Slot {
     pub pid: u32,
-    pub spec: Arc<ProbeSpec>,
+    pub role: Role,
+    pub symbol: String,
     pub object: PathBuf,
     pub file_offset: u64,
     pub first_insn: FirstInsn,
@@ -48,6 +60,7 @@ pub struct Probes {
     slots_map: Array<MapData, SlotConfig>,
     counters: PerCpuArray<MapData, u64>,
     hits: PerCpuArray<MapData, u64>,
+    seen: PerCpuArray<MapData, u64>,
     slots: Vec<Slot>,
     links: HashMap<u32, Vec<(&'static str, UProbeLinkId)>>,
 }
@@ -71,7 +84,8 @@ impl Probes {
         let slots_map = Array::try_from(take_map(&mut ebpf, "SLOTS")?)?;
         let counters = PerCpuArray::try_from(take_map(&mut ebpf, "COUNTERS")?)?;
         let hits = PerCpuArray::try_from(take_map(&mut ebpf, "HITS")?)?;
-        Ok(Self { ebpf, slots_map, counters, hits, slots: Vec::new(), links: HashMap::new() })
+        let seen = PerCpuArray::try_from(take_map(&mut ebpf, "SEEN")?)?;
+        Ok(Self { ebpf, slots_map, counters, hits, seen, slots: Vec::new(), links: HashMap::new() })
     }
 
     /// The loaded object, for taking its ring buffer and log maps.
@@ -93,69 +107,116 @@ impl Probes {
     }
 
     fn attach_all(&mut self, image: &ProcessImage, profile: &Profile) -> Result<()> {
-        let mut files: HashMap<PathBuf, ElfFile> = HashMap::new();
-        let pid = image.pid;
-        let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).ok_or_else(|| anyhow!("pid 0 is not a process"))?);
+        let mut files = ElfCache::default();
+        let track_last = profile.tracks_last();
         for spec in &profile.probes {
-            let object = image.find(spec.object.as_deref())?;
-            let elf = match files.entry(object.host_path.clone()) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => e.insert(ElfFile::open(&object.host_path)?),
-            };
-            let resolved = elf
-                .resolve(&spec.symbol)
-                .with_context(|| format!("profile {}, line {}", profile.origin, spec.line))?;
-            let index = u32::try_from(self.slots.len())?;
-            if index >= MAX_SLOTS {
-                bail!("all {MAX_SLOTS} probe slots are in use: watch fewer processes per agent");
+            let cfg = spec.slot_config(track_last);
+            let target = Target { object: spec.object.as_deref(), symbol: &spec.symbol, line: spec.line };
+            self.attach_slot(image, &mut files, profile, &target, cfg, Role::Lifecycle(Arc::new(spec.clone())))?;
+        }
+        for spec in &profile.activity {
+            let target = Target { object: spec.object.as_deref(), symbol: &spec.symbol, line: spec.line };
+            let attached =
+                self.attach_slot(image, &mut files, profile, &target, ActivitySpec::slot_config(), Role::Activity(spec.kind));
+            match attached {
+                Err(err) if spec.optional && err.downcast_ref::<Unresolved>().is_some() => {
+                    info!(pid = image.pid, symbol = %spec.symbol, reason = %err, "optional transport probe skipped");
+                }
+                other => other?,
             }
-            let cfg = spec.slot_config(profile.tracks_last());
-            self.slots_map.set(index, cfg, 0).context("writing the slot config map")?;
-            self.slots.push(Slot {
-                pid,
-                spec: Arc::new(spec.clone()),
-                object: object.path.clone(),
-                file_offset: resolved.file_offset,
-                first_insn: resolved.first_insn,
-            });
-            let mut programs = Vec::new();
-            if spec.at == At::Entry || cfg.flags & stallwatch_common::slot_flags::NEEDS_ARGS != 0 {
-                programs.push(ENTRY_PROGRAM);
-            }
-            if spec.at == At::Return {
-                programs.push(RETURN_PROGRAM);
-            }
-            for name in programs {
-                let program: &mut UProbe = self
-                    .ebpf
-                    .program_mut(name)
-                    .ok_or_else(|| anyhow!("the eBPF object has no program `{name}`"))?
-                    .try_into()?;
-                let point = UProbeAttachPoint {
-                    location: UProbeAttachLocation::AbsoluteOffset(resolved.file_offset),
-                    cookie: Some(u64::from(index)),
-                };
-                let link = program.attach(point, &object.host_path, scope).with_context(|| {
-                    format!(
-                        "attaching a uprobe to `{}` at {:#x} in {} for pid {pid}",
-                        spec.symbol,
-                        resolved.file_offset,
-                        object.path.display()
-                    )
-                })?;
-                self.links.entry(pid).or_default().push((name, link));
-            }
-            info!(
-                pid,
-                symbol = %spec.symbol,
-                object = %object.path.display(),
-                offset = format_args!("{:#x}", resolved.file_offset),
-                at = ?spec.at,
-                first_insn = %resolved.first_insn,
-                "probe attached"
-            );
         }
         Ok(())
+    }
+
+    /// Resolve one probe, write its slot config, attach its program(s).
+    fn attach_slot(
+        &mut self,
+        image: &ProcessImage,
+        files: &mut ElfCache,
+        profile: &Profile,
+        target: &Target<'_>,
+        cfg: SlotConfig,
+        role: Role,
+    ) -> Result<()> {
+        let pid = image.pid;
+        let object = image.find(target.object).map_err(|err| Unresolved(format!("{err:#}")))?;
+        let resolved = files
+            .open(&object.host_path)?
+            .resolve(target.symbol)
+            .map_err(|err| Unresolved(format!("profile {}, line {}: {err:#}", profile.origin, target.line)))?;
+        let index = u32::try_from(self.slots.len())?;
+        if index >= MAX_SLOTS {
+            bail!("all {MAX_SLOTS} probe slots are in use: watch fewer processes per agent");
+        }
+        self.slots_map.set(index, cfg, 0).context("writing the slot config map")?;
+        let at = match &role {
+            Role::Lifecycle(spec) => spec.at,
+            Role::Activity(_) => At::Entry,
+        };
+        self.slots.push(Slot {
+            pid,
+            role,
+            symbol: target.symbol.to_owned(),
+            object: object.path.clone(),
+            file_offset: resolved.file_offset,
+            first_insn: resolved.first_insn,
+        });
+        let mut programs = Vec::new();
+        if at == At::Entry || cfg.flags & slot_flags::NEEDS_ARGS != 0 {
+            programs.push(ENTRY_PROGRAM);
+        }
+        if at == At::Return {
+            programs.push(RETURN_PROGRAM);
+        }
+        let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).ok_or_else(|| anyhow!("pid 0 is not a process"))?);
+        for name in programs {
+            let program: &mut UProbe = self
+                .ebpf
+                .program_mut(name)
+                .ok_or_else(|| anyhow!("the eBPF object has no program `{name}`"))?
+                .try_into()?;
+            let point = UProbeAttachPoint {
+                location: UProbeAttachLocation::AbsoluteOffset(resolved.file_offset),
+                cookie: Some(u64::from(index)),
+            };
+            let link = program.attach(point, &object.host_path, scope).with_context(|| {
+                format!(
+                    "attaching a uprobe to `{}` at {:#x} in {} for pid {pid}",
+                    target.symbol,
+                    resolved.file_offset,
+                    object.path.display()
+                )
+            })?;
+            self.links.entry(pid).or_default().push((name, link));
+        }
+        info!(
+            pid,
+            symbol = %target.symbol,
+            object = %object.path.display(),
+            offset = format_args!("{:#x}", resolved.file_offset),
+            at = ?at,
+            first_insn = %resolved.first_insn,
+            "probe attached"
+        );
+        Ok(())
+    }
+
+    /// Start hearing of every exec on the host (process discovery): loads
+    /// and attaches the `sched_process_exec` BTF tracepoint and hands over
+    /// the ring buffer of exec'd pids.
+    pub fn watch_execs(&mut self) -> Result<RingBuf<MapData>> {
+        let btf = Btf::from_sys_fs().context(
+            "reading the kernel's BTF (/sys/kernel/btf/vmlinux) for the exec tracepoint: discovery needs a kernel \
+             with CONFIG_DEBUG_INFO_BTF; use --pid instead",
+        )?;
+        let program: &mut BtfTracePoint = self
+            .ebpf
+            .program_mut(EXEC_PROGRAM)
+            .ok_or_else(|| anyhow!("the eBPF object has no program `{EXEC_PROGRAM}`"))?
+            .try_into()?;
+        program.load("sched_process_exec", &btf).context("the kernel verifier rejected the exec tracepoint")?;
+        program.attach().context("attaching to the sched_process_exec tracepoint")?;
+        RingBuf::try_from(take_map(&mut self.ebpf, "EXECS")?).context("EXECS is not a ring buffer")
     }
 
     /// Detach every probe of `pid` (the process exited or stopped matching).
@@ -198,12 +259,77 @@ impl Probes {
             args_missing: sum(counter::ARGS_MISSING)?,
             no_slot: sum(counter::NO_SLOT)?,
             unchanged: sum(counter::UNCHANGED)?,
+            exec_lost: sum(counter::EXEC_LOST)?,
         })
     }
 
     /// Hits of one slot over all CPUs.
     pub fn hits(&self, index: u32) -> Result<u64> {
         Ok(self.hits.get(&index, 0).context("reading the HITS map")?.iter().sum())
+    }
+
+    /// Every slot's hits, for the summary.
+    pub fn probe_hits(&self) -> Result<Vec<ProbeHits>> {
+        self.slots
+            .iter()
+            .enumerate()
+            .map(|(index, slot)| {
+                let role = match &slot.role {
+                    Role::Lifecycle(_) => "lifecycle",
+                    Role::Activity(kind) => kind.as_str(),
+                };
+                Ok(ProbeHits { pid: slot.pid, symbol: slot.symbol.clone(), role, hits: self.hits(index as u32)? })
+            })
+            .collect()
+    }
+
+    /// When a transport-activity slot was last hit, on any CPU.
+    pub fn last_hit(&self, index: u32) -> Result<Option<u64>> {
+        let latest = self.seen.get(&index, 0).context("reading the SEEN map")?.iter().copied().max();
+        Ok(latest.filter(|&ns| ns > 0))
+    }
+}
+
+/// One probe's hit count, for the summary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeHits {
+    pub pid: u32,
+    pub symbol: String,
+    /// `lifecycle`, or the activity kind.
+    pub role: &'static str,
+    pub hits: u64,
+}
+
+/// Where one probe goes, for [`Probes::attach_slot`].
+struct Target<'a> {
+    object: Option<&'a str>,
+    symbol: &'a str,
+    line: usize,
+}
+
+/// The probe's object is not mapped or has no such symbol: fatal for a
+/// lifecycle probe, a logged skip for an optional transport probe.
+#[derive(Debug)]
+struct Unresolved(String);
+
+impl std::fmt::Display for Unresolved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Unresolved {}
+
+/// ELF files read once per attach call, shared by the probes in them.
+#[derive(Default)]
+struct ElfCache(HashMap<PathBuf, ElfFile>);
+
+impl ElfCache {
+    fn open(&mut self, path: &std::path::Path) -> Result<&ElfFile> {
+        match self.0.entry(path.to_owned()) {
+            std::collections::hash_map::Entry::Occupied(entry) => Ok(entry.into_mut()),
+            std::collections::hash_map::Entry::Vacant(entry) => Ok(entry.insert(ElfFile::open(path)?)),
+        }
     }
 }
 
@@ -220,6 +346,8 @@ pub struct KernelCounters {
     pub no_slot: u64,
     /// Status returns suppressed because nothing changed (expected).
     pub unchanged: u64,
+    /// Exec notifications lost; discovery's rescans catch those processes.
+    pub exec_lost: u64,
 }
 
 impl KernelCounters {

@@ -37,6 +37,50 @@ pub struct Profile {
     /// Where it came from: a path, or `built-in NAME`; used in errors.
     pub origin: String,
     pub probes: Vec<ProbeSpec>,
+    /// Transport functions whose calls are counted as evidence.
+    pub activity: Vec<ActivitySpec>,
+}
+
+/// What a transport-activity probe counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ActivityKind {
+    /// Work handed to the transport (a put, get or send posted).
+    Post,
+    /// Work the transport reports finished.
+    Completion,
+    /// The transport's progress engine being driven (polled).
+    Progress,
+}
+
+impl ActivityKind {
+    pub const ALL: [Self; 3] = [Self::Post, Self::Completion, Self::Progress];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Post => "post",
+            Self::Completion => "completion",
+            Self::Progress => "progress",
+        }
+    }
+}
+
+/// A `[[activity]]` table: a transport function counted, never an event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActivitySpec {
+    pub line: usize,
+    pub object: Option<String>,
+    pub symbol: String,
+    pub kind: ActivityKind,
+    /// Skip (and log) when the object is not mapped or lacks the symbol:
+    /// an RDMA provider library is only there on hosts with the hardware.
+    pub optional: bool,
+}
+
+impl ActivitySpec {
+    pub fn slot_config() -> SlotConfig {
+        SlotConfig { flags: slot_flags::COUNT_ONLY | slot_flags::CONFIGURED, ..SlotConfig::default() }
+    }
 }
 
 /// Entry or return of the probed function.
@@ -147,10 +191,29 @@ impl Profile {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let activity = raw
+            .activity
+            .into_iter()
+            .map(|spanned| {
+                let line = line_of(text, spanned.span().start);
+                let raw = spanned.into_inner();
+                if raw.symbol.trim().is_empty() {
+                    bail!("profile {origin}, line {line} ([[activity]]): `symbol` is empty");
+                }
+                Ok(ActivitySpec {
+                    line,
+                    object: raw.object.filter(|object| !object.is_empty()),
+                    symbol: raw.symbol,
+                    kind: raw.kind,
+                    optional: raw.optional,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             name: raw.name.unwrap_or_else(|| origin.to_owned()),
             origin: origin.to_owned(),
             probes,
+            activity,
         })
     }
 
@@ -271,6 +334,22 @@ struct RawProfile {
     _description: Option<String>,
     #[serde(default)]
     probe: Vec<Spanned<RawProbe>>,
+    #[serde(default)]
+    activity: Vec<Spanned<RawActivity>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawActivity {
+    object: Option<String>,
+    symbol: String,
+    kind: ActivityKind,
+    #[serde(default = "yes")]
+    optional: bool,
+}
+
+const fn yes() -> bool {
+    true
 }
 
 #[derive(Deserialize)]

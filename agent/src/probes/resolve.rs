@@ -94,8 +94,24 @@ impl ProcessImage {
 
 fn basename_matches(path: &Path, name: &str) -> bool {
     path.file_name().and_then(|n| n.to_str()).is_some_and(|base| {
+        let base = without_wheel_hash(base);
         base == name || base.strip_prefix(name).is_some_and(|rest| rest.starts_with('.'))
     })
+}
+
+/// `libucp-b39b3ed9.so.0.0.0` -> `libucp.so.0.0.0`: Python wheels
+/// (auditwheel) rename the libraries they vendor with a hash of their
+/// contents, which differs per wheel build; profiles name the library.
+fn without_wheel_hash(base: &str) -> std::borrow::Cow<'_, str> {
+    if let Some(at) = base.find(".so") {
+        let (stem, rest) = base.split_at(at);
+        if let Some((name, hash)) = stem.rsplit_once('-') {
+            if hash.len() == 8 && hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return format!("{name}{rest}").into();
+            }
+        }
+    }
+    base.into()
 }
 
 fn host_path(pid: u32, path: &Path) -> PathBuf {
@@ -282,6 +298,9 @@ mod tests {
         };
         assert_eq!(image.find(Some("libnixl.so")).unwrap().path, PathBuf::from("/a/libnixl.so.0"));
         assert_eq!(image.find(None).unwrap().host_path, PathBuf::from("/proc/1/root/bin/x"));
+        let wheel = ProcessImage { mapped: vec!["/w/nixl_cu12.libs/libucp-b39b3ed9.so.0.0.0".into()], ..image.clone() };
+        assert_eq!(wheel.find(Some("libucp.so")).unwrap().path, PathBuf::from("/w/nixl_cu12.libs/libucp-b39b3ed9.so.0.0.0"));
+        assert!(wheel.find(Some("libucp-b39b3ed9.so")).is_err(), "profiles name the library, not one build of it");
         let err = image.find(Some("libucx.so")).unwrap_err().to_string();
         assert!(err.contains("has no file `libucx.so` mapped"), "{err}");
         assert!(err.contains("libnixl.so.0"), "{err}");

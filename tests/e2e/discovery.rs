@@ -1,0 +1,100 @@
+//! Process discovery: `stallwatch run` without `--pid` watches every
+//! process its selectors match, those running at start and those started
+//! later (the exec tracepoint, real eBPF in this kernel), and re-attaches a
+//! restarted target.
+use std::{process::Command, time::Duration};
+
+use serde_json::Value;
+use stallwatch_tests::{Agent, Demo, Line, Proc, alerts, require_root, root, summary, venv_python};
+
+const PINNED: &[&str] = &["--rate", "200", "--duration", "30s", "--inject-after", "100ms", "--waiting-for-peer", "1"];
+
+fn stall_of(seen: &[Line], pid: u32) -> Option<Value> {
+    alerts(seen, "stalled").map(|(_, v)| v).find(|v| v["pid"] == pid)
+}
+
+/// Read agent lines until `found` says yes.
+fn until(agent: &Agent, seen: &mut Vec<Line>, what: &str, found: impl Fn(&[Line]) -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !found(seen) {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        assert!(!left.is_zero(), "no {what} within 10s: {seen:?}");
+        seen.push(agent.proc.next_line(left, what));
+    }
+}
+
+#[test]
+fn running_later_and_restarted_processes_are_all_watched() {
+    require_root();
+    // One demo runs before the agent starts: found by the scan.
+    let mut before = Demo::start(PINNED);
+    let agent = Agent::discover(&["--exe", "demo-prefill"], "demo", "1s", &[]);
+    agent.wait_watching(before.proc.pid());
+    before.go();
+    let mut seen = Vec::new();
+    until(&agent, &mut seen, "a stall of the first demo", |s| stall_of(s, before.proc.pid()).is_some());
+
+    // It dies with its request in flight; a new one starts (a restart):
+    // the predecessor's request ends process_exited, the successor is
+    // attached through the exec tracepoint and its stall is reported too.
+    let first = before.proc.pid();
+    before.proc.signal(libc::SIGKILL);
+    until(&agent, &mut seen, "process_exited of the first demo", |s| {
+        alerts(s, "process_exited").any(|(_, v)| v["pid"] == first)
+    });
+    let mut after = Demo::start(PINNED);
+    agent.wait_watching(after.proc.pid());
+    after.go();
+    until(&agent, &mut seen, "a stall of the restarted demo", |s| stall_of(s, after.proc.pid()).is_some());
+
+    let first_stall = stall_of(&seen, first).expect("first stall");
+    let second_stall = stall_of(&seen, after.proc.pid()).expect("second stall");
+    assert_eq!(first_stall["class"], "waiting_for_peer");
+    assert_eq!(second_stall["class"], "waiting_for_peer");
+    drop(after);
+    seen.extend(agent.stop());
+    let summary = summary(&seen);
+    assert_eq!(summary["stalled"], 2, "{summary}");
+    assert!(summary["process_exited"].as_u64().expect("process_exited") >= 1, "{summary}");
+}
+
+#[test]
+fn a_library_loaded_after_exec_is_found_and_watched() {
+    require_root();
+    // Python exec's first and imports NIXL (dlopen of libnixl.so) later:
+    // the exec alone does not match `--lib`, the re-check after it does.
+    let agent = Agent::discover(&["--lib", "libnixl.so", "--cmdline", "driver\\.py --mode"], "nixl", "2s", &[]);
+    let mut driver = Proc::spawn(
+        "nixl driver",
+        Command::new(venv_python())
+            .arg(root().join("tests/nixl/driver.py"))
+            .args(["--mode", "never-post", "--count", "2", "--max-seconds", "60"]),
+    );
+    let ready = driver.next_line(Duration::from_secs(30), "ready line").json().expect("ready JSON");
+    let initiator = ready["initiator_pid"].as_u64().expect("initiator_pid") as u32;
+    agent.wait_watching(initiator);
+    driver.write_line("go");
+    let mut seen = Vec::new();
+    let stalls = agent.wait_alerts("stalled", 2, Duration::from_secs(10), &mut seen);
+    for (_, stall) in &stalls {
+        assert_eq!(stall["pid"], initiator, "{stall}");
+        assert_eq!(stall["class"], "waiting_for_peer", "{stall}");
+    }
+    seen.extend(agent.stop());
+    assert_eq!(summary(&seen)["stalled"], 2);
+}
+
+#[test]
+fn selectors_that_match_nothing_yet_still_run_and_a_bad_one_is_refused() {
+    require_root();
+    let agent = Agent::discover(&["--exe", "no-such-program-here"], "demo", "1s", &[]);
+    let lines = agent.stop();
+    assert_eq!(summary(&lines)["seen"], 0);
+    let out = Command::new(stallwatch_tests::agent_bin())
+        .args(["run", "--cmdline", "(", "--profile", "demo"])
+        .output()
+        .expect("running the agent");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("not a valid regular expression"), "{stderr}");
+}
