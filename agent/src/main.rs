@@ -149,13 +149,30 @@ fn dispatch(cli: Cli) -> Result<()> {
             ProfileCommand::Check { path } => {
                 let path = path.to_str().context("profile path is not UTF-8")?;
                 let profile = Profile::load(path)?;
+                println!("profile {}: ok", profile.name);
                 for probe in &profile.probes {
+                    let events = match &probe.action {
+                        profile::Action::Always(stage) => stage.to_string(),
+                        profile::Action::OnReturn(rules) => {
+                            rules.iter().map(|(_, stage)| stage.to_string()).collect::<Vec<_>>().join(" | ")
+                        }
+                    };
                     println!(
-                        "line {:>3}: {} {:?} of `{}`",
+                        "  line {:>3}: {events:<30} {:?} of `{}` in {}",
                         probe.line,
-                        probe.object.as_deref().unwrap_or("<executable>"),
                         probe.at,
-                        probe.symbol
+                        probe.symbol,
+                        probe.object.as_deref().unwrap_or("the executable")
+                    );
+                }
+                for activity in &profile.activity {
+                    println!(
+                        "  line {:>3}: {:<30} Entry of `{}` in {}{}",
+                        activity.line,
+                        format!("transport {}", activity.kind.as_str()),
+                        activity.symbol,
+                        activity.object.as_deref().unwrap_or("the executable"),
+                        if activity.optional { " (optional)" } else { "" }
                     );
                 }
                 Ok(())
