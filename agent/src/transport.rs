@@ -118,13 +118,17 @@ impl Verdict {
     }
 }
 
+#[derive(Debug, Clone, Copy)]
 struct Sample {
     at_ns: u64,
     totals: Totals,
 }
 
-#[derive(Default)]
-struct Process {
+/// One process's transport history: small (one sample a second for two
+/// timeouts), so a copy can be taken off the event loop to judge many
+/// requests there.
+#[derive(Debug, Clone, Default)]
+pub struct ProcessTransport {
     /// Oldest first, at most `keep` long.
     history: VecDeque<Sample>,
     /// Completions seen as lifecycle events.
@@ -133,10 +137,39 @@ struct Process {
     has_activity_probe: bool,
 }
 
+impl ProcessTransport {
+    /// The evidence for a stalled request of this process, from the newest
+    /// sample; `None` when the process has no transport probes.
+    pub fn evidence(&self, request: &RequestSnapshot, class: StallClass) -> Option<Evidence> {
+        if !self.has_activity_probe {
+            return None;
+        }
+        let newest = self.history.back()?;
+        // Samples are in time order: the last one at or before the event,
+        // found by bisection, or the oldest kept.
+        let after = self.history.partition_point(|sample| sample.at_ns <= request.last_ns);
+        let before = self.history.get(after.saturating_sub(1))?;
+        let total = newest.totals;
+        let mut since = Totals::default();
+        for kind in ActivityKind::ALL {
+            let calls = total.get(kind).calls.saturating_sub(before.totals.get(kind).calls);
+            since.add(kind, calls, None);
+        }
+        let verdict = Verdict::of(class, &since, self.has_progress_probe);
+        Some(Evidence { total, since, at_ns: newest.at_ns, verdict })
+    }
+
+    /// The newest totals and when they were sampled, if the process has
+    /// transport probes.
+    pub fn latest(&self) -> Option<(Totals, u64)> {
+        self.history.back().filter(|_| self.has_activity_probe).map(|sample| (sample.totals, sample.at_ns))
+    }
+}
+
 /// Per-process transport history. Lifecycle completions are folded into
 /// each sample's completion count.
 pub struct Tracker {
-    processes: HashMap<u32, Process>,
+    processes: HashMap<u32, ProcessTransport>,
     /// How far back samples are kept: a stall is judged against the sample
     /// at its last event, up to one timeout (plus slack) ago.
     keep_ns: u64,
@@ -189,32 +222,12 @@ impl Tracker {
     /// The evidence for a stalled request, from the newest sample; `None`
     /// when its process has no transport probes.
     pub fn evidence(&self, request: &RequestSnapshot, class: StallClass) -> Option<Evidence> {
-        let process = self.processes.get(&request.pid)?;
-        if !process.has_activity_probe {
-            return None;
-        }
-        let newest = process.history.back()?;
-        let before = process
-            .history
-            .iter()
-            .rev()
-            .find(|sample| sample.at_ns <= request.last_ns)
-            .or_else(|| process.history.front())?;
-        let total = newest.totals;
-        let mut since = Totals::default();
-        for kind in ActivityKind::ALL {
-            let calls = total.get(kind).calls.saturating_sub(before.totals.get(kind).calls);
-            since.add(kind, calls, None);
-        }
-        let verdict = Verdict::of(class, &since, process.has_progress_probe);
-        Some(Evidence { total, since, at_ns: newest.at_ns, verdict })
+        self.processes.get(&request.pid)?.evidence(request, class)
     }
 
-    /// The newest totals of a process with transport probes, and when they
-    /// were sampled.
-    pub fn latest(&self, pid: u32) -> Option<(Totals, u64)> {
-        let process = self.processes.get(&pid).filter(|p| p.has_activity_probe)?;
-        process.history.back().map(|sample| (sample.totals, sample.at_ns))
+    /// One process's history, to copy off the event loop.
+    pub fn process(&self, pid: u32) -> Option<&ProcessTransport> {
+        self.processes.get(&pid)
     }
 
     #[cfg(test)]

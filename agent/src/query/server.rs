@@ -94,18 +94,8 @@ impl QueryServer {
             now_ns,
             timeout_ns: engine.config().timeout_ns,
             processes: self.names.iter().map(|(pid, name)| (*pid, name.clone())).collect(),
-            requests: engine
-                .inflight()
-                .map(|request| {
-                    let evidence = request.stalled.and_then(|class| transport.evidence(&request, class));
-                    (request, evidence)
-                })
-                .collect(),
-            transport: self
-                .names
-                .keys()
-                .filter_map(|&pid| transport.latest(pid).map(|(totals, at_ns)| (pid, totals, at_ns)))
-                .collect(),
+            requests: engine.inflight().collect(),
+            transport: self.names.keys().filter_map(|&pid| Some((pid, transport.process(pid)?.clone()))).collect(),
         };
         let requests = snapshot.requests.len();
         // The client may have gone away meanwhile; nothing to do then.

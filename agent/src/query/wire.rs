@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     lifecycle::{RequestSnapshot, Stage, StallClass},
     probes::ActivityKind,
-    transport::{Evidence, Totals, Verdict},
+    transport::{ProcessTransport, Totals, Verdict},
 };
 
 /// The protocol version this build speaks.
@@ -162,29 +162,35 @@ pub struct Snapshot {
     pub timeout_ns: u64,
     /// Watched processes and their names.
     pub processes: Vec<(u32, String)>,
-    /// In any order, with the transport evidence of the stalled ones.
-    pub requests: Vec<(RequestSnapshot, Option<Evidence>)>,
-    /// Per-process transport totals and when they were sampled.
-    pub transport: Vec<(u32, Totals, u64)>,
+    /// In any order.
+    pub requests: Vec<RequestSnapshot>,
+    /// The transport history of the watched processes that have one: the
+    /// evidence of stalled requests is worked out from it off the loop.
+    pub transport: Vec<(u32, ProcessTransport)>,
 }
 
 impl Snapshot {
     /// Sort oldest first and convert to the wire form.
     pub fn into_answer(self) -> Inflight {
         let Snapshot { agent_pid, at, now_ns, timeout_ns, mut processes, mut requests, transport } = self;
-        requests.sort_unstable_by_key(|(r, _)| oldest_first(r));
+        requests.sort_unstable_by_key(oldest_first);
         processes.sort_unstable();
         processes.dedup_by_key(|(pid, _)| *pid);
         let mut counts: Vec<Process> = processes
             .into_iter()
             .map(|(pid, process)| {
-                let transport = transport.iter().find(|(p, ..)| *p == pid).map(|(_, totals, at_ns)| TransportEvidence::of(totals, *at_ns));
+                let transport = transport_of(&transport, pid)
+                    .and_then(ProcessTransport::latest)
+                    .map(|(totals, at_ns)| TransportEvidence::of(&totals, at_ns));
                 Process { pid, process, in_flight: 0, stalled: 0, transport }
             })
             .collect();
         let rows = requests
             .into_iter()
-            .map(|(request, evidence)| {
+            .map(|request| {
+                let evidence = request
+                    .stalled
+                    .and_then(|class| transport_of(&transport, request.pid)?.evidence(&request, class));
                 let process = match counts.binary_search_by_key(&request.pid, |p| p.pid) {
                     Ok(i) => {
                         let entry = &mut counts[i];
@@ -214,6 +220,10 @@ impl Snapshot {
             .collect();
         Inflight { version: VERSION, agent_pid, at, timeout_ms: ms(timeout_ns), processes: counts, requests: rows }
     }
+}
+
+fn transport_of(transport: &[(u32, ProcessTransport)], pid: u32) -> Option<&ProcessTransport> {
+    transport.iter().find(|(p, _)| *p == pid).map(|(_, process)| process)
 }
 
 /// Oldest first (earliest first event); ties by pid, then key, so the
@@ -382,7 +392,7 @@ mod tests {
             now_ns: 10_000_000_000,
             timeout_ns: 2_000_000_000,
             processes: vec![(42, "demo-prefill".to_owned()), (7, "other".to_owned())],
-            requests: requests.into_iter().map(|r| (r, None)).collect(),
+            requests,
             transport: Vec::new(),
         }
     }
@@ -532,9 +542,7 @@ mod tests {
         totals.add_for_test(ActivityKind::Post, 1, Some(2_000_000_000));
         tracker.record_for_test(42, 1_500_000_000, Totals::default());
         tracker.record_for_test(42, 9_500_000_000, totals);
-        let evidence = tracker.evidence(&snapshot.requests[0].0, StallClass::TransferHung);
-        snapshot.requests[0].1 = evidence;
-        snapshot.transport.push((42, totals, 9_500_000_000));
+        snapshot.transport.push((42, tracker.process(42).expect("recorded").clone()));
         let value: Value = serde_json::from_slice(&encode(&snapshot.into_answer())).expect("JSON");
         assert_eq!(
             value["processes"][1]["transport"],
