@@ -251,6 +251,8 @@ impl<W: Write> Session<W> {
         info!(pid, "target process exited");
         self.engine.process_exited(pid, monotonic_ns(), &mut self.reports);
         self.probes.detach(pid);
+        // Its requests' reports carry no transport evidence (only stalls do).
+        self.transport.forget(pid);
         if let Some(waiter) = self.watched.remove(&pid) {
             waiter.abort();
         }

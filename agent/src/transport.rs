@@ -225,6 +225,12 @@ impl Tracker {
         self.processes.get(&request.pid)?.evidence(request, class)
     }
 
+    /// The process is gone: its history goes with it (discovery watches
+    /// processes come and go for as long as the agent runs).
+    pub fn forget(&mut self, pid: u32) {
+        self.processes.remove(&pid);
+    }
+
     /// One process's history, to copy off the event loop.
     pub fn process(&self, pid: u32) -> Option<&ProcessTransport> {
         self.processes.get(&pid)
