@@ -58,6 +58,27 @@ pub struct Evidence {
     pub verdict: Verdict,
 }
 
+impl Evidence {
+    /// One line for people: "last post 57.0s ago, last completion 57.0s
+    /// ago, 120000 progress calls since, none completed".
+    pub fn summary(&self) -> String {
+        let ago = |kind: ActivityKind| match self.total.get(kind).last_ns {
+            Some(ns) => format!("{:.1}s ago", self.at_ns.saturating_sub(ns) as f64 / 1e9),
+            None => "never".to_owned(),
+        };
+        let completed = match self.since.get(ActivityKind::Completion).calls {
+            0 => "none completed".to_owned(),
+            n => format!("{n} completed"),
+        };
+        format!(
+            "last post {}, last completion {}, {} progress calls since, {completed}",
+            ago(ActivityKind::Post),
+            ago(ActivityKind::Completion),
+            self.since.get(ActivityKind::Progress).calls
+        )
+    }
+}
+
 /// The stall's class refined by the transport's behaviour.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
@@ -96,25 +117,6 @@ impl Verdict {
             _ if progress + posts > 0 => Self::PeerUnresponsive,
             _ => Self::Idle,
         }
-    }
-
-    /// One line for people: "last post 57.0s ago, last completion 57.0s
-    /// ago, 120000 progress calls since, none completed".
-    pub fn describe(evidence: &Evidence) -> String {
-        let ago = |kind: ActivityKind| match evidence.total.get(kind).last_ns {
-            Some(ns) => format!("{:.1}s ago", evidence.at_ns.saturating_sub(ns) as f64 / 1e9),
-            None => "never".to_owned(),
-        };
-        let completed = match evidence.since.get(ActivityKind::Completion).calls {
-            0 => "none completed".to_owned(),
-            n => format!("{n} completed"),
-        };
-        format!(
-            "last post {}, last completion {}, {} progress calls since, {completed}",
-            ago(ActivityKind::Post),
-            ago(ActivityKind::Completion),
-            evidence.since.get(ActivityKind::Progress).calls
-        )
     }
 }
 
@@ -281,7 +283,7 @@ mod tests {
         assert_eq!(evidence.since.get(ActivityKind::Progress).calls, 120_000);
         assert_eq!(evidence.since.get(ActivityKind::Post).calls, 0);
         assert_eq!(
-            Verdict::describe(&evidence),
+            evidence.summary(),
             "last post 1.0s ago, last completion never, 120000 progress calls since, none completed"
         );
     }

@@ -11,7 +11,7 @@ use serde_json::{Map, Value, json};
 use super::clock::Clock;
 use crate::lifecycle::{EngineStats, Outcome, Report, RequestSnapshot, Stage};
 use crate::probes::{ActivityKind, KernelCounters, ProbeHits};
-use crate::transport::{Evidence, Verdict};
+use crate::transport::Evidence;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
@@ -146,7 +146,7 @@ impl<W: Write> AlertWriter<W> {
             line.push_str(&format!(
                 " verdict={} transport=\"{}\"",
                 evidence.verdict.as_str(),
-                Verdict::describe(evidence)
+                evidence.summary()
             ));
         }
         line
@@ -238,7 +238,7 @@ impl<'a> Alert<'a> {
 fn evidence_json(evidence: &Evidence) -> Value {
     let mut object = Map::new();
     object.insert("verdict".to_owned(), json!(evidence.verdict.as_str()));
-    object.insert("summary".to_owned(), json!(Verdict::describe(evidence)));
+    object.insert("summary".to_owned(), json!(evidence.summary()));
     for kind in ActivityKind::ALL {
         let total = evidence.total.get(kind);
         object.insert(

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     lifecycle::{RequestSnapshot, Stage, StallClass},
     probes::ActivityKind,
-    transport::{ProcessTransport, Totals, Verdict},
+    transport::{ProcessTransport, Totals},
 };
 
 /// The protocol version this build speaks.
@@ -213,7 +213,7 @@ impl Snapshot {
                     class: request.stalled,
                     transport: evidence.map(|evidence| RequestTransport {
                         verdict: evidence.verdict.as_str().to_owned(),
-                        summary: Verdict::describe(&evidence),
+                        summary: evidence.summary(),
                     }),
                 }
             })

@@ -31,7 +31,7 @@ use crate::{
     export::clock::Clock,
     lifecycle::{Outcome, Report, RequestSnapshot, Stage, StallClass},
     probes::ActivityKind,
-    transport::{Evidence, Verdict},
+    transport::Evidence,
 };
 
 /// Span names.
@@ -326,7 +326,7 @@ fn transport_attributes(evidence: &Evidence) -> [KeyValue; 5] {
     let since = |kind| evidence.since.get(kind).calls as i64;
     [
         KeyValue::new(attr::TRANSPORT_VERDICT, evidence.verdict.as_str()),
-        KeyValue::new(attr::TRANSPORT_SUMMARY, Verdict::describe(evidence)),
+        KeyValue::new(attr::TRANSPORT_SUMMARY, evidence.summary()),
         KeyValue::new(attr::TRANSPORT_POSTS_SINCE, since(ActivityKind::Post)),
         KeyValue::new(attr::TRANSPORT_COMPLETIONS_SINCE, since(ActivityKind::Completion)),
         KeyValue::new(attr::TRANSPORT_PROGRESS_SINCE, since(ActivityKind::Progress)),
