@@ -115,9 +115,11 @@ impl RunSettings {
     /// a target given here (a pid or any selector) replaces the file's
     /// whole target, so `--pid` works with a DaemonSet's selecting config.
     pub fn over(self, file: RunSettings) -> RunSettings {
-        let target = if self.names_target() { &self } else { &file };
-        let (pid, exe, lib, cmdline, cgroup) =
-            (target.pid, target.exe.clone(), target.lib.clone(), target.cmdline.clone(), target.cgroup.clone());
+        let (pid, exe, lib, cmdline, cgroup) = if self.names_target() {
+            (self.pid, self.exe, self.lib, self.cmdline, self.cgroup)
+        } else {
+            (file.pid, file.exe, file.lib, file.cmdline, file.cgroup)
+        };
         RunSettings {
             pid,
             exe,
