@@ -205,7 +205,7 @@ impl<W: Write> Session<W> {
         // Open the pidfd first: if the pid is reused after an exit, the
         // pidfd still refers to the process we attached to.
         let exited = pidfd(pid)?;
-        let slots = self.probes.attach(pid, &self.profile)?;
+        let probes = self.probes.attach(pid, &self.profile)?;
         let name = process_name(pid);
         self.alerts.name_process(pid, &name);
         self.telemetry.name_process(pid);
@@ -223,7 +223,7 @@ impl<W: Write> Session<W> {
             pid,
             process = %name,
             profile = %self.profile.name,
-            probes = slots.len(),
+            probes,
             timeout = %humantime::format_duration(Duration::from_nanos(self.engine.config().timeout_ns)),
             "watching"
         );

@@ -95,7 +95,9 @@ impl Probes {
 
     /// Attach every probe of `profile` to `pid`. All or nothing: on error the
     /// probes already attached for this call are detached again.
-    pub fn attach(&mut self, pid: u32, profile: &Profile) -> Result<Vec<Slot>> {
+    /// Returns how many probes were attached (optional transport probes
+    /// whose library or symbol is missing are skipped).
+    pub fn attach(&mut self, pid: u32, profile: &Profile) -> Result<usize> {
         let image = ProcessImage::read(pid)?;
         let first_new = self.slots.len();
         let result = self.attach_all(&image, profile);
@@ -103,7 +105,7 @@ impl Probes {
             self.detach_from(pid, first_new);
         }
         result.with_context(|| format!("attaching profile {} to pid {pid}", profile.origin))?;
-        Ok(self.slots[first_new..].to_vec())
+        Ok(self.slots.len() - first_new)
     }
 
     fn attach_all(&mut self, image: &ProcessImage, profile: &Profile) -> Result<()> {
