@@ -67,10 +67,9 @@ pub fn demo(built: &Built, duration: Duration, timeout: Duration) -> Result<()> 
         .with_context(|| format!("starting {}", built.demo.display()))?;
     let mut demo_out = BufReader::new(demo.stdout.take().context("demo stdout")?).lines();
     let ready = demo_out.next().context("the demo exited before it was ready")??;
-    let pid = ready
-        .split("\"pid\":")
-        .nth(1)
-        .and_then(|rest| rest.trim_end_matches('}').parse::<u32>().ok())
+    let pid = serde_json::from_str::<serde_json::Value>(&ready)
+        .ok()
+        .and_then(|value| value["pid"].as_u64())
         .with_context(|| format!("unexpected first line from the demo: {ready}"))?;
     eprintln!("xtask: demo prefill server is pid {pid}; starting the agent");
     let mut agent = Command::new(&built.agent)
