@@ -7,20 +7,11 @@ use std::{process::Command, time::Duration};
 use serde_json::Value;
 use stallwatch_tests::{Agent, Demo, Line, Proc, alerts, require_root, root, summary, venv_python};
 
+const WAIT: Duration = Duration::from_secs(10);
 const PINNED: &[&str] = &["--rate", "200", "--duration", "30s", "--inject-after", "100ms", "--waiting-for-peer", "1"];
 
 fn stall_of(seen: &[Line], pid: u32) -> Option<Value> {
     alerts(seen, "stalled").map(|(_, v)| v).find(|v| v["pid"] == pid)
-}
-
-/// Read agent lines until `found` says yes.
-fn until(agent: &Agent, seen: &mut Vec<Line>, what: &str, found: impl Fn(&[Line]) -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !found(seen) {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        assert!(!left.is_zero(), "no {what} within 10s: {seen:?}");
-        seen.push(agent.proc.next_line(left, what));
-    }
 }
 
 #[test]
@@ -32,20 +23,20 @@ fn running_later_and_restarted_processes_are_all_watched() {
     agent.wait_watching(before.proc.pid());
     before.go();
     let mut seen = Vec::new();
-    until(&agent, &mut seen, "a stall of the first demo", |s| stall_of(s, before.proc.pid()).is_some());
+    agent.wait_until("a stall of the first demo", WAIT, &mut seen, |s| stall_of(s, before.proc.pid()).is_some());
 
     // It dies with its request in flight; a new one starts (a restart):
     // the predecessor's request ends process_exited, the successor is
     // attached through the exec tracepoint and its stall is reported too.
     let first = before.proc.pid();
     before.proc.signal(libc::SIGKILL);
-    until(&agent, &mut seen, "process_exited of the first demo", |s| {
+    agent.wait_until("process_exited of the first demo", WAIT, &mut seen, |s| {
         alerts(s, "process_exited").any(|(_, v)| v["pid"] == first)
     });
     let mut after = Demo::start(PINNED);
     agent.wait_watching(after.proc.pid());
     after.go();
-    until(&agent, &mut seen, "a stall of the restarted demo", |s| stall_of(s, after.proc.pid()).is_some());
+    agent.wait_until("a stall of the restarted demo", WAIT, &mut seen, |s| stall_of(s, after.proc.pid()).is_some());
 
     let first_stall = stall_of(&seen, first).expect("first stall");
     let second_stall = stall_of(&seen, after.proc.pid()).expect("second stall");

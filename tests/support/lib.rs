@@ -333,15 +333,18 @@ impl Agent {
     /// Wait for `n` alerts of `kind`, returning them with when they arrived;
     /// every other line seen meanwhile is kept in `seen`.
     pub fn wait_alerts(&self, kind: &str, n: usize, within: Duration, seen: &mut Vec<Line>) -> Vec<(Instant, Value)> {
+        self.wait_until(&format!("{n} `{kind}` alerts"), within, seen, |seen| alerts(seen, kind).count() >= n);
+        alerts(seen, kind).collect()
+    }
+
+    /// Read the agent's lines into `seen` until `done(seen)` holds; panics
+    /// naming `what` after `within`.
+    pub fn wait_until(&self, what: &str, within: Duration, seen: &mut Vec<Line>, done: impl Fn(&[Line]) -> bool) {
         let deadline = Instant::now() + within;
-        loop {
-            let found: Vec<(Instant, Value)> = alerts(seen, kind).collect();
-            if found.len() >= n {
-                return found;
-            }
+        while !done(seen) {
             let left = deadline.saturating_duration_since(Instant::now());
-            assert!(!left.is_zero(), "only {} of {n} `{kind}` alerts within {within:?}: {seen:?}", found.len());
-            seen.push(self.proc.next_line(left, &format!("{n} `{kind}` alerts")));
+            assert!(!left.is_zero(), "no {what} within {within:?}: {seen:?}");
+            seen.push(self.proc.next_line(left, what));
         }
     }
 
