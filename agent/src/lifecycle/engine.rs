@@ -3,7 +3,7 @@
 
 use super::index::{Index, Mixer, PidCounts};
 use super::recent::RecentLog;
-use super::report::{EngineStats, Observation, Report, RequestSnapshot};
+use super::report::{EngineStats, Observation, Report, RequestSnapshot, Restored};
 use super::slab::{List, MAX_RECORDS, Place, Record, Slab};
 use super::stage::{Outcome, Stage, StallClass};
 use super::wheel::Wheel;
@@ -14,6 +14,16 @@ pub const RECENT_ENDS: usize = 1 << 16;
 pub const RECENT_ENDS_MIN: usize = 256;
 /// Most recent process exits remembered for stale-event detection.
 pub const RECENT_EXITS: usize = 4096;
+
+/// The class of a request alerted at `alerted_ns`: that of the furthest
+/// stage first seen by then (enqueued's when none was).
+fn class_when(stage_ns: &[Option<u64>; 3], alerted_ns: u64) -> StallClass {
+    let stage = [Stage::TransferDone, Stage::TransferPosted, Stage::Enqueued]
+        .into_iter()
+        .find(|stage| stage_ns[*stage as usize].is_some_and(|ns| ns <= alerted_ns))
+        .unwrap_or(Stage::Enqueued);
+    StallClass::for_stage(stage).unwrap_or(StallClass::WaitingForPeer)
+}
 
 /// Tuning of an [`Engine`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,6 +111,61 @@ impl Engine {
         match self.index.find(self.slab.records(), pid, key) {
             Some(i) => self.observe_tracked(i, stage, ts_ns, external_id, out),
             None => self.observe_new(pid, key, stage, ts_ns, external_id, out),
+        }
+    }
+
+    /// Take over a request from the kernel's in-flight table (see
+    /// [`Restored`] and the **Restoring** rule in the module docs). Meant
+    /// for a fresh engine, before observations.
+    pub fn restore(&mut self, request: Restored, out: &mut Vec<Report>) {
+        let Restored { pid, key, stage, stage_ns, first_ns, last_ns, external_id, alerted_ns } = request;
+        if self.index.find(self.slab.records(), pid, key).is_some() {
+            self.stats.duplicate_events += 1;
+            return;
+        }
+        let last_ns = last_ns.max(first_ns);
+        let alerted_ns = alerted_ns.filter(|ns| (first_ns..=last_ns).contains(ns));
+        if let Some(before) = first_ns.checked_sub(1) {
+            self.ends.record((pid, key), before);
+        }
+        if self.slab.len() >= self.config.max_tracked {
+            self.evict_one(last_ns, out);
+            if self.slab.len() >= self.config.max_tracked {
+                debug_assert!(false, "no eviction victim");
+                return;
+            }
+        }
+        let released = (stage == Stage::Released).then_some(last_ns);
+        let all_ns = [stage_ns[0], stage_ns[1], stage_ns[2], released];
+        let record = Record::restored(pid, key, stage, (first_ns, last_ns), all_ns, external_id);
+        let Some(i) = self.slab.alloc(record) else {
+            self.stats.stale_events += 1;
+            return;
+        };
+        self.index.insert(self.slab.records(), i);
+        self.pids.increment(pid);
+        self.stats.seen += 1;
+        self.stats.restored += 1;
+        self.wheel.start(last_ns);
+
+        if let Some(alerted) = alerted_ns {
+            let class = class_when(&stage_ns, alerted);
+            if last_ns > alerted {
+                // It moved on while no agent ran: the recovery is news.
+                let next = stage_ns.iter().flatten().copied().filter(|&ns| ns > alerted).min().unwrap_or(last_ns);
+                self.stats.recovered += 1;
+                out.push(Report::Recovered { request: self.slab.get(i).snapshot(), class, stuck_ns: next - alerted });
+            } else {
+                // Still inside the silence that was reported: stalled, quietly.
+                self.slab.get_mut(i).set_place(Place::Stalled(class));
+                self.stalled.push_back(self.slab.records_mut(), i);
+            }
+        }
+        if let Some(outcome) = Outcome::for_stage(stage) {
+            self.end(i, outcome, last_ns, last_ns, out);
+        } else if self.slab.get(i).place() == Place::Detached {
+            let deadline = last_ns.saturating_add(self.config.timeout_ns);
+            self.wheel.insert(self.slab.records_mut(), i, deadline);
         }
     }
 

@@ -86,6 +86,25 @@
 //! pid with [`Outcome::ProcessExited`]; it scans the record store (exits are
 //! rare) but returns at once for a pid holding nothing.
 //!
+//! **Restoring.** [`Engine::restore`] takes over a request from the kernel's
+//! in-flight table when an agent starts (the previous agent's, or begun
+//! while none ran), before any observation. A (pid, key) already tracked is
+//! ignored (a duplicate). The restored lifecycle counts in `seen` and
+//! `restored`, is subject to the memory bound, and an end at `first_ns - 1`
+//! is remembered for it, so that replayed events of an *earlier* lifecycle of
+//! the same key (NIXL reuses handles at once) are stale; replayed events of
+//! the restored lifecycle itself are duplicates (same stage, same time).
+//! `alerted_ns`, the silence a previous agent already reported, counts only
+//! within `[first_ns, last_ns]`. Still in that silence (`alerted_ns ==
+//! last_ns`): the request is tracked as stalled without a new `Stalled`, and
+//! its next event recovers it. Moved on since (`alerted_ns < last_ns`):
+//! `Recovered` at once, with the class of the stage it was at when alerted
+//! and `stuck_ns` up to the first stage time after the alert. Not alerted:
+//! armed at `last_ns + timeout`, so one silent past the timeout stalls at the
+//! next `advance`, its silence counted from its own last event. A terminal
+//! stage (ended while the alert was out) gives the `Recovered` if it moved,
+//! then its `Ended` at `last_ns`.
+//!
 //! **Counters.** `seen` counts lifecycles started, and
 //! `seen = completed + failed + aborted + process_exited + evicted +
 //! in_flight` always holds; `in_flight` is the number tracked.
@@ -114,5 +133,5 @@ mod wheel;
 mod tests;
 
 pub use engine::{Engine, EngineConfig, RECENT_ENDS, RECENT_ENDS_MIN, RECENT_EXITS};
-pub use report::{EngineStats, Observation, Report, RequestSnapshot};
+pub use report::{EngineStats, Observation, Report, RequestSnapshot, Restored};
 pub use stage::{Outcome, Stage, StallClass, UnknownStage, UnknownStallClass};

@@ -23,6 +23,27 @@ pub struct Observation {
     pub external_id: Option<Box<str>>,
 }
 
+/// A request the kernel's in-flight table held when this agent started: a
+/// lifecycle a previous agent was following, or one that began while no
+/// agent ran. See [`Engine::restore`](super::Engine::restore).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Restored {
+    pub pid: u32,
+    pub key: u64,
+    /// Furthest stage. Terminal when the request ended while a previous
+    /// agent's stall alert for it was out (the kernel keeps such entries so
+    /// that the recovery is not lost).
+    pub stage: Stage,
+    /// When enqueued, transfer_posted and transfer_done were first seen.
+    pub stage_ns: [Option<u64>; 3],
+    pub first_ns: u64,
+    pub last_ns: u64,
+    pub external_id: Option<Box<str>>,
+    /// The `last_ns` of the silence a previous agent already reported as
+    /// stalled, if any.
+    pub alerted_ns: Option<u64>,
+}
+
 /// What the engine knows of one request (a copy, for reports and queries).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RequestSnapshot {
@@ -154,6 +175,9 @@ pub struct EngineStats {
     pub stale_events: u64,
     /// Observations ignored as exact repeats (same request, stage and ts).
     pub duplicate_events: u64,
+    /// Lifecycles taken over from the kernel's in-flight table at start
+    /// (also counted in `seen`).
+    pub restored: u64,
     /// Requests tracked right now.
     pub in_flight: u64,
 }

@@ -98,6 +98,28 @@ impl Record {
         rec
     }
 
+    /// A lifecycle taken over from the kernel's in-flight table, with the
+    /// stage times it recorded (index = `stage as usize`, main path only).
+    pub(crate) fn restored(
+        pid: u32,
+        key: u64,
+        stage: Stage,
+        (first_ns, last_ns): (u64, u64),
+        stage_ns: [Option<u64>; 4],
+        external_id: Option<Box<str>>,
+    ) -> Record {
+        let mut rec = Record::new(pid, key, stage, first_ns, external_id);
+        rec.last_ns = last_ns;
+        rec.flags &= !SEEN_MASK;
+        for (i, ns) in stage_ns.iter().enumerate() {
+            if let Some(ns) = ns {
+                rec.flags |= 1 << i;
+                rec.stage_ns[i] = *ns;
+            }
+        }
+        rec
+    }
+
     pub(crate) fn stage_ts(&self, stage: Stage) -> Option<u64> {
         let i = stage.timestamp_slot()?;
         (self.flags & (1 << i) != 0).then(|| self.stage_ns[i])

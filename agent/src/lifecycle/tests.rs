@@ -80,6 +80,12 @@ impl H {
         out
     }
 
+    fn restore(&mut self, request: Restored) -> Vec<Report> {
+        let mut out = Vec::new();
+        self.e.restore(request, &mut out);
+        out
+    }
+
     fn get(&self, pid: u32, key: u64) -> Option<RequestSnapshot> {
         self.e.get(pid, key)
     }
@@ -1715,4 +1721,143 @@ fn cap_is_never_exceeded_and_invariants_hold() {
         }
         assert!(h.stats().evicted > 100, "{:?}", h.stats());
     }
+}
+
+// ---------------------------------------------------------------- restoring
+
+/// A request the kernel held: enqueued at 100, posted at 200.
+fn held(alerted_ns: Option<u64>) -> Restored {
+    Restored {
+        pid: 1,
+        key: 7,
+        stage: Stage::TransferPosted,
+        stage_ns: [Some(100), Some(200), None],
+        first_ns: 100,
+        last_ns: 200,
+        external_id: Some("room-7".into()),
+        alerted_ns,
+    }
+}
+
+fn assert_balanced(s: EngineStats) {
+    assert_eq!(s.seen, s.completed + s.failed + s.aborted + s.process_exited + s.evicted + s.in_flight, "{s:?}");
+}
+
+#[test]
+fn a_restored_request_silent_past_the_timeout_stalls_at_the_next_advance() {
+    let mut h = H::new();
+    assert!(h.restore(held(None)).is_empty());
+    assert!(h.adv(1199).is_empty());
+    let reports = h.adv(1200);
+    assert_eq!(reports.len(), 1, "{reports:?}");
+    let Report::Stalled { request, class, silent_ns, .. } = &reports[0] else { panic!("{reports:?}") };
+    // Silence counts from the request's own last event, not the restore.
+    assert_eq!((*class, *silent_ns), (HUNG, 1000));
+    assert_eq!(request.external_id.as_deref(), Some("room-7"));
+    assert_eq!(request.stage_ns, [Some(100), Some(200), None, None]);
+    let s = h.stats();
+    assert_eq!((s.seen, s.restored, s.stalled, s.in_flight), (1, 1, 1, 1));
+    assert_balanced(s);
+}
+
+#[test]
+fn a_stall_already_reported_is_not_reported_again_and_recovers_once() {
+    let mut h = H::new();
+    assert!(h.restore(held(Some(200))).is_empty());
+    assert_eq!(h.get(1, 7).and_then(|r| r.stalled), Some(HUNG), "tracked as stalled");
+    assert!(h.adv(5000).is_empty(), "no second Stalled for the same silence");
+    let reports = h.obs(1, 7, Stage::TransferDone, 5200);
+    assert_eq!(reports.len(), 1, "{reports:?}");
+    assert!(matches!(reports[0], Report::Recovered { class: HUNG, stuck_ns: 5000, .. }), "{reports:?}");
+    assert!(h.adv(6199).is_empty());
+    assert!(matches!(h.adv(6200)[..], [Report::Stalled { class: LOST, .. }]));
+    let s = h.stats();
+    assert_eq!((s.stalled, s.recovered), (1, 1));
+    assert_balanced(s);
+}
+
+#[test]
+fn a_stall_that_moved_on_while_no_agent_ran_recovers_at_once() {
+    let mut h = H::new();
+    // Alerted at 100 while enqueued; posted at 200 since.
+    let reports = h.restore(Restored { alerted_ns: Some(100), ..held(None) });
+    assert_eq!(reports.len(), 1, "{reports:?}");
+    assert!(matches!(reports[0], Report::Recovered { class: WFP, stuck_ns: 100, .. }), "{reports:?}");
+    assert_eq!(h.get(1, 7).and_then(|r| r.stalled), None);
+    assert!(h.adv(1199).is_empty());
+    assert!(matches!(h.adv(1200)[..], [Report::Stalled { class: HUNG, .. }]));
+}
+
+#[test]
+fn restored_requests_that_ended_report_their_recovery_and_end() {
+    let mut h = H::new();
+    let ended_since = Restored { stage: Stage::Released, last_ns: 900, alerted_ns: Some(200), ..held(None) };
+    let reports = h.restore(ended_since);
+    assert_eq!(reports.len(), 2, "{reports:?}");
+    assert!(matches!(reports[0], Report::Recovered { class: HUNG, stuck_ns: 700, .. }), "{reports:?}");
+    let Report::Ended { request, outcome: Outcome::Released, at_ns: 900 } = &reports[1] else { panic!("{reports:?}") };
+    assert_eq!((request.stalled, request.stage_ns[3]), (None, Some(900)));
+
+    // Failed within the reported silence: it ended stuck.
+    let failed = Restored { key: 8, stage: Stage::Failed, alerted_ns: Some(200), ..held(None) };
+    let reports = h.restore(failed);
+    assert!(matches!(&reports[..], [Report::Ended { outcome: Outcome::Failed, request, .. }] if request.stalled == Some(HUNG)), "{reports:?}");
+    let s = h.stats();
+    assert_eq!((s.seen, s.completed, s.failed, s.recovered, s.in_flight), (2, 1, 1, 1, 0));
+    assert_balanced(s);
+    // Replayed events of the ended lifecycle are stale.
+    assert!(h.obs(1, 7, Stage::Released, 900).is_empty());
+    assert_eq!(h.stats().stale_events, 1);
+}
+
+#[test]
+fn an_alert_outside_the_restored_lifecycle_is_ignored() {
+    let mut h = H::new();
+    // Alerted at 50: an earlier lifecycle of the reused key.
+    assert!(h.restore(Restored { alerted_ns: Some(50), ..held(None) }).is_empty());
+    assert_eq!(h.get(1, 7).and_then(|r| r.stalled), None);
+    assert!(matches!(h.adv(1200)[..], [Report::Stalled { class: HUNG, .. }]));
+}
+
+#[test]
+fn replayed_events_of_a_reused_key_are_stale_and_its_own_are_duplicates() {
+    let mut h = H::new();
+    h.restore(held(None));
+    // The previous lifecycle of key 7, still in the ring buffer.
+    assert!(h.obs(1, 7, Stage::Enqueued, 40).is_empty());
+    assert!(h.obs(1, 7, Stage::Released, 90).is_empty());
+    assert!(h.get(1, 7).is_some(), "a straggler's release does not end the restored request");
+    // The restored lifecycle's own events, replayed.
+    assert!(h.obs(1, 7, Stage::Enqueued, 100).is_empty());
+    assert!(h.obs(1, 7, Stage::TransferPosted, 200).is_empty());
+    let s = h.stats();
+    assert_eq!((s.stale_events, s.duplicate_events, s.in_flight), (2, 2, 1));
+    // Its next events apply.
+    assert!(h.obs(1, 7, Stage::TransferDone, 300).is_empty());
+    assert!(matches!(h.obs(1, 7, Stage::Released, 400)[..], [Report::Ended { outcome: Outcome::Released, .. }]));
+    assert_balanced(h.stats());
+}
+
+#[test]
+fn restoring_respects_the_cap_and_ignores_a_tracked_key() {
+    let mut h = H::with(TIMEOUT, TICK, 1);
+    h.obs(1, 9, Stage::Enqueued, 10);
+    assert!(h.restore(Restored { key: 9, ..held(None) }).is_empty());
+    assert_eq!(h.stats().duplicate_events, 1);
+    let reports = h.restore(held(None));
+    assert!(matches!(&reports[..], [Report::Ended { outcome: Outcome::Evicted, request, .. }] if request.key == 9), "{reports:?}");
+    assert_eq!(h.e.len(), 1);
+    assert_balanced(h.stats());
+}
+
+#[test]
+fn odd_restored_times_do_not_panic() {
+    let mut h = H::new();
+    let odd = Restored { first_ns: 0, last_ns: 0, stage_ns: [None, None, None], alerted_ns: Some(0), ..held(None) };
+    assert!(h.restore(odd).is_empty());
+    let backwards = Restored { key: 8, first_ns: 500, last_ns: 10, alerted_ns: Some(u64::MAX), ..held(None) };
+    assert!(h.restore(backwards).is_empty());
+    assert_eq!(h.get(1, 8).map(|r| r.last_ns), Some(500));
+    let _ = h.adv(u64::MAX);
+    assert_balanced(h.stats());
 }
