@@ -30,7 +30,8 @@ use crate::{
     discovery::Selector,
     probes::{Profile, profile},
     query,
-    run::Target,
+    run::{OnExit, Target},
+    state,
 };
 
 /// `--timeout` when neither the flag nor the file sets it.
@@ -100,6 +101,18 @@ pub struct RunSettings {
     /// created 0700, the socket is 0600) [default: /run/stallwatch/stallwatch.sock].
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
+    /// Pin the probes and the kernel's in-flight table here (on bpffs), so
+    /// a restarted agent takes over every request in flight; one directory
+    /// per agent [default: /sys/fs/bpf/stallwatch].
+    #[arg(long, value_name = "PATH")]
+    pub bpf_dir: Option<PathBuf>,
+    /// Pin nothing: the probes and the in-flight state end with this agent.
+    #[arg(long)]
+    pub ephemeral: bool,
+    /// At SIGINT/SIGTERM, leave the probes attached and the state pinned
+    /// for the next agent (keep), or detach everything [default: keep].
+    #[arg(long, value_enum, value_name = "WHAT")]
+    pub on_exit: Option<OnExit>,
 }
 
 impl RunSettings {
@@ -135,6 +148,9 @@ impl RunSettings {
             otlp_protocol: self.otlp_protocol.or(file.otlp_protocol),
             metrics_addr: self.metrics_addr.or(file.metrics_addr),
             socket: self.socket.or(file.socket),
+            bpf_dir: self.bpf_dir.or(file.bpf_dir),
+            ephemeral: self.ephemeral || file.ephemeral,
+            on_exit: self.on_exit.or(file.on_exit),
         }
     }
 
@@ -154,6 +170,9 @@ impl RunSettings {
                  --cgroup TEXT), or set `pid` or a [select] table in the --config file"
             ),
         };
+        if self.ephemeral && self.bpf_dir.is_some() {
+            bail!("both a --bpf-dir and --ephemeral: pin the state in one directory, or nowhere");
+        }
         let profile = self.profile.context(
             "no probe profile: pass --profile NAME|FILE, or set `profile` in the --config file \
              (built-ins: see `stallwatch profile list`)",
@@ -170,6 +189,8 @@ impl RunSettings {
                 metrics_addr: self.metrics_addr,
             },
             socket: self.socket.unwrap_or_else(|| PathBuf::from(query::DEFAULT_SOCKET)),
+            bpf_dir: (!self.ephemeral).then(|| self.bpf_dir.unwrap_or_else(|| PathBuf::from(state::DEFAULT_BPF_DIR))),
+            on_exit: self.on_exit.unwrap_or_default(),
         })
     }
 }
@@ -185,6 +206,9 @@ pub struct RunConfig {
     pub output: Format,
     pub telemetry: TelemetryOptions,
     pub socket: PathBuf,
+    /// `None`: `--ephemeral`.
+    pub bpf_dir: Option<PathBuf>,
+    pub on_exit: OnExit,
 }
 
 /// The flags over the file (if any) over the defaults.
@@ -250,6 +274,10 @@ impl ConfigFile {
             if profile::builtin_text(&name).is_some() { name } else { beside(name) }
         });
         let socket = raw.socket.map(Spanned::into_inner).map(|socket| PathBuf::from(beside(socket)));
+        let bpf_dir = raw.bpf_dir.map(Spanned::into_inner).map(PathBuf::from);
+        if let (Some(true), Some(dir)) = (raw.ephemeral.as_ref().map(|e| *e.get_ref()), &bpf_dir) {
+            bail!("config file {origin}: both `bpf_dir = {:?}` and `ephemeral = true`: give one", dir.display().to_string());
+        }
         let select = raw.select.unwrap_or_default();
         if let Some(pattern) = &select.cmdline {
             regex::Regex::new(pattern.get_ref())
@@ -270,6 +298,9 @@ impl ConfigFile {
             otlp_protocol: otlp.protocol.map(|p| p.into_inner().0),
             metrics_addr: raw.metrics.and_then(|m| m.addr).map(|a| a.0),
             socket,
+            bpf_dir,
+            ephemeral: raw.ephemeral.is_some_and(Spanned::into_inner),
+            on_exit: raw.on_exit.map(|o| o.into_inner().0),
         };
         Ok(Self { path: path.to_path_buf(), settings })
     }
@@ -318,6 +349,15 @@ impl ConfigFile {
                 "socket",
                 or_default(s.socket.as_ref().map(|p| p.display().to_string()), query::DEFAULT_SOCKET.to_owned()),
             ),
+            (
+                "bpf_dir",
+                if s.ephemeral {
+                    "none (ephemeral: nothing outlives the agent)".to_owned()
+                } else {
+                    or_default(s.bpf_dir.as_ref().map(|p| p.display().to_string()), state::DEFAULT_BPF_DIR.to_owned())
+                },
+            ),
+            ("on_exit", or_default(s.on_exit.map(choice_name), choice_name(OnExit::default()))),
         ];
         let mut out = format!("config file {}: ok\n", path.display());
         for (name, value) in rows {
@@ -340,6 +380,9 @@ struct RawConfig {
     max_tracked: Option<Spanned<Count>>,
     output: Option<Spanned<Choice<Format>>>,
     socket: Option<Spanned<String>>,
+    bpf_dir: Option<Spanned<String>>,
+    ephemeral: Option<Spanned<bool>>,
+    on_exit: Option<Spanned<Choice<OnExit>>>,
     otlp: Option<RawOtlp>,
     metrics: Option<RawMetrics>,
 }
@@ -497,6 +540,8 @@ tick = "5ms"
 max_tracked = 500000
 output = "json"
 socket = "/run/sw/agent.sock"
+bpf_dir = "/sys/fs/bpf/sw"
+on_exit = "detach"
 
 [otlp]
 endpoint = "http://collector:4317"
@@ -526,8 +571,30 @@ addr = "0.0.0.0:9464"
                 otlp_protocol: Some(Protocol::Grpc),
                 metrics_addr: Some("0.0.0.0:9464".parse().expect("addr")),
                 socket: Some(PathBuf::from("/run/sw/agent.sock")),
+                bpf_dir: Some(PathBuf::from("/sys/fs/bpf/sw")),
+                ephemeral: false,
+                on_exit: Some(OnExit::Detach),
             }
         );
+    }
+
+    #[test]
+    fn state_settings_default_to_pinning_and_refuse_both() {
+        let base = RunSettings { pid: Some(1), profile: Some("demo".into()), ..RunSettings::default() };
+        let config = base.clone().finish().expect("complete");
+        assert_eq!(config.bpf_dir.as_deref(), Some(Path::new(state::DEFAULT_BPF_DIR)));
+        assert_eq!(config.on_exit, OnExit::Keep);
+        let ephemeral = RunSettings { ephemeral: true, ..base.clone() }.finish().expect("complete");
+        assert_eq!(ephemeral.bpf_dir, None);
+        // The file says ephemeral, a flag names a directory: refused, not guessed.
+        let file = RunSettings { ephemeral: true, ..RunSettings::default() };
+        let flags = RunSettings { bpf_dir: Some("/sys/fs/bpf/x".into()), ..base };
+        let err = flags.over(file).finish().expect_err("both");
+        assert!(err.to_string().contains("--ephemeral"), "{err}");
+        let err = parse("bpf_dir = \"/sys/fs/bpf/x\"\nephemeral = true\n").expect_err("both");
+        assert!(err.to_string().contains("ephemeral = true"), "{err:#}");
+        let err = parse("on_exit = \"stay\"\n").expect_err("bad choice");
+        assert!(err.to_string().contains("\"keep\", \"detach\""), "{err:#}");
     }
 
     #[test]

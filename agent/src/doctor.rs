@@ -584,7 +584,7 @@ fn ebpf_checks(no_privileges: bool) -> [Check; 3] {
         "process discovery: `run` without --pid hears of every exec through the sched_process_exec BTF tracepoint",
     );
     let hint = if no_privileges { "fix the privileges check first" } else { "see the error; a kernel before 5.15 lacks uprobe attach cookies" };
-    let mut probes = match Probes::load() {
+    let mut probes = match Probes::load(None) {
         Ok(probes) => probes,
         Err(err) => {
             return [
@@ -729,7 +729,8 @@ pub fn bpffs_check(mounts: Result<&[Mount], &String>) -> Check {
     let check = Check::new(
         "bpffs",
         false,
-        "pinning maps and programs so they outlive the agent (stallwatch pins nothing today) and bpftool's pinned views",
+        "restart safety: probes and in-flight state pinned under `run --bpf-dir` outlive the agent (`run` mounts \
+         bpffs at /sys/fs/bpf itself when it can; --ephemeral needs none)",
     );
     let mounts = match mounts {
         Ok(mounts) => mounts,

@@ -6,8 +6,8 @@ use stallwatch_common::{EXT_ID_LEN, Event, event_flags};
 use tokio::io::unix::AsyncFd;
 
 use crate::{
-    lifecycle::Observation,
-    probes::{Probes, Role},
+    lifecycle::{Observation, Stage},
+    probes::Probes,
     reactor,
 };
 
@@ -56,23 +56,13 @@ pub fn decode(bytes: &[u8]) -> Result<Event> {
     Ok(unsafe { bytes.as_ptr().cast::<Event>().read_unaligned() })
 }
 
-/// Why an event did not become an observation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Skipped {
-    /// The slot is not (or no longer) known to the agent.
-    UnknownSlot,
-    /// Rules matched that map to no event (cannot happen with a valid
-    /// profile; counted rather than trusted).
-    NoStage,
-}
-
-/// The lifecycle observation an event stands for.
-pub fn observe(event: &Event, probes: &Probes) -> Result<Observation, Skipped> {
-    let slot = probes.slot(event.slot).ok_or(Skipped::UnknownSlot)?;
-    let Role::Lifecycle(spec) = &slot.role else {
-        return Err(Skipped::NoStage);
-    };
-    let stage = spec.stage_for(event.flags).ok_or(Skipped::NoStage)?;
+/// The lifecycle observation an event stands for. Events name their own
+/// stage, so this needs no slot table: a restarted agent reads what the
+/// previous agent's probes wrote while no agent ran.
+pub fn observe(event: &Event) -> Result<Observation> {
+    let stage = stage(event.stage).ok_or_else(|| {
+        anyhow!("event of slot {} names stage {}, which this agent does not know", event.slot, event.stage)
+    })?;
     Ok(Observation {
         pid: event.pid,
         key: event.key,
@@ -82,13 +72,23 @@ pub fn observe(event: &Event, probes: &Probes) -> Result<Observation, Skipped> {
     })
 }
 
-fn external_id(event: &Event) -> Option<Box<str>> {
-    if event.flags & event_flags::HAS_EXT == 0 {
+/// The agent's [`Stage`] for a kernel-side stage number
+/// ([`stallwatch_common::stage`]).
+pub fn stage(raw: u8) -> Option<Stage> {
+    Stage::ALL.get(usize::from(raw)).copied()
+}
+
+/// The external id an event or in-flight entry carries.
+pub fn external_id_of(bytes: &[u8; EXT_ID_LEN], present: bool) -> Option<Box<str>> {
+    if !present {
         return None;
     }
-    let bytes = &event.ext[..EXT_ID_LEN];
     let len = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
     (len > 0).then(|| String::from_utf8_lossy(&bytes[..len]).into())
+}
+
+fn external_id(event: &Event) -> Option<Box<str>> {
+    external_id_of(&event.ext, event.flags & event_flags::HAS_EXT != 0)
 }
 
 #[cfg(test)]
@@ -96,9 +96,31 @@ mod tests {
     use super::*;
 
     fn event(flags: u32, ext: &[u8]) -> Event {
-        let mut event = Event { ts_ns: 5, key: 7, ret: 0, pid: 9, tid: 9, slot: 0, flags, ext: [0; EXT_ID_LEN] };
+        let mut event =
+            Event { ts_ns: 5, key: 7, ret: 0, pid: 9, tid: 9, slot: 0, flags, stage: 0, _pad: [0; 7], ext: [0; EXT_ID_LEN] };
         event.ext[..ext.len()].copy_from_slice(ext);
         event
+    }
+
+    #[test]
+    fn kernel_stage_numbers_are_the_agents() {
+        use stallwatch_common::stage as k;
+        for (raw, stage) in [
+            (k::ENQUEUED, Stage::Enqueued),
+            (k::TRANSFER_POSTED, Stage::TransferPosted),
+            (k::TRANSFER_DONE, Stage::TransferDone),
+            (k::RELEASED, Stage::Released),
+            (k::ABORTED, Stage::Aborted),
+            (k::FAILED, Stage::Failed),
+        ] {
+            assert_eq!(super::stage(raw), Some(stage));
+            assert_eq!(stage as u8, raw);
+            assert_eq!(stage.is_terminal(), raw >= k::FIRST_TERMINAL);
+        }
+        assert_eq!(super::stage(6), None);
+        let mut bad = event(0, b"");
+        bad.stage = 200;
+        assert!(observe(&bad).unwrap_err().to_string().contains("stage 200"));
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //! (ring-buffer reader, decoding) -> [`lifecycle`] (per-request state
 //! machine, timer wheel, classification) -> [`export`] (alerts, summary);
 //! [`query`] answers `stallwatch inflight`. [`run`] wires them together;
-//! [`config`] reads its settings from a file, [`doctor`] checks the host.
+//! [`state`] keeps what outlives an agent (pinned maps and links) for the
+//! next one; [`config`] reads its settings from a file, [`doctor`] checks
+//! the host.
 pub mod config;
 pub mod doctor;
 pub mod discovery;
@@ -16,4 +18,5 @@ pub mod probes;
 pub mod query;
 mod reactor;
 pub mod run;
+pub mod state;
 pub mod transport;

@@ -7,7 +7,7 @@ use stallwatch::{
     config::{self, ConfigFile},
     doctor,
     probes::{Profile, profile},
-    query, run,
+    query, run, state,
 };
 
 #[derive(Parser)]
@@ -58,6 +58,23 @@ enum Command {
         #[command(subcommand)]
         command: ProfileCommand,
     },
+    /// What a stopped agent left pinned for the next one: its probes and
+    /// the kernel's in-flight table.
+    State {
+        #[command(subcommand)]
+        command: StateCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum StateCommand {
+    /// Detach the probes and drop the in-flight state pinned in the bpf
+    /// directory (refused while an agent uses it).
+    Clear {
+        /// The agent's `run --bpf-dir`.
+        #[arg(long, value_name = "PATH", default_value = state::DEFAULT_BPF_DIR)]
+        bpf_dir: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -97,14 +114,35 @@ fn main() -> ExitCode {
 fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Run { config, flags } => {
-            let config::RunConfig { target, profile, timeout, tick, max_tracked, output, telemetry, socket } =
-                config::resolve(config.as_deref(), flags)?;
+            let config::RunConfig {
+                target,
+                profile,
+                timeout,
+                tick,
+                max_tracked,
+                output,
+                telemetry,
+                socket,
+                bpf_dir,
+                on_exit,
+            } = config::resolve(config.as_deref(), flags)?;
             let profile = Profile::load(&profile)?;
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .context("starting the tokio runtime")?;
-            let options = run::Options { target, profile, timeout, tick, max_tracked, format: output, telemetry, socket };
+            let options = run::Options {
+                target,
+                profile,
+                timeout,
+                tick,
+                max_tracked,
+                format: output,
+                telemetry,
+                socket,
+                bpf_dir,
+                on_exit,
+            };
             runtime.block_on(run::run(options, std::io::stdout().lock()))
         }
         Command::Doctor { json } => {
@@ -128,6 +166,14 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Inflight { socket, json } => {
             let (inflight, raw) = query::client::inflight(&socket, query::client::ANSWER_TIMEOUT)?;
             query::client::print(&inflight, &raw, json, std::io::BufWriter::new(std::io::stdout().lock()))
+        }
+        Command::State { command: StateCommand::Clear { bpf_dir } } => {
+            if state::clear(&bpf_dir)? {
+                println!("removed {}: its probes are detached", bpf_dir.display());
+            } else {
+                println!("nothing pinned at {}", bpf_dir.display());
+            }
+            Ok(())
         }
         Command::Profile { command } => match command {
             ProfileCommand::List => {

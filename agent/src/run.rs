@@ -23,7 +23,7 @@ use tracing::{error, info, warn};
 
 use crate::{
     discovery::{Pending, Selector},
-    events::{self, EventReader, Skipped},
+    events::{self, EventReader},
     export::{
         alert::{AlertWriter, Format},
         clock::{Clock, monotonic_ns},
@@ -33,6 +33,7 @@ use crate::{
     probes::{KernelCounters, Probes, Profile},
     query::QueryServer,
     reactor,
+    state::{BpfDir, KernelState},
     transport::Tracker,
 };
 
@@ -56,20 +57,38 @@ pub struct Options {
     pub telemetry: TelemetryOptions,
     /// The unix socket `stallwatch inflight` asks (`--socket`).
     pub socket: PathBuf,
+    /// Where maps and links are pinned to outlive the agent (`--bpf-dir`);
+    /// `None` pins nothing (`--ephemeral`).
+    pub bpf_dir: Option<PathBuf>,
+    /// What to leave at exit for the next agent (`--on-exit`).
+    pub on_exit: OnExit,
+}
+
+/// What an agent stopped by a signal leaves pinned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum OnExit {
+    /// Leave the probes attached and the in-flight state pinned, for the
+    /// next agent to take over (a restart, a rolling update).
+    #[default]
+    Keep,
+    /// Detach every probe and remove the pinned state.
+    Detach,
 }
 
 /// How often the kernel's loss counters and transport counts are sampled.
 const COUNTER_PERIOD: Duration = Duration::from_secs(1);
 
 pub async fn run(options: Options, out: impl Write) -> Result<()> {
-    let Options { target, profile, timeout, tick, max_tracked, format, telemetry, socket } = options;
+    let Options { target, profile, timeout, tick, max_tracked, format, telemetry, socket, bpf_dir, on_exit } = options;
     if timeout < tick {
         bail!("--timeout {timeout:?} is shorter than --tick {tick:?}: raise the timeout or lower the tick");
     }
     // Before loading anything: a bad endpoint fails fast.
     let clock = Clock::new();
     let telemetry = Telemetry::start(&telemetry, clock).await?;
-    let mut probes = Probes::load()?;
+    let bpf_dir = bpf_dir.as_deref().map(BpfDir::open).transpose()?;
+    let mut probes = Probes::load(bpf_dir)?;
+    let state = probes.kernel_state()?;
     let logger = EbpfLogger::init(probes.ebpf_mut()).context("setting up eBPF logging")?;
     let mut logger = reactor::register(logger, "the eBPF log buffer")?;
     let reader = EventReader::new(&mut probes)?;
@@ -80,6 +99,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
         alerts: AlertWriter::new(out, format, clock),
         telemetry,
         probes,
+        state,
         reader,
         profile,
         watched: HashMap::new(),
@@ -103,6 +123,10 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
             (Some(execs), Some(selector))
         }
     };
+    // Ours are attached: a previous agent's probes can go, and what they
+    // recorded is ours to follow, before the ring buffer is read.
+    session.probes.release_old_links()?;
+    session.restore()?;
     // After attaching, so a bad profile or pid is reported as such even
     // when another agent serves this socket (a second agent fails here).
     let mut queries = QueryServer::bind(&socket, clock)?;
@@ -123,7 +147,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
     loop {
         tokio::select! {
             read = session.reader.read(|bytes| session.ingest.record(
-                bytes, &session.probes, &mut session.transport, &mut session.engine, &mut session.reports,
+                bytes, &mut session.transport, &mut session.engine, &mut session.reports,
             )) => read?,
             _ = ticks.tick() => session.engine.advance(monotonic_ns(), &mut session.reports),
             _ = counter_ticks.tick() => {
@@ -177,7 +201,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
         }
         session.emit()?;
     }
-    session.finish()
+    session.finish(on_exit)
 }
 
 /// Everything one run holds, with the steps the loop takes on it.
@@ -187,6 +211,8 @@ struct Session<W> {
     alerts: AlertWriter<W>,
     telemetry: Telemetry,
     probes: Probes,
+    /// The kernel's in-flight table, kept in step with the reports.
+    state: KernelState,
     reader: EventReader,
     profile: Profile,
     /// Attached processes and the tasks waiting on their pidfds.
@@ -243,13 +269,54 @@ impl<W: Write> Session<W> {
         }
     }
 
+    /// Take over the requests the kernel's in-flight table holds (a
+    /// previous agent's, or begun while none ran). Those of processes gone
+    /// meanwhile end `process_exited`; those of live processes this agent
+    /// does not watch are dropped.
+    fn restore(&mut self) -> Result<()> {
+        let requests = self.state.snapshot()?;
+        if requests.is_empty() {
+            return Ok(());
+        }
+        let now = monotonic_ns();
+        let (mut taken, mut gone, mut unwatched) = (0usize, Vec::new(), Vec::new());
+        for request in requests {
+            let pid = request.pid;
+            if self.watched.contains_key(&pid) {
+                taken += 1;
+            } else if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                if !unwatched.contains(&pid) {
+                    unwatched.push(pid);
+                }
+                continue;
+            } else if !gone.contains(&pid) {
+                gone.push(pid);
+            }
+            self.engine.restore(request, &mut self.reports);
+        }
+        for pid in gone.iter().chain(&unwatched) {
+            self.state.forget_process(*pid)?;
+        }
+        for &pid in &gone {
+            self.engine.process_exited(pid, now, &mut self.reports);
+        }
+        for pid in unwatched {
+            info!(pid, "in-flight requests of a process this agent does not watch are dropped");
+        }
+        info!(requests = taken, exited = gone.len(), "took over the requests in flight in the kernel");
+        Ok(())
+    }
+
     /// The process is gone: what it did before counts first, then every
     /// request it still held ends `process_exited`.
     fn exited(&mut self, pid: u32) {
-        let Session { reader, ingest, probes, transport, engine, reports, .. } = self;
-        reader.drain(|bytes| ingest.record(bytes, probes, transport, engine, reports));
+        let Session { reader, ingest, transport, engine, reports, .. } = self;
+        reader.drain(|bytes| ingest.record(bytes, transport, engine, reports));
         info!(pid, "target process exited");
         self.engine.process_exited(pid, monotonic_ns(), &mut self.reports);
+        if let Err(err) = self.state.forget_process(pid) {
+            warn!(pid, "dropping the kernel's in-flight entries of an exited process: {err:#}");
+        }
         self.probes.detach(pid);
         // Its requests' reports carry no transport evidence (only stalls do).
         self.transport.forget(pid);
@@ -266,14 +333,17 @@ impl<W: Write> Session<W> {
         for report in self.reports.drain(..) {
             let evidence = self.transport.for_report(&report);
             self.alerts.report(&report, evidence.as_ref()).context("writing an alert to stdout")?;
+            // After the alert: an agent that dies in between reports the
+            // stall again rather than never.
+            self.state.apply(&report).context("recording the report in the kernel's in-flight table")?;
             self.telemetry.report(report, evidence);
         }
         Ok(())
     }
 
-    fn finish(mut self) -> Result<()> {
-        let Session { reader, ingest, probes, transport, engine, reports, .. } = &mut self;
-        reader.drain(|bytes| ingest.record(bytes, probes, transport, engine, reports));
+    fn finish(mut self, on_exit: OnExit) -> Result<()> {
+        let Session { reader, ingest, transport, engine, reports, .. } = &mut self;
+        reader.drain(|bytes| ingest.record(bytes, transport, engine, reports));
         self.engine.advance(monotonic_ns(), &mut self.reports);
         self.emit()?;
         let kernel = self.probes.counters()?;
@@ -282,6 +352,12 @@ impl<W: Write> Session<W> {
         self.alerts
             .summary(&self.engine.stats(), &kernel, export.dropped(), &self.probes.probe_hits()?)
             .context("writing the summary")?;
+        if let Some(dir) = self.probes.finish(on_exit == OnExit::Keep)? {
+            info!(
+                dir = %dir.display(),
+                "probes left attached and in-flight state pinned for the next agent; `stallwatch state clear` removes them"
+            );
+        }
         Ok(())
     }
 }
@@ -315,45 +391,25 @@ fn drain_execs(mut guard: tokio::io::unix::AsyncFdReadyMutGuard<'_, RingBuf<MapD
 #[derive(Default)]
 struct Ingest {
     undecodable: u64,
-    unknown_slot: u64,
-    no_stage: u64,
 }
 
 impl Ingest {
-    fn record(
-        &mut self,
-        bytes: &[u8],
-        probes: &Probes,
-        transport: &mut Tracker,
-        engine: &mut Engine,
-        reports: &mut Vec<Report>,
-    ) {
-        let event = match events::decode(bytes) {
-            Ok(event) => event,
-            Err(err) => {
-                self.undecodable += 1;
-                warn!("{err:#}");
-                return;
-            }
-        };
-        match events::observe(&event, probes) {
+    fn record(&mut self, bytes: &[u8], transport: &mut Tracker, engine: &mut Engine, reports: &mut Vec<Report>) {
+        match events::decode(bytes).and_then(|event| events::observe(&event)) {
             Ok(observation) => {
                 transport.observe(&observation);
                 engine.observe(observation, reports);
             }
-            Err(Skipped::UnknownSlot) => self.unknown_slot += 1,
-            Err(Skipped::NoStage) => self.no_stage += 1,
+            Err(err) => {
+                self.undecodable += 1;
+                warn!("{err:#}");
+            }
         }
     }
 
     fn log(&self) {
-        if self.undecodable + self.unknown_slot + self.no_stage > 0 {
-            warn!(
-                undecodable = self.undecodable,
-                unknown_slot = self.unknown_slot,
-                no_stage = self.no_stage,
-                "ring-buffer records that did not become lifecycle events"
-            );
+        if self.undecodable > 0 {
+            warn!(undecodable = self.undecodable, "ring-buffer records that did not become lifecycle events");
         }
     }
 }
@@ -369,6 +425,12 @@ fn warn_on_loss(probes: &Probes, before: KernelCounters) -> Result<KernelCounter
             args_missing = now.args_missing,
             no_slot = now.no_slot,
             "events lost in the kernel"
+        );
+    }
+    if now.state_full > before.state_full {
+        warn!(
+            state_full = now.state_full,
+            "the kernel's in-flight table is full: these requests are followed, but would not survive an agent restart"
         );
     }
     if now.exec_lost > before.exec_lost {

@@ -194,9 +194,8 @@ impl Tracker {
     /// Read every activity slot and append a sample per process.
     pub fn sample(&mut self, probes: &Probes, now_ns: u64) -> Result<()> {
         let mut fresh: HashMap<u32, (Totals, bool)> = HashMap::new();
-        for (index, slot) in probes.slots().iter().enumerate() {
+        for (index, slot) in probes.slots() {
             let Role::Activity(kind) = slot.role else { continue };
-            let index = index as u32;
             let (totals, has_progress) = fresh.entry(slot.pid).or_default();
             totals.add(kind, probes.hits(index)?, probes.last_hit(index)?);
             *has_progress |= kind == ActivityKind::Progress;

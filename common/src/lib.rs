@@ -62,13 +62,33 @@ pub mod cmp {
     pub const GE: u8 = 6;
 }
 
-/// `ret <op> value`, signed.
+/// `ret <op> value`, signed; a return that satisfies it is lifecycle event
+/// `stage`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RetRule {
     pub op: u8,
-    pub _pad: [u8; 7],
+    /// One of [`stage`]: the event a matching return stands for.
+    pub stage: u8,
+    pub _pad: [u8; 6],
     pub value: i64,
+}
+
+/// Lifecycle stages, in order of progress, as the kernel side records them
+/// (the agent's `lifecycle::Stage` has the same numbers). The kernel only
+/// needs the order and which stages end a lifecycle: it keeps the in-flight
+/// table ([`INFLIGHT`](InflightEntry)) that lets a restarted agent take over.
+pub mod stage {
+    pub const ENQUEUED: u8 = 0;
+    pub const TRANSFER_POSTED: u8 = 1;
+    pub const TRANSFER_DONE: u8 = 2;
+    pub const RELEASED: u8 = 3;
+    pub const ABORTED: u8 = 4;
+    pub const FAILED: u8 = 5;
+    /// Stages at and above this end the lifecycle.
+    pub const FIRST_TERMINAL: u8 = RELEASED;
+    /// Live stages timed in [`InflightEntry::stage_ns`](super::InflightEntry::stage_ns).
+    pub const LIVE: usize = FIRST_TERMINAL as usize;
 }
 
 /// Bits of [`SlotConfig::flags`].
@@ -111,6 +131,10 @@ pub struct SlotConfig {
     pub ext: ValueSource,
     pub guard: ValueSource,
     pub rules: [RetRule; MAX_RET_RULES],
+    /// The event every hit stands for, when the slot has no return rules
+    /// (one of [`stage`]).
+    pub stage: u8,
+    pub _pad: [u8; 7],
 }
 
 /// Bits of [`Event::flags`].
@@ -136,6 +160,11 @@ pub struct Event {
     pub tid: u32,
     pub slot: u32,
     pub flags: u32,
+    /// The lifecycle event this is (one of [`stage`]): events describe
+    /// themselves, so a restarted agent can read what the previous one's
+    /// probes wrote without knowing their slots.
+    pub stage: u8,
+    pub _pad: [u8; 7],
     pub ext: [u8; EXT_ID_LEN],
 }
 
@@ -173,6 +202,34 @@ pub struct LastEmitted {
     pub _pad: u32,
 }
 
+/// What the kernel knows of one request in flight: the `INFLIGHT` map's
+/// value, keyed by [`RequestKey`]. The eBPF programs keep it on every
+/// lifecycle event and delete it when the lifecycle ends, so the table
+/// outlives the agent (it is pinned in bpffs) and an agent restarted during
+/// a stall takes over every request the previous one was following.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InflightEntry {
+    pub first_ns: u64,
+    pub last_ns: u64,
+    /// When each live stage was first seen; 0 for never.
+    pub stage_ns: [u64; stage::LIVE],
+    /// The furthest stage. A terminal one only while an agent's stall alert
+    /// for the request is out (see `ALERTED`): the entry is kept so the next
+    /// agent can report the recovery.
+    pub stage: u8,
+    /// `ext` holds a NUL-terminated string.
+    pub has_ext: u8,
+    pub _pad: [u8; 6],
+    pub ext: [u8; EXT_ID_LEN],
+}
+
+/// Version of the layout of everything the kernel side keeps pinned in
+/// bpffs ([`InflightEntry`], [`SlotConfig`], [`Event`], the map sizes).
+/// Bump it on any change: an agent never reads state pinned by an agent of
+/// another layout, it discards it.
+pub const STATE_LAYOUT: u32 = 1;
+
 /// Indices of the per-CPU `COUNTERS` array: what the kernel side could not do.
 /// Every one is reported by the agent; none is silent.
 pub mod counter {
@@ -189,7 +246,10 @@ pub mod counter {
     /// Exec notifications lost (the EXECS ring buffer was full); discovery
     /// falls back to its periodic scan of /proc.
     pub const EXEC_LOST: u32 = 5;
-    pub const COUNT: u32 = 6;
+    /// The in-flight table was full: a request the agent follows will not
+    /// survive an agent restart.
+    pub const STATE_FULL: u32 = 6;
+    pub const COUNT: u32 = 7;
 }
 
 #[cfg(feature = "user")]
@@ -202,4 +262,5 @@ mod pod {
     unsafe impl aya::Pod for super::SavedArgsKey {}
     unsafe impl aya::Pod for super::RequestKey {}
     unsafe impl aya::Pod for super::LastEmitted {}
+    unsafe impl aya::Pod for super::InflightEntry {}
 }

@@ -1,7 +1,13 @@
 //! The stallwatch kernel side: two generic programs, one for function entry
 //! and one for function return, attached once per probe slot. The attach
 //! cookie names the slot; the slot's [`SlotConfig`] says where the request key
-//! lives and which hits become events. No target-specific code lives here.
+//! lives, which hits become events and which lifecycle stage each one is. No
+//! target-specific code lives here.
+//!
+//! Besides the events, the programs keep the in-flight table (`INFLIGHT`):
+//! the agent pins it with the other maps and the links in bpffs, so the
+//! probes keep recording while no agent runs and a restarted agent takes
+//! over every request in flight.
 //!
 //! Every helper is `#[inline(always)]`: as BPF-to-BPF calls, LLVM may leave a
 //! stack pointer in r0 on return, which the verifier rejects.
@@ -21,9 +27,14 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use stallwatch_common::{
-    Event, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS, RequestKey, RetRule, SAVED_ARGS,
-    SavedArgs, SavedArgsKey, SlotConfig, ValueSource, base, cmp, counter, event_flags, slot_flags,
+    EXT_ID_LEN, Event, InflightEntry, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS, RequestKey,
+    RetRule, SAVED_ARGS, SavedArgs, SavedArgsKey, SlotConfig, ValueSource, base, cmp, counter,
+    event_flags, slot_flags, stage,
 };
+
+/// `BPF_F_NO_PREALLOC`: the in-flight tables take memory per request held,
+/// not their whole capacity up front.
+const NO_PREALLOC: u32 = 1;
 
 /// Per-slot configuration, written by the agent before it attaches.
 #[map]
@@ -54,6 +65,19 @@ static SAVED: HashMap<SavedArgsKey, SavedArgs> = HashMap::with_max_entries(16384
 #[map]
 static LAST: LruHashMap<RequestKey, LastEmitted> = LruHashMap::with_max_entries(65536, 0);
 
+/// Every request in flight: written here on each lifecycle event, deleted
+/// when the lifecycle ends. Not an LRU: under pressure it must refuse new
+/// requests (counted) rather than drop the oldest, which are the stalls.
+#[map]
+static INFLIGHT: HashMap<RequestKey, InflightEntry> = HashMap::with_max_entries(1 << 17, NO_PREALLOC);
+
+/// Written by the agent only: the `last_ns` of the silence it reported as
+/// stalled. A request in here that ends keeps its `INFLIGHT` entry (marked
+/// ended) until the agent has seen the end, so the recovery of a reported
+/// stall is never lost across an agent restart.
+#[map]
+static ALERTED: HashMap<RequestKey, u64> = HashMap::with_max_entries(1 << 16, NO_PREALLOC);
+
 #[uprobe]
 pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
     let Some((slot, cfg)) = slot_of(&ctx) else {
@@ -73,7 +97,7 @@ pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
         save_args(slot, cfg, &args);
     } else {
         count_hit(slot);
-        emit(slot, cfg, &args, 0, 0);
+        emit(slot, cfg, &args, 0, Matched { rules: 0, stage: cfg.stage });
     }
     0
 }
@@ -103,10 +127,9 @@ pub fn lifecycle_return(ctx: RetProbeContext) -> u32 {
     } else {
         raw as i64
     };
-    let matched = match_rules(&cfg.rules, ret);
-    if matched == NO_MATCH {
+    let Some(matched) = match_rules(cfg, ret) else {
         return 0;
-    }
+    };
     emit(slot, cfg, &args, ret, matched);
     0
 }
@@ -220,15 +243,22 @@ fn take_saved(slot: u32) -> Option<SavedArgs> {
     Some(saved)
 }
 
-const NO_MATCH: u32 = u32::MAX;
+/// Which return rules held, and the lifecycle stage the hit is.
+struct Matched {
+    /// `RULE_MATCHED << n` for every rule `n` that holds.
+    rules: u32,
+    stage: u8,
+}
 
-/// `RULE_MATCHED << n` for every rule `n` that holds, 0 when the slot has no
-/// rules (every return is emitted), [`NO_MATCH`] when it has rules and none
-/// holds.
+/// The rules that hold and the stage of the first of them; the slot's own
+/// stage when it has no rules (every return is an event); `None` when it
+/// has rules and none holds.
 #[inline(always)]
-fn match_rules(rules: &[RetRule; MAX_RET_RULES], ret: i64) -> u32 {
+fn match_rules(cfg: &SlotConfig, ret: i64) -> Option<Matched> {
+    let rules: &[RetRule; MAX_RET_RULES] = &cfg.rules;
     let mut any_rule = false;
     let mut matched = 0;
+    let mut first = None;
     for (n, rule) in rules.iter().enumerate() {
         let holds = match rule.op {
             cmp::EQ => ret == rule.value,
@@ -242,9 +272,16 @@ fn match_rules(rules: &[RetRule; MAX_RET_RULES], ret: i64) -> u32 {
         any_rule = true;
         if holds {
             matched |= event_flags::RULE_MATCHED << n;
+            if first.is_none() {
+                first = Some(rule.stage);
+            }
         }
     }
-    if any_rule && matched == 0 { NO_MATCH } else { matched }
+    match first {
+        Some(stage) => Some(Matched { rules: matched, stage }),
+        None if !any_rule => Some(Matched { rules: 0, stage: cfg.stage }),
+        None => None,
+    }
 }
 
 /// Follow a [`ValueSource`]: its base, `depth` dereferences, then `add`.
@@ -268,7 +305,7 @@ fn resolve(src: &ValueSource, args: &Args, ret: i64, key: u64) -> Option<u64> {
 }
 
 #[inline(always)]
-fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: u32) {
+fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
     let Some(key) = resolve(&cfg.key, args, ret, 0) else {
         bump(counter::READ_FAILED);
         return;
@@ -283,21 +320,26 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: u32) {
             return;
         }
     }
+    // SAFETY: the helper only reads the clock.
+    let ts = unsafe { bpf_ktime_get_ns() };
     let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
         bump(counter::RINGBUF_FULL);
+        // The agent misses this event, but the in-flight table need not.
+        track(&request, matched.stage, ts, None);
         return;
     };
     let event = entry.as_mut_ptr();
     // SAFETY: `event` points at a reserved, exclusively owned ring-buffer
     // record of the right size; every field but the tail of `ext` is written.
     unsafe {
-        (*event).ts_ns = bpf_ktime_get_ns();
+        (*event).ts_ns = ts;
         (*event).key = key;
         (*event).ret = ret;
         (*event).pid = request.pid;
         (*event).tid = pid_tgid as u32;
         (*event).slot = slot;
-        (*event).flags = matched;
+        (*event).flags = matched.rules;
+        (*event).stage = matched.stage;
         (*event).ext[0] = 0;
         if cfg.flags & slot_flags::HAS_EXT != 0 && guard_holds(cfg, args, ret, key) {
             match resolve(&cfg.ext, args, ret, key) {
@@ -307,10 +349,86 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: u32) {
                 _ => bump(counter::READ_FAILED),
             }
         }
+        // Before the submit: once submitted the record is the agent's.
+        let ext = if (*event).flags & event_flags::HAS_EXT != 0 { Some(&(*event).ext) } else { None };
+        track(&request, matched.stage, ts, ext);
     }
     entry.submit(0);
     if cfg.flags & slot_flags::TRACK_LAST != 0 {
         let _ = LAST.insert(&request, &last, 0);
+    }
+}
+
+/// Keep the in-flight table: a live stage creates or advances the
+/// request's entry, a terminal one deletes it (or, while the agent's stall
+/// alert for it is out, marks it ended for the agent to collect).
+#[inline(always)]
+fn track(request: &RequestKey, stage: u8, ts: u64, ext: Option<&[u8; EXT_ID_LEN]>) {
+    if stage >= stage::FIRST_TERMINAL {
+        // SAFETY: only tested for presence.
+        if unsafe { ALERTED.get(request) }.is_some() {
+            if let Some(entry) = INFLIGHT.get_ptr_mut(request) {
+                // SAFETY: a map value; concurrent writers race benignly
+                // (whole u64/u8 fields, the agent reads them as a hint).
+                let entry = unsafe { &mut *entry };
+                entry.stage = stage;
+                if ts > entry.last_ns {
+                    entry.last_ns = ts;
+                }
+            }
+        } else {
+            let _ = INFLIGHT.remove(request);
+        }
+        return;
+    }
+    if let Some(entry) = INFLIGHT.get_ptr_mut(request) {
+        // SAFETY: as above.
+        let entry = unsafe { &mut *entry };
+        if entry.stage < stage::FIRST_TERMINAL {
+            if ts > entry.last_ns {
+                entry.last_ns = ts;
+            }
+            if stage > entry.stage {
+                entry.stage = stage;
+            }
+            note_stage_time(&mut entry.stage_ns, stage, ts);
+            if let (0, Some(ext)) = (entry.has_ext, ext) {
+                entry.ext = *ext;
+                entry.has_ext = 1;
+            }
+            return;
+        }
+        // An ended entry kept for the agent: the key's next lifecycle
+        // replaces it.
+    }
+    let mut entry = InflightEntry {
+        first_ns: ts,
+        last_ns: ts,
+        stage_ns: [0; stage::LIVE],
+        stage,
+        has_ext: 0,
+        _pad: [0; 6],
+        ext: [0; EXT_ID_LEN],
+    };
+    note_stage_time(&mut entry.stage_ns, stage, ts);
+    if let Some(ext) = ext {
+        entry.ext = *ext;
+        entry.has_ext = 1;
+    }
+    if INFLIGHT.insert(request, &entry, 0).is_err() {
+        bump(counter::STATE_FULL);
+    }
+}
+
+/// When a live stage was first seen, unless it already has a time. A walk
+/// with constant offsets: LLVM turns `get_mut(stage as usize)` into a
+/// variable offset whose bound the verifier cannot follow.
+#[inline(always)]
+fn note_stage_time(times: &mut [u64; stage::LIVE], stage: u8, ts: u64) {
+    for (n, at) in times.iter_mut().enumerate() {
+        if n == usize::from(stage) && *at == 0 {
+            *at = ts;
+        }
     }
 }
 

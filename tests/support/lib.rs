@@ -279,6 +279,8 @@ impl Demo {
 /// The agent with `--output json`, attached and watching.
 pub struct Agent {
     pub proc: Proc,
+    /// Its `--bpf-dir`, removed when the test is done with the agent.
+    pub bpf_dir: Option<PathBuf>,
 }
 
 impl Agent {
@@ -314,6 +316,15 @@ impl Agent {
         if !extra.contains(&"--socket") {
             command.arg("--socket").arg(test_socket());
         }
+        // Its own bpf directory, so agents of concurrent tests never meet,
+        // unless the test names one (or none).
+        let bpf_dir = if extra.contains(&"--bpf-dir") || extra.contains(&"--ephemeral") {
+            None
+        } else {
+            let dir = test_bpf_dir();
+            command.arg("--bpf-dir").arg(&dir);
+            Some(dir)
+        };
         // Only what the test sets: an OTEL_* or K8S_* variable in the
         // test's own environment must not leak in.
         for (name, _) in std::env::vars() {
@@ -322,7 +333,17 @@ impl Agent {
             }
         }
         command.envs(env.iter().copied());
-        Self { proc: Proc::spawn("stallwatch", &mut command) }
+        Self { proc: Proc::spawn("stallwatch", &mut command), bpf_dir }
+    }
+
+    /// Start `stallwatch run --pid PID` on the bpf directory `bpf_dir`
+    /// (shared with agents before and after it, which a restart test needs)
+    /// and wait until it watches.
+    pub fn watch_on(pid: u32, bpf_dir: &Path, timeout: &str, extra: &[&str]) -> Self {
+        let dir = bpf_dir.to_str().expect("utf-8 bpf dir");
+        let mut args = vec!["--bpf-dir", dir];
+        args.extend_from_slice(extra);
+        Self::watch(pid, "demo", timeout, &args)
     }
 
     /// Wait until the agent has attached to `pid`.
@@ -349,13 +370,38 @@ impl Agent {
     }
 
     /// SIGINT, then every line up to and including the summary.
-    pub fn stop(mut self) -> Vec<Line> {
-        self.proc.signal(libc::SIGINT);
+    pub fn stop(self) -> Vec<Line> {
+        self.stop_with(libc::SIGINT)
+    }
+
+    /// `signal` (SIGINT or SIGTERM), then every line up to and including
+    /// the summary.
+    pub fn stop_with(mut self, signal: i32) -> Vec<Line> {
+        self.proc.signal(signal);
         let lines = self.proc.lines_until_exit(Duration::from_secs(20));
         let status = self.proc.wait(Duration::from_secs(5));
         assert!(status.success(), "agent exited with {status}; stderr:\n{}", self.proc.stderr());
         lines
     }
+}
+
+impl Drop for Agent {
+    /// The agent is killed (if still running) and the bpf directory the
+    /// helper gave it removed, so no probe outlives the test.
+    fn drop(&mut self) {
+        let _ = self.proc.child.kill();
+        let _ = self.proc.child.wait();
+        if let Some(dir) = &self.bpf_dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// A bpf directory no other agent uses: one per call, under
+/// `/sys/fs/bpf/stallwatch-tests/` (the agent mounts bpffs if need be).
+pub fn test_bpf_dir() -> PathBuf {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    PathBuf::from("/sys/fs/bpf/stallwatch-tests").join(format!("{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)))
 }
 
 /// A query socket path no other agent uses: one per call, under

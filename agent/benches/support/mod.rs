@@ -31,7 +31,7 @@ pub struct Attached {
 
 impl Attached {
     pub fn new(pid: u32, profile: &Profile) -> Result<Self> {
-        let mut probes = Probes::load()?;
+        let mut probes = Probes::load(None)?;
         let map = probes.ebpf_mut().take_map("EVENTS").context("EVENTS map")?;
         let mut ring = RingBuf::try_from(map)?;
         probes.attach(pid, profile)?;

@@ -65,10 +65,11 @@ impl<W: Write> AlertWriter<W> {
     ) -> std::io::Result<()> {
         let line = match self.format {
             Format::Human => format!(
-                "SUMMARY seen={} completed={} stalled={} recovered={} failed={} aborted={} process_exited={} \
+                "SUMMARY seen={} restored={} completed={} stalled={} recovered={} failed={} aborted={} process_exited={} \
                  evicted={} in_flight={} lost_events={} (ringbuf_full={} read_failed={} args_missing={} no_slot={}) \
-                 stale_events={} duplicate_events={} export_drops={}",
+                 stale_events={} duplicate_events={} export_drops={} state_full={}",
                 stats.seen,
+                stats.restored,
                 stats.completed,
                 stats.stalled,
                 stats.recovered,
@@ -85,6 +86,7 @@ impl<W: Write> AlertWriter<W> {
                 stats.stale_events,
                 stats.duplicate_events,
                 export_drops,
+                kernel.state_full,
             ) + &probes
                 .iter()
                 .map(|p| format!("\nPROBE pid={} role={} hits={} symbol={}", p.pid, p.role, p.hits, p.symbol))
@@ -92,6 +94,7 @@ impl<W: Write> AlertWriter<W> {
             Format::Json => json!({
                 "alert": "summary",
                 "seen": stats.seen,
+                "restored": stats.restored,
                 "completed": stats.completed,
                 "stalled": stats.stalled,
                 "recovered": stats.recovered,
@@ -108,6 +111,7 @@ impl<W: Write> AlertWriter<W> {
                 "stale_events": stats.stale_events,
                 "duplicate_events": stats.duplicate_events,
                 "export_drops": export_drops,
+                "state_full": kernel.state_full,
                 "probes": probes
                     .iter()
                     .map(|p| json!({"pid": p.pid, "role": p.role, "hits": p.hits, "symbol": p.symbol}))

@@ -3,27 +3,39 @@
 //! One eBPF object holds two generic programs (`lifecycle_entry`,
 //! `lifecycle_return`). Each probe of a profile attached to a pid becomes a
 //! *slot*: a [`SlotConfig`] written to the `SLOTS` map at the slot's index,
-//! and one or two uprobe attachments whose cookie is that index.
+//! and one or two uprobe attachments whose cookie is that index. Slots are
+//! reused once their process is detached: events name their own stage, so
+//! nothing in the ring buffer depends on what a slot meant.
+//!
+//! With a [`BpfDir`], the maps are pinned there (or taken over from a
+//! previous agent) and every link is pinned as it is made, so the probes
+//! outlive the agent; see [`crate::state`].
 pub mod profile;
 pub mod resolve;
 
-use std::{collections::HashMap, num::NonZeroU32, path::PathBuf, sync::Arc};
+use std::{
+    collections::{HashMap, HashSet},
+    num::NonZeroU32,
+    path::PathBuf,
+    sync::Arc,
+};
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
-    Ebpf,
-    Btf,
-    maps::{Array, MapData, PerCpuArray, RingBuf},
+    Btf, Ebpf, EbpfLoader,
+    maps::{Array, MapData, PerCpuArray, PerCpuValues, RingBuf},
     programs::{
         BtfTracePoint, UProbe,
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
+        links::{FdLink, PinnedLink},
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeScope},
     },
 };
 use stallwatch_common::{MAX_SLOTS, SlotConfig, counter, slot_flags};
-use tracing::info;
+use tracing::{info, warn};
 
 pub use self::profile::{ActivityKind, ActivitySpec, At, Profile, ProbeSpec};
 use self::resolve::{ElfFile, FirstInsn, ProcessImage};
+use crate::state::{BpfDir, KernelState, OldLink, PINNED_MAPS};
 
 /// The eBPF object built by `build.rs`.
 pub fn ebpf_object() -> &'static [u8] {
@@ -54,6 +66,26 @@ pub struct Slot {
     pub first_insn: FirstInsn,
 }
 
+/// One uprobe link; dropping it detaches the probe, unless it is pinned.
+enum Link {
+    Owned(UProbeLink),
+    Pinned(PinnedLink),
+}
+
+impl Link {
+    /// Detach now, pinned or not.
+    fn detach(self) {
+        match self {
+            Self::Owned(link) => drop(link),
+            Self::Pinned(link) => {
+                if let Err(err) = link.unpin() {
+                    warn!("unpinning a probe link: {err}");
+                }
+            }
+        }
+    }
+}
+
 /// The loaded eBPF object, its slots and their attachments.
 pub struct Probes {
     ebpf: Ebpf,
@@ -61,19 +93,45 @@ pub struct Probes {
     counters: PerCpuArray<MapData, u64>,
     hits: PerCpuArray<MapData, u64>,
     seen: PerCpuArray<MapData, u64>,
-    slots: Vec<Slot>,
-    links: HashMap<u32, Vec<(&'static str, UProbeLinkId)>>,
+    /// Indexed by slot; `None` for a free slot or one a previous agent's
+    /// links still drive.
+    slots: Vec<Option<Slot>>,
+    /// Slots ready for reuse.
+    free: Vec<u32>,
+    links: HashMap<u32, Vec<Link>>,
+    /// Where the maps and links are pinned; `None`: nothing outlives us.
+    dir: Option<BpfDir>,
+    /// Links a previous agent left pinned, until ours replace them.
+    old_links: Vec<OldLink>,
 }
 
 impl Probes {
     /// Load the eBPF object into the kernel and its programs through the
-    /// verifier.
-    pub fn load() -> Result<Self> {
+    /// verifier. With `dir`, the maps are the ones pinned there (a previous
+    /// agent's, taken over) or are pinned there now, and links will be.
+    pub fn load(dir: Option<BpfDir>) -> Result<Self> {
         raise_memlock_limit();
-        let mut ebpf = Ebpf::load(ebpf_object()).context(
-            "loading the eBPF object into the kernel failed: stallwatch needs root (CAP_BPF and \
-             CAP_PERFMON) and a kernel with BPF ring buffers (5.8+)",
-        )?;
+        let pins: Vec<(&str, PathBuf)> = match &dir {
+            Some(dir) => PINNED_MAPS.iter().map(|name| (*name, dir.map_path(name))).collect(),
+            None => Vec::new(),
+        };
+        let mut loader = EbpfLoader::new();
+        for (name, path) in &pins {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader.load(ebpf_object()).with_context(|| {
+            let stale = dir.as_ref().map_or_else(String::new, |dir| {
+                format!(
+                    "; if the maps pinned in {0} are another stallwatch build's, remove them with \
+                     `stallwatch state clear --bpf-dir {0}`",
+                    dir.path().display()
+                )
+            });
+            format!(
+                "loading the eBPF object into the kernel failed: stallwatch needs root (CAP_BPF and \
+                 CAP_PERFMON) and a kernel with BPF ring buffers (5.8+){stale}"
+            )
+        })?;
         for name in [ENTRY_PROGRAM, RETURN_PROGRAM] {
             let program: &mut UProbe = ebpf
                 .program_mut(name)
@@ -85,7 +143,86 @@ impl Probes {
         let counters = PerCpuArray::try_from(take_map(&mut ebpf, "COUNTERS")?)?;
         let hits = PerCpuArray::try_from(take_map(&mut ebpf, "HITS")?)?;
         let seen = PerCpuArray::try_from(take_map(&mut ebpf, "SEEN")?)?;
-        Ok(Self { ebpf, slots_map, counters, hits, seen, slots: Vec::new(), links: HashMap::new() })
+        let old_links = match &dir {
+            Some(dir) => dir.links()?,
+            None => Vec::new(),
+        };
+        let mut probes = Self {
+            ebpf,
+            slots_map,
+            counters,
+            hits,
+            seen,
+            slots: Vec::new(),
+            free: Vec::new(),
+            links: HashMap::new(),
+            dir,
+            old_links,
+        };
+        probes.reserve_old_slots()?;
+        Ok(probes)
+    }
+
+    /// Keep the slots of a previous agent's links out of use until
+    /// [`Self::release_old_links`]; clear every other slot config a previous
+    /// agent left (nothing drives it any more).
+    fn reserve_old_slots(&mut self) -> Result<()> {
+        let held: HashSet<u32> = self.old_links.iter().map(|link| link.slot).collect();
+        let len = held.iter().max().map_or(0, |max| max + 1);
+        self.slots = (0..len).map(|_| None).collect();
+        self.free = (0..len).rev().filter(|slot| !held.contains(slot)).collect();
+        for slot in (0..MAX_SLOTS).filter(|slot| !held.contains(slot)) {
+            if self.slots_map.get(&slot, 0).is_ok_and(|cfg| cfg.flags != 0) {
+                self.slots_map.set(slot, SlotConfig::default(), 0).context("clearing the slot config map")?;
+            }
+        }
+        if !self.old_links.is_empty() {
+            info!(links = self.old_links.len(), "a previous agent's probes are still attached; taking over");
+        }
+        Ok(())
+    }
+
+    /// Let a previous agent's links go once ours are attached (make before
+    /// break: the targets are never without probes), and free their slots.
+    pub fn release_old_links(&mut self) -> Result<()> {
+        let mut released = HashSet::new();
+        for old in std::mem::take(&mut self.old_links) {
+            match std::fs::remove_file(&old.path) {
+                Ok(()) => {}
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                Err(err) => return Err(err).with_context(|| format!("unpinning {}", old.path.display())),
+            }
+            if released.insert(old.slot) {
+                self.slots_map.set(old.slot, SlotConfig::default(), 0).context("clearing the slot config map")?;
+                self.free.push(old.slot);
+            }
+        }
+        Ok(())
+    }
+
+    /// The kernel's in-flight table (a previous agent's, when taken over).
+    pub fn kernel_state(&mut self) -> Result<KernelState> {
+        KernelState::new(take_map_data(&mut self.ebpf, "INFLIGHT")?, take_map_data(&mut self.ebpf, "ALERTED")?)
+    }
+
+    /// At exit: keep the pins for the next agent when `keep` and probes are
+    /// still attached; otherwise detach everything and remove the pins.
+    /// Returns where the state was kept, if it was.
+    pub fn finish(mut self, keep: bool) -> Result<Option<PathBuf>> {
+        // Detached below, or kept: either way nothing is left for `drop`.
+        let Some(dir) = self.dir.take() else {
+            return Ok(None);
+        };
+        if keep && dir.has_links()? {
+            // Dropping pinned links leaves them attached.
+            return Ok(Some(dir.path().to_owned()));
+        }
+        let pids: Vec<u32> = self.links.keys().copied().collect();
+        for pid in pids {
+            self.detach(pid);
+        }
+        dir.remove()?;
+        Ok(None)
     }
 
     /// The loaded object, for taking its ring buffer and log maps.
@@ -99,13 +236,33 @@ impl Probes {
     /// whose library or symbol is missing are skipped).
     pub fn attach(&mut self, pid: u32, profile: &Profile) -> Result<usize> {
         let image = ProcessImage::read(pid)?;
-        let first_new = self.slots.len();
+        if self.links.contains_key(&pid) {
+            bail!("pid {pid} is attached already");
+        }
         let result = self.attach_all(&image, profile);
         if result.is_err() {
-            self.detach_from(pid, first_new);
+            self.detach(pid);
         }
         result.with_context(|| format!("attaching profile {} to pid {pid}", profile.origin))?;
-        Ok(self.slots.len() - first_new)
+        Ok(self.slots().filter(|(_, slot)| slot.pid == pid).count())
+    }
+
+    /// A slot for a new probe: a freed one (its counts zeroed), or the next.
+    fn allocate_slot(&mut self) -> Result<u32> {
+        if let Some(index) = self.free.pop() {
+            for map in [&mut self.hits, &mut self.seen] {
+                let cpus = map.get(&index, 0).context("reading a reused slot's counters")?.len();
+                let zeros = PerCpuValues::try_from(vec![0u64; cpus]).context("sizing the per-CPU counters")?;
+                map.set(index, zeros, 0).context("zeroing a reused slot's counters")?;
+            }
+            return Ok(index);
+        }
+        let index = u32::try_from(self.slots.len())?;
+        if index >= MAX_SLOTS {
+            bail!("all {MAX_SLOTS} probe slots are in use: watch fewer processes per agent");
+        }
+        self.slots.push(None);
+        Ok(index)
     }
 
     fn attach_all(&mut self, image: &ProcessImage, profile: &Profile) -> Result<()> {
@@ -146,16 +303,13 @@ impl Probes {
             .open(&object.host_path)?
             .resolve(target.symbol)
             .map_err(|err| Unresolved(format!("profile {}, line {}: {err:#}", profile.origin, target.line)))?;
-        let index = u32::try_from(self.slots.len())?;
-        if index >= MAX_SLOTS {
-            bail!("all {MAX_SLOTS} probe slots are in use: watch fewer processes per agent");
-        }
+        let index = self.allocate_slot()?;
         self.slots_map.set(index, cfg, 0).context("writing the slot config map")?;
         let at = match &role {
             Role::Lifecycle(spec) => spec.at,
             Role::Activity(_) => At::Entry,
         };
-        self.slots.push(Slot {
+        self.slots[index as usize] = Some(Slot {
             pid,
             role,
             symbol: target.symbol.to_owned(),
@@ -181,7 +335,7 @@ impl Probes {
                 location: UProbeAttachLocation::AbsoluteOffset(resolved.file_offset),
                 cookie: Some(u64::from(index)),
             };
-            let link = program.attach(point, &object.host_path, scope).with_context(|| {
+            let id = program.attach(point, &object.host_path, scope).with_context(|| {
                 format!(
                     "attaching a uprobe to `{}` at {:#x} in {} for pid {pid}",
                     target.symbol,
@@ -189,7 +343,12 @@ impl Probes {
                     object.path.display()
                 )
             })?;
-            self.links.entry(pid).or_default().push((name, link));
+            let link = program.take_link(id).context("taking the uprobe link")?;
+            let link = match &self.dir {
+                Some(dir) => Link::Pinned(pin(link, &dir.link_path(index, pid, name))?),
+                None => Link::Owned(link),
+            };
+            self.links.entry(pid).or_default().push(link);
         }
         info!(
             pid,
@@ -221,33 +380,26 @@ impl Probes {
         RingBuf::try_from(take_map(&mut self.ebpf, "EXECS")?).context("EXECS is not a ring buffer")
     }
 
-    /// Detach every probe of `pid` (the process exited or stopped matching).
+    /// Detach every probe of `pid` (the process exited or stopped matching)
+    /// and free its slots.
     pub fn detach(&mut self, pid: u32) {
-        self.detach_from(pid, 0);
-    }
-
-    fn detach_from(&mut self, pid: u32, first_slot: usize) {
-        for (name, link) in self.links.remove(&pid).unwrap_or_default() {
-            if let Some(Ok(program)) = self.ebpf.program_mut(name).map(<&mut UProbe>::try_from) {
-                // The process may be gone already, which removes the probe.
-                let _ = program.detach(link);
-            }
+        for link in self.links.remove(&pid).unwrap_or_default() {
+            link.detach();
         }
-        for (index, slot) in self.slots.iter().enumerate().skip(first_slot) {
-            if slot.pid == pid {
+        for (index, slot) in self.slots.iter_mut().enumerate() {
+            if slot.as_ref().is_some_and(|slot| slot.pid == pid) {
+                *slot = None;
+                // A hit still running reads an empty config: counted as
+                // `no_slot`, never decoded with a successor's meaning.
                 let _ = self.slots_map.set(index as u32, SlotConfig::default(), 0);
+                self.free.push(index as u32);
             }
         }
-        // Slots are not reused: an event still in the ring buffer must not
-        // be decoded with a successor's config.
     }
 
-    pub fn slot(&self, index: u32) -> Option<&Slot> {
-        self.slots.get(index as usize)
-    }
-
-    pub fn slots(&self) -> &[Slot] {
-        &self.slots
+    /// The slots in use, with their indices.
+    pub fn slots(&self) -> impl Iterator<Item = (u32, &Slot)> {
+        self.slots.iter().enumerate().filter_map(|(index, slot)| Some((index as u32, slot.as_ref()?)))
     }
 
     /// Sums of the kernel-side [`counter`]s over all CPUs.
@@ -262,6 +414,7 @@ impl Probes {
             no_slot: sum(counter::NO_SLOT)?,
             unchanged: sum(counter::UNCHANGED)?,
             exec_lost: sum(counter::EXEC_LOST)?,
+            state_full: sum(counter::STATE_FULL)?,
         })
     }
 
@@ -272,15 +425,13 @@ impl Probes {
 
     /// Every slot's hits, for the summary.
     pub fn probe_hits(&self) -> Result<Vec<ProbeHits>> {
-        self.slots
-            .iter()
-            .enumerate()
+        self.slots()
             .map(|(index, slot)| {
                 let role = match &slot.role {
                     Role::Lifecycle(_) => "lifecycle",
                     Role::Activity(kind) => kind.as_str(),
                 };
-                Ok(ProbeHits { pid: slot.pid, symbol: slot.symbol.clone(), role, hits: self.hits(index as u32)? })
+                Ok(ProbeHits { pid: slot.pid, symbol: slot.symbol.clone(), role, hits: self.hits(index)? })
             })
             .collect()
     }
@@ -289,6 +440,21 @@ impl Probes {
     pub fn last_hit(&self, index: u32) -> Result<Option<u64>> {
         let latest = self.seen.get(&index, 0).context("reading the SEEN map")?.iter().copied().max();
         Ok(latest.filter(|&ns| ns > 0))
+    }
+}
+
+impl Drop for Probes {
+    /// An agent that stops without [`Probes::finish`] (it failed) keeps
+    /// what it pinned only when probes are attached: the next agent takes
+    /// over from there. An empty bpf directory is removed.
+    fn drop(&mut self) {
+        if let Some(dir) = self.dir.take() {
+            if let Ok(false) = dir.has_links() {
+                if let Err(err) = dir.remove() {
+                    warn!("removing the unused bpf directory: {err:#}");
+                }
+            }
+        }
     }
 }
 
@@ -350,6 +516,9 @@ pub struct KernelCounters {
     pub unchanged: u64,
     /// Exec notifications lost; discovery's rescans catch those processes.
     pub exec_lost: u64,
+    /// Requests the kernel's in-flight table had no room for: they would
+    /// not survive an agent restart.
+    pub state_full: u64,
 }
 
 impl KernelCounters {
@@ -361,6 +530,21 @@ impl KernelCounters {
 
 fn take_map(ebpf: &mut Ebpf, name: &str) -> Result<aya::maps::Map> {
     ebpf.take_map(name).ok_or_else(|| anyhow!("the eBPF object has no map `{name}`"))
+}
+
+fn take_map_data(ebpf: &mut Ebpf, name: &str) -> Result<MapData> {
+    match take_map(ebpf, name)? {
+        aya::maps::Map::HashMap(data) => Ok(data),
+        _ => bail!("the eBPF object's map `{name}` is not a hash map"),
+    }
+}
+
+/// Pin `link` at `path`; it then stays attached after the agent exits.
+fn pin(link: UProbeLink, path: &std::path::Path) -> Result<PinnedLink> {
+    let link = FdLink::try_from(link).context(
+        "this kernel attached the uprobe without a BPF link, which cannot be pinned; pass --ephemeral",
+    )?;
+    link.pin(path).with_context(|| format!("pinning a probe link at {}", path.display()))
 }
 
 /// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK; lift it so the

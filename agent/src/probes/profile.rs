@@ -241,9 +241,12 @@ impl ProbeSpec {
                 cfg.nargs = nargs;
             }
         }
-        if let Action::OnReturn(rules) = &self.action {
-            for (slot, (rule, _)) in cfg.rules.iter_mut().zip(rules) {
-                *slot = *rule;
+        match &self.action {
+            Action::Always(stage) => cfg.stage = *stage as u8,
+            Action::OnReturn(rules) => {
+                for (slot, (rule, stage)) in cfg.rules.iter_mut().zip(rules) {
+                    *slot = RetRule { stage: *stage as u8, ..*rule };
+                }
             }
         }
         if let Some(ext) = &self.external_id {
@@ -263,19 +266,6 @@ impl ProbeSpec {
         // A zero flags word means "no slot" to the kernel side.
         cfg.flags = flags | slot_flags::CONFIGURED;
         cfg
-    }
-
-    /// The lifecycle event of a hit whose return rules matched as `matched`
-    /// (the `RULE_MATCHED << n` bits of the event).
-    pub fn stage_for(&self, matched_rules: u32) -> Option<Stage> {
-        match &self.action {
-            Action::Always(stage) => Some(*stage),
-            Action::OnReturn(rules) => rules
-                .iter()
-                .enumerate()
-                .find(|(n, _)| matched_rules & (stallwatch_common::event_flags::RULE_MATCHED << n) != 0)
-                .map(|(_, (_, stage))| *stage),
-        }
     }
 
     /// How many arguments a return probe reads (so its entry must save them).
@@ -494,7 +484,7 @@ fn parse_rule(text: &str) -> Result<RetRule> {
         .trim()
         .parse::<i64>()
         .map_err(|err| anyhow!("`when = \"{text}\"`: `{}` is not an integer ({err})", rest.trim()))?;
-    Ok(RetRule { op, _pad: [0; 7], value })
+    Ok(RetRule { op, stage: 0, _pad: [0; 6], value })
 }
 
 #[cfg(test)]
@@ -524,9 +514,10 @@ mod tests {
         assert_eq!(cfg.flags & (slot_flags::HAS_EXT | slot_flags::HAS_GUARD | slot_flags::RET_I32), slot_flags::HAS_EXT | slot_flags::HAS_GUARD | slot_flags::RET_I32);
         let status = profile.probes.iter().find(|p| p.symbol.contains("getXferStatus")).unwrap();
         assert!(status.only_on_change);
-        assert_eq!(status.stage_for(stallwatch_common::event_flags::RULE_MATCHED), Some(Stage::TransferDone));
-        assert_eq!(status.stage_for(stallwatch_common::event_flags::RULE_MATCHED << 1), Some(Stage::Failed));
-        assert_eq!(status.stage_for(0), None);
+        // The kernel picks the stage of the first rule that holds.
+        let rules = status.slot_config(true).rules;
+        assert_eq!((rules[0].op, rules[0].value, rules[0].stage), (cmp::EQ, 0, stallwatch_common::stage::TRANSFER_DONE));
+        assert_eq!((rules[1].op, rules[1].value, rules[1].stage), (cmp::LT, 0, stallwatch_common::stage::FAILED));
     }
 
     #[test]
@@ -540,12 +531,12 @@ mod tests {
         assert_eq!(cfg.flags, slot_flags::CONFIGURED);
         assert_eq!(cfg.key.offsets[..2], [8, 16]);
         assert_eq!(cfg.key.add, 4);
-        assert_eq!(profile.probes[0].stage_for(0), Some(Stage::Released));
+        assert_eq!(cfg.stage, stallwatch_common::stage::RELEASED);
     }
 
     #[test]
     fn rules_parse_and_bad_ones_say_why() {
-        assert_eq!(parse_rule(">= -3").unwrap(), RetRule { op: cmp::GE, _pad: [0; 7], value: -3 });
+        assert_eq!(parse_rule(">= -3").unwrap(), RetRule { op: cmp::GE, stage: 0, _pad: [0; 6], value: -3 });
         assert_eq!(parse_rule("!=1").unwrap().op, cmp::NE);
         assert!(parse_rule("~ 1").unwrap_err().to_string().contains("expected a comparison"));
         assert!(parse_rule("== x").unwrap_err().to_string().contains("not an integer"));

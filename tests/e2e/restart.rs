@@ -1,0 +1,201 @@
+//! Agent restart safety: the probes and the kernel's in-flight table are
+//! pinned in bpffs, so an agent killed or restarted during a stall is
+//! followed by one that still reports it, and no request is lost or
+//! reported twice across the restart. Real agents, real eBPF, real uprobes
+//! on the demo target; the first agent is SIGKILLed, as a crash or an OOM
+//! kill would.
+use std::{
+    collections::HashMap,
+    path::Path,
+    process::Command,
+    thread,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use stallwatch_tests::{
+    Agent, Demo, Line, agent_bin, alerts, injected, require_root, run_to_end, summary, test_bpf_dir, test_socket,
+};
+
+const TIMEOUT: &str = "1s";
+
+fn key_of(alert: &Value) -> String {
+    alert["key"].as_str().expect("alert key").to_owned()
+}
+
+/// Keys of the alerts of `kind` among `lines`, with how often each came.
+fn counted(lines: &[Line], kind: &str) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for (_, alert) in alerts(lines, kind) {
+        *counts.entry(key_of(&alert)).or_default() += 1;
+    }
+    counts
+}
+
+/// Kill `agent` the way a crash would: no chance to clean up.
+fn crash(agent: Agent) {
+    agent.proc.signal(libc::SIGKILL);
+    // Its Drop would remove the bpf directory; the test owns that.
+    let mut agent = agent;
+    agent.bpf_dir = None;
+    let _ = agent.proc.wait(Duration::from_secs(5));
+}
+
+fn pinned_links(dir: &Path) -> usize {
+    std::fs::read_dir(dir.join("v1/links")).map_or(0, |entries| entries.count())
+}
+
+/// Removes the shared bpf directory when the test ends, pass or fail.
+struct Cleanup<'a>(&'a Path);
+
+impl Drop for Cleanup<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(self.0);
+    }
+}
+
+#[test]
+fn a_stall_reported_before_a_crash_is_not_reported_again_and_its_recovery_is() {
+    require_root();
+    let dir = test_bpf_dir();
+    let _cleanup = Cleanup(&dir);
+    let mut demo = Demo::start(&[
+        "--rate", "500", "--duration", "30s", "--inject-after", "300ms", "--waiting-for-peer", "1", "--transfer-hung", "1",
+        "--release-lost", "1", "--recover", "1", "--recover-after", "5s",
+    ]);
+    let pid = demo.proc.pid();
+    let first = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
+    demo.go();
+    let mut seen = Vec::new();
+    let stalled = first.wait_alerts("stalled", 4, Duration::from_secs(10), &mut seen);
+    assert_eq!(counted(&seen, "stalled").len(), 4, "{stalled:?}");
+    crash(first);
+    assert!(pinned_links(&dir) > 0, "a crashed agent's probes stay attached");
+
+    // Healthy requests go on while no agent runs; the next agent starts.
+    thread::sleep(Duration::from_millis(500));
+    let second = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
+    second.proc.wait_stderr("took over the requests in flight", Duration::from_secs(10));
+    let mut after = Vec::new();
+    // The recovering request comes back 5 s after injection.
+    second.wait_alerts("recovered", 1, Duration::from_secs(10), &mut after);
+    // A little longer, so a repeated stall alert would have shown.
+    thread::sleep(Duration::from_secs(2));
+    let demo_lines = demo.proc.lines_now();
+    let injected = injected(&demo_lines);
+    let after: Vec<Line> = after.into_iter().chain(second.stop()).collect();
+
+    let restalled = counted(&after, "stalled");
+    assert!(restalled.is_empty(), "stalls already reported were reported again (or healthy requests stalled): {restalled:?}");
+    let recovered: Vec<Value> = alerts(&after, "recovered").map(|(_, alert)| alert).collect();
+    assert_eq!(recovered.len(), 1, "{recovered:?}");
+    let key = key_of(&recovered[0]);
+    assert_eq!(injected.get(&key).map(|pinned| pinned.stall.as_str()), Some("recover"), "{recovered:?} {injected:?}");
+    assert_eq!(recovered[0]["class"], "transfer_hung", "{}", recovered[0]);
+    let stuck = recovered[0]["stuck_ms"].as_u64().expect("stuck_ms");
+    assert!((4_500..=6_000).contains(&stuck), "stuck for the whole 5 s hang, across the restart: {}", recovered[0]);
+
+    let summary = summary(&after);
+    assert_eq!(summary["stalled"], 0, "{summary}");
+    assert_eq!(summary["recovered"], 1, "{summary}");
+    assert!(summary["completed"].as_u64().unwrap_or(0) > 500, "healthy requests were followed: {summary}");
+    assert!(summary["seen"].as_u64().unwrap_or(0) >= 4, "{summary}");
+}
+
+#[test]
+fn a_stall_that_begins_while_no_agent_runs_is_reported_by_the_next_once() {
+    require_root();
+    let dir = test_bpf_dir();
+    let _cleanup = Cleanup(&dir);
+    let mut demo = Demo::start(&[
+        "--rate", "500", "--duration", "30s", "--inject-after", "1500ms", "--waiting-for-peer", "1", "--transfer-hung", "1",
+    ]);
+    let pid = demo.proc.pid();
+    let first = Agent::watch_on(pid, &dir, "2s", &[]);
+    demo.go();
+    thread::sleep(Duration::from_millis(500));
+    crash(first);
+    // The requests are pinned while no agent runs: the probes it left
+    // attached record them.
+    let mut demo_lines = Vec::new();
+    let injected = demo.wait_injected(2, &mut demo_lines);
+    let injected_at = injected.values().map(|pinned| pinned.at).max().expect("injected");
+    thread::sleep(Duration::from_millis(3500));
+
+    let second = Agent::watch_on(pid, &dir, "2s", &[]);
+    let mut seen = Vec::new();
+    let stalls = second.wait_alerts("stalled", 2, Duration::from_secs(5), &mut seen);
+    for (at, alert) in &stalls {
+        let pinned = injected.get(&key_of(alert)).unwrap_or_else(|| panic!("stall of a healthy request: {alert}"));
+        assert_eq!(alert["class"], pinned.stall.as_str(), "{alert}");
+        assert!(alert["external_id"].as_str().is_some_and(|id| id.starts_with("room-")), "{alert}");
+        // Silent since the request's own last event, before this agent.
+        let silent = Duration::from_millis(alert["silent_ms"].as_u64().expect("silent_ms"));
+        let since_injection = at.duration_since(injected_at);
+        assert!(silent >= Duration::from_millis(3400), "{alert}");
+        assert!(silent <= since_injection + Duration::from_millis(100), "{alert} after {since_injection:?}");
+    }
+    thread::sleep(Duration::from_secs(3));
+    let lines: Vec<Line> = seen.into_iter().chain(second.stop()).collect();
+    let counts = counted(&lines, "stalled");
+    assert_eq!(counts.len(), 2, "{counts:?}");
+    assert!(counts.values().all(|&n| n == 1), "each stall reported once: {counts:?}");
+    assert_eq!(summary(&lines)["lost_events"], 0, "{}", summary(&lines));
+}
+
+#[test]
+fn sigterm_hands_over_a_second_agent_is_refused_and_state_clear_detaches() {
+    require_root();
+    let dir = test_bpf_dir();
+    let _cleanup = Cleanup(&dir);
+    let mut demo = Demo::start(&["--rate", "200", "--duration", "30s"]);
+    let pid = demo.proc.pid();
+    let mut first = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
+    demo.go();
+
+    // One agent per bpf directory.
+    let dir_arg = dir.to_str().expect("utf-8 dir");
+    let socket = test_socket();
+    let (ok, _, stderr) = run_to_end(Command::new(agent_bin()).args(["run", "--pid", &pid.to_string(), "--profile", "demo", "--bpf-dir", dir_arg, "--socket"]).arg(&socket));
+    assert!(!ok, "a second agent on the same bpf directory must fail");
+    assert!(stderr.contains("another stallwatch agent is using the bpf directory") && stderr.contains(dir_arg), "{stderr}");
+    let (ok, _, stderr) = run_to_end(Command::new(agent_bin()).args(["state", "clear", "--bpf-dir", dir_arg]));
+    assert!(!ok && stderr.contains("another stallwatch agent"), "state clear must refuse while an agent runs: {stderr}");
+
+    // SIGTERM (a rolling update): the probes stay for the next agent.
+    first.bpf_dir = None;
+    let lines = first.stop_with(libc::SIGTERM);
+    assert!(summary(&lines)["completed"].as_u64().unwrap_or(0) > 0, "{}", summary(&lines));
+    let links = pinned_links(&dir);
+    assert!(links > 0, "SIGTERM keeps the probes attached for the next agent");
+
+    let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).args(["state", "clear", "--bpf-dir", dir_arg]));
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("probes are detached"), "{stdout}");
+    assert!(!dir.exists(), "state clear removes the bpf directory");
+    let (ok, stdout, _) = run_to_end(Command::new(agent_bin()).args(["state", "clear", "--bpf-dir", dir_arg]));
+    assert!(ok && stdout.contains("nothing pinned"), "{stdout}");
+    let _ = demo.proc.wait(Duration::from_secs(40));
+}
+
+#[test]
+fn on_exit_detach_and_ephemeral_leave_nothing_pinned() {
+    require_root();
+    let mut demo = Demo::start(&["--rate", "200", "--duration", "30s"]);
+    let pid = demo.proc.pid();
+    demo.go();
+
+    let dir = test_bpf_dir();
+    let _cleanup = Cleanup(&dir);
+    let agent = Agent::watch_on(pid, &dir, TIMEOUT, &["--on-exit", "detach"]);
+    assert!(pinned_links(&dir) > 0, "links are pinned while the agent runs");
+    let _ = agent.stop_with(libc::SIGTERM);
+    assert!(!dir.exists(), "--on-exit detach removes the bpf directory");
+
+    let started = Instant::now();
+    let agent = Agent::watch(pid, "demo", TIMEOUT, &["--ephemeral"]);
+    let stderr = agent.proc.stderr();
+    let lines = agent.stop();
+    assert!(summary(&lines)["completed"].as_u64().unwrap_or(0) > 0, "{stderr}");
+    assert!(!dir.exists() && started.elapsed() < Duration::from_secs(30));
+}
