@@ -2,6 +2,9 @@
 //! real agent attached to the real demo target holding 100 000 requests
 //! pinned (enqueued, never posted, so all stalled), timed from starting
 //! the `stallwatch inflight` process to its exit with the whole answer read.
+//! Then the agent is SIGKILLed and a second one started on its bpf
+//! directory: how long it takes to take the 100 000 over, and how many
+//! stalls it reports again (none should be).
 //!
 //! `cargo run --release -p xtask -- bench` runs it (as root); alone:
 //! `cargo bench -p stallwatch --bench inflight` with `STALLWATCH_DEMO` set
@@ -33,6 +36,8 @@ fn main() -> Result<()> {
     let agent_path = std::env::var_os("STALLWATCH_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_stallwatch")), PathBuf::from);
     let dir = std::env::temp_dir().join(format!("stallwatch-bench-inflight-{}", std::process::id()));
     let socket = dir.join("agent.sock");
+    let bpf_dir = PathBuf::from(format!("/sys/fs/bpf/stallwatch-bench-inflight-{}", std::process::id()));
+    let _cleanup = Removed(bpf_dir.clone());
 
     // The demo, narrating one `injected` line per pinned request.
     let mut demo = Killed(
@@ -57,28 +62,9 @@ fn main() -> Result<()> {
         }
     });
 
-    // The agent: stalls after 2 s; its 100 000 alert lines go nowhere, its
+    // The agent: stalls after 2 s; its 100 000 alert lines are counted, its
     // query timings (debug) are kept from stderr.
-    let mut agent = Killed(
-        Command::new(&agent_path)
-            .args(["run", "--pid", &pid, "--profile", "demo", "--timeout", "2s", "--output", "json", "--socket"])
-            .arg(&socket)
-            .env("STALLWATCH_LOG", "info,stallwatch::query=debug")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("starting {}", agent_path.display()))?,
-    );
-    let stderr = Arc::new(Mutex::new(Vec::<String>::new()));
-    let kept = Arc::clone(&stderr);
-    let agent_err = BufReader::new(agent.0.stderr.take().context("agent stderr")?);
-    thread::spawn(move || {
-        for line in agent_err.lines().map_while(Result::ok) {
-            if let Ok(mut lines) = kept.lock() {
-                lines.push(line);
-            }
-        }
-    });
+    let (agent, stderr, _) = start_agent(&agent_path, &pid, &socket, &bpf_dir)?;
     wait_for("the agent attached", Duration::from_secs(60), || {
         Ok(stderr.lock().is_ok_and(|lines| lines.iter().any(|l| l.contains("watching"))))
     })?;
@@ -119,11 +105,29 @@ fn main() -> Result<()> {
     // What the agent logged for the timed queries: time on the event loop
     // (the snapshot) and off it (sort + encode on a blocking thread).
     let logged: Vec<String> = stderr.lock().map(|lines| lines[logged_before..].to_vec()).unwrap_or_default();
-    let mut on_loop = field_values(&logged, "loop_us");
-    let mut encode = field_values(&logged, "encode_us");
+    let ms = |us: Vec<f64>| us.into_iter().map(|us| us / 1e3).collect::<Vec<_>>();
+    let mut on_loop = ms(fields(&logged, "loop_us"));
+    let mut encode = ms(fields(&logged, "encode_us"));
 
-    let _ = send_signal(agent.0.id(), libc::SIGINT);
-    let _ = agent.0.wait();
+    // A crash, then the next agent on the same bpf directory.
+    drop(agent);
+    let restarted = Instant::now();
+    let (second, second_err, stalled_alerts) = start_agent(&agent_path, &pid, &socket, &bpf_dir)?;
+    wait_for("the second agent to take over", Duration::from_secs(120), || {
+        Ok(second_err.lock().is_ok_and(|lines| lines.iter().any(|l| l.contains("took over the requests in flight"))))
+    })?;
+    let took_over = restarted.elapsed();
+    let taken = fields(&second_err.lock().map(|lines| lines.clone()).unwrap_or_default(), "requests")
+        .first()
+        .copied()
+        .unwrap_or(0.0);
+    let (out, _) = query(&agent_path, &socket, true)?;
+    let answer: serde_json::Value = serde_json::from_slice(&out)?;
+    let still_stalled = answer["requests"].as_array().map_or(0, |rows| rows.iter().filter(|r| !r["class"].is_null()).count());
+    // Time for a repeated alert to show, had there been one.
+    thread::sleep(Duration::from_secs(3));
+    let realerted = stalled_alerts.load(Ordering::Relaxed);
+    drop(second);
     let _ = std::fs::remove_dir_all(&dir);
     if (rows as u64) < PINNED {
         bail!("expected at least {PINNED} requests in flight, the agent answered {rows}");
@@ -135,6 +139,11 @@ fn main() -> Result<()> {
     println!("    response {:.1} MB ({bytes} bytes, {:.0} bytes a request)", bytes as f64 / 1e6, bytes as f64 / rows.max(1) as f64);
     println!("  `stallwatch inflight` (table), {RUNS} runs:");
     println!("    median {:>8.1} ms   p90 {:>8.1} ms   output {:.1} MB", q(&mut table, 0.5), q(&mut table, 0.9), table_bytes as f64 / 1e6);
+    println!(
+        "  restart: a second agent, after a SIGKILL, took over {taken:.0} requests in {:.0} ms (start to ready); \
+         {still_stalled} still shown stalled, {realerted} stalls reported again",
+        took_over.as_secs_f64() * 1e3
+    );
     if !on_loop.is_empty() {
         println!(
             "  agent side, per query: snapshot on the event loop median {:.1} ms (max {:.1} ms); sort + encode off the loop median {:.1} ms",
@@ -146,6 +155,58 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// `stallwatch run` on the demo with `bpf_dir`: the child, its stderr
+/// lines, and a count of the stall alerts on its stdout.
+fn start_agent(
+    agent: &PathBuf,
+    pid: &str,
+    socket: &PathBuf,
+    bpf_dir: &PathBuf,
+) -> Result<(Killed, Arc<Mutex<Vec<String>>>, Arc<AtomicU64>)> {
+    let mut child = Killed(
+        Command::new(agent)
+            .args(["run", "--pid", pid, "--profile", "demo", "--timeout", "2s", "--output", "json", "--socket"])
+            .arg(socket)
+            .arg("--bpf-dir")
+            .arg(bpf_dir)
+            .env("STALLWATCH_LOG", "info,stallwatch::query=debug")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {}", agent.display()))?,
+    );
+    let stderr = Arc::new(Mutex::new(Vec::<String>::new()));
+    let kept = Arc::clone(&stderr);
+    let err = BufReader::new(child.0.stderr.take().context("agent stderr")?);
+    thread::spawn(move || {
+        for line in err.lines().map_while(Result::ok) {
+            if let Ok(mut lines) = kept.lock() {
+                lines.push(line);
+            }
+        }
+    });
+    let stalled = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&stalled);
+    let out = BufReader::new(child.0.stdout.take().context("agent stdout")?);
+    thread::spawn(move || {
+        for line in out.lines().map_while(Result::ok) {
+            if line.contains("\"alert\":\"stalled\"") {
+                counted.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    });
+    Ok((child, stderr, stalled))
+}
+
+/// Removes the bench's bpf directory (its pinned probes) at the end.
+struct Removed(PathBuf);
+
+impl Drop for Removed {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Kill the child when dropped (the benchmark may bail half-way).
 struct Killed(Child);
 
@@ -154,11 +215,6 @@ impl Drop for Killed {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn send_signal(pid: u32, signal: i32) -> i32 {
-    // SAFETY: kill(2) on a child of ours.
-    unsafe { libc::kill(pid as i32, signal) }
 }
 
 /// One `stallwatch inflight` run: its stdout and how long it took (ms).
@@ -188,15 +244,15 @@ fn wait_for(what: &str, within: Duration, mut done: impl FnMut() -> Result<bool>
     bail!("timed out after {within:?} waiting for {what}")
 }
 
-/// The values (µs, as ms) of `name=N` in the agent's log lines.
-fn field_values(lines: &[String], name: &str) -> Vec<f64> {
+/// The values of `name=N` in the agent's log lines.
+fn fields(lines: &[String], name: &str) -> Vec<f64> {
     let needle = format!("{name}=");
     lines
         .iter()
         .filter_map(|line| {
             let at = line.find(&needle)? + needle.len();
             let digits: String = line[at..].chars().take_while(char::is_ascii_digit).collect();
-            digits.parse::<f64>().ok().map(|us| us / 1e3)
+            digits.parse::<f64>().ok()
         })
         .collect()
 }

@@ -83,6 +83,10 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
     if timeout < tick {
         bail!("--timeout {timeout:?} is shorter than --tick {tick:?}: raise the timeout or lower the tick");
     }
+    // First: a stop asked for during start-up is taken at the first turn
+    // of the loop, never the default death that leaves no summary.
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     // Before loading anything: a bad endpoint fails fast.
     let clock = Clock::new();
     let telemetry = Telemetry::start(&telemetry, clock).await?;
@@ -139,8 +143,6 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
     ticks.set_missed_tick_behavior(MissedTickBehavior::Skip);
     let mut counter_ticks = tokio::time::interval(COUNTER_PERIOD);
     let mut recheck = tokio::time::interval(Duration::from_nanos(Pending::RECHECK_NS));
-    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut reported = KernelCounters::default();
     let mut pending = Pending::default();
 
@@ -334,8 +336,11 @@ impl<W: Write> Session<W> {
             let evidence = self.transport.for_report(&report);
             self.alerts.report(&report, evidence.as_ref()).context("writing an alert to stdout")?;
             // After the alert: an agent that dies in between reports the
-            // stall again rather than never.
-            self.state.apply(&report).context("recording the report in the kernel's in-flight table")?;
+            // stall again rather than never. A failure costs only restart
+            // safety for this request, never the alerts: logged, not fatal.
+            if let Err(err) = self.state.apply(&report) {
+                warn!(pid = report.request().pid, "recording a report in the kernel's in-flight table: {err:#}");
+            }
             self.telemetry.report(report, evidence);
         }
         Ok(())

@@ -103,6 +103,9 @@ pub struct Probes {
     dir: Option<BpfDir>,
     /// Links a previous agent left pinned, until ours replace them.
     old_links: Vec<OldLink>,
+    /// The final counts of detached probes, for the summary (the newest
+    /// [`MAX_SLOTS`]).
+    retired: std::collections::VecDeque<ProbeHits>,
 }
 
 impl Probes {
@@ -158,6 +161,7 @@ impl Probes {
             links: HashMap::new(),
             dir,
             old_links,
+            retired: std::collections::VecDeque::new(),
         };
         probes.reserve_old_slots()?;
         Ok(probes)
@@ -386,6 +390,14 @@ impl Probes {
         for link in self.links.remove(&pid).unwrap_or_default() {
             link.detach();
         }
+        let finals: Vec<ProbeHits> =
+            self.slots().filter(|(_, slot)| slot.pid == pid).filter_map(|(index, slot)| self.probe_hit(index, slot).ok()).collect();
+        for hits in finals {
+            if self.retired.len() == MAX_SLOTS as usize {
+                self.retired.pop_front();
+            }
+            self.retired.push_back(hits);
+        }
         for (index, slot) in self.slots.iter_mut().enumerate() {
             if slot.as_ref().is_some_and(|slot| slot.pid == pid) {
                 *slot = None;
@@ -423,17 +435,19 @@ impl Probes {
         Ok(self.hits.get(&index, 0).context("reading the HITS map")?.iter().sum())
     }
 
-    /// Every slot's hits, for the summary.
+    /// Every probe's hits, for the summary: those detached (their
+    /// process exited) first, then those attached now.
     pub fn probe_hits(&self) -> Result<Vec<ProbeHits>> {
-        self.slots()
-            .map(|(index, slot)| {
-                let role = match &slot.role {
-                    Role::Lifecycle(_) => "lifecycle",
-                    Role::Activity(kind) => kind.as_str(),
-                };
-                Ok(ProbeHits { pid: slot.pid, symbol: slot.symbol.clone(), role, hits: self.hits(index)? })
-            })
-            .collect()
+        let live = self.slots().map(|(index, slot)| self.probe_hit(index, slot)).collect::<Result<Vec<_>>>()?;
+        Ok(self.retired.iter().cloned().chain(live).collect())
+    }
+
+    fn probe_hit(&self, index: u32, slot: &Slot) -> Result<ProbeHits> {
+        let role = match &slot.role {
+            Role::Lifecycle(_) => "lifecycle",
+            Role::Activity(kind) => kind.as_str(),
+        };
+        Ok(ProbeHits { pid: slot.pid, symbol: slot.symbol.clone(), role, hits: self.hits(index)? })
     }
 
     /// When a transport-activity slot was last hit, on any CPU.
@@ -444,15 +458,21 @@ impl Probes {
 }
 
 impl Drop for Probes {
-    /// An agent that stops without [`Probes::finish`] (it failed) keeps
-    /// what it pinned only when probes are attached: the next agent takes
-    /// over from there. An empty bpf directory is removed.
+    /// An agent that stops on an error (without [`Probes::finish`])
+    /// detaches the probes it attached: it must not leave them behind
+    /// because, say, its socket was taken. A previous agent's links it had
+    /// not yet replaced stay, and so does the directory while they do. A
+    /// crash runs no drop: everything stays for the next agent.
     fn drop(&mut self) {
-        if let Some(dir) = self.dir.take() {
-            if let Ok(false) = dir.has_links() {
-                if let Err(err) = dir.remove() {
-                    warn!("removing the unused bpf directory: {err:#}");
-                }
+        let Some(dir) = self.dir.take() else {
+            return;
+        };
+        for link in self.links.drain().flat_map(|(_, links)| links) {
+            link.detach();
+        }
+        if let Ok(false) = dir.has_links() {
+            if let Err(err) = dir.remove() {
+                warn!("removing the unused bpf directory: {err:#}");
             }
         }
     }
