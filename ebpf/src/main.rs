@@ -72,11 +72,11 @@ static LAST: LruHashMap<RequestKey, LastEmitted> = LruHashMap::with_max_entries(
 static INFLIGHT: HashMap<RequestKey, InflightEntry> = HashMap::with_max_entries(1 << 17, NO_PREALLOC);
 
 /// Written by the agent only: the `last_ns` of the silence it reported as
-/// stalled. A request in here that ends keeps its `INFLIGHT` entry (marked
+/// stalled. As large as `INFLIGHT`: every request held may be stalled. A request in here that ends keeps its `INFLIGHT` entry (marked
 /// ended) until the agent has seen the end, so the recovery of a reported
 /// stall is never lost across an agent restart.
 #[map]
-static ALERTED: HashMap<RequestKey, u64> = HashMap::with_max_entries(1 << 16, NO_PREALLOC);
+static ALERTED: HashMap<RequestKey, u64> = HashMap::with_max_entries(1 << 17, NO_PREALLOC);
 
 #[uprobe]
 pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
