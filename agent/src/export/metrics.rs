@@ -115,6 +115,12 @@ impl Collector for Snapshot {
         };
         let e = &self.engine;
         counter(&mut encoder, "stallwatch_requests_seen", "Request lifecycles started", e.seen)?;
+        counter(
+            &mut encoder,
+            "stallwatch_requests_restored",
+            "Request lifecycles taken over from the kernel's in-flight table at start (a restart)",
+            e.restored,
+        )?;
         let ended: Vec<(&str, u64)> = Outcome::ALL
             .iter()
             .map(|outcome| {
@@ -147,6 +153,12 @@ impl Collector for Snapshot {
                 "Events lost in the kernel, by reason",
                 "reason",
                 &[("ringbuf_full", k.ringbuf_full), ("read_failed", k.read_failed), ("args_missing", k.args_missing), ("no_slot", k.no_slot)],
+            )?;
+            counter(
+                &mut encoder,
+                "stallwatch_state_full",
+                "Requests the kernel's in-flight table had no room for (they would not survive a restart)",
+                k.state_full,
             )?;
         }
         if let Some(x) = &self.export {
@@ -394,6 +406,8 @@ mod tests {
             "stallwatch_stalls_total{class=\"transfer_hung\"} 1",
             "stallwatch_stalls_total{class=\"release_lost\"} 0",
             "stallwatch_requests_seen_total 3",
+            "stallwatch_requests_restored_total 0",
+            "stallwatch_state_full_total 0",
             "stallwatch_lost_events_total{reason=\"ringbuf_full\"} 4",
             "stallwatch_export_drops_total{reason=\"queue_full\"} 2",
             "stallwatch_export_spans_total 10",
