@@ -191,11 +191,13 @@ impl Probes {
     pub fn release_old_links(&mut self) -> Result<()> {
         let mut released = HashSet::new();
         for old in std::mem::take(&mut self.old_links) {
-            match std::fs::remove_file(&old.path) {
-                Ok(()) => {}
-                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
-                Err(err) => return Err(err).with_context(|| format!("unpinning {}", old.path.display())),
-            }
+            // Hold the link while unpinning: dropping the last reference
+            // from a file descriptor detaches at once, while an unpinned
+            // link nobody holds is released later by a kernel worker, and
+            // would fire on a slot config cleared below (`no_slot`).
+            let link = PinnedLink::from_pin(&old.path)
+                .with_context(|| format!("opening the previous agent's probe link {}", old.path.display()))?;
+            drop(link.unpin().with_context(|| format!("unpinning {}", old.path.display()))?);
             if released.insert(old.slot) {
                 self.slots_map.set(old.slot, SlotConfig::default(), 0).context("clearing the slot config map")?;
                 self.free.push(old.slot);
