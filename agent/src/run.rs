@@ -426,10 +426,16 @@ fn warn_on_loss(probes: &Probes, before: KernelCounters) -> Result<KernelCounter
         warn!(
             lost = now.lost() - before.lost(),
             ringbuf_full = now.ringbuf_full,
-            read_failed = now.read_failed,
+            key_unreadable = now.key_unreadable,
             args_missing = now.args_missing,
             no_slot = now.no_slot,
             "events lost in the kernel"
+        );
+    }
+    if now.ext_unreadable > before.ext_unreadable {
+        warn!(
+            ext_unreadable = now.ext_unreadable,
+            "events delivered without their external id, which could not be read: check the profile's `external_id`"
         );
     }
     if now.state_full > before.state_full {

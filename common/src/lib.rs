@@ -227,17 +227,20 @@ pub struct InflightEntry {
 /// Version of the layout of everything the kernel side keeps pinned in
 /// bpffs ([`InflightEntry`], [`SlotConfig`], [`Event`], the map sizes).
 /// Bump it on any change: an agent never reads state pinned by an agent of
-/// another layout, it discards it.
-pub const STATE_LAYOUT: u32 = 1;
+/// another layout, it discards it. 2: `COUNTERS` gained `EXT_UNREADABLE`.
+pub const STATE_LAYOUT: u32 = 2;
 
 /// Indices of the per-CPU `COUNTERS` array: what the kernel side could not do.
-/// Every one is reported by the agent; none is silent.
+/// Every one is reported by the agent; none is silent. The first four each
+/// count one lifecycle event the agent never sees (a hit counts in at most
+/// one of them); the others are not losses of events.
 pub mod counter {
     /// The ring buffer was full: an event was lost.
     pub const RINGBUF_FULL: u32 = 0;
-    /// Reading the key or external id from user memory failed.
-    pub const READ_FAILED: u32 = 1;
-    /// A return probe found no arguments saved by its entry attachment.
+    /// The request key could not be read from user memory: an event was lost.
+    pub const KEY_UNREADABLE: u32 = 1;
+    /// A return that would have been an event found no arguments saved by
+    /// its entry attachment: an event was lost.
     pub const ARGS_MISSING: u32 = 2;
     /// A hit on a cookie with no slot configured.
     pub const NO_SLOT: u32 = 3;
@@ -249,7 +252,9 @@ pub mod counter {
     /// The in-flight table was full: a request the agent follows will not
     /// survive an agent restart.
     pub const STATE_FULL: u32 = 6;
-    pub const COUNT: u32 = 7;
+    /// The external id could not be read: the event was delivered without it.
+    pub const EXT_UNREADABLE: u32 = 7;
+    pub const COUNT: u32 = 8;
 }
 
 #[cfg(feature = "user")]

@@ -110,17 +110,8 @@ pub fn lifecycle_return(ctx: RetProbeContext) -> u32 {
     count_hit(slot);
     // Take the saved arguments first, so a filtered-out return never leaves
     // its entry behind.
-    let args = if cfg.flags & slot_flags::NEEDS_ARGS != 0 {
-        match take_saved(slot) {
-            Some(saved) => Args::Saved(saved),
-            None => {
-                bump(counter::ARGS_MISSING);
-                return 0;
-            }
-        }
-    } else {
-        Args::None
-    };
+    let needs_args = cfg.flags & slot_flags::NEEDS_ARGS != 0;
+    let saved = if needs_args { take_saved(slot) } else { None };
     let raw: u64 = ctx.ret();
     let ret = if cfg.flags & slot_flags::RET_I32 != 0 {
         i64::from(raw as i32)
@@ -129,6 +120,15 @@ pub fn lifecycle_return(ctx: RetProbeContext) -> u32 {
     };
     let Some(matched) = match_rules(cfg, ret) else {
         return 0;
+    };
+    let args = match saved {
+        Some(saved) => Args::Saved(saved),
+        None if needs_args => {
+            // Only a return that would have been an event is a loss.
+            bump(counter::ARGS_MISSING);
+            return 0;
+        }
+        None => Args::None,
     };
     emit(slot, cfg, &args, ret, matched);
     0
@@ -229,9 +229,9 @@ fn save_args(slot: u32, cfg: &SlotConfig, args: &Args) {
         *value = args.get(n).unwrap_or(0);
     }
     let key = SavedArgsKey { pid_tgid: bpf_get_current_pid_tgid(), slot, _pad: 0 };
-    if SAVED.insert(&key, &saved, 0).is_err() {
-        bump(counter::ARGS_MISSING);
-    }
+    // A failed save is counted at the return, once, if that return was an
+    // event.
+    let _ = SAVED.insert(&key, &saved, 0);
 }
 
 #[inline(always)]
@@ -307,7 +307,7 @@ fn resolve(src: &ValueSource, args: &Args, ret: i64, key: u64) -> Option<u64> {
 #[inline(always)]
 fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
     let Some(key) = resolve(&cfg.key, args, ret, 0) else {
-        bump(counter::READ_FAILED);
+        bump(counter::KEY_UNREADABLE);
         return;
     };
     let pid_tgid = bpf_get_current_pid_tgid();
@@ -346,7 +346,8 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
                 Some(at) if bpf_probe_read_user_str_bytes(at as *const u8, &mut (*event).ext).is_ok() => {
                     (*event).flags |= event_flags::HAS_EXT;
                 }
-                _ => bump(counter::READ_FAILED),
+                // Delivered all the same, without the id.
+                _ => bump(counter::EXT_UNREADABLE),
             }
         }
         // Before the submit: once submitted the record is the agent's.

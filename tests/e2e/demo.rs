@@ -2,11 +2,12 @@
 //! uprobes on a real process.
 use std::{
     collections::HashMap,
+    process::Command,
     time::{Duration, Instant},
 };
 
 use serde_json::Value;
-use stallwatch_tests::{Agent, Demo, Line, alerts, injected, require_root, summary};
+use stallwatch_tests::{Agent, Demo, Line, agent_bin, alerts, injected, require_root, run_to_end, summary};
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 /// How late a stall may be reported, past the timeout (the bound).
@@ -132,4 +133,30 @@ fn sigint_prints_the_summary_with_requests_still_stuck() {
     let summary = summary(&lines);
     assert_eq!(summary["stalled"], 1, "{summary}");
     assert!(summary["in_flight"].as_u64().expect("in_flight") >= 1, "{summary}");
+}
+
+#[test]
+fn an_unreadable_external_id_loses_no_event() {
+    require_root();
+    // The demo profile, its external id pointed at `req->id` (a small
+    // number, never a readable address): every enqueue is delivered
+    // without its room.
+    let (ok, shown, stderr) = run_to_end(Command::new(agent_bin()).args(["profile", "show", "demo"]));
+    assert!(ok, "{stderr}");
+    let room = "external_id = { from = \"arg0\", add = 8 }";
+    assert!(shown.contains(room), "{shown}");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let profile = dir.path().join("unreadable-room.toml");
+    std::fs::write(&profile, shown.replace(room, "external_id = { from = \"arg0\", deref = [0] }")).expect("profile");
+
+    let mut demo = Demo::start(&["--rate", "1000", "--requests", "300", "--duration", "10s"]);
+    let agent = Agent::watch(demo.proc.pid(), profile.to_str().expect("utf-8 path"), "1s", &[]);
+    demo.go();
+    let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(30));
+    let summary = summary(&agent_lines);
+    assert_eq!(summary["lost_events"], 0, "an event delivered without its external id is not lost: {summary}");
+    assert_eq!(summary["completed"], 300, "every lifecycle was followed: {summary}");
+    assert_eq!(summary["ext_unreadable"], 300, "{summary}");
+    assert_eq!(summary["key_unreadable"], 0, "{summary}");
+    let _ = demo.proc.wait(Duration::from_secs(5));
 }

@@ -41,8 +41,14 @@ fn crash(agent: Agent) {
     let _ = agent.proc.wait(Duration::from_secs(5));
 }
 
+/// Links pinned under `dir`, in whatever layout version's directory.
 fn pinned_links(dir: &Path) -> usize {
-    std::fs::read_dir(dir.join("v1/links")).map_or(0, |entries| entries.count())
+    let Ok(layouts) = std::fs::read_dir(dir) else { return 0 };
+    layouts
+        .filter_map(Result::ok)
+        .filter_map(|layout| std::fs::read_dir(layout.path().join("links")).ok())
+        .map(|links| links.count())
+        .sum()
 }
 
 /// Removes the shared bpf directory when the test ends, pass or fail.

@@ -66,8 +66,8 @@ impl<W: Write> AlertWriter<W> {
         let line = match self.format {
             Format::Human => format!(
                 "SUMMARY seen={} restored={} completed={} stalled={} recovered={} failed={} aborted={} process_exited={} \
-                 evicted={} in_flight={} lost_events={} (ringbuf_full={} read_failed={} args_missing={} no_slot={}) \
-                 stale_events={} duplicate_events={} export_drops={} state_full={}",
+                 evicted={} in_flight={} lost_events={} (ringbuf_full={} key_unreadable={} args_missing={} no_slot={}) \
+                 ext_unreadable={} stale_events={} duplicate_events={} export_drops={} state_full={}",
                 stats.seen,
                 stats.restored,
                 stats.completed,
@@ -80,9 +80,10 @@ impl<W: Write> AlertWriter<W> {
                 stats.in_flight,
                 kernel.lost(),
                 kernel.ringbuf_full,
-                kernel.read_failed,
+                kernel.key_unreadable,
                 kernel.args_missing,
                 kernel.no_slot,
+                kernel.ext_unreadable,
                 stats.stale_events,
                 stats.duplicate_events,
                 export_drops,
@@ -105,9 +106,10 @@ impl<W: Write> AlertWriter<W> {
                 "in_flight": stats.in_flight,
                 "lost_events": kernel.lost(),
                 "ringbuf_full": kernel.ringbuf_full,
-                "read_failed": kernel.read_failed,
+                "key_unreadable": kernel.key_unreadable,
                 "args_missing": kernel.args_missing,
                 "no_slot": kernel.no_slot,
+                "ext_unreadable": kernel.ext_unreadable,
                 "stale_events": stats.stale_events,
                 "duplicate_events": stats.duplicate_events,
                 "export_drops": export_drops,

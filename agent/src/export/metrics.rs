@@ -152,7 +152,19 @@ impl Collector for Snapshot {
                 "stallwatch_lost_events",
                 "Events lost in the kernel, by reason",
                 "reason",
-                &[("ringbuf_full", k.ringbuf_full), ("read_failed", k.read_failed), ("args_missing", k.args_missing), ("no_slot", k.no_slot)],
+                &[
+                    ("ringbuf_full", k.ringbuf_full),
+                    ("key_unreadable", k.key_unreadable),
+                    ("args_missing", k.args_missing),
+                    ("no_slot", k.no_slot),
+                ],
+            )?;
+            counters(
+                &mut encoder,
+                "stallwatch_unreadable_fields",
+                "Events delivered without a field that could not be read, by field",
+                "field",
+                &[("external_id", k.ext_unreadable)],
             )?;
             counter(
                 &mut encoder,
@@ -396,7 +408,7 @@ mod tests {
             at_ns: 3,
         };
         metrics.report(&stalled);
-        let kernel = KernelCounters { ringbuf_full: 4, ..KernelCounters::default() };
+        let kernel = KernelCounters { ringbuf_full: 4, ext_unreadable: 3, ..KernelCounters::default() };
         let export = ExportCounts { exported: 10, dropped_queue_full: 2, queue_capacity: 16, ..ExportCounts::default() };
         let open = render(metrics.snapshot(&engine, Some(kernel), Some(export)), Format::OpenMetrics);
         for line in [
@@ -409,6 +421,8 @@ mod tests {
             "stallwatch_requests_restored_total 0",
             "stallwatch_state_full_total 0",
             "stallwatch_lost_events_total{reason=\"ringbuf_full\"} 4",
+            "stallwatch_lost_events_total{reason=\"key_unreadable\"} 0",
+            "stallwatch_unreadable_fields_total{field=\"external_id\"} 3",
             "stallwatch_export_drops_total{reason=\"queue_full\"} 2",
             "stallwatch_export_spans_total 10",
             "stallwatch_export_queue_capacity 16",

@@ -423,12 +423,13 @@ impl Probes {
         };
         Ok(KernelCounters {
             ringbuf_full: sum(counter::RINGBUF_FULL)?,
-            read_failed: sum(counter::READ_FAILED)?,
+            key_unreadable: sum(counter::KEY_UNREADABLE)?,
             args_missing: sum(counter::ARGS_MISSING)?,
             no_slot: sum(counter::NO_SLOT)?,
             unchanged: sum(counter::UNCHANGED)?,
             exec_lost: sum(counter::EXEC_LOST)?,
             state_full: sum(counter::STATE_FULL)?,
+            ext_unreadable: sum(counter::EXT_UNREADABLE)?,
         })
     }
 
@@ -528,9 +529,10 @@ impl ElfCache {
 pub struct KernelCounters {
     /// Events lost because the ring buffer was full.
     pub ringbuf_full: u64,
-    /// Keys or external ids that could not be read from the target.
-    pub read_failed: u64,
-    /// Return hits whose entry arguments were not saved.
+    /// Events lost because their request key could not be read from the
+    /// target.
+    pub key_unreadable: u64,
+    /// Events lost because their return found no arguments saved at entry.
     pub args_missing: u64,
     /// Hits on unconfigured slots.
     pub no_slot: u64,
@@ -541,12 +543,16 @@ pub struct KernelCounters {
     /// Requests the kernel's in-flight table had no room for: they would
     /// not survive an agent restart.
     pub state_full: u64,
+    /// Events delivered without their external id, which could not be read:
+    /// not lost, but the request has no cross-node trace id.
+    pub ext_unreadable: u64,
 }
 
 impl KernelCounters {
-    /// Events the agent will never see: these must be reported.
+    /// Events the agent will never see: these must be reported. An event
+    /// counts in one reason only.
     pub fn lost(&self) -> u64 {
-        self.ringbuf_full + self.read_failed + self.args_missing + self.no_slot
+        self.ringbuf_full + self.key_unreadable + self.args_missing + self.no_slot
     }
 }
 
