@@ -114,6 +114,13 @@ pub mod slot_flags {
     /// A transport-activity slot: count the hit and its time in `HITS` and
     /// `SEEN`, emit nothing (the agent samples them as evidence).
     pub const COUNT_ONLY: u32 = 1 << 7;
+    /// The slot is live. The agent writes a process's slots without it,
+    /// attaches every probe, then sets it on all of them: a request that
+    /// began while only some probes were attached would be seen at one
+    /// stage only and reported stalled. Until then the programs do nothing
+    /// but save a return slot's arguments (so a call entered before arming
+    /// and returning after it is read in full).
+    pub const ARMED: u32 = 1 << 30;
     /// Set on every configured slot, so that an all-zero entry reads as
     /// "no slot" to the kernel side.
     pub const CONFIGURED: u32 = 1 << 31;

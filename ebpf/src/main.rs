@@ -2,7 +2,9 @@
 //! and one for function return, attached once per probe slot. The attach
 //! cookie names the slot; the slot's [`SlotConfig`] says where the request key
 //! lives, which hits become events and which lifecycle stage each one is. No
-//! target-specific code lives here.
+//! target-specific code lives here. A slot stays silent until the agent
+//! arms it (`slot_flags::ARMED`), once every probe of its process is
+//! attached.
 //!
 //! Besides the events, the programs keep the in-flight table (`INFLIGHT`):
 //! the agent pins it with the other maps and the links in bpffs, so the
@@ -83,6 +85,16 @@ pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
     let Some((slot, cfg)) = slot_of(&ctx) else {
         return 0;
     };
+    let args = Args::Live(ctx.regs);
+    if cfg.flags & slot_flags::RETURN != 0 {
+        // The entry half of a return slot: keep the arguments for the
+        // return, armed or not, since the return may come after arming.
+        save_args(slot, cfg, &args);
+        return 0;
+    }
+    if cfg.flags & slot_flags::ARMED == 0 {
+        return 0;
+    }
     if cfg.flags & slot_flags::COUNT_ONLY != 0 {
         count_hit(slot);
         if let Some(seen) = SEEN.get_ptr_mut(slot) {
@@ -91,14 +103,8 @@ pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
         }
         return 0;
     }
-    let args = Args::Live(ctx.regs);
-    if cfg.flags & slot_flags::RETURN != 0 {
-        // The entry half of a return slot: keep the arguments for the return.
-        save_args(slot, cfg, &args);
-    } else {
-        count_hit(slot);
-        emit(slot, cfg, &args, 0, Matched { rules: 0, stage: cfg.stage });
-    }
+    count_hit(slot);
+    emit(slot, cfg, &args, 0, Matched { rules: 0, stage: cfg.stage });
     0
 }
 
@@ -107,11 +113,14 @@ pub fn lifecycle_return(ctx: RetProbeContext) -> u32 {
     let Some((slot, cfg)) = slot_of(&ctx) else {
         return 0;
     };
-    count_hit(slot);
-    // Take the saved arguments first, so a filtered-out return never leaves
-    // its entry behind.
+    // Take the saved arguments first, so a filtered-out (or not yet armed)
+    // return never leaves its entry behind.
     let needs_args = cfg.flags & slot_flags::NEEDS_ARGS != 0;
     let saved = if needs_args { take_saved(slot) } else { None };
+    if cfg.flags & slot_flags::ARMED == 0 {
+        return 0;
+    }
+    count_hit(slot);
     let raw: u64 = ctx.ret();
     let ret = if cfg.flags & slot_flags::RET_I32 != 0 {
         i64::from(raw as i32)

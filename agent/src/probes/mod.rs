@@ -30,7 +30,7 @@ use aya::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeScope},
     },
 };
-use stallwatch_common::{MAX_SLOTS, SlotConfig, counter, slot_flags};
+use stallwatch_common::{MAX_SLOTS, SlotConfig, cmp, counter, slot_flags};
 use tracing::{info, warn};
 
 pub use self::profile::{ActivityKind, ActivitySpec, At, Profile, ProbeSpec};
@@ -190,7 +190,11 @@ impl Probes {
     /// break: the targets are never without probes), and free their slots.
     pub fn release_old_links(&mut self) -> Result<()> {
         let mut released = HashSet::new();
-        for old in std::mem::take(&mut self.old_links) {
+        let mut old_links = std::mem::take(&mut self.old_links);
+        // Return halves first: a call entering between the two finds its
+        // return probe gone, not its arguments unsaved (`args_missing`).
+        old_links.sort_by_key(|old| !old.path.to_string_lossy().ends_with(RETURN_PROGRAM));
+        for old in old_links {
             // Hold the link while unpinning: dropping the last reference
             // from a file descriptor detaches at once, while an unpinned
             // link nobody holds is released later by a kernel worker, and
@@ -198,10 +202,13 @@ impl Probes {
             let link = PinnedLink::from_pin(&old.path)
                 .with_context(|| format!("opening the previous agent's probe link {}", old.path.display()))?;
             drop(link.unpin().with_context(|| format!("unpinning {}", old.path.display()))?);
-            if released.insert(old.slot) {
-                self.slots_map.set(old.slot, SlotConfig::default(), 0).context("clearing the slot config map")?;
-                self.free.push(old.slot);
-            }
+            released.insert(old.slot);
+        }
+        // Only once every link is gone: a return slot's other half still
+        // attached would fire on a cleared config (`no_slot`).
+        for slot in released {
+            self.slots_map.set(slot, SlotConfig::default(), 0).context("clearing the slot config map")?;
+            self.free.push(slot);
         }
         Ok(())
     }
@@ -245,12 +252,31 @@ impl Probes {
         if self.links.contains_key(&pid) {
             bail!("pid {pid} is attached already");
         }
-        let result = self.attach_all(&image, profile);
+        let result = self.attach_all(&image, profile).and_then(|()| self.arm(pid));
         if result.is_err() {
             self.detach(pid);
         }
         result.with_context(|| format!("attaching profile {} to pid {pid}", profile.origin))?;
         Ok(self.slots().filter(|(_, slot)| slot.pid == pid).count())
+    }
+
+    /// Make every slot of `pid` live, now that all its probes are attached
+    /// (until then they record nothing, see [`slot_flags::ARMED`]). One map
+    /// write per slot, so not at one instant: the slots are armed latest
+    /// lifecycle stage first ([`arming_rank`]), so a request seen at a
+    /// stage has every later stage's probe live already.
+    fn arm(&mut self, pid: u32) -> Result<()> {
+        let mut slots = Vec::new();
+        for (index, _) in self.slots().filter(|(_, slot)| slot.pid == pid) {
+            let cfg = self.slots_map.get(&index, 0).context("reading the slot config map")?;
+            slots.push((index, cfg));
+        }
+        sort_for_arming(&mut slots);
+        for (index, cfg) in slots {
+            let armed = SlotConfig { flags: cfg.flags | slot_flags::ARMED, ..cfg };
+            self.slots_map.set(index, armed, 0).context("arming a slot in the slot config map")?;
+        }
+        Ok(())
     }
 
     /// A slot for a new probe: a freed one (its counts zeroed), or the next.
@@ -389,7 +415,9 @@ impl Probes {
     /// Detach every probe of `pid` (the process exited or stopped matching)
     /// and free its slots.
     pub fn detach(&mut self, pid: u32) {
-        for link in self.links.remove(&pid).unwrap_or_default() {
+        // Newest first: a return slot's return half goes before its entry
+        // half, as in `release_old_links`.
+        for link in self.links.remove(&pid).unwrap_or_default().into_iter().rev() {
             link.detach();
         }
         let finals: Vec<ProbeHits> =
@@ -479,6 +507,23 @@ impl Drop for Probes {
             }
         }
     }
+}
+
+/// The order [`Probes::arm`] arms slots in: highest [`arming_rank`] first
+/// (stable, so ties keep the profile's order).
+fn sort_for_arming<T>(slots: &mut [(T, SlotConfig)]) {
+    slots.sort_by_key(|(_, cfg)| std::cmp::Reverse(arming_rank(cfg)));
+}
+
+/// Transport probes rank first (they start no lifecycle), then slots by
+/// the earliest lifecycle stage they can emit, so the probes that end a
+/// request go live before those that start one.
+fn arming_rank(cfg: &SlotConfig) -> u8 {
+    if cfg.flags & slot_flags::COUNT_ONLY != 0 {
+        return u8::MAX;
+    }
+    let rules = cfg.rules.iter().filter(|rule| rule.op != cmp::NONE).map(|rule| rule.stage);
+    rules.min().unwrap_or(cfg.stage)
 }
 
 /// One probe's hit count, for the summary.
@@ -582,5 +627,40 @@ fn raise_memlock_limit() {
     // SAFETY: setrlimit reads the struct we pass and nothing else.
     if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &limit) } != 0 {
         tracing::debug!("could not raise RLIMIT_MEMLOCK: {}", std::io::Error::last_os_error());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use stallwatch_common::stage;
+
+    use super::*;
+
+    /// `profile`'s slot configs with their probes' names, in the order
+    /// [`Probes::arm`] makes them live.
+    fn armed_in_order(profile: &str) -> Vec<(String, SlotConfig)> {
+        let profile = Profile::load(profile).unwrap();
+        let track_last = profile.tracks_last();
+        let lifecycle = profile.probes.iter().map(|spec| (format!("{}@{:?}", spec.symbol, spec.at), spec.slot_config(track_last)));
+        let activity = profile.activity.iter().map(|spec| (format!("activity:{}", spec.symbol), ActivitySpec::slot_config()));
+        let mut slots: Vec<_> = lifecycle.chain(activity).collect();
+        sort_for_arming(&mut slots);
+        slots
+    }
+
+    #[test]
+    fn the_probes_that_end_a_request_are_armed_before_those_that_start_one() {
+        let demo: Vec<String> = armed_in_order("demo").into_iter().map(|(name, _)| name).collect();
+        assert_eq!(
+            demo,
+            ["prefill_abort@Entry", "prefill_release@Entry", "kv_transfer_poll@Return", "kv_transfer_post@Entry", "prefill_enqueue@Entry"]
+        );
+        for name in profile::builtin_names() {
+            let slots = armed_in_order(name);
+            let last_ending = slots.iter().rposition(|(_, cfg)| arming_rank(cfg) >= stage::FIRST_TERMINAL);
+            let first_starting = slots.iter().position(|(_, cfg)| arming_rank(cfg) == stage::ENQUEUED);
+            assert!(last_ending < first_starting, "{name}: {:?}", slots.iter().map(|(name, _)| name).collect::<Vec<_>>());
+            assert!(slots[0].1.flags & slot_flags::COUNT_ONLY != 0 || !slots.iter().any(|(_, cfg)| cfg.flags & slot_flags::COUNT_ONLY != 0));
+        }
     }
 }
