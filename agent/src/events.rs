@@ -7,7 +7,7 @@ use tokio::io::unix::AsyncFd;
 
 use crate::{
     lifecycle::{Observation, Stage},
-    probes::Probes,
+    probes::{KernelCounters, Probes},
     reactor,
 };
 
@@ -43,6 +43,23 @@ impl EventReader {
         while let Some(item) = ring.next() {
             sink(&item);
         }
+    }
+}
+
+/// Every lifecycle event the agent will never see, and why: the kernel's
+/// counts, and the ring-buffer records that could not be decoded.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Losses {
+    pub kernel: KernelCounters,
+    /// Records that did not become lifecycle events (an agent and an eBPF
+    /// object that disagree, or a stage this agent does not know).
+    pub undecodable: u64,
+}
+
+impl Losses {
+    /// Events lost, each counted once.
+    pub fn lost(&self) -> u64 {
+        self.kernel.lost() + self.undecodable
     }
 }
 

@@ -23,7 +23,7 @@ use tracing::{error, info, warn};
 
 use crate::{
     discovery::{Pending, Selector},
-    events::{self, EventReader},
+    events::{self, EventReader, Losses},
     export::{
         alert::{AlertWriter, Format},
         clock::{Clock, monotonic_ns},
@@ -154,6 +154,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
             _ = ticks.tick() => session.engine.advance(monotonic_ns(), &mut session.reports),
             _ = counter_ticks.tick() => {
                 reported = warn_on_loss(&session.probes, reported)?;
+                session.ingest.warn_undecodable();
                 session.transport.sample(&session.probes, monotonic_ns())?;
             }
             Some(pid) = exits.recv() => {
@@ -196,7 +197,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 guard.get_inner_mut().flush();
                 guard.clear_ready();
             }
-            scrape = session.telemetry.scrape() => session.telemetry.answer(scrape, &session.engine, &session.probes),
+            scrape = session.telemetry.scrape() => session.telemetry.answer(scrape, &session.engine, &session.probes, session.ingest.undecodable),
             query = queries.next() => queries.answer(query, &session.engine, &session.transport, monotonic_ns()),
             _ = interrupt.recv() => break,
             _ = terminate.recv() => break,
@@ -351,11 +352,11 @@ impl<W: Write> Session<W> {
         reader.drain(|bytes| ingest.record(bytes, transport, engine, reports));
         self.engine.advance(monotonic_ns(), &mut self.reports);
         self.emit()?;
-        let kernel = self.probes.counters()?;
-        self.ingest.log();
+        let losses = Losses { kernel: self.probes.counters()?, undecodable: self.ingest.undecodable };
+        self.ingest.warn_undecodable();
         let export = self.telemetry.finish();
         self.alerts
-            .summary(&self.engine.stats(), &kernel, export.dropped(), &self.probes.probe_hits()?)
+            .summary(&self.engine.stats(), &losses, export.dropped(), &self.probes.probe_hits()?)
             .context("writing the summary")?;
         if let Some(dir) = self.probes.finish(on_exit == OnExit::Keep)? {
             info!(
@@ -392,10 +393,18 @@ fn drain_execs(mut guard: tokio::io::unix::AsyncFdReadyMutGuard<'_, RingBuf<MapD
     pids
 }
 
-/// Records the ring buffer held that did not become observations.
+/// Records the ring buffer held that did not become observations: counted
+/// (the summary and metrics show them as lost events) and warned about at
+/// most once per [`COUNTER_PERIOD`], never once per record, since a whole
+/// stream of them (an agent and an eBPF object that disagree) would flood
+/// the log and slow the event loop.
 #[derive(Default)]
 struct Ingest {
     undecodable: u64,
+    /// How many of them the last warning covered.
+    warned: u64,
+    /// Why the latest one did not decode.
+    last_error: Option<String>,
 }
 
 impl Ingest {
@@ -407,14 +416,21 @@ impl Ingest {
             }
             Err(err) => {
                 self.undecodable += 1;
-                warn!("{err:#}");
+                self.last_error = Some(format!("{err:#}"));
             }
         }
     }
 
-    fn log(&self) {
-        if self.undecodable > 0 {
-            warn!(undecodable = self.undecodable, "ring-buffer records that did not become lifecycle events");
+    /// One warning for the records that failed since the last one.
+    fn warn_undecodable(&mut self) {
+        if self.undecodable > self.warned {
+            warn!(
+                new = self.undecodable - self.warned,
+                undecodable = self.undecodable,
+                latest = self.last_error.as_deref().unwrap_or_default(),
+                "ring-buffer records that did not become lifecycle events (counted as lost)"
+            );
+            self.warned = self.undecodable;
         }
     }
 }
@@ -473,4 +489,78 @@ fn process_name(pid: u32) -> String {
 
 fn duration_ns(duration: Duration) -> u64 {
     u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use serde_json::Value;
+    use stallwatch_common::{EXT_ID_LEN, Event};
+
+    use super::*;
+    use crate::{lifecycle::EngineStats, probes::KernelCounters};
+
+    /// The log lines `f` writes at warn level or above.
+    fn warnings(f: impl FnOnce()) -> Vec<String> {
+        #[derive(Clone, Default)]
+        struct Buffer(Arc<Mutex<Vec<u8>>>);
+        impl Write for Buffer {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().expect("log buffer").extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buffer = Buffer::default();
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, f);
+        let text = String::from_utf8(buffer.0.lock().expect("log buffer").clone()).expect("UTF-8 log");
+        text.lines().map(str::to_owned).collect()
+    }
+
+    fn bytes_of(event: &Event) -> Vec<u8> {
+        // SAFETY: viewing a POD value as its bytes.
+        unsafe { std::slice::from_raw_parts((&raw const *event).cast::<u8>(), size_of::<Event>()) }.to_vec()
+    }
+
+    #[test]
+    fn undecodable_records_are_lost_events_warned_about_once_per_period() {
+        let mut ingest = Ingest::default();
+        let mut transport = Tracker::new(1_000);
+        let mut engine = Engine::new(EngineConfig::default());
+        let mut reports = Vec::new();
+        let unknown_stage = Event {
+            ts_ns: 5, key: 7, ret: 0, pid: 9, tid: 9, slot: 3, flags: 0, stage: 200, _pad: [0; 7], ext: [0; EXT_ID_LEN],
+        };
+        let logged = warnings(|| {
+            for _ in 0..1000 {
+                ingest.record(&[0; 8], &mut transport, &mut engine, &mut reports);
+            }
+            ingest.record(&bytes_of(&unknown_stage), &mut transport, &mut engine, &mut reports);
+            // Two counter periods: the second has nothing new.
+            ingest.warn_undecodable();
+            ingest.warn_undecodable();
+        });
+        assert_eq!(ingest.undecodable, 1001);
+        assert_eq!(logged.len(), 1, "one warning, not one per record: {logged:?}");
+        assert!(logged[0].contains("undecodable=1001") && logged[0].contains("stage 200"), "{logged:?}");
+        assert!(reports.is_empty() && engine.is_empty());
+
+        // The summary counts them as lost events.
+        let mut out = Vec::new();
+        let losses = Losses { kernel: KernelCounters { ringbuf_full: 2, ..KernelCounters::default() }, undecodable: ingest.undecodable };
+        AlertWriter::new(&mut out, Format::Json, Clock::new())
+            .summary(&EngineStats::default(), &losses, 0, &[])
+            .expect("summary");
+        let summary: Value = serde_json::from_slice(&out).expect("JSON summary");
+        assert_eq!((summary["lost_events"].as_u64(), summary["undecodable"].as_u64()), (Some(1003), Some(1001)), "{summary}");
+    }
 }

@@ -9,8 +9,9 @@ use std::{collections::HashMap, io::Write, time::Duration};
 use serde_json::{Map, Value, json};
 
 use super::clock::Clock;
+use crate::events::Losses;
 use crate::lifecycle::{EngineStats, Outcome, Report, RequestSnapshot, Stage};
-use crate::probes::{ActivityKind, KernelCounters, ProbeHits};
+use crate::probes::{ActivityKind, ProbeHits};
 use crate::transport::Evidence;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -59,14 +60,15 @@ impl<W: Write> AlertWriter<W> {
     pub fn summary(
         &mut self,
         stats: &EngineStats,
-        kernel: &KernelCounters,
+        losses: &Losses,
         export_drops: u64,
         probes: &[ProbeHits],
     ) -> std::io::Result<()> {
+        let kernel = &losses.kernel;
         let line = match self.format {
             Format::Human => format!(
                 "SUMMARY seen={} restored={} completed={} stalled={} recovered={} failed={} aborted={} process_exited={} \
-                 evicted={} in_flight={} lost_events={} (ringbuf_full={} key_unreadable={} args_missing={} no_slot={}) \
+                 evicted={} in_flight={} lost_events={} (ringbuf_full={} key_unreadable={} args_missing={} no_slot={} undecodable={}) \
                  ext_unreadable={} stale_events={} duplicate_events={} export_drops={} state_full={}",
                 stats.seen,
                 stats.restored,
@@ -78,11 +80,12 @@ impl<W: Write> AlertWriter<W> {
                 stats.process_exited,
                 stats.evicted,
                 stats.in_flight,
-                kernel.lost(),
+                losses.lost(),
                 kernel.ringbuf_full,
                 kernel.key_unreadable,
                 kernel.args_missing,
                 kernel.no_slot,
+                losses.undecodable,
                 kernel.ext_unreadable,
                 stats.stale_events,
                 stats.duplicate_events,
@@ -104,11 +107,12 @@ impl<W: Write> AlertWriter<W> {
                 "process_exited": stats.process_exited,
                 "evicted": stats.evicted,
                 "in_flight": stats.in_flight,
-                "lost_events": kernel.lost(),
+                "lost_events": losses.lost(),
                 "ringbuf_full": kernel.ringbuf_full,
                 "key_unreadable": kernel.key_unreadable,
                 "args_missing": kernel.args_missing,
                 "no_slot": kernel.no_slot,
+                "undecodable": losses.undecodable,
                 "ext_unreadable": kernel.ext_unreadable,
                 "stale_events": stats.stale_events,
                 "duplicate_events": stats.duplicate_events,

@@ -36,7 +36,7 @@ use tracing::{debug, warn};
 use super::otlp::ExportCounts;
 use crate::{
     lifecycle::{Engine, EngineStats, Outcome, Report, Stage, StallClass},
-    probes::KernelCounters,
+    events::Losses,
 };
 
 /// Counters kept from the reports themselves (the engine counts stalls and
@@ -57,7 +57,7 @@ impl Metrics {
     }
 
     /// Everything a scrape shows, as of now.
-    pub fn snapshot(&self, engine: &Engine, kernel: Option<KernelCounters>, export: Option<ExportCounts>) -> Snapshot {
+    pub fn snapshot(&self, engine: &Engine, losses: Option<Losses>, export: Option<ExportCounts>) -> Snapshot {
         let mut in_flight = [0; 3];
         let mut stalled = [0; 3];
         for request in engine.inflight() {
@@ -68,7 +68,7 @@ impl Metrics {
                 stalled[class as usize] += 1;
             }
         }
-        Snapshot { engine: engine.stats(), in_flight, stalled, stalls: self.stalls, recoveries: self.recoveries, kernel, export }
+        Snapshot { engine: engine.stats(), in_flight, stalled, stalls: self.stalls, recoveries: self.recoveries, losses, export }
     }
 }
 
@@ -82,7 +82,8 @@ pub struct Snapshot {
     pub stalled: [u64; 3],
     pub stalls: [u64; 3],
     pub recoveries: [u64; 3],
-    pub kernel: Option<KernelCounters>,
+    /// `None` when the kernel's counters could not be read.
+    pub losses: Option<Losses>,
     pub export: Option<ExportCounts>,
 }
 
@@ -146,17 +147,19 @@ impl Collector for Snapshot {
             "reason",
             &[("stale", e.stale_events), ("duplicate", e.duplicate_events)],
         )?;
-        if let Some(k) = &self.kernel {
+        if let Some(losses) = &self.losses {
+            let k = &losses.kernel;
             counters(
                 &mut encoder,
                 "stallwatch_lost_events",
-                "Events lost in the kernel, by reason",
+                "Lifecycle events the agent never saw, by reason",
                 "reason",
                 &[
                     ("ringbuf_full", k.ringbuf_full),
                     ("key_unreadable", k.key_unreadable),
                     ("args_missing", k.args_missing),
                     ("no_slot", k.no_slot),
+                    ("undecodable", losses.undecodable),
                 ],
             )?;
             counters(
@@ -386,6 +389,7 @@ async fn respond(stream: &mut TcpStream, status: &str, content_type: &str, body:
 mod tests {
     use super::*;
     use crate::lifecycle::{EngineConfig, Observation};
+    use crate::probes::KernelCounters;
 
     fn engine_with_requests() -> Engine {
         let mut engine = Engine::new(EngineConfig { timeout_ns: 1_000, max_tracked: 100, tick_ns: 10 });
@@ -409,8 +413,9 @@ mod tests {
         };
         metrics.report(&stalled);
         let kernel = KernelCounters { ringbuf_full: 4, ext_unreadable: 3, ..KernelCounters::default() };
+        let losses = Losses { kernel, undecodable: 5 };
         let export = ExportCounts { exported: 10, dropped_queue_full: 2, queue_capacity: 16, ..ExportCounts::default() };
-        let open = render(metrics.snapshot(&engine, Some(kernel), Some(export)), Format::OpenMetrics);
+        let open = render(metrics.snapshot(&engine, Some(losses), Some(export)), Format::OpenMetrics);
         for line in [
             "stallwatch_requests_in_flight{stage=\"transfer_posted\"} 2",
             "stallwatch_requests_in_flight{stage=\"enqueued\"} 1",
@@ -422,6 +427,7 @@ mod tests {
             "stallwatch_state_full_total 0",
             "stallwatch_lost_events_total{reason=\"ringbuf_full\"} 4",
             "stallwatch_lost_events_total{reason=\"key_unreadable\"} 0",
+            "stallwatch_lost_events_total{reason=\"undecodable\"} 5",
             "stallwatch_unreadable_fields_total{field=\"external_id\"} 3",
             "stallwatch_export_drops_total{reason=\"queue_full\"} 2",
             "stallwatch_export_spans_total 10",

@@ -12,6 +12,7 @@ use super::{
     otlp::{self, ExportCounts, ExportSettings, OtlpExporter, OtlpOptions, Protocol},
 };
 use crate::{
+    events::Losses,
     lifecycle::{Engine, Report},
     probes::Probes,
     transport::Evidence,
@@ -87,12 +88,13 @@ impl Telemetry {
         }
     }
 
-    /// Answer a scrape with the current values.
-    pub fn answer(&self, scrape: Scrape, engine: &Engine, probes: &Probes) {
-        let kernel = probes.counters().map_err(|err| warn!("metrics: {err:#}")).ok();
+    /// Answer a scrape with the current values; `undecodable`: the
+    /// ring-buffer records that did not become events so far.
+    pub fn answer(&self, scrape: Scrape, engine: &Engine, probes: &Probes, undecodable: u64) {
+        let losses = probes.counters().map_err(|err| warn!("metrics: {err:#}")).ok().map(|kernel| Losses { kernel, undecodable });
         let export = self.otlp.as_ref().map(OtlpExporter::counts);
         let format = scrape.format;
-        scrape.answer(metrics::render(self.metrics.snapshot(engine, kernel, export), format));
+        scrape.answer(metrics::render(self.metrics.snapshot(engine, losses, export), format));
     }
 
     /// Flush and stop the exporter; the export counts, for the summary.
