@@ -50,7 +50,7 @@ pub struct RunSettings {
     /// The process to watch (the prefill server); the agent ends when it
     /// exits. Without it, every process matching the selectors below is
     /// watched, including ones started later.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_pid)]
     pub pid: Option<u32>,
     /// Select processes by executable: a basename, or a full path.
     #[arg(long, value_name = "NAME")]
@@ -73,10 +73,10 @@ pub struct RunSettings {
     pub profile: Option<String>,
     /// How long a request may stay silent before it is reported stalled
     /// [default: 60s].
-    #[arg(long, value_parser = humantime::parse_duration)]
+    #[arg(long, value_parser = parse_duration)]
     pub timeout: Option<Duration>,
     /// Resolution of the stall timer [default: 10ms].
-    #[arg(long, value_parser = humantime::parse_duration)]
+    #[arg(long, value_parser = parse_duration)]
     pub tick: Option<Duration>,
     /// Most requests tracked at once; beyond it the stalest is evicted
     /// (and reported) [default: 1000000].
@@ -243,6 +243,11 @@ impl ConfigFile {
         })?;
         let at = |span: std::ops::Range<usize>| format!("config file {origin}, line {}", line_of(text, span.start));
 
+        for (name, duration) in [("timeout", &raw.timeout), ("tick", &raw.tick)] {
+            if let Some(duration) = duration {
+                check_duration(duration.get_ref().0).map_err(|err| anyhow!("{}: {name}: {err}", at(duration.span())))?;
+            }
+        }
         if let Some(timeout) = &raw.timeout {
             let (tick, which) = match &raw.tick {
                 Some(tick) => (tick.get_ref().0, "tick"),
@@ -446,16 +451,52 @@ impl<'de> Deserialize<'de> for Dur {
     }
 }
 
+/// The longest `timeout` or `tick` taken: far beyond any use, and far
+/// from where the timers' arithmetic would overflow.
+const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// `--timeout` and `--tick`: a duration the timers can run on. Zero would
+/// stop them (a zero period is a panic in the timer, after attaching).
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let duration = humantime::parse_duration(text.trim()).map_err(|err| format!("{text:?} is not a duration ({err}): write it like 60s, 500ms or 2m"))?;
+    check_duration(duration)?;
+    Ok(duration)
+}
+
+/// A duration is more than zero and at most [`MAX_DURATION`].
+fn check_duration(duration: Duration) -> Result<(), String> {
+    if duration.is_zero() {
+        return Err("a zero duration would stop the timers: give a positive one (e.g. 10ms for the tick, 60s for the timeout)".to_owned());
+    }
+    if duration > MAX_DURATION {
+        return Err(format!("{} is longer than the longest taken, {}", humantime::format_duration(duration), humantime::format_duration(MAX_DURATION)));
+    }
+    Ok(())
+}
+
+/// `--pid`: a process id, as the kernel gives them (1 and up).
+fn parse_pid(text: &str) -> Result<u32, String> {
+    let n = text.trim().parse::<i64>().map_err(|_| format!("{text:?} is not a process id: give the number `ps` or `pgrep` shows"))?;
+    check_pid(n)
+}
+
+fn check_pid(n: i64) -> Result<u32, String> {
+    match u32::try_from(n) {
+        Ok(pid) if pid > 0 && pid <= i32::MAX as u32 => Ok(pid),
+        Ok(0) => Err("pid 0 is not a process id (it is the kernel's idle task, not a process one can watch): \
+                      give the prefill server's pid, as `ps` or `pgrep` shows it"
+            .to_owned()),
+        _ => Err(format!("pid {n} is not a process id (a positive integer, as `ps` or `pgrep` shows it)")),
+    }
+}
+
 /// A pid: a positive integer.
 struct Pid(u32);
 
 impl<'de> Deserialize<'de> for Pid {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let n = i64::deserialize(deserializer)?;
-        match u32::try_from(n) {
-            Ok(pid) if pid > 0 => Ok(Pid(pid)),
-            _ => Err(de::Error::custom(format!("pid {n} is not a process id (a positive integer)"))),
-        }
+        check_pid(n).map(Pid).map_err(de::Error::custom)
     }
 }
 
@@ -701,6 +742,28 @@ addr = "0.0.0.0:9464"
         assert!(err.contains("line 2") && err.contains("duplicate key"), "{err}");
         let err = error("profile = \"demo\n");
         assert!(err.contains("line 1"), "{err}");
+    }
+
+    #[test]
+    fn zero_and_endless_durations_are_refused_where_they_are_given() {
+        let err = error("profile = \"demo\"\ntick = \"0s\"\n");
+        assert!(err.contains("line 2: tick: a zero duration would stop the timers"), "{err}");
+        let err = error("timeout = \"0ms\"\n");
+        assert!(err.contains("line 1: timeout: a zero duration"), "{err}");
+        let err = error("\ntimeout = \"1000years\"\n");
+        assert!(err.contains("line 2: timeout: ") && err.contains("longer than the longest taken"), "{err}");
+        assert!(parse_duration("0s").expect_err("zero").contains("a zero duration"));
+        assert_eq!(parse_duration("10ms"), Ok(Duration::from_millis(10)));
+        assert!(parse_duration("soon").expect_err("no unit").contains("is not a duration"));
+    }
+
+    #[test]
+    fn pids_are_positive_process_ids() {
+        assert_eq!(parse_pid("42"), Ok(42));
+        assert!(parse_pid("0").expect_err("zero").contains("pid 0 is not a process id"));
+        assert!(parse_pid("-5").expect_err("negative").contains("pid -5 is not a process id"));
+        assert!(parse_pid("4294967296").expect_err("too big").contains("is not a process id"));
+        assert!(parse_pid("me").expect_err("text").contains("\"me\" is not a process id"));
     }
 
     #[test]

@@ -1,5 +1,9 @@
 //! The `stallwatch` command line.
-use std::{io::Write as _, path::PathBuf, process::ExitCode};
+use std::{
+    io::{ErrorKind, Write},
+    path::PathBuf,
+    process::ExitCode,
+};
 
 use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
@@ -147,41 +151,39 @@ fn dispatch(cli: Cli) -> Result<()> {
         }
         Command::Doctor { json } => {
             let report = doctor::run();
-            let mut out = std::io::stdout().lock();
-            if json {
-                serde_json::to_writer_pretty(&mut out, &report).context("writing the report")?;
-                writeln!(out).context("writing the report")?;
-            } else {
-                report.write_human(&mut out).context("writing the report")?;
-            }
+            print(|out| {
+                if json {
+                    serde_json::to_writer_pretty(&mut *out, &report)?;
+                    writeln!(out)
+                } else {
+                    report.write_human(out)
+                }
+            })?;
             if !report.ok {
                 anyhow::bail!("required checks missing: {} (the fixes are above)", report.failed_required.join(", "));
             }
             Ok(())
         }
         Command::Config { command: ConfigCommand::Check { path } } => {
-            print!("{}", ConfigFile::check(&path)?);
-            Ok(())
+            let text = ConfigFile::check(&path)?;
+            print(|out| out.write_all(text.as_bytes()))
         }
         Command::Inflight { socket, json } => {
             let (inflight, raw) = query::client::inflight(&socket, query::client::ANSWER_TIMEOUT)?;
             query::client::print(&inflight, &raw, json, std::io::BufWriter::new(std::io::stdout().lock()))
         }
         Command::State { command: StateCommand::Clear { bpf_dir } } => {
-            if state::clear(&bpf_dir)? {
-                println!("removed {}: its probes are detached", bpf_dir.display());
-            } else {
-                println!("nothing pinned at {}", bpf_dir.display());
-            }
-            Ok(())
+            let removed = state::clear(&bpf_dir)?;
+            print(|out| {
+                if removed {
+                    writeln!(out, "removed {}: its probes are detached", bpf_dir.display())
+                } else {
+                    writeln!(out, "nothing pinned at {}", bpf_dir.display())
+                }
+            })
         }
         Command::Profile { command } => match command {
-            ProfileCommand::List => {
-                for name in profile::builtin_names() {
-                    println!("{name}");
-                }
-                Ok(())
-            }
+            ProfileCommand::List => print(|out| profile::builtin_names().try_for_each(|name| writeln!(out, "{name}"))),
             ProfileCommand::Show { name } => {
                 let text = profile::builtin_text(&name).with_context(|| {
                     format!(
@@ -189,40 +191,56 @@ fn dispatch(cli: Cli) -> Result<()> {
                         profile::builtin_names().collect::<Vec<_>>().join(", ")
                     )
                 })?;
-                print!("{text}");
-                Ok(())
+                print(|out| out.write_all(text.as_bytes()))
             }
             ProfileCommand::Check { path } => {
                 let path = path.to_str().context("profile path is not UTF-8")?;
                 let profile = Profile::load(path)?;
-                println!("profile {}: ok", profile.name);
-                for probe in &profile.probes {
-                    let events = match &probe.action {
-                        profile::Action::Always(stage) => stage.to_string(),
-                        profile::Action::OnReturn(rules) => {
-                            rules.iter().map(|(_, stage)| stage.to_string()).collect::<Vec<_>>().join(" | ")
-                        }
-                    };
-                    println!(
-                        "  line {:>3}: {events:<30} {:?} of `{}` in {}",
-                        probe.line,
-                        probe.at,
-                        probe.symbol,
-                        probe.object.as_deref().unwrap_or("the executable")
-                    );
-                }
-                for activity in &profile.activity {
-                    println!(
-                        "  line {:>3}: {:<30} Entry of `{}` in {}{}",
-                        activity.line,
-                        format!("transport {}", activity.kind.as_str()),
-                        activity.symbol,
-                        activity.object.as_deref().unwrap_or("the executable"),
-                        if activity.optional { " (optional)" } else { "" }
-                    );
-                }
-                Ok(())
+                print(|out| check_report(&profile, out))
             }
         },
     }
+}
+
+/// Write to stdout, flushed. A reader that goes away (`| head -1`) ends
+/// the command quietly: what it printed was all that was wanted.
+fn print(write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    match write(&mut out).and_then(|()| out.flush()) {
+        Err(err) if err.kind() == ErrorKind::BrokenPipe => Ok(()),
+        other => other.context("writing to stdout"),
+    }
+}
+
+/// `stallwatch profile check`: what each probe of a valid profile attaches to.
+fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(out, "profile {}: ok", profile.name)?;
+    for probe in &profile.probes {
+        let events = match &probe.action {
+            profile::Action::Always(stage) => stage.to_string(),
+            profile::Action::OnReturn(rules) => {
+                rules.iter().map(|(_, stage)| stage.to_string()).collect::<Vec<_>>().join(" | ")
+            }
+        };
+        writeln!(
+            out,
+            "  line {:>3}: {events:<30} {:?} of `{}` in {}",
+            probe.line,
+            probe.at,
+            probe.symbol,
+            probe.object.as_deref().unwrap_or("the executable")
+        )?;
+    }
+    for activity in &profile.activity {
+        writeln!(
+            out,
+            "  line {:>3}: {:<30} Entry of `{}` in {}{}",
+            activity.line,
+            format!("transport {}", activity.kind.as_str()),
+            activity.symbol,
+            activity.object.as_deref().unwrap_or("the executable"),
+            if activity.optional { " (optional)" } else { "" }
+        )?;
+    }
+    Ok(())
 }

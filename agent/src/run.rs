@@ -161,7 +161,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 session.exited(pid);
                 queries.forget_process(pid);
                 if selector.is_none() {
-                    session.emit()?;
+                    // `finish` reports what the exit ended.
                     break;
                 }
             }
@@ -202,7 +202,15 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
             _ = interrupt.recv() => break,
             _ = terminate.recv() => break,
         }
-        session.emit()?;
+        if let Err(err) = session.emit() {
+            if !session.alerts.is_closed() {
+                return Err(err);
+            }
+            // As a pipeline's writer does at SIGPIPE, but leaving the
+            // state for the next agent as a SIGTERM would.
+            info!("stdout was closed (its reader went away): stopping");
+            break;
+        }
     }
     session.finish(on_exit)
 }
@@ -476,11 +484,22 @@ fn pidfd(pid: u32) -> Result<AsyncFd<OwnedFd>> {
         if err.raw_os_error() == Some(libc::ESRCH) {
             bail!("no process with pid {pid} (check `ps -p {pid}`)");
         }
+        // The kernel refuses (ENOENT, EINVAL on older kernels) a thread
+        // that is not its process's main one.
+        if let Some(tgid) = thread_group_of(pid) {
+            bail!("pid {pid} is a thread of process {tgid}, not a process: pass --pid {tgid}");
+        }
         return Err(err).with_context(|| format!("pidfd_open({pid})"));
     }
     // SAFETY: the syscall returned a fresh fd that nothing else owns.
     let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
     reactor::register(fd, "the target's pidfd")
+}
+
+/// The process a thread id belongs to (`Tgid:` in its status file).
+fn thread_group_of(tid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
+    status.lines().find_map(|line| line.strip_prefix("Tgid:")?.trim().parse().ok()).filter(|&tgid| tgid != tid)
 }
 
 fn process_name(pid: u32) -> String {

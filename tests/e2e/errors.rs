@@ -1,8 +1,11 @@
 //! Bad input gets a clear error naming the thing and the fix, and a
 //! non-zero exit; never a panic or a silent no-op.
-use std::{io::Write as _, process::Command};
+use std::{
+    io::Write as _,
+    process::{Command, Stdio},
+};
 
-use stallwatch_tests::{Demo, agent_bin, require_root, run_to_end};
+use stallwatch_tests::{Demo, agent_bin, require_root, root, run_to_end, test_socket};
 
 /// Run the agent to its end and return its stderr, asserting it failed
 /// without panicking.
@@ -11,6 +14,13 @@ fn fails(args: &[&str]) -> String {
     assert!(!ok, "expected failure of {args:?}; stdout:\n{stdout}\nstderr:\n{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
     stderr
+}
+
+/// A built-in profile's text, as `stallwatch profile show` prints it.
+fn stallwatch_profile_text(name: &str) -> String {
+    let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).args(["profile", "show", name]));
+    assert!(ok, "{stderr}");
+    stdout
 }
 
 fn profile_file(text: &str) -> tempfile::NamedTempFile {
@@ -24,7 +34,10 @@ fn watch_with(profile: &str) -> String {
     let demo = Demo::start(&["--duration", "20s"]);
     let file = profile_file(profile);
     let path = file.path().to_str().expect("utf-8 temp path");
-    let stderr = fails(&["run", "--pid", &demo.proc.pid().to_string(), "--profile", path, "--timeout", "1s"]);
+    let socket = test_socket();
+    let socket = socket.to_str().expect("utf-8 socket path");
+    let pid = demo.proc.pid().to_string();
+    let stderr = fails(&["run", "--pid", &pid, "--profile", path, "--timeout", "1s", "--ephemeral", "--socket", socket]);
     drop(demo);
     stderr
 }
@@ -75,4 +88,109 @@ fn a_library_the_process_has_not_mapped_is_named() {
     let stderr = watch_with("[[probe]]\nobject = \"libnixl.so\"\nsymbol = \"x\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n");
     assert!(stderr.contains("has no file `libnixl.so` mapped"), "{stderr}");
     assert!(stderr.contains("libc.so"), "lists what is mapped: {stderr}");
+}
+
+#[test]
+fn a_zero_tick_or_timeout_is_refused_before_anything_is_attached() {
+    require_root();
+    let demo = Demo::start(&["--duration", "20s"]);
+    let pid = demo.proc.pid().to_string();
+    let socket = test_socket();
+    let socket = socket.to_str().expect("utf-8 socket path");
+    for (flag, value) in [("--tick", "0s"), ("--timeout", "0ms")] {
+        let stderr = fails(&["run", "--pid", &pid, "--profile", "demo", "--ephemeral", "--socket", socket, flag, value]);
+        assert!(stderr.contains(&format!("invalid value '{value}' for '{flag}")), "{stderr}");
+        assert!(stderr.contains("a zero duration would stop the timers"), "{stderr}");
+        assert!(!stderr.contains("watching"), "refused before attaching: {stderr}");
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("config.toml");
+    std::fs::write(&config, "profile = \"demo\"\nephemeral = true\n\ntick = \"0s\"\n").expect("writing the config");
+    let config = config.to_str().expect("utf-8 config path");
+    let stderr = fails(&["run", "--config", config, "--pid", &pid, "--socket", socket]);
+    assert!(stderr.contains("line 4: tick: a zero duration would stop the timers"), "{stderr}");
+    let stderr = fails(&["config", "check", config]);
+    assert!(stderr.contains("line 4: tick: a zero duration"), "{stderr}");
+}
+
+#[test]
+fn pid_zero_is_not_a_process() {
+    let stderr = fails(&["run", "--pid", "0", "--profile", "demo", "--ephemeral"]);
+    assert!(stderr.contains("pid 0 is not a process id"), "{stderr}");
+    assert!(!stderr.contains("pidfd_open"), "no raw syscall error: {stderr}");
+}
+
+#[test]
+fn a_thread_id_names_its_process() {
+    require_root();
+    // The demo runs on its main thread only: take one of this process.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        // SAFETY: gettid has no preconditions.
+        tx.send(unsafe { libc::gettid() }).expect("sending the tid");
+        let _ = stopped.recv();
+    });
+    let tid = rx.recv().expect("the thread's id").to_string();
+    let stderr = fails(&["run", "--pid", &tid, "--profile", "demo", "--ephemeral", "--socket", test_socket().to_str().expect("utf-8")]);
+    let me = std::process::id();
+    assert!(stderr.contains(&format!("pid {tid} is a thread of process {me}, not a process: pass --pid {me}")), "{stderr}");
+    drop(stop);
+    thread.join().expect("thread");
+}
+
+/// Run `args` with stdout a pipe whose reader is already gone, as in
+/// `stallwatch ... | head -1` once head has exited.
+fn into_a_closed_pipe(args: &[&str]) -> (std::process::ExitStatus, String) {
+    let mut child = Command::new(agent_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting stallwatch");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("waiting for stallwatch");
+    (out.status, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn every_printing_command_stops_quietly_when_its_reader_goes_away() {
+    let profile = profile_file(&stallwatch_profile_text("nixl"));
+    let path = profile.path().to_str().expect("utf-8 temp path");
+    let config = root().join("agent/deploy/config.toml");
+    let config = config.to_str().expect("utf-8 path");
+    for args in [
+        ["profile", "check", path].as_slice(),
+        &["profile", "show", "nixl"],
+        &["profile", "list"],
+        &["config", "check", config],
+    ] {
+        let (status, stderr) = into_a_closed_pipe(args);
+        assert!(status.success(), "{args:?}: {status}; stderr:\n{stderr}");
+        assert!(stderr.is_empty(), "{args:?} says nothing: {stderr}");
+    }
+}
+
+#[test]
+fn an_agent_whose_stdout_reader_goes_away_stops_cleanly() {
+    require_root();
+    let mut demo = Demo::start(&["--duration", "20s", "--inject-after", "100ms", "--waiting-for-peer", "1"]);
+    let pid = demo.proc.pid().to_string();
+    let mut agent = Command::new(agent_bin())
+        .args(["run", "--pid", &pid, "--profile", "demo", "--timeout", "500ms", "--ephemeral", "--socket"])
+        .arg(test_socket())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting stallwatch");
+    drop(agent.stdout.take());
+    demo.go();
+    // The stall alert is the first write; the agent then stops by itself.
+    let out = agent.wait_with_output().expect("waiting for stallwatch");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}; stderr:\n{stderr}", out.status);
+    assert!(stderr.contains("stdout was closed (its reader went away): stopping"), "{stderr}");
+    assert!(!stderr.contains("error") && !stderr.contains("panicked"), "{stderr}");
 }

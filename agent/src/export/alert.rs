@@ -27,11 +27,31 @@ pub struct AlertWriter<W> {
     /// Process names by pid, taken when a process is attached (it may be
     /// gone by the time its requests are reported).
     names: HashMap<u32, Box<str>>,
+    /// Set when stdout's reader went away (`| head`): the first write that
+    /// finds it closed fails, so the agent stops; later ones (the stop's
+    /// own reports and summary) are dropped, so the stop is a clean one.
+    closed: bool,
 }
 
 impl<W: Write> AlertWriter<W> {
     pub fn new(out: W, format: Format, clock: Clock) -> Self {
-        Self { out, format, clock, names: HashMap::new() }
+        Self { out, format, clock, names: HashMap::new(), closed: false }
+    }
+
+    /// Whether stdout's reader went away.
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    fn write_line(&mut self, line: &str) -> std::io::Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        let written = writeln!(self.out, "{line}").and_then(|()| self.out.flush());
+        if written.as_ref().is_err_and(|err| err.kind() == std::io::ErrorKind::BrokenPipe) {
+            self.closed = true;
+        }
+        written
     }
 
     pub fn name_process(&mut self, pid: u32, name: &str) {
@@ -49,8 +69,7 @@ impl<W: Write> AlertWriter<W> {
             Format::Human => self.human(&alert),
             Format::Json => self.json(&alert).to_string(),
         };
-        writeln!(self.out, "{line}")?;
-        self.out.flush()
+        self.write_line(&line)
     }
 
     /// The end-of-run summary. `export_drops`: spans (or the reports they
@@ -125,8 +144,7 @@ impl<W: Write> AlertWriter<W> {
             })
             .to_string(),
         };
-        writeln!(self.out, "{line}")?;
-        self.out.flush()
+        self.write_line(&line)
     }
 
     fn human(&self, alert: &Alert<'_>) -> String {
