@@ -440,7 +440,7 @@ pub fn btf_check(path: &Path) -> Check {
         "btf",
         false,
         "process discovery (`run` without --pid loads the sched_process_exec BTF tracepoint); the uprobe programs \
-         read only user memory, so watching a given --pid works without it",
+         read only user memory, so watching a given --pid works without it (but misses an exec of the target)",
     );
     match std::fs::read(path) {
         Ok(data) if data.get(..2) == Some(&[0x9f, 0xeb]) => {
@@ -581,7 +581,8 @@ fn ebpf_checks(no_privileges: bool) -> [Check; 3] {
     let exec = Check::new(
         "exec_tracepoint",
         false,
-        "process discovery: `run` without --pid hears of every exec through the sched_process_exec BTF tracepoint",
+        "process discovery: `run` without --pid hears of every exec through the sched_process_exec BTF tracepoint \
+         (with --pid, of the target's exec)",
     );
     let hint = if no_privileges { "fix the privileges check first" } else { "see the error; a kernel before 5.15 lacks uprobe attach cookies" };
     let mut probes = match Probes::load(None) {

@@ -1,6 +1,7 @@
 //! `stallwatch run`: attach a profile to one process (`--pid`) or to every
 //! process a selector matches, now and later, and follow their requests
-//! until told to stop (or, with `--pid`, until that process exits).
+//! until told to stop (or, with `--pid`, until that process exits or execs
+//! a program the profile does not attach to).
 use std::{
     collections::HashMap,
     io::Write,
@@ -114,8 +115,16 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
 
     let (mut execs, selector) = match target {
         Target::Pid(pid) => {
+            // First, so an exec during the attach is heard of too.
+            let execs = match session.probes.watch_execs() {
+                Ok(ring) => Some(reactor::register(ring, "the EXECS ring buffer")?),
+                Err(err) => {
+                    warn!(pid, "an exec of the target will go unnoticed (its old program's requests stay in flight): {err:#}");
+                    None
+                }
+            };
             session.watch(pid)?;
-            (None, None)
+            (execs, None)
         }
         Target::Select(selector) => {
             // Hear of execs first, so nothing starting during the scan is missed.
@@ -158,7 +167,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 session.transport.sample(&session.probes, monotonic_ns())?;
             }
             Some(pid) = exits.recv() => {
-                session.exited(pid);
+                session.unwatch(pid, Gone::Exited);
                 queries.forget_process(pid);
                 if selector.is_none() {
                     // `finish` reports what the exit ended.
@@ -166,21 +175,43 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 }
             }
             ready = readable(&mut execs) => {
-                let Some(selector) = &selector else { continue };
+                let mut stop = false;
                 for pid in drain_execs(ready?) {
                     // An exec replaces the image a watched process had: its
                     // probes and requests went with it.
-                    if session.watched.contains_key(&pid) {
-                        session.exited(pid);
+                    let was_watched = session.watched.contains_key(&pid);
+                    if was_watched {
+                        session.unwatch(pid, Gone::Exec);
                         queries.forget_process(pid);
                     }
-                    if selector.matches(pid) {
-                        if session.watch_or_log(pid) {
-                            queries.name_process(pid, &process_name(pid));
+                    match &selector {
+                        Some(selector) if selector.matches(pid) => {
+                            if session.watch_or_log(pid) {
+                                queries.name_process(pid, &process_name(pid));
+                            }
                         }
-                    } else {
-                        pending.add(pid, monotonic_ns());
+                        Some(_) => pending.add(pid, monotonic_ns()),
+                        // `--pid`: follow the target into its new program
+                        // if the profile attaches to it; else stop, as when
+                        // it exits.
+                        None if was_watched => match session.watch(pid) {
+                            Ok(()) => queries.name_process(pid, &process_name(pid)),
+                            Err(err) => {
+                                error!(
+                                    pid,
+                                    "not watching the target's new program, stopping as when it exits (to follow a \
+                                     process that loads the profile's library after an exec, select it with --exe, \
+                                     --lib or --cmdline instead of --pid): {err:#}"
+                                );
+                                stop = true;
+                            }
+                        },
+                        None => {}
                     }
+                }
+                if stop {
+                    session.emit()?;
+                    break;
                 }
             }
             _ = recheck.tick(), if !pending.is_empty() => {
@@ -215,6 +246,21 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
     session.finish(on_exit)
 }
 
+/// One attached process.
+struct Watched {
+    /// Its name when attached (an exec changes it).
+    name: String,
+    exit_waiter: JoinHandle<()>,
+}
+
+/// Why a watched process's probes and requests go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gone {
+    Exited,
+    /// It exec'd a new program: the probes were on the old one.
+    Exec,
+}
+
 /// Everything one run holds, with the steps the loop takes on it.
 struct Session<W> {
     engine: Engine,
@@ -226,8 +272,9 @@ struct Session<W> {
     state: KernelState,
     reader: EventReader,
     profile: Profile,
-    /// Attached processes and the tasks waiting on their pidfds.
-    watched: HashMap<u32, JoinHandle<()>>,
+    /// Attached processes: their names and the tasks waiting on their
+    /// pidfds.
+    watched: HashMap<u32, Watched>,
     exit_tx: mpsc::UnboundedSender<u32>,
     reports: Vec<Report>,
     ingest: Ingest,
@@ -255,7 +302,7 @@ impl<W: Write> Session<W> {
             }
             let _ = exit_tx.send(pid);
         });
-        self.watched.insert(pid, waiter);
+        self.watched.insert(pid, Watched { name: name.clone(), exit_waiter: waiter });
         info!(
             pid,
             process = %name,
@@ -318,12 +365,24 @@ impl<W: Write> Session<W> {
         Ok(())
     }
 
-    /// The process is gone: what it did before counts first, then every
-    /// request it still held ends `process_exited`.
-    fn exited(&mut self, pid: u32) {
+    /// The process is gone, or its program is: what it did before counts
+    /// first, then every request it still held ends `process_exited`.
+    fn unwatch(&mut self, pid: u32, gone: Gone) {
+        // Nothing more from its probes: what the ring holds is all there is.
+        if let Err(err) = self.probes.disarm(pid) {
+            warn!(pid, "silencing the probes of a process going away: {err:#}");
+        }
         let Session { reader, ingest, transport, engine, reports, .. } = self;
         reader.drain(|bytes| ingest.record(bytes, transport, engine, reports));
-        info!(pid, "target process exited");
+        match gone {
+            Gone::Exited => info!(pid, "target process exited"),
+            Gone::Exec => info!(
+                pid,
+                process = self.watched.get(&pid).map_or("?", |watched| watched.name.as_str()),
+                new_program = %process_name(pid),
+                "target process exec'd a new program: the old one's requests end process_exited, its probes are detached"
+            ),
+        }
         self.engine.process_exited(pid, monotonic_ns(), &mut self.reports);
         if let Err(err) = self.state.forget_process(pid) {
             warn!(pid, "dropping the kernel's in-flight entries of an exited process: {err:#}");
@@ -331,8 +390,8 @@ impl<W: Write> Session<W> {
         self.probes.detach(pid);
         // Its requests' reports carry no transport evidence (only stalls do).
         self.transport.forget(pid);
-        if let Some(waiter) = self.watched.remove(&pid) {
-            waiter.abort();
+        if let Some(watched) = self.watched.remove(&pid) {
+            watched.exit_waiter.abort();
         }
     }
 

@@ -6,14 +6,15 @@
 //! let go. Real agents, real eBPF, real uprobes on the demo target running
 //! at full speed while the agent attaches.
 use std::{
+    collections::HashSet,
     os::unix::process::CommandExt as _,
     process::Command,
     thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use serde_json::Value;
-use stallwatch_tests::{Agent, Demo, Line, Proc, alerts, demo_bin, injected, require_root, summary, test_bpf_dir};
+use stallwatch_tests::{Agent, Demo, Line, Proc, alerts, demo_bin, require_root, summary, test_bpf_dir};
 
 /// `--rate` beyond what the demo can do with its probes hit: it runs
 /// flat out, as many requests as possible in flight through the window.
@@ -113,4 +114,77 @@ fn a_restarted_busy_target_is_re_attached_without_false_stalls() {
     let lines = agent.stop();
     drop(second);
     assert_clean(&lines, "at start-up or re-attach", 10_000);
+}
+
+/// A demo that pins two requests (`waiting_for_peer`, `transfer_hung`),
+/// which stall, then execs `then` (a program and its arguments).
+fn exec_demo(then: &[&str]) -> Demo {
+    let mut args = vec![
+        "--rate", "500", "--duration", "30s", "--inject-after", "100ms", "--waiting-for-peer", "1", "--transfer-hung", "1",
+        "--exec-after", "2500ms", "--",
+    ];
+    args.extend_from_slice(then);
+    Demo::start(&args)
+}
+
+/// The old program's pinned requests end `process_exited` at its exec,
+/// named as the old program, and no others do.
+fn assert_old_requests_ended(seen: &[Line], pid: u32, old: &HashSet<String>) {
+    let exited: Vec<Value> = alerts(seen, "process_exited").map(|(_, alert)| alert).collect();
+    let keys: HashSet<String> = exited.iter().map(key_of).collect();
+    assert_eq!(&keys, old, "{exited:?}");
+    for alert in &exited {
+        assert_eq!((alert["pid"].as_u64(), alert["process"].as_str()), (Some(u64::from(pid)), Some("demo-prefill")), "{alert}");
+    }
+}
+
+#[test]
+fn an_exec_under_pid_ends_the_old_programs_requests_and_follows_the_new_one() {
+    require_root();
+    let demo_path = demo_bin();
+    let demo_path = demo_path.to_str().expect("utf-8 path");
+    // The new program pins one request of its own, once the agent has had
+    // time to attach to it.
+    let mut demo = exec_demo(&[demo_path, "--rate", "500", "--duration", "30s", "--inject-after", "3s", "--release-lost", "1"]);
+    let pid = demo.proc.pid();
+    let agent = Agent::watch(pid, "demo", TIMEOUT, &["--ephemeral"]);
+    demo.go();
+    let mut demo_lines = Vec::new();
+    let old: HashSet<String> = demo.wait_injected(2, &mut demo_lines).into_keys().collect();
+    let mut seen = Vec::new();
+    agent.wait_alerts("stalled", 2, Duration::from_secs(10), &mut seen);
+    agent.wait_until("the old program's requests ended at its exec", Duration::from_secs(10), &mut seen, |seen| {
+        alerts(seen, "process_exited").count() >= 2
+    });
+    agent.proc.wait_stderr("exec'd a new program", Duration::from_secs(5));
+    // Same pid, new program: attached again, its own stall reported.
+    agent.wait_until("a stall of the new program", Duration::from_secs(10), &mut seen, |seen| {
+        alerts(seen, "stalled").any(|(_, alert)| alert["class"] == "release_lost")
+    });
+    let lines: Vec<Line> = seen.into_iter().chain(agent.stop()).collect();
+    assert_old_requests_ended(&lines, pid, &old);
+    let summary = summary(&lines);
+    assert_eq!((summary["stalled"].as_u64(), summary["process_exited"].as_u64()), (Some(3), Some(2)), "{summary}");
+    assert_eq!(summary["lost_events"], 0, "{summary}");
+}
+
+#[test]
+fn an_exec_under_pid_into_a_program_the_profile_does_not_fit_stops_the_agent() {
+    require_root();
+    let mut demo = exec_demo(&["/bin/sleep", "30"]);
+    let pid = demo.proc.pid();
+    let mut agent = Agent::watch(pid, "demo", TIMEOUT, &["--ephemeral"]);
+    demo.go();
+    let mut demo_lines = Vec::new();
+    let old: HashSet<String> = demo.wait_injected(2, &mut demo_lines).into_keys().collect();
+    // It ends by itself, as when the target exits, with its summary.
+    let lines = agent.proc.lines_until_exit(Duration::from_secs(15));
+    let status = agent.proc.wait(Duration::from_secs(5));
+    assert!(status.success(), "agent exited with {status}; stderr:\n{}", agent.proc.stderr());
+    assert_old_requests_ended(&lines, pid, &old);
+    let summary = summary(&lines);
+    assert_eq!((summary["stalled"].as_u64(), summary["process_exited"].as_u64()), (Some(2), Some(2)), "{summary}");
+    let stderr = agent.proc.stderr();
+    assert!(stderr.contains("exec'd a new program") && stderr.contains("not watching the target's new program"), "{stderr}");
+    assert!(demo.proc.child.try_wait().expect("try_wait").is_none(), "the target lives on as /bin/sleep");
 }

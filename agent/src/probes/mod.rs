@@ -266,17 +266,36 @@ impl Probes {
     /// lifecycle stage first ([`arming_rank`]), so a request seen at a
     /// stage has every later stage's probe live already.
     fn arm(&mut self, pid: u32) -> Result<()> {
-        let mut slots = Vec::new();
-        for (index, _) in self.slots().filter(|(_, slot)| slot.pid == pid) {
-            let cfg = self.slots_map.get(&index, 0).context("reading the slot config map")?;
-            slots.push((index, cfg));
-        }
+        let mut slots = self.slot_configs(pid)?;
         sort_for_arming(&mut slots);
         for (index, cfg) in slots {
             let armed = SlotConfig { flags: cfg.flags | slot_flags::ARMED, ..cfg };
             self.slots_map.set(index, armed, 0).context("arming a slot in the slot config map")?;
         }
         Ok(())
+    }
+
+    /// Silence every slot of `pid` before [`Self::detach`], which takes
+    /// tens of ms a link: a process that exec'd the same program again
+    /// keeps hitting the old probes meanwhile, one stage fewer with each
+    /// link gone. The reverse of [`Self::arm`]: those that start a request
+    /// first.
+    pub fn disarm(&mut self, pid: u32) -> Result<()> {
+        let mut slots = self.slot_configs(pid)?;
+        sort_for_arming(&mut slots);
+        for (index, cfg) in slots.into_iter().rev() {
+            let disarmed = SlotConfig { flags: cfg.flags & !slot_flags::ARMED, ..cfg };
+            self.slots_map.set(index, disarmed, 0).context("disarming a slot in the slot config map")?;
+        }
+        Ok(())
+    }
+
+    /// The configs of `pid`'s slots, as the kernel has them.
+    fn slot_configs(&self, pid: u32) -> Result<Vec<(u32, SlotConfig)>> {
+        self.slots()
+            .filter(|(_, slot)| slot.pid == pid)
+            .map(|(index, _)| Ok((index, self.slots_map.get(&index, 0).context("reading the slot config map")?)))
+            .collect()
     }
 
     /// A slot for a new probe: a freed one (its counts zeroed), or the next.

@@ -13,7 +13,8 @@
 //! - `--recover N`: hung for `--recover-after`, then done and released.
 //!
 //! It prints JSON lines on stdout: `ready` (with its pid), one `injected`
-//! per pinned request (with its key), and `done` at the end.
+//! per pinned request (with its key), `exec` before it replaces itself
+//! (`--exec-after`), and `done` at the end.
 //!
 //! Build it with frame pointers (`-C force-frame-pointers=yes`, as xtask
 //! does) so every probed function starts with `push %rbp`, which the kernel
@@ -65,6 +66,14 @@ struct Args {
     /// Wait for a line on stdin before starting (so an agent can attach).
     #[arg(long)]
     wait_for_go: bool,
+    /// Exec the program given after `--` (with its arguments) this long
+    /// after start, pinned requests still held: a process replacing its
+    /// image (`--exec-after 2s -- /bin/sleep 30`).
+    #[arg(long, value_parser = humantime::parse_duration, requires = "exec")]
+    exec_after: Option<Duration>,
+    /// What `--exec-after` execs.
+    #[arg(last = true)]
+    exec: Vec<String>,
     /// Benchmark mode for `cargo bench --bench uprobe`: for every line
     /// `enqueue`, `post` or `poll` on stdin, time this many calls of that
     /// function and print the mean.
@@ -211,6 +220,9 @@ fn main() {
     let mut next = start;
     let mut last_poll = start;
     while start.elapsed() < args.duration {
+        if args.exec_after.is_some_and(|after| start.elapsed() >= after) {
+            exec(&args.exec);
+        }
         if !injected && start.elapsed() >= args.inject_after {
             injected = true;
             pinned = inject(&args);
@@ -247,6 +259,19 @@ fn main() {
     ));
     // Pinned requests stay pinned: the process exits with them in flight.
     black_box(&pinned);
+}
+
+/// Replace this program with `argv`, held requests and all; returns only
+/// on failure, by exiting.
+fn exec(argv: &[String]) {
+    use std::os::unix::process::CommandExt as _;
+    say(&format!("{{\"event\":\"exec\",\"program\":{:?}}}", argv.join(" ")));
+    let Some((program, rest)) = argv.split_first() else {
+        return;
+    };
+    let err = std::process::Command::new(program).args(rest).exec();
+    eprintln!("demo-prefill: exec {program}: {err}");
+    std::process::exit(1);
 }
 
 fn bench(calls: u64) {
