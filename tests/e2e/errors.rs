@@ -194,3 +194,34 @@ fn an_agent_whose_stdout_reader_goes_away_stops_cleanly() {
     assert!(stderr.contains("stdout was closed (its reader went away): stopping"), "{stderr}");
     assert!(!stderr.contains("error") && !stderr.contains("panicked"), "{stderr}");
 }
+
+#[test]
+fn a_megabyte_symbol_gets_no_suggestions_and_a_short_error() {
+    let symbol = "q".repeat(1 << 20);
+    let stderr = watch_with(&format!("[[probe]]\nsymbol = \"{symbol}\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = {{ from = \"arg0\" }}\n"));
+    assert!(stderr.contains("no suggestions for a name of 1048576 bytes"), "{}", &stderr[..stderr.len().min(2000)]);
+    assert!(stderr.len() < 8192, "the name is not printed whole: {} bytes of stderr", stderr.len());
+}
+
+#[test]
+fn profile_check_refuses_rules_that_cannot_match_and_double_probes() {
+    let never = "[[probe]]\nsymbol = \"kv_transfer_poll\"\nat = \"return\"\nret = \"i32\"\nkey = { from = \"arg0\" }\non_return = [\n  { when = \"== 99999999999999\", event = \"transfer_done\" },\n]\n";
+    let file = profile_file(never);
+    let stderr = fails(&["profile", "check", file.path().to_str().expect("utf-8 temp path")]);
+    assert!(stderr.contains("line 1 ([[probe]] for `kv_transfer_poll`)"), "{stderr}");
+    assert!(stderr.contains("`when = \"== 99999999999999\"` (line 7) never holds"), "{stderr}");
+
+    let twice = "[[probe]]\nsymbol = \"prefill_enqueue\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\", deref = [0] }\n\n[[probe]]\nsymbol = \"prefill_enqueue\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\", deref = [0] }\n";
+    let file = profile_file(twice);
+    let stderr = fails(&["profile", "check", file.path().to_str().expect("utf-8 temp path")]);
+    assert!(stderr.contains("line 7 ([[probe]] for `prefill_enqueue`): the [[probe]] on line 1 probes the same function's entry"), "{stderr}");
+}
+
+#[test]
+fn an_external_id_read_at_the_key_itself_is_refused() {
+    let at_key = "[[probe]]\nsymbol = \"prefill_enqueue\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\", deref = [0] }\nexternal_id = { from = \"key\" }\n";
+    let file = profile_file(at_key);
+    let stderr = fails(&["profile", "check", file.path().to_str().expect("utf-8 temp path")]);
+    assert!(stderr.contains("line 1 ([[probe]] for `prefill_enqueue`)"), "{stderr}");
+    assert!(stderr.contains("`external_id = { from = \"key\" }` would read at the address the key holds"), "{stderr}");
+}

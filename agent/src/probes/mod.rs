@@ -12,6 +12,7 @@
 //! outlive the agent; see [`crate::state`].
 pub mod profile;
 pub mod resolve;
+mod returns;
 
 use std::{
     collections::{HashMap, HashSet},

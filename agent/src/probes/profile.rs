@@ -13,6 +13,7 @@ use stallwatch_common::{
 };
 use toml::Spanned;
 
+use super::returns::Values;
 use crate::lifecycle::Stage;
 
 /// Built-in profiles: (name, TOML text).
@@ -186,11 +187,16 @@ impl Profile {
                 let line = line_of(text, spanned.span().start);
                 let raw = spanned.into_inner();
                 let symbol = raw.symbol.clone();
-                raw.validate(line).map_err(|err| {
+                raw.validate(line, |span| line_of(text, span.start)).map_err(|err| {
                     anyhow!("profile {origin}, line {line} ([[probe]] for `{symbol}`): {err}")
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        for (i, probe) in probes.iter().enumerate() {
+            if let Some(err) = probes[..i].iter().find_map(|earlier| probe.conflict_with(earlier)) {
+                bail!("profile {origin}, line {} ([[probe]] for `{}`): {err}", probe.line, probe.symbol);
+            }
+        }
         let activity = raw
             .activity
             .into_iter()
@@ -209,6 +215,17 @@ impl Profile {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        for (i, spec) in activity.iter().enumerate() {
+            if let Some(earlier) = activity[..i].iter().find(|e| e.object == spec.object && e.symbol == spec.symbol) {
+                bail!(
+                    "profile {origin}, line {} ([[activity]] for `{}`): the [[activity]] on line {} counts the same \
+                     function already, so every call would count twice: keep one",
+                    spec.line,
+                    spec.symbol,
+                    earlier.line
+                );
+            }
+        }
         Ok(Self {
             name: raw.name.unwrap_or_else(|| origin.to_owned()),
             origin: origin.to_owned(),
@@ -268,6 +285,46 @@ impl ProbeSpec {
         cfg
     }
 
+    /// The return values for which this probe emits an event.
+    fn emits_for(&self) -> Values {
+        match &self.action {
+            Action::Always(_) => Values::all(self.ret),
+            Action::OnReturn(rules) => rules
+                .iter()
+                .fold(Values::none(), |values, (rule, _)| values.union(Values::held_by(rule, self.ret))),
+        }
+    }
+
+    /// Why this probe cannot sit beside `earlier`, if it cannot: on the
+    /// same function's same end, with the same key, both would emit for
+    /// one call (two events for one request), and one function returns
+    /// one type. Probes of one call with different keys, or return rules
+    /// split over two probes (more than [`MAX_RET_RULES`] outcomes), may.
+    fn conflict_with(&self, earlier: &ProbeSpec) -> Option<String> {
+        if (&self.object, &self.symbol, self.at) != (&earlier.object, &earlier.symbol, earlier.at) || self.key != earlier.key {
+            return None;
+        }
+        let end = match self.at {
+            At::Entry => "entry",
+            At::Return => "return",
+        };
+        if self.at == At::Return && self.ret != earlier.ret {
+            return Some(format!(
+                "the [[probe]] on line {} reads the same function's return as {:?}: one function returns one type; \
+                 give both the same `ret`",
+                earlier.line, earlier.ret
+            ));
+        }
+        self.emits_for().intersects(&earlier.emits_for()).then(|| {
+            format!(
+                "the [[probe]] on line {} probes the same function's {end} with the same key, and both would emit for \
+                 one call (two events for one request): merge them into one [[probe]], or make their `on_return` rules \
+                 exclusive",
+                earlier.line
+            )
+        })
+    }
+
     /// How many arguments a return probe reads (so its entry must save them).
     fn args_read(&self) -> u32 {
         let ext = self.external_id.iter().flat_map(|ext| std::iter::once(&ext.at).chain(&ext.guard));
@@ -299,6 +356,35 @@ impl Source {
             offsets,
             add: self.add,
         }
+    }
+}
+
+impl Source {
+    /// A string (or guard byte) read from the key must be read *through*
+    /// it: the key is an id (an integer, or a handle), never the string's
+    /// own address, so `{ from = "key" }` alone would fail on every hit and
+    /// count each delivered event as lost (`read_failed`). `int_key`: the
+    /// key is a 32-bit return value, which points nowhere at all.
+    fn check_from_key(&self, field: &str, int_key: bool) -> Result<()> {
+        if self.from != From::Key {
+            return Ok(());
+        }
+        if int_key {
+            bail!(
+                "`{field}.from = \"key\"`: the key is a 32-bit return value (`key = {{ from = \"ret\" }}` with \
+                 `ret = \"i32\"`), not an address, so nothing can be read through it: read the {field} from an \
+                 argument instead"
+            );
+        }
+        if self.deref.is_empty() && self.add == 0 {
+            bail!(
+                "`{field} = {{ from = \"key\" }}` would read at the address the key holds, but a request key is an id \
+                 (an integer or a handle), so every read would fail and count the event as lost: give where the string \
+                 lies from there (`deref = [OFFSET]` for a pointer field, `add = OFFSET` for inline chars), or, if the \
+                 key really is the string's address, read it from the key's own source (e.g. `from = \"arg0\"`)"
+            );
+        }
+        Ok(())
     }
 }
 
@@ -349,7 +435,7 @@ struct RawProbe {
     symbol: String,
     at: At,
     event: Option<String>,
-    on_return: Option<Vec<RawRule>>,
+    on_return: Option<Vec<Spanned<RawRule>>>,
     key: RawSource,
     external_id: Option<RawString>,
     ret: Option<RetType>,
@@ -386,7 +472,8 @@ struct RawString {
 }
 
 impl RawProbe {
-    fn validate(self, line: usize) -> Result<ProbeSpec> {
+    /// `line_at` turns a span of the file into its line.
+    fn validate(self, line: usize, line_at: impl Fn(std::ops::Range<usize>) -> usize) -> Result<ProbeSpec> {
         if self.symbol.trim().is_empty() {
             bail!("`symbol` is empty: name the function to probe (mangled C++ names are fine)");
         }
@@ -399,11 +486,35 @@ impl RawProbe {
                 if rules.is_empty() || rules.len() > MAX_RET_RULES {
                     bail!("`on_return` takes 1 to {MAX_RET_RULES} rules, found {}", rules.len());
                 }
-                let rules = rules
-                    .into_iter()
-                    .map(|rule| Ok((parse_rule(&rule.when)?, parse_stage(&rule.event)?)))
-                    .collect::<Result<_>>()?;
-                Action::OnReturn(rules)
+                let ret = self.ret.unwrap_or_default();
+                let mut left = Values::all(ret);
+                let mut parsed = Vec::with_capacity(rules.len());
+                for spanned in rules {
+                    let rule_line = line_at(spanned.span());
+                    let rule = spanned.into_inner();
+                    let (when, stage) = (parse_rule(&rule.when)?, parse_stage(&rule.event)?);
+                    let holds = Values::held_by(&when, ret);
+                    if holds.is_empty() {
+                        bail!(
+                            "`when = \"{}\"` (line {rule_line}) never holds: {}",
+                            rule.when.trim(),
+                            match ret {
+                                RetType::I32 => "with `ret = \"i32\"` the return value is between -2147483648 and 2147483647",
+                                RetType::I64 => "no 64-bit return value satisfies it",
+                            }
+                        );
+                    }
+                    if !holds.intersects(&left) {
+                        bail!(
+                            "`when = \"{}\"` (line {rule_line}) never picks its event: every value it holds for is taken \
+                             by a rule before it (the first rule that holds wins); reorder or remove it",
+                            rule.when.trim()
+                        );
+                    }
+                    left = left.minus(&holds);
+                    parsed.push((when, stage));
+                }
+                Action::OnReturn(parsed)
             }
             (Some(_), Some(_)) => bail!("give either `event` or `on_return`, not both"),
             (None, None) => bail!(
@@ -417,13 +528,18 @@ impl RawProbe {
         if self.at == At::Entry && self.only_on_change {
             bail!("`only_on_change` compares return values: it needs `at = \"return\"`");
         }
+        let ret = self.ret.unwrap_or_default();
         let key = self.key.validate("key", self.at, false)?;
+        let int_key = key.from == From::Ret && key.deref.is_empty() && ret == RetType::I32;
         let external_id = self
             .external_id
             .map(|ext| -> Result<StringSource> {
                 let at = RawSource { from: ext.from, deref: ext.deref, add: ext.add }
                     .validate("external_id", self.at, true)?;
                 let guard = ext.guard.map(|g| g.validate("external_id.guard", self.at, true)).transpose()?;
+                for (field, source) in std::iter::once(("external_id", &at)).chain(guard.iter().map(|g| ("external_id.guard", g))) {
+                    source.check_from_key(field, int_key)?;
+                }
                 Ok(StringSource { at, guard })
             })
             .transpose()?;
@@ -435,7 +551,7 @@ impl RawProbe {
             action,
             key,
             external_id,
-            ret: self.ret.unwrap_or_default(),
+            ret,
             only_on_change: self.only_on_change,
         })
     }
@@ -562,6 +678,63 @@ mod tests {
         assert!(err.contains("no [[probe]] tables"), "{err}");
         let err = error_of("[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\" }\nevent = \"released\"\ncolour = 1\n");
         assert!(err.contains("colour"), "{err}");
+    }
+
+    #[test]
+    fn rules_that_can_never_pick_their_event_are_refused_with_their_line() {
+        let probe = |ret: &str, rules: &str| {
+            format!("[[probe]]\nsymbol = \"f\"\nat = \"return\"\nret = \"{ret}\"\nkey = {{ from = \"arg0\" }}\non_return = [\n{rules}]\n")
+        };
+        let err = error_of(&probe("i32", "  { when = \"== 99999999999999\", event = \"transfer_done\" },\n"));
+        assert!(err.contains("line 1 ([[probe]] for `f`)") && err.contains("`when = \"== 99999999999999\"` (line 7) never holds"), "{err}");
+        assert!(err.contains("between -2147483648 and 2147483647"), "{err}");
+        // The same value is a fine 64-bit return.
+        Profile::parse(&probe("i64", "  { when = \"== 99999999999999\", event = \"transfer_done\" },\n"), "p.toml").expect("valid");
+        let err = error_of(&probe("i32", "  { when = \"< 0\", event = \"failed\" },\n  { when = \"== -3\", event = \"aborted\" },\n"));
+        assert!(err.contains("`when = \"== -3\"` (line 8) never picks its event"), "{err}");
+        let err = error_of(&probe("i64", "  { when = \"!= 7\", event = \"failed\" },\n  { when = \"== 3\", event = \"transfer_done\" },\n"));
+        assert!(err.contains("`when = \"== 3\"` (line 8) never picks its event"), "{err}");
+        Profile::parse(&probe("i32", "  { when = \"== 0\", event = \"transfer_done\" },\n  { when = \"< 0\", event = \"failed\" },\n"), "p.toml").expect("valid");
+    }
+
+    #[test]
+    fn two_probes_emitting_for_one_call_are_refused_naming_both_lines() {
+        let entry = |symbol: &str, event: &str, key: &str| {
+            format!("[[probe]]\nsymbol = \"{symbol}\"\nat = \"entry\"\nevent = \"{event}\"\nkey = {{ from = \"{key}\" }}\n\n")
+        };
+        let err = error_of(&(entry("f", "enqueued", "arg0") + &entry("g", "released", "arg0") + &entry("f", "released", "arg0")));
+        assert!(err.contains("line 13 ([[probe]] for `f`): the [[probe]] on line 1 probes the same function's entry"), "{err}");
+        // Another key, or another end of the function, is another lifecycle point.
+        Profile::parse(&(entry("f", "enqueued", "arg0") + &entry("f", "released", "arg1")), "p.toml").expect("valid");
+        let ret = |rules: &str, ret: &str| {
+            format!("[[probe]]\nsymbol = \"f\"\nat = \"return\"\nret = \"{ret}\"\nkey = {{ from = \"arg0\" }}\non_return = [{rules}]\n\n")
+        };
+        let split = ret("{ when = \"== 0\", event = \"transfer_done\" }, { when = \"== 1\", event = \"aborted\" }", "i32")
+            + &ret("{ when = \"< 0\", event = \"failed\" }", "i32");
+        Profile::parse(&(entry("f", "enqueued", "arg0") + &split), "p.toml").expect("rules split over two probes");
+        let overlap = ret("{ when = \"<= 0\", event = \"transfer_done\" }", "i32") + &ret("{ when = \"< 0\", event = \"failed\" }", "i32");
+        assert!(error_of(&overlap).contains("both would emit for one call"));
+        let types = ret("{ when = \"== 0\", event = \"transfer_done\" }", "i32") + &ret("{ when = \"< 0\", event = \"failed\" }", "i64");
+        assert!(error_of(&types).contains("one function returns one type"), "{}", error_of(&types));
+        let activity = "[[activity]]\nsymbol = \"p\"\nkind = \"progress\"\n\n[[activity]]\nsymbol = \"p\"\nkind = \"post\"\n";
+        let err = error_of(&(entry("f", "enqueued", "arg0") + activity));
+        assert!(err.contains("line 11 ([[activity]] for `p`): the [[activity]] on line 7 counts the same function"), "{err}");
+    }
+
+    #[test]
+    fn an_external_id_at_the_key_itself_is_refused() {
+        let with_ext = |key: &str, ret: &str, ext: &str| {
+            format!("[[probe]]\nsymbol = \"f\"\nat = \"return\"\nret = \"{ret}\"\nkey = {key}\nevent = \"enqueued\"\nexternal_id = {ext}\n")
+        };
+        let err = error_of(&with_ext("{ from = \"arg0\", deref = [0] }", "i64", "{ from = \"key\" }"));
+        assert!(err.contains("line 1 ([[probe]] for `f`): `external_id = { from = \"key\" }` would read at the address the key holds"), "{err}");
+        let err = error_of(&with_ext("{ from = \"arg0\" }", "i64", "{ from = \"arg1\", guard = { from = \"key\" } }"));
+        assert!(err.contains("`external_id.guard = { from = \"key\" }`"), "{err}");
+        let err = error_of(&with_ext("{ from = \"ret\" }", "i32", "{ from = \"key\", deref = [8] }"));
+        assert!(err.contains("the key is a 32-bit return value"), "{err}");
+        // Through the key, as the nixl profile reads its notification message.
+        Profile::parse(&with_ext("{ from = \"arg0\", deref = [0] }", "i64", "{ from = \"key\", deref = [144], guard = { from = \"key\", add = 176 } }"), "p.toml")
+            .expect("valid");
     }
 
     #[test]

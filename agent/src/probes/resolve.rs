@@ -242,32 +242,74 @@ impl ElfFile {
             .collect();
         names.sort_unstable();
         names.dedup();
+        let shown = shortened(symbol);
         if names.is_empty() {
-            return anyhow!(
-                "symbol `{symbol}` not found: {} has no function symbols (stripped?)",
-                self.path.display()
-            );
+            return anyhow!("symbol `{shown}` not found: {} has no function symbols (stripped?)", self.path.display());
         }
-        let mut scored: Vec<(f64, &str)> = names
-            .iter()
-            .map(|name| {
-                let score = if name.contains(symbol) || symbol.contains(name) {
-                    1.0
-                } else {
-                    strsim::jaro_winkler(symbol, name)
-                };
-                (score, *name)
-            })
-            .collect();
-        scored.sort_by(|a, b| b.0.total_cmp(&a.0));
-        let close: Vec<&str> = scored.iter().take(3).filter(|(score, _)| *score > 0.7).map(|(_, n)| *n).collect();
-        anyhow!(
-            "symbol `{symbol}` not found in {} ({} function symbols){}",
-            self.path.display(),
-            names.len(),
-            if close.is_empty() { String::new() } else { format!("; did you mean: {}", close.join(", ")) }
-        )
+        let hint = match suggestions(symbol, &names) {
+            Suggestions::Close(close) if !close.is_empty() => format!("; did you mean: {}", close.join(", ")),
+            Suggestions::Close(_) => String::new(),
+            Suggestions::TooLong => format!(
+                "; no suggestions for a name of {} bytes (function names are rarely longer than {MAX_SUGGESTED_LEN})",
+                symbol.len()
+            ),
+        };
+        anyhow!("symbol `{shown}` not found in {} ({} function symbols){hint}", self.path.display(), names.len())
     }
+}
+
+/// The longest symbol "did you mean" looks for: the similarity score costs
+/// the product of the two lengths, and a profile's name of a megabyte
+/// would take minutes over a large library, deaf to SIGINT meanwhile.
+const MAX_SUGGESTED_LEN: usize = 256;
+/// The most names of a file scored for suggestions (in name order), so a
+/// library of millions of symbols costs bounded work too.
+const MAX_CANDIDATES: usize = 100_000;
+/// The longest candidate name scored by similarity; longer ones (deep C++
+/// templates) are only checked for containing the symbol, or it in them.
+const MAX_SCORED_LEN: usize = 1024;
+
+/// What "did you mean" has to offer.
+#[derive(Debug, PartialEq, Eq)]
+enum Suggestions<'a> {
+    /// Up to three close names, the closest first.
+    Close(Vec<&'a str>),
+    /// The symbol is longer than [`MAX_SUGGESTED_LEN`]: none looked for.
+    TooLong,
+}
+
+/// The names of `names` closest to `symbol`: one containing it (or
+/// contained in it) first, then by Jaro-Winkler similarity above 0.7.
+fn suggestions<'a>(symbol: &str, names: &[&'a str]) -> Suggestions<'a> {
+    if symbol.len() > MAX_SUGGESTED_LEN {
+        return Suggestions::TooLong;
+    }
+    let mut scored: Vec<(f64, &str)> = names
+        .iter()
+        .take(MAX_CANDIDATES)
+        .filter_map(|name| {
+            if name.contains(symbol) || symbol.contains(name) {
+                Some((1.0, *name))
+            } else if name.len() <= MAX_SCORED_LEN {
+                Some((strsim::jaro_winkler(symbol, name), *name))
+            } else {
+                None
+            }
+        })
+        .collect();
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0));
+    Suggestions::Close(scored.iter().take(3).filter(|(score, _)| *score > 0.7).map(|(_, n)| *n).collect())
+}
+
+/// A name as errors show it: whole up to 200 bytes, else its start and its
+/// length.
+fn shortened(name: &str) -> std::borrow::Cow<'_, str> {
+    const SHOWN: usize = 200;
+    if name.len() <= SHOWN {
+        return name.into();
+    }
+    let end = (0..=100).rev().find(|&i| name.is_char_boundary(i)).unwrap_or(0);
+    format!("{}... ({} bytes)", &name[..end], name.len()).into()
 }
 
 #[cfg(test)]
@@ -314,6 +356,29 @@ mod tests {
         assert_eq!(FirstInsn::classify(&[0xf3, 0x0f, 0x1e, 0xfa]), FirstInsn::Endbr64);
         assert_eq!(FirstInsn::classify(&[0x48, 0x83, 0xec, 0x18]), FirstInsn::SingleStep);
         assert_eq!(FirstInsn::classify(&[]), FirstInsn::SingleStep);
+    }
+
+    #[test]
+    fn suggestions_are_bounded_work() {
+        let names = ["prefill_enqueue", "prefill_release", "kv_transfer_post"];
+        assert_eq!(suggestions("prefill_enqueu", &names), Suggestions::Close(vec!["prefill_enqueue", "prefill_release"]));
+        assert_eq!(suggestions("transfer_post", &names), Suggestions::Close(vec!["kv_transfer_post"]));
+        assert_eq!(suggestions(&"x".repeat(MAX_SUGGESTED_LEN + 1), &names), Suggestions::TooLong);
+        // Only the first MAX_CANDIDATES names are looked at.
+        let many: Vec<String> = (0..MAX_CANDIDATES).map(|i| format!("unrelated_{i:06}")).collect();
+        let mut many: Vec<&str> = many.iter().map(String::as_str).collect();
+        many.push("prefill_enqueue");
+        assert_eq!(suggestions("prefill_enqueu", &many), Suggestions::Close(vec![]));
+    }
+
+    #[test]
+    fn a_megabyte_symbol_is_refused_without_suggestions_and_shown_short() {
+        let elf = ElfFile::open(&std::env::current_exe().unwrap()).unwrap();
+        let symbol = "é".repeat(512 * 1024);
+        let err = elf.resolve(&symbol).unwrap_err().to_string();
+        assert!(err.contains("no suggestions for a name of 1048576 bytes"), "{}", &err[..err.len().min(400)]);
+        assert!(err.len() < 1000, "the name is shortened: {} bytes", err.len());
+        assert!(err.contains("... (1048576 bytes)`"), "{err}");
     }
 
     #[test]
