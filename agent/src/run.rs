@@ -362,7 +362,14 @@ impl<W: Write> Session<W> {
             info!(pid, "in-flight requests of a process this agent does not watch are dropped");
         }
         info!(requests = taken, exited = gone.len(), "took over the requests in flight in the kernel");
-        Ok(())
+        // Read what the ring buffer gathered before the take-over's reports
+        // are applied: a lifecycle that ended while no agent ran leaves the
+        // table only once its events are read, so an agent killed now
+        // leaves both for the next one, never its events alone (which would
+        // read as a new lifecycle and end it twice).
+        let Session { reader, ingest, transport, engine, reports, .. } = self;
+        reader.drain(|bytes| ingest.record(bytes, transport, engine, reports));
+        self.emit()
     }
 
     /// The process is gone, or its program is: what it did before counts

@@ -209,83 +209,149 @@ fn mount_bpffs() -> Result<()> {
     Ok(())
 }
 
-/// The kernel's in-flight table and the agent's record of reported stalls.
-pub struct KernelState {
-    inflight: BpfHashMap<MapData, RequestKey, InflightEntry>,
-    alerted: BpfHashMap<MapData, RequestKey, u64>,
-    /// Requests whose stall this agent marked in `ALERTED` during their
-    /// current lifecycle: the kernel may keep their entry past the end.
-    marked: HashSet<(u32, u64)>,
+/// The two kernel tables [`KernelState`] keeps in step with the reports:
+/// the pinned BPF maps ([`BpfTables`]), or, in the tests, a model of what
+/// the eBPF programs do with them.
+pub trait Tables {
+    fn inflight_keys(&self) -> Result<Vec<RequestKey>>;
+    /// `None`: no entry (it may have just ended).
+    fn inflight(&self, key: &RequestKey) -> Result<Option<InflightEntry>>;
+    /// Remove an entry; already gone is fine.
+    fn forget_inflight(&mut self, key: &RequestKey) -> Result<()>;
+    fn alerted_keys(&self) -> Result<Vec<RequestKey>>;
+    fn alerted(&self, key: &RequestKey) -> Result<Option<u64>>;
+    /// Mark the silence that ended at `last_ns` as reported.
+    fn mark(&mut self, key: &RequestKey, last_ns: u64) -> Result<()>;
+    /// Remove a mark; already gone is fine.
+    fn forget_alerted(&mut self, key: &RequestKey) -> Result<()>;
 }
 
-impl KernelState {
+/// The pinned `INFLIGHT` and `ALERTED` maps.
+pub struct BpfTables {
+    inflight: BpfHashMap<MapData, RequestKey, InflightEntry>,
+    alerted: BpfHashMap<MapData, RequestKey, u64>,
+}
+
+impl BpfTables {
     pub fn new(inflight: MapData, alerted: MapData) -> Result<Self> {
         Ok(Self {
             inflight: BpfHashMap::try_from(aya::maps::Map::HashMap(inflight)).context("INFLIGHT is not a hash map")?,
             alerted: BpfHashMap::try_from(aya::maps::Map::HashMap(alerted)).context("ALERTED is not a hash map")?,
-            marked: HashSet::new(),
         })
+    }
+}
+
+impl Tables for BpfTables {
+    fn inflight_keys(&self) -> Result<Vec<RequestKey>> {
+        self.inflight.keys().collect::<Result<Vec<_>, _>>().context("listing the INFLIGHT map")
+    }
+
+    fn inflight(&self, key: &RequestKey) -> Result<Option<InflightEntry>> {
+        found(self.inflight.get(key, 0)).context("reading the INFLIGHT map")
+    }
+
+    fn forget_inflight(&mut self, key: &RequestKey) -> Result<()> {
+        forget(&mut self.inflight, key)
+    }
+
+    fn alerted_keys(&self) -> Result<Vec<RequestKey>> {
+        self.alerted.keys().collect::<Result<Vec<_>, _>>().context("listing the ALERTED map")
+    }
+
+    fn alerted(&self, key: &RequestKey) -> Result<Option<u64>> {
+        found(self.alerted.get(key, 0)).context("reading the ALERTED map")
+    }
+
+    fn mark(&mut self, key: &RequestKey, last_ns: u64) -> Result<()> {
+        self.alerted.insert(key, last_ns, 0).context("writing the ALERTED map")
+    }
+
+    fn forget_alerted(&mut self, key: &RequestKey) -> Result<()> {
+        forget(&mut self.alerted, key)
+    }
+}
+
+/// The kernel's in-flight table and the agent's record of reported stalls.
+pub struct KernelState<T = BpfTables> {
+    tables: T,
+    /// Requests this agent followed while they had a mark in `ALERTED`
+    /// (its own stall alert, or an earlier agent's it took over), and those
+    /// it took over ended: the kernel may keep their entry past the end, so
+    /// their end must collect it.
+    marked: HashSet<(u32, u64)>,
+}
+
+impl<T: Tables> KernelState<T> {
+    pub fn new(tables: T) -> Self {
+        Self { tables, marked: HashSet::new() }
     }
 
     /// Every request the kernel holds, as the engine takes them over.
     /// Entries that vanish while being read (their lifecycle ended) are
-    /// skipped; so are the few whose stage this agent does not know.
-    pub fn snapshot(&self) -> Result<Vec<Restored>> {
-        let keys = self.inflight.keys().collect::<Result<Vec<_>, _>>().context("listing the INFLIGHT map")?;
+    /// skipped; so are the few whose stage this agent does not know. The
+    /// requests taken over with an earlier agent's mark (or already ended,
+    /// which the kernel keeps only for a mark) count as marked, so their
+    /// end collects the entry instead of leaving it for the next agent to
+    /// end again; marks of requests the kernel no longer holds are dropped,
+    /// or a later lifecycle of the key would inherit them.
+    pub fn snapshot(&mut self) -> Result<Vec<Restored>> {
+        let keys = self.tables.inflight_keys()?;
         let mut restored = Vec::with_capacity(keys.len());
         for key in keys {
-            let entry = match self.inflight.get(&key, 0) {
-                Ok(entry) => entry,
-                Err(MapError::KeyNotFound) => continue,
-                Err(err) => return Err(err).context("reading the INFLIGHT map"),
-            };
-            let alerted = match self.alerted.get(&key, 0) {
-                Ok(ns) => Some(ns),
-                Err(MapError::KeyNotFound) => None,
-                Err(err) => return Err(err).context("reading the ALERTED map"),
-            };
+            let Some(entry) = self.tables.inflight(&key)? else { continue };
+            let alerted = self.tables.alerted(&key)?;
             match restored_from(key, &entry, alerted) {
-                Some(request) => restored.push(request),
+                Some(request) => {
+                    if alerted.is_some() || request.stage.is_terminal() {
+                        self.marked.insert((key.pid, key.key));
+                    }
+                    restored.push(request);
+                }
                 None => warn!(pid = key.pid, key = format_args!("{:#x}", key.key), stage = entry.stage, "in-flight entry of an unknown stage skipped"),
+            }
+        }
+        for key in self.tables.alerted_keys()? {
+            if self.tables.inflight(&key)?.is_none() {
+                self.tables.forget_alerted(&key)?;
             }
         }
         Ok(restored)
     }
 
     /// Keep the kernel's tables in step with a report: mark a stall as
-    /// reported, unmark it when it recovers, drop what the kernel cannot
-    /// know has ended (evictions).
+    /// reported, unmark it when it recovers, collect an ended entry the
+    /// kernel kept for a mark, drop what the kernel cannot know has ended
+    /// (evictions, processes gone).
     pub fn apply(&mut self, report: &Report) -> Result<()> {
         let request = report.request();
         let id = (request.pid, request.key);
         let key = RequestKey { key: request.key, pid: request.pid, _pad: 0 };
         match report {
             Report::Stalled { request, .. } => {
-                self.alerted.insert(key, request.last_ns, 0).context("writing the ALERTED map")?;
+                self.tables.mark(&key, request.last_ns)?;
                 self.marked.insert(id);
             }
             Report::Recovered { .. } => {
                 // The kernel may already have kept an ended entry: `marked`
                 // stays until the end, which collects it.
-                forget(&mut self.alerted, &key)?;
+                self.tables.forget_alerted(&key)?;
             }
             Report::Ended { outcome, .. } => {
                 let marked = self.marked.remove(&id);
                 if marked {
-                    forget(&mut self.alerted, &key)?;
+                    self.tables.forget_alerted(&key)?;
                 }
                 match outcome {
                     // The kernel already dropped it, unless it kept it for
-                    // the stall alert: collect that.
+                    // the stall alert: collect that (not a next lifecycle
+                    // of the key that began since).
                     Outcome::Released | Outcome::Aborted | Outcome::Failed if marked => {
-                        if let Ok(entry) = self.inflight.get(&key, 0) {
-                            if entry.stage >= stage::FIRST_TERMINAL {
-                                forget(&mut self.inflight, &key)?;
-                            }
+                        if self.tables.inflight(&key)?.is_some_and(|entry| entry.stage >= stage::FIRST_TERMINAL) {
+                            self.tables.forget_inflight(&key)?;
                         }
                     }
                     Outcome::Released | Outcome::Aborted | Outcome::Failed => {}
-                    Outcome::Evicted => forget(&mut self.inflight, &key)?,
+                    Outcome::Evicted => self.tables.forget_inflight(&key)?,
                     // `forget_process` drops the whole process at once.
                     Outcome::ProcessExited => {}
                 }
@@ -297,18 +363,23 @@ impl KernelState {
     /// Drop every entry of `pid`: it exited, or this agent does not watch it.
     pub fn forget_process(&mut self, pid: u32) -> Result<()> {
         self.marked.retain(|(marked_pid, _)| *marked_pid != pid);
-        forget_pid(&mut self.inflight, pid)?;
-        forget_pid(&mut self.alerted, pid)
+        for key in self.tables.inflight_keys()?.iter().filter(|key| key.pid == pid) {
+            self.tables.forget_inflight(key)?;
+        }
+        for key in self.tables.alerted_keys()?.iter().filter(|key| key.pid == pid) {
+            self.tables.forget_alerted(key)?;
+        }
+        Ok(())
     }
 }
 
-fn forget_pid<V: aya::Pod>(map: &mut BpfHashMap<MapData, RequestKey, V>, pid: u32) -> Result<()> {
-    // Collect first: deleting while walking restarts the walk.
-    let keys = map.keys().collect::<Result<Vec<_>, _>>().context("listing an in-flight map")?;
-    for key in keys.iter().filter(|key| key.pid == pid) {
-        forget(map, key)?;
+/// A lookup's value, `None` for a key not there.
+fn found<V>(result: Result<V, MapError>) -> Result<Option<V>> {
+    match result {
+        Ok(value) => Ok(Some(value)),
+        Err(MapError::KeyNotFound) => Ok(None),
+        Err(err) => Err(anyhow!(err)),
     }
-    Ok(())
 }
 
 /// Remove `key`; already gone is fine.
@@ -375,5 +446,257 @@ mod tests {
         let no_ext = InflightEntry { has_ext: 0, ..entry };
         assert_eq!(restored_from(key, &no_ext, None).unwrap().external_id, None);
         assert!(restored_from(key, &InflightEntry { stage: 99, ..entry }, None).is_none());
+    }
+
+    // ------------------------------------------- the in-flight protocol, modelled
+
+    use std::{cell::RefCell, collections::BTreeMap, collections::HashMap, collections::VecDeque, rc::Rc};
+
+    use crate::lifecycle::{Engine, EngineConfig, Observation};
+
+    /// What the eBPF programs do with the two tables and the ring buffer
+    /// (`emit` and `track` in ebpf/src/main.rs), written out plainly. It
+    /// outlives every agent, as the pinned maps do.
+    #[derive(Default)]
+    struct Kernel {
+        inflight: BTreeMap<(u32, u64), InflightEntry>,
+        alerted: BTreeMap<(u32, u64), u64>,
+        ring: VecDeque<Observation>,
+        capacity: usize,
+    }
+
+    impl Kernel {
+        fn event(&mut self, pid: u32, key: u64, stage: u8, ts: u64) {
+            let id = (pid, key);
+            self.ring.push_back(Observation { pid, key, stage: events::stage(stage).expect("stage"), ts_ns: ts, external_id: None });
+            if stage >= stage::FIRST_TERMINAL {
+                if self.alerted.contains_key(&id) {
+                    if let Some(entry) = self.inflight.get_mut(&id) {
+                        entry.stage = stage;
+                        entry.last_ns = entry.last_ns.max(ts);
+                    }
+                } else {
+                    self.inflight.remove(&id);
+                }
+                return;
+            }
+            if let Some(entry) = self.inflight.get_mut(&id) {
+                if entry.stage < stage::FIRST_TERMINAL {
+                    entry.last_ns = entry.last_ns.max(ts);
+                    entry.stage = entry.stage.max(stage);
+                    if entry.stage_ns[usize::from(stage)] == 0 {
+                        entry.stage_ns[usize::from(stage)] = ts;
+                    }
+                    return;
+                }
+            } else if self.inflight.len() >= self.capacity {
+                return;
+            }
+            let mut entry = InflightEntry {
+                first_ns: ts,
+                last_ns: ts,
+                stage_ns: [0; stage::LIVE],
+                stage,
+                has_ext: 0,
+                _pad: [0; 6],
+                ext: [0; EXT_ID_LEN],
+            };
+            entry.stage_ns[usize::from(stage)] = ts;
+            self.inflight.insert(id, entry);
+        }
+    }
+
+    #[derive(Clone, Default)]
+    struct Shared(Rc<RefCell<Kernel>>);
+
+    fn id(key: &RequestKey) -> (u32, u64) {
+        (key.pid, key.key)
+    }
+
+    fn key_of((pid, key): (u32, u64)) -> RequestKey {
+        RequestKey { key, pid, _pad: 0 }
+    }
+
+    impl Tables for Shared {
+        fn inflight_keys(&self) -> Result<Vec<RequestKey>> {
+            Ok(self.0.borrow().inflight.keys().copied().map(key_of).collect())
+        }
+        fn inflight(&self, key: &RequestKey) -> Result<Option<InflightEntry>> {
+            Ok(self.0.borrow().inflight.get(&id(key)).copied())
+        }
+        fn forget_inflight(&mut self, key: &RequestKey) -> Result<()> {
+            self.0.borrow_mut().inflight.remove(&id(key));
+            Ok(())
+        }
+        fn alerted_keys(&self) -> Result<Vec<RequestKey>> {
+            Ok(self.0.borrow().alerted.keys().copied().map(key_of).collect())
+        }
+        fn alerted(&self, key: &RequestKey) -> Result<Option<u64>> {
+            Ok(self.0.borrow().alerted.get(&id(key)).copied())
+        }
+        fn mark(&mut self, key: &RequestKey, last_ns: u64) -> Result<()> {
+            self.0.borrow_mut().alerted.insert(id(key), last_ns);
+            Ok(())
+        }
+        fn forget_alerted(&mut self, key: &RequestKey) -> Result<()> {
+            self.0.borrow_mut().alerted.remove(&id(key));
+            Ok(())
+        }
+    }
+
+    /// One agent: the real engine and the real [`KernelState`] on the model
+    /// kernel, doing what `run` does (restore at start, then read the ring
+    /// buffer, tick, and apply every report after it is out).
+    struct ModelAgent {
+        engine: Engine,
+        state: KernelState<Shared>,
+    }
+
+    /// Every report any agent made, to find one made twice.
+    #[derive(Default)]
+    struct Reported {
+        /// (pid, key, first_ns) of each lifecycle ended.
+        ended: HashMap<(u32, u64, u64), usize>,
+        /// (pid, key, last_ns) of each silence reported.
+        stalled: HashMap<(u32, u64, u64), usize>,
+    }
+
+    impl ModelAgent {
+        fn start(kernel: &Shared, reported: &mut Reported) -> Self {
+            let mut agent = Self {
+                engine: Engine::new(EngineConfig { timeout_ns: 50, max_tracked: 1 << 20, tick_ns: 1 }),
+                state: KernelState::new(kernel.clone()),
+            };
+            let mut reports = Vec::new();
+            for request in agent.state.snapshot().expect("snapshot") {
+                agent.engine.restore(request, &mut reports);
+            }
+            // What the ring buffer gathered is read before any report of
+            // the take-over is applied, as `run` does: a lifecycle that
+            // ended while no agent ran is collected from the table only
+            // once its events are read, never left for the next agent to
+            // read as a new one.
+            agent.read_into(kernel, &mut reports);
+            agent.emit(reports, reported);
+            agent
+        }
+
+        fn emit(&mut self, reports: Vec<Report>, reported: &mut Reported) {
+            for report in reports {
+                let r = report.request();
+                match &report {
+                    Report::Ended { .. } => *reported.ended.entry((r.pid, r.key, r.first_ns)).or_default() += 1,
+                    Report::Stalled { .. } => *reported.stalled.entry((r.pid, r.key, r.last_ns)).or_default() += 1,
+                    Report::Recovered { .. } => {}
+                }
+                self.state.apply(&report).expect("apply");
+            }
+        }
+
+        fn read(&mut self, kernel: &Shared, reported: &mut Reported) {
+            let mut reports = Vec::new();
+            self.read_into(kernel, &mut reports);
+            self.emit(reports, reported);
+        }
+
+        fn read_into(&mut self, kernel: &Shared, reports: &mut Vec<Report>) {
+            while let Some(observation) = kernel.0.borrow_mut().ring.pop_front() {
+                self.engine.observe(observation, reports);
+            }
+        }
+
+        fn advance(&mut self, now: u64, reported: &mut Reported) {
+            let mut reports = Vec::new();
+            self.engine.advance(now, &mut reports);
+            self.emit(reports, reported);
+        }
+    }
+
+    /// Random lifecycles of a few keys (reused at once, as NIXL does),
+    /// random agent ticks and reads, agents SIGKILLed between any two steps
+    /// and started again, the ring buffer keeping what no agent read: no
+    /// lifecycle ends twice, no silence is reported twice, and once a
+    /// running agent has read everything the kernel keeps no ended entry.
+    #[test]
+    fn no_request_ends_twice_across_any_number_of_restarts() {
+        use stallwatch_common::stage::{ABORTED, ENQUEUED, FAILED, RELEASED, TRANSFER_DONE};
+        let mut totals = (0usize, 0usize, 0usize);
+        for seed in 1..=40u64 {
+            let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut roll = |n: u64| {
+                rng ^= rng >> 12;
+                rng ^= rng << 25;
+                rng ^= rng >> 27;
+                rng.wrapping_mul(0x2545_F491_4F6C_DD1D) % n
+            };
+            let kernel = Shared::default();
+            kernel.0.borrow_mut().capacity = if seed % 4 == 0 { 3 } else { 1 << 17 };
+            let mut reported = Reported::default();
+            let mut agent = Some(ModelAgent::start(&kernel, &mut reported));
+            let mut live: HashMap<(u32, u64), u8> = HashMap::new();
+            let mut now = 1_000u64;
+            let mut restarts = 0;
+            for step in 0..3000 {
+                now += 1 + roll(8);
+                match roll(100) {
+                    0..55 => {
+                        let id = (1 + roll(2) as u32, 0x100 + roll(6));
+                        let stage = match live.get(&id) {
+                            None => ENQUEUED,
+                            Some(&at) => match roll(10) {
+                                0..6 => (at + roll(2) as u8).min(TRANSFER_DONE),
+                                6..8 => RELEASED,
+                                8 => ABORTED,
+                                _ => FAILED,
+                            },
+                        };
+                        if stage >= RELEASED {
+                            live.remove(&id);
+                        } else {
+                            live.insert(id, stage);
+                        }
+                        kernel.0.borrow_mut().event(id.0, id.1, stage, now);
+                    }
+                    55..75 => {
+                        if let Some(agent) = &mut agent {
+                            agent.read(&kernel, &mut reported);
+                        }
+                    }
+                    75..93 => {
+                        if let Some(agent) = &mut agent {
+                            agent.advance(now, &mut reported);
+                        }
+                    }
+                    _ => {
+                        agent = match agent {
+                            Some(_) => None,
+                            None => {
+                                restarts += 1;
+                                Some(ModelAgent::start(&kernel, &mut reported))
+                            }
+                        };
+                    }
+                }
+                let ctx = format!("seed {seed} step {step}");
+                let twice: Vec<_> = reported.ended.iter().filter(|(_, n)| **n > 1).collect();
+                assert!(twice.is_empty(), "{ctx}: lifecycles ended twice: {twice:?}");
+                let twice: Vec<_> = reported.stalled.iter().filter(|(_, n)| **n > 1).collect();
+                assert!(twice.is_empty(), "{ctx}: silences reported twice: {twice:?}");
+                if let Some(agent) = &mut agent {
+                    if kernel.0.borrow().ring.is_empty() {
+                        let k = kernel.0.borrow();
+                        let ended: Vec<_> = k.inflight.iter().filter(|(_, e)| e.stage >= stage::FIRST_TERMINAL).collect();
+                        assert!(ended.is_empty(), "{ctx}: ended entries the agent has seen end are kept: {ended:?}");
+                        let orphans: Vec<_> = k.alerted.keys().filter(|id| agent.engine.get(id.0, id.1).is_none()).collect();
+                        assert!(orphans.is_empty(), "{ctx}: marks of requests no agent follows: {orphans:?}");
+                    }
+                }
+            }
+            totals.0 += restarts;
+            totals.1 += reported.stalled.len();
+            totals.2 += reported.ended.len();
+        }
+        // The walk really restarted agents with stalls marked.
+        assert!(totals.0 > 500 && totals.1 > 500 && totals.2 > 5000, "{totals:?}");
     }
 }

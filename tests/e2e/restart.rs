@@ -207,3 +207,59 @@ fn on_exit_detach_and_ephemeral_leave_nothing_pinned() {
     assert!(summary(&lines)["completed"].as_u64().unwrap_or(0) > 0, "{stderr}");
     assert!(!dir.exists() && started.elapsed() < Duration::from_secs(30));
 }
+
+/// The keys `stallwatch inflight --json` lists for the agent on `socket`.
+fn inflight_keys(socket: &Path) -> Vec<String> {
+    let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).arg("inflight").arg("--socket").arg(socket).arg("--json"));
+    assert!(ok, "inflight failed: {stderr}");
+    let answer: Value = serde_json::from_str(&stdout).unwrap_or_else(|err| panic!("inflight --json ({err}): {stdout}"));
+    answer["requests"].as_array().expect("requests").iter().map(|row| row["key"].as_str().expect("key").to_owned()).collect()
+}
+
+#[test]
+fn a_stall_taken_over_and_ended_is_not_ended_again_by_a_third_agent() {
+    require_root();
+    let dir = test_bpf_dir();
+    let _cleanup = Cleanup(&dir);
+    // Healthy requests stop early, so the third agent finds only what is
+    // still pinned.
+    let mut demo = Demo::start(&[
+        "--rate", "1000", "--requests", "200", "--duration", "30s", "--inject-after", "300ms", "--waiting-for-peer", "1",
+        "--transfer-hung", "1", "--release-lost", "1", "--recover", "1", "--recover-after", "4s",
+    ]);
+    let pid = demo.proc.pid();
+    let first = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
+    demo.go();
+    let mut seen = Vec::new();
+    first.wait_alerts("stalled", 4, Duration::from_secs(10), &mut seen);
+    crash(first);
+
+    // The second takes the marked stalls over; the recovering one moves on,
+    // is released, and leaves its in-flight list.
+    let socket = test_socket();
+    let socket_arg = socket.to_str().expect("utf-8 socket");
+    let second = Agent::watch_on(pid, &dir, TIMEOUT, &["--socket", socket_arg]);
+    second.proc.wait_stderr("took over the requests in flight", Duration::from_secs(10));
+    let mut after = Vec::new();
+    let recovered = second.wait_alerts("recovered", 1, Duration::from_secs(10), &mut after);
+    let key = key_of(&recovered[0].1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while inflight_keys(&socket).contains(&key) {
+        assert!(Instant::now() < deadline, "the recovered request {key} was never released");
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(inflight_keys(&socket).len(), 3, "the three pinned requests are still held");
+    crash(second);
+
+    // The third finds the three still pinned, and nothing the second saw end.
+    let third = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
+    third.proc.wait_stderr("took over the requests in flight", Duration::from_secs(10));
+    let lines = third.stop();
+    let summary = summary(&lines);
+    assert_eq!(summary["restored"], 3, "{summary}");
+    assert_eq!(summary["completed"], 0, "a request the second agent saw end was ended again: {summary}");
+    assert_eq!(summary["recovered"], 0, "{summary}");
+    assert!(counted(&lines, "stalled").is_empty(), "{lines:?}");
+    assert!(counted(&lines, "recovered").is_empty(), "{lines:?}");
+    drop(demo);
+}

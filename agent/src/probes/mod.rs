@@ -36,7 +36,7 @@ use tracing::{info, warn};
 
 pub use self::profile::{ActivityKind, ActivitySpec, At, Profile, ProbeSpec};
 use self::resolve::{ElfFile, FirstInsn, ProcessImage};
-use crate::state::{BpfDir, KernelState, OldLink, PINNED_MAPS};
+use crate::state::{BpfDir, BpfTables, KernelState, OldLink, PINNED_MAPS};
 
 /// The eBPF object built by `build.rs`.
 pub fn ebpf_object() -> &'static [u8] {
@@ -216,7 +216,8 @@ impl Probes {
 
     /// The kernel's in-flight table (a previous agent's, when taken over).
     pub fn kernel_state(&mut self) -> Result<KernelState> {
-        KernelState::new(take_map_data(&mut self.ebpf, "INFLIGHT")?, take_map_data(&mut self.ebpf, "ALERTED")?)
+        let tables = BpfTables::new(take_map_data(&mut self.ebpf, "INFLIGHT")?, take_map_data(&mut self.ebpf, "ALERTED")?)?;
+        Ok(KernelState::new(tables))
     }
 
     /// At exit: keep the pins for the next agent when `keep` and probes are
