@@ -357,3 +357,26 @@ fn a_dead_collector_costs_counted_drops_not_alerts_http() {
     assert!(stderr.contains("OTLP export failed after retries"), "the failure is logged:\n{stderr}");
     let _ = demo.proc.wait(Duration::from_secs(5));
 }
+
+#[test]
+fn scrapes_are_answered_with_hundreds_of_idle_connections_open() {
+    use std::io::Write as _;
+    require_root();
+    let mut demo = Demo::start(&["--rate", "100", "--duration", "20s"]);
+    let agent = watch_with_env(demo.proc.pid(), "1s", &["--metrics-addr", "127.0.0.1:0"], &[]);
+    demo.go();
+    let port = metrics_port(&agent);
+    // Half-sent requests, held open: a slowloris, or clients that hang.
+    let idle: Vec<std::net::TcpStream> = (0..300)
+        .map(|n| {
+            let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap_or_else(|err| panic!("idle connection {n}: {err}"));
+            stream.write_all(b"GET /metr").expect("half a request");
+            stream
+        })
+        .collect();
+    let (status, body) = http_get(port, "/metrics", None);
+    assert_eq!(status, "HTTP/1.1 200 OK", "{body}");
+    assert!(body.contains("stallwatch_requests_seen_total "), "{body}");
+    drop(idle);
+    drop(agent);
+}

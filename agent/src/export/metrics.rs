@@ -269,10 +269,15 @@ impl Scrape {
     }
 }
 
-/// Connections served at once; more are closed at once.
-const MAX_CONNECTIONS: usize = 8;
-/// How long a client may take to send its request.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections served at once; more are closed at once. Many, so that
+/// idle or slow clients (the endpoint may listen on every interface) never
+/// hold every slot: each costs a task and a 1 KiB buffer, for at most
+/// [`REQUEST_TIMEOUT`].
+const MAX_CONNECTIONS: usize = 512;
+/// How long a client may take to send its request head: a scraper sends it
+/// at once, and this is well under any scrape interval (15 s and up), so a
+/// half-sent request frees its slot long before the next scrape.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 const MAX_REQUEST: usize = 8 * 1024;
 
 /// The listening socket and the queue of scrapes it forwards.
