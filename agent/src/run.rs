@@ -27,7 +27,7 @@ use crate::{
     events::{self, EventReader, Losses},
     export::{
         alert::{AlertWriter, Format},
-        clock::{Clock, monotonic_ns},
+        clock::{Clock, monotonic_ns, process_start_ns},
         telemetry::{Telemetry, TelemetryOptions},
     },
     lifecycle::{Engine, EngineConfig, Report},
@@ -329,39 +329,64 @@ impl<W: Write> Session<W> {
 
     /// Take over the requests the kernel's in-flight table holds (a
     /// previous agent's, or begun while none ran). Those of processes gone
-    /// meanwhile end `process_exited`; those of live processes this agent
-    /// does not watch are dropped.
+    /// meanwhile end `process_exited`, and so do those of a pid reused
+    /// since: a process that started after a request's last event is not
+    /// the one that held it. Those of live processes this agent does not
+    /// watch are dropped.
     fn restore(&mut self) -> Result<()> {
         let requests = self.state.snapshot()?;
         if requests.is_empty() {
             return Ok(());
         }
         let now = monotonic_ns();
-        let (mut taken, mut gone, mut unwatched) = (0usize, Vec::new(), Vec::new());
+        // pid -> when its process now started (`None`: no such process).
+        let mut started: HashMap<u32, Option<u64>> = HashMap::new();
+        let (mut taken, mut ended, mut unwatched) = (Vec::new(), Vec::new(), Vec::new());
+        // pid -> when its holder is known to have exited.
+        let mut exits: HashMap<u32, u64> = HashMap::new();
         for request in requests {
             let pid = request.pid;
-            if self.watched.contains_key(&pid) {
-                taken += 1;
-            } else if std::path::Path::new(&format!("/proc/{pid}")).exists() {
-                if !unwatched.contains(&pid) {
-                    unwatched.push(pid);
+            match *started.entry(pid).or_insert_with(|| process_start_ns(pid)) {
+                None => {
+                    exits.insert(pid, now);
+                    ended.push(request);
                 }
-                continue;
-            } else if !gone.contains(&pid) {
-                gone.push(pid);
+                Some(start) if request.last_ns < start => {
+                    // By the time the pid's new process started.
+                    exits.entry(pid).or_insert(start);
+                    ended.push(request);
+                }
+                Some(_) if self.watched.contains_key(&pid) => taken.push(request),
+                Some(_) => {
+                    if !unwatched.contains(&pid) {
+                        unwatched.push(pid);
+                    }
+                }
             }
-            self.engine.restore(request, &mut self.reports);
         }
+        let (reused, gone): (Vec<_>, Vec<_>) = exits.keys().partition(|pid| started.get(pid).is_some_and(Option::is_some));
         for pid in gone.iter().chain(&unwatched) {
             self.state.forget_process(*pid)?;
         }
-        for &pid in &gone {
-            self.engine.process_exited(pid, now, &mut self.reports);
+        // The ended first: `process_exited` ends every request the engine
+        // holds for the pid, and a reused pid's own requests come next.
+        for request in ended {
+            self.engine.restore(request, &mut self.reports);
+        }
+        for (&pid, &exit_ns) in &exits {
+            self.engine.process_exited(pid, exit_ns, &mut self.reports);
+        }
+        let taken_count = taken.len();
+        for request in taken {
+            self.engine.restore(request, &mut self.reports);
         }
         for pid in unwatched {
             info!(pid, "in-flight requests of a process this agent does not watch are dropped");
         }
-        info!(requests = taken, exited = gone.len(), "took over the requests in flight in the kernel");
+        for pid in &reused {
+            info!(pid, "in-flight requests of an earlier process with a reused pid end process_exited");
+        }
+        info!(requests = taken_count, exited = gone.len(), reused = reused.len(), "took over the requests in flight in the kernel");
         // Read what the ring buffer gathered before the take-over's reports
         // are applied: a lifecycle that ended while no agent ran leaves the
         // table only once its events are read, so an agent killed now

@@ -352,8 +352,13 @@ impl<T: Tables> KernelState<T> {
                     }
                     Outcome::Released | Outcome::Aborted | Outcome::Failed => {}
                     Outcome::Evicted => self.tables.forget_inflight(&key)?,
-                    // `forget_process` drops the whole process at once.
-                    Outcome::ProcessExited => {}
+                    // Its own entry only: a reused pid's new process may
+                    // hold others (`forget_process` drops the rest of an
+                    // exited one).
+                    Outcome::ProcessExited => {
+                        self.tables.forget_inflight(&key)?;
+                        self.tables.forget_alerted(&key)?;
+                    }
                 }
             }
         }

@@ -263,3 +263,50 @@ fn a_stall_taken_over_and_ended_is_not_ended_again_by_a_third_agent() {
     assert!(counted(&lines, "recovered").is_empty(), "{lines:?}");
     drop(demo);
 }
+
+/// Start the demo as pid `pid` (free again after a kill): the kernel hands
+/// out the pid after `ns_last_pid`; another process forking meanwhile takes
+/// it, so try a few times.
+fn demo_as_pid(pid: u32, args: &[&str]) -> Demo {
+    for _ in 0..50 {
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).expect("writing ns_last_pid (root)");
+        let demo = Demo::start(args);
+        if demo.proc.pid() == pid {
+            return demo;
+        }
+    }
+    panic!("could not start a process as pid {pid}");
+}
+
+#[test]
+fn requests_of_a_pid_reused_while_no_agent_ran_end_process_exited() {
+    require_root();
+    let dir = test_bpf_dir();
+    let _cleanup = Cleanup(&dir);
+    let mut old = Demo::start(&["--rate", "200", "--duration", "30s", "--inject-after", "200ms", "--waiting-for-peer", "2"]);
+    let pid = old.proc.pid();
+    let first = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
+    old.go();
+    let mut seen = Vec::new();
+    first.wait_alerts("stalled", 2, Duration::from_secs(10), &mut seen);
+    let mut demo_lines = Vec::new();
+    let pinned = old.wait_injected(2, &mut demo_lines);
+    crash(first);
+    old.proc.signal(libc::SIGKILL);
+    let _ = old.proc.wait(Duration::from_secs(5));
+
+    // Another process gets the pid; the next agent is told to watch it.
+    let mut new = demo_as_pid(pid, &["--rate", "200", "--duration", "30s"]);
+    let second = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
+    new.go();
+    let mut lines = Vec::new();
+    let exited = second.wait_alerts("process_exited", 2, Duration::from_secs(5), &mut lines);
+    for (_, alert) in &exited {
+        assert!(pinned.contains_key(&key_of(alert)), "{alert} {pinned:?}");
+    }
+    let lines: Vec<Line> = lines.into_iter().chain(second.stop()).collect();
+    let summary = summary(&lines);
+    assert_eq!(summary["process_exited"], 2, "{summary}");
+    assert_eq!(summary["stalled"], 0, "the old process's stalls are not the new one's: {summary}");
+    assert!(summary["completed"].as_u64().unwrap_or(0) > 0, "the new process is followed: {summary}");
+}
