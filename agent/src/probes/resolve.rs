@@ -35,7 +35,8 @@ impl ProcessImage {
             bail!("no process with pid {pid} (check `ps -p {pid}`; with containers, run the agent in the host pid namespace)");
         }
         let maps_path = proc_dir.join("maps");
-        let maps = std::fs::read_to_string(&maps_path)
+        // Bytes: a path need not be UTF-8 (and must be opened as it is).
+        let maps = std::fs::read(&maps_path)
             .with_context(|| format!("reading {} (the agent needs root or CAP_SYS_PTRACE)", maps_path.display()))?;
         let exe = std::fs::read_link(proc_dir.join("exe"))
             .with_context(|| format!("reading /proc/{pid}/exe (is pid {pid} a kernel thread?)"))?;
@@ -119,15 +120,17 @@ fn host_path(pid: u32, path: &Path) -> PathBuf {
     PathBuf::from(format!("/proc/{pid}/root")).join(relative)
 }
 
-/// Distinct file paths in `/proc/PID/maps` text.
-fn parse_maps(maps: &str) -> Vec<PathBuf> {
+/// Distinct file paths in `/proc/PID/maps`.
+fn parse_maps(maps: &[u8]) -> Vec<PathBuf> {
+    use std::os::unix::ffi::OsStrExt as _;
     let paths: BTreeSet<PathBuf> = maps
-        .lines()
+        .split(|&b| b == b'\n')
         .filter_map(|line| {
             // address perms offset dev inode path: the path is the sixth
             // field and may contain spaces.
-            let path = line.splitn(6, ' ').nth(5)?.trim_start();
-            path.starts_with('/').then(|| PathBuf::from(path.trim_end_matches(" (deleted)")))
+            let path = line.splitn(6, |&b| b == b' ').nth(5)?.trim_ascii_start();
+            let path = path.strip_suffix(b" (deleted)").unwrap_or(path);
+            path.starts_with(b"/").then(|| PathBuf::from(std::ffi::OsStr::from_bytes(path)))
         })
         .collect();
     paths.into_iter().collect()
@@ -318,16 +321,21 @@ mod tests {
 
     #[test]
     fn maps_paths_are_distinct_and_keep_spaces() {
-        let maps = "\
+        let maps = b"\
 55d0c-55d0d r--p 00000000 08:01 1234 /usr/bin/demo prefill
 55d0d-55d0e r-xp 00001000 08:01 1234 /usr/bin/demo prefill
 7f00-7f01 r-xp 00000000 08:01 99 /lib/libnixl.so (deleted)
 7f01-7f02 rw-p 00000000 00:00 0 
 7ffd-7ffe rw-p 00000000 00:00 0 [stack]
+7f02-7f03 r-xp 00000000 08:01 98 /lib/lib\xff.so
 ";
         assert_eq!(
             parse_maps(maps),
-            vec![PathBuf::from("/lib/libnixl.so"), PathBuf::from("/usr/bin/demo prefill")]
+            vec![
+                PathBuf::from("/lib/libnixl.so"),
+                PathBuf::from(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(b"/lib/lib\xff.so")),
+                PathBuf::from("/usr/bin/demo prefill")
+            ]
         );
     }
 
