@@ -7,7 +7,7 @@
 //! [`query`] answers `stallwatch inflight`. [`run`] wires them together;
 //! [`state`] keeps what outlives an agent (pinned maps and links) for the
 //! next one; [`config`] reads its settings from a file, [`doctor`] checks
-//! the host.
+//! the host; [`text`] makes what a target wrote safe to print.
 pub mod config;
 pub mod doctor;
 pub mod discovery;
@@ -19,4 +19,5 @@ pub mod query;
 mod reactor;
 pub mod run;
 pub mod state;
+pub mod text;
 pub mod transport;

@@ -11,8 +11,9 @@ use stallwatch::{
     config::{self, ConfigFile},
     doctor,
     probes::{Profile, profile},
-    query, run, state,
+    query, run, state, text,
 };
+use tracing_subscriber::{field::MakeExt as _, fmt::format::debug_fn};
 
 #[derive(Parser)]
 #[command(version, about = "Catches silent request stalls in disaggregated LLM serving, from outside the process")]
@@ -105,11 +106,21 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // Logs carry what targets wrote (names, paths, symbols): no field
+        // or message may break a line or reach the terminal as a sequence.
+        .fmt_fields(
+            debug_fn(|writer, field, value| match field.name() {
+                "message" => write!(writer, "{}", text::escaped(&format!("{value:?}"))),
+                name if name.starts_with("log.") => Ok(()),
+                name => write!(writer, "{name}={}", text::escaped(&format!("{value:?}"))),
+            })
+            .delimited(" "),
+        )
         .init();
     match dispatch(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("stallwatch: error: {err:#}");
+            eprintln!("stallwatch: error: {}", text::escaped(&format!("{err:#}")));
             ExitCode::FAILURE
         }
     }

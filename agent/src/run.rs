@@ -305,7 +305,7 @@ impl<W: Write> Session<W> {
         self.watched.insert(pid, Watched { name: name.clone(), exit_waiter: waiter });
         info!(
             pid,
-            process = %name,
+            process = %crate::text::value(&name),
             profile = %self.profile.name,
             probes,
             timeout = %humantime::format_duration(Duration::from_nanos(self.engine.config().timeout_ns)),
@@ -593,8 +593,13 @@ fn thread_group_of(tid: u32) -> Option<u32> {
     status.lines().find_map(|line| line.strip_prefix("Tgid:")?.trim().parse().ok()).filter(|&tgid| tgid != tid)
 }
 
+/// The process's name (`comm`), as the process set it: any bytes, made
+/// UTF-8 (invalid sequences replaced); printed through [`crate::text`].
 fn process_name(pid: u32) -> String {
-    std::fs::read_to_string(format!("/proc/{pid}/comm")).map_or_else(|_| "?".to_owned(), |s| s.trim().to_owned())
+    std::fs::read(format!("/proc/{pid}/comm")).map_or_else(
+        |_| "?".to_owned(),
+        |bytes| String::from_utf8_lossy(bytes.strip_suffix(b"\n").unwrap_or(&bytes)).into_owned(),
+    )
 }
 
 fn duration_ns(duration: Duration) -> u64 {

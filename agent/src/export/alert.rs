@@ -12,6 +12,7 @@ use super::clock::Clock;
 use crate::events::Losses;
 use crate::lifecycle::{EngineStats, Outcome, Report, RequestSnapshot, Stage};
 use crate::probes::{ActivityKind, ProbeHits};
+use crate::text;
 use crate::transport::Evidence;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -112,7 +113,7 @@ impl<W: Write> AlertWriter<W> {
                 kernel.state_full,
             ) + &probes
                 .iter()
-                .map(|p| format!("\nPROBE pid={} role={} hits={} symbol={}", p.pid, p.role, p.hits, p.symbol))
+                .map(|p| format!("\nPROBE pid={} role={} hits={} symbol={}", p.pid, p.role, p.hits, text::value(&p.symbol)))
                 .collect::<String>(),
             Format::Json => json!({
                 "alert": "summary",
@@ -154,11 +155,11 @@ impl<W: Write> AlertWriter<W> {
             self.clock.rfc3339(alert.at_ns),
             alert.kind.to_uppercase(),
             request.pid,
-            self.process_name(request.pid),
+            text::value(self.process_name(request.pid)),
             request.key
         );
         if let Some(ext) = &request.external_id {
-            line.push_str(&format!(" external_id={ext}"));
+            line.push_str(&format!(" external_id={}", text::value(ext)));
         }
         if let Some(class) = alert.class {
             line.push_str(&format!(" class={class}"));
@@ -172,9 +173,9 @@ impl<W: Write> AlertWriter<W> {
         }
         if let Some(evidence) = alert.evidence {
             line.push_str(&format!(
-                " verdict={} transport=\"{}\"",
+                " verdict={} transport={}",
                 evidence.verdict.as_str(),
-                evidence.summary()
+                text::value(&evidence.summary())
             ));
         }
         line

@@ -9,6 +9,7 @@ use std::{
 use anyhow::{Context as _, Result, anyhow};
 
 use super::wire::{self, Inflight, Query, QueryKind};
+use crate::text;
 
 /// How long the agent may go without sending anything.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
@@ -91,14 +92,16 @@ pub fn write_table(inflight: &Inflight, mut out: impl Write) -> std::io::Result<
         .map(|r| {
             [
                 r.pid.to_string(),
-                r.process.clone(),
+                text::value(&r.process).into_owned(),
                 format!("{:#x}", r.key),
-                r.external_id.clone().unwrap_or_else(|| "-".to_owned()),
+                r.external_id.as_deref().map_or_else(|| "-".to_owned(), |ext| text::value(ext).into_owned()),
                 r.stage.to_string(),
                 duration(r.age_ms),
                 duration(r.silent_ms),
                 match (&r.class, &r.transport) {
-                    (Some(class), Some(transport)) => format!("{class} ({}: {})", transport.verdict, transport.summary),
+                    (Some(class), Some(transport)) => {
+                        text::escaped(&format!("{class} ({}: {})", transport.verdict, transport.summary)).into_owned()
+                    }
                     (Some(class), None) => class.to_string(),
                     (None, _) => "-".to_owned(),
                 },
@@ -130,7 +133,7 @@ pub fn write_table(inflight: &Inflight, mut out: impl Write) -> std::io::Result<
         writeln!(out, "the agent watches no process")?;
     }
     for p in &inflight.processes {
-        write!(out, "pid {} ({}): {} in flight, {} stalled", p.pid, p.process, p.in_flight, p.stalled)?;
+        write!(out, "pid {} ({}): {} in flight, {} stalled", p.pid, text::value(&p.process), p.in_flight, p.stalled)?;
         match &p.transport {
             Some(t) => writeln!(
                 out,

@@ -20,7 +20,9 @@
 //! does) so every probed function starts with `push %rbp`, which the kernel
 //! emulates instead of single-stepping.
 use std::{
+    ffi::OsString,
     hint::black_box,
+    os::unix::ffi::OsStrExt as _,
     io::{BufRead as _, Write as _},
     thread,
     time::{Duration, Instant},
@@ -63,6 +65,11 @@ struct Args {
     /// Abort this many requests after posting them.
     #[arg(long, default_value_t = 0)]
     abort: u64,
+    /// The room string of the pinned requests, as raw bytes (at most 23;
+    /// default `room-<id>`), so tests can give them whatever a target's
+    /// memory may hold: line breaks, terminal escapes, invalid UTF-8.
+    #[arg(long, value_name = "BYTES")]
+    pinned_room: Option<OsString>,
     /// Wait for a line on stdin before starting (so an agent can attach).
     #[arg(long)]
     wait_for_go: bool,
@@ -91,11 +98,29 @@ pub struct Request {
 
 impl Request {
     fn new(id: u64) -> Self {
+        Self::with_room(id, format!("room-{id}").as_bytes())
+    }
+
+    fn with_room(id: u64, text: &[u8]) -> Self {
         let mut room = [0; 24];
-        let text = format!("room-{id}");
         let n = text.len().min(room.len() - 1);
-        room[..n].copy_from_slice(&text.as_bytes()[..n]);
+        room[..n].copy_from_slice(&text[..n]);
         Self { id, room }
+    }
+
+    /// The room as a JSON string (invalid UTF-8 replaced).
+    fn room_json(&self) -> String {
+        let len = self.room.iter().position(|&b| b == 0).unwrap_or(self.room.len());
+        let mut json = String::from("\"");
+        for c in String::from_utf8_lossy(&self.room[..len]).chars() {
+            match c {
+                '"' | '\\' => json.extend(['\\', c]),
+                c if c.is_control() => json.push_str(&format!("\\u{:04x}", u32::from(c))),
+                c => json.push(c),
+            }
+        }
+        json.push('"');
+        json
     }
 }
 
@@ -307,7 +332,10 @@ fn inject(args: &Args) -> Vec<Pinned> {
     for (pin, count) in plan {
         for _ in 0..count {
             let id = PINNED_BASE + pinned.len() as u64;
-            let req = Request::new(id);
+            let req = match &args.pinned_room {
+                Some(room) => Request::with_room(id, room.as_bytes()),
+                None => Request::new(id),
+            };
             prefill_enqueue(&req);
             match pin {
                 Pin::WaitingForPeer => {}
@@ -321,8 +349,9 @@ fn inject(args: &Args) -> Vec<Pinned> {
                 }
             }
             say(&format!(
-                "{{\"event\":\"injected\",\"stall\":\"{}\",\"key\":{id},\"room\":\"room-{id}\"}}",
-                pin.name()
+                "{{\"event\":\"injected\",\"stall\":\"{}\",\"key\":{id},\"room\":{}}}",
+                pin.name(),
+                req.room_json()
             ));
             pinned.push(Pinned { id, pin, req });
         }
