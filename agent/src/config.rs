@@ -75,7 +75,7 @@ pub struct RunSettings {
     /// [default: 60s].
     #[arg(long, value_parser = parse_duration)]
     pub timeout: Option<Duration>,
-    /// Resolution of the stall timer [default: 10ms].
+    /// Resolution of the stall timer, and how often the ring buffer is read [default: 10ms].
     #[arg(long, value_parser = parse_duration)]
     pub tick: Option<Duration>,
     /// Most requests tracked at once; beyond it the stalest is evicted

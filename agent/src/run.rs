@@ -160,7 +160,13 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
             read = session.reader.read(|bytes| session.ingest.record(
                 bytes, &mut session.transport, &mut session.engine, &mut session.reports,
             )) => read?,
-            _ = ticks.tick() => session.engine.advance(monotonic_ns(), &mut session.reports),
+            _ = ticks.tick() => {
+                // The clock first: every event submitted before it is read
+                // before the timers judge silence at it.
+                let now = monotonic_ns();
+                session.drain();
+                session.engine.advance(now, &mut session.reports);
+            }
             _ = counter_ticks.tick() => {
                 reported = warn_on_loss(&session.probes, reported)?;
                 session.ingest.warn_undecodable();
@@ -229,7 +235,11 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 guard.clear_ready();
             }
             scrape = session.telemetry.scrape() => session.telemetry.answer(scrape, &session.engine, &session.probes, session.ingest.undecodable),
-            query = queries.next() => queries.answer(query, &session.engine, &session.transport, monotonic_ns()),
+            query = queries.next() => {
+                // Up to date to the moment asked, not to the last tick.
+                session.drain();
+                queries.answer(query, &session.engine, &session.transport, monotonic_ns());
+            }
             _ = interrupt.recv() => break,
             _ = terminate.recv() => break,
         }
@@ -392,9 +402,17 @@ impl<W: Write> Session<W> {
         // table only once its events are read, so an agent killed now
         // leaves both for the next one, never its events alone (which would
         // read as a new lifecycle and end it twice).
+        self.drain();
+        self.emit()
+    }
+
+    /// Read every event the ring buffer holds. The programs submit without
+    /// waking the agent (it costs the target more than the event), so
+    /// this runs on every tick; the kernel wakes [`EventReader::read`]
+    /// only when the buffer fills past a quarter.
+    fn drain(&mut self) {
         let Session { reader, ingest, transport, engine, reports, .. } = self;
         reader.drain(|bytes| ingest.record(bytes, transport, engine, reports));
-        self.emit()
     }
 
     /// The process is gone, or its program is: what it did before counts
@@ -404,8 +422,7 @@ impl<W: Write> Session<W> {
         if let Err(err) = self.probes.disarm(pid) {
             warn!(pid, "silencing the probes of a process going away: {err:#}");
         }
-        let Session { reader, ingest, transport, engine, reports, .. } = self;
-        reader.drain(|bytes| ingest.record(bytes, transport, engine, reports));
+        self.drain();
         match gone {
             Gone::Exited => info!(pid, "target process exited"),
             Gone::Exec => info!(
@@ -447,8 +464,7 @@ impl<W: Write> Session<W> {
     }
 
     fn finish(mut self, on_exit: OnExit) -> Result<()> {
-        let Session { reader, ingest, transport, engine, reports, .. } = &mut self;
-        reader.drain(|bytes| ingest.record(bytes, transport, engine, reports));
+        self.drain();
         self.engine.advance(monotonic_ns(), &mut self.reports);
         self.emit()?;
         let losses = Losses { kernel: self.probes.counters()?, undecodable: self.ingest.undecodable };

@@ -18,7 +18,7 @@
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::pt_regs,
+    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, pt_regs},
     helpers::{
         bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
         bpf_probe_read_user_str_bytes, generated::bpf_get_attach_cookie,
@@ -42,9 +42,18 @@ const NO_PREALLOC: u32 = 1;
 #[map]
 static SLOTS: Array<SlotConfig> = Array::with_max_entries(MAX_SLOTS, 0);
 
-/// Lifecycle events for the agent. 4 MiB holds ~40 000 events.
+/// Lifecycle events for the agent. 4 MiB holds ~35 000 events.
 #[map]
-static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 22, 0);
+static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_BYTES, 0);
+const EVENTS_BYTES: u32 = 1 << 22;
+
+/// Unread bytes in `EVENTS` past which a submit wakes the agent. Below it
+/// nothing does: a wakeup per event costs the target more than the event
+/// itself (the agent reads the buffer on its tick anyway, every 10 ms by
+/// default). A quarter leaves three quarters for the agent to catch up in,
+/// so a burst (or a slow tick) fills the buffer only if the agent cannot
+/// keep up at all, and even then each lost event is counted.
+const WAKEUP_AT: u64 = EVENTS_BYTES as u64 / 4;
 
 /// What went wrong in the kernel, per CPU (see [`counter`]).
 #[map]
@@ -363,7 +372,12 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         let ext = if (*event).flags & event_flags::HAS_EXT != 0 { Some(&(*event).ext) } else { None };
         track(&request, matched.stage, ts, ext);
     }
-    entry.submit(0);
+    let wakeup = if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKEUP_AT {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    };
+    entry.submit(u64::from(wakeup));
     if cfg.flags & slot_flags::TRACK_LAST != 0 {
         let _ = LAST.insert(&request, &last, 0);
     }

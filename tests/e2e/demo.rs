@@ -3,11 +3,11 @@
 use std::{
     collections::HashMap,
     process::Command,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use serde_json::Value;
-use stallwatch_tests::{Agent, Demo, Line, agent_bin, alerts, injected, require_root, run_to_end, summary};
+use stallwatch_tests::{Agent, Demo, Injected, Line, agent_bin, alerts, injected, require_root, run_to_end, summary};
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 /// How late a stall may be reported, past the timeout (the bound).
@@ -15,15 +15,41 @@ const LATENESS: Duration = Duration::from_secs(1);
 
 /// Start the demo, attach the agent, let the demo go.
 fn watched(demo_args: &[&str], timeout: &str) -> (Demo, Agent) {
+    watched_with(demo_args, timeout, &[])
+}
+
+/// [`watched`] with more `stallwatch run` flags.
+fn watched_with(demo_args: &[&str], timeout: &str, agent_args: &[&str]) -> (Demo, Agent) {
     require_root();
     let mut demo = Demo::start(demo_args);
-    let agent = Agent::watch(demo.proc.pid(), "demo", timeout, &[]);
+    let agent = Agent::watch(demo.proc.pid(), "demo", timeout, agent_args);
     demo.go();
     (demo, agent)
 }
 
 fn key_of(alert: &Value) -> String {
     alert["key"].as_str().expect("alert key").to_owned()
+}
+
+/// Check every stall alert: for an injected request, of its class, with its
+/// room, reported while stuck: after the timeout, within timeout + 1 s of
+/// the request's last lifecycle event (the test saw that event's `injected`
+/// line just after it happened). Returns how often each key was reported.
+fn stalls_on_time(agent_lines: &[Line], injected: &HashMap<String, Injected>, timeout: Duration) -> HashMap<String, usize> {
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for (at, alert) in alerts(agent_lines, "stalled") {
+        let key = key_of(&alert);
+        let pinned = injected.get(&key).unwrap_or_else(|| panic!("stall alert for a healthy request: {alert}"));
+        assert_eq!(alert["class"], pinned.stall.as_str(), "{alert}");
+        assert_eq!(alert["external_id"], format!("room-{}", u64::from_str_radix(&key[2..], 16).expect("hex key")));
+        *seen.entry(key).or_default() += 1;
+        let latency = at.duration_since(pinned.at);
+        assert!(latency >= timeout - Duration::from_millis(50), "{alert} after {latency:?}");
+        assert!(latency <= timeout + LATENESS, "{alert} only after {latency:?}");
+        let silent = Duration::from_millis(alert["silent_ms"].as_u64().expect("silent_ms"));
+        assert!(silent >= timeout && silent <= timeout + LATENESS, "{alert}");
+    }
+    seen
 }
 
 #[test]
@@ -38,24 +64,8 @@ fn every_injected_stall_is_reported_once_with_its_class_while_stuck() {
     let injected = injected(&demo_lines);
     assert_eq!(injected.len(), 6, "demo said: {demo_lines:?}");
 
-    let stalls: Vec<(Instant, Value)> = alerts(&agent_lines, "stalled").collect();
-    let mut seen: HashMap<String, usize> = HashMap::new();
-    for (at, alert) in &stalls {
-        let key = key_of(alert);
-        let pinned = injected.get(&key).unwrap_or_else(|| panic!("stall alert for a healthy request: {alert}"));
-        assert_eq!(alert["class"], pinned.stall.as_str(), "{alert}");
-        assert_eq!(alert["external_id"], format!("room-{}", u64::from_str_radix(&key[2..], 16).expect("hex key")));
-        *seen.entry(key).or_default() += 1;
-        // Reported while stuck: after the timeout, within timeout + 1 s of
-        // the request's last lifecycle event (the test saw that event's
-        // `injected` line just after it happened).
-        let latency = at.duration_since(pinned.at);
-        assert!(latency >= TIMEOUT - Duration::from_millis(50), "{alert} after {latency:?}");
-        assert!(latency <= TIMEOUT + LATENESS, "{alert} only after {latency:?}");
-        let silent = Duration::from_millis(alert["silent_ms"].as_u64().expect("silent_ms"));
-        assert!(silent >= TIMEOUT && silent <= TIMEOUT + LATENESS, "{alert}");
-    }
-    assert_eq!(seen.len(), 6, "every injected request stalls: {stalls:?}");
+    let seen = stalls_on_time(&agent_lines, &injected, TIMEOUT);
+    assert_eq!(seen.len(), 6, "every injected request stalls: {agent_lines:?}");
     assert!(seen.values().all(|&n| n == 1), "each stall is reported exactly once: {seen:?}");
 
     // The pinned requests were still held when the demo exited.
@@ -158,5 +168,39 @@ fn an_unreadable_external_id_loses_no_event() {
     assert_eq!(summary["completed"], 300, "every lifecycle was followed: {summary}");
     assert_eq!(summary["ext_unreadable"], 300, "{summary}");
     assert_eq!(summary["key_unreadable"], 0, "{summary}");
+}
+
+/// The programs wake the agent only past a fill level of the ring buffer;
+/// it reads the rest on its tick. At the demo's highest rate a 500 ms tick
+/// would let the 4 MiB buffer overflow many times over: the forced wakeup
+/// keeps every event, and the stalls among them are still reported on time.
+#[test]
+fn at_the_highest_rate_nothing_is_lost_and_stalls_are_on_time() {
+    let (mut demo, agent) = watched_with(
+        &[
+            // More than it can do: as fast as it goes.
+            "--rate", "1000000000", "--duration", "4s", "--inject-after", "500ms",
+            "--waiting-for-peer", "1", "--transfer-hung", "1", "--release-lost", "1",
+        ],
+        "2s",
+        &["--tick", "500ms"],
+    );
+    let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(30));
+    let demo_lines = demo.proc.lines_until_exit(Duration::from_secs(5));
+    let injected = injected(&demo_lines);
+    assert_eq!(injected.len(), 3, "demo said: {demo_lines:?}");
+    let seen = stalls_on_time(&agent_lines, &injected, TIMEOUT);
+    assert_eq!(seen.len(), 3, "every injected request stalls: {agent_lines:?}");
+
+    let done = demo_lines.iter().filter_map(Line::json).find(|v| v["event"] == "done").expect("demo done line");
+    let healthy = done["healthy"].as_u64().expect("healthy");
+    let summary = summary(&agent_lines);
+    assert_eq!(summary["lost_events"], 0, "{summary}");
+    assert_eq!(summary["seen"], healthy + 3, "every request seen: {summary}, {done}");
+    assert_eq!(summary["completed"], healthy, "{summary}");
+    // Four events a request, over 4 s: more per 500 ms tick than the
+    // buffer holds (about 35 000), or this would not test the wakeup.
+    let per_tick = healthy * 4 / 8;
+    assert!(per_tick > 35_000, "the demo ran too slowly to test this: {per_tick} events a tick, {done}");
     let _ = demo.proc.wait(Duration::from_secs(5));
 }
