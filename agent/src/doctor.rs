@@ -25,9 +25,12 @@ use stallwatch_common::MAX_SLOTS;
 use crate::probes::Probes;
 
 /// The kernel that has everything stallwatch's programs use: BPF ring
-/// buffers (5.8) and uprobe attach cookies (`bpf_get_attach_cookie` for
-/// uprobes and BPF perf links, 5.15).
-pub const MIN_KERNEL: KernelVersion = KernelVersion { major: 5, minor: 15, patch: 0 };
+/// buffers (5.8), uprobe attach cookies (`bpf_get_attach_cookie` for
+/// uprobes and BPF perf links, 5.15), and the BPF memory allocator (6.1)
+/// that makes hash maps without preallocation (the in-flight tables) safe in
+/// uprobe programs: before it the verifier warns that they are unsafe, and a
+/// PREEMPT_RT kernel refuses them.
+pub const MIN_KERNEL: KernelVersion = KernelVersion { major: 6, minor: 1, patch: 0 };
 /// Since 5.11 BPF memory is charged to the memory cgroup, not RLIMIT_MEMLOCK.
 const MEMCG_ACCOUNTING: KernelVersion = KernelVersion { major: 5, minor: 11, patch: 0 };
 
@@ -227,16 +230,20 @@ fn kernel_check(release: &str, version: Option<KernelVersion>) -> Check {
     let check = Check::new(
         "kernel",
         false,
-        "BPF ring buffers (5.8) and uprobe attach cookies (5.15); the ringbuf, ebpf_load and uprobe_attach checks are the real test",
+        "BPF ring buffers (5.8), uprobe attach cookies (5.15), non-preallocated hash maps safe in uprobe programs (6.1); the ringbuf, ebpf_load and uprobe_attach checks are the real test",
     );
     match version {
         Some(v) if v >= MIN_KERNEL => {
-            check.ok(format!("Linux {release}: {MIN_KERNEL}+ has BPF ring buffers and uprobe attach cookies"))
+            check.ok(format!(
+                "Linux {release}: {MIN_KERNEL}+ has BPF ring buffers, uprobe attach cookies and the BPF memory allocator"
+            ))
         }
         Some(v) => check.warning(
             format!(
-                "Linux {v} is older than {MIN_KERNEL}: BPF ring buffers need 5.8, uprobe attach cookies 5.15 \
-                 (a distribution kernel may have them backported: see the checks below)"
+                "Linux {v} is older than {MIN_KERNEL}: BPF ring buffers need 5.8, uprobe attach cookies 5.15, and the \
+                 in-flight tables (hash maps without preallocation) are unsafe in uprobe programs before 6.1 (the \
+                 verifier warns; a PREEMPT_RT kernel refuses them; a distribution kernel may have backports: see \
+                 the checks below)"
             ),
             format!("run a {MIN_KERNEL} or newer kernel"),
         ),
@@ -765,8 +772,9 @@ mod tests {
         assert_eq!(v("6"), None);
         assert_eq!(v("linux"), None);
         assert_eq!(v(""), None);
-        assert!(v("5.14.21").expect("parses") < MIN_KERNEL);
-        assert!(v("5.15.0").expect("parses") >= MIN_KERNEL);
+        assert!(v("5.15.0").expect("parses") < MIN_KERNEL);
+        assert!(v("6.0.19").expect("parses") < MIN_KERNEL);
+        assert!(v("6.1.0").expect("parses") >= MIN_KERNEL);
         assert!(v("10.0").expect("parses") > MIN_KERNEL);
     }
 
@@ -775,7 +783,10 @@ mod tests {
         assert_eq!(kernel_check("6.18.44", KernelVersion::parse("6.18.44")).status, Status::Ok);
         let old = kernel_check("5.4.0", KernelVersion::parse("5.4.0"));
         assert_eq!(old.status, Status::Warning);
-        assert!(old.detail.contains("Linux 5.4 is older than 5.15"), "{}", old.detail);
+        assert!(old.detail.contains("Linux 5.4 is older than 6.1"), "{}", old.detail);
+        let no_allocator = kernel_check("5.15.0", KernelVersion::parse("5.15.0"));
+        assert_eq!(no_allocator.status, Status::Warning);
+        assert!(no_allocator.detail.contains("unsafe in uprobe programs before 6.1"), "{}", no_allocator.detail);
         assert_eq!(kernel_check("weird", None).status, Status::Warning);
     }
 

@@ -157,6 +157,7 @@ fn the_daemonset_runs_the_agent_privileged_on_gpu_nodes_with_the_config() {
     let pod = &ds["spec"]["template"]["spec"];
     assert_eq!(pod["hostPID"], true);
     assert_eq!(pod["nodeSelector"]["nvidia.com/gpu.present"], "true");
+    assert_eq!(pod["nodeSelector"]["kubernetes.io/arch"], "amd64", "the kernel side is x86-64 only");
     assert!(
         pod["tolerations"].as_array().expect("tolerations").iter().any(|t| t["key"] == "nvidia.com/gpu" && t["effect"] == "NoSchedule"),
         "{pod:#}"
