@@ -29,6 +29,13 @@ fn profile_file(text: &str) -> tempfile::NamedTempFile {
     file
 }
 
+/// `stallwatch profile check` on a profile of this text: its stderr, the
+/// check having failed without panicking.
+fn check_fails(text: &str) -> String {
+    let file = profile_file(text);
+    fails(&["profile", "check", file.path().to_str().expect("utf-8 temp path")])
+}
+
 fn watch_with(profile: &str) -> String {
     require_root();
     let demo = Demo::start(&["--duration", "20s"]);
@@ -67,9 +74,7 @@ fn malformed_toml_names_file_and_line() {
 
 #[test]
 fn an_unknown_event_names_the_probe_line_and_the_valid_events() {
-    let file = profile_file("[[probe]]\nsymbol = \"a\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n\n[[probe]]\nsymbol = \"b\"\nat = \"entry\"\nevent = \"posted\"\nkey = { from = \"arg0\" }\n");
-    let path = file.path().to_str().expect("utf-8 temp path");
-    let stderr = fails(&["profile", "check", path]);
+    let stderr = check_fails("[[probe]]\nsymbol = \"a\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n\n[[probe]]\nsymbol = \"b\"\nat = \"entry\"\nevent = \"posted\"\nkey = { from = \"arg0\" }\n");
     assert!(stderr.contains("line 7"), "{stderr}");
     assert!(stderr.contains("unknown lifecycle event \"posted\""), "{stderr}");
     assert!(stderr.contains("\"transfer_posted\""), "{stderr}");
@@ -206,22 +211,19 @@ fn a_megabyte_symbol_gets_no_suggestions_and_a_short_error() {
 #[test]
 fn profile_check_refuses_rules_that_cannot_match_and_double_probes() {
     let never = "[[probe]]\nsymbol = \"kv_transfer_poll\"\nat = \"return\"\nret = \"i32\"\nkey = { from = \"arg0\" }\non_return = [\n  { when = \"== 99999999999999\", event = \"transfer_done\" },\n]\n";
-    let file = profile_file(never);
-    let stderr = fails(&["profile", "check", file.path().to_str().expect("utf-8 temp path")]);
+    let stderr = check_fails(never);
     assert!(stderr.contains("line 1 ([[probe]] for `kv_transfer_poll`)"), "{stderr}");
     assert!(stderr.contains("`when = \"== 99999999999999\"` (line 7) never holds"), "{stderr}");
 
     let twice = "[[probe]]\nsymbol = \"prefill_enqueue\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\", deref = [0] }\n\n[[probe]]\nsymbol = \"prefill_enqueue\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\", deref = [0] }\n";
-    let file = profile_file(twice);
-    let stderr = fails(&["profile", "check", file.path().to_str().expect("utf-8 temp path")]);
+    let stderr = check_fails(twice);
     assert!(stderr.contains("line 7 ([[probe]] for `prefill_enqueue`): the [[probe]] on line 1 probes the same function's entry"), "{stderr}");
 }
 
 #[test]
 fn an_external_id_read_at_the_key_itself_is_refused() {
     let at_key = "[[probe]]\nsymbol = \"prefill_enqueue\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\", deref = [0] }\nexternal_id = { from = \"key\" }\n";
-    let file = profile_file(at_key);
-    let stderr = fails(&["profile", "check", file.path().to_str().expect("utf-8 temp path")]);
+    let stderr = check_fails(at_key);
     assert!(stderr.contains("line 1 ([[probe]] for `prefill_enqueue`)"), "{stderr}");
     assert!(stderr.contains("`external_id = { from = \"key\" }` would read at the address the key holds"), "{stderr}");
 }
