@@ -168,6 +168,7 @@ fn an_unreadable_external_id_loses_no_event() {
     assert_eq!(summary["completed"], 300, "every lifecycle was followed: {summary}");
     assert_eq!(summary["ext_unreadable"], 300, "{summary}");
     assert_eq!(summary["key_unreadable"], 0, "{summary}");
+    let _ = demo.proc.wait(Duration::from_secs(5));
 }
 
 /// The programs wake the agent only past a fill level of the ring buffer;
