@@ -46,6 +46,11 @@ pub fn demo_bin() -> PathBuf {
     built("STALLWATCH_DEMO", "target/demo/release/demo-prefill")
 }
 
+/// The marker library (common/marker), built by `cargo run -p xtask -- build`.
+pub fn marker_lib() -> PathBuf {
+    built("STALLWATCH_MARKER", "target/release/libstallwatch_marker.so")
+}
+
 /// The test venv's Python (NIXL, the OTLP collector), made by
 /// `cargo run --release -p xtask -- setup --python`.
 pub fn venv_python() -> PathBuf {

@@ -12,6 +12,8 @@ use anyhow::{Context as _, Result, bail};
 pub struct Built {
     pub agent: PathBuf,
     pub demo: PathBuf,
+    /// libstallwatch_marker.so, the marker library the `marker` profile probes.
+    pub marker: PathBuf,
 }
 
 /// The workspace root (xtask lives one level below it).
@@ -31,17 +33,23 @@ pub fn run(command: &mut Command) -> Result<()> {
 
 /// The agent in release mode (its build script compiles and embeds the
 /// eBPF object), and the demo target with frame pointers, in a target
-/// directory of its own so its flags never invalidate the main build.
+/// directory of its own so its flags never invalidate the main build; and
+/// the marker library.
 pub fn build() -> Result<Built> {
     let root = root()?;
     run(Command::new("cargo").current_dir(&root).args(["build", "--release", "-p", "stallwatch", "--bins"]))?;
+    run(Command::new("cargo").current_dir(&root).args(["build", "--release", "-p", "stallwatch-marker"]))?;
     let demo_target = root.join("target/demo");
     run(Command::new("cargo")
         .current_dir(&root)
         .args(["build", "--release", "-p", "demo-prefill", "--target-dir"])
         .arg(&demo_target)
         .env("RUSTFLAGS", "-C force-frame-pointers=yes"))?;
-    Ok(Built { agent: root.join("target/release/stallwatch"), demo: demo_target.join("release/demo-prefill") })
+    Ok(Built {
+        agent: root.join("target/release/stallwatch"),
+        demo: demo_target.join("release/demo-prefill"),
+        marker: root.join("target/release/libstallwatch_marker.so"),
+    })
 }
 
 fn require_root(what: &str) -> Result<()> {
@@ -116,6 +124,7 @@ pub fn test(built: &Built) -> Result<()> {
         .args(["test", "--release", "--workspace", "--exclude", "stallwatch-ebpf", "--", "--test-threads=1"])
         .env("STALLWATCH_BIN", &built.agent)
         .env("STALLWATCH_DEMO", &built.demo)
+        .env("STALLWATCH_MARKER", &built.marker)
         .env("STALLWATCH_VENV", root.join("target/venv")))
 }
 

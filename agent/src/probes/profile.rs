@@ -20,6 +20,7 @@ use crate::lifecycle::Stage;
 const BUILTIN: &[(&str, &str)] = &[
     ("demo", include_str!("builtin/demo.toml")),
     ("nixl", include_str!("builtin/nixl.toml")),
+    ("marker", include_str!("builtin/marker.toml")),
 ];
 
 /// Names of the built-in profiles, for help texts and errors.
