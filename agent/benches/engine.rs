@@ -242,6 +242,7 @@ fn config() -> EngineConfig {
         timeout_ns: TIMEOUT_NS,
         max_tracked: 1_000_000,
         tick_ns: TICK_NS,
+        read_ahead_ns: 0,
     }
 }
 

@@ -268,7 +268,7 @@ mod tests {
     fn stalled(pid: u32, stage: Stage, last_ns: u64) -> RequestSnapshot {
         let mut stage_ns = [None; 4];
         stage_ns[0] = Some(last_ns);
-        RequestSnapshot { pid, key: 1, external_id: None, stage, stage_ns, first_ns: last_ns, last_ns, stalled: None }
+        RequestSnapshot { pid, key: 1, external_id: None, stage, stage_ns, first_ns: last_ns, last_ns, stalled: None, inferred: Default::default() }
     }
 
     #[test]

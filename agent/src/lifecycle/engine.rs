@@ -36,6 +36,10 @@ pub struct EngineConfig {
     /// Timer-wheel granularity; the interval `advance` is meant to be
     /// called at. At least 1 is used.
     pub tick_ns: u64,
+    /// How long before its timeout a silent request's state is read from
+    /// the target's memory ([`Engine::advance_reading`]), as well as when
+    /// its stall is reported. 0: only at the report. At most `timeout_ns`.
+    pub read_ahead_ns: u64,
 }
 
 impl Default for EngineConfig {
@@ -45,6 +49,7 @@ impl Default for EngineConfig {
             timeout_ns: 60_000_000_000,
             max_tracked: 1_000_000,
             tick_ns: 10_000_000,
+            read_ahead_ns: 0,
         }
     }
 }
@@ -65,6 +70,9 @@ pub struct Engine {
     ends: RecentLog<(u32, u64)>,
     exits: RecentLog<u32>,
     stats: EngineStats,
+    /// Scratch for [`Engine::advance_reading`]: the records the wheel found
+    /// due, handled once the wheel is done with them.
+    due: Vec<u32>,
 }
 
 impl Engine {
@@ -76,13 +84,16 @@ impl Engine {
             timeout_ns: config.timeout_ns,
             max_tracked: config.max_tracked.clamp(1, MAX_RECORDS),
             tick_ns: config.tick_ns.max(1),
+            read_ahead_ns: config.read_ahead_ns.min(config.timeout_ns),
         };
         let mixer = Mixer::new();
         Engine {
             config,
             slab: Slab::new(),
             index: Index::new(mixer),
-            wheel: Wheel::new(config.tick_ns, config.timeout_ns),
+            // The wheel's deadline is the read ahead of the timeout; a
+            // request found there is read, then armed again for the timeout.
+            wheel: Wheel::new(config.tick_ns, config.timeout_ns - config.read_ahead_ns),
             stalled: List::new(),
             pids: PidCounts::new(mixer),
             ends: RecentLog::new(
@@ -91,6 +102,7 @@ impl Engine {
             ),
             exits: RecentLog::new(RECENT_EXITS, mixer),
             stats: EngineStats::default(),
+            due: Vec::new(),
         }
     }
 
@@ -164,39 +176,90 @@ impl Engine {
         if let Some(outcome) = Outcome::for_stage(stage) {
             self.end(i, outcome, last_ns, last_ns, out);
         } else if self.slab.get(i).place() == Place::Detached {
-            let deadline = last_ns.saturating_add(self.config.timeout_ns);
-            self.wheel.insert(self.slab.records_mut(), i, deadline);
+            self.arm(i, last_ns);
         }
+    }
+
+    /// Put record `i` on the wheel for its first deadline after an event at
+    /// `last_ns`: its state read ahead of the timeout, or the timeout.
+    fn arm(&mut self, i: u32, last_ns: u64) {
+        let deadline = last_ns.saturating_add(self.config.timeout_ns - self.config.read_ahead_ns);
+        self.wheel.insert(self.slab.records_mut(), i, deadline);
     }
 
     /// Fire every timer due at `now_ns` (monotonic ns, same clock as ts_ns).
     /// Work proportional to the ticks crossed and the timers due, never to
     /// the number of tracked requests.
     pub fn advance(&mut self, now_ns: u64, out: &mut Vec<Report>) {
-        let Engine {
-            wheel,
-            slab,
-            stalled,
-            stats,
-            ..
-        } = self;
-        wheel.advance(slab.records_mut(), now_ns, |recs, i| {
-            let r = &mut recs[i as usize];
-            // A tracked record's stage is never terminal, so this is always
-            // Some; should that ever break, the request stays visible as
-            // stalled (the safe failure) rather than silently unarmed.
-            let class = StallClass::for_stage(r.stage).unwrap_or(StallClass::ReleaseLost);
-            r.set_place(Place::Stalled(class));
-            let silent_ns = now_ns.saturating_sub(r.last_ns);
-            let request = r.snapshot();
-            stalled.push_back(recs, i);
-            stats.stalled += 1;
-            out.push(Report::Stalled {
-                request,
-                class,
-                silent_ns,
-                at_ns: now_ns,
-            });
+        self.advance_reading(now_ns, &mut |_, _, _| None, out);
+    }
+
+    /// [`Engine::advance`], reading the state of each request found silent
+    /// (see **State reads** in the module docs): `read(pid, key, stage)`
+    /// returns the stage the target's memory shows, `None` when it cannot
+    /// tell (nothing to read, unreadable, no rule matched).
+    pub fn advance_reading(
+        &mut self,
+        now_ns: u64,
+        read: &mut dyn FnMut(u32, u64, Stage) -> Option<Stage>,
+        out: &mut Vec<Report>,
+    ) {
+        let mut due = std::mem::take(&mut self.due);
+        due.clear();
+        self.wheel.advance(self.slab.records_mut(), now_ns, |_, i| due.push(i));
+        for &i in &due {
+            let r = self.slab.get(i);
+            let (pid, key, stage, last_ns) = (r.pid, r.key, r.stage(), r.last_ns);
+            if let Some(read) = read(pid, key, stage) {
+                if !self.apply_read(i, read, now_ns, out) {
+                    continue;
+                }
+            }
+            if now_ns.saturating_sub(last_ns) >= self.config.timeout_ns {
+                self.stall(i, now_ns, out);
+            } else {
+                // Read ahead of the timeout: the stall itself is still due.
+                let deadline = last_ns.saturating_add(self.config.timeout_ns);
+                self.wheel.insert(self.slab.records_mut(), i, deadline);
+            }
+        }
+        self.due = due;
+    }
+
+    /// What a read of the target's memory says of the silent record `i`:
+    /// a later live stage is inferred (timed at the read, not activity); a
+    /// terminal one ends the lifecycle at the read. Returns whether the
+    /// request is still tracked.
+    fn apply_read(&mut self, i: u32, stage: Stage, now_ns: u64, out: &mut Vec<Report>) -> bool {
+        let Some(outcome) = Outcome::for_stage(stage) else {
+            self.slab.get_mut(i).infer_stage(stage, now_ns);
+            return true;
+        };
+        self.slab.get_mut(i).set_stage(stage);
+        self.end(i, outcome, now_ns, now_ns, out);
+        if let Some(Report::Ended { request, .. }) = out.last_mut() {
+            request.inferred.insert(stage);
+        }
+        false
+    }
+
+    /// Report the silent record `i` (on no list) stalled, by its stage.
+    fn stall(&mut self, i: u32, now_ns: u64, out: &mut Vec<Report>) {
+        let r = self.slab.get_mut(i);
+        // A tracked record's stage is never terminal, so this is always
+        // Some; should that ever break, the request stays visible as
+        // stalled (the safe failure) rather than silently unarmed.
+        let class = StallClass::for_stage(r.stage()).unwrap_or(StallClass::ReleaseLost);
+        r.set_place(Place::Stalled(class));
+        let silent_ns = now_ns.saturating_sub(r.last_ns);
+        let request = r.snapshot();
+        self.stalled.push_back(self.slab.records_mut(), i);
+        self.stats.stalled += 1;
+        out.push(Report::Stalled {
+            request,
+            class,
+            silent_ns,
+            at_ns: now_ns,
         });
     }
 
@@ -297,8 +360,7 @@ impl Engine {
         self.pids.increment(pid);
         self.stats.seen += 1;
         self.wheel.start(ts_ns);
-        let deadline = ts_ns.saturating_add(self.config.timeout_ns);
-        self.wheel.insert(self.slab.records_mut(), i, deadline);
+        self.arm(i, ts_ns);
     }
 
     /// An event for the tracked record `i`.
@@ -318,7 +380,7 @@ impl Engine {
             self.stats.stale_events += 1;
             return;
         }
-        if r.stage_ts(stage) == Some(ts_ns) || (stage == r.stage && ts_ns == r.last_ns) {
+        if r.stage_ts(stage) == Some(ts_ns) || (stage == r.stage() && ts_ns == r.last_ns) {
             self.stats.duplicate_events += 1;
             return;
         }
@@ -331,7 +393,7 @@ impl Engine {
         r.first_ns = r.first_ns.min(ts_ns);
         r.last_ns = r.last_ns.max(ts_ns);
         r.note_stage_ts(stage, ts_ns);
-        r.stage = r.stage.max(stage);
+        r.set_stage(r.stage().max(stage));
         let place = r.place();
 
         // Life after a reported silence ends the episode. An event dated at
@@ -348,8 +410,7 @@ impl Engine {
                     stuck_ns: ts_ns - before,
                 });
                 if !stage.is_terminal() {
-                    let deadline = ts_ns.saturating_add(self.config.timeout_ns);
-                    self.wheel.insert(self.slab.records_mut(), i, deadline);
+                    self.arm(i, ts_ns);
                 }
             }
         }

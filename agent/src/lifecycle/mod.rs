@@ -105,6 +105,20 @@
 //! stage (ended while the alert was out) gives the `Recovered` if it moved,
 //! then its `Ended` at `last_ns`.
 //!
+//! **State reads.** Some targets keep a request's state where the agent
+//! can read it (NIXL's handle holds its transfer status), which spares a
+//! probe on a hot polling function. [`Engine::advance_reading`] asks its
+//! reader about each silent request `read_ahead_ns` before its timeout (if
+//! set) and again when its stall is due, never otherwise, so a healthy
+//! request is never read. A later live stage the read shows is *inferred*:
+//! timed at the read, listed in the snapshot's `inferred`, and not activity
+//! (silence still counts from the last probe event, so the stall is on
+//! time and classified by the inferred stage: posted + "done" in memory is
+//! `release_lost`). A terminal stage read (an error status) ends the
+//! lifecycle at the read, with that stage inferred. A read that tells
+//! nothing (unreadable, no rule) changes nothing. A probe event for a stage
+//! whose time was inferred replaces that time.
+//!
 //! **Counters.** `seen` counts lifecycles started, and
 //! `seen = completed + failed + aborted + process_exited + evicted +
 //! in_flight` always holds; `in_flight` is the number tracked.
@@ -134,4 +148,4 @@ mod tests;
 
 pub use engine::{Engine, EngineConfig, RECENT_ENDS, RECENT_ENDS_MIN, RECENT_EXITS};
 pub use report::{EngineStats, Observation, Report, RequestSnapshot, Restored};
-pub use stage::{Outcome, Stage, StallClass, UnknownStage, UnknownStallClass};
+pub use stage::{Outcome, Stage, StageSet, StallClass, UnknownStage, UnknownStallClass};

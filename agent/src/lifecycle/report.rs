@@ -5,7 +5,7 @@
 //! can keep, send or sort it without holding a borrow of the engine (which
 //! the event loop needs back for the next event).
 
-use super::stage::{Outcome, Stage, StallClass};
+use super::stage::{Outcome, Stage, StageSet, StallClass};
 
 /// One decoded lifecycle event for one request.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -65,6 +65,11 @@ pub struct RequestSnapshot {
     /// `Some` while the request is stalled, or if it was still stalled when
     /// it ended (evicted, its process exited, or only stale news came).
     pub stalled: Option<StallClass>,
+    /// Stages no probe saw, inferred from the request's state in the
+    /// target's memory: their time (in `stage_ns`, or the `Ended` report's
+    /// `at_ns` for a terminal one) is when it was read, the latest the stage
+    /// can have been reached.
+    pub inferred: StageSet,
 }
 
 impl RequestSnapshot {

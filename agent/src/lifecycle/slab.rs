@@ -17,7 +17,7 @@
 //!   touching the same warm memory.
 
 use super::report::RequestSnapshot;
-use super::stage::{Stage, StallClass};
+use super::stage::{Stage, StageSet, StallClass};
 
 /// "No record": the end of a list, an empty bucket.
 pub(crate) const NIL: u32 = u32::MAX;
@@ -45,6 +45,12 @@ const PLACE_SHIFT: u8 = 4;
 const PLACE_MASK: u8 = 0b0011_0000;
 const CLASS_SHIFT: u8 = 6;
 
+// Layout of `Record::stage_bits`: the stage (three bits), then an
+// "inferred" bit for each of the three live stages (their time is when the
+// target's memory was read, not a probe's). Packed for the same reason.
+const STAGE_MASK: u8 = 0b0000_0111;
+const INFERRED_SHIFT: u8 = 3;
+
 /// One tracked request (or a free slot).
 ///
 /// `repr(C)` to fix the order: what the index compares on every lookup
@@ -57,7 +63,9 @@ const CLASS_SHIFT: u8 = 6;
 pub(crate) struct Record {
     pub(crate) key: u64,
     pub(crate) pid: u32,
-    pub(crate) stage: Stage,
+    /// The furthest stage and which live stages were inferred: see
+    /// [`Record::stage`] and [`Record::inferred`].
+    stage_bits: u8,
     flags: u8,
     /// The wheel bucket this record is linked into while `Place::Wheel`
     /// (wheels have at most 2^16 buckets).
@@ -89,7 +97,7 @@ impl Record {
             pid,
             prev: NIL,
             next: NIL,
-            stage,
+            stage_bits: stage as u8,
             flags: 0,
             bucket: 0,
         };
@@ -120,19 +128,58 @@ impl Record {
         rec
     }
 
+    /// The furthest stage reached.
+    pub(crate) fn stage(&self) -> Stage {
+        Stage::ALL[usize::from(self.stage_bits & STAGE_MASK)]
+    }
+
+    pub(crate) fn set_stage(&mut self, stage: Stage) {
+        self.stage_bits = (self.stage_bits & !STAGE_MASK) | stage as u8;
+    }
+
+    /// The live stages whose time was inferred from a read of the target's
+    /// memory (the read's time) rather than seen by a probe.
+    pub(crate) fn inferred(&self) -> StageSet {
+        let mut set = StageSet::EMPTY;
+        for stage in [Stage::Enqueued, Stage::TransferPosted, Stage::TransferDone] {
+            if self.stage_bits & (1 << (INFERRED_SHIFT + stage as u8)) != 0 {
+                set.insert(stage);
+            }
+        }
+        set
+    }
+
     pub(crate) fn stage_ts(&self, stage: Stage) -> Option<u64> {
         let i = stage.timestamp_slot()?;
         (self.flags & (1 << i) != 0).then(|| self.stage_ns[i])
     }
 
     /// Record when `stage` was seen, unless it already has a time: the
-    /// snapshot says when the engine first learned of each stage.
+    /// snapshot says when the engine first learned of each stage. A probe's
+    /// time replaces an inferred one.
     pub(crate) fn note_stage_ts(&mut self, stage: Stage, ts_ns: u64) {
         if let Some(i) = stage.timestamp_slot() {
-            if self.flags & (1 << i) == 0 {
+            // Only live stages are ever inferred; Released's bit stays clear.
+            let inferred = 1 << (INFERRED_SHIFT + stage as u8);
+            if self.flags & (1 << i) == 0 || self.stage_bits & inferred != 0 {
                 self.flags |= 1 << i;
                 self.stage_ns[i] = ts_ns;
+                self.stage_bits &= !inferred;
             }
+        }
+    }
+
+    /// A live stage the target's memory says was reached by `at_ns`, which
+    /// no probe saw: timed at the read and marked inferred. Not activity.
+    pub(crate) fn infer_stage(&mut self, stage: Stage, at_ns: u64) {
+        debug_assert!(!stage.is_terminal());
+        if stage.is_terminal() || stage <= self.stage() {
+            return;
+        }
+        self.set_stage(stage);
+        if self.stage_ts(stage).is_none() {
+            self.note_stage_ts(stage, at_ns);
+            self.stage_bits |= 1 << (INFERRED_SHIFT + stage as u8);
         }
     }
 
@@ -168,7 +215,7 @@ impl Record {
             pid: self.pid,
             key: self.key,
             external_id: self.external_id.clone(),
-            stage: self.stage,
+            stage: self.stage(),
             stage_ns: [
                 self.stage_ts(Stage::Enqueued),
                 self.stage_ts(Stage::TransferPosted),
@@ -178,6 +225,7 @@ impl Record {
             first_ns: self.first_ns,
             last_ns: self.last_ns,
             stalled: self.stalled(),
+            inferred: self.inferred(),
         }
     }
 }

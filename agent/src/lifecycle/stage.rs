@@ -107,6 +107,36 @@ impl FromStr for Stage {
     }
 }
 
+/// A set of stages, one bit each: which stages of a request were inferred
+/// (read from the target's memory) rather than seen by a probe.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct StageSet(u8);
+
+impl StageSet {
+    pub const EMPTY: StageSet = StageSet(0);
+
+    pub fn contains(self, stage: Stage) -> bool {
+        self.0 & (1 << stage as u8) != 0
+    }
+
+    pub fn insert(&mut self, stage: Stage) {
+        self.0 |= 1 << stage as u8;
+    }
+
+    pub fn remove(&mut self, stage: Stage) {
+        self.0 &= !(1 << stage as u8);
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// The stages in the set, in order of progress.
+    pub fn iter(self) -> impl Iterator<Item = Stage> {
+        Stage::ALL.into_iter().filter(move |stage| self.contains(*stage))
+    }
+}
+
 /// Where a stalled request stopped, which is what the on-call engineer needs
 /// first: it says which side (or which layer) to look at.
 #[repr(u8)]

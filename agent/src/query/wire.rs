@@ -382,6 +382,7 @@ mod tests {
             first_ns,
             last_ns,
             stalled,
+            inferred: Default::default(),
         }
     }
 

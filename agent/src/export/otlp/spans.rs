@@ -384,6 +384,7 @@ mod tests {
             first_ns: 1_000_000_000,
             last_ns,
             stalled: None,
+            inferred: Default::default(),
         }
     }
 
