@@ -242,7 +242,6 @@ fn config() -> EngineConfig {
         timeout_ns: TIMEOUT_NS,
         max_tracked: 1_000_000,
         tick_ns: TICK_NS,
-        read_ahead_ns: 0,
     }
 }
 

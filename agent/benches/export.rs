@@ -149,7 +149,7 @@ fn throughput(protocol: Protocol, endpoint: &str, n: u64) -> (f64, u64) {
 /// Mean ns per request of the event loop's work, with export on or off.
 fn event_path(endpoint: Option<&str>, n: u64) -> Cost {
     let exporter = endpoint.map(|endpoint| exporter(Protocol::Grpc, endpoint));
-    let mut engine = Engine::new(EngineConfig { timeout_ns: 60_000_000_000, max_tracked: 1_000_000, tick_ns: 10_000_000, read_ahead_ns: 0 });
+    let mut engine = Engine::new(EngineConfig { timeout_ns: 60_000_000_000, max_tracked: 1_000_000, tick_ns: 10_000_000 });
     let mut alerts = AlertWriter::new(io::sink(), Format::Json, Clock::new());
     let mut metrics = Metrics::default();
     let mut reports = Vec::new();

@@ -99,7 +99,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
     let reader = EventReader::new(&mut probes)?;
     let (exit_tx, mut exits) = mpsc::unbounded_channel();
     let mut session = Session {
-        engine: Engine::new(EngineConfig { timeout_ns: duration_ns(timeout), max_tracked, tick_ns: duration_ns(tick), read_ahead_ns: 0 }),
+        engine: Engine::new(EngineConfig { timeout_ns: duration_ns(timeout), max_tracked, tick_ns: duration_ns(tick) }),
         transport: Tracker::new(duration_ns(timeout)),
         alerts: AlertWriter::new(out, format, clock),
         telemetry,

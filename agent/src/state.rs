@@ -342,6 +342,15 @@ impl<T: Tables> KernelState<T> {
                     self.tables.forget_alerted(&key)?;
                 }
                 match outcome {
+                    // Ended by a read of the target's memory (an error
+                    // status): the kernel saw no end and still holds it as
+                    // live, which the next agent would take over and end
+                    // again. Its entry, not a next lifecycle's.
+                    Outcome::Released | Outcome::Aborted | Outcome::Failed if request.inferred.contains(request.stage) => {
+                        if self.tables.inflight(&key)?.is_some_and(|entry| entry.first_ns <= request.last_ns) {
+                            self.tables.forget_inflight(&key)?;
+                        }
+                    }
                     // The kernel already dropped it, unless it kept it for
                     // the stall alert: collect that (not a next lifecycle
                     // of the key that began since).
@@ -363,6 +372,18 @@ impl<T: Tables> KernelState<T> {
             }
         }
         Ok(())
+    }
+
+    /// Whether the kernel still holds, live, the lifecycle of (`pid`, `key`)
+    /// whose latest event the agent has is at `last_ns`: the probes saw no
+    /// end of it (even one whose event was lost or is not read yet), and
+    /// the key has not started another lifecycle since (the entry began no
+    /// later). What the target's memory holds at the key is that
+    /// lifecycle's only while this is true: a released request's memory
+    /// may be freed or already another request's.
+    pub fn holds(&self, pid: u32, key: u64, last_ns: u64) -> Result<bool> {
+        let entry = self.tables.inflight(&RequestKey { key, pid, _pad: 0 })?;
+        Ok(entry.is_some_and(|entry| entry.stage < stage::FIRST_TERMINAL && entry.first_ns <= last_ns))
     }
 
     /// Drop every entry of `pid`: it exited, or this agent does not watch it.
@@ -564,6 +585,8 @@ mod tests {
         ended: HashMap<(u32, u64, u64), usize>,
         /// (pid, key, last_ns) of each silence reported.
         stalled: HashMap<(u32, u64, u64), usize>,
+        /// Lifecycles ended by a read of the target's memory.
+        read_failed: usize,
     }
 
     impl ModelAgent {
@@ -590,7 +613,10 @@ mod tests {
             for report in reports {
                 let r = report.request();
                 match &report {
-                    Report::Ended { .. } => *reported.ended.entry((r.pid, r.key, r.first_ns)).or_default() += 1,
+                    Report::Ended { .. } => {
+                        *reported.ended.entry((r.pid, r.key, r.first_ns)).or_default() += 1;
+                        reported.read_failed += usize::from(r.inferred.contains(Stage::Failed));
+                    }
                     Report::Stalled { .. } => *reported.stalled.entry((r.pid, r.key, r.last_ns)).or_default() += 1,
                     Report::Recovered { .. } => {}
                 }
@@ -610,9 +636,20 @@ mod tests {
             }
         }
 
+        /// A tick, reading the target's memory as `run` does, only for a
+        /// request the kernel still holds: key 0x105's memory says its
+        /// transfer failed once posted, and the target never releases it.
         fn advance(&mut self, now: u64, reported: &mut Reported) {
             let mut reports = Vec::new();
-            self.engine.advance(now, &mut reports);
+            let state = &self.state;
+            self.engine.advance_reading(
+                now,
+                &mut |silent| {
+                    let failed = silent.key == 0x105 && silent.stage == Stage::TransferPosted;
+                    (failed && state.holds(silent.pid, silent.key, silent.last_ns).expect("holds")).then_some(Stage::Failed)
+                },
+                &mut reports,
+            );
             self.emit(reports, reported);
         }
     }
@@ -625,7 +662,7 @@ mod tests {
     #[test]
     fn no_request_ends_twice_across_any_number_of_restarts() {
         use stallwatch_common::stage::{ABORTED, ENQUEUED, FAILED, RELEASED, TRANSFER_DONE};
-        let mut totals = (0usize, 0usize, 0usize);
+        let mut totals = (0usize, 0usize, 0usize, 0usize);
         for seed in 1..=40u64 {
             let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
             let mut roll = |n: u64| {
@@ -700,8 +737,10 @@ mod tests {
             totals.0 += restarts;
             totals.1 += reported.stalled.len();
             totals.2 += reported.ended.len();
+            totals.3 += reported.read_failed;
         }
-        // The walk really restarted agents with stalls marked.
-        assert!(totals.0 > 500 && totals.1 > 500 && totals.2 > 5000, "{totals:?}");
+        // The walk really restarted agents with stalls marked, and ended
+        // requests by reads.
+        assert!(totals.0 > 500 && totals.1 > 500 && totals.2 > 5000 && totals.3 > 20, "{totals:?}");
     }
 }

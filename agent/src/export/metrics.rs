@@ -397,7 +397,7 @@ mod tests {
     use crate::probes::KernelCounters;
 
     fn engine_with_requests() -> Engine {
-        let mut engine = Engine::new(EngineConfig { timeout_ns: 1_000, max_tracked: 100, tick_ns: 10, read_ahead_ns: 0 });
+        let mut engine = Engine::new(EngineConfig { timeout_ns: 1_000, max_tracked: 100, tick_ns: 10 });
         let mut reports = Vec::new();
         for (key, stage) in [(1, Stage::Enqueued), (2, Stage::TransferPosted), (3, Stage::TransferPosted)] {
             engine.observe(Observation { pid: 1, key, stage, ts_ns: 100, external_id: None }, &mut reports);

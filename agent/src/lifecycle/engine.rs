@@ -3,7 +3,7 @@
 
 use super::index::{Index, Mixer, PidCounts};
 use super::recent::RecentLog;
-use super::report::{EngineStats, Observation, Report, RequestSnapshot, Restored};
+use super::report::{EngineStats, Observation, Report, RequestSnapshot, Restored, Silent};
 use super::slab::{List, MAX_RECORDS, Place, Record, Slab};
 use super::stage::{Outcome, Stage, StallClass};
 use super::wheel::Wheel;
@@ -36,10 +36,6 @@ pub struct EngineConfig {
     /// Timer-wheel granularity; the interval `advance` is meant to be
     /// called at. At least 1 is used.
     pub tick_ns: u64,
-    /// How long before its timeout a silent request's state is read from
-    /// the target's memory ([`Engine::advance_reading`]), as well as when
-    /// its stall is reported. 0: only at the report. At most `timeout_ns`.
-    pub read_ahead_ns: u64,
 }
 
 impl Default for EngineConfig {
@@ -49,7 +45,6 @@ impl Default for EngineConfig {
             timeout_ns: 60_000_000_000,
             max_tracked: 1_000_000,
             tick_ns: 10_000_000,
-            read_ahead_ns: 0,
         }
     }
 }
@@ -84,16 +79,13 @@ impl Engine {
             timeout_ns: config.timeout_ns,
             max_tracked: config.max_tracked.clamp(1, MAX_RECORDS),
             tick_ns: config.tick_ns.max(1),
-            read_ahead_ns: config.read_ahead_ns.min(config.timeout_ns),
         };
         let mixer = Mixer::new();
         Engine {
             config,
             slab: Slab::new(),
             index: Index::new(mixer),
-            // The wheel's deadline is the read ahead of the timeout; a
-            // request found there is read, then armed again for the timeout.
-            wheel: Wheel::new(config.tick_ns, config.timeout_ns - config.read_ahead_ns),
+            wheel: Wheel::new(config.tick_ns, config.timeout_ns),
             stalled: List::new(),
             pids: PidCounts::new(mixer),
             ends: RecentLog::new(
@@ -180,10 +172,10 @@ impl Engine {
         }
     }
 
-    /// Put record `i` on the wheel for its first deadline after an event at
-    /// `last_ns`: its state read ahead of the timeout, or the timeout.
+    /// Put record `i` on the wheel for its timeout after an event at
+    /// `last_ns`.
     fn arm(&mut self, i: u32, last_ns: u64) {
-        let deadline = last_ns.saturating_add(self.config.timeout_ns - self.config.read_ahead_ns);
+        let deadline = last_ns.saturating_add(self.config.timeout_ns);
         self.wheel.insert(self.slab.records_mut(), i, deadline);
     }
 
@@ -191,17 +183,17 @@ impl Engine {
     /// Work proportional to the ticks crossed and the timers due, never to
     /// the number of tracked requests.
     pub fn advance(&mut self, now_ns: u64, out: &mut Vec<Report>) {
-        self.advance_reading(now_ns, &mut |_, _, _| None, out);
+        self.advance_reading(now_ns, &mut |_| None, out);
     }
 
-    /// [`Engine::advance`], reading the state of each request found silent
-    /// (see **State reads** in the module docs): `read(pid, key, stage)`
-    /// returns the stage the target's memory shows, `None` when it cannot
-    /// tell (nothing to read, unreadable, no rule matched).
+    /// [`Engine::advance`], reading the state of each request whose stall
+    /// is due (see **State reads** in the module docs): `read` returns the
+    /// stage the target's memory shows, `None` when it cannot tell (nothing
+    /// to read, unreadable, no rule matched, no longer the same request).
     pub fn advance_reading(
         &mut self,
         now_ns: u64,
-        read: &mut dyn FnMut(u32, u64, Stage) -> Option<Stage>,
+        read: &mut dyn FnMut(&Silent) -> Option<Stage>,
         out: &mut Vec<Report>,
     ) {
         let mut due = std::mem::take(&mut self.due);
@@ -209,19 +201,13 @@ impl Engine {
         self.wheel.advance(self.slab.records_mut(), now_ns, |_, i| due.push(i));
         for &i in &due {
             let r = self.slab.get(i);
-            let (pid, key, stage, last_ns) = (r.pid, r.key, r.stage(), r.last_ns);
-            if let Some(read) = read(pid, key, stage) {
-                if !self.apply_read(i, read, now_ns, out) {
+            let silent = Silent { pid: r.pid, key: r.key, stage: r.stage(), first_ns: r.first_ns, last_ns: r.last_ns };
+            if let Some(stage) = read(&silent) {
+                if !self.apply_read(i, stage, now_ns, out) {
                     continue;
                 }
             }
-            if now_ns.saturating_sub(last_ns) >= self.config.timeout_ns {
-                self.stall(i, now_ns, out);
-            } else {
-                // Read ahead of the timeout: the stall itself is still due.
-                let deadline = last_ns.saturating_add(self.config.timeout_ns);
-                self.wheel.insert(self.slab.records_mut(), i, deadline);
-            }
+            self.stall(i, now_ns, out);
         }
         self.due = due;
     }

@@ -108,16 +108,17 @@
 //! **State reads.** Some targets keep a request's state where the agent
 //! can read it (NIXL's handle holds its transfer status), which spares a
 //! probe on a hot polling function. [`Engine::advance_reading`] asks its
-//! reader about each silent request `read_ahead_ns` before its timeout (if
-//! set) and again when its stall is due, never otherwise, so a healthy
-//! request is never read. A later live stage the read shows is *inferred*:
-//! timed at the read, listed in the snapshot's `inferred`, and not activity
-//! (silence still counts from the last probe event, so the stall is on
-//! time and classified by the inferred stage: posted + "done" in memory is
-//! `release_lost`). A terminal stage read (an error status) ends the
-//! lifecycle at the read, with that stage inferred. A read that tells
-//! nothing (unreadable, no rule) changes nothing. A probe event for a stage
-//! whose time was inferred replaces that time.
+//! reader about each request whose stall is due, and about no other, so a
+//! healthy request is never read. A later live stage the read shows is
+//! *inferred*: timed at the read, listed in the snapshot's `inferred`, and
+//! not activity (silence still counts from the last probe event, so the
+//! stall is on time and classified by the inferred stage: posted + "done"
+//! in memory is `release_lost`). A terminal stage read (an error status)
+//! ends the lifecycle at the read instead of stalling it, with that stage
+//! inferred. A read that tells nothing (unreadable, no rule, an earlier
+//! stage) changes nothing: the stall is classified by the probes' stage. A
+//! stalled request is not read again. A probe event for a stage whose time
+//! was inferred replaces that time.
 //!
 //! **Counters.** `seen` counts lifecycles started, and
 //! `seen = completed + failed + aborted + process_exited + evicted +
@@ -147,5 +148,5 @@ mod wheel;
 mod tests;
 
 pub use engine::{Engine, EngineConfig, RECENT_ENDS, RECENT_ENDS_MIN, RECENT_EXITS};
-pub use report::{EngineStats, Observation, Report, RequestSnapshot, Restored};
+pub use report::{EngineStats, Observation, Report, RequestSnapshot, Restored, Silent};
 pub use stage::{Outcome, Stage, StageSet, StallClass, UnknownStage, UnknownStallClass};

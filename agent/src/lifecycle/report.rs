@@ -44,6 +44,18 @@ pub struct Restored {
     pub alerted_ns: Option<u64>,
 }
 
+/// A request whose stall is due, as [`Engine::advance_reading`](super::Engine::advance_reading)
+/// asks its reader about it: enough to find its state in the target's memory
+/// and to check that the memory still belongs to this lifecycle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Silent {
+    pub pid: u32,
+    pub key: u64,
+    pub stage: Stage,
+    pub first_ns: u64,
+    pub last_ns: u64,
+}
+
 /// What the engine knows of one request (a copy, for reports and queries).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RequestSnapshot {

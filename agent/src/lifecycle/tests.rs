@@ -38,7 +38,6 @@ impl H {
                 timeout_ns,
                 max_tracked,
                 tick_ns,
-                read_ahead_ns: 0,
             }),
         }
     }
@@ -250,23 +249,20 @@ fn default_config() {
         EngineConfig {
             timeout_ns: 60_000_000_000,
             max_tracked: 1_000_000,
-            tick_ns: 10_000_000,
-            read_ahead_ns: 0,
+            tick_ns: 10_000_000
         }
     );
     let e = Engine::new(EngineConfig {
         timeout_ns: 5,
         max_tracked: 0,
         tick_ns: 0,
-        read_ahead_ns: 9,
     });
     assert_eq!(
         *e.config(),
         EngineConfig {
             timeout_ns: 5,
             max_tracked: 1,
-            tick_ns: 1,
-            read_ahead_ns: 5,
+            tick_ns: 1
         }
     );
 }
@@ -1870,27 +1866,15 @@ fn odd_restored_times_do_not_panic() {
 
 // ---- State reads: what the target's memory says of a silent request ----
 
-/// An engine reading ahead `ahead` ns of its timeout.
-fn reading(ahead: u64) -> H {
-    H {
-        e: Engine::new(EngineConfig {
-            timeout_ns: TIMEOUT,
-            max_tracked: 1000,
-            tick_ns: TICK,
-            read_ahead_ns: ahead,
-        }),
-    }
-}
-
 impl H {
     /// `advance_reading` with a memory that answers `read`; also returns
-    /// every (pid, key, stage) it was asked about.
-    fn adv_read(&mut self, now_ns: u64, read: Option<Stage>) -> (Vec<Report>, Vec<(u32, u64, Stage)>) {
+    /// every request it was asked about.
+    fn adv_read(&mut self, now_ns: u64, read: Option<Stage>) -> (Vec<Report>, Vec<Silent>) {
         let (mut out, mut asked) = (Vec::new(), Vec::new());
         self.e.advance_reading(
             now_ns,
-            &mut |pid, key, stage| {
-                asked.push((pid, key, stage));
+            &mut |silent| {
+                asked.push(*silent);
                 read
             },
             &mut out,
@@ -1901,12 +1885,25 @@ impl H {
 
 #[test]
 fn a_read_at_the_report_tells_a_done_transfer_from_a_hung_one() {
-    let mut h = reading(0);
+    let mut h = H::new();
     h.obs(1, 7, POST, 100);
     h.obs(1, 8, POST, 100);
+    h.obs(1, 9, ENQ, 100);
+    h.obs(1, 9, REL, 200);
     assert_eq!(h.adv_read(1099, Some(DONE)), (vec![], vec![]), "nothing is read before it is due");
     let mut out = Vec::new();
-    h.e.advance_reading(1100, &mut |_, key, _| (key == 7).then_some(DONE), &mut out);
+    let mut asked = Vec::new();
+    h.e.advance_reading(
+        1100,
+        &mut |silent| {
+            asked.push(*silent);
+            (silent.key == 7).then_some(DONE)
+        },
+        &mut out,
+    );
+    // What the reader needs to find the memory and check it is this lifecycle's.
+    asked.sort_by_key(|silent| silent.key);
+    assert_eq!(asked, [7, 8].map(|key| Silent { pid: 1, key, stage: POST, first_ns: 100, last_ns: 100 }), "a request that ended is never read");
     let out = by_key(out);
     let [Report::Stalled { request: done, class: LOST, silent_ns: 1000, at_ns: 1100 }, Report::Stalled { request: hung, class: HUNG, .. }] =
         &out[..]
@@ -1918,47 +1915,21 @@ fn a_read_at_the_report_tells_a_done_transfer_from_a_hung_one() {
     assert_eq!((done.stage, done.stage_ns[2], done.last_ns), (DONE, Some(1100), 100));
     assert_eq!(done.inferred.iter().collect::<Vec<_>>(), [DONE]);
     assert_eq!((hung.stage, hung.inferred), (POST, StageSet::EMPTY));
-}
-
-#[test]
-fn reading_ahead_reads_before_the_timeout_and_again_at_the_report() {
-    let mut h = reading(300);
-    h.obs(1, 7, POST, 100);
-    h.obs(1, 9, ENQ, 100);
-    h.obs(1, 9, REL, 200);
-    assert_eq!(h.adv_read(799, Some(POST)), (vec![], vec![]));
-    let (out, asked) = h.adv_read(800, Some(POST));
-    assert_eq!((out, asked), (vec![], vec![(1, 7, POST)]), "a healthy request that ended is never read");
-    assert!(h.adv_read(1099, Some(POST)).0.is_empty(), "not stalled before the timeout");
-    let (out, asked) = h.adv_read(1100, Some(POST));
-    assert_eq!(asked, [(1, 7, POST)]);
-    assert!(matches!(&out[..], [Report::Stalled { class: HUNG, silent_ns: 1000, .. }]), "{out:?}");
     // Reported once; a stalled request is not read again.
-    assert_eq!(h.adv_read(5000, Some(DONE)), (vec![], vec![]));
-}
-
-#[test]
-fn a_read_ahead_that_finds_it_done_makes_the_stall_release_lost() {
-    let mut h = reading(300);
-    h.obs(1, 7, POST, 100);
-    assert!(h.adv_read(800, Some(DONE)).0.is_empty());
-    assert_eq!(h.get(1, 7).map(|r| (r.stage, r.stage_ns[2], r.last_ns)), Some((DONE, Some(800), 100)));
-    // Unreadable at the report: what is known stands.
-    let (out, _) = h.adv_read(1100, None);
-    assert!(matches!(&out[..], [Report::Stalled { class: LOST, request, .. }] if request.inferred.contains(DONE)), "{out:?}");
+    assert_eq!(h.adv_read(5000, Some(FAIL)), (vec![], vec![]));
 }
 
 #[test]
 fn a_failed_status_ends_the_request_failed_at_the_read() {
-    let mut h = reading(300);
+    let mut h = H::new();
     h.obs_ext(1, 7, POST, 100, Some("room-1"));
-    let (out, _) = h.adv_read(800, Some(FAIL));
-    let [Report::Ended { request, outcome: Outcome::Failed, at_ns: 800 }] = &out[..] else { panic!("{out:?}") };
-    assert_eq!((request.stage, request.external_id.as_deref()), (FAIL, Some("room-1")));
+    let (out, _) = h.adv_read(1100, Some(FAIL));
+    let [Report::Ended { request, outcome: Outcome::Failed, at_ns: 1100 }] = &out[..] else { panic!("{out:?}") };
+    assert_eq!((request.stage, request.external_id.as_deref(), request.stalled), (FAIL, Some("room-1"), None));
     assert_eq!(request.inferred.iter().collect::<Vec<_>>(), [FAIL]);
-    assert_eq!(h.stats().failed, 1);
+    assert_eq!((h.stats().failed, h.stats().stalled), (1, 0));
     // The framework's release of the failed handle is old news.
-    assert!(h.obs(1, 7, REL, 900).is_empty());
+    assert!(h.obs(1, 7, REL, 1050).is_empty());
     assert_eq!(h.stats().stale_events, 1);
     assert_eq!(h.adv_read(5000, Some(FAIL)), (vec![], vec![]));
     assert_balanced(h.stats());
@@ -1966,9 +1937,8 @@ fn a_failed_status_ends_the_request_failed_at_the_read() {
 
 #[test]
 fn an_unreadable_request_is_kept_and_classified_by_its_probes() {
-    let mut h = reading(300);
+    let mut h = H::new();
     h.obs(1, 7, POST, 100);
-    assert!(h.adv_read(800, None).0.is_empty());
     let (out, asked) = h.adv_read(1100, None);
     assert_eq!(asked.len(), 1);
     assert!(matches!(&out[..], [Report::Stalled { class: HUNG, request, .. }] if request.inferred.is_empty()), "{out:?}");
@@ -1977,16 +1947,14 @@ fn an_unreadable_request_is_kept_and_classified_by_its_probes() {
 
 #[test]
 fn a_read_never_moves_a_request_back_and_a_probe_replaces_an_inferred_time() {
-    let mut h = reading(300);
+    let mut h = H::new();
     h.obs(1, 7, DONE, 100);
-    assert!(h.adv_read(800, Some(POST)).0.is_empty());
-    assert_eq!(h.get(1, 7).map(|r| (r.stage, r.inferred)), Some((DONE, StageSet::EMPTY)));
-    h.obs(1, 8, POST, 100);
-    h.adv_read(800, Some(DONE));
-    // Late news of the real completion: its time replaces the read's, and
-    // it is activity, which re-arms the silence timer.
-    assert!(h.obs(1, 8, DONE, 700).is_empty());
-    let request = h.get(1, 8).expect("tracked");
-    assert_eq!((request.stage_ns[2], request.inferred, request.last_ns), (Some(700), StageSet::EMPTY, 700));
-    assert!(h.adv_read(1100, Some(DONE)).0.iter().all(|r| r.request().key == 7));
+    let (out, _) = h.adv_read(1100, Some(POST));
+    assert!(matches!(&out[..], [Report::Stalled { class: LOST, request, .. }] if request.inferred.is_empty()), "{out:?}");
+    h.obs(1, 8, POST, 2000);
+    h.adv_read(3000, Some(DONE));
+    assert_eq!(h.get(1, 8).map(|r| (r.stage, r.stage_ns[2], r.inferred.contains(DONE))), Some((DONE, Some(3000), true)));
+    // The probe's news of the real completion: its time replaces the read's.
+    let out = h.obs(1, 8, DONE, 2500);
+    assert!(matches!(&out[..], [Report::Recovered { class: LOST, request, .. }] if request.inferred.is_empty() && request.stage_ns[2] == Some(2500)), "{out:?}");
 }
