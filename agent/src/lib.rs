@@ -19,5 +19,6 @@ pub mod query;
 mod reactor;
 pub mod run;
 pub mod state;
+pub mod status;
 pub mod text;
 pub mod transport;

@@ -242,6 +242,16 @@ fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
             probe.object.as_deref().unwrap_or("the executable")
         )?;
     }
+    if let Some(status) = &profile.status {
+        let stages = status.rules.iter().map(|(_, stage)| stage.to_string()).collect::<Vec<_>>().join(" | ");
+        writeln!(
+            out,
+            "  line {:>3}: {stages:<30} read from the target's memory, key {}{:+}, when a stall is due",
+            status.line,
+            status.at.deref.iter().map(|offset| format!("->[{offset:+}]")).collect::<String>(),
+            status.at.add,
+        )?;
+    }
     for activity in &profile.activity {
         writeln!(
             out,

@@ -35,6 +35,7 @@ use crate::{
     query::QueryServer,
     reactor,
     state::{BpfDir, KernelState},
+    status::StatusReader,
     transport::Tracker,
 };
 
@@ -106,6 +107,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
         probes,
         state,
         reader,
+        status: profile.status.clone().map(StatusReader::new),
         profile,
         watched: HashMap::new(),
         exit_tx,
@@ -165,11 +167,14 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 // before the timers judge silence at it.
                 let now = monotonic_ns();
                 session.drain();
-                session.engine.advance(now, &mut session.reports);
+                session.advance(now);
             }
             _ = counter_ticks.tick() => {
                 reported = warn_on_loss(&session.probes, reported)?;
                 session.ingest.warn_undecodable();
+                if let Some(status) = &mut session.status {
+                    status.warn();
+                }
                 session.transport.sample(&session.probes, monotonic_ns())?;
             }
             Some(pid) = exits.recv() => {
@@ -281,6 +286,8 @@ struct Session<W> {
     /// The kernel's in-flight table, kept in step with the reports.
     state: KernelState,
     reader: EventReader,
+    /// The profile's `[status]`, read for requests whose stall is due.
+    status: Option<StatusReader>,
     profile: Profile,
     /// Attached processes: their names and the tasks waiting on their
     /// pidfds.
@@ -415,6 +422,21 @@ impl<W: Write> Session<W> {
         reader.drain(|bytes| ingest.record(bytes, transport, engine, reports));
     }
 
+    /// Judge silence at `now`: requests whose stall is due are read first
+    /// where the profile has a `[status]`, and only while the kernel holds
+    /// them live (a released request's memory is not its own any more).
+    fn advance(&mut self, now: u64) {
+        let Session { engine, status, state, reports, .. } = self;
+        match status {
+            Some(status) => engine.advance_reading(
+                now,
+                &mut |silent| status.read(silent, || state.holds(silent.pid, silent.key, silent.last_ns)),
+                reports,
+            ),
+            None => engine.advance(now, reports),
+        }
+    }
+
     /// The process is gone, or its program is: what it did before counts
     /// first, then every request it still held ends `process_exited`.
     fn unwatch(&mut self, pid: u32, gone: Gone) {
@@ -465,13 +487,22 @@ impl<W: Write> Session<W> {
 
     fn finish(mut self, on_exit: OnExit) -> Result<()> {
         self.drain();
-        self.engine.advance(monotonic_ns(), &mut self.reports);
+        self.advance(monotonic_ns());
         self.emit()?;
+        if let Some(status) = &mut self.status {
+            status.warn();
+        }
         let losses = Losses { kernel: self.probes.counters()?, undecodable: self.ingest.undecodable };
         self.ingest.warn_undecodable();
         let export = self.telemetry.finish();
         self.alerts
-            .summary(&self.engine.stats(), &losses, export.dropped(), &self.probes.probe_hits()?)
+            .summary(
+                &self.engine.stats(),
+                &losses,
+                export.dropped(),
+                &self.probes.probe_hits()?,
+                self.status.as_ref().map(StatusReader::reads).as_ref(),
+            )
             .context("writing the summary")?;
         if let Some(dir) = self.probes.finish(on_exit == OnExit::Keep)? {
             info!(
@@ -689,7 +720,7 @@ mod tests {
         let mut out = Vec::new();
         let losses = Losses { kernel: KernelCounters { ringbuf_full: 2, ..KernelCounters::default() }, undecodable: ingest.undecodable };
         AlertWriter::new(&mut out, Format::Json, Clock::new())
-            .summary(&EngineStats::default(), &losses, 0, &[])
+            .summary(&EngineStats::default(), &losses, 0, &[], None)
             .expect("summary");
         let summary: Value = serde_json::from_slice(&out).expect("JSON summary");
         assert_eq!((summary["lost_events"].as_u64(), summary["undecodable"].as_u64()), (Some(1003), Some(1001)), "{summary}");

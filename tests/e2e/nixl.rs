@@ -21,13 +21,14 @@ struct Driver {
 }
 
 impl Driver {
-    fn start(mode: &str, count: usize) -> Self {
+    fn start(mode: &str, count: usize, driver_args: &[&str]) -> Self {
         require_root();
         let proc = Proc::spawn(
             "nixl driver",
             Command::new(venv_python())
                 .arg(root().join("tests/nixl/driver.py"))
-                .args(["--mode", mode, "--count", &count.to_string(), "--max-seconds", "60"]),
+                .args(["--mode", mode, "--count", &count.to_string(), "--max-seconds", "60"])
+                .args(driver_args),
         );
         let ready = proc.next_line(Duration::from_secs(30), "ready line");
         let value = ready.json().unwrap_or_else(|| panic!("driver said: {}", ready.text));
@@ -38,11 +39,12 @@ impl Driver {
 
     /// Attach the agent, then let the driver run.
     fn watched(mode: &str, count: usize) -> (Self, Agent) {
-        Self::watched_with(mode, count, &[])
+        Self::watched_with(mode, count, &[], &[])
     }
 
-    fn watched_with(mode: &str, count: usize, extra: &[&str]) -> (Self, Agent) {
-        let mut driver = Self::start(mode, count);
+    /// `driver_args` for the driver, `extra` for the agent.
+    fn watched_with(mode: &str, count: usize, driver_args: &[&str], extra: &[&str]) -> (Self, Agent) {
+        let mut driver = Self::start(mode, count, driver_args);
         let agent = Agent::watch(driver.initiator, "nixl", "2s", extra);
         driver.proc.write_line("go");
         (driver, agent)
@@ -103,15 +105,18 @@ fn created_never_posted_is_waiting_for_peer() {
     let mut seen = Vec::new();
     let stalls = agent.wait_alerts("stalled", 3, TIMEOUT + Duration::from_secs(5), &mut seen);
     assert_stalls(&stalls, &driver.requests("created"), "waiting_for_peer");
-    seen.extend(agent.stop());
+    let lines = agent.stop();
+    seen.extend(lines.iter().cloned());
     assert_eq!(alerts(&seen, "stalled").count(), 3, "each once: {seen:?}");
+    // Their handles say NIXL_ERR_NOT_POSTED: created, never posted.
+    assert_status_read(&lines, 3);
 }
 
 #[test]
 fn posted_to_a_stopped_peer_is_transfer_hung() {
     let socket = test_socket();
     let socket_arg = socket.to_str().expect("utf-8 socket path");
-    let (mut driver, agent) = Driver::watched_with("hang", 3, &["--socket", socket_arg]);
+    let (mut driver, agent) = Driver::watched_with("hang", 3, &["--status-interval", "0.2"], &["--socket", socket_arg]);
     driver.until("holding", Duration::from_secs(20));
     let mut seen = Vec::new();
     let stalls = agent.wait_alerts("stalled", 3, TIMEOUT + Duration::from_secs(5), &mut seen);
@@ -142,22 +147,92 @@ fn posted_to_a_stopped_peer_is_transfer_hung() {
     assert!(process["transport"]["progress"]["total"].as_u64().expect("progress total") > 0, "{process}");
     assert!(process["transport"]["post"]["total"].as_u64().expect("post total") >= 3, "{process}");
     // The initiator keeps polling getXferStatus (IN_PROG) the whole time:
-    // polls are not life, and nothing else is reported.
-    std::thread::sleep(Duration::from_secs(1));
-    seen.extend(agent.stop());
+    // polls are not life, and nothing else is reported. Two more status
+    // lines of the driver: it polled after the stalls were out.
+    let polls = |status: &Value| status["polls"].as_u64().expect("polls");
+    let before = polls(&driver.until("status", Duration::from_secs(10)));
+    let after = polls(&driver.until("status", Duration::from_secs(10)));
+    assert!(after > before, "the driver kept polling: {before} -> {after}");
+    let lines = agent.stop();
+    seen.extend(lines.iter().cloned());
     assert_eq!(alerts(&seen, "stalled").count(), 3, "{seen:?}");
     assert_eq!(alerts(&seen, "recovered").count(), 0, "{seen:?}");
+    // Told from memory, with no probe on the poll: the status read when
+    // each stall was due said IN_PROG.
+    assert_status_read(&lines, 3);
 }
 
+/// The summary of a `nixl` run: no probe on `getXferStatus` was attached,
+/// and `answered` reads of the handles' status told the requests' stages.
+fn assert_status_read(lines: &[Line], answered: u64) {
+    let summary = summary(lines);
+    let probes = summary["probes"].as_array().expect("probes");
+    assert!(probes.iter().all(|p| !p["symbol"].as_str().expect("symbol").contains("getXferStatus")), "{summary}");
+    assert_eq!(summary["status_reads"]["answered"], answered, "{summary}");
+    assert_eq!(summary["status_reads"]["unreadable"], 0, "{summary}");
+    assert_eq!(summary["status_reads"]["unrecognised"], 0, "{summary}");
+}
+
+/// Posts that return IN_PROG complete in a `getXferStatus` poll, which no
+/// probe sees: the handle's status, read when the stall is due, says they
+/// finished. The stage is inferred, and every view says so.
 #[test]
 fn done_never_released_is_release_lost() {
-    let (mut driver, agent) = Driver::watched("no-release", 3);
+    let socket = test_socket();
+    let socket_arg = socket.to_str().expect("utf-8 socket path");
+    // tcp: every post returns IN_PROG, the completion is a poll's.
+    let (mut driver, agent) = Driver::watched_with("no-release", 3, &["--ucx-tls", "tcp,self"], &["--socket", socket_arg]);
     driver.until("holding", Duration::from_secs(20));
+    assert!(driver.requests("posted").len() == 3 && driver.lines.iter().filter_map(Line::json).all(|v| v["event"] != "posted" || v["post"] == "PROC"), "{:?}", driver.lines);
     let mut seen = Vec::new();
     let stalls = agent.wait_alerts("stalled", 3, TIMEOUT + Duration::from_secs(5), &mut seen);
     assert_stalls(&stalls, &driver.requests("completed"), "release_lost");
+    for (_, alert) in &stalls {
+        assert_eq!((&alert["stage"], &alert["inferred"]), (&Value::from("transfer_done"), &serde_json::json!(["transfer_done"])), "{alert}");
+        // Observed: created and posted; inferred: done, timed at the read.
+        let stages = alert["stages"].as_object().expect("stages");
+        assert!(["enqueued", "transfer_posted", "transfer_done"].iter().all(|stage| stages.contains_key(*stage)), "{alert}");
+    }
+    let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).args(["inflight", "--json", "--socket", socket_arg]));
+    assert!(ok, "{stderr}");
+    let inflight: Value = serde_json::from_str(&stdout).expect("inflight JSON");
+    let requests = inflight["requests"].as_array().expect("requests");
+    assert_eq!(requests.len(), 3, "{inflight}");
+    for request in requests {
+        assert_eq!((&request["class"], &request["inferred"]), (&Value::from("release_lost"), &serde_json::json!(["transfer_done"])), "{request}");
+    }
+    let (ok, table, stderr) = run_to_end(Command::new(agent_bin()).args(["inflight", "--socket", socket_arg]));
+    assert!(ok, "{stderr}");
+    assert_eq!(table.matches("transfer_done (inferred)").count(), 3, "{table}");
     let lines = agent.stop();
     assert_eq!(summary(&lines)["in_flight"], 3, "{lines:?}");
+    assert_status_read(&lines, 3);
+}
+
+/// The target dies mid-transfer; the initiator's polls get
+/// NIXL_ERR_REMOTE_DISCONNECT and it holds the failed handles. No probe
+/// sees the poll: the status read when the stall is due ends each request
+/// `failed` (inferred) instead of reporting it hung.
+#[test]
+fn a_transfer_to_a_killed_peer_is_failed_not_hung() {
+    let (mut driver, agent) = Driver::watched("target-kill", 3);
+    driver.until("holding", Duration::from_secs(20));
+    let failed = driver.requests("failed");
+    assert_eq!(failed.len(), 3, "{:?}", driver.lines);
+    let mut seen = Vec::new();
+    let ends = agent.wait_alerts("failed", 3, TIMEOUT + Duration::from_secs(5), &mut seen);
+    for (_, alert) in &ends {
+        let key = alert["key"].as_str().expect("key");
+        let (room, _) = failed.get(key).unwrap_or_else(|| panic!("failure of an unknown request: {alert}"));
+        assert_eq!((&alert["external_id"], &alert["stage"]), (&Value::from(room.as_str()), &Value::from("failed")), "{alert}");
+        assert_eq!(alert["inferred"], serde_json::json!(["failed"]), "{alert}");
+    }
+    let lines = agent.stop();
+    seen.extend(lines.iter().cloned());
+    assert_eq!(alerts(&seen, "stalled").count(), 0, "a failed transfer is not a hung one: {seen:?}");
+    let summary_value = summary(&lines);
+    assert_eq!((&summary_value["failed"], &summary_value["in_flight"]), (&Value::from(3), &Value::from(0)), "{summary_value}");
+    assert_status_read(&lines, 3);
 }
 
 #[test]
@@ -182,7 +257,7 @@ fn a_killed_initiator_ends_its_requests_process_exited() {
 
 #[test]
 fn two_thousand_healthy_transfers_raise_no_alert() {
-    let (mut driver, agent) = Driver::watched("healthy", 2000);
+    let (mut driver, agent) = Driver::watched_with("healthy", 2000, &["--ucx-tls", "tcp,cma,self"], &[]);
     let done = driver.until("done", Duration::from_secs(60));
     assert_eq!(done["transfers"], 2000, "{done}");
     // The driver exits after a healthy run, and the agent with it.
@@ -195,8 +270,8 @@ fn two_thousand_healthy_transfers_raise_no_alert() {
     assert_eq!(summary["lost_events"], 0, "{summary}");
 
     // Transport probes: UCX really ran under every transfer; the RDMA verbs
-    // transports the wheel ships are loaded, attached, and never called
-    // (this machine has no RDMA device).
+    // transports the wheel ships are loaded and attached, and never called:
+    // the driver's UCX_TLS leaves them out, on any host.
     let hits: HashMap<&str, u64> = summary["probes"]
         .as_array()
         .expect("probes")
@@ -208,4 +283,6 @@ fn two_thousand_healthy_transfers_raise_no_alert() {
     for verbs in ["uct_rc_verbs_ep_put_zcopy", "uct_rc_verbs_ep_get_zcopy", "uct_rc_mlx5_base_ep_put_zcopy", "uct_rc_mlx5_base_ep_get_zcopy"] {
         assert_eq!(hits.get(verbs), Some(&0), "{verbs} attached with no hits: {hits:?}");
     }
+    // Healthy transfers end before their stall is due: none is read.
+    assert_eq!(summary["status_reads"]["total"], 0, "{summary}");
 }

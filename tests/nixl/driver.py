@@ -45,6 +45,10 @@ Modes:
                  holds.
   inflight-kill  SIGSTOPs the target, posts K transfers (in flight), prints
                  "holding" with both pids and waits (no polling) to be killed.
+  target-kill    SIGSTOPs the target, posts K transfers, SIGKILLs the target,
+                 polls each transfer until it fails (a "failed" line each,
+                 status NIXL_ERR_REMOTE_DISCONNECT), then holds the failed
+                 handles without releasing them.
 
 Holding modes run until stdin reaches EOF (or a line "quit"), SIGTERM/SIGINT/
 SIGHUP, or --max-seconds. stdin EOF ends a healthy run too, so a harness keeps
@@ -85,8 +89,8 @@ import sys
 import tempfile
 import time
 
-MODES = ("healthy", "never-post", "hang", "no-release", "inflight-kill")
-DEFAULT_TLS = {"hang": "tcp,self", "inflight-kill": "tcp,self"}
+MODES = ("healthy", "never-post", "hang", "no-release", "inflight-kill", "target-kill")
+DEFAULT_TLS = {"hang": "tcp,self", "inflight-kill": "tcp,self", "target-kill": "tcp,self"}
 INITIATOR_NAME = "prefill"
 TARGET_NAME = "decode"
 PR_SET_PDEATHSIG = 1
@@ -555,6 +559,28 @@ class Initiator:
                 last_report = now
             self.check_stop(a.poll_interval)
 
+    def run_target_kill(self):
+        pending = self.post_to_stopped()
+        os.kill(self.target.pid, signal.SIGKILL)
+        self.target.wait(timeout=10)
+        emit("target_killed", target_pid=self.target.pid)
+        failed = set()
+        while len(failed) < len(pending):
+            for n, h in pending:
+                if n in failed:
+                    continue
+                try:
+                    st, err = self.agent.check_xfer_state(h), None
+                except Exception as e:  # nixlRemoteDisconnectError
+                    st, err = "ERR", f"{type(e).__name__}: {e}"
+                if st == "DONE":
+                    raise Failure(f"transfer {self.room(n)} to a killed target completed")
+                if st == "ERR":
+                    failed.add(n)
+                    emit("failed", n=n, room=self.room(n), handle=hex(h._handle), error=err)
+            self.check_stop(0.001)
+        self.hold("target-kill", failed=len(failed))
+
     def hold_started(self, **fields):
         emit("holding", mode=self.args.mode, initiator_pid=os.getpid(),
              target_pid=self.target.pid, **fields)
@@ -617,7 +643,8 @@ def run_initiator(args):
         ini.setup()
         ini.ready()
         {"healthy": ini.run_healthy, "never-post": ini.run_never_post, "hang": ini.run_hang,
-         "no-release": ini.run_no_release, "inflight-kill": ini.run_inflight_kill}[args.mode]()
+         "no-release": ini.run_no_release, "inflight-kill": ini.run_inflight_kill,
+         "target-kill": ini.run_target_kill}[args.mode]()
     except Stop as e:
         reason, code = e.reason, e.code
     except Failure as e:

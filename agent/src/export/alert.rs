@@ -12,6 +12,7 @@ use super::clock::Clock;
 use crate::events::Losses;
 use crate::lifecycle::{EngineStats, Outcome, Report, RequestSnapshot, Stage};
 use crate::probes::{ActivityKind, ProbeHits};
+use crate::status::StatusReads;
 use crate::text;
 use crate::transport::Evidence;
 
@@ -77,12 +78,14 @@ impl<W: Write> AlertWriter<W> {
     /// came from) that never reached the OTLP collector, 0 without OTLP.
     /// Every attached probe's hit count follows (a `PROBE` line each, or a
     /// `probes` array in JSON): a probe that never fired is visible.
+    /// `status`: how the reads of the profile's `[status]` went, if it has one.
     pub fn summary(
         &mut self,
         stats: &EngineStats,
         losses: &Losses,
         export_drops: u64,
         probes: &[ProbeHits],
+        status: Option<&StatusReads>,
     ) -> std::io::Result<()> {
         let kernel = &losses.kernel;
         let line = match self.format {
@@ -111,7 +114,20 @@ impl<W: Write> AlertWriter<W> {
                 stats.duplicate_events,
                 export_drops,
                 kernel.state_full,
-            ) + &probes
+            ) + &status
+                .map(|r| {
+                    format!(
+                        " status_reads={} (answered={} not_held={} process_gone={} unreadable={} unrecognised={})",
+                        r.total(),
+                        r.answered,
+                        r.not_held,
+                        r.process_gone,
+                        r.unreadable,
+                        r.unrecognised
+                    )
+                })
+                .unwrap_or_default()
+                + &probes
                 .iter()
                 .map(|p| format!("\nPROBE pid={} role={} hits={} symbol={}", p.pid, p.role, p.hits, text::value(&p.symbol)))
                 .collect::<String>(),
@@ -138,6 +154,14 @@ impl<W: Write> AlertWriter<W> {
                 "duplicate_events": stats.duplicate_events,
                 "export_drops": export_drops,
                 "state_full": kernel.state_full,
+                "status_reads": status.map(|r| json!({
+                    "total": r.total(),
+                    "answered": r.answered,
+                    "not_held": r.not_held,
+                    "process_gone": r.process_gone,
+                    "unreadable": r.unreadable,
+                    "unrecognised": r.unrecognised,
+                })),
                 "probes": probes
                     .iter()
                     .map(|p| json!({"pid": p.pid, "role": p.role, "hits": p.hits, "symbol": p.symbol}))
@@ -171,6 +195,9 @@ impl<W: Write> AlertWriter<W> {
         for (stage, ns) in stages(request) {
             line.push_str(&format!(" {stage}={}", self.clock.rfc3339(ns)));
         }
+        if !request.inferred.is_empty() {
+            line.push_str(&format!(" inferred={}", request.inferred.iter().map(Stage::as_str).collect::<Vec<_>>().join(",")));
+        }
         if let Some(evidence) = alert.evidence {
             line.push_str(&format!(
                 " verdict={} transport={}",
@@ -196,6 +223,7 @@ impl<W: Write> AlertWriter<W> {
             "stage": request.stage.as_str(),
             "class": alert.class,
             "stages": stages,
+            "inferred": request.inferred.iter().map(Stage::as_str).collect::<Vec<_>>(),
         });
         if let Some(object) = value.as_object_mut() {
             if let Some((name, ns)) = alert.duration {

@@ -34,7 +34,7 @@ use aya::{
 use stallwatch_common::{MAX_SLOTS, SlotConfig, cmp, counter, slot_flags};
 use tracing::{info, warn};
 
-pub use self::profile::{ActivityKind, ActivitySpec, At, Profile, ProbeSpec};
+pub use self::profile::{ActivityKind, ActivitySpec, At, Profile, ProbeSpec, RetType, StatusSpec};
 use self::resolve::{ElfFile, FirstInsn, ProcessImage};
 use crate::state::{BpfDir, BpfTables, KernelState, OldLink, PINNED_MAPS};
 

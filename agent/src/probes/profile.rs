@@ -41,6 +41,37 @@ pub struct Profile {
     pub probes: Vec<ProbeSpec>,
     /// Transport functions whose calls are counted as evidence.
     pub activity: Vec<ActivitySpec>,
+    /// Where a request's state lies in the target's memory, read for a
+    /// request whose stall is due (`[status]`).
+    pub status: Option<StatusSpec>,
+}
+
+/// The `[status]` table: a request's state as the target keeps it, at an
+/// address reached from the request key, read from userspace
+/// (`process_vm_readv`) only for a request whose stall is due, so a
+/// status the target polls in a hot loop needs no probe.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatusSpec {
+    /// 1-based line of the `[status]` table.
+    pub line: usize,
+    /// From the key: `deref` steps (each reads a `u64`), then `add`.
+    pub at: Source,
+    /// The width of the value read there.
+    pub value: RetType,
+    /// The first rule the value satisfies picks the stage; a value no rule
+    /// takes says nothing (read as unrecognised).
+    pub rules: Vec<(RetRule, Stage)>,
+}
+
+/// Most rules a `[status]` table takes (userspace evaluates them: no
+/// kernel limit, just a sane bound).
+pub const MAX_STATUS_RULES: usize = 16;
+
+impl StatusSpec {
+    /// The stage the value `value` (sign-extended) says, if a rule takes it.
+    pub fn stage_of(&self, value: i64) -> Option<Stage> {
+        self.rules.iter().find(|(rule, _)| super::returns::holds(rule, value)).map(|(_, stage)| *stage)
+    }
 }
 
 /// What a transport-activity probe counts.
@@ -227,11 +258,22 @@ impl Profile {
                 );
             }
         }
+        let status = raw
+            .status
+            .map(|spanned| {
+                let line = line_of(text, spanned.span().start);
+                spanned
+                    .into_inner()
+                    .validate(line, |span| line_of(text, span.start))
+                    .map_err(|err| anyhow!("profile {origin}, line {line} ([status]): {err}"))
+            })
+            .transpose()?;
         Ok(Self {
             name: raw.name.unwrap_or_else(|| origin.to_owned()),
             origin: origin.to_owned(),
             probes,
             activity,
+            status,
         })
     }
 
@@ -413,6 +455,16 @@ struct RawProfile {
     probe: Vec<Spanned<RawProbe>>,
     #[serde(default)]
     activity: Vec<Spanned<RawActivity>>,
+    status: Option<Spanned<RawStatus>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStatus {
+    at: RawSource,
+    #[serde(rename = "type")]
+    value: RetType,
+    values: Vec<Spanned<RawRule>>,
 }
 
 #[derive(Deserialize)]
@@ -487,34 +539,7 @@ impl RawProbe {
                 if rules.is_empty() || rules.len() > MAX_RET_RULES {
                     bail!("`on_return` takes 1 to {MAX_RET_RULES} rules, found {}", rules.len());
                 }
-                let ret = self.ret.unwrap_or_default();
-                let mut left = Values::all(ret);
-                let mut parsed = Vec::with_capacity(rules.len());
-                for spanned in rules {
-                    let rule_line = line_at(spanned.span());
-                    let rule = spanned.into_inner();
-                    let (when, stage) = (parse_rule(&rule.when)?, parse_stage(&rule.event)?);
-                    let holds = Values::held_by(&when, ret);
-                    if holds.is_empty() {
-                        bail!(
-                            "`when = \"{}\"` (line {rule_line}) never holds: {}",
-                            rule.when.trim(),
-                            match ret {
-                                RetType::I32 => "with `ret = \"i32\"` the return value is between -2147483648 and 2147483647",
-                                RetType::I64 => "no 64-bit return value satisfies it",
-                            }
-                        );
-                    }
-                    if !holds.intersects(&left) {
-                        bail!(
-                            "`when = \"{}\"` (line {rule_line}) never picks its event: every value it holds for is taken \
-                             by a rule before it (the first rule that holds wins); reorder or remove it",
-                            rule.when.trim()
-                        );
-                    }
-                    left = left.minus(&holds);
-                    parsed.push((when, stage));
-                }
+                let parsed = parse_rules(rules, self.ret.unwrap_or_default(), &line_at)?;
                 Action::OnReturn(parsed)
             }
             (Some(_), Some(_)) => bail!("give either `event` or `on_return`, not both"),
@@ -555,6 +580,75 @@ impl RawProbe {
             ret,
             only_on_change: self.only_on_change,
         })
+    }
+}
+
+/// `on_return` / `values` rules, in order: each must hold for some value
+/// of type `ret` and pick its event for one no earlier rule takes (the
+/// first rule that holds wins). `line_at` gives a rule's line.
+fn parse_rules(
+    rules: Vec<Spanned<RawRule>>,
+    ret: RetType,
+    line_at: &impl Fn(std::ops::Range<usize>) -> usize,
+) -> Result<Vec<(RetRule, Stage)>> {
+    let mut left = Values::all(ret);
+    let mut parsed = Vec::with_capacity(rules.len());
+    for spanned in rules {
+        let rule_line = line_at(spanned.span());
+        let rule = spanned.into_inner();
+        let (when, stage) = (parse_rule(&rule.when)?, parse_stage(&rule.event)?);
+        let holds = Values::held_by(&when, ret);
+        if holds.is_empty() {
+            bail!(
+                "`when = \"{}\"` (line {rule_line}) never holds: {}",
+                rule.when.trim(),
+                match ret {
+                    RetType::I32 => "an \"i32\" value is between -2147483648 and 2147483647",
+                    RetType::I64 => "no 64-bit value satisfies it",
+                }
+            );
+        }
+        if !holds.intersects(&left) {
+            bail!(
+                "`when = \"{}\"` (line {rule_line}) never picks its event: every value it holds for is taken \
+                 by a rule before it (the first rule that holds wins); reorder or remove it",
+                rule.when.trim()
+            );
+        }
+        left = left.minus(&holds);
+        parsed.push((when, stage));
+    }
+    Ok(parsed)
+}
+
+impl RawStatus {
+    fn validate(self, line: usize, line_at: impl Fn(std::ops::Range<usize>) -> usize) -> Result<StatusSpec> {
+        if self.at.from != "key" {
+            bail!(
+                "`at.from = \"{}\"`: a status is read long after any probe fired, when only the request key is \
+                 known: write `at = {{ from = \"key\", deref = [...], add = OFFSET }}`",
+                self.at.from
+            );
+        }
+        let at = self.at.validate("at", At::Entry, true)?;
+        if at.deref.is_empty() && at.add == 0 {
+            bail!(
+                "`at = {{ from = \"key\" }}` would read at the address the key holds: give the status field's \
+                 offset in the request (`add = OFFSET`, behind pointers `deref = [OFFSET, ...]`)"
+            );
+        }
+        if self.values.is_empty() || self.values.len() > MAX_STATUS_RULES {
+            bail!("`values` takes 1 to {MAX_STATUS_RULES} rules, found {}", self.values.len());
+        }
+        let rules = parse_rules(self.values, self.value, &line_at)?;
+        if let Some((_, stage)) = rules.iter().find(|(_, stage)| *stage == Stage::Released) {
+            bail!(
+                "`event = \"{stage}\"` in `values`: a released request's memory is no longer its own (freed, or \
+                 another request's), so no status it holds can say released; map the values to enqueued, \
+                 transfer_posted, transfer_done, aborted or failed"
+            );
+        }
+        Ok(StatusSpec { line, at, value: self.value, rules })
     }
 }
 
@@ -619,7 +713,6 @@ mod tests {
     #[test]
     fn the_nixl_profile_lowers_to_the_documented_slots() {
         let profile = Profile::load("nixl").unwrap();
-        assert!(profile.tracks_last());
         let create = &profile.probes[0];
         let cfg = create.slot_config(true);
         assert_eq!(cfg.flags & slot_flags::RETURN, slot_flags::RETURN);
@@ -629,12 +722,53 @@ mod tests {
         assert_eq!((cfg.ext.base, cfg.ext.depth, cfg.ext.offsets[0]), (base::KEY, 1, 144));
         assert_eq!((cfg.guard.base, cfg.guard.add), (base::KEY, 176));
         assert_eq!(cfg.flags & (slot_flags::HAS_EXT | slot_flags::HAS_GUARD | slot_flags::RET_I32), slot_flags::HAS_EXT | slot_flags::HAS_GUARD | slot_flags::RET_I32);
-        let status = profile.probes.iter().find(|p| p.symbol.contains("getXferStatus")).unwrap();
-        assert!(status.only_on_change);
-        // The kernel picks the stage of the first rule that holds.
-        let rules = status.slot_config(true).rules;
+        // The post's return says done or failed when the post finished it;
+        // the kernel picks the stage of the first rule that holds.
+        let post = profile.probes.iter().find(|p| p.symbol.contains("postXferReq") && p.at == At::Return).unwrap();
+        let rules = post.slot_config(false).rules;
         assert_eq!((rules[0].op, rules[0].value, rules[0].stage), (cmp::EQ, 0, stallwatch_common::stage::TRANSFER_DONE));
         assert_eq!((rules[1].op, rules[1].value, rules[1].stage), (cmp::LT, 0, stallwatch_common::stage::FAILED));
+    }
+
+    #[test]
+    fn the_nixl_profile_reads_the_status_instead_of_probing_its_poll() {
+        let profile = Profile::load("nixl").unwrap();
+        assert!(profile.probes.iter().all(|p| !p.symbol.contains("getXferStatus")), "the hot poll is not probed");
+        // No probe suppresses repeats, so none pays for recording them.
+        assert!(!profile.tracks_last());
+        let status = profile.status.as_ref().expect("[status]");
+        assert_eq!((status.at.from, &status.at.deref[..], status.at.add, status.value), (From::Key, &[][..], 184, RetType::I32));
+        // NIXL's status codes, as 1.5.1 keeps them in the handle.
+        for (value, stage) in [(1, Some(Stage::TransferPosted)), (0, Some(Stage::TransferDone)), (-1, Some(Stage::Enqueued)), (-10, Some(Stage::Failed)), (-3, Some(Stage::Failed)), (2, None)] {
+            assert_eq!(status.stage_of(value), stage, "status {value}");
+        }
+    }
+
+    #[test]
+    fn invalid_status_tables_name_their_line_and_the_fix() {
+        let probe = "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n\n";
+        let status = |at: &str, ty: &str, values: &str| format!("{probe}[status]\nat = {at}\ntype = \"{ty}\"\nvalues = [\n{values}]\n");
+        let done = "  { when = \"== 0\", event = \"transfer_done\" },\n";
+        Profile::parse(&status("{ from = \"key\", add = 184 }", "i32", done), "p.toml").expect("valid");
+        Profile::parse(&status("{ from = \"key\", deref = [8], add = 4 }", "i64", done), "p.toml").expect("valid");
+        let err = error_of(&status("{ from = \"arg1\", add = 184 }", "i32", done));
+        assert!(err.contains("line 7 ([status]): `at.from = \"arg1\"`") && err.contains("from = \"key\""), "{err}");
+        let err = error_of(&status("{ from = \"key\" }", "i32", done));
+        assert!(err.contains("line 7 ([status])") && err.contains("the status field's offset"), "{err}");
+        let err = error_of(&status("{ from = \"key\", add = 8 }", "u7", done));
+        assert!(err.contains("u7"), "{err}");
+        let err = error_of(&status("{ from = \"key\", add = 8 }", "i32", ""));
+        assert!(err.contains("line 7 ([status]): `values` takes 1 to 16 rules, found 0"), "{err}");
+        let err = error_of(&status("{ from = \"key\", add = 8 }", "i32", "  { when = \"== 5000000000\", event = \"failed\" },\n"));
+        assert!(err.contains("line 7 ([status]): `when = \"== 5000000000\"` (line 11) never holds"), "{err}");
+        let err = error_of(&status("{ from = \"key\", add = 8 }", "i32", "  { when = \"< 0\", event = \"failed\" },\n  { when = \"== -1\", event = \"enqueued\" },\n"));
+        assert!(err.contains("`when = \"== -1\"` (line 12) never picks its event"), "{err}");
+        let err = error_of(&status("{ from = \"key\", add = 8 }", "i32", "  { when = \"== 2\", event = \"released\" },\n"));
+        assert!(err.contains("line 7 ([status]): `event = \"released\"`") && err.contains("no longer its own"), "{err}");
+        let err = error_of(&status("{ from = \"key\", add = 8 }", "i32", "  { when = \"== 2\", event = \"finished\" },\n"));
+        assert!(err.contains("unknown lifecycle event \"finished\""), "{err}");
+        let err = error_of(&format!("{}colour = 1\n", status("{ from = \"key\", add = 8 }", "i32", done)));
+        assert!(err.contains("colour"), "{err}");
     }
 
     #[test]

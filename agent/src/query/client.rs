@@ -95,7 +95,7 @@ pub fn write_table(inflight: &Inflight, mut out: impl Write) -> std::io::Result<
                 text::value(&r.process).into_owned(),
                 format!("{:#x}", r.key),
                 r.external_id.as_deref().map_or_else(|| "-".to_owned(), |ext| text::value(ext).into_owned()),
-                r.stage.to_string(),
+                if r.inferred.contains(&r.stage) { format!("{} (inferred)", r.stage) } else { r.stage.to_string() },
                 duration(r.age_ms),
                 duration(r.silent_ms),
                 match (&r.class, &r.transport) {
@@ -231,6 +231,7 @@ mod tests {
                     key: 0x10000000000,
                     external_id: Some("room-1099511627776".to_owned()),
                     stage: Stage::TransferPosted,
+                    inferred: Vec::new(),
                     age_ms: 125_000,
                     silent_ms: 61_000,
                     class: Some(StallClass::TransferHung),
@@ -244,7 +245,8 @@ mod tests {
                     process: "demo-prefill".to_owned(),
                     key: 7,
                     external_id: None,
-                    stage: Stage::Enqueued,
+                    stage: Stage::TransferDone,
+                    inferred: vec![Stage::TransferDone],
                     age_ms: 3,
                     silent_ms: 3,
                     class: None,
@@ -324,9 +326,9 @@ mod tests {
         assert_eq!(
             lines,
             [
-                "PID  PROCESS       KEY            EXTERNAL_ID         STAGE            AGE    SILENT  CLASS",
-                "42   demo-prefill  0x10000000000  room-1099511627776  transfer_posted  2m05s  1m01s   transfer_hung (peer_unresponsive: last post 61.0s ago, last completion never, 900 progress calls since, none completed)",
-                "42   demo-prefill  0x7            -                   enqueued         3ms    3ms     -",
+                "PID  PROCESS       KEY            EXTERNAL_ID         STAGE                     AGE    SILENT  CLASS",
+                "42   demo-prefill  0x10000000000  room-1099511627776  transfer_posted           2m05s  1m01s   transfer_hung (peer_unresponsive: last post 61.0s ago, last completion never, 900 progress calls since, none completed)",
+                "42   demo-prefill  0x7            -                   transfer_done (inferred)  3ms    3ms     -",
                 "2 requests in flight, 1 stalled (timeout 1m00s), as of 2025-01-01T00:00:00.000Z",
                 "pid 42 (demo-prefill): 2 in flight, 1 stalled",
             ]

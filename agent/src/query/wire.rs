@@ -132,6 +132,10 @@ pub struct InflightRequest {
     /// Furthest stage reached.
     #[serde(with = "stage_name")]
     pub stage: Stage,
+    /// The stages no probe saw, read from the target's memory instead
+    /// (the profile's `[status]`): the rest were observed.
+    #[serde(default, with = "stage_names")]
+    pub inferred: Vec<Stage>,
     /// Since its first lifecycle event.
     pub age_ms: u64,
     /// Since its last lifecycle event.
@@ -210,6 +214,7 @@ impl Snapshot {
                     silent_ms: ms(request.silent_ns(now_ns)),
                     external_id: request.external_id.map(String::from),
                     stage: request.stage,
+                    inferred: request.inferred.iter().collect(),
                     class: request.stalled,
                     transport: evidence.map(|evidence| RequestTransport {
                         verdict: evidence.verdict.as_str().to_owned(),
@@ -348,6 +353,25 @@ mod stage_name {
     }
 }
 
+mod stage_names {
+    use serde::{Deserialize as _, Deserializer, Serializer, de::Error as _, ser::SerializeSeq as _};
+
+    use crate::lifecycle::Stage;
+
+    pub fn serialize<S: Serializer>(stages: &[Stage], s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(Some(stages.len()))?;
+        for stage in stages {
+            seq.serialize_element(stage.as_str())?;
+        }
+        seq.end()
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Stage>, D::Error> {
+        let names = <Vec<std::borrow::Cow<'de, str>>>::deserialize(d)?;
+        names.iter().map(|name| name.parse().map_err(D::Error::custom)).collect()
+    }
+}
+
 mod class_name {
     use serde::{Deserialize as _, Deserializer, Serializer, de::Error as _};
 
@@ -418,6 +442,7 @@ mod tests {
                 "key": "0x10000000000",
                 "external_id": "room-1099511627776",
                 "stage": "transfer_posted",
+                "inferred": [],
                 "age_ms": 6000,
                 "silent_ms": 4500,
                 "class": "transfer_hung",
