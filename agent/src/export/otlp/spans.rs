@@ -21,7 +21,7 @@
 use std::{collections::HashMap, sync::Arc, time::SystemTime};
 
 use opentelemetry::{
-    InstrumentationScope, KeyValue, StringValue, Value,
+    Array, InstrumentationScope, KeyValue, StringValue, Value,
     trace::{Event, Link, SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState},
 };
 use opentelemetry_sdk::trace::{IdGenerator as _, RandomIdGenerator, SpanData, SpanEvents, SpanLinks};
@@ -53,6 +53,14 @@ pub mod attr {
     pub const STAGE: &str = "stallwatch.request.stage";
     /// How the lifecycle ended (request spans).
     pub const OUTCOME: &str = "stallwatch.request.outcome";
+    /// The stages a probe saw (string array, in order).
+    pub const STAGES_OBSERVED: &str = "stallwatch.request.stages_observed";
+    /// The stages no probe saw, inferred from the request's state read in
+    /// the target's memory (string array; empty when none): their span
+    /// events are timed at the read, the latest they can have happened.
+    pub const STAGES_INFERRED: &str = "stallwatch.request.stages_inferred";
+    /// `true` on the span event of an inferred stage.
+    pub const STAGE_INFERRED: &str = "stallwatch.stage.inferred";
     /// Silence episodes this lifecycle had (request spans, when > 0).
     pub const STALLS: &str = "stallwatch.request.stalls";
     /// `waiting_for_peer`, `transfer_hung` or `release_lost`: on stall
@@ -215,7 +223,8 @@ impl SpanMaker {
                 attributes.push(KeyValue::new(attr::OUTCOME, outcome.as_str()));
                 let mut events: Vec<Event> = self.stage_events(&request).collect();
                 if outcome != Outcome::Released {
-                    events.push(Event::new(outcome.as_str(), self.clock.wall(at_ns), Vec::new(), 0));
+                    let read = Stage::ALL.iter().any(|stage| stage.as_str() == outcome.as_str() && request.inferred.contains(*stage));
+                    events.push(Event::new(outcome.as_str(), self.clock.wall(at_ns), inferred_mark(read), 0));
                 }
                 let mut links = Vec::new();
                 let class = request.stalled.or(open.as_ref().map(|open| open.last_class));
@@ -271,13 +280,18 @@ impl SpanMaker {
             attributes.push(KeyValue::new(attr::EXTERNAL_ID, id.to_string()));
         }
         attributes.push(KeyValue::new(attr::STAGE, request.stage.as_str()));
+        let reached = |stage: &Stage| request.stage_at(*stage).is_some() || (stage.is_terminal() && *stage == request.stage);
+        let (inferred, observed): (Vec<Stage>, Vec<Stage>) =
+            Stage::ALL.into_iter().filter(reached).partition(|stage| request.inferred.contains(*stage));
+        attributes.push(KeyValue::new(attr::STAGES_OBSERVED, stage_names(&observed)));
+        attributes.push(KeyValue::new(attr::STAGES_INFERRED, stage_names(&inferred)));
         attributes
     }
 
     fn stage_events<'a>(&'a self, request: &'a RequestSnapshot) -> impl Iterator<Item = Event> + 'a {
         Stage::ALL.into_iter().filter_map(move |stage| {
             let ns = request.stage_at(stage)?;
-            Some(Event::new(stage.as_str(), self.clock.wall(ns), Vec::new(), 0))
+            Some(Event::new(stage.as_str(), self.clock.wall(ns), inferred_mark(request.inferred.contains(stage)), 0))
         })
     }
 
@@ -335,6 +349,17 @@ fn transport_attributes(evidence: &Evidence) -> [KeyValue; 5] {
 
 fn ms(ns: u64) -> i64 {
     i64::try_from(ns / 1_000_000).unwrap_or(i64::MAX)
+}
+
+/// A string-array attribute value of stage names.
+fn stage_names(stages: &[Stage]) -> Value {
+    Value::Array(Array::String(stages.iter().map(|stage| StringValue::from(stage.as_str())).collect()))
+}
+
+/// The attributes of a stage's span event: `stallwatch.stage.inferred` when
+/// its time is a read's, not a probe's.
+fn inferred_mark(inferred: bool) -> Vec<KeyValue> {
+    if inferred { vec![KeyValue::new(attr::STAGE_INFERRED, true)] } else { Vec::new() }
 }
 
 fn progress(request: &RequestSnapshot) -> &'static str {
@@ -479,6 +504,36 @@ mod tests {
         assert_eq!(attribute(span, attr::STALL_CLASS).as_deref(), Some("transfer_hung"));
         assert_eq!(span.status, Status::Unset, "it recovered and completed");
         assert_eq!(maker.open_lifecycles(), 0);
+    }
+
+    #[test]
+    fn spans_say_which_stages_were_observed_and_which_inferred() {
+        let mut maker = SpanMaker::new("node-a".into(), Clock::new());
+        let mut spans = Vec::new();
+        // Posted by a probe, found done in memory when its stall was due.
+        let mut request = snapshot(Stage::TransferDone, None);
+        request.inferred.insert(Stage::TransferDone);
+        let at_ns = request.last_ns + 2_000_000_000;
+        request.stalled = Some(StallClass::ReleaseLost);
+        maker.push(Report::Stalled { request: request.clone(), class: StallClass::ReleaseLost, silent_ns: 2_000_000_000, at_ns }, None, &mut spans);
+        let stall = spans.pop().expect("stall span");
+        assert_eq!(attribute(&stall, attr::STAGES_OBSERVED).as_deref(), Some("[\"enqueued\",\"transfer_posted\"]"));
+        assert_eq!(attribute(&stall, attr::STAGES_INFERRED).as_deref(), Some("[\"transfer_done\"]"));
+        let marked: Vec<(&str, bool)> =
+            stall.events.iter().map(|e| (e.name.as_ref(), e.attributes.iter().any(|kv| kv.key.as_str() == attr::STAGE_INFERRED))).collect();
+        assert_eq!(marked, [("enqueued", false), ("transfer_posted", false), ("transfer_done", true)]);
+
+        // Another ends failed by a read: the failure is inferred.
+        let mut failed = snapshot(Stage::TransferPosted, None);
+        failed.key = 0xac;
+        failed.stage = Stage::Failed;
+        failed.inferred.insert(Stage::Failed);
+        maker.push(Report::Ended { at_ns: failed.last_ns + 2_000_000_000, request: failed, outcome: Outcome::Failed }, None, &mut spans);
+        let [span] = spans.as_slice() else { panic!("{spans:?}") };
+        assert_eq!(attribute(span, attr::STAGES_OBSERVED).as_deref(), Some("[\"enqueued\",\"transfer_posted\"]"));
+        assert_eq!(attribute(span, attr::STAGES_INFERRED).as_deref(), Some("[\"failed\"]"));
+        let last = span.events.last().expect("events");
+        assert_eq!((last.name.as_ref(), last.attributes.len()), ("failed", 1));
     }
 
     #[test]
