@@ -10,11 +10,11 @@ use std::{
     os::unix::process::CommandExt as _,
     process::Command,
     thread,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use serde_json::Value;
-use stallwatch_tests::{Agent, Demo, Line, Proc, alerts, demo_bin, require_root, summary, test_bpf_dir};
+use stallwatch_tests::{Agent, Demo, Line, Proc, alerts, demo_bin, require_root, summary, test_bpf_dir, wait_for};
 
 /// `--rate` beyond what the demo can do with its probes hit: it runs
 /// flat out, as many requests as possible in flight through the window.
@@ -22,6 +22,26 @@ const FLAT_OUT: &str = "1000000";
 const TIMEOUT: &str = "1s";
 /// Long enough past the timeout for any half-seen request to stall.
 const SETTLE: Duration = Duration::from_secs(3);
+/// The agents' metrics endpoint, on a port of their own choosing.
+const METRICS: [&str; 2] = ["--metrics-addr", "127.0.0.1:0"];
+const COMPLETED: &str = "stallwatch_requests_ended_total{outcome=\"released\"}";
+
+/// Watch the busy target until the agent has followed `min_completed`
+/// requests (its metrics say so), and for SETTLE since `since` at least.
+/// The rest of the window is the workload: a request half seen at attach
+/// would by then be past the timeout and stalled, and nothing marks the
+/// absence of a stall but watching for it.
+fn settle(agent: &Agent, since: Instant, min_completed: u64) {
+    wait_for(&format!("{min_completed} requests followed"), Duration::from_secs(30), || {
+        (agent.metric(COMPLETED) >= min_completed).then_some(())
+    });
+    thread::sleep(SETTLE.saturating_sub(since.elapsed()));
+}
+
+/// `extra` and the metrics endpoint.
+fn with_metrics<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    extra.iter().copied().chain(METRICS).collect()
+}
 
 fn key_of(alert: &Value) -> String {
     alert["key"].as_str().expect("alert key").to_owned()
@@ -51,8 +71,8 @@ fn attaching_to_a_target_running_flat_out_reports_no_false_stall() {
     require_root();
     let mut demo = Demo::start(&["--rate", FLAT_OUT, "--duration", "40s"]);
     demo.go();
-    let agent = Agent::watch(demo.proc.pid(), "demo", TIMEOUT, &["--ephemeral"]);
-    thread::sleep(SETTLE);
+    let agent = Agent::watch(demo.proc.pid(), "demo", TIMEOUT, &with_metrics(&["--ephemeral"]));
+    settle(&agent, Instant::now(), 10_000);
     assert_clean(&agent.stop(), "at start-up", 10_000);
 }
 
@@ -66,8 +86,8 @@ fn a_take_over_of_a_busy_target_inherits_no_half_seen_request() {
     let pid = demo.proc.pid();
     let dir = test_bpf_dir();
     let dir_arg = dir.to_str().expect("utf-8 dir").to_owned();
-    let mut first = Agent::watch(pid, "demo", TIMEOUT, &["--bpf-dir", &dir_arg]);
-    thread::sleep(SETTLE);
+    let mut first = Agent::watch(pid, "demo", TIMEOUT, &with_metrics(&["--bpf-dir", &dir_arg]));
+    settle(&first, Instant::now(), 3_000);
     // The second agent takes over this directory, and removes it.
     first.bpf_dir = None;
     assert_clean(&first.stop_with(libc::SIGTERM), "at start-up", 3_000);
@@ -75,9 +95,9 @@ fn a_take_over_of_a_busy_target_inherits_no_half_seen_request() {
     // A rolling update: the next agent attaches its probes while the
     // first one's are live, arms them, then lets the old ones go. It
     // takes over at most the request in progress, and nothing stalls.
-    let mut second = Agent::watch(pid, "demo", TIMEOUT, &["--bpf-dir", &dir_arg]);
+    let mut second = Agent::watch(pid, "demo", TIMEOUT, &with_metrics(&["--bpf-dir", &dir_arg]));
     second.bpf_dir = Some(dir);
-    thread::sleep(SETTLE);
+    settle(&second, Instant::now(), 3_000);
     let lines = second.stop_with(libc::SIGTERM);
     let restored = summary(&lines)["restored"].as_u64();
     assert!(restored.is_some_and(|n| n <= 1), "half-seen requests handed over: {}", summary(&lines));
@@ -100,9 +120,12 @@ fn a_restarted_busy_target_is_re_attached_without_false_stalls() {
     require_root();
     let marker = format!("demo-prefill-attach-test-{}", std::process::id());
     let first = busy_demo(&marker);
-    let agent = Agent::discover(&["--exe", "demo-prefill", "--cmdline", &format!("^{marker} ")], "demo", TIMEOUT, &[]);
+    let agent = Agent::discover(&["--exe", "demo-prefill", "--cmdline", &format!("^{marker} ")], "demo", TIMEOUT, &METRICS);
     agent.wait_watching(first.pid());
-    thread::sleep(Duration::from_millis(500));
+    // The first target's requests are followed before it dies.
+    wait_for("requests of the first target followed", Duration::from_secs(30), || {
+        (agent.metric(COMPLETED) >= 1_000).then_some(())
+    });
     // A restart: the target dies and a new one comes up at full speed,
     // attached through the exec tracepoint while it runs.
     let first_pid = first.pid();
@@ -110,7 +133,9 @@ fn a_restarted_busy_target_is_re_attached_without_false_stalls() {
     agent.proc.wait_stderr(&format!("target process exited pid={first_pid}"), Duration::from_secs(10));
     let second = busy_demo(&marker);
     agent.wait_watching(second.pid());
-    thread::sleep(SETTLE);
+    let re_attached = Instant::now();
+    let followed = agent.metric(COMPLETED);
+    settle(&agent, re_attached, followed + 10_000);
     let lines = agent.stop();
     drop(second);
     assert_clean(&lines, "at start-up or re-attach", 10_000);

@@ -137,8 +137,9 @@ fn failed_and_aborted_requests_end_their_lifecycles() {
 #[test]
 fn sigint_prints_the_summary_with_requests_still_stuck() {
     let (_demo, agent) = watched(&["--rate", "200", "--duration", "30s", "--inject-after", "100ms", "--waiting-for-peer", "1"], "1s");
-    std::thread::sleep(Duration::from_millis(2500));
-    let lines = agent.stop();
+    let mut lines = Vec::new();
+    agent.wait_alerts("stalled", 1, Duration::from_secs(10), &mut lines);
+    lines.extend(agent.stop());
     assert_eq!(alerts(&lines, "stalled").count(), 1, "{lines:?}");
     let summary = summary(&lines);
     assert_eq!(summary["stalled"], 1, "{summary}");

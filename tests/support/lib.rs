@@ -220,6 +220,21 @@ impl Drop for Proc {
     }
 }
 
+/// Poll `check` until it yields a value: a wait on something observable
+/// from outside (a query answer, the agent's metrics, a file, a process's
+/// state) instead of a sleep that hopes it happened. Panics naming `what`
+/// after `within`.
+pub fn wait_for<T>(what: &str, within: Duration, mut check: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(value) = check() {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "no {what} within {within:?}");
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// The demo prefill target, started and waiting for `go`.
 pub struct Demo {
     pub proc: Proc,
@@ -374,6 +389,24 @@ impl Agent {
         }
     }
 
+    /// The port of its metrics endpoint (started with `--metrics-addr
+    /// 127.0.0.1:0`, which picks one; the agent logs it).
+    pub fn metrics_port(&self) -> u16 {
+        let stderr = self.proc.stderr();
+        stderr
+            .lines()
+            .find(|l| l.contains("serving metrics"))
+            .and_then(|l| l.split("addr=127.0.0.1:").nth(1))
+            .and_then(|p| p.split_whitespace().next())
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no metrics address in stderr (was it started with --metrics-addr 127.0.0.1:0?):\n{stderr}"))
+    }
+
+    /// The value of the sample `series` on its metrics endpoint now.
+    pub fn metric(&self, series: &str) -> u64 {
+        metric(&otlp::http_get(self.metrics_port(), "/metrics", None).1, series)
+    }
+
     /// SIGINT, then every line up to and including the summary.
     pub fn stop(self) -> Vec<Line> {
         self.stop_with(libc::SIGINT)
@@ -438,4 +471,11 @@ pub fn summary(lines: &[Line]) -> Value {
     alerts(lines, "summary").map(|(_, v)| v).last().unwrap_or_else(|| {
         panic!("no summary line in:\n{}", lines.iter().map(|l| l.text.as_str()).collect::<Vec<_>>().join("\n"))
     })
+}
+
+/// The value of the sample `series` (name and labels) in an exposition.
+pub fn metric(body: &str, series: &str) -> u64 {
+    body.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no `{series}` in:\n{body}"))
 }
