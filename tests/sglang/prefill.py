@@ -93,7 +93,8 @@ Seeded faults (--fault), each on the room --fault-room:
                 finished handles stay in the worker until that worker's next
                 chunk (none, when the room is the last of its worker).
 Default fault room: the first room of decode 0 after the middle of the run;
-for abort the last room of decode 0.
+for abort the last room of decode 0. With hang and decode-dies the requests
+after the fault room arrive once the fault is in place.
 
 Transport: UCX_TLS=tcp,self unless --ucx-tls says otherwise ("default"
 unsets it): on loopback a stopped peer hangs a tcp transfer at once, while
@@ -104,6 +105,7 @@ warm-up room per decode (UCX connection set-up out of the way):
   {"event":"ready","prefill_pid":P,"decodes":[{"index","pid","port","worker","agent"}],...}
 then it waits for "go" on stdin (attach now) unless --no-wait, and prints
   request {room, decodes, worker}, bootstrapped, chunk {room, chunk, last},
+  xfer {room, chunk, kind, peer, handle} (with --events),
   completed, failed {room, reason}, decode_<event> {decode, ...} (answered,
   ignored, abort_sent, status with `verified`), decode_stopped,
   decode_killed,
@@ -173,8 +175,9 @@ class PeerInfo:
 class Chunk:
     """TransferKVChunk."""
 
-    def __init__(self, room, prefill_kv_indices, index_slice, is_last_chunk, prefill_aux_index):
+    def __init__(self, room, number, prefill_kv_indices, index_slice, is_last_chunk, prefill_aux_index):
         self.room = room
+        self.number = number
         self.prefill_kv_indices = prefill_kv_indices
         self.index_slice = index_slice
         self.is_last_chunk = is_last_chunk
@@ -281,12 +284,12 @@ class KVManager:
                 self.update_status(info.room, KVPoll.WaitingForInput)
 
     # ---- transfers -----------------------------------------------------
-    def add_transfer_request(self, room, kv_indices, index_slice, is_last_chunk, aux_index):
+    def add_transfer_request(self, room, number, kv_indices, index_slice, is_last_chunk, aux_index):
         if room not in self.transfer_infos:
             return None
         shard = self.shard_of(room)
         self.queued[shard].append(room)
-        self.transfer_queues[shard].put(Chunk(room, kv_indices, index_slice, is_last_chunk, aux_index))
+        self.transfer_queues[shard].put(Chunk(room, number, kv_indices, index_slice, is_last_chunk, aux_index))
         return shard
 
     def shard_of(self, room):
@@ -315,6 +318,12 @@ class KVManager:
         src = [(self.aux.ctypes.data + 8 * prefill_aux_index, 8, 0)]
         dst = [(int(dst_aux_ptrs[0]) + 8 * dst_aux_index, 8, 0)]
         return self._xfer(peer_name, src, dst)
+
+    def posted(self, kv_chunk, kind, peer, handle):
+        """--events: one line per transfer posted, with its handle (the
+        key the nixl profile sees)."""
+        if self.args.events and kv_chunk.room < WARMUP_ROOM:
+            emit("xfer", room=kv_chunk.room, chunk=kv_chunk.number, kind=kind, peer=peer, handle=hex(handle._handle))
 
     def await_handles(self, handles):
         """_await_handles, healthy path: unbounded while nothing failed."""
@@ -355,10 +364,12 @@ class KVManager:
                         kv_xfer_handle = self.send_kvcache(req.agent_name, kv_chunk.prefill_kv_indices,
                                                            dst_info.dst_kv_ptrs, chunked_dst_kv_indice)
                         handles.append(kv_xfer_handle)
+                        self.posted(kv_chunk, "kv", req.agent_name, kv_xfer_handle)
                     if kv_chunk.is_last_chunk:
                         aux_xfer_handle = self.send_aux(req.agent_name, kv_chunk.prefill_aux_index,
                                                         dst_info.dst_aux_ptrs, req.dst_aux_index)
                         handles.append(aux_xfer_handle)
+                        self.posted(kv_chunk, "aux", req.agent_name, aux_xfer_handle)
                 settled, any_failed = self.await_handles(handles)
                 if any_failed:
                     raise RuntimeError(f"NIXL transfer encountered ERR room={room}")
@@ -577,7 +588,7 @@ class Prefill:
             per = -(-req.npages // req.nchunks)
             sl = slice(req.sent * per, min(req.npages, (req.sent + 1) * per))
             last = req.sent == req.nchunks - 1
-            mgr.add_transfer_request(req.room, req.pages[sl], sl, last, req.aux if last else None)
+            mgr.add_transfer_request(req.room, req.sent, req.pages[sl], sl, last, req.aux if last else None)
             if not quiet:
                 emit("chunk", room=req.room, chunk=req.sent, last=last)
             req.sent += 1
@@ -598,6 +609,15 @@ class Prefill:
         mgr.request_status.pop(req.room, None)
         mgr.transfer_infos.pop(req.room, None)
         return True
+
+    def fault_pending(self, req):
+        """Requests after the room a stop or kill is seeded on come once the
+        fault is in place (its forward pass ran), so the fault hits that
+        room and later rooms meet it."""
+        if self.args.fault not in ("hang", "decode-dies"):
+            return False
+        fault = self.requests[self.fault_room]
+        return req.index > fault.index and fault.sent == 0 and not fault.done
 
     def stop_decode(self, dec, sig):
         """The seeded fault on a decode: SIGSTOP (a peer that makes no
@@ -668,7 +688,7 @@ class Prefill:
         next_issue = time.monotonic()
         while True:
             now = time.monotonic()
-            if issued < len(rooms) and now >= next_issue:
+            if issued < len(rooms) and now >= next_issue and not self.fault_pending(self.requests[rooms[issued]]):
                 req = self.requests[rooms[issued]]
                 self.route(req)
                 live.append(req)
@@ -755,6 +775,8 @@ def parse_args(argv):
     p.add_argument("--settle", type=float, default=1.0,
                    help="faults: seconds without change before 'holding' (default: 1)")
     p.add_argument("--hold", action="store_true", help="healthy: keep running after 'done' until stdin EOF")
+    p.add_argument("--events", action="store_true",
+                   help="print an 'xfer' line per transfer posted: room, chunk, kind (kv|aux), peer, handle")
     p.add_argument("--no-wait", action="store_true", help="do not wait for 'go'; ignore stdin")
     p.add_argument("--ucx-tls", default=None, help="UCX_TLS for every process (default: tcp,self; 'default' unsets it)")
     p.add_argument("--max-seconds", type=float, default=120.0)
