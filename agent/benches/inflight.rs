@@ -8,8 +8,11 @@
 //!
 //! `cargo run --release -p xtask -- bench` runs it (as root); alone:
 //! `cargo bench -p stallwatch --bench inflight` with `STALLWATCH_DEMO` set
-//! (the agent is this build's `stallwatch`, or `STALLWATCH_BIN`).
-#[allow(dead_code)] // only `require_root` is used here
+//! (the agent is this build's `stallwatch`, or `STALLWATCH_BIN`). Under
+//! `cargo test --all-targets` it runs a smoke version: 2 000 pinned, 2
+//! queries of each kind, and it fails unless the take-over kept every
+//! pinned request and reported none of their stalls again.
+#[allow(dead_code)] // `Attached` is not used here
 mod support;
 
 use std::{
@@ -28,9 +31,13 @@ use anyhow::{Context as _, Result, bail};
 
 const PINNED: u64 = 100_000;
 const RUNS: usize = 20;
+const SMOKE_PINNED: u64 = 2_000;
+const SMOKE_RUNS: usize = 2;
 
 fn main() -> Result<()> {
     support::require_root("the inflight benchmark")?;
+    let smoke = support::smoke();
+    let (pinned, runs) = if smoke { (SMOKE_PINNED, SMOKE_RUNS) } else { (PINNED, RUNS) };
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let demo_path = root.join(std::env::var("STALLWATCH_DEMO").unwrap_or_else(|_| "target/demo/release/demo-prefill".into()));
     let agent_path = std::env::var_os("STALLWATCH_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_stallwatch")), PathBuf::from);
@@ -43,7 +50,7 @@ fn main() -> Result<()> {
     let mut demo = Killed(
         Command::new(&demo_path)
             .args(["--wait-for-go", "--rate", "100", "--duration", "900s", "--inject-after", "0ms"])
-            .args(["--waiting-for-peer", &PINNED.to_string()])
+            .args(["--waiting-for-peer", &pinned.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -74,29 +81,29 @@ fn main() -> Result<()> {
         writeln!(stdin, "go")?;
     }
     let started = Instant::now();
-    wait_for("the demo to pin every request", Duration::from_secs(120), || Ok(injected.load(Ordering::Relaxed) >= PINNED))?;
+    wait_for("the demo to pin every request", Duration::from_secs(120), || Ok(injected.load(Ordering::Relaxed) >= pinned))?;
     let pinned_in = started.elapsed();
     // Until the agent holds all of them, every one stalled (its alerts out).
     wait_for("the agent to hold every pinned request, stalled", Duration::from_secs(120), || {
         let (out, _) = query(&agent_path, &socket, true)?;
         let answer: serde_json::Value = serde_json::from_slice(&out)?;
         let stalled = answer["requests"].as_array().map_or(0, |rows| rows.iter().filter(|r| !r["class"].is_null()).count());
-        Ok(stalled as u64 >= PINNED)
+        Ok(stalled as u64 >= pinned)
     })?;
     let logged_before = stderr.lock().map_or(0, |lines| lines.len());
 
-    let mut json = Vec::with_capacity(RUNS);
+    let mut json = Vec::with_capacity(runs);
     let mut bytes = 0;
     let mut rows = 0;
-    for _ in 0..RUNS {
+    for _ in 0..runs {
         let (out, took) = query(&agent_path, &socket, true)?;
         bytes = out.len();
         rows = serde_json::from_slice::<serde_json::Value>(&out)?["requests"].as_array().map_or(0, Vec::len);
         json.push(took);
     }
-    let mut table = Vec::with_capacity(RUNS);
+    let mut table = Vec::with_capacity(runs);
     let mut table_bytes = 0;
-    for _ in 0..RUNS {
+    for _ in 0..runs {
         let (out, took) = query(&agent_path, &socket, false)?;
         table_bytes = out.len();
         table.push(took);
@@ -129,15 +136,15 @@ fn main() -> Result<()> {
     let realerted = stalled_alerts.load(Ordering::Relaxed);
     drop(second);
     let _ = std::fs::remove_dir_all(&dir);
-    if (rows as u64) < PINNED {
-        bail!("expected at least {PINNED} requests in flight, the agent answered {rows}");
+    if (rows as u64) < pinned {
+        bail!("expected at least {pinned} requests in flight, the agent answered {rows}");
     }
 
-    println!("stallwatch inflight, {rows} requests in flight ({PINNED} pinned + healthy ones caught mid-flight; demo pinned them in {pinned_in:.2?})");
-    println!("  `stallwatch inflight --json`, {RUNS} runs end to end (process start to exit, answer read whole):");
+    println!("stallwatch inflight, {rows} requests in flight ({pinned} pinned + healthy ones caught mid-flight; demo pinned them in {pinned_in:.2?})");
+    println!("  `stallwatch inflight --json`, {runs} runs end to end (process start to exit, answer read whole):");
     println!("    median {:>8.1} ms   p90 {:>8.1} ms   min {:>8.1} ms   max {:>8.1} ms", q(&mut json, 0.5), q(&mut json, 0.9), q(&mut json, 0.0), q(&mut json, 1.0));
     println!("    response {:.1} MB ({bytes} bytes, {:.0} bytes a request)", bytes as f64 / 1e6, bytes as f64 / rows.max(1) as f64);
-    println!("  `stallwatch inflight` (table), {RUNS} runs:");
+    println!("  `stallwatch inflight` (table), {runs} runs:");
     println!("    median {:>8.1} ms   p90 {:>8.1} ms   output {:.1} MB", q(&mut table, 0.5), q(&mut table, 0.9), table_bytes as f64 / 1e6);
     println!(
         "  restart: a second agent, after a SIGKILL, took over {taken:.0} requests in {:.0} ms (start to ready); \
@@ -151,6 +158,9 @@ fn main() -> Result<()> {
             q(&mut on_loop, 1.0),
             q(&mut encode, 0.5)
         );
+    }
+    if smoke && ((taken as u64) < pinned || realerted > 0) {
+        bail!("the take-over kept {taken:.0} of {pinned} pinned requests and reported {realerted} stalls again (expected all, none)");
     }
     Ok(())
 }

@@ -3,6 +3,9 @@
 //! over UCX on loopback, driven by tests/nixl/driver.py.
 //!
 //! `cargo run --release -p xtask -- bench` runs it (as root, with the venv).
+//! Under `cargo test --all-targets` it runs a smoke version: one run of
+//! each configuration with a few small transfers, and it fails unless the
+//! attached probes saw them.
 mod support;
 
 use std::{
@@ -17,6 +20,8 @@ use support::Attached;
 
 /// Alternating runs per configuration; the median is reported.
 const RUNS: usize = 3;
+const SIZES: [(&str, u64, u64); 2] = [("4 KiB x 5000", 4096, 5000), ("64 MiB x 40", 64 << 20, 40)];
+const SMOKE_SIZES: [(&str, u64, u64); 1] = [("4 KiB x 200", 4096, 200)];
 
 struct Run {
     transfers_per_s: f64,
@@ -67,20 +72,22 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 fn main() -> Result<()> {
     support::require_root("the NIXL benchmark")?;
+    let smoke = support::smoke();
+    let (runs, sizes) = if smoke { (1, &SMOKE_SIZES[..]) } else { (RUNS, &SIZES[..]) };
     let full = Profile::load("nixl")?;
     let lifecycle_only = Profile { activity: Vec::new(), ..full.clone() };
     let configs: [(&str, Option<&Profile>); 3] =
         [("off", None), ("lifecycle", Some(&lifecycle_only)), ("+transport", Some(&full))];
-    println!("NIXL healthy transfers, median of {RUNS} interleaved runs (tests/nixl/driver.py, default UCX transports):");
+    println!("NIXL healthy transfers, median of {runs} interleaved runs (tests/nixl/driver.py, default UCX transports):");
     println!(
         "{:<14} {:>11} {:>11} {:>11} {:>9} {:>9} {:>9} {:>13}",
         "transfer", "off xfer/s", "lifecycle", "+transport", "off GB/s", "lc/off", "full/off", "events/xfer"
     );
-    for (label, size, count) in [("4 KiB x 5000", 4096, 5000), ("64 MiB x 40", 64 << 20, 40)] {
+    for &(label, size, count) in sizes {
         let mut rate: [Vec<f64>; 3] = Default::default();
         let mut gb: [Vec<f64>; 3] = Default::default();
         let mut events = 0;
-        for _ in 0..RUNS {
+        for _ in 0..runs {
             for (n, (_, profile)) in configs.iter().enumerate() {
                 let result = run(size, count, *profile)?;
                 rate[n].push(result.transfers_per_s);
@@ -96,12 +103,15 @@ fn main() -> Result<()> {
             median(gb[0].clone()),
             lifecycle / off,
             transport / off,
-            events as f64 / (RUNS as f64 * count as f64)
+            events as f64 / (runs as f64 * count as f64)
         );
         println!(
             "{:<14} {:>11} {:>11} {:>11} {:>9} GB/s with lifecycle: {:.2}, with transport: {:.2}",
             "", "", "", "", "", median(gb[1].clone()), median(gb[2].clone())
         );
+        if smoke && events == 0 {
+            bail!("{label}: the lifecycle probes were attached but saw none of the transfers");
+        }
     }
     Ok(())
 }

@@ -4,6 +4,8 @@
 //! `cargo run --release -p xtask -- bench` runs it (as root). The demo
 //! target times N calls of one lifecycle function per request on its stdin;
 //! the cost of a hit is (ns per call probed) - (ns per call unprobed).
+//! Under `cargo test --all-targets` it runs a smoke version: fewer calls,
+//! one round, and it fails unless the emitting probes delivered events.
 mod support;
 
 use std::{
@@ -13,7 +15,7 @@ use std::{
     process::{Child, ChildStdin, Command, Stdio},
 };
 
-use anyhow::{Context as _, Result};
+use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf,
     programs::{
@@ -29,19 +31,21 @@ use support::Attached;
 
 const CALLS: u64 = 200_000;
 const ROUNDS: usize = 5;
+const SMOKE_CALLS: u64 = 20_000;
 
 struct Demo {
     child: Child,
+    rounds: usize,
     stdin: ChildStdin,
     stdout: std::io::Lines<BufReader<std::process::ChildStdout>>,
 }
 
 impl Demo {
-    fn start() -> Result<Self> {
+    fn start(calls: u64, rounds: usize) -> Result<Self> {
         let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
         let path = root.join(std::env::var("STALLWATCH_DEMO").unwrap_or_else(|_| "target/demo/release/demo-prefill".into()));
         let mut child = Command::new(&path)
-            .args(["--wait-for-go", "--bench-calls", &CALLS.to_string()])
+            .args(["--wait-for-go", "--bench-calls", &calls.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -49,15 +53,15 @@ impl Demo {
         let stdin = child.stdin.take().context("demo stdin")?;
         let mut stdout = BufReader::new(child.stdout.take().context("demo stdout")?).lines();
         stdout.next().context("demo exited before ready")??;
-        let mut demo = Self { child, stdin, stdout };
+        let mut demo = Self { child, rounds, stdin, stdout };
         writeln!(demo.stdin, "go")?;
         Ok(demo)
     }
 
-    /// Mean ns per call of `function`, best of ROUNDS.
+    /// Mean ns per call of `function`, best of `rounds`.
     fn time(&mut self, function: &str) -> Result<f64> {
         let mut best = f64::MAX;
-        for _ in 0..ROUNDS {
+        for _ in 0..self.rounds {
             writeln!(self.stdin, "{function}")?;
             let line = self.stdout.next().context("demo exited mid-bench")??;
             let value: serde_json::Value = serde_json::from_str(&line)?;
@@ -94,18 +98,20 @@ fn attach_floor(pid: u32, symbol: &str, at_return: bool) -> Result<Ebpf> {
 fn main() -> Result<()> {
     support::require_root("the uprobe benchmark")?;
     let demo_profile = Profile::load("demo")?;
-    let mut demo = Demo::start()?;
+    let smoke = support::smoke();
+    let (calls, rounds) = if smoke { (SMOKE_CALLS, 1) } else { (CALLS, ROUNDS) };
+    let mut demo = Demo::start(calls, rounds)?;
     let pid = demo.child.id();
     let exe = ProcessImage::read(pid)?.find(None)?;
     let elf = ElfFile::open(&exe.host_path)?;
-    println!("uprobe per-hit cost on demo-prefill ({CALLS} calls, best of {ROUNDS}), ns:");
+    println!("uprobe per-hit cost on demo-prefill ({calls} calls, best of {rounds}), ns:");
     println!("{:<32} {:>10} {:>10} {:>10} {:>8}", "probe (first instruction)", "unprobed", "floor", "ours", "ratio");
     let cases = [
-        ("enqueue", "prefill_enqueue", false, "entry: key deref + room string, emits"),
-        ("post", "kv_transfer_post", false, "entry: key from arg, emits"),
-        ("poll", "kv_transfer_poll", true, "return: saved args, filtered out"),
+        ("enqueue", "prefill_enqueue", false, true, "entry: key deref + room string, emits"),
+        ("post", "kv_transfer_post", false, true, "entry: key from arg, emits"),
+        ("poll", "kv_transfer_poll", true, false, "return: saved args, filtered out"),
     ];
-    for (function, symbol, at_return, what) in cases {
+    for (function, symbol, at_return, emits, what) in cases {
         let insn = elf.resolve(symbol)?.first_insn;
         let base = demo.time(function)?;
         let floor = {
@@ -123,6 +129,9 @@ fn main() -> Result<()> {
             cost,
             cost / floor
         );
+        if smoke && emits && events == 0 {
+            bail!("the {symbol} probe was timed but delivered no event: the measurement is not of stallwatch's probe");
+        }
     }
     Ok(())
 }

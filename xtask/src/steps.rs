@@ -115,13 +115,15 @@ pub fn demo(built: &Built, duration: Duration, timeout: Duration) -> Result<()> 
     Ok(())
 }
 
-/// Unit tests and the integration tests, which find the built binaries
-/// through the environment.
+/// Unit tests, the integration tests (which find the built binaries
+/// through the environment), and every benchmark's smoke version (a
+/// benchmark run without `--bench`), so a benchmark that no longer works
+/// fails here, not when someone next wants its figures.
 pub fn test(built: &Built) -> Result<()> {
     let root = root()?;
     run(Command::new("cargo")
         .current_dir(&root)
-        .args(["test", "--release", "--workspace", "--exclude", "stallwatch-ebpf", "--", "--test-threads=1"])
+        .args(["test", "--release", "--workspace", "--exclude", "stallwatch-ebpf", "--all-targets", "--", "--test-threads=1"])
         .env("STALLWATCH_BIN", &built.agent)
         .env("STALLWATCH_DEMO", &built.demo)
         .env("STALLWATCH_MARKER", &built.marker)

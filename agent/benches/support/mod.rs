@@ -16,9 +16,20 @@ use stallwatch::probes::{Probes, Profile};
 pub fn require_root(what: &str) -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        bail!("{what} loads eBPF and needs root: run `cargo run --release -p xtask -- bench` as root");
+        bail!(
+            "{what} loads eBPF and needs root: run `cargo run --release -p xtask -- bench` as root \
+             (or `-- test`, which runs its smoke version)"
+        );
     }
     Ok(())
+}
+
+/// `cargo bench` passes `--bench`; without it (`cargo test --all-targets`,
+/// which `xtask test` runs) a benchmark runs a short smoke version of
+/// itself, which checks that what it timed did happen and fails, never
+/// skips, when something it needs is missing.
+pub fn smoke() -> bool {
+    !std::env::args().any(|arg| arg == "--bench")
 }
 
 /// A profile attached as the agent attaches it, with a thread consuming
