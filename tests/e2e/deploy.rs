@@ -9,7 +9,7 @@ use std::{
 };
 
 use serde_json::Value;
-use stallwatch_tests::{Demo, Proc, agent_bin, require_root, root, run_to_end, summary, test_socket, venv_python};
+use stallwatch_tests::{Demo, Proc, agent_bin, require_root, root, run_to_end, summary, test_bpf_dir, test_socket, venv_python};
 
 fn deploy(file: &str) -> PathBuf {
     root().join("agent/deploy").join(file)
@@ -124,11 +124,13 @@ fn run_takes_its_settings_from_the_config_file_and_flags_win() {
     require_root();
     let mut demo = Demo::start(&["--duration", "3s"]);
     let socket = test_socket();
+    let bpf_dir = test_bpf_dir();
     // The file asks for human output and a 1s timeout; the flag asks for
     // JSON, and wins; the pid comes from the flag, the rest from the file.
     let text = format!(
-        "profile = \"demo\"\ntimeout = \"1s\"\ntick = \"5ms\"\noutput = \"human\"\nsocket = {:?}\n",
-        socket.display().to_string()
+        "profile = \"demo\"\ntimeout = \"1s\"\ntick = \"5ms\"\noutput = \"human\"\nsocket = {:?}\nbpf_dir = {:?}\n",
+        socket.display().to_string(),
+        bpf_dir.display().to_string()
     );
     let file = tempfile::Builder::new().suffix(".toml").tempfile().expect("temp config");
     std::fs::write(file.path(), text).expect("writing the config");
@@ -142,11 +144,14 @@ fn run_takes_its_settings_from_the_config_file_and_flags_win() {
     agent.wait_stderr("watching", Duration::from_secs(30));
     assert!(agent.stderr().contains("timeout=1s"), "the file's timeout: {}", agent.stderr());
     assert!(socket.exists(), "the agent serves the file's socket {}", socket.display());
+    let pinned = std::fs::read_dir(&bpf_dir).map(Iterator::count);
     demo.go();
     // The demo exits after 3s, and the agent with it.
     let lines = agent.lines_until_exit(Duration::from_secs(30));
     let status = agent.wait(Duration::from_secs(5));
+    let _ = std::fs::remove_dir_all(&bpf_dir);
     assert!(status.success(), "agent exited with {status}; stderr:\n{}", agent.stderr());
+    assert!(pinned.as_ref().is_ok_and(|&n| n > 0), "the agent pins its state in the file's bpf_dir {}: {pinned:?}", bpf_dir.display());
     let summary = summary(&lines);
     assert!(summary["seen"].as_u64().is_some_and(|seen| seen > 0), "the flag's JSON output, with requests seen: {summary}");
 }

@@ -5,7 +5,7 @@
 use std::{process::Command, time::Duration};
 
 use serde_json::Value;
-use stallwatch_tests::{Agent, Demo, Line, Proc, alerts, require_root, root, summary, venv_python};
+use stallwatch_tests::{Agent, Demo, Line, Proc, alerts, require_root, root, run_to_end, summary, test_socket, venv_python};
 
 const WAIT: Duration = Duration::from_secs(10);
 const PINNED: &[&str] = &["--rate", "200", "--duration", "30s", "--inject-after", "100ms", "--waiting-for-peer", "1"];
@@ -78,7 +78,14 @@ fn a_library_loaded_after_exec_is_found_and_watched() {
 #[test]
 fn selectors_that_match_nothing_yet_still_run_and_a_bad_one_is_refused() {
     require_root();
-    let agent = Agent::discover(&["--exe", "no-such-program-here"], "demo", "1s", &[]);
+    let socket = test_socket();
+    let socket = socket.to_str().expect("utf-8 socket path");
+    let agent = Agent::discover(&["--exe", "no-such-program-here"], "demo", "1s", &["--socket", socket]);
+    // Still running after its first scan: it answers, watching nothing yet.
+    let (ok, answer, stderr) = run_to_end(Command::new(stallwatch_tests::agent_bin()).args(["inflight", "--json", "--socket", socket]));
+    assert!(ok, "the agent no longer answers after a scan that matched nothing: {stderr}\nagent:\n{}", agent.proc.stderr());
+    let answer: Value = serde_json::from_str(&answer).expect("inflight --json");
+    assert_eq!((answer["processes"].as_array().map(Vec::len), answer["requests"].as_array().map(Vec::len)), (Some(0), Some(0)), "{answer}");
     let lines = agent.stop();
     assert_eq!(summary(&lines)["seen"], 0);
     let out = Command::new(stallwatch_tests::agent_bin())
