@@ -1,10 +1,15 @@
 //! The SGLang test target (tests/sglang: SGLang's real prefill flow, real
-//! NIXL over UCX, real ZMQ) watched by the real agent with today's `nixl`
-//! profile. These assert only what is right already; what the profile gets
-//! wrong on this flow (no room on any alert, a false `release_lost` for
-//! the last handles of every worker that goes idle, nothing for a room
-//! whose decode never answers or for the rooms queued behind a hung
-//! worker) is what the `sglang` profile is to fix (issue 10).
+//! NIXL over UCX, real ZMQ) watched by the real agent.
+//!
+//! With today's `nixl` profile these assert only what is right already;
+//! what that profile gets wrong on this flow (no room on any alert, a false
+//! `release_lost` for the last handles of every worker that goes idle,
+//! nothing for a room whose decode never answers or for the rooms queued
+//! behind a hung worker) is what the `sglang` profile is to fix (issue 10).
+//!
+//! With the target marking its rooms' stages through the marker library
+//! (`--marker`) and the `marker` profile, every seeded fault is reported
+//! with its room, and a healthy run with idle workers raises nothing.
 use std::{
     collections::HashMap,
     process::Command,
@@ -12,9 +17,11 @@ use std::{
 };
 
 use serde_json::Value;
-use stallwatch_tests::{Agent, Line, Proc, alerts, require_root, root, venv_python};
+use stallwatch_tests::{Agent, Line, Proc, alerts, marker_lib, require_root, root, summary, venv_python};
 
 const TIMEOUT: Duration = Duration::from_secs(2);
+/// The `marker` profile's runs: marks have no polling to wait out.
+const MARKED_TIMEOUT: Duration = Duration::from_secs(1);
 const LATENESS: Duration = Duration::from_secs(1);
 
 /// prefill.py (and its decode.py ranks), set up and waiting for `go`.
@@ -26,28 +33,56 @@ struct Target {
 }
 
 impl Target {
-    fn start(fault: &str) -> Self {
+    fn start(fault: &str, extra: &[&str]) -> Self {
         require_root();
         let proc = Proc::spawn(
             "sglang prefill",
             Command::new(venv_python())
                 .arg(root().join("tests/sglang/prefill.py"))
-                .args(["--fault", fault, "--count", "12", "--events", "--max-seconds", "60"]),
+                .args(["--fault", fault, "--count", "12", "--events", "--max-seconds", "60"])
+                .args(extra),
         );
         let ready = proc.next_line(Duration::from_secs(30), "ready line");
         let value = ready.json().unwrap_or_else(|| panic!("prefill said: {}", ready.text));
         assert_eq!(value["event"], "ready", "{value}");
         let prefill = value["prefill_pid"].as_u64().expect("prefill_pid") as u32;
-        let fault_room = value["fault_room"].as_u64().expect("fault_room");
+        let fault_room = value["fault_room"].as_u64().unwrap_or(0);
         Self { proc, prefill, fault_room, lines: vec![ready] }
     }
 
     /// Attach the agent (`nixl`, 2 s), then let the target run.
     fn watched(fault: &str) -> (Self, Agent) {
-        let mut target = Self::start(fault);
+        let mut target = Self::start(fault, &[]);
         let agent = Agent::watch(target.prefill, "nixl", "2s", &[]);
         target.proc.write_line("go");
         (target, agent)
+    }
+
+    /// The target marking its rooms (`--marker`), the agent on the
+    /// `marker` profile (1 s).
+    fn marked(fault: &str, extra: &[&str]) -> (Self, Agent) {
+        let lib = marker_lib();
+        let mut args = vec!["--marker", lib.to_str().expect("utf-8 marker path")];
+        args.extend_from_slice(extra);
+        let mut target = Self::start(fault, &args);
+        let agent = Agent::watch(target.prefill, "marker", "1s", &[]);
+        target.proc.write_line("go");
+        (target, agent)
+    }
+
+    /// When the target last marked `room`: its marks precede its `request`
+    /// line (enqueued) and its first `chunk` line (transfer_posted).
+    fn last_mark(&self, room: u64) -> Instant {
+        self.lines
+            .iter()
+            .filter(|line| {
+                line.json().is_some_and(|v| {
+                    v["room"] == room && (v["event"] == "request" || (v["event"] == "chunk" && v["chunk"] == 0))
+                })
+            })
+            .map(|line| line.at)
+            .max()
+            .unwrap_or_else(|| panic!("room {room} was never requested: {:?}", self.lines))
     }
 
     /// Read lines until one with `event`.
@@ -121,4 +156,108 @@ fn a_transfer_to_a_decode_that_died_is_failed() {
     // silence reaches the timeout: within timeout + 1 s either way.
     let latency = at.duration_since(killed_at);
     assert!(latency <= TIMEOUT + LATENESS, "{alert} after {latency:?}");
+}
+
+/// Waits for `expected.len()` stalls and checks each: the room as external
+/// id and key, the class, within timeout + 1 s of the room's last mark;
+/// then that nothing else stalls.
+fn assert_marked_stalls(target: &Target, agent: Agent, expected: &[(u64, &str)]) -> Vec<Line> {
+    let mut seen = Vec::new();
+    let stalls = agent.wait_alerts("stalled", expected.len(), MARKED_TIMEOUT + Duration::from_secs(5), &mut seen);
+    for (at, alert) in &stalls {
+        let room = alert["external_id"].as_str().expect("every marked stall has its room").parse::<u64>().expect("room");
+        let (_, class) = expected.iter().find(|(r, _)| *r == room).unwrap_or_else(|| panic!("unexpected stall: {alert}"));
+        assert_eq!(alert["class"], *class, "{alert}");
+        assert_eq!(alert["key"], format!("{room:#x}").as_str(), "{alert}");
+        let latency = at.duration_since(target.last_mark(room));
+        assert!(latency >= MARKED_TIMEOUT - Duration::from_millis(50) && latency <= MARKED_TIMEOUT + LATENESS, "{alert} after {latency:?}");
+    }
+    // A second timeout later, still only these.
+    std::thread::sleep(MARKED_TIMEOUT);
+    seen.extend(agent.stop());
+    assert_eq!(alerts(&seen, "stalled").count(), expected.len(), "{seen:?}");
+    seen
+}
+
+#[test]
+fn marked_healthy_run_with_idle_workers_raises_no_alert() {
+    let (mut target, agent) = Target::marked("none", &["--hold"]);
+    let done = target.until("done", Duration::from_secs(30));
+    assert_eq!(done["completed"], 12, "{done}");
+    assert_eq!(done["verified"], 12, "{done}");
+    // Two timeouts of idle workers holding finished handles.
+    std::thread::sleep(MARKED_TIMEOUT * 2);
+    let lines = agent.stop();
+    let alert_lines: Vec<&Line> = lines.iter().filter(|l| l.json().is_some_and(|v| v["alert"] != "summary")).collect();
+    assert!(alert_lines.is_empty(), "a healthy run raised alerts: {alert_lines:?}");
+    let summary = summary(&lines);
+    assert_eq!(summary["seen"], 12, "{summary}");
+    assert_eq!(summary["completed"], 12, "{summary}");
+    assert_eq!(summary["lost_events"], 0, "{summary}");
+}
+
+#[test]
+fn marked_room_whose_decode_never_answers_is_waiting_for_peer() {
+    let (mut target, agent) = Target::marked("no-answer", &[]);
+    let holding = target.until("holding", Duration::from_secs(30));
+    let room = target.fault_room;
+    assert_eq!(holding["rooms"][room.to_string()], "bootstrapping", "{holding}");
+    assert_marked_stalls(&target, agent, &[(room, "waiting_for_peer")]);
+}
+
+#[test]
+fn marked_rooms_of_a_decode_that_died_are_failed_and_waiting_for_peer() {
+    let (mut target, agent) = Target::marked("decode-dies", &[]);
+    let holding = target.until("holding", Duration::from_secs(30));
+    let room = target.fault_room;
+    let unanswered: Vec<u64> = holding["rooms"]
+        .as_object()
+        .expect("rooms")
+        .iter()
+        .filter(|(_, state)| *state == "bootstrapping")
+        .map(|(r, _)| r.parse().expect("room"))
+        .collect();
+    assert_eq!(unanswered.len(), 2, "{holding}");
+    let expected: Vec<(u64, &str)> = unanswered.iter().map(|r| (*r, "waiting_for_peer")).collect();
+    let seen = assert_marked_stalls(&target, agent, &expected);
+    let failed: Vec<Value> = alerts(&seen, "failed").map(|(_, v)| v).collect();
+    assert_eq!(failed.len(), 1, "{seen:?}");
+    assert_eq!(failed[0]["external_id"], room.to_string().as_str(), "{}", failed[0]);
+}
+
+#[test]
+fn marked_hung_room_and_the_rooms_queued_behind_it_are_all_reported() {
+    let (mut target, agent) = Target::marked("hang", &[]);
+    let holding = target.until("holding", Duration::from_secs(30));
+    let room = target.fault_room;
+    let worker = &holding["workers"][0];
+    assert_eq!(worker["on"], room, "{holding}");
+    // The rooms queued behind the hung one (the healthy decode's among
+    // them) were handed to the worker: transfer_hung, like the room it is
+    // stuck on; the stopped decode's later rooms were never answered.
+    let mut expected = vec![(room, "transfer_hung")];
+    for (r, state) in holding["rooms"].as_object().expect("rooms") {
+        let r: u64 = r.parse().expect("room");
+        match state.as_str() {
+            Some("queued") => expected.push((r, "transfer_hung")),
+            Some("bootstrapping") => expected.push((r, "waiting_for_peer")),
+            _ => {}
+        }
+    }
+    assert!(expected.iter().filter(|(_, c)| *c == "transfer_hung").count() >= 3, "{holding}");
+    assert_marked_stalls(&target, agent, &expected);
+}
+
+#[test]
+fn marked_abort_racing_a_chunk_ends_the_room_aborted() {
+    let (mut target, agent) = Target::marked("abort", &[]);
+    let holding = target.until("holding", Duration::from_secs(30));
+    assert_eq!(holding["rooms"][target.fault_room.to_string()], "failed", "{holding}");
+    std::thread::sleep(MARKED_TIMEOUT * 2);
+    let lines = agent.stop();
+    assert_eq!(alerts(&lines, "stalled").count(), 0, "{lines:?}");
+    let summary = summary(&lines);
+    assert_eq!(summary["aborted"], 1, "{summary}");
+    assert_eq!(summary["completed"], 11, "{summary}");
+    assert_eq!(summary["in_flight"], 0, "{summary}");
 }

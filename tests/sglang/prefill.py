@@ -96,6 +96,14 @@ Default fault room: the first room of decode 0 after the middle of the run;
 for abort the last room of decode 0. With hang and decode-dies the requests
 after the fault room arrive once the fault is in place.
 
+Marks (--marker LIB, the stallwatch marker library, common/marker): what a
+framework adds where it has no native signal. A room is marked enqueued
+when the router hands it to the bootstrap queue, transfer_posted when its
+first chunk goes to its transfer worker, transfer_done when its last chunk
+is done (failed when a transfer fails), released when the scheduler clears
+it, aborted when its ABORT arrives. A mark goes before the status change
+another thread acts on, so a room's marks are in order.
+
 Transport: UCX_TLS=tcp,self unless --ucx-tls says otherwise ("default"
 unsets it): on loopback a stopped peer hangs a tcp transfer at once, while
 with cma some writes land in the stopped process first.
@@ -214,6 +222,13 @@ class KVManager:
         self.worker_room = [None] * wire.SHARDS
         self.queued = [[] for _ in range(wire.SHARDS)]
         self.poll_sleep = args.poll_sleep
+        self.marker = load_marker(args.marker)
+
+    def mark(self, room, stage):
+        """--marker: where SGLang has no native signal, the framework's own
+        mark (stallwatch_mark) of the room's stage."""
+        if self.marker is not None and room < WARMUP_ROOM:
+            self.marker.mark(room, stage)
 
     def start(self):
         for i, q in enumerate(self.transfer_queues):
@@ -240,6 +255,8 @@ class KVManager:
             return
         if status == KVPoll.Success and room in self.failure_records:
             status, reason = KVPoll.Failed, self.failure_records[room]
+        if self.marker is not None:  # before the status the scheduler acts on
+            self.mark(room, self.marker.TRANSFER_DONE if status == KVPoll.Success else self.marker.FAILED)
         self.update_status(room, status)
         infos = self.transfer_infos.get(room) or {}
         for target in {(i.endpoint, i.dst_port) for i in list(infos.values())}:
@@ -266,6 +283,8 @@ class KVManager:
                 room = int(msg[1].decode("ascii"))
                 if room in self.request_status and self.check_status(room) != KVPoll.Success:
                     self.failure_records[room] = "Aborted by decode-side abort notification."
+                    if self.marker is not None:
+                        self.mark(room, self.marker.ABORTED)
                     self.update_status(room, KVPoll.Failed)
                 continue
             if msg[0] != wire.GUARD:
@@ -288,6 +307,8 @@ class KVManager:
         if room not in self.transfer_infos:
             return None
         shard = self.shard_of(room)
+        if number == 0 and self.marker is not None:
+            self.mark(room, self.marker.TRANSFER_POSTED)
         self.queued[shard].append(room)
         self.transfer_queues[shard].put(Chunk(room, number, kv_indices, index_slice, is_last_chunk, aux_index))
         return shard
@@ -540,6 +561,8 @@ class Prefill:
         """Dispatch a request: to its decodes (they answer with its
         destination), and into this prefill's bootstrap queue."""
         self.mgr.update_status(req.room, KVPoll.Bootstrapping)
+        if self.mgr.marker is not None:
+            self.mgr.mark(req.room, self.mgr.marker.ENQUEUED)
         for d in req.decodes:
             if not self.decodes[d].send(f"req {req.room} {req.npages} {len(req.decodes)}") and not quiet:
                 emit("undeliverable", room=req.room, decode=d)
@@ -606,6 +629,8 @@ class Prefill:
             else:
                 emit("failed", room=req.room, reason=mgr.failure_records.get(req.room, ""))
         # sender.clear()
+        if req.done == "completed" and mgr.marker is not None:
+            mgr.mark(req.room, mgr.marker.RELEASED)
         mgr.request_status.pop(req.room, None)
         mgr.transfer_infos.pop(req.room, None)
         return True
@@ -742,6 +767,16 @@ class Prefill:
                     log("prefill", f"decode {dec.proc.pid} did not die")
 
 
+def load_marker(path):
+    """The stallwatch marker library, through its ctypes wrapper."""
+    if path is None:
+        return None
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../common/marker/python"))
+    from stallwatch_marker import Marker
+
+    return Marker(path)
+
+
 def proc_state(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -775,6 +810,8 @@ def parse_args(argv):
     p.add_argument("--settle", type=float, default=1.0,
                    help="faults: seconds without change before 'holding' (default: 1)")
     p.add_argument("--hold", action="store_true", help="healthy: keep running after 'done' until stdin EOF")
+    p.add_argument("--marker", default=None, metavar="LIB",
+                   help="mark each room's stages with the stallwatch marker library LIB (see the module doc)")
     p.add_argument("--events", action="store_true",
                    help="print an 'xfer' line per transfer posted: room, chunk, kind (kv|aux), peer, handle")
     p.add_argument("--no-wait", action="store_true", help="do not wait for 'go'; ignore stdin")
