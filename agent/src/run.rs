@@ -239,7 +239,13 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 guard.get_inner_mut().flush();
                 guard.clear_ready();
             }
-            scrape = session.telemetry.scrape() => session.telemetry.answer(scrape, &session.engine, &session.probes, session.ingest.undecodable),
+            scrape = session.telemetry.scrape() => session.telemetry.answer(
+                scrape,
+                &session.engine,
+                &session.probes,
+                session.ingest.undecodable,
+                session.status.as_ref().map(StatusReader::reads),
+            ),
             query = queries.next() => {
                 // Up to date to the moment asked, not to the last tick.
                 session.drain();

@@ -317,3 +317,43 @@ fn stages(request: &RequestSnapshot) -> impl Iterator<Item = (Stage, u64)> + '_ 
 fn seconds(ns: u64) -> String {
     format!("{:.2}s", Duration::from_nanos(ns).as_secs_f64())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lifecycle::{StageSet, StallClass};
+
+    fn release_lost(inferred: StageSet) -> Report {
+        let request = RequestSnapshot {
+            pid: 7,
+            key: 0xab,
+            external_id: None,
+            stage: Stage::TransferDone,
+            stage_ns: [Some(1_000), Some(2_000), Some(9_000), None],
+            first_ns: 1_000,
+            last_ns: 2_000,
+            stalled: Some(StallClass::ReleaseLost),
+            inferred,
+        };
+        Report::Stalled { request, class: StallClass::ReleaseLost, silent_ns: 7_000, at_ns: 9_000 }
+    }
+
+    fn line(format: Format, report: &Report) -> String {
+        let mut out = Vec::new();
+        AlertWriter::new(&mut out, format, Clock::new()).report(report, None).expect("write");
+        String::from_utf8(out).expect("UTF-8")
+    }
+
+    #[test]
+    fn alerts_say_which_stages_were_inferred() {
+        let mut done = StageSet::EMPTY;
+        done.insert(Stage::TransferDone);
+        let json: Value = serde_json::from_str(&line(Format::Json, &release_lost(done))).expect("JSON");
+        assert_eq!(json["inferred"], json!(["transfer_done"]), "{json}");
+        assert!(line(Format::Human, &release_lost(done)).trim_end().ends_with(" inferred=transfer_done"));
+        // All observed: an empty list, and nothing in the human line.
+        let json: Value = serde_json::from_str(&line(Format::Json, &release_lost(StageSet::EMPTY))).expect("JSON");
+        assert_eq!(json["inferred"], json!([]), "{json}");
+        assert!(!line(Format::Human, &release_lost(StageSet::EMPTY)).contains("inferred"));
+    }
+}

@@ -37,6 +37,7 @@ use super::otlp::ExportCounts;
 use crate::{
     lifecycle::{Engine, EngineStats, Outcome, Report, Stage, StallClass},
     events::Losses,
+    status::StatusReads,
 };
 
 /// Counters kept from the reports themselves (the engine counts stalls and
@@ -68,7 +69,16 @@ impl Metrics {
                 stalled[class as usize] += 1;
             }
         }
-        Snapshot { engine: engine.stats(), in_flight, stalled, stalls: self.stalls, recoveries: self.recoveries, losses, export }
+        Snapshot {
+            engine: engine.stats(),
+            in_flight,
+            stalled,
+            stalls: self.stalls,
+            recoveries: self.recoveries,
+            losses,
+            export,
+            status_reads: None,
+        }
     }
 }
 
@@ -85,6 +95,8 @@ pub struct Snapshot {
     /// `None` when the kernel's counters could not be read.
     pub losses: Option<Losses>,
     pub export: Option<ExportCounts>,
+    /// How the reads of the profile's `[status]` went, when it has one.
+    pub status_reads: Option<StatusReads>,
 }
 
 const LIVE_STAGES: [Stage; 3] = [Stage::Enqueued, Stage::TransferPosted, Stage::TransferDone];
@@ -174,6 +186,21 @@ impl Collector for Snapshot {
                 "stallwatch_state_full",
                 "Requests the kernel's in-flight table had no room for (they would not survive a restart)",
                 k.state_full,
+            )?;
+        }
+        if let Some(r) = &self.status_reads {
+            counters(
+                &mut encoder,
+                "stallwatch_status_reads",
+                "Reads of a request's state in the target's memory (a stall due), by result",
+                "result",
+                &[
+                    ("answered", r.answered),
+                    ("not_held", r.not_held),
+                    ("process_gone", r.process_gone),
+                    ("unreadable", r.unreadable),
+                    ("unrecognised", r.unrecognised),
+                ],
             )?;
         }
         if let Some(x) = &self.export {
@@ -420,7 +447,9 @@ mod tests {
         let kernel = KernelCounters { ringbuf_full: 4, ext_unreadable: 3, ..KernelCounters::default() };
         let losses = Losses { kernel, undecodable: 5 };
         let export = ExportCounts { exported: 10, dropped_queue_full: 2, queue_capacity: 16, ..ExportCounts::default() };
-        let open = render(metrics.snapshot(&engine, Some(losses), Some(export)), Format::OpenMetrics);
+        let mut snapshot = metrics.snapshot(&engine, Some(losses), Some(export));
+        snapshot.status_reads = Some(StatusReads { answered: 6, unreadable: 1, ..StatusReads::default() });
+        let open = render(snapshot, Format::OpenMetrics);
         for line in [
             "stallwatch_requests_in_flight{stage=\"transfer_posted\"} 2",
             "stallwatch_requests_in_flight{stage=\"enqueued\"} 1",
@@ -436,6 +465,8 @@ mod tests {
             "stallwatch_unreadable_fields_total{field=\"external_id\"} 3",
             "stallwatch_export_drops_total{reason=\"queue_full\"} 2",
             "stallwatch_export_spans_total 10",
+            "stallwatch_status_reads_total{result=\"answered\"} 6",
+            "stallwatch_status_reads_total{result=\"unreadable\"} 1",
             "stallwatch_export_queue_capacity 16",
             "# TYPE stallwatch_stalls counter",
             "# EOF",
@@ -444,7 +475,7 @@ mod tests {
         }
         let classic = render(metrics.snapshot(&engine, None, None), Format::Prometheus);
         assert!(classic.contains("stallwatch_stalls_total{class=\"transfer_hung\"} 1"), "{classic}");
-        assert!(!classic.contains("# EOF") && !classic.contains("lost_events") && !classic.contains("export"), "{classic}");
+        assert!(!classic.contains("# EOF") && !classic.contains("lost_events") && !classic.contains("export") && !classic.contains("status_reads"), "{classic}");
     }
 
     #[test]

@@ -15,6 +15,7 @@ use crate::{
     events::Losses,
     lifecycle::{Engine, Report},
     probes::Probes,
+    status::StatusReads,
     transport::Evidence,
 };
 
@@ -89,12 +90,15 @@ impl Telemetry {
     }
 
     /// Answer a scrape with the current values; `undecodable`: the
-    /// ring-buffer records that did not become events so far.
-    pub fn answer(&self, scrape: Scrape, engine: &Engine, probes: &Probes, undecodable: u64) {
+    /// ring-buffer records that did not become events so far; `status`:
+    /// how the `[status]` reads went, when the profile has one.
+    pub fn answer(&self, scrape: Scrape, engine: &Engine, probes: &Probes, undecodable: u64, status: Option<StatusReads>) {
         let losses = probes.counters().map_err(|err| warn!("metrics: {err:#}")).ok().map(|kernel| Losses { kernel, undecodable });
         let export = self.otlp.as_ref().map(OtlpExporter::counts);
         let format = scrape.format;
-        scrape.answer(metrics::render(self.metrics.snapshot(engine, losses, export), format));
+        let mut snapshot = self.metrics.snapshot(engine, losses, export);
+        snapshot.status_reads = status;
+        scrape.answer(metrics::render(snapshot, format));
     }
 
     /// Flush and stop the exporter; the export counts, for the summary.
