@@ -1,7 +1,7 @@
 //! Bad input gets a clear error naming the thing and the fix, and a
 //! non-zero exit; never a panic or a silent no-op.
 use std::{
-    io::Write as _,
+    io::{BufRead as _, BufReader, Read as _, Write as _},
     process::{Command, Stdio},
 };
 
@@ -191,11 +191,18 @@ fn an_agent_whose_stdout_reader_goes_away_stops_cleanly() {
         .spawn()
         .expect("starting stallwatch");
     drop(agent.stdout.take());
+    // The request is pinned only once the agent watches, or it would never
+    // see it stall and never write.
+    let mut stderr = String::new();
+    let mut log = BufReader::new(agent.stderr.take().expect("piped stderr"));
+    while !stderr.contains("watching") {
+        assert!(log.read_line(&mut stderr).expect("reading the agent's stderr") > 0, "the agent exited before watching:\n{stderr}");
+    }
     demo.go();
     // The stall alert is the first write; the agent then stops by itself.
-    let out = agent.wait_with_output().expect("waiting for stallwatch");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{}; stderr:\n{stderr}", out.status);
+    log.read_to_string(&mut stderr).expect("reading the agent's stderr");
+    let status = agent.wait().expect("waiting for stallwatch");
+    assert!(status.success(), "{status}; stderr:\n{stderr}");
     assert!(stderr.contains("stdout was closed (its reader went away): stopping"), "{stderr}");
     assert!(!stderr.contains("error") && !stderr.contains("panicked"), "{stderr}");
 }
