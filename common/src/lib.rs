@@ -235,7 +235,8 @@ pub struct InflightEntry {
 /// bpffs ([`InflightEntry`], [`SlotConfig`], [`Event`], the map sizes).
 /// Bump it on any change: an agent never reads state pinned by an agent of
 /// another layout, it discards it. 2: `COUNTERS` gained `EXT_UNREADABLE`.
-pub const STATE_LAYOUT: u32 = 2;
+/// 3: `SAVED` is an LRU hash.
+pub const STATE_LAYOUT: u32 = 3;
 
 /// Indices of the per-CPU `COUNTERS` array: what the kernel side could not do.
 /// Every one is reported by the agent; none is silent. The first four each

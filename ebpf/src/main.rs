@@ -68,9 +68,15 @@ static HITS: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_SLOTS, 0);
 #[map]
 static SEEN: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_SLOTS, 0);
 
-/// Arguments saved at entry for return slots that read them.
+/// Arguments saved at entry for return slots that read them, per thread.
+/// An LRU: a call whose thread dies inside it (the process is killed
+/// mid-call) never returns to take its entry out, and a plain hash would
+/// fill up with those for good, after which no return could read its
+/// arguments. Here the least recently used give way; a call still running when
+/// 16 384 newer ones have pushed its arguments out has its return counted
+/// as `ARGS_MISSING`.
 #[map]
-static SAVED: HashMap<SavedArgsKey, SavedArgs> = HashMap::with_max_entries(16384, 0);
+static SAVED: LruHashMap<SavedArgsKey, SavedArgs> = LruHashMap::with_max_entries(16384, 0);
 
 /// Last event emitted per (pid, key), for `ONLY_ON_CHANGE` slots.
 #[map]

@@ -1,7 +1,8 @@
 //! Process discovery: `stallwatch run` without `--pid` watches every
 //! process its selectors match, those running at start and those started
 //! later (the exec tracepoint, real eBPF in this kernel), and re-attaches a
-//! restarted target.
+//! restarted target; threads its targets kill mid-call leave return
+//! probes working.
 use std::{process::Command, time::Duration};
 
 use serde_json::Value;
@@ -95,4 +96,61 @@ fn selectors_that_match_nothing_yet_still_run_and_a_bad_one_is_refused() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("not a valid regular expression"), "{stderr}");
+}
+
+/// The demo's next JSON line whose `event` is `kind`.
+fn demo_event(demo: &Demo, kind: &str) -> Value {
+    loop {
+        let line = demo.proc.next_line(WAIT, &format!("the demo's `{kind}` line"));
+        if let Some(value) = line.json().filter(|value| value["event"] == kind) {
+            return value;
+        }
+    }
+}
+
+#[test]
+fn threads_killed_inside_a_return_probed_function_do_not_disable_return_probes() {
+    require_root();
+    // The kernel keeps the arguments a return probe reads (`kv_transfer_poll`'s
+    // key) from its entry to its return, in a map of this many entries. A
+    // call that never returns (its thread killed inside) never takes its
+    // entry out.
+    const SAVED_CAPACITY: u64 = 16_384;
+    const THREADS: u64 = 2_000;
+    let threads = THREADS.to_string();
+    let agent = Agent::discover(&["--exe", "demo-prefill", "--cmdline", "stuck-in-poll"], "demo", "1s", &[]);
+    let mut killed_inside = 0;
+    while killed_inside <= SAVED_CAPACITY {
+        let mut demo = Demo::start(&["--stuck-in-poll", &threads, "--rate", "100", "--duration", "60s"]);
+        agent.wait_watching(demo.proc.pid());
+        demo.go();
+        let stuck = demo_event(&demo, "stuck");
+        assert_eq!(stuck["threads"], THREADS, "{stuck}");
+        demo.proc.signal(libc::SIGKILL);
+        let _ = demo.proc.wait(WAIT);
+        killed_inside += THREADS;
+    }
+    // A demo after them: its polls' returns still read their key, so its
+    // done transfer is seen done (a lost `transfer_done` would make the
+    // stall `transfer_hung`) and no event is lost.
+    let mut last = Demo::start(&[
+        "--stuck-in-poll", "1", "--rate", "200", "--duration", "30s", "--inject-after", "300ms", "--release-lost", "1",
+    ]);
+    let pid = last.proc.pid();
+    agent.wait_watching(pid);
+    last.go();
+    let mut seen = Vec::new();
+    agent.wait_until("the last demo's stall", WAIT, &mut seen, |s| stall_of(s, pid).is_some());
+    let stall = stall_of(&seen, pid).expect("stall");
+    drop(last);
+    seen.extend(agent.stop());
+    let summary = summary(&seen);
+    assert_eq!(
+        summary["args_missing"], 0,
+        "after {killed_inside} threads died inside `kv_transfer_poll`, return probes lost events for want of their saved \
+         arguments: {summary}"
+    );
+    assert_eq!(stall["class"], "release_lost", "{stall}");
+    assert_eq!(summary["lost_events"], 0, "{summary}");
+    assert!(summary["completed"].as_u64().unwrap_or(0) > 100, "the last demo's healthy requests completed: {summary}");
 }

@@ -12,9 +12,14 @@
 //! - `--release-lost N`: done, never released;
 //! - `--recover N`: hung for `--recover-after`, then done and released.
 //!
+//! `--stuck-in-poll N` starts N threads that enter `kv_transfer_poll` and
+//! never return from it, so a test can kill the process with calls in
+//! flight inside a return-probed function.
+//!
 //! It prints JSON lines on stdout: `ready` (with its pid), one `injected`
-//! per pinned request (with its key), `exec` before it replaces itself
-//! (`--exec-after`), and `done` at the end.
+//! per pinned request (with its key), `stuck` once its `--stuck-in-poll`
+//! threads are in, `exec` before it replaces itself (`--exec-after`), and
+//! `done` at the end.
 //!
 //! Build it with frame pointers (`-C force-frame-pointers=yes`, as xtask
 //! does) so every probed function starts with `push %rbp`, which the kernel
@@ -24,6 +29,7 @@ use std::{
     hint::black_box,
     os::unix::ffi::OsStrExt as _,
     io::{BufRead as _, Write as _},
+    sync::atomic::{AtomicU64, Ordering},
     thread,
     time::{Duration, Instant},
 };
@@ -81,6 +87,12 @@ struct Args {
     /// What `--exec-after` execs.
     #[arg(last = true)]
     exec: Vec<String>,
+    /// After `go`, start this many threads that each enter
+    /// `kv_transfer_poll` and never return from it, then print `stuck`:
+    /// calls that die unfinished when the process is killed, so their
+    /// return probe never runs.
+    #[arg(long, default_value_t = 0)]
+    stuck_in_poll: u64,
     /// Benchmark mode for `cargo bench --bench uprobe`: for every line
     /// `enqueue`, `post` or `poll` on stdin, time this many calls of that
     /// function and print the mean.
@@ -140,12 +152,45 @@ pub extern "C" fn kv_transfer_post(id: u64, bytes: u64) -> i32 {
     0
 }
 
-/// The transfer's status, as a KV-transfer library reports it.
+/// The transfer's status, as a KV-transfer library reports it. Asked for
+/// [`STUCK`], it never returns (`--stuck-in-poll`).
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn kv_transfer_poll(id: u64, status: i32) -> i32 {
     black_box(id);
+    if status == STUCK {
+        stuck();
+    }
     black_box(status)
+}
+
+/// Threads inside `kv_transfer_poll` for good.
+static STUCK_THREADS: AtomicU64 = AtomicU64::new(0);
+
+#[cold]
+#[inline(never)]
+fn stuck() -> ! {
+    STUCK_THREADS.fetch_add(1, Ordering::Release);
+    loop {
+        thread::park();
+    }
+}
+
+/// Start `n` threads stuck inside `kv_transfer_poll` and say `stuck` once
+/// every one is in.
+fn stick_threads(n: u64) {
+    for i in 0..n {
+        // Small stacks: thousands of threads that only park.
+        let spawned = thread::Builder::new().stack_size(64 << 10).spawn(move || kv_transfer_poll(STUCK_BASE + i, STUCK));
+        if let Err(err) = spawned {
+            eprintln!("demo-prefill: starting stuck thread {i}: {err}");
+            std::process::exit(1);
+        }
+    }
+    while STUCK_THREADS.load(Ordering::Acquire) < n {
+        thread::sleep(Duration::from_millis(1));
+    }
+    say(&format!("{{\"event\":\"stuck\",\"threads\":{n}}}"));
 }
 
 #[unsafe(no_mangle)]
@@ -163,10 +208,14 @@ pub extern "C" fn prefill_abort(id: u64) {
 const IN_PROGRESS: i32 = 1;
 const DONE: i32 = 0;
 const ERR_BACKEND: i32 = -3;
+/// A status no transfer has: the poll blocks forever.
+const STUCK: i32 = i32::MIN;
 /// Polls a healthy transfer answers "in progress" before it is done.
 const POLLS_PER_TRANSFER: u32 = 3;
 /// Pinned requests get their ids from here up, apart from healthy ones.
 const PINNED_BASE: u64 = 1 << 40;
+/// The ids stuck threads poll, apart from both.
+const STUCK_BASE: u64 = 1 << 41;
 
 fn say(line: &str) {
     let mut out = std::io::stdout().lock();
@@ -234,6 +283,9 @@ fn main() {
     if let Some(calls) = args.bench_calls {
         bench(calls);
         return;
+    }
+    if args.stuck_in_poll > 0 {
+        stick_threads(args.stuck_in_poll);
     }
     let start = Instant::now();
     let interval = Duration::from_secs_f64(1.0 / args.rate.max(1) as f64);
