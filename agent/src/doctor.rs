@@ -22,7 +22,10 @@ use aya::programs::{
 use serde::Serialize;
 use stallwatch_common::MAX_SLOTS;
 
-use crate::probes::Probes;
+use crate::{
+    probes::Probes,
+    trusted_dir::{TrustedDir, Untrusted},
+};
 
 /// The kernel that has everything stallwatch's programs use: BPF ring
 /// buffers (5.8), uprobe attach cookies (`bpf_get_attach_cookie` for
@@ -151,8 +154,8 @@ impl Report {
     }
 }
 
-/// Run every check.
-pub fn run() -> Report {
+/// Run every check; `bpf_dir` and `socket` are the paths `run` would use.
+pub fn run(bpf_dir: &Path, socket: &Path) -> Report {
     let (kernel, arch) = uname();
     let version = KernelVersion::parse(&kernel);
     let caps = read_caps();
@@ -176,6 +179,16 @@ pub fn run() -> Report {
     let mounts = mounts.as_ref().map(|m| *m);
     checks.push(tracefs_check(mounts));
     checks.push(bpffs_check(mounts));
+    checks.push(trusted_dir_check(
+        "bpf_dir",
+        bpf_dir,
+        "restart safety: `run --bpf-dir` refuses a directory another user could change, and so its pinned state",
+    ));
+    checks.push(trusted_dir_check(
+        "socket_dir",
+        crate::query::socket_dir(socket),
+        "`stallwatch inflight`: `run --socket` refuses a directory where another user could put their own socket",
+    ));
     Report::new(kernel, arch, checks)
 }
 
@@ -754,6 +767,21 @@ pub fn bpffs_check(mounts: Result<&[Mount], &String>) -> Check {
     }
 }
 
+/// Whether `run` would accept `dir` ([`TrustedDir`]'s rules); one it
+/// would create is fine. Not required: `run` may be given another path.
+pub fn trusted_dir_check(name: &'static str, dir: &Path, needed_for: &'static str) -> Check {
+    let check = Check::new(name, false, needed_for);
+    let shown = dir.display();
+    match TrustedDir::open(dir) {
+        Ok(Some(_)) => check.ok(format!("{shown}: root's, writable by nobody else, no symlink on the way")),
+        Ok(None) => check.ok(format!("{shown}: missing; `run` creates it (mode 0700), nothing on the way is unsafe")),
+        Err(err) => match err.downcast_ref::<Untrusted>() {
+            Some(untrusted) => check.missing(format!("{shown}: {}", untrusted.reason), untrusted.fix.clone()),
+            None => check.missing(format!("{shown}: {err:#}"), "give `run` a directory it can create or open"),
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -921,5 +949,22 @@ mod tests {
         assert_eq!(json["checks"][0]["status"], "missing");
         assert_eq!(json["checks"][0]["required"], true);
         assert_eq!(json["checks"][1]["fix"].as_str().map(|f| f.starts_with("mount -t tracefs")), Some(true));
+    }
+
+    #[test]
+    fn a_directory_run_would_refuse_is_missing_with_the_reason_and_the_fix() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let check = trusted_dir_check("bpf_dir", dir.path(), "x");
+        assert_eq!((check.status, check.required), (Status::Ok, false), "{check:?}");
+        let missing = trusted_dir_check("bpf_dir", &dir.path().join("new"), "x");
+        assert_eq!(missing.status, Status::Ok, "{missing:?}");
+        assert!(missing.detail.contains("`run` creates it (mode 0700)"), "{missing:?}");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        let shared = trusted_dir_check("bpf_dir", &dir.path().join("new"), "x");
+        assert_eq!(shared.status, Status::Missing, "{shared:?}");
+        assert!(shared.detail.contains("(mode 0777) is writable by its group or by anyone, and not sticky"), "{shared:?}");
+        assert!(shared.fix.as_deref().is_some_and(|f| f.contains("chmod go-w")), "{shared:?}");
+        assert!(!shared.failed(), "not required");
     }
 }

@@ -6,7 +6,8 @@
 //! machine, timer wheel, classification) -> [`export`] (alerts, summary);
 //! [`query`] answers `stallwatch inflight`. [`run`] wires them together;
 //! [`state`] keeps what outlives an agent (pinned maps and links) for the
-//! next one; [`config`] reads its settings from a file, [`doctor`] checks
+//! next one, in directories [`trusted_dir`] keeps out of other users'
+//! reach; [`config`] reads its settings from a file, [`doctor`] checks
 //! the host; [`text`] makes what a target wrote safe to print.
 pub mod config;
 pub mod doctor;
@@ -22,3 +23,4 @@ pub mod state;
 pub mod status;
 pub mod text;
 pub mod transport;
+pub mod trusted_dir;

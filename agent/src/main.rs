@@ -42,6 +42,12 @@ enum Command {
         /// Print the report as one JSON document.
         #[arg(long)]
         json: bool,
+        /// The bpf directory `run` would use: is it safe from other users?
+        #[arg(long, value_name = "PATH", default_value = state::DEFAULT_BPF_DIR)]
+        bpf_dir: PathBuf,
+        /// The socket `run` would serve: is its directory safe from other users?
+        #[arg(long, value_name = "PATH", default_value = query::DEFAULT_SOCKET)]
+        socket: PathBuf,
     },
     /// `stallwatch run --config` files.
     Config {
@@ -160,8 +166,8 @@ fn dispatch(cli: Cli) -> Result<()> {
             };
             runtime.block_on(run::run(options, std::io::stdout().lock()))
         }
-        Command::Doctor { json } => {
-            let report = doctor::run();
+        Command::Doctor { json, bpf_dir, socket } => {
+            let report = doctor::run(&bpf_dir, &socket);
             print(|out| {
                 if json {
                     serde_json::to_writer_pretty(&mut *out, &report)?;

@@ -31,6 +31,7 @@ use tracing::{info, warn};
 use crate::{
     events,
     lifecycle::{Outcome, Report, Restored},
+    trusted_dir::TrustedDir,
 };
 
 /// `--bpf-dir` when neither the flag nor the config file sets it.
@@ -64,26 +65,24 @@ pub struct OldLink {
 impl BpfDir {
     /// Open (creating it if need be) and lock `base`. Mounts bpffs at
     /// /sys/fs/bpf when `base` is below it and nothing is mounted there.
-    /// State of another layout version is discarded, with a warning.
+    /// `base` and every directory on the way must be out of other users'
+    /// reach ([`TrustedDir`]). State of another layout version is
+    /// discarded, with a warning.
     pub fn open(base: &Path) -> Result<Self> {
         if base.starts_with(BPFFS_MOUNT) && !is_bpffs(Path::new(BPFFS_MOUNT)) {
             mount_bpffs()?;
         }
-        std::fs::create_dir_all(base).with_context(|| {
-            format!(
-                "creating the bpf directory {}: it must be on a BPF filesystem (`mount -t bpf bpf {BPFFS_MOUNT}`), \
-                 or pass --ephemeral to pin nothing",
-                base.display()
-            )
+        let dir = TrustedDir::create(base).with_context(|| {
+            format!("the bpf directory {} (or pass --ephemeral to pin nothing)", base.display())
         })?;
-        if !is_bpffs(base) {
+        if dir.fs_type()? != BPF_FS_MAGIC {
             bail!(
                 "{} is not on a BPF filesystem: pass a --bpf-dir below a bpffs mount (`mount -t bpf bpf {BPFFS_MOUNT}`), \
                  or --ephemeral to pin nothing",
                 base.display()
             );
         }
-        let lock = File::open(base).with_context(|| format!("opening {}", base.display()))?;
+        let lock = dir.reopen()?;
         // SAFETY: flock on a descriptor we own.
         if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             let err = std::io::Error::last_os_error();
@@ -96,12 +95,12 @@ impl BpfDir {
             }
             return Err(err).with_context(|| format!("locking {}", base.display()));
         }
-        let root = base.join(format!("v{STATE_LAYOUT}"));
-        discard_other_layouts(base, &root)?;
-        for dir in [root.join("maps"), root.join("links")] {
-            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let root = dir.create_child(&format!("v{STATE_LAYOUT}"))?;
+        discard_other_layouts(dir.path(), root.path())?;
+        for sub in ["maps", "links"] {
+            root.create_child(sub)?;
         }
-        Ok(Self { base: base.to_owned(), root, _lock: lock })
+        Ok(Self { base: dir.path().to_owned(), root: root.path().to_owned(), _lock: lock })
     }
 
     pub fn path(&self) -> &Path {
@@ -146,7 +145,8 @@ impl BpfDir {
 /// `stallwatch state clear`: detach the probes and drop the in-flight
 /// state a stopped agent left pinned in `base`.
 pub fn clear(base: &Path) -> Result<bool> {
-    if !base.exists() {
+    let exists = TrustedDir::open(base).with_context(|| format!("the bpf directory {}", base.display()))?.is_some();
+    if !exists {
         return Ok(false);
     }
     // Refuses while an agent runs on it.

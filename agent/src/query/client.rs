@@ -8,16 +8,23 @@ use std::{
 
 use anyhow::{Context as _, Result, anyhow};
 
-use super::wire::{self, Inflight, Query, QueryKind};
-use crate::text;
+use super::{
+    server,
+    wire::{self, Inflight, Query, QueryKind},
+};
+use crate::{text, trusted_dir::TrustedDir};
 
 /// How long the agent may go without sending anything.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Ask the agent serving `path` for every request in flight: the parsed
-/// answer, and the line as it came (for `--json`).
+/// answer, and the line as it came (for `--json`). A socket in a directory
+/// another user could change is not asked: it may not be the agent's.
 pub fn inflight(path: &Path, timeout: Duration) -> Result<(Inflight, Vec<u8>)> {
     let shown = path.display();
+    let dir = server::socket_dir(path);
+    // Missing: connecting says so.
+    TrustedDir::open(dir).with_context(|| format!("not asking {shown}: the query socket's directory {}", dir.display()))?;
     let mut stream = UnixStream::connect(path).map_err(|err| connect_error(path, err))?;
     stream.set_read_timeout(Some(timeout)).context("setting the socket's read timeout")?;
     stream.set_write_timeout(Some(timeout)).context("setting the socket's write timeout")?;
@@ -187,25 +194,23 @@ fn duration(ms: u64) -> String {
 
 #[cfg(test)]
 mod tests {
-    use std::{
-        os::unix::net::UnixListener,
-        sync::atomic::{AtomicUsize, Ordering},
-        thread,
-    };
+    use std::{os::unix::net::UnixListener, thread};
 
     use super::*;
     use crate::lifecycle::{Stage, StallClass};
     use crate::query::wire::{InflightRequest, Process, RequestTransport};
 
-    fn socket_path() -> std::path::PathBuf {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        std::env::temp_dir().join(format!("stallwatch-client-{}-{}.sock", std::process::id(), N.fetch_add(1, Ordering::Relaxed)))
+    /// A socket path in a fresh root-only directory (one the client
+    /// trusts), removed with the guard.
+    fn socket_path() -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("agent.sock");
+        (dir, path)
     }
 
     /// A one-shot fake agent that answers `answer` to whatever it is asked.
-    fn fake_agent(answer: &'static [u8]) -> (std::path::PathBuf, thread::JoinHandle<Vec<u8>>) {
-        let path = socket_path();
-        let _ = std::fs::remove_file(&path);
+    fn fake_agent(answer: &'static [u8]) -> (tempfile::TempDir, std::path::PathBuf, thread::JoinHandle<Vec<u8>>) {
+        let (dir, path) = socket_path();
         let listener = UnixListener::bind(&path).expect("bind");
         let server = thread::spawn(move || {
             let (mut stream, _) = listener.accept().expect("accept");
@@ -214,7 +219,7 @@ mod tests {
             stream.write_all(answer).expect("write");
             query[..n].to_vec()
         });
-        (path, server)
+        (dir, path, server)
     }
 
     fn answer() -> Inflight {
@@ -260,53 +265,62 @@ mod tests {
     fn the_client_sends_one_query_line_and_reads_the_answer() {
         let line = wire::encode(&answer());
         let leaked: &'static [u8] = Box::leak(line.into_boxed_slice());
-        let (path, server) = fake_agent(leaked);
+        let (_dir, path, server) = fake_agent(leaked);
         let (inflight, raw) = inflight(&path, Duration::from_secs(5)).expect("answered");
         assert_eq!(inflight, answer());
         assert_eq!(raw, leaked);
         let query = server.join().expect("server");
         assert_eq!(query, b"{\"version\":1,\"query\":\"inflight\"}\n");
-        let _ = std::fs::remove_file(&path);
     }
 
     #[test]
     fn a_garbled_answer_is_named_as_such() {
-        let (path, server) = fake_agent(b"HTTP/1.1 200 OK\r\n\r\nhello");
+        let (_dir, path, server) = fake_agent(b"HTTP/1.1 200 OK\r\n\r\nhello");
         let err = inflight(&path, Duration::from_secs(5)).expect_err("garbled");
         let message = format!("{err:#}");
         assert!(message.contains("garbled answer") && message.contains(&*path.to_string_lossy()), "{message}");
         let _ = server.join();
-        let _ = std::fs::remove_file(&path);
     }
 
     #[test]
     fn a_refusal_is_passed_on() {
-        let (path, server) = fake_agent(b"{\"version\":1,\"error\":\"busy: try again\"}\n");
+        let (_dir, path, server) = fake_agent(b"{\"version\":1,\"error\":\"busy: try again\"}\n");
         let err = inflight(&path, Duration::from_secs(5)).expect_err("refused");
         assert!(format!("{err:#}").contains("the agent refused the query: busy: try again"), "{err:#}");
         let _ = server.join();
-        let _ = std::fs::remove_file(&path);
     }
 
     #[test]
     fn an_empty_answer_and_a_silent_agent_are_named() {
-        let (path, server) = fake_agent(b"");
+        let (_dir, path, server) = fake_agent(b"");
         let err = inflight(&path, Duration::from_secs(5)).expect_err("empty");
         assert!(format!("{err:#}").contains("closed the connection without answering"), "{err:#}");
         let _ = server.join();
-        let _ = std::fs::remove_file(&path);
 
-        let path = socket_path();
+        let (_dir, path) = socket_path();
         let listener = UnixListener::bind(&path).expect("bind");
         let err = inflight(&path, Duration::from_millis(200)).expect_err("silent");
         assert!(format!("{err:#}").contains("sent nothing for 200ms"), "{err:#}");
         drop(listener);
-        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_socket_in_a_directory_others_can_change_is_not_asked() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let (dir, path) = socket_path();
+        let listener = UnixListener::bind(&path).expect("bind");
+        listener.set_nonblocking(true).expect("non-blocking");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+        let err = inflight(&path, Duration::from_secs(1)).expect_err("refused");
+        let message = format!("{err:#}");
+        assert!(message.starts_with(&format!("not asking {}", path.display())), "{message}");
+        assert!(message.contains("(mode 1777) is writable by its group or by anyone"), "{message}");
+        assert!(listener.accept().is_err_and(|err| err.kind() == ErrorKind::WouldBlock), "it connected");
     }
 
     #[test]
     fn no_agent_says_which_socket_and_what_to_run() {
-        let path = socket_path();
+        let (_dir, path) = socket_path();
         let err = inflight(&path, Duration::from_secs(1)).expect_err("missing");
         let message = format!("{err:#}");
         assert!(message.contains(&*path.to_string_lossy()) && message.contains("`stallwatch run` must be running"), "{message}");
@@ -314,7 +328,6 @@ mod tests {
         drop(UnixListener::bind(&path).expect("bind"));
         let err = inflight(&path, Duration::from_secs(1)).expect_err("stale");
         assert!(format!("{err:#}").contains("left over from an agent that is gone"), "{err:#}");
-        let _ = std::fs::remove_file(&path);
     }
 
     #[test]

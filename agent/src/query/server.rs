@@ -8,7 +8,7 @@
 use std::{
     collections::HashMap,
     io::ErrorKind,
-    os::unix::fs::{DirBuilderExt as _, FileTypeExt as _, MetadataExt as _, PermissionsExt as _},
+    os::unix::fs::{FileTypeExt as _, MetadataExt as _, PermissionsExt as _},
     path::{Path, PathBuf},
     sync::Arc,
     time::{Duration, Instant},
@@ -23,7 +23,7 @@ use tokio::{
 use tracing::{debug, info, warn};
 
 use super::wire::{self, QueryKind, Snapshot};
-use crate::{export::clock::Clock, lifecycle::Engine, transport::Tracker};
+use crate::{export::clock::Clock, lifecycle::Engine, transport::Tracker, trusted_dir::TrustedDir};
 
 /// Connections served at once; more get a "busy" answer.
 pub const MAX_CONNECTIONS: usize = 4;
@@ -185,26 +185,11 @@ impl Drop for SocketFile {
 
 fn bind_socket(path: &Path) -> Result<(std::os::unix::net::UnixListener, SocketFile)> {
     let shown = path.display();
-    let dir = match path.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => dir,
-        _ => Path::new("."),
-    };
-    if path.file_name().is_none() {
-        bail!("--socket {shown} does not name a file");
-    }
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .with_context(|| format!("creating the query socket's directory {}", dir.display()))?;
-    if let Ok(meta) = std::fs::metadata(dir) {
-        if meta.mode() & 0o002 != 0 && meta.mode() & 0o1000 == 0 {
-            warn!(
-                "the query socket's directory {} is writable by anyone: another user could replace the socket",
-                dir.display()
-            );
-        }
-    }
+    let Some(name) = path.file_name() else { bail!("--socket {shown} does not name a file") };
+    let dir = socket_dir(path);
+    // No other user may be able to put their own socket in its place.
+    let dir = TrustedDir::create(dir).with_context(|| format!("the query socket's directory {}", dir.display()))?;
+    let path = &dir.path().join(name);
     match std::fs::symlink_metadata(path) {
         Ok(meta) if !meta.file_type().is_socket() => {
             bail!("{shown} exists and is not a socket: remove it, or pass another path with --socket")
@@ -224,7 +209,7 @@ fn bind_socket(path: &Path) -> Result<(std::os::unix::net::UnixListener, SocketF
     // Bind under a private name, make it root-only, then move it into place:
     // the socket is never reachable at `path` with a wider mode, and a stale
     // file there is replaced in one step.
-    let staging = dir.join(format!(".stallwatch-{}.tmp", std::process::id()));
+    let staging = dir.path().join(format!(".stallwatch-{}.tmp", std::process::id()));
     match std::fs::remove_file(&staging) {
         Ok(()) => {}
         Err(err) if err.kind() == ErrorKind::NotFound => {}
@@ -249,6 +234,14 @@ fn bind_socket(path: &Path) -> Result<(std::os::unix::net::UnixListener, SocketF
     };
     listener.set_nonblocking(true).context("making the query socket non-blocking")?;
     Ok((listener, SocketFile { path: path.to_owned(), dev: meta.dev(), ino: meta.ino() }))
+}
+
+/// The directory the socket `path` is in.
+pub fn socket_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
 }
 
 #[cfg(test)]
