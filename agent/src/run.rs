@@ -32,7 +32,7 @@ use crate::{
     },
     lifecycle::{Engine, EngineConfig, Report},
     probes::{KernelCounters, Probes, Profile},
-    query::QueryServer,
+    query::{QueryServer, SocketPlace},
     reactor,
     state::{BpfDir, KernelState},
     status::StatusReader,
@@ -92,6 +92,9 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
     // Before loading anything: a bad endpoint fails fast.
     let clock = Clock::new();
     let telemetry = Telemetry::start(&telemetry, clock).await?;
+    // Before anything is pinned or attached: a socket directory another
+    // user could change is refused.
+    let socket = SocketPlace::check(&socket)?;
     let bpf_dir = bpf_dir.as_deref().map(BpfDir::open).transpose()?;
     let mut probes = Probes::load(bpf_dir)?;
     let state = probes.kernel_state()?;
@@ -144,7 +147,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
     session.restore()?;
     // After attaching, so a bad profile or pid is reported as such even
     // when another agent serves this socket (a second agent fails here).
-    let mut queries = QueryServer::bind(&socket, clock)?;
+    let mut queries = QueryServer::bind(socket, clock)?;
     for pid in session.watched.keys() {
         queries.name_process(*pid, &process_name(*pid));
     }

@@ -10,7 +10,7 @@ pub mod client;
 pub mod server;
 pub mod wire;
 
-pub use server::{QueryServer, socket_dir};
+pub use server::{QueryServer, SocketPlace, socket_dir};
 
 /// Where `stallwatch run` serves queries unless told otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/stallwatch/stallwatch.sock";

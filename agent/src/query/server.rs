@@ -48,17 +48,17 @@ pub struct QueryServer {
 }
 
 impl QueryServer {
-    /// Serve `path` from tasks on the current runtime. The directory is
-    /// created (0700) if missing; the socket is 0600. A socket file nobody
-    /// listens on (left by an agent that died) is replaced; one an agent
-    /// answers on is an error.
-    pub fn bind(path: &Path, clock: Clock) -> Result<Self> {
-        let (listener, socket) = bind_socket(path)?;
-        let listener = UnixListener::from_std(listener)
-            .with_context(|| format!("registering the query socket {} with the reactor", path.display()))?;
+    /// Serve `place` from tasks on the current runtime; the socket is
+    /// 0600. A socket file nobody listens on (left by an agent that died)
+    /// is replaced; one an agent answers on is an error.
+    pub fn bind(place: SocketPlace, clock: Clock) -> Result<Self> {
+        let (listener, socket) = bind_socket(&place)?;
+        let shown = place.shown.display();
+        let listener =
+            UnixListener::from_std(listener).with_context(|| format!("registering the query socket {shown} with the reactor"))?;
         let (tx, queries) = mpsc::channel(MAX_CONNECTIONS);
         tokio::spawn(accept(listener, tx));
-        info!(socket = %path.display(), "serving `stallwatch inflight`");
+        info!(socket = %shown, "serving `stallwatch inflight`");
         Ok(Self { socket, queries, names: HashMap::new(), clock })
     }
 
@@ -183,13 +183,30 @@ impl Drop for SocketFile {
     }
 }
 
-fn bind_socket(path: &Path) -> Result<(std::os::unix::net::UnixListener, SocketFile)> {
-    let shown = path.display();
-    let Some(name) = path.file_name() else { bail!("--socket {shown} does not name a file") };
-    let dir = socket_dir(path);
-    // No other user may be able to put their own socket in its place.
-    let dir = TrustedDir::create(dir).with_context(|| format!("the query socket's directory {}", dir.display()))?;
-    let path = &dir.path().join(name);
+/// Where the socket goes, its directory checked: created (0700) if
+/// missing, and refused if another user could put their own socket there
+/// ([`TrustedDir`]). Checked before anything is loaded; bound at the end
+/// of the start-up.
+pub struct SocketPlace {
+    dir: TrustedDir,
+    /// The socket's path below the checked directory.
+    path: PathBuf,
+    /// As given, for messages.
+    shown: PathBuf,
+}
+
+impl SocketPlace {
+    pub fn check(path: &Path) -> Result<Self> {
+        let Some(name) = path.file_name() else { bail!("--socket {} does not name a file", path.display()) };
+        let dir = socket_dir(path);
+        let dir = TrustedDir::create(dir).with_context(|| format!("the query socket's directory {}", dir.display()))?;
+        Ok(Self { path: dir.path().join(name), dir, shown: path.to_owned() })
+    }
+}
+
+fn bind_socket(place: &SocketPlace) -> Result<(std::os::unix::net::UnixListener, SocketFile)> {
+    let SocketPlace { dir, path, shown } = place;
+    let shown = shown.display();
     match std::fs::symlink_metadata(path) {
         Ok(meta) if !meta.file_type().is_socket() => {
             bail!("{shown} exists and is not a socket: remove it, or pass another path with --socket")
@@ -274,6 +291,10 @@ mod tests {
         }
     }
 
+    fn bind(path: &Path) -> Result<QueryServer> {
+        QueryServer::bind(SocketPlace::check(path)?, Clock::new())
+    }
+
     fn runtime() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime")
     }
@@ -319,7 +340,7 @@ mod tests {
         let path = tmp.0.join("run/stallwatch/agent.sock");
         let rt = runtime();
         let _guard = rt.enter();
-        let server = QueryServer::bind(&path, Clock::new()).expect("bind");
+        let server = bind(&path).expect("bind");
         let meta = std::fs::symlink_metadata(&path).expect("socket exists");
         assert!(meta.file_type().is_socket());
         assert_eq!(meta.mode() & 0o777, 0o600);
@@ -338,8 +359,8 @@ mod tests {
         drop(std::os::unix::net::UnixListener::bind(&path).expect("stale socket"));
         let rt = runtime();
         let _guard = rt.enter();
-        let first = QueryServer::bind(&path, Clock::new()).expect("stale socket replaced");
-        let err = QueryServer::bind(&path, Clock::new()).err().expect("live socket refused");
+        let first = bind(&path).expect("stale socket replaced");
+        let err = bind(&path).err().expect("live socket refused");
         let message = format!("{err:#}");
         assert!(message.contains("another stallwatch agent is serving") && message.contains(&*path.to_string_lossy()), "{message}");
         assert!(path.exists(), "the live agent's socket is untouched");
@@ -354,7 +375,7 @@ mod tests {
         std::fs::write(&path, "precious").expect("file");
         let rt = runtime();
         let _guard = rt.enter();
-        let err = QueryServer::bind(&path, Clock::new()).err().expect("refused");
+        let err = bind(&path).err().expect("refused");
         assert!(format!("{err:#}").contains("exists and is not a socket"), "{err:#}");
         assert_eq!(std::fs::read_to_string(&path).expect("still there"), "precious");
     }
@@ -365,7 +386,7 @@ mod tests {
         let path = tmp.0.join("agent.sock");
         let rt = runtime();
         let _guard = rt.enter();
-        let server = QueryServer::bind(&path, Clock::new()).expect("bind");
+        let server = bind(&path).expect("bind");
         std::fs::remove_file(&path).expect("remove");
         std::fs::write(&path, "someone else's").expect("replace");
         drop(server);
@@ -377,7 +398,7 @@ mod tests {
         let tmp = TempDir::new();
         let rt = runtime();
         let _guard = rt.enter();
-        let mut server = QueryServer::bind(&tmp.0.join("agent.sock"), Clock::new()).expect("bind");
+        let mut server = bind(&tmp.0.join("agent.sock")).expect("bind");
         server.name_process(42, "demo-prefill");
         let engine = engine();
         let answer = ask(&rt, &mut server, &engine, b"{\"query\":\"inflight\"}\n");
@@ -406,7 +427,7 @@ mod tests {
         let tmp = TempDir::new();
         let rt = runtime();
         let _guard = rt.enter();
-        let mut server = QueryServer::bind(&tmp.0.join("agent.sock"), Clock::new()).expect("bind");
+        let mut server = bind(&tmp.0.join("agent.sock")).expect("bind");
         let engine = engine();
         let answer = ask(&rt, &mut server, &engine, b"{\"query\":\"secrets\"}\n");
         match wire::decode_inflight(&answer) {
