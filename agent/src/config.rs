@@ -98,12 +98,13 @@ pub struct RunSettings {
     #[arg(long, value_name = "[ADDRESS:]PORT", value_parser = metrics::parse_addr)]
     pub metrics_addr: Option<SocketAddr>,
     /// Serve `stallwatch inflight` on this unix socket (its directory is
-    /// created 0700, the socket is 0600) [default: /run/stallwatch/stallwatch.sock].
+    /// created 0700, and refused if another user owns it, can write to it
+    /// or a symlink leads to it; the socket is 0600) [default: /run/stallwatch/stallwatch.sock].
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
     /// Pin the probes and the kernel's in-flight table here (on bpffs), so
     /// a restarted agent takes over every request in flight; one directory
-    /// per agent [default: /sys/fs/bpf/stallwatch].
+    /// per agent, created 0700, refused as `--socket`'s is [default: /sys/fs/bpf/stallwatch].
     #[arg(long, value_name = "PATH")]
     pub bpf_dir: Option<PathBuf>,
     /// Pin nothing: the probes and the in-flight state end with this agent.

@@ -190,9 +190,9 @@ fn step(parent: BorrowedFd<'_>, name: &OsStr, path: &Path, role: Role, missing: 
             } else {
                 debug!(path = %path.display(), "created (mode 0700)");
             }
-            openat_path(Some(parent), &c_name).map_err(|err| not_a_directory(parent, &c_name, path, role, err))?
+            openat_path(Some(parent), &c_name).map_err(|err| unopened(parent, &c_name, path, role, err))?
         }
-        Err(err) => return Err(not_a_directory(parent, &c_name, path, role, err)),
+        Err(err) => return Err(unopened(parent, &c_name, path, role, err)),
     };
     judge(path, &fstat(fd.as_fd(), path)?, role)?;
     Ok(Some(fd))
@@ -200,7 +200,7 @@ fn step(parent: BorrowedFd<'_>, name: &OsStr, path: &Path, role: Role, missing: 
 
 /// The error for a component `O_DIRECTORY | O_NOFOLLOW` would not open: a
 /// symlink is refused with where it points, anything else said as it is.
-fn not_a_directory(parent: BorrowedFd<'_>, name: &CStr, path: &Path, role: Role, err: io::Error) -> anyhow::Error {
+fn unopened(parent: BorrowedFd<'_>, name: &CStr, path: &Path, role: Role, err: io::Error) -> anyhow::Error {
     if !matches!(err.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
         return anyhow::Error::new(err).context(format!("opening {}", path.display()));
     }
