@@ -34,7 +34,6 @@ import threading
 import time
 
 import numpy as np
-import zmq
 
 import wire
 from wire import KVPoll, emit, log
@@ -59,7 +58,7 @@ class Decode:
         self.agent = make_agent(args.agent_name)
         self.agent.register_memory([(self.kv.ctypes.data, self.kv.nbytes, 0, ""),
                                     (self.aux.ctypes.data, self.aux.nbytes, 0, "")], "DRAM")
-        self.ctx = zmq.Context()
+        self.ctx = wire.zmq.Context()
         self.pull, self.port = wire.bind_pull(self.ctx, args.residue)
         self.push = wire.connect_push(self.ctx, args.prefill_ip, args.prefill_port)
         self.next_page = 0

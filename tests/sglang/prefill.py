@@ -144,7 +144,6 @@ import threading
 import time
 
 import numpy as np
-import zmq
 
 import wire
 from wire import KVPoll, Stop, emit, log
@@ -208,7 +207,7 @@ class KVManager:
         self.agent.create_backend("UCX", {"num_threads": str(NUM_THREADS)})
         self.agent.register_memory([(self.kv.ctypes.data, self.kv.nbytes, 0, ""),
                                     (self.aux.ctypes.data, self.aux.nbytes, 0, "")], "DRAM")
-        self.ctx = zmq.Context()
+        self.ctx = wire.zmq.Context()
         self.server_socket, self.rank_port = wire.bind_pull(self.ctx, None)
         self.lock = threading.Lock()
         self.request_status = {}
@@ -459,7 +458,8 @@ class Prefill:
         self.next_page = 0
         self.next_aux = 0
         self.verified = set()
-        self.stopped = None
+        self.holding = False  # past "done"/"holding": the run's end is not an error
+        self.waiting_go = False  # stdin EOF is expected only once "go" came
         self.last_change = time.monotonic()
 
     # ---- stop conditions ------------------------------------------------
@@ -476,9 +476,6 @@ class Prefill:
             self.pending_lines.append(line)
         if self.stdin.eof and not self.waiting_go:
             raise Stop("stdin-eof")
-
-    holding = False
-    waiting_go = False
 
     # ---- set-up -----------------------------------------------------------
     def decode_args(self, d):

@@ -11,7 +11,11 @@ import struct
 import sys
 import threading
 
-import zmq
+try:
+    import zmq
+except ImportError as e:  # a venv made before pyzmq joined the requirements
+    raise SystemExit(f"{e}: pyzmq is missing from this Python; rebuild the test venv with "
+                     "`cargo run --release -p xtask -- setup --python`") from e
 
 # SGLang's first frame of every decode -> prefill bootstrap message.
 GUARD = b"NixlMsgGuard"
