@@ -98,7 +98,7 @@ impl Target {
         }
     }
 
-    /// The transfers posted for `room`: handle (as the agent prints it) ->
+    /// The transfers created for `room`: handle (as the agent prints it) ->
     /// when the line was seen.
     fn transfers(&self, room: u64) -> HashMap<String, Instant> {
         self.lines

@@ -113,7 +113,8 @@ warm-up room per decode (UCX connection set-up out of the way):
   {"event":"ready","prefill_pid":P,"decodes":[{"index","pid","port","worker","agent"}],...}
 then it waits for "go" on stdin (attach now) unless --no-wait, and prints
   request {room, decodes, worker}, bootstrapped, chunk {room, chunk, last},
-  xfer {room, chunk, kind, peer, handle} (with --events),
+  xfer {room, chunk, kind, peer, handle} (with --events; printed once a
+  transfer is created, before its post),
   completed, failed {room, reason}, decode_<event> {decode, ...} (answered,
   ignored, abort_sent, status with `verified`), decode_stopped,
   decode_killed,
@@ -221,6 +222,7 @@ class KVManager:
         self.worker_room = [None] * wire.SHARDS
         self.queued = [[] for _ in range(wire.SHARDS)]
         self.poll_sleep = args.poll_sleep
+        self.current = threading.local()  # the chunk a worker is on, for --events
         self.marker = load_marker(args.marker)
 
     def mark(self, room, stage):
@@ -315,7 +317,7 @@ class KVManager:
     def shard_of(self, room):
         return sum(i.dst_port for i in self.transfer_infos[room].values()) % wire.SHARDS
 
-    def _xfer(self, peer_name, src, dst):
+    def _xfer(self, peer_name, src, dst, kind):
         """initialize_xfer + transfer: created and posted back to back, no
         notification message."""
         src_descs = self.agent.get_xfer_descs(src, "DRAM")
@@ -323,6 +325,7 @@ class KVManager:
         xfer_handle = self.agent.initialize_xfer("WRITE", src_descs, dst_descs, peer_name)
         if not xfer_handle:
             raise Exception("KVSender failed to create transfer")
+        self.created(kind, peer_name, xfer_handle)
         if self.agent.transfer(xfer_handle) == "ERR":
             raise Exception("KVSender failed to post transfer")
         return xfer_handle
@@ -332,16 +335,18 @@ class KVManager:
         base = self.kv.ctypes.data
         src = [(base + int(p) * size, size, 0) for p in prefill_kv_indices]
         dst = [(int(dst_kv_ptrs[0]) + int(p) * size, size, 0) for p in dst_kv_indices]
-        return self._xfer(peer_name, src, dst)
+        return self._xfer(peer_name, src, dst, "kv")
 
     def send_aux(self, peer_name, prefill_aux_index, dst_aux_ptrs, dst_aux_index):
         src = [(self.aux.ctypes.data + 8 * prefill_aux_index, 8, 0)]
         dst = [(int(dst_aux_ptrs[0]) + 8 * dst_aux_index, 8, 0)]
-        return self._xfer(peer_name, src, dst)
+        return self._xfer(peer_name, src, dst, "aux")
 
-    def posted(self, kv_chunk, kind, peer, handle):
-        """--events: one line per transfer posted, with its handle (the
-        key the nixl profile sees)."""
+    def created(self, kind, peer, handle):
+        """--events: one line per transfer, once created and before its
+        post (which may fail at once), with its handle (the key the nixl
+        profile sees)."""
+        kv_chunk = self.current.chunk
         if self.args.events and kv_chunk.room < WARMUP_ROOM:
             emit("xfer", room=kv_chunk.room, chunk=kv_chunk.number, kind=kind, peer=peer, handle=hex(handle._handle))
 
@@ -365,6 +370,7 @@ class KVManager:
         # releaseXferReq) at the same points: see the module doc, point 5.
         while True:
             kv_chunk = q.get()
+            self.current.chunk = kv_chunk
             room = kv_chunk.room
             self.queued[worker_index].remove(room)
             handles = []
@@ -384,12 +390,10 @@ class KVManager:
                         kv_xfer_handle = self.send_kvcache(req.agent_name, kv_chunk.prefill_kv_indices,
                                                            dst_info.dst_kv_ptrs, chunked_dst_kv_indice)
                         handles.append(kv_xfer_handle)
-                        self.posted(kv_chunk, "kv", req.agent_name, kv_xfer_handle)
                     if kv_chunk.is_last_chunk:
                         aux_xfer_handle = self.send_aux(req.agent_name, kv_chunk.prefill_aux_index,
                                                         dst_info.dst_aux_ptrs, req.dst_aux_index)
                         handles.append(aux_xfer_handle)
-                        self.posted(kv_chunk, "aux", req.agent_name, aux_xfer_handle)
                 settled, any_failed = self.await_handles(handles)
                 if any_failed:
                     raise RuntimeError(f"NIXL transfer encountered ERR room={room}")
@@ -810,7 +814,7 @@ def parse_args(argv):
     p.add_argument("--marker", default=None, metavar="LIB",
                    help="mark each room's stages with the stallwatch marker library LIB (see the module doc)")
     p.add_argument("--events", action="store_true",
-                   help="print an 'xfer' line per transfer posted: room, chunk, kind (kv|aux), peer, handle")
+                   help="print an 'xfer' line per transfer created: room, chunk, kind (kv|aux), peer, handle")
     p.add_argument("--no-wait", action="store_true", help="do not wait for 'go'; ignore stdin")
     p.add_argument("--ucx-tls", default=None, help="UCX_TLS for every process (default: tcp,self; 'default' unsets it)")
     p.add_argument("--max-seconds", type=float, default=120.0)
