@@ -5,8 +5,10 @@
 //! on the demo target; the first agent is SIGKILLed, as a crash or an OOM
 //! kill would.
 use std::{
-    collections::HashMap,
-    path::Path,
+    collections::{HashMap, HashSet},
+    ffi::CString,
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    path::{Path, PathBuf},
     process::Command,
     thread,
     time::{Duration, Instant},
@@ -14,7 +16,7 @@ use std::{
 
 use serde_json::Value;
 use stallwatch_tests::{
-    Agent, Demo, Line, agent_bin, alerts, injected, require_root, run_to_end, summary, test_bpf_dir, test_socket,
+    Agent, Demo, Line, agent_bin, alerts, require_root, run_to_end, summary, test_bpf_dir, test_socket, wait_for,
 };
 
 const TIMEOUT: &str = "1s";
@@ -70,25 +72,31 @@ fn a_stall_reported_before_a_crash_is_not_reported_again_and_its_recovery_is() {
         "--release-lost", "1", "--recover", "1", "--recover-after", "5s",
     ]);
     let pid = demo.proc.pid();
-    let first = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
+    let (socket, socket_arg) = new_socket();
+    let first = Agent::watch_on(pid, &dir, TIMEOUT, &["--socket", &socket_arg]);
     demo.go();
     let mut seen = Vec::new();
     let stalled = first.wait_alerts("stalled", 4, Duration::from_secs(10), &mut seen);
     assert_eq!(counted(&seen, "stalled").len(), 4, "{stalled:?}");
+    let injected = demo.wait_injected(4, &mut Vec::new());
+    // Killed once its stall alerts are marked (a kill between an alert and
+    // its mark repeats the alert: at-least-once, see the README).
+    settle(&socket);
     crash(first);
     assert!(pinned_links(&dir) > 0, "a crashed agent's probes stay attached");
 
-    // Healthy requests go on while no agent runs; the next agent starts.
+    // Healthy requests go on for a while with no agent; the next starts.
     thread::sleep(Duration::from_millis(500));
-    let second = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
+    let (socket, socket_arg) = new_socket();
+    let second = Agent::watch_on(pid, &dir, TIMEOUT, &["--socket", &socket_arg]);
     second.proc.wait_stderr("took over the requests in flight", Duration::from_secs(10));
     let mut after = Vec::new();
     // The recovering request comes back 5 s after injection.
     second.wait_alerts("recovered", 1, Duration::from_secs(10), &mut after);
-    // A little longer, so a repeated stall alert would have shown.
-    thread::sleep(Duration::from_secs(2));
-    let demo_lines = demo.proc.lines_now();
-    let injected = injected(&demo_lines);
+    // Each stall still held has been silent through a whole further
+    // timeout in this agent: a stall alert it would repeat is out.
+    let held: Vec<String> = injected.iter().filter(|(_, pinned)| pinned.stall != "recover").map(|(key, _)| key.clone()).collect();
+    held_through_a_timeout(&socket, &held, Duration::from_secs(1));
     let after: Vec<Line> = after.into_iter().chain(second.stop()).collect();
 
     let restalled = counted(&after, "stalled");
@@ -121,16 +129,19 @@ fn a_stall_that_begins_while_no_agent_runs_is_reported_by_the_next_once() {
     let pid = demo.proc.pid();
     let first = Agent::watch_on(pid, &dir, "2s", &[]);
     demo.go();
-    thread::sleep(Duration::from_millis(500));
     crash(first);
+    let crashed_at = Instant::now();
     // The requests are pinned while no agent runs: the probes it left
     // attached record them.
     let mut demo_lines = Vec::new();
     let injected = demo.wait_injected(2, &mut demo_lines);
     let injected_at = injected.values().map(|pinned| pinned.at).max().expect("injected");
+    assert!(injected.values().all(|pinned| pinned.at > crashed_at), "the requests were pinned after the crash");
+    // They stay silent past the timeout while no agent runs.
     thread::sleep(Duration::from_millis(3500));
 
-    let second = Agent::watch_on(pid, &dir, "2s", &[]);
+    let (socket, socket_arg) = new_socket();
+    let second = Agent::watch_on(pid, &dir, "2s", &["--socket", &socket_arg]);
     let mut seen = Vec::new();
     let stalls = second.wait_alerts("stalled", 2, Duration::from_secs(5), &mut seen);
     for (at, alert) in &stalls {
@@ -143,7 +154,8 @@ fn a_stall_that_begins_while_no_agent_runs_is_reported_by_the_next_once() {
         assert!(silent >= Duration::from_millis(3400), "{alert}");
         assert!(silent <= since_injection + Duration::from_millis(100), "{alert} after {since_injection:?}");
     }
-    thread::sleep(Duration::from_secs(3));
+    // Held through a further timeout: a stall alert it would repeat is out.
+    held_through_a_timeout(&socket, &injected.keys().cloned().collect::<Vec<_>>(), Duration::from_secs(2));
     let lines: Vec<Line> = seen.into_iter().chain(second.stop()).collect();
     let counts = counted(&lines, "stalled");
     assert_eq!(counts.len(), 2, "{counts:?}");
@@ -156,26 +168,53 @@ fn sigterm_hands_over_a_second_agent_is_refused_and_state_clear_detaches() {
     require_root();
     let dir = test_bpf_dir();
     let _cleanup = Cleanup(&dir);
-    let mut demo = Demo::start(&["--rate", "200", "--duration", "30s"]);
+    let mut demo =
+        Demo::start(&["--rate", "200", "--duration", "30s", "--inject-after", "300ms", "--waiting-for-peer", "1", "--transfer-hung", "1"]);
     let pid = demo.proc.pid();
     let mut first = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
     demo.go();
+    let mut seen = Vec::new();
+    first.wait_alerts("stalled", 2, Duration::from_secs(10), &mut seen);
+    let injected = demo.wait_injected(2, &mut Vec::new());
 
     // One agent per bpf directory.
     let dir_arg = dir.to_str().expect("utf-8 dir");
-    let socket = test_socket();
-    let (ok, _, stderr) = run_to_end(Command::new(agent_bin()).args(["run", "--pid", &pid.to_string(), "--profile", "demo", "--bpf-dir", dir_arg, "--socket"]).arg(&socket));
+    let (ok, _, stderr) = run_to_end(
+        Command::new(agent_bin()).args(["run", "--pid", &pid.to_string(), "--profile", "demo", "--bpf-dir", dir_arg, "--socket"]).arg(test_socket()),
+    );
     assert!(!ok, "a second agent on the same bpf directory must fail");
     assert!(stderr.contains("another stallwatch agent is using the bpf directory") && stderr.contains(dir_arg), "{stderr}");
     let (ok, _, stderr) = run_to_end(Command::new(agent_bin()).args(["state", "clear", "--bpf-dir", dir_arg]));
     assert!(!ok && stderr.contains("another stallwatch agent"), "state clear must refuse while an agent runs: {stderr}");
 
-    // SIGTERM (a rolling update): the probes stay for the next agent.
+    // SIGTERM (a rolling update): the probes stay for the next agent...
     first.bpf_dir = None;
     let lines = first.stop_with(libc::SIGTERM);
     assert!(summary(&lines)["completed"].as_u64().unwrap_or(0) > 0, "{}", summary(&lines));
-    let links = pinned_links(&dir);
-    assert!(links > 0, "SIGTERM keeps the probes attached for the next agent");
+    assert!(pinned_links(&dir) > 0, "SIGTERM keeps the probes attached for the next agent");
+
+    // ... which takes over both stalls with their own silence, and does not
+    // report them again.
+    let (socket, socket_arg) = new_socket();
+    let mut next = Agent::watch_on(pid, &dir, TIMEOUT, &["--socket", &socket_arg]);
+    next.proc.wait_stderr("took over the requests in flight", Duration::from_secs(10));
+    let since: HashMap<&String, Duration> = injected.iter().map(|(key, pinned)| (key, pinned.at.elapsed())).collect();
+    let rows = inflight(&socket);
+    for (key, pinned) in &injected {
+        let row = rows.iter().find(|row| row["key"] == key.as_str()).unwrap_or_else(|| panic!("{key} was not taken over: {rows:?}"));
+        assert_eq!(row["class"], pinned.stall.as_str(), "{row}");
+        // Its last event came before the demo said it was pinned.
+        let silent = Duration::from_millis(row["silent_ms"].as_u64().expect("silent_ms"));
+        assert!(silent + Duration::from_millis(5) >= since[key], "silent since before the hand-over: {row} vs {:?}", since[key]);
+    }
+    held_through_a_timeout(&socket, &injected.keys().cloned().collect::<Vec<_>>(), Duration::from_secs(1));
+    next.bpf_dir = None;
+    let lines = next.stop_with(libc::SIGTERM);
+    let handed = summary(&lines);
+    assert_eq!(handed["restored"], 2, "{handed}");
+    assert!(counted(&lines, "stalled").is_empty(), "stalls the first agent reported were reported again: {lines:?}");
+    assert_eq!(handed["lost_events"], 0, "{handed}");
+    assert!(pinned_links(&dir) > 0, "SIGTERM keeps the probes attached for the next agent");
 
     let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).args(["state", "clear", "--bpf-dir", dir_arg]));
     assert!(ok, "{stderr}");
@@ -183,7 +222,7 @@ fn sigterm_hands_over_a_second_agent_is_refused_and_state_clear_detaches() {
     assert!(!dir.exists(), "state clear removes the bpf directory");
     let (ok, stdout, _) = run_to_end(Command::new(agent_bin()).args(["state", "clear", "--bpf-dir", dir_arg]));
     assert!(ok && stdout.contains("nothing pinned"), "{stdout}");
-    let _ = demo.proc.wait(Duration::from_secs(40));
+    drop(demo);
 }
 
 #[test]
@@ -197,23 +236,130 @@ fn on_exit_detach_and_ephemeral_leave_nothing_pinned() {
     let _cleanup = Cleanup(&dir);
     let agent = Agent::watch_on(pid, &dir, TIMEOUT, &["--on-exit", "detach"]);
     assert!(pinned_links(&dir) > 0, "links are pinned while the agent runs");
+    let held = bpf_objects_of(agent.proc.pid());
+    // The check below sees an agent's pins wherever they are.
+    assert!(!pinned_of(&held).is_empty(), "the pins of an agent with a --bpf-dir are found: {held:?}");
     let _ = agent.stop_with(libc::SIGTERM);
     assert!(!dir.exists(), "--on-exit detach removes the bpf directory");
+    assert_eq!(pinned_of(&held), Vec::<PathBuf>::new(), "--on-exit detach left pins");
 
-    let started = Instant::now();
     let agent = Agent::watch(pid, "demo", TIMEOUT, &["--ephemeral"]);
-    let stderr = agent.proc.stderr();
+    let held = bpf_objects_of(agent.proc.pid());
+    assert!(held.iter().any(|(kind, _)| kind == "link_id"), "the agent holds its probe links: {held:?}");
+    assert_eq!(pinned_of(&held), Vec::<PathBuf>::new(), "--ephemeral pinned its maps or links");
     let lines = agent.stop();
-    assert!(summary(&lines)["completed"].as_u64().unwrap_or(0) > 0, "{stderr}");
-    assert!(!dir.exists() && started.elapsed() < Duration::from_secs(30));
+    assert!(summary(&lines)["completed"].as_u64().unwrap_or(0) > 0, "{}", summary(&lines));
+    assert_eq!(pinned_of(&held), Vec::<PathBuf>::new(), "--ephemeral left pins");
 }
 
-/// The keys `stallwatch inflight --json` lists for the agent on `socket`.
-fn inflight_keys(socket: &Path) -> Vec<String> {
+/// The BPF objects (`map_id`, `prog_id`, `link_id` and the id) that the
+/// file descriptors of process `pid` hold, from `/proc/PID/fdinfo`.
+fn bpf_objects_of(pid: u32) -> HashSet<(String, u64)> {
+    let dir = format!("/proc/{pid}/fdinfo");
+    let fds = std::fs::read_dir(&dir).unwrap_or_else(|err| panic!("listing {dir}: {err}"));
+    fds.filter_map(Result::ok).filter_map(|fd| std::fs::read_to_string(fd.path()).ok()).flat_map(|info| bpf_ids(&info)).collect()
+}
+
+fn bpf_ids(fdinfo: &str) -> Vec<(String, u64)> {
+    fdinfo
+        .lines()
+        .filter_map(|line| {
+            let (name, value) = line.split_once(':')?;
+            let kind = ["map_id", "prog_id", "link_id"].into_iter().find(|kind| name == *kind)?;
+            Some((kind.to_owned(), value.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// Every pin anywhere in bpffs (other agents' too: neighbours run agents
+/// on this host) that holds one of `objects`.
+fn pinned_of(objects: &HashSet<(String, u64)>) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut dirs = vec![PathBuf::from("/sys/fs/bpf")];
+    while let Some(dir) = dirs.pop() {
+        // Neighbours add and remove pins meanwhile: what vanishes is skipped.
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for entry in entries.filter_map(Result::ok) {
+            let path = entry.path();
+            match entry.file_type() {
+                Ok(kind) if kind.is_dir() => dirs.push(path),
+                Ok(_) => {
+                    if pinned_object(&path).iter().any(|id| objects.contains(id)) {
+                        found.push(path);
+                    }
+                }
+                Err(_) => {}
+            }
+        }
+    }
+    found
+}
+
+/// What the pin at `path` holds (`BPF_OBJ_GET`, then its fdinfo); nothing
+/// for what is not a pin (bpffs's own iterator files) or is gone.
+fn pinned_object(path: &Path) -> Vec<(String, u64)> {
+    const BPF_OBJ_GET: libc::c_long = 7;
+    /// `union bpf_attr` as `BPF_OBJ_GET` reads it.
+    #[repr(C)]
+    struct ObjGet {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        _pad: u32,
+    }
+    let Ok(c_path) = CString::new(path.as_os_str().as_encoded_bytes()) else { return Vec::new() };
+    let attr = ObjGet { pathname: c_path.as_ptr() as u64, bpf_fd: 0, file_flags: 0, path_fd: 0, _pad: 0 };
+    // SAFETY: bpf(2) reads `attr` (its size given) and the NUL-terminated path it points at.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &attr, size_of::<ObjGet>()) };
+    if fd < 0 {
+        return Vec::new();
+    }
+    // SAFETY: a new descriptor bpf(2) just returned, owned here alone.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).map(|info| bpf_ids(&info)).unwrap_or_default()
+}
+
+/// A fresh query socket, and it as an argument.
+fn new_socket() -> (PathBuf, String) {
+    let socket = test_socket();
+    let arg = socket.to_str().expect("utf-8 socket").to_owned();
+    (socket, arg)
+}
+
+/// The requests `stallwatch inflight --json` lists for the agent on
+/// `socket`. The agent answers from its event loop, so every alert it
+/// printed before it has also been marked in `ALERTED`.
+fn inflight(socket: &Path) -> Vec<Value> {
     let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).arg("inflight").arg("--socket").arg(socket).arg("--json"));
     assert!(ok, "inflight failed: {stderr}");
     let answer: Value = serde_json::from_str(&stdout).unwrap_or_else(|err| panic!("inflight --json ({err}): {stdout}"));
-    answer["requests"].as_array().expect("requests").iter().map(|row| row["key"].as_str().expect("key").to_owned()).collect()
+    answer["requests"].as_array().expect("requests").clone()
+}
+
+fn inflight_keys(socket: &Path) -> Vec<String> {
+    inflight(socket).iter().map(|row| row["key"].as_str().expect("key").to_owned()).collect()
+}
+
+/// Wait until the agent on `socket` has marked every stall alert it printed.
+fn settle(socket: &Path) {
+    inflight(socket);
+}
+
+/// Wait until the agent on `socket` has held each of `keys` (all silent past
+/// `timeout` already) through a further `timeout` of silence: a stall alert
+/// it would repeat has come out by then.
+fn held_through_a_timeout(socket: &Path, keys: &[String], timeout: Duration) {
+    let silent = |rows: &[Value], key: &String| {
+        let row = rows.iter().find(|row| row["key"] == key.as_str()).unwrap_or_else(|| panic!("{key} is not held: {rows:?}"));
+        Duration::from_millis(row["silent_ms"].as_u64().expect("silent_ms"))
+    };
+    let rows = inflight(socket);
+    let due: Vec<Duration> = keys.iter().map(|key| silent(&rows, key) + timeout).collect();
+    wait_for("a further timeout of silence", timeout * 3, || {
+        let rows = inflight(socket);
+        keys.iter().zip(&due).all(|(key, due)| silent(&rows, key) >= *due).then_some(())
+    });
 }
 
 #[test]
@@ -228,26 +374,25 @@ fn a_stall_taken_over_and_ended_is_not_ended_again_by_a_third_agent() {
         "--transfer-hung", "1", "--release-lost", "1", "--recover", "1", "--recover-after", "4s",
     ]);
     let pid = demo.proc.pid();
-    let first = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
+    let (socket, socket_arg) = new_socket();
+    let first = Agent::watch_on(pid, &dir, TIMEOUT, &["--socket", &socket_arg]);
     demo.go();
     let mut seen = Vec::new();
     first.wait_alerts("stalled", 4, Duration::from_secs(10), &mut seen);
+    settle(&socket);
     crash(first);
 
     // The second takes the marked stalls over; the recovering one moves on,
     // is released, and leaves its in-flight list.
-    let socket = test_socket();
-    let socket_arg = socket.to_str().expect("utf-8 socket");
-    let second = Agent::watch_on(pid, &dir, TIMEOUT, &["--socket", socket_arg]);
+    let (socket, socket_arg) = new_socket();
+    let second = Agent::watch_on(pid, &dir, TIMEOUT, &["--socket", &socket_arg]);
     second.proc.wait_stderr("took over the requests in flight", Duration::from_secs(10));
     let mut after = Vec::new();
     let recovered = second.wait_alerts("recovered", 1, Duration::from_secs(10), &mut after);
     let key = key_of(&recovered[0].1);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while inflight_keys(&socket).contains(&key) {
-        assert!(Instant::now() < deadline, "the recovered request {key} was never released");
-        thread::sleep(Duration::from_millis(50));
-    }
+    wait_for(&format!("the release of the recovered request {key}"), Duration::from_secs(5), || {
+        (!inflight_keys(&socket).contains(&key)).then_some(())
+    });
     assert_eq!(inflight_keys(&socket).len(), 3, "the three pinned requests are still held");
     crash(second);
 
