@@ -252,6 +252,26 @@ fn on_exit_detach_and_ephemeral_leave_nothing_pinned() {
     assert_eq!(pinned_of(&held), Vec::<PathBuf>::new(), "--ephemeral left pins");
 }
 
+#[test]
+fn state_of_another_layout_is_discarded_with_a_warning() {
+    require_root();
+    let dir = test_bpf_dir();
+    let _cleanup = Cleanup(&dir);
+    // What an agent of another pinned layout left (no layout is 0).
+    let other = dir.join("v0");
+    for sub in ["maps", "links"] {
+        std::fs::create_dir_all(other.join(sub)).expect("creating an old layout's directories");
+    }
+    let mut demo = Demo::start(&["--rate", "200", "--duration", "30s"]);
+    let agent = Agent::watch_on(demo.proc.pid(), &dir, TIMEOUT, &[]);
+    demo.go();
+    agent.proc.wait_stderr("discarding state pinned by a stallwatch of another layout", Duration::from_secs(5));
+    assert!(!other.exists(), "{} is left", other.display());
+    assert!(pinned_links(&dir) > 0, "the agent pins its own layout");
+    let lines = agent.stop();
+    assert!(summary(&lines)["completed"].as_u64().unwrap_or(0) > 0, "{}", summary(&lines));
+}
+
 /// The BPF objects (`map_id`, `prog_id`, `link_id` and the id) that the
 /// file descriptors of process `pid` hold, from `/proc/PID/fdinfo`.
 fn bpf_objects_of(pid: u32) -> HashSet<(String, u64)> {
