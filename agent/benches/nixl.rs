@@ -1,11 +1,19 @@
-//! Real NIXL transfer throughput with and without stallwatch attached,
-//! side by side in one run: small (4 KiB) and 64 MiB DRAM-to-DRAM WRITEs
-//! over UCX on loopback, driven by tests/nixl/driver.py.
+//! Real NIXL transfer throughput, watched and not, side by side in one run:
+//! small (4 KiB) and 64 MiB DRAM-to-DRAM WRITEs over UCX on loopback,
+//! driven by tests/nixl/driver.py, with the initiator
+//! - not watched (off);
+//! - under the eBPF object's empty programs on every function the `nixl`
+//!   profile probes (the kernel's uprobe floor);
+//! - under Debian's bpftrace running the equivalent script (`bpftrace/nixl.bt`);
+//! - watched by the real agent, `stallwatch run --profile nixl` (lifecycle
+//!   and transport probes, its ring buffer read on its own tick);
+//! - and by `STALLWATCH_BASELINE_BIN`, when set (the build before a change).
 //!
-//! `cargo run --release -p xtask -- bench` runs it (as root, with the venv).
-//! Under `cargo test --all-targets` it runs a smoke version: one run of
-//! each configuration with a few small transfers, and it fails unless the
-//! attached probes saw them.
+//! Configurations alternate run by run; the median of the runs is shown.
+//! `cargo run --release -p xtask -- bench` runs it (as root, with the venv
+//! and bpftrace). Without `--bench` (as under `cargo test --all-targets`)
+//! it runs a short smoke version without bpftrace, which fails unless the
+//! agent saw the transfers.
 mod support;
 
 use std::{
@@ -15,26 +23,32 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use stallwatch::probes::Profile;
-use support::Attached;
+use stallwatch::probes::{Profile, resolve::ProcessImage};
+use support::{Agent, Bpftrace, Floor, median};
 
-/// Alternating runs per configuration; the median is reported.
-const RUNS: usize = 3;
-const SIZES: [(&str, u64, u64); 2] = [("4 KiB x 5000", 4096, 5000), ("64 MiB x 40", 64 << 20, 40)];
-const SMOKE_SIZES: [(&str, u64, u64); 1] = [("4 KiB x 200", 4096, 200)];
+#[derive(Clone)]
+enum Config {
+    Off,
+    Empty,
+    Bpftrace,
+    Agent(PathBuf),
+}
 
 struct Run {
     transfers_per_s: f64,
     gb_per_s: f64,
-    events: u64,
 }
 
-fn run(size: u64, count: u64, attach: Option<&Profile>) -> Result<Run> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let venv = root.join(std::env::var("STALLWATCH_VENV").unwrap_or_else(|_| "target/venv".into()));
-    let python = venv.join("bin/python");
+fn python() -> PathBuf {
+    support::root()
+        .join(std::env::var("STALLWATCH_VENV").unwrap_or_else(|_| "target/venv".into()))
+        .join("bin/python")
+}
+
+fn run(size: u64, count: u64, config: &Config, profile: &Profile) -> Result<Run> {
+    let python = python();
     let mut child = Command::new(&python)
-        .arg(root.join("tests/nixl/driver.py"))
+        .arg(support::root().join("tests/nixl/driver.py"))
         .args(["--mode", "healthy", "--count", &count.to_string(), "--size", &size.to_string()])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -45,7 +59,20 @@ fn run(size: u64, count: u64, attach: Option<&Profile>) -> Result<Run> {
     let mut lines = BufReader::new(child.stdout.take().context("driver stdout")?).lines();
     let ready: serde_json::Value = serde_json::from_str(&lines.next().context("driver exited before ready")??)?;
     let pid = ready["initiator_pid"].as_u64().context("initiator_pid")? as u32;
-    let attached = attach.map(|profile| Attached::new(pid, profile)).transpose()?;
+    let mut floor = None;
+    let mut bpftrace = None;
+    let mut agent = None;
+    match config {
+        Config::Off => {}
+        Config::Empty => floor = Some(Floor::attach(pid, profile)?),
+        Config::Bpftrace => {
+            let image = ProcessImage::read(pid)?;
+            let nixl = image.find(Some("libnixl.so"))?.host_path;
+            let ucp = image.find(Some("libucp.so"))?.host_path;
+            bpftrace = Some(Bpftrace::start("nixl.bt", pid, &[("LIBNIXL", &nixl), ("LIBUCP", &ucp)])?);
+        }
+        Config::Agent(bin) => agent = Some(Agent::start(bin, pid, "nixl")?),
+    }
     writeln!(stdin, "go")?;
     let done = loop {
         let value: serde_json::Value = serde_json::from_str(&lines.next().context("driver exited before done")??)?;
@@ -57,61 +84,71 @@ fn run(size: u64, count: u64, attach: Option<&Profile>) -> Result<Run> {
     };
     drop(stdin);
     let _ = child.wait();
-    let events = attached.map_or(0, Attached::finish);
+    drop(floor);
+    if let Some(bpftrace) = bpftrace {
+        bpftrace.stop()?;
+    }
+    if let Some(agent) = agent {
+        let summary = agent.stop()?;
+        if summary.seen == 0 {
+            bail!("the agent was attached but saw none of the {count} transfers");
+        }
+        if summary.lost_events > 0 {
+            eprintln!("nixl bench: the agent lost {} events", summary.lost_events);
+        }
+    }
     Ok(Run {
         transfers_per_s: done["transfers_per_s"].as_f64().context("transfers_per_s")?,
         gb_per_s: done["gb_per_s"].as_f64().context("gb_per_s")?,
-        events,
     })
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
 }
 
 fn main() -> Result<()> {
     support::require_root("the NIXL benchmark")?;
-    let smoke = support::smoke();
-    let (runs, sizes) = if smoke { (1, &SMOKE_SIZES[..]) } else { (RUNS, &SIZES[..]) };
-    let full = Profile::load("nixl")?;
-    let lifecycle_only = Profile { activity: Vec::new(), ..full.clone() };
-    let configs: [(&str, Option<&Profile>); 3] =
-        [("off", None), ("lifecycle", Some(&lifecycle_only)), ("+transport", Some(&full))];
-    println!("NIXL healthy transfers, median of {runs} interleaved runs (tests/nixl/driver.py, default UCX transports):");
-    println!(
-        "{:<14} {:>11} {:>11} {:>11} {:>9} {:>9} {:>9} {:>13}",
-        "transfer", "off xfer/s", "lifecycle", "+transport", "off GB/s", "lc/off", "full/off", "events/xfer"
-    );
-    for &(label, size, count) in sizes {
-        let mut rate: [Vec<f64>; 3] = Default::default();
-        let mut gb: [Vec<f64>; 3] = Default::default();
-        let mut events = 0;
+    let full = !support::smoke();
+    if !python().exists() {
+        bail!("no NIXL venv at {}: run `cargo run --release -p xtask -- setup --python`", python().display());
+    }
+    let profile = Profile::load("nixl")?;
+    let mut columns = vec![("off", Config::Off), ("empty", Config::Empty)];
+    if full {
+        if !support::bpftrace_available() {
+            bail!("no `bpftrace` on PATH: `apt-get install -y bpftrace` (`cargo run --release -p xtask -- bench` does)");
+        }
+        columns.push(("bpftrace", Config::Bpftrace));
+    }
+    columns.push(("stallwatch", Config::Agent(support::agent_bin())));
+    if let Some(baseline) = support::baseline_bin() {
+        columns.push(("baseline", Config::Agent(baseline)));
+    }
+    let runs = if full { 3 } else { 1 };
+    let sizes: &[(&str, u64, u64)] =
+        if full { &[("4 KiB x 5000", 4096, 5000), ("64 MiB x 40", 64 << 20, 40)] } else { &[("4 KiB x 200", 4096, 200)] };
+    let smoke = if full { "" } else { " [smoke run: too short for meaningful figures]" };
+    println!("NIXL healthy WRITEs, median of {runs} interleaved runs (tests/nixl/driver.py, default UCX transports){smoke}:");
+    print!("{:<14} {:>12}", "transfer", "off xfer/s");
+    for (name, _) in &columns[1..] {
+        print!(" {:>12}", format!("{name}/off"));
+    }
+    println!(" {:>9}", "off GB/s");
+    for (label, size, count) in sizes {
+        let mut rate = vec![Vec::new(); columns.len()];
+        let mut gb = Vec::new();
         for _ in 0..runs {
-            for (n, (_, profile)) in configs.iter().enumerate() {
-                let result = run(size, count, *profile)?;
+            for (n, (_, config)) in columns.iter().enumerate() {
+                let result = run(*size, *count, config, &profile)?;
                 rate[n].push(result.transfers_per_s);
-                gb[n].push(result.gb_per_s);
-                if n == 1 {
-                    events += result.events;
+                if n == 0 {
+                    gb.push(result.gb_per_s);
                 }
             }
         }
-        let [off, lifecycle, transport] = rate.map(median);
-        println!(
-            "{label:<14} {off:>11.0} {lifecycle:>11.0} {transport:>11.0} {:>9.2} {:>8.2}x {:>8.2}x {:>13.1}",
-            median(gb[0].clone()),
-            lifecycle / off,
-            transport / off,
-            events as f64 / (runs as f64 * count as f64)
-        );
-        println!(
-            "{:<14} {:>11} {:>11} {:>11} {:>9} GB/s with lifecycle: {:.2}, with transport: {:.2}",
-            "", "", "", "", "", median(gb[1].clone()), median(gb[2].clone())
-        );
-        if smoke && events == 0 {
-            bail!("{label}: the lifecycle probes were attached but saw none of the transfers");
+        let off = median(&rate[0]);
+        print!("{label:<14} {off:>12.0}");
+        for values in &rate[1..] {
+            print!(" {:>11.2}x", median(values) / off);
         }
+        println!(" {:>9.2}", median(&gb));
     }
     Ok(())
 }

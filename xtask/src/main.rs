@@ -40,7 +40,8 @@ enum Command {
     /// Run the whole test suite: unit tests and the integration tests that
     /// load the real eBPF object into this kernel (needs root).
     Test,
-    /// Run the benchmarks and print their figures (needs root).
+    /// Run the benchmarks and print their figures (needs root; installs
+    /// bpftrace with apt-get when missing, to compare against).
     Bench,
 }
 

@@ -130,12 +130,36 @@ pub fn test(built: &Built) -> Result<()> {
         .env("STALLWATCH_VENV", root.join("target/venv")))
 }
 
+/// Every benchmark, against this build. The uprobe and NIXL benches put
+/// stallwatch beside Debian's bpftrace, installed here when missing.
 pub fn bench(built: &Built) -> Result<()> {
     require_root("the uprobe benchmark")?;
+    install_bpftrace()?;
     let root = root()?;
     run(Command::new("cargo")
         .current_dir(&root)
         .args(["bench", "-p", "stallwatch"])
+        .env("STALLWATCH_BIN", &built.agent)
         .env("STALLWATCH_DEMO", &built.demo)
         .env("STALLWATCH_VENV", root.join("target/venv")))
+}
+
+/// `apt-get install -y bpftrace` unless it runs already.
+fn install_bpftrace() -> Result<()> {
+    let runs = |command: &mut Command| command.output().is_ok_and(|out| out.status.success());
+    if runs(Command::new("bpftrace").arg("--version")) {
+        return Ok(());
+    }
+    eprintln!("xtask: bpftrace is missing; installing it with apt-get (the benchmarks compare against it)");
+    let installed = run(Command::new("apt-get").args(["install", "-y", "bpftrace"]).env("DEBIAN_FRONTEND", "noninteractive"));
+    if let Err(err) = installed {
+        bail!(
+            "could not install bpftrace ({err:#}): run `apt-get update && apt-get install -y bpftrace` \
+             (Debian/Ubuntu), or install bpftrace 0.17 or newer by other means, then run the benchmarks again"
+        );
+    }
+    if !runs(Command::new("bpftrace").arg("--version")) {
+        bail!("apt-get installed bpftrace, but `bpftrace --version` fails: check the install");
+    }
+    Ok(())
 }

@@ -1,16 +1,36 @@
-//! Shared by the benchmarks that attach real probes.
+//! Shared by the benchmarks that attach real probes: the three things a
+//! target can be watched by, each started and stopped the way it is in
+//! production, so a bench's figures are what each one costs there.
+//! - [`Agent`]: the real `stallwatch run` process (its ring buffer read on
+//!   its own tick, without a wakeup per event, exactly as deployed);
+//! - [`Floor`]: the eBPF object's empty programs on the same functions, the
+//!   kernel's own uprobe cost;
+//! - [`Bpftrace`]: Debian's bpftrace running an equivalent script.
+#![allow(dead_code)] // each bench uses the part it needs
+
 use std::{
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    thread::JoinHandle,
-    time::Duration,
+    fs,
+    io::{BufRead as _, BufReader, Read as _},
+    num::NonZeroU32,
+    path::{Path, PathBuf},
+    process::{Child, ChildStdout, Command, Stdio},
+    sync::mpsc,
+    thread::{self, JoinHandle},
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
-use aya::maps::RingBuf;
-use stallwatch::probes::{Probes, Profile};
+use aya::{
+    Ebpf,
+    programs::{
+        UProbe,
+        uprobe::{UProbeAttachLocation, UProbeScope},
+    },
+};
+use stallwatch::probes::{
+    At, Profile,
+    resolve::{ElfFile, ProcessImage},
+};
 
 /// Benchmarks load eBPF: without root they stop with the reason.
 pub fn require_root(what: &str) -> Result<()> {
@@ -32,38 +52,270 @@ pub fn smoke() -> bool {
     !std::env::args().any(|arg| arg == "--bench")
 }
 
-/// A profile attached as the agent attaches it, with a thread consuming
-/// the ring buffer, so emitting events costs what it costs in production.
-pub struct Attached {
-    _probes: Probes,
-    stop: Arc<AtomicBool>,
-    drain: Option<JoinHandle<u64>>,
+/// The workspace root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-impl Attached {
-    pub fn new(pid: u32, profile: &Profile) -> Result<Self> {
-        let mut probes = Probes::load(None)?;
-        let map = probes.ebpf_mut().take_map("EVENTS").context("EVENTS map")?;
-        let mut ring = RingBuf::try_from(map)?;
-        probes.attach(pid, profile)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = Arc::clone(&stop);
-        let drain = std::thread::spawn(move || {
-            let mut events = 0;
-            while !stopped.load(Ordering::Relaxed) {
-                while ring.next().is_some() {
-                    events += 1;
-                }
-                std::thread::sleep(Duration::from_millis(1));
+/// The agent binary to measure: `STALLWATCH_BIN`, else this build's.
+pub fn agent_bin() -> PathBuf {
+    std::env::var_os("STALLWATCH_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_stallwatch")), PathBuf::from)
+}
+
+/// A second agent binary to measure beside the first (`STALLWATCH_BASELINE_BIN`),
+/// e.g. the build before a change, so both are measured in one run.
+pub fn baseline_bin() -> Option<PathBuf> {
+    std::env::var_os("STALLWATCH_BASELINE_BIN").map(PathBuf::from)
+}
+
+/// CPU time of every thread of `pid`, in ns (`/proc/PID/task/*/schedstat`).
+pub fn cpu_ns(pid: u32) -> Result<u64> {
+    let mut total = 0;
+    let tasks = format!("/proc/{pid}/task");
+    for task in fs::read_dir(&tasks).with_context(|| format!("reading {tasks}"))? {
+        let path = task?.path().join("schedstat");
+        // A thread that exited between the listing and the read: no time.
+        let Ok(text) = fs::read_to_string(&path) else { continue };
+        let ns = text.split_whitespace().next().and_then(|field| field.parse::<u64>().ok());
+        total += ns.with_context(|| format!("unexpected {}: {text:?}", path.display()))?;
+    }
+    Ok(total)
+}
+
+/// What an agent said when it stopped (its JSON summary line).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Summary {
+    pub seen: u64,
+    pub completed: u64,
+    pub lost_events: u64,
+}
+
+/// The real agent, `stallwatch run --pid PID --profile NAME`, with
+/// nothing pinned and a socket of its own.
+pub struct Agent {
+    child: Child,
+    stdout: Option<ChildStdout>,
+    stderr: Option<JoinHandle<String>>,
+    socket: PathBuf,
+}
+
+impl Agent {
+    pub fn start(bin: &Path, pid: u32, profile: &str) -> Result<Self> {
+        let socket = std::env::temp_dir().join(format!("stallwatch-bench-{}-{pid}.sock", std::process::id()));
+        let mut child = Command::new(bin)
+            .args(["run", "--pid", &pid.to_string(), "--profile", profile, "--ephemeral", "--output", "json"])
+            .args(["--timeout", "10min", "--socket"])
+            .arg(&socket)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {} (build it with `cargo run --release -p xtask -- build`)", bin.display()))?;
+        let mut stderr = BufReader::new(child.stderr.take().context("agent stderr")?);
+        let mut log = String::new();
+        loop {
+            let mut line = String::new();
+            if stderr.read_line(&mut line)? == 0 {
+                let _ = child.wait();
+                bail!("{} exited before watching pid {pid}:\n{log}", bin.display());
             }
-            events
+            log.push_str(&line);
+            if line.contains("watching") {
+                break;
+            }
+        }
+        // Keep reading its log so the agent never blocks on a full pipe.
+        let stderr = thread::spawn(move || {
+            let mut rest = String::new();
+            let _ = stderr.read_to_string(&mut rest);
+            log + &rest
         });
-        Ok(Self { _probes: probes, stop, drain: Some(drain) })
+        let stdout = child.stdout.take();
+        Ok(Self { child, stdout, stderr: Some(stderr), socket })
     }
 
-    /// Detach and return how many events were read.
-    pub fn finish(mut self) -> u64 {
-        self.stop.store(true, Ordering::Relaxed);
-        self.drain.take().and_then(|drain| drain.join().ok()).unwrap_or(0)
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
+
+    /// SIGINT, as an operator stops it; its summary.
+    pub fn stop(mut self) -> Result<Summary> {
+        // SAFETY: signalling our own child, which we have not reaped yet.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGINT) };
+        let mut out = String::new();
+        self.stdout.take().context("agent stdout")?.read_to_string(&mut out)?;
+        let status = self.child.wait()?;
+        let log = self.stderr.take().and_then(|log| log.join().ok()).unwrap_or_default();
+        let summary = out
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .find(|value| value["alert"] == "summary")
+            .with_context(|| format!("the agent ({status}) printed no summary; its log:\n{log}"))?;
+        let field = |name: &str| summary[name].as_u64().with_context(|| format!("summary without {name}: {summary}"));
+        Ok(Summary { seen: field("seen")?, completed: field("completed")?, lost_events: field("lost_events")? })
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if self.stdout.is_some() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let _ = fs::remove_file(&self.socket);
+    }
+}
+
+/// The empty programs attached where a profile's probes would be: every
+/// lifecycle probe (its entry half too, for a return probe that reads
+/// arguments) and every transport-activity probe that resolves.
+pub struct Floor {
+    _ebpf: Ebpf,
+    pub attachments: usize,
+}
+
+impl Floor {
+    pub fn attach(pid: u32, profile: &Profile) -> Result<Self> {
+        let image = ProcessImage::read(pid)?;
+        let mut ebpf = Ebpf::load(stallwatch::probes::ebpf_object())?;
+        for name in ["empty_entry", "empty_return"] {
+            let program: &mut UProbe = ebpf.program_mut(name).context("empty program")?.try_into()?;
+            program.load()?;
+        }
+        let mut points = Vec::new();
+        for spec in &profile.probes {
+            if spec.at == At::Entry || spec.args_read() > 0 {
+                points.push((spec.object.as_deref(), spec.symbol.as_str(), "empty_entry", false));
+            }
+            if spec.at == At::Return {
+                points.push((spec.object.as_deref(), spec.symbol.as_str(), "empty_return", false));
+            }
+        }
+        for spec in &profile.activity {
+            points.push((spec.object.as_deref(), spec.symbol.as_str(), "empty_entry", spec.optional));
+        }
+        let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).context("pid 0")?);
+        let mut attachments = 0;
+        for (object, symbol, program, optional) in points {
+            let resolved = image
+                .find(object)
+                .and_then(|mapped| Ok((ElfFile::open(&mapped.host_path)?.resolve(symbol)?, mapped)));
+            let (resolved, mapped) = match resolved {
+                Ok(found) => found,
+                // As the agent does: an optional probe that is not there is skipped.
+                Err(_) if optional => continue,
+                Err(err) => return Err(err),
+            };
+            let program: &mut UProbe = ebpf.program_mut(program).context("empty program")?.try_into()?;
+            program.attach(UProbeAttachLocation::AbsoluteOffset(resolved.file_offset), &mapped.host_path, scope)?;
+            attachments += 1;
+        }
+        Ok(Self { _ebpf: ebpf, attachments })
+    }
+}
+
+/// Debian's bpftrace, as `apt-get install bpftrace` gives it.
+pub const BPFTRACE: &str = "bpftrace";
+
+/// Whether bpftrace can be run (`xtask bench` installs it).
+pub fn bpftrace_available() -> bool {
+    Command::new(BPFTRACE).arg("--version").output().is_ok_and(|out| out.status.success())
+}
+
+/// bpftrace running one of `agent/benches/bpftrace/*.bt` on one process.
+/// The script's `@NAME@` placeholders are replaced with paths known only
+/// at run time (the target's binary and libraries); its `BEGIN` prints
+/// `ready`, which bpftrace runs once every probe is attached. Its output
+/// is read and counted, as a user of bpftrace would read it.
+pub struct Bpftrace {
+    child: Child,
+    lines: Option<JoinHandle<u64>>,
+    log: Option<JoinHandle<String>>,
+    script: PathBuf,
+}
+
+impl Bpftrace {
+    pub fn start(script: &str, pid: u32, paths: &[(&str, &Path)]) -> Result<Self> {
+        let source = root().join("agent/benches/bpftrace").join(script);
+        let mut text = fs::read_to_string(&source).with_context(|| format!("reading {}", source.display()))?;
+        for (name, path) in paths {
+            text = text.replace(&format!("@{name}@"), &path.to_string_lossy());
+        }
+        let file = std::env::temp_dir().join(format!("stallwatch-bench-{}-{script}", std::process::id()));
+        fs::write(&file, text).with_context(|| format!("writing {}", file.display()))?;
+        let mut child = Command::new(BPFTRACE)
+            .arg("-p")
+            .arg(pid.to_string())
+            .arg(&file)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting bpftrace (`apt-get install -y bpftrace`; `xtask bench` does it)")?;
+        let stdout = BufReader::new(child.stdout.take().context("bpftrace stdout")?);
+        let mut stderr = child.stderr.take().context("bpftrace stderr")?;
+        let log = thread::spawn(move || {
+            let mut text = String::new();
+            let _ = stderr.read_to_string(&mut text);
+            text
+        });
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let lines = thread::spawn(move || {
+            let mut count = 0;
+            let mut ready = Some(ready_tx);
+            for line in stdout.lines().map_while(Result::ok) {
+                match ready.take() {
+                    Some(tx) if line == "ready" => {
+                        let _ = tx.send(());
+                    }
+                    // "Attaching N probes...", before the probes fire.
+                    Some(tx) => ready = Some(tx),
+                    None => count += 1,
+                }
+            }
+            count
+        });
+        let started = Instant::now();
+        if ready_rx.recv_timeout(Duration::from_secs(120)).is_err() {
+            let _ = child.kill();
+            let _ = child.wait();
+            let err = log.join().unwrap_or_default();
+            bail!("bpftrace did not start {} on pid {pid} within {:?}:\n{err}", source.display(), started.elapsed());
+        }
+        Ok(Self { child, lines: Some(lines), log: Some(log), script: file })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGINT; how many lines it printed, and how many events it said it
+    /// lost (its "Lost N events" lines).
+    pub fn stop(mut self) -> Result<(u64, u64)> {
+        // SAFETY: signalling our own child, which we have not reaped yet.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGINT) };
+        self.child.wait()?;
+        let lines = self.lines.take().and_then(|lines| lines.join().ok()).unwrap_or(0);
+        let log = self.log.take().and_then(|log| log.join().ok()).unwrap_or_default();
+        let lost = log
+            .lines()
+            .filter_map(|line| line.strip_prefix("Lost ")?.split_whitespace().next()?.parse::<u64>().ok())
+            .sum();
+        Ok((lines, lost))
+    }
+}
+
+impl Drop for Bpftrace {
+    fn drop(&mut self) {
+        if self.lines.is_some() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let _ = fs::remove_file(&self.script);
+    }
+}
+
+/// The median of some figures (NaN for none).
+pub fn median(values: &[f64]) -> f64 {
+    let mut values = values.to_vec();
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }

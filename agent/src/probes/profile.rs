@@ -369,7 +369,7 @@ impl ProbeSpec {
     }
 
     /// How many arguments a return probe reads (so its entry must save them).
-    fn args_read(&self) -> u32 {
+    pub fn args_read(&self) -> u32 {
         let ext = self.external_id.iter().flat_map(|ext| std::iter::once(&ext.at).chain(&ext.guard));
         std::iter::once(&self.key)
             .chain(ext)

@@ -94,8 +94,9 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     stuck_in_poll: u64,
     /// Benchmark mode for `cargo bench --bench uprobe`: for every line
-    /// `enqueue`, `post` or `poll` on stdin, time this many calls of that
-    /// function and print the mean.
+    /// `enqueue`, `post`, `poll` or `request` (a whole healthy request) on
+    /// stdin, optionally followed by a count, time this many calls of it
+    /// (or the count) and print the mean.
     #[arg(long)]
     bench_calls: Option<u64>,
 }
@@ -353,17 +354,26 @@ fn exec(argv: &[String]) {
 
 fn bench(calls: u64) {
     let req = Request::new(7);
+    // Whole requests get fresh ids, as a server's would.
+    let mut next_id = 1;
     for line in std::io::stdin().lock().lines().map_while(Result::ok) {
-        let function = line.trim();
+        let mut words = line.split_whitespace();
+        let function = words.next().unwrap_or_default();
+        let calls = words.next().and_then(|n| n.parse().ok()).unwrap_or(calls);
         let start = Instant::now();
-        for i in 0..calls {
+        for _ in 0..calls {
             match function {
                 "enqueue" => prefill_enqueue(&req),
+                // The same request each time: an event for a request held.
                 "post" => {
-                    kv_transfer_post(i, 4096);
+                    kv_transfer_post(7, 4096);
                 }
                 "poll" => {
                     kv_transfer_poll(7, IN_PROGRESS);
+                }
+                "request" => {
+                    run_request(next_id, End::Released);
+                    next_id += 1;
                 }
                 _ => break,
             }
