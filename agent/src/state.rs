@@ -436,7 +436,7 @@ pub fn restored_from(key: RequestKey, entry: &InflightEntry, alerted_ns: Option<
 
 #[cfg(test)]
 mod tests {
-    use stallwatch_common::EXT_ID_LEN;
+    use stallwatch_common::{EXT_ID_LEN, NOT_EMITTED};
 
     use super::*;
     use crate::lifecycle::Stage;
@@ -458,9 +458,11 @@ mod tests {
             first_ns: 10,
             last_ns: 30,
             stage_ns: [10, 30, 0],
+            last_ret: 0,
+            last_slot: 1,
             stage: stage::TRANSFER_POSTED,
             has_ext: 1,
-            _pad: [0; 6],
+            _pad: [0; 2],
             ext,
         };
         let key = RequestKey { key: 0xabc, pid: 42, _pad: 0 };
@@ -522,9 +524,11 @@ mod tests {
                 first_ns: ts,
                 last_ns: ts,
                 stage_ns: [0; stage::LIVE],
+                last_ret: 0,
+                last_slot: NOT_EMITTED,
                 stage,
                 has_ext: 0,
-                _pad: [0; 6],
+                _pad: [0; 2],
                 ext: [0; EXT_ID_LEN],
             };
             entry.stage_ns[usize::from(stage)] = ts;

@@ -107,10 +107,6 @@ pub mod slot_flags {
     /// Capture the string only when the byte at [`SlotConfig::guard`] is not 0
     /// (e.g. the engaged flag of a `std::optional<std::string>`).
     pub const HAS_GUARD: u32 = 1 << 5;
-    /// Record each emitted event in the last-emitted map, so that an
-    /// [`ONLY_ON_CHANGE`] slot of the same target sees a release between two
-    /// identical statuses (the handle address is reused by the next request).
-    pub const TRACK_LAST: u32 = 1 << 6;
     /// A transport-activity slot: count the hit and its time in `HITS` and
     /// `SEEN`, emit nothing (the agent samples them as evidence).
     pub const COUNT_ONLY: u32 = 1 << 7;
@@ -191,7 +187,8 @@ pub struct SavedArgsKey {
     pub _pad: u32,
 }
 
-/// Key of the last-emitted map behind [`slot_flags::ONLY_ON_CHANGE`].
+/// Key of the in-flight table, and of the last-emitted map behind
+/// [`slot_flags::ONLY_ON_CHANGE`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct RequestKey {
@@ -200,7 +197,10 @@ pub struct RequestKey {
     pub _pad: u32,
 }
 
-/// The last event emitted for a [`RequestKey`].
+/// The event that ended a [`RequestKey`]'s lifecycle, when an
+/// [`slot_flags::ONLY_ON_CHANGE`] slot emitted it (a status poll answering
+/// an error): the in-flight entry that would hold it is gone, and a poll of
+/// the ended request answering the same must still be suppressed.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LastEmitted {
@@ -221,22 +221,35 @@ pub struct InflightEntry {
     pub last_ns: u64,
     /// When each live stage was first seen; 0 for never.
     pub stage_ns: [u64; stage::LIVE],
+    /// The return value and slot of the last event emitted for the
+    /// request ([`NOT_EMITTED`] in `last_slot` for none yet), which an
+    /// [`slot_flags::ONLY_ON_CHANGE`] slot compares against: kept here, in
+    /// the entry every event updates anyway, it costs no map operation of
+    /// its own, and a released (reused) handle starts afresh with its entry.
+    pub last_ret: i64,
+    pub last_slot: u32,
     /// The furthest stage. A terminal one only while an agent's stall alert
     /// for the request is out (see `ALERTED`): the entry is kept so the next
     /// agent can report the recovery.
     pub stage: u8,
     /// `ext` holds a NUL-terminated string.
     pub has_ext: u8,
-    pub _pad: [u8; 6],
+    pub _pad: [u8; 2],
     pub ext: [u8; EXT_ID_LEN],
 }
+
+/// [`InflightEntry::last_slot`] of a request whose events were all lost
+/// (the ring buffer was full): no slot has this number.
+pub const NOT_EMITTED: u32 = u32::MAX;
 
 /// Version of the layout of everything the kernel side keeps pinned in
 /// bpffs ([`InflightEntry`], [`SlotConfig`], [`Event`], the map sizes).
 /// Bump it on any change: an agent never reads state pinned by an agent of
 /// another layout, it discards it. 2: `COUNTERS` gained `EXT_UNREADABLE`.
-/// 3: `SAVED` is an LRU hash.
-pub const STATE_LAYOUT: u32 = 3;
+/// 3: `SAVED` is an LRU hash. 4: [`InflightEntry`] holds the last event
+/// emitted; `LAST` only the ends of lifecycles an `ONLY_ON_CHANGE` slot
+/// emitted.
+pub const STATE_LAYOUT: u32 = 4;
 
 /// Indices of the per-CPU `COUNTERS` array: what the kernel side could not do.
 /// Every one is reported by the agent; none is silent. The first four each

@@ -29,9 +29,9 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use stallwatch_common::{
-    EXT_ID_LEN, Event, InflightEntry, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS, RequestKey,
-    RetRule, SAVED_ARGS, SavedArgs, SavedArgsKey, SlotConfig, ValueSource, base, cmp, counter,
-    event_flags, slot_flags, stage,
+    EXT_ID_LEN, Event, InflightEntry, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS, NOT_EMITTED,
+    RequestKey, RetRule, SAVED_ARGS, SavedArgs, SavedArgsKey, SlotConfig, ValueSource, base, cmp,
+    counter, event_flags, slot_flags, stage,
 };
 
 /// `BPF_F_NO_PREALLOC`: the in-flight tables take memory per request held,
@@ -78,7 +78,11 @@ static SEEN: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_SLOTS, 0);
 #[map]
 static SAVED: LruHashMap<SavedArgsKey, SavedArgs> = LruHashMap::with_max_entries(16384, 0);
 
-/// Last event emitted per (pid, key), for `ONLY_ON_CHANGE` slots.
+/// The event that ended a lifecycle, per (pid, key), when an
+/// `ONLY_ON_CHANGE` slot emitted it: a failed status keeps being polled
+/// after its entry left `INFLIGHT`. Every other last event lives in the
+/// request's `INFLIGHT` entry, so this is written once per such failure,
+/// not on every event.
 #[map]
 static LAST: LruHashMap<RequestKey, LastEmitted> = LruHashMap::with_max_entries(65536, 0);
 
@@ -336,23 +340,23 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
     };
     let pid_tgid = bpf_get_current_pid_tgid();
     let request = RequestKey { key, pid: (pid_tgid >> 32) as u32, _pad: 0 };
-    let last = LastEmitted { ret, slot, _pad: 0 };
-    if cfg.flags & slot_flags::ONLY_ON_CHANGE != 0 {
-        // SAFETY: the value is only compared, never kept.
-        if unsafe { LAST.get(&request) } == Some(&last) {
-            bump(counter::UNCHANGED);
-            return;
-        }
+    let only_on_change = cfg.flags & slot_flags::ONLY_ON_CHANGE != 0;
+    if only_on_change && unchanged(&request, slot, ret) {
+        bump(counter::UNCHANGED);
+        return;
     }
     // SAFETY: the helper only reads the clock.
     let ts = unsafe { bpf_ktime_get_ns() };
     let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
         bump(counter::RINGBUF_FULL);
-        // The agent misses this event, but the in-flight table need not.
-        track(&request, matched.stage, ts, None);
+        // The agent misses this event, but the in-flight table need not;
+        // it is not recorded as emitted, so a poll answering the same
+        // again is sent again.
+        track(&request, matched.stage, ts, None, None);
         return;
     };
     let event = entry.as_mut_ptr();
+    let emitted = Some(LastEmitted { ret, slot, _pad: 0 });
     // SAFETY: `event` points at a reserved, exclusively owned ring-buffer
     // record of the right size; every field but the tail of `ext` is written.
     unsafe {
@@ -376,7 +380,7 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         }
         // Before the submit: once submitted the record is the agent's.
         let ext = if (*event).flags & event_flags::HAS_EXT != 0 { Some(&(*event).ext) } else { None };
-        track(&request, matched.stage, ts, ext);
+        track(&request, matched.stage, ts, ext, emitted);
     }
     let wakeup = if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKEUP_AT {
         BPF_RB_FORCE_WAKEUP
@@ -384,16 +388,31 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         BPF_RB_NO_WAKEUP
     };
     entry.submit(u64::from(wakeup));
-    if cfg.flags & slot_flags::TRACK_LAST != 0 {
-        let _ = LAST.insert(&request, &last, 0);
+    if only_on_change && matched.stage >= stage::FIRST_TERMINAL {
+        if let Some(last) = &emitted {
+            let _ = LAST.insert(&request, last, 0);
+        }
+    }
+}
+
+/// Whether the last event emitted for `request` was this slot's with this
+/// return value: what the request's in-flight entry says, or, once its
+/// lifecycle has ended (no entry), what ended it.
+#[inline(always)]
+fn unchanged(request: &RequestKey, slot: u32, ret: i64) -> bool {
+    // SAFETY: the values are only compared, never kept.
+    match unsafe { INFLIGHT.get(request) } {
+        Some(entry) => entry.last_slot == slot && entry.last_ret == ret,
+        None => unsafe { LAST.get(request) }.is_some_and(|last| last.slot == slot && last.ret == ret),
     }
 }
 
 /// Keep the in-flight table: a live stage creates or advances the
 /// request's entry, a terminal one deletes it (or, while the agent's stall
-/// alert for it is out, marks it ended for the agent to collect).
+/// alert for it is out, marks it ended for the agent to collect). The
+/// entry records `emitted`, the event sent for this hit, if one was.
 #[inline(always)]
-fn track(request: &RequestKey, stage: u8, ts: u64, ext: Option<&[u8; EXT_ID_LEN]>) {
+fn track(request: &RequestKey, stage: u8, ts: u64, ext: Option<&[u8; EXT_ID_LEN]>, emitted: Option<LastEmitted>) {
     if stage >= stage::FIRST_TERMINAL {
         // SAFETY: only tested for presence.
         if unsafe { ALERTED.get(request) }.is_some() {
@@ -405,6 +424,7 @@ fn track(request: &RequestKey, stage: u8, ts: u64, ext: Option<&[u8; EXT_ID_LEN]
                 if ts > entry.last_ns {
                     entry.last_ns = ts;
                 }
+                note_emitted(entry, emitted);
             }
         } else {
             let _ = INFLIGHT.remove(request);
@@ -426,6 +446,7 @@ fn track(request: &RequestKey, stage: u8, ts: u64, ext: Option<&[u8; EXT_ID_LEN]
                 entry.ext = *ext;
                 entry.has_ext = 1;
             }
+            note_emitted(entry, emitted);
             return;
         }
         // An ended entry kept for the agent: the key's next lifecycle
@@ -435,18 +456,33 @@ fn track(request: &RequestKey, stage: u8, ts: u64, ext: Option<&[u8; EXT_ID_LEN]
         first_ns: ts,
         last_ns: ts,
         stage_ns: [0; stage::LIVE],
+        last_ret: 0,
+        last_slot: NOT_EMITTED,
         stage,
         has_ext: 0,
-        _pad: [0; 6],
+        _pad: [0; 2],
         ext: [0; EXT_ID_LEN],
     };
     note_stage_time(&mut entry.stage_ns, stage, ts);
+    note_emitted(&mut entry, emitted);
     if let Some(ext) = ext {
         entry.ext = *ext;
         entry.has_ext = 1;
     }
     if INFLIGHT.insert(request, &entry, 0).is_err() {
         bump(counter::STATE_FULL);
+        // Without an entry, an `ONLY_ON_CHANGE` slot compares with `LAST`:
+        // what ended an earlier lifecycle of this key must not suppress
+        // this one's events.
+        let _ = LAST.remove(request);
+    }
+}
+
+#[inline(always)]
+fn note_emitted(entry: &mut InflightEntry, emitted: Option<LastEmitted>) {
+    if let Some(last) = emitted {
+        entry.last_ret = last.ret;
+        entry.last_slot = last.slot;
     }
 }
 

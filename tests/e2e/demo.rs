@@ -134,6 +134,30 @@ fn failed_and_aborted_requests_end_their_lifecycles() {
     let _ = demo.proc.wait(Duration::from_secs(5));
 }
 
+/// A finished handle polled again answers what it answered before: done
+/// while the request is held, the error after its failure ended it. The
+/// kernel sends neither again (`only_on_change`): a request done and never
+/// released is silent however often it is polled, so its stall is
+/// reported, and a failure is seen once (no stale event but the release
+/// of each failed request, which comes after the failure ended it).
+#[test]
+fn a_finished_status_polled_again_is_not_sent_again() {
+    let (mut demo, agent) = watched(
+        &["--rate", "1000", "--requests", "400", "--fail", "100", "--repoll", "4", "--release-lost", "1", "--duration", "4s"],
+        "1s",
+    );
+    let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(30));
+    let stalled: Vec<Value> = alerts(&agent_lines, "stalled").map(|(_, v)| v).collect();
+    assert_eq!(stalled.len(), 1, "{agent_lines:?}");
+    assert_eq!(stalled[0]["class"], "release_lost", "{agent_lines:?}");
+    let summary = summary(&agent_lines);
+    assert_eq!(summary["completed"], 300, "{summary}");
+    assert_eq!(summary["failed"], 100, "{summary}");
+    assert_eq!(summary["stale_events"], 100, "{summary}");
+    assert_eq!(summary["lost_events"], 0, "{summary}");
+    let _ = demo.proc.wait(Duration::from_secs(5));
+}
+
 #[test]
 fn sigint_prints_the_summary_with_requests_still_stuck() {
     let (_demo, agent) = watched(&["--rate", "200", "--duration", "30s", "--inject-after", "100ms", "--waiting-for-peer", "1"], "1s");

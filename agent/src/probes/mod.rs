@@ -320,9 +320,8 @@ impl Probes {
 
     fn attach_all(&mut self, image: &ProcessImage, profile: &Profile) -> Result<()> {
         let mut files = ElfCache::default();
-        let track_last = profile.tracks_last();
         for spec in &profile.probes {
-            let cfg = spec.slot_config(track_last);
+            let cfg = spec.slot_config();
             let target = Target { object: spec.object.as_deref(), symbol: &spec.symbol, line: spec.line };
             self.attach_slot(image, &mut files, profile, &target, cfg, Role::Lifecycle(Arc::new(spec.clone())))?;
         }
@@ -661,8 +660,7 @@ mod tests {
     /// [`Probes::arm`] makes them live.
     fn armed_in_order(profile: &str) -> Vec<(String, SlotConfig)> {
         let profile = Profile::load(profile).unwrap();
-        let track_last = profile.tracks_last();
-        let lifecycle = profile.probes.iter().map(|spec| (format!("{}@{:?}", spec.symbol, spec.at), spec.slot_config(track_last)));
+        let lifecycle = profile.probes.iter().map(|spec| (format!("{}@{:?}", spec.symbol, spec.at), spec.slot_config()));
         let activity = profile.activity.iter().map(|spec| (format!("activity:{}", spec.symbol), ActivitySpec::slot_config()));
         let mut slots: Vec<_> = lifecycle.chain(activity).collect();
         sort_for_arming(&mut slots);

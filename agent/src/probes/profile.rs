@@ -276,18 +276,11 @@ impl Profile {
             status,
         })
     }
-
-    /// Whether any probe suppresses repeated returns, in which case every
-    /// probe of the profile must record what it emits (see
-    /// [`slot_flags::TRACK_LAST`]).
-    pub fn tracks_last(&self) -> bool {
-        self.probes.iter().any(|probe| probe.only_on_change)
-    }
 }
 
 impl ProbeSpec {
     /// The kernel-side configuration of this probe's slot.
-    pub fn slot_config(&self, track_last: bool) -> SlotConfig {
+    pub fn slot_config(&self) -> SlotConfig {
         let mut cfg = SlotConfig { key: self.key.lower(), ..SlotConfig::default() };
         let mut flags = 0;
         if self.at == At::Return {
@@ -319,9 +312,6 @@ impl ProbeSpec {
         }
         if self.only_on_change {
             flags |= slot_flags::ONLY_ON_CHANGE;
-        }
-        if track_last {
-            flags |= slot_flags::TRACK_LAST;
         }
         // A zero flags word means "no slot" to the kernel side.
         cfg.flags = flags | slot_flags::CONFIGURED;
@@ -714,7 +704,7 @@ mod tests {
     fn the_nixl_profile_lowers_to_the_documented_slots() {
         let profile = Profile::load("nixl").unwrap();
         let create = &profile.probes[0];
-        let cfg = create.slot_config(true);
+        let cfg = create.slot_config();
         assert_eq!(cfg.flags & slot_flags::RETURN, slot_flags::RETURN);
         // The out-reference is r9: six arguments saved, handle read through it.
         assert_eq!(cfg.nargs, 6);
@@ -725,7 +715,7 @@ mod tests {
         // The post's return says done or failed when the post finished it;
         // the kernel picks the stage of the first rule that holds.
         let post = profile.probes.iter().find(|p| p.symbol.contains("postXferReq") && p.at == At::Return).unwrap();
-        let rules = post.slot_config(false).rules;
+        let rules = post.slot_config().rules;
         assert_eq!((rules[0].op, rules[0].value, rules[0].stage), (cmp::EQ, 0, stallwatch_common::stage::TRANSFER_DONE));
         assert_eq!((rules[1].op, rules[1].value, rules[1].stage), (cmp::LT, 0, stallwatch_common::stage::FAILED));
     }
@@ -734,8 +724,8 @@ mod tests {
     fn the_nixl_profile_reads_the_status_instead_of_probing_its_poll() {
         let profile = Profile::load("nixl").unwrap();
         assert!(profile.probes.iter().all(|p| !p.symbol.contains("getXferStatus")), "the hot poll is not probed");
-        // No probe suppresses repeats, so none pays for recording them.
-        assert!(!profile.tracks_last());
+        // No probe suppresses repeats: the polled function is not probed.
+        assert!(profile.probes.iter().all(|p| !p.only_on_change));
         let status = profile.status.as_ref().expect("[status]");
         assert_eq!((status.at.from, &status.at.deref[..], status.at.add, status.value), (From::Key, &[][..], 184, RetType::I32));
         // NIXL's status codes, as 1.5.1 keeps them in the handle.
@@ -778,7 +768,7 @@ mod tests {
             "test",
         )
         .unwrap();
-        let cfg = profile.probes[0].slot_config(false);
+        let cfg = profile.probes[0].slot_config();
         assert_eq!(cfg.flags, slot_flags::CONFIGURED);
         assert_eq!(cfg.key.offsets[..2], [8, 16]);
         assert_eq!(cfg.key.add, 4);
@@ -879,9 +869,9 @@ mod tests {
             "test",
         )
         .unwrap();
-        let with_args = profile.probes[0].slot_config(false);
+        let with_args = profile.probes[0].slot_config();
         assert_eq!((with_args.flags & slot_flags::NEEDS_ARGS, with_args.nargs), (slot_flags::NEEDS_ARGS, 4));
-        let from_ret = profile.probes[1].slot_config(false);
+        let from_ret = profile.probes[1].slot_config();
         assert_eq!((from_ret.flags & slot_flags::NEEDS_ARGS, from_ret.nargs), (0, 0));
     }
 }

@@ -71,6 +71,12 @@ struct Args {
     /// Abort this many requests after posting them.
     #[arg(long, default_value_t = 0)]
     abort: u64,
+    /// Poll each request's final status (done, or the error) this many
+    /// more times before releasing it, and keep polling the pinned
+    /// `--release-lost` ones (they answer done), as a server re-checking a
+    /// finished handle does: the same answer again is not an event.
+    #[arg(long, default_value_t = 0)]
+    repoll: u32,
     /// The room string of the pinned requests, as raw bytes (at most 23;
     /// default `room-<id>`), so tests can give them whatever a target's
     /// memory may hold: line breaks, terminal escapes, invalid UTF-8.
@@ -233,7 +239,7 @@ enum End {
     Aborted,
 }
 
-fn run_request(id: u64, end: End) {
+fn run_request(id: u64, end: End, repoll: u32) {
     let req = Request::new(id);
     prefill_enqueue(&req);
     kv_transfer_post(id, 4096);
@@ -244,7 +250,10 @@ fn run_request(id: u64, end: End) {
     for _ in 0..POLLS_PER_TRANSFER {
         kv_transfer_poll(id, IN_PROGRESS);
     }
-    kv_transfer_poll(id, if end == End::Failed { ERR_BACKEND } else { DONE });
+    let status = if end == End::Failed { ERR_BACKEND } else { DONE };
+    for _ in 0..=repoll {
+        kv_transfer_poll(id, status);
+    }
     prefill_release(id);
 }
 
@@ -317,7 +326,7 @@ fn main() {
                 healthy += 1;
                 End::Released
             };
-            run_request(started + 1, end);
+            run_request(started + 1, end, args.repoll);
         } else if args.requests > 0 && pinned.is_empty() && injected {
             break;
         }
@@ -325,7 +334,7 @@ fn main() {
         // "in progress" answers are not life.
         if last_poll.elapsed() >= Duration::from_millis(10) {
             last_poll = Instant::now();
-            pinned.retain(|p| tend(p, start.elapsed(), args.inject_after + args.recover_after));
+            pinned.retain(|p| tend(p, start.elapsed(), args.inject_after + args.recover_after, args.repoll > 0));
         }
         next += interval;
         if let Some(wait) = next.checked_duration_since(Instant::now()) {
@@ -372,7 +381,7 @@ fn bench(calls: u64) {
                     kv_transfer_poll(7, IN_PROGRESS);
                 }
                 "request" => {
-                    run_request(next_id, End::Released);
+                    run_request(next_id, End::Released, 0);
                     next_id += 1;
                 }
                 _ => break,
@@ -422,7 +431,7 @@ fn inject(args: &Args) -> Vec<Pinned> {
 }
 
 /// Poll a pinned request; returns whether it stays pinned.
-fn tend(p: &Pinned, elapsed: Duration, recover_at: Duration) -> bool {
+fn tend(p: &Pinned, elapsed: Duration, recover_at: Duration, repoll: bool) -> bool {
     black_box(&p.req);
     match p.pin {
         Pin::TransferHung => {
@@ -437,6 +446,10 @@ fn tend(p: &Pinned, elapsed: Duration, recover_at: Duration) -> bool {
         }
         Pin::Recover => {
             kv_transfer_poll(p.id, IN_PROGRESS);
+            true
+        }
+        Pin::ReleaseLost if repoll => {
+            kv_transfer_poll(p.id, DONE);
             true
         }
         Pin::WaitingForPeer | Pin::ReleaseLost => true,
