@@ -182,12 +182,12 @@ pub fn run(bpf_dir: &Path, socket: &Path) -> Report {
     checks.push(trusted_dir_check(
         "bpf_dir",
         bpf_dir,
-        "restart safety: `run --bpf-dir` refuses a directory another user could change, and so its pinned state",
+        "restart safety: `run --bpf-dir` pins the probes and in-flight state there, and refuses a directory another user could change",
     ));
     checks.push(trusted_dir_check(
         "socket_dir",
         crate::query::socket_dir(socket),
-        "`stallwatch inflight`: `run --socket` refuses a directory where another user could put their own socket",
+        "`stallwatch inflight`: `run --socket` serves there, and refuses a directory where another user could put their own socket",
     ));
     Report::new(kernel, arch, checks)
 }
@@ -776,6 +776,8 @@ pub fn trusted_dir_check(name: &'static str, dir: &Path, needed_for: &'static st
         Ok(Some(_)) => check.ok(format!("{shown}: root's, writable by nobody else, no symlink on the way")),
         Ok(None) => check.ok(format!("{shown}: missing; `run` creates it (mode 0700), nothing on the way is unsafe")),
         Err(err) => match err.downcast_ref::<Untrusted>() {
+            // The reason names the offending directory; `dir` too if another.
+            Some(untrusted) if untrusted.path == dir => check.missing(untrusted.reason.clone(), untrusted.fix.clone()),
             Some(untrusted) => check.missing(format!("{shown}: {}", untrusted.reason), untrusted.fix.clone()),
             None => check.missing(format!("{shown}: {err:#}"), "give `run` a directory it can create or open"),
         },

@@ -263,7 +263,8 @@ fn judge(path: &Path, stat: &libc::stat, role: Role) -> Result<(), Untrusted> {
                 "{shown} (mode {mode:04o}) is writable by its group or by anyone: another user could put their own \
                  files in place of what stallwatch keeps there"
             ),
-            own_fix(),
+            // A shared directory (/tmp) stays shared: use one of its own.
+            if sticky { format!("give a directory of its own below {shown} (stallwatch creates it, mode 0700)") } else { own_fix() },
         ),
         Role::Ancestor | Role::Own => Ok(()),
     }
@@ -394,12 +395,13 @@ mod tests {
             chmod(&sub, mode);
             TrustedDir::create(&sub).unwrap_or_else(|err| panic!("{mode:o}: {err:#}"));
         }
-        for mode in [0o770, 0o707, 0o777, 0o1777, 0o720] {
+        for mode in [0o770, 0o707, 0o777, 0o720, 0o1777] {
             chmod(&sub, mode);
             let refused = refusal(TrustedDir::create(&sub));
             assert_eq!(refused.path, sub);
             assert!(refused.reason.contains(&format!("(mode {mode:04o}) is writable by its group or by anyone")), "{refused}");
-            assert!(refused.fix.contains(&format!("chmod 700 {}", sub.display())), "{refused}");
+            let fix = if mode == 0o1777 { format!("a directory of its own below {}", sub.display()) } else { format!("chmod 700 {}", sub.display()) };
+            assert!(refused.fix.contains(&fix), "{refused}");
         }
         // A directory it keeps inside is held to the same rules.
         chmod(&sub, 0o700);
