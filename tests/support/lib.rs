@@ -319,10 +319,12 @@ impl Agent {
     }
 
     /// Start `stallwatch run` with process selectors (`--exe NAME` ...) and
-    /// wait until its first scan is done.
+    /// wait until its first scan is done and it serves its query socket
+    /// (bound after the scan, so "discovering processes" alone is too early
+    /// for a test that asks `inflight` next).
     pub fn discover(selectors: &[&str], profile: &str, timeout: &str, extra: &[&str]) -> Self {
         let agent = Self::start(selectors, profile, timeout, extra, &[]);
-        agent.proc.wait_stderr("discovering processes", Duration::from_secs(30));
+        agent.proc.wait_stderr("serving `stallwatch inflight`", Duration::from_secs(30));
         agent
     }
 
