@@ -11,6 +11,7 @@
 use std::{
     fs,
     io::{BufRead as _, BufReader, Read as _},
+    os::unix::fs::DirBuilderExt as _,
     num::NonZeroU32,
     path::{Path, PathBuf},
     process::{Child, ChildStdout, Command, Stdio},
@@ -96,12 +97,16 @@ pub struct Agent {
     child: Child,
     stdout: Option<ChildStdout>,
     stderr: Option<JoinHandle<String>>,
-    socket: PathBuf,
+    /// Holds the agent's socket.
+    dir: PathBuf,
 }
 
 impl Agent {
     pub fn start(bin: &Path, pid: u32, profile: &str) -> Result<Self> {
-        let socket = std::env::temp_dir().join(format!("stallwatch-bench-{}-{pid}.sock", std::process::id()));
+        // The socket's directory must be root's alone (the agent checks).
+        let dir = std::env::temp_dir().join(format!("stallwatch-bench-{}-{pid}", std::process::id()));
+        fs::DirBuilder::new().mode(0o700).create(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let socket = dir.join("agent.sock");
         let mut child = Command::new(bin)
             .args(["run", "--pid", &pid.to_string(), "--profile", profile, "--ephemeral", "--output", "json"])
             .args(["--timeout", "10min", "--socket"])
@@ -130,7 +135,7 @@ impl Agent {
             log + &rest
         });
         let stdout = child.stdout.take();
-        Ok(Self { child, stdout, stderr: Some(stderr), socket })
+        Ok(Self { child, stdout, stderr: Some(stderr), dir })
     }
 
     pub fn pid(&self) -> u32 {
@@ -161,7 +166,7 @@ impl Drop for Agent {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
-        let _ = fs::remove_file(&self.socket);
+        let _ = fs::remove_dir_all(&self.dir);
     }
 }
 
