@@ -177,6 +177,9 @@ pub struct Event {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SavedArgs {
     pub args: [u64; SAVED_ARGS],
+    /// 1 from the entry until its return takes them: the entry is reused
+    /// by the thread's next call, not deleted.
+    pub live: u64,
 }
 
 #[repr(C)]
@@ -248,7 +251,7 @@ pub const NOT_EMITTED: u32 = u32::MAX;
 /// another layout, it discards it. 2: `COUNTERS` gained `EXT_UNREADABLE`.
 /// 3: `SAVED` is an LRU hash. 4: [`InflightEntry`] holds the last event
 /// emitted; `LAST` only the ends of lifecycles an `ONLY_ON_CHANGE` slot
-/// emitted.
+/// emitted; [`SavedArgs`] are reused, marked `live`.
 pub const STATE_LAYOUT: u32 = 4;
 
 /// Indices of the per-CPU `COUNTERS` array: what the kernel side could not do.

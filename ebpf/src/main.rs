@@ -246,9 +246,27 @@ fn slot_of<C: EbpfContext>(ctx: &C) -> Option<(u32, &'static SlotConfig)> {
     }
 }
 
+/// Keep the arguments for the return. A thread's entry for a slot is
+/// written over in place from one call to the next (a lookup, where an
+/// insert at every entry and a delete at every return cost two updates of
+/// the LRU), and marked taken by the return instead of removed.
 #[inline(always)]
 fn save_args(slot: u32, cfg: &SlotConfig, args: &Args) {
+    let key = SavedArgsKey { pid_tgid: bpf_get_current_pid_tgid(), slot, _pad: 0 };
+    if let Some(saved) = SAVED.get_ptr_mut(&key) {
+        // SAFETY: a map value only this thread's calls of this slot use.
+        fill_saved(unsafe { &mut *saved }, cfg, args);
+        return;
+    }
     let mut saved = SavedArgs::default();
+    fill_saved(&mut saved, cfg, args);
+    // A failed save is counted at the return, once, if that return was an
+    // event.
+    let _ = SAVED.insert(&key, &saved, 0);
+}
+
+#[inline(always)]
+fn fill_saved(saved: &mut SavedArgs, cfg: &SlotConfig, args: &Args) {
     let nargs = cfg.nargs as usize;
     for (n, value) in saved.args.iter_mut().enumerate() {
         if n >= nargs {
@@ -256,19 +274,22 @@ fn save_args(slot: u32, cfg: &SlotConfig, args: &Args) {
         }
         *value = args.get(n).unwrap_or(0);
     }
-    let key = SavedArgsKey { pid_tgid: bpf_get_current_pid_tgid(), slot, _pad: 0 };
-    // A failed save is counted at the return, once, if that return was an
-    // event.
-    let _ = SAVED.insert(&key, &saved, 0);
+    saved.live = 1;
 }
 
+/// The arguments the entry saved for this return, once: a return whose
+/// entry was not seen (the call began before the probe) finds them taken.
 #[inline(always)]
 fn take_saved(slot: u32) -> Option<SavedArgs> {
     let key = SavedArgsKey { pid_tgid: bpf_get_current_pid_tgid(), slot, _pad: 0 };
-    // SAFETY: the value is copied out before the entry is removed.
-    let saved = unsafe { SAVED.get(&key) }.copied()?;
-    let _ = SAVED.remove(&key);
-    Some(saved)
+    let saved = SAVED.get_ptr_mut(&key)?;
+    // SAFETY: as in `save_args`.
+    let saved = unsafe { &mut *saved };
+    if saved.live == 0 {
+        return None;
+    }
+    saved.live = 0;
+    Some(*saved)
 }
 
 /// Which return rules held, and the lifecycle stage the hit is.
