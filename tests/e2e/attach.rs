@@ -14,7 +14,7 @@ use std::{
 };
 
 use serde_json::Value;
-use stallwatch_tests::{Agent, Demo, Line, Proc, alerts, demo_bin, require_root, summary, test_bpf_dir, wait_for};
+use stallwatch_tests::{Agent, COMPLETED, Demo, Line, METRICS, Proc, alerts, demo_bin, require_root, summary, test_bpf_dir};
 
 /// `--rate` beyond what the demo can do with its probes hit: it runs
 /// flat out, as many requests as possible in flight through the window.
@@ -22,19 +22,13 @@ const FLAT_OUT: &str = "1000000";
 const TIMEOUT: &str = "1s";
 /// Long enough past the timeout for any half-seen request to stall.
 const SETTLE: Duration = Duration::from_secs(3);
-/// The agents' metrics endpoint, on a port of their own choosing.
-const METRICS: [&str; 2] = ["--metrics-addr", "127.0.0.1:0"];
-const COMPLETED: &str = "stallwatch_requests_ended_total{outcome=\"released\"}";
-
 /// Watch the busy target until the agent has followed `min_completed`
 /// requests (its metrics say so), and for SETTLE since `since` at least.
 /// The rest of the window is the workload: a request half seen at attach
 /// would by then be past the timeout and stalled, and nothing marks the
 /// absence of a stall but watching for it.
 fn settle(agent: &Agent, since: Instant, min_completed: u64) {
-    wait_for(&format!("{min_completed} requests followed"), Duration::from_secs(30), || {
-        (agent.metric(COMPLETED) >= min_completed).then_some(())
-    });
+    agent.wait_completed(min_completed);
     thread::sleep(SETTLE.saturating_sub(since.elapsed()));
 }
 
@@ -123,9 +117,7 @@ fn a_restarted_busy_target_is_re_attached_without_false_stalls() {
     let agent = Agent::discover(&["--exe", "demo-prefill", "--cmdline", &format!("^{marker} ")], "demo", TIMEOUT, &METRICS);
     agent.wait_watching(first.pid());
     // The first target's requests are followed before it dies.
-    wait_for("requests of the first target followed", Duration::from_secs(30), || {
-        (agent.metric(COMPLETED) >= 1_000).then_some(())
-    });
+    agent.wait_completed(1_000);
     // A restart: the target dies and a new one comes up at full speed,
     // attached through the exec tracepoint while it runs.
     let first_pid = first.pid();

@@ -16,7 +16,7 @@ use std::{
 
 use serde_json::Value;
 use stallwatch_tests::{
-    Agent, Demo, Line, agent_bin, alerts, require_root, run_to_end, summary, test_bpf_dir, test_socket, wait_for,
+    Agent, Demo, Line, METRICS, agent_bin, alerts, require_root, run_to_end, summary, test_bpf_dir, test_socket, wait_for,
 };
 
 const TIMEOUT: &str = "1s";
@@ -243,10 +243,11 @@ fn on_exit_detach_and_ephemeral_leave_nothing_pinned() {
     assert!(!dir.exists(), "--on-exit detach removes the bpf directory");
     assert_eq!(pinned_of(&held), Vec::<PathBuf>::new(), "--on-exit detach left pins");
 
-    let agent = Agent::watch(pid, "demo", TIMEOUT, &["--ephemeral"]);
+    let agent = Agent::watch(pid, "demo", TIMEOUT, &["--ephemeral", METRICS[0], METRICS[1]]);
     let held = bpf_objects_of(agent.proc.pid());
     assert!(held.iter().any(|(kind, _)| kind == "link_id"), "the agent holds its probe links: {held:?}");
     assert_eq!(pinned_of(&held), Vec::<PathBuf>::new(), "--ephemeral pinned its maps or links");
+    agent.wait_completed(1);
     let lines = agent.stop();
     assert!(summary(&lines)["completed"].as_u64().unwrap_or(0) > 0, "{}", summary(&lines));
     assert_eq!(pinned_of(&held), Vec::<PathBuf>::new(), "--ephemeral left pins");
@@ -263,11 +264,12 @@ fn state_of_another_layout_is_discarded_with_a_warning() {
         std::fs::create_dir_all(other.join(sub)).expect("creating an old layout's directories");
     }
     let mut demo = Demo::start(&["--rate", "200", "--duration", "30s"]);
-    let agent = Agent::watch_on(demo.proc.pid(), &dir, TIMEOUT, &[]);
+    let agent = Agent::watch_on(demo.proc.pid(), &dir, TIMEOUT, &METRICS);
     demo.go();
     agent.proc.wait_stderr("discarding state pinned by a stallwatch of another layout", Duration::from_secs(5));
     assert!(!other.exists(), "{} is left", other.display());
     assert!(pinned_links(&dir) > 0, "the agent pins its own layout");
+    agent.wait_completed(1);
     let lines = agent.stop();
     assert!(summary(&lines)["completed"].as_u64().unwrap_or(0) > 0, "{}", summary(&lines));
 }

@@ -297,6 +297,11 @@ impl Demo {
 }
 
 /// The agent with `--output json`, attached and watching.
+/// Agent flags for a metrics endpoint on a port of its own choosing.
+pub const METRICS: [&str; 2] = ["--metrics-addr", "127.0.0.1:0"];
+/// The metric of requests followed to their release.
+pub const COMPLETED: &str = "stallwatch_requests_ended_total{outcome=\"released\"}";
+
 pub struct Agent {
     pub proc: Proc,
     /// Its `--bpf-dir`, removed when the test is done with the agent.
@@ -407,6 +412,14 @@ impl Agent {
     /// The value of the sample `series` on its metrics endpoint now.
     pub fn metric(&self, series: &str) -> u64 {
         metric(&otlp::http_get(self.metrics_port(), "/metrics", None).1, series)
+    }
+
+    /// Wait until its metrics say it has followed at least `at_least`
+    /// requests to their release (started with [`METRICS`]); the count.
+    pub fn wait_completed(&self, at_least: u64) -> u64 {
+        wait_for(&format!("{at_least} requests followed to their release"), Duration::from_secs(30), || {
+            Some(self.metric(COMPLETED)).filter(|&done| done >= at_least)
+        })
     }
 
     /// SIGINT, then every line up to and including the summary.

@@ -119,11 +119,13 @@ pub fn demo(built: &Built, duration: Duration, timeout: Duration) -> Result<()> 
 /// through the environment), and every benchmark's smoke version (a
 /// benchmark run without `--bench`), so a benchmark that no longer works
 /// fails here, not when someone next wants its figures.
+/// Every target runs even after one fails (`--no-fail-fast`), so a CI run
+/// reports every failure at once.
 pub fn test(built: &Built) -> Result<()> {
     let root = root()?;
     run(Command::new("cargo")
         .current_dir(&root)
-        .args(["test", "--release", "--workspace", "--exclude", "stallwatch-ebpf", "--all-targets", "--", "--test-threads=1"])
+        .args(["test", "--release", "--workspace", "--exclude", "stallwatch-ebpf", "--all-targets", "--no-fail-fast", "--", "--test-threads=1"])
         .env("STALLWATCH_BIN", &built.agent)
         .env("STALLWATCH_DEMO", &built.demo)
         .env("STALLWATCH_MARKER", &built.marker)
