@@ -495,6 +495,7 @@ impl<W: Write> Session<W> {
     }
 
     fn finish(mut self, on_exit: OnExit) -> Result<()> {
+        self.alerts.stopping();
         self.drain();
         self.advance(monotonic_ns());
         self.emit()?;

@@ -208,6 +208,41 @@ fn an_agent_whose_stdout_reader_goes_away_stops_cleanly() {
 }
 
 #[test]
+fn a_stop_with_stdout_closed_before_anything_was_written_still_hands_over() {
+    require_root();
+    let demo = Demo::start(&["--duration", "20s"]);
+    let pid = demo.proc.pid().to_string();
+    let dir = stallwatch_tests::test_bpf_dir();
+    let mut agent = Command::new(agent_bin())
+        .args(["run", "--pid", &pid, "--profile", "demo", "--timeout", "5s", "--bpf-dir"])
+        .arg(&dir)
+        .arg("--socket")
+        .arg(test_socket())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting stallwatch");
+    drop(agent.stdout.take());
+    let mut stderr = String::new();
+    let mut log = BufReader::new(agent.stderr.take().expect("piped stderr"));
+    while !stderr.contains("watching") {
+        assert!(log.read_line(&mut stderr).expect("reading the agent's stderr") > 0, "the agent exited before watching:\n{stderr}");
+    }
+    // Nothing stalls: the summary at the stop is the first write.
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    log.read_to_string(&mut stderr).expect("reading the agent's stderr");
+    let status = agent.wait().expect("waiting for stallwatch");
+    let cleared = Command::new(agent_bin()).args(["state", "clear", "--bpf-dir"]).arg(&dir).output();
+    assert!(status.success(), "{status}; stderr:\n{stderr}");
+    assert!(!stderr.contains("error") && !stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("probes left attached"), "the stop skipped its hand-over:\n{stderr}");
+    assert!(cleared.is_ok_and(|out| out.status.success()), "stallwatch state clear --bpf-dir {}", dir.display());
+    drop(demo);
+}
+
+#[test]
 fn a_megabyte_symbol_gets_no_suggestions_and_a_short_error() {
     let symbol = "q".repeat(1 << 20);
     let stderr = watch_with(&format!("[[probe]]\nsymbol = \"{symbol}\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = {{ from = \"arg0\" }}\n"));

@@ -7,6 +7,7 @@
 use std::{collections::HashMap, io::Write, time::Duration};
 
 use serde_json::{Map, Value, json};
+use tracing::info;
 
 use super::clock::Clock;
 use crate::events::Losses;
@@ -33,16 +34,27 @@ pub struct AlertWriter<W> {
     /// finds it closed fails, so the agent stops; later ones (the stop's
     /// own reports and summary) are dropped, so the stop is a clean one.
     closed: bool,
+    /// Set once the agent is stopping: a reader found gone then is no
+    /// error (nobody is left to tell, and the stop must still hand over).
+    stopping: bool,
 }
 
 impl<W: Write> AlertWriter<W> {
     pub fn new(out: W, format: Format, clock: Clock) -> Self {
-        Self { out, format, clock, names: HashMap::new(), closed: false }
+        Self { out, format, clock, names: HashMap::new(), closed: false, stopping: false }
     }
 
     /// Whether stdout's reader went away.
     pub fn is_closed(&self) -> bool {
         self.closed
+    }
+
+    /// The agent is stopping: from now on a closed stdout is not an error.
+    /// Without this, a reader gone before anything was written (the
+    /// summary is the first write) failed the stop and skipped its
+    /// hand-over.
+    pub fn stopping(&mut self) {
+        self.stopping = true;
     }
 
     fn write_line(&mut self, line: &str) -> std::io::Result<()> {
@@ -52,6 +64,10 @@ impl<W: Write> AlertWriter<W> {
         let written = writeln!(self.out, "{line}").and_then(|()| self.out.flush());
         if written.as_ref().is_err_and(|err| err.kind() == std::io::ErrorKind::BrokenPipe) {
             self.closed = true;
+            if self.stopping {
+                info!("stdout was closed (its reader went away): the stop's reports and summary are not written");
+                return Ok(());
+            }
         }
         written
     }
@@ -355,5 +371,31 @@ mod tests {
         let json: Value = serde_json::from_str(&line(Format::Json, &release_lost(StageSet::EMPTY))).expect("JSON");
         assert_eq!(json["inferred"], json!([]), "{json}");
         assert!(!line(Format::Human, &release_lost(StageSet::EMPTY)).contains("inferred"));
+    }
+
+    /// stdout with its reader gone.
+    struct Closed;
+
+    impl Write for Closed {
+        fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+            Err(std::io::ErrorKind::BrokenPipe.into())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_closed_stdout_stops_the_agent_but_not_its_stop() {
+        let report = release_lost(StageSet::EMPTY);
+        let mut running = AlertWriter::new(Closed, Format::Json, Clock::new());
+        assert!(running.report(&report, None).is_err(), "the write that finds stdout closed fails, so the agent stops");
+        assert!(running.is_closed());
+        let mut stopping = AlertWriter::new(Closed, Format::Json, Clock::new());
+        stopping.stopping();
+        stopping.report(&report, None).expect("at the stop a closed stdout is no error");
+        stopping.summary(&EngineStats::default(), &Losses::default(), 0, &[], None).expect("nor for the summary");
+        assert!(stopping.is_closed());
     }
 }
