@@ -481,6 +481,7 @@ impl<W: Write> Session<W> {
             self.transport.sample(&self.probes, monotonic_ns())?;
         }
         for report in self.reports.drain(..) {
+            self.transport.observe_end(&report);
             let evidence = self.transport.for_report(&report);
             self.alerts.report(&report, evidence.as_ref()).context("writing an alert to stdout")?;
             // After the alert: an agent that dies in between reports the

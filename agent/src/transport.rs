@@ -1,7 +1,8 @@
 //! Transport evidence: what the transport was doing while a request sat
 //! silent, from the `[[activity]]` probes of its process (posts, progress
 //! calls, completions) and the lifecycle events themselves (every
-//! `transfer_done` is a completion).
+//! `transfer_done` is a completion, and so is the release of a posted
+//! request whose `transfer_done` no probe saw).
 //!
 //! The kernel keeps per-slot hit counts and last-hit times; the agent
 //! samples them once a second into a short history per process, so it can
@@ -13,7 +14,7 @@ use std::collections::{HashMap, VecDeque};
 use anyhow::Result;
 
 use crate::{
-    lifecycle::{Observation, Report, RequestSnapshot, Stage, StallClass},
+    lifecycle::{Observation, Outcome, Report, RequestSnapshot, Stage, StallClass},
     probes::{ActivityKind, Probes, Role},
 };
 
@@ -185,10 +186,28 @@ impl Tracker {
     /// Count a lifecycle completion.
     pub fn observe(&mut self, observation: &Observation) {
         if observation.stage == Stage::TransferDone {
-            let done = &mut self.processes.entry(observation.pid).or_default().done;
-            done.calls += 1;
-            done.last_ns = done.last_ns.max(Some(observation.ts_ns));
+            self.complete(observation.pid, observation.ts_ns);
         }
+    }
+
+    /// Count a completion no probe saw, from a request's end: one released
+    /// after its post without an observed `transfer_done` finished its
+    /// transfer unseen, at its release at the latest. Profiles that do not
+    /// probe status polls (the `nixl` profile reads no getXferStatus) see
+    /// most completions only this way; without it a busy transport whose
+    /// transfers all complete read "last completion never".
+    pub fn observe_end(&mut self, report: &Report) {
+        let Report::Ended { request, outcome: Outcome::Released, at_ns } = report else { return };
+        let done_seen = request.stage_at(Stage::TransferDone).is_some() && !request.inferred.contains(Stage::TransferDone);
+        if request.stage_at(Stage::TransferPosted).is_some() && !done_seen {
+            self.complete(request.pid, *at_ns);
+        }
+    }
+
+    fn complete(&mut self, pid: u32, at_ns: u64) {
+        let done = &mut self.processes.entry(pid).or_default().done;
+        done.calls += 1;
+        done.last_ns = done.last_ns.max(Some(at_ns));
     }
 
     /// Read every activity slot and append a sample per process.
@@ -254,6 +273,7 @@ impl Tracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lifecycle::StageSet;
 
     const S: u64 = 1_000_000_000;
 
@@ -306,6 +326,34 @@ mod tests {
         tracker.record(7, 80 * S, totals(4, 0, 40, 20 * S), true);
         let evidence = tracker.evidence(&stalled(7, Stage::TransferDone, 10 * S), StallClass::ReleaseLost).unwrap();
         assert_eq!(evidence.since.get(ActivityKind::Completion).calls, 3);
+        assert_eq!(evidence.verdict, Verdict::OthersCompleting);
+    }
+
+    /// The end of request `key` of pid 7, released at `at_ns` after the
+    /// stages timed in `stage_ns`.
+    fn released(key: u64, stage_ns: [Option<u64>; 4], inferred: StageSet, at_ns: u64) -> Report {
+        let request = RequestSnapshot { key, stage: Stage::Released, stage_ns, inferred, ..stalled(7, Stage::Released, at_ns) };
+        Report::Ended { request, outcome: Outcome::Released, at_ns }
+    }
+
+    #[test]
+    fn a_release_after_a_post_is_a_completion_no_probe_saw_counted_once() {
+        let mut tracker = Tracker::new(60 * S);
+        tracker.record(7, 10 * S, totals(1, 0, 10, 10 * S), true);
+        let mut done_inferred = StageSet::EMPTY;
+        done_inferred.insert(Stage::TransferDone);
+        // Done unseen (counted at the release), done inferred from memory
+        // (counted), done seen by a probe (counted there, not again), never
+        // posted (no transfer to complete).
+        tracker.observe_end(&released(1, [Some(S), Some(11 * S), None, Some(20 * S)], StageSet::EMPTY, 20 * S));
+        tracker.observe_end(&released(2, [Some(S), Some(11 * S), Some(15 * S), Some(20 * S)], done_inferred, 20 * S));
+        tracker.observe(&Observation { pid: 7, key: 3, stage: Stage::TransferDone, ts_ns: 19 * S, external_id: None });
+        tracker.observe_end(&released(3, [Some(S), Some(11 * S), Some(19 * S), Some(20 * S)], StageSet::EMPTY, 20 * S));
+        tracker.observe_end(&released(4, [Some(S), None, None, Some(20 * S)], StageSet::EMPTY, 20 * S));
+        tracker.record(7, 80 * S, totals(4, 0, 40, 20 * S), true);
+        let evidence = tracker.evidence(&stalled(7, Stage::TransferDone, 10 * S), StallClass::ReleaseLost).unwrap();
+        assert_eq!(evidence.since.get(ActivityKind::Completion).calls, 3);
+        assert_eq!(evidence.total.get(ActivityKind::Completion).last_ns, Some(20 * S));
         assert_eq!(evidence.verdict, Verdict::OthersCompleting);
     }
 
