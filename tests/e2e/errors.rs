@@ -1,8 +1,9 @@
 //! Bad input gets a clear error naming the thing and the fix, and a
 //! non-zero exit; never a panic or a silent no-op.
 use std::{
+    ffi::OsStr,
     io::{BufRead as _, BufReader, Read as _, Write as _},
-    process::{Command, Stdio},
+    process::{Child, ChildStderr, Command, Stdio},
 };
 
 use stallwatch_tests::{Demo, agent_bin, require_root, root, run_to_end, test_socket};
@@ -177,66 +178,69 @@ fn every_printing_command_stops_quietly_when_its_reader_goes_away() {
     }
 }
 
+/// An agent watching `pid` with `extra` flags whose stdout's reader went
+/// away at once, started and attached; its stderr so far, and the rest.
+struct Unread {
+    agent: Child,
+    log: BufReader<ChildStderr>,
+    stderr: String,
+}
+
+impl Unread {
+    fn watch(pid: u32, extra: &[&OsStr]) -> Self {
+        let mut agent = Command::new(agent_bin())
+            .args(["run", "--pid", &pid.to_string(), "--profile", "demo", "--socket"])
+            .arg(test_socket())
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting stallwatch");
+        drop(agent.stdout.take());
+        let mut stderr = String::new();
+        let mut log = BufReader::new(agent.stderr.take().expect("piped stderr"));
+        while !stderr.contains("watching") {
+            assert!(log.read_line(&mut stderr).expect("reading the agent's stderr") > 0, "the agent exited before watching:\n{stderr}");
+        }
+        Self { agent, log, stderr }
+    }
+
+    /// Wait for its end: it exited 0 with no error, and its whole stderr.
+    fn ends_cleanly(mut self) -> String {
+        self.log.read_to_string(&mut self.stderr).expect("reading the agent's stderr");
+        let status = self.agent.wait().expect("waiting for stallwatch");
+        let stderr = self.stderr;
+        assert!(status.success(), "{status}; stderr:\n{stderr}");
+        assert!(!stderr.contains("error") && !stderr.contains("panicked"), "{stderr}");
+        stderr
+    }
+}
+
 #[test]
 fn an_agent_whose_stdout_reader_goes_away_stops_cleanly() {
     require_root();
     let mut demo = Demo::start(&["--duration", "20s", "--inject-after", "100ms", "--waiting-for-peer", "1"]);
-    let pid = demo.proc.pid().to_string();
-    let mut agent = Command::new(agent_bin())
-        .args(["run", "--pid", &pid, "--profile", "demo", "--timeout", "500ms", "--ephemeral", "--socket"])
-        .arg(test_socket())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting stallwatch");
-    drop(agent.stdout.take());
     // The request is pinned only once the agent watches, or it would never
     // see it stall and never write.
-    let mut stderr = String::new();
-    let mut log = BufReader::new(agent.stderr.take().expect("piped stderr"));
-    while !stderr.contains("watching") {
-        assert!(log.read_line(&mut stderr).expect("reading the agent's stderr") > 0, "the agent exited before watching:\n{stderr}");
-    }
+    let agent = Unread::watch(demo.proc.pid(), &["--timeout".as_ref(), "500ms".as_ref(), "--ephemeral".as_ref()]);
     demo.go();
     // The stall alert is the first write; the agent then stops by itself.
-    log.read_to_string(&mut stderr).expect("reading the agent's stderr");
-    let status = agent.wait().expect("waiting for stallwatch");
-    assert!(status.success(), "{status}; stderr:\n{stderr}");
+    let stderr = agent.ends_cleanly();
     assert!(stderr.contains("stdout was closed (its reader went away): stopping"), "{stderr}");
-    assert!(!stderr.contains("error") && !stderr.contains("panicked"), "{stderr}");
 }
 
 #[test]
 fn a_stop_with_stdout_closed_before_anything_was_written_still_hands_over() {
     require_root();
     let demo = Demo::start(&["--duration", "20s"]);
-    let pid = demo.proc.pid().to_string();
     let dir = stallwatch_tests::test_bpf_dir();
-    let mut agent = Command::new(agent_bin())
-        .args(["run", "--pid", &pid, "--profile", "demo", "--timeout", "5s", "--bpf-dir"])
-        .arg(&dir)
-        .arg("--socket")
-        .arg(test_socket())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting stallwatch");
-    drop(agent.stdout.take());
-    let mut stderr = String::new();
-    let mut log = BufReader::new(agent.stderr.take().expect("piped stderr"));
-    while !stderr.contains("watching") {
-        assert!(log.read_line(&mut stderr).expect("reading the agent's stderr") > 0, "the agent exited before watching:\n{stderr}");
-    }
+    let agent = Unread::watch(demo.proc.pid(), &["--timeout".as_ref(), "5s".as_ref(), "--bpf-dir".as_ref(), dir.as_os_str()]);
     // Nothing stalls: the summary at the stop is the first write.
     // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
-    log.read_to_string(&mut stderr).expect("reading the agent's stderr");
-    let status = agent.wait().expect("waiting for stallwatch");
+    unsafe { libc::kill(agent.agent.id() as i32, libc::SIGTERM) };
+    let stderr = agent.ends_cleanly();
     let cleared = Command::new(agent_bin()).args(["state", "clear", "--bpf-dir"]).arg(&dir).output();
-    assert!(status.success(), "{status}; stderr:\n{stderr}");
-    assert!(!stderr.contains("error") && !stderr.contains("panicked"), "{stderr}");
     assert!(stderr.contains("probes left attached"), "the stop skipped its hand-over:\n{stderr}");
     assert!(cleared.is_ok_and(|out| out.status.success()), "stallwatch state clear --bpf-dir {}", dir.display());
     drop(demo);

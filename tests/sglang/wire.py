@@ -5,7 +5,6 @@ stdout. See prefill.py for the flow these reproduce."""
 
 import json
 import os
-import select
 import signal
 import struct
 import sys
@@ -177,37 +176,9 @@ def die_with_parent(parent_pid):
         os._exit(0)
 
 
-class LineReader:
-    """Non-blocking line reader on a raw fd (select + os.read)."""
-
-    def __init__(self, fd):
-        self.fd = fd
-        self.buf = b""
-        self.eof = False
-
-    def poll(self, timeout):
-        if not self.eof:
-            try:
-                ready, _, _ = select.select([self.fd], [], [], max(0.0, timeout))
-            except InterruptedError:
-                ready = []
-            if ready:
-                try:
-                    data = os.read(self.fd, 65536)
-                except (BlockingIOError, InterruptedError):
-                    data = None
-                if data == b"":
-                    self.eof = True
-                elif data:
-                    self.buf += data
-        lines = []
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
-            lines.append(line.decode(errors="replace").strip())
-        if self.eof and self.buf:
-            lines.append(self.buf.decode(errors="replace").strip())
-            self.buf = b""
-        return lines
+# The NIXL driver's non-blocking line reader, for the control pipes here too.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "nixl"))
+from driver import LineReader  # noqa: E402,F401  (re-exported: wire.LineReader)
 
 
 def page_pattern(room, page):
