@@ -87,15 +87,7 @@ impl Target {
 
     /// Read lines until one with `event`.
     fn until(&mut self, event: &str, within: Duration) -> Value {
-        let deadline = Instant::now() + within;
-        loop {
-            let line = self.proc.next_line(deadline.saturating_duration_since(Instant::now()), event);
-            let value = line.json();
-            self.lines.push(line);
-            if let Some(value) = value.filter(|v| v["event"] == event) {
-                return value;
-            }
-        }
+        self.proc.until_event(event, within, &mut self.lines)
     }
 
     /// The transfers created for `room`: handle (as the agent prints it) ->

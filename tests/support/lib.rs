@@ -147,6 +147,20 @@ impl Proc {
         }
     }
 
+    /// Read stdout lines, each kept in `seen`, until a JSON line whose
+    /// `event` is `event` comes, within `within` in all; its value.
+    pub fn until_event(&self, event: &str, within: Duration, seen: &mut Vec<Line>) -> Value {
+        let deadline = Instant::now() + within;
+        loop {
+            let line = self.next_line(deadline.saturating_duration_since(Instant::now()), event);
+            let value = line.json();
+            seen.push(line);
+            if let Some(value) = value.filter(|v| v["event"] == event) {
+                return value;
+            }
+        }
+    }
+
     /// Stdout lines until the process closes stdout, or `within` passes.
     pub fn lines_until_exit(&self, within: Duration) -> Vec<Line> {
         let deadline = Instant::now() + within;
