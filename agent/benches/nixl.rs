@@ -24,15 +24,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use stallwatch::probes::{Profile, resolve::ProcessImage};
-use support::{Agent, Bpftrace, Floor, median};
-
-#[derive(Clone)]
-enum Config {
-    Off,
-    Empty,
-    Bpftrace,
-    Agent(PathBuf),
-}
+use support::{Agent, Bpftrace, Config, Floor, median};
 
 struct Run {
     transfers_per_s: f64,
@@ -110,17 +102,7 @@ fn main() -> Result<()> {
         bail!("no NIXL venv at {}: run `cargo run --release -p xtask -- setup --python`", python().display());
     }
     let profile = Profile::load("nixl")?;
-    let mut columns = vec![("off", Config::Off), ("empty", Config::Empty)];
-    if full {
-        if !support::bpftrace_available() {
-            bail!("no `bpftrace` on PATH: `apt-get install -y bpftrace` (`cargo run --release -p xtask -- bench` does)");
-        }
-        columns.push(("bpftrace", Config::Bpftrace));
-    }
-    columns.push(("stallwatch", Config::Agent(support::agent_bin())));
-    if let Some(baseline) = support::baseline_bin() {
-        columns.push(("baseline", Config::Agent(baseline)));
-    }
+    let columns = support::columns(full)?;
     let runs = if full { 3 } else { 1 };
     let sizes: &[(&str, u64, u64)] =
         if full { &[("4 KiB x 5000", 4096, 5000), ("64 MiB x 40", 64 << 20, 40)] } else { &[("4 KiB x 200", 4096, 200)] };

@@ -31,7 +31,7 @@ use stallwatch::probes::{
     Profile,
     resolve::{ElfFile, ProcessImage},
 };
-use support::{Agent, Bpftrace, Floor, median};
+use support::{Agent, Bpftrace, Config, Floor, median};
 
 /// The calls timed per measurement (a whole request is about 7 calls).
 const CALLS: u64 = 200_000;
@@ -102,15 +102,6 @@ impl Drop for Demo {
     }
 }
 
-/// Who watches the demo in one column.
-#[derive(Clone)]
-enum Config {
-    Off,
-    Empty,
-    Bpftrace,
-    Agent(PathBuf),
-}
-
 /// A configuration attached to a process.
 enum Watching {
     Off,
@@ -155,17 +146,7 @@ impl Watching {
 fn main() -> Result<()> {
     support::require_root("the uprobe benchmark")?;
     let full = !support::smoke();
-    let mut columns = vec![("off", Config::Off), ("empty", Config::Empty)];
-    if full {
-        if !support::bpftrace_available() {
-            bail!("no `bpftrace` on PATH: `apt-get install -y bpftrace` (`cargo run --release -p xtask -- bench` does)");
-        }
-        columns.push(("bpftrace", Config::Bpftrace));
-    }
-    columns.push(("stallwatch", Config::Agent(support::agent_bin())));
-    if let Some(baseline) = support::baseline_bin() {
-        columns.push(("baseline", Config::Agent(baseline)));
-    }
+    let columns = support::columns(full)?;
     let rounds = if full { 3 } else { 1 };
     let scale = if full { 1 } else { 20 };
     per_call(&columns, rounds, scale)?;

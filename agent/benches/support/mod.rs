@@ -222,6 +222,33 @@ impl Floor {
 pub const BPFTRACE: &str = "bpftrace";
 
 /// Whether bpftrace can be run (`xtask bench` installs it).
+/// Who watches the target in one column of a side-by-side table.
+#[derive(Clone)]
+pub enum Config {
+    Off,
+    Empty,
+    Bpftrace,
+    Agent(PathBuf),
+}
+
+/// A table's columns, in order: off, the empty-program floor, bpftrace
+/// (full runs only: a smoke run must not need it), this build's agent, and
+/// the agent `STALLWATCH_BASELINE_BIN` names, if any.
+pub fn columns(full: bool) -> Result<Vec<(&'static str, Config)>> {
+    let mut columns = vec![("off", Config::Off), ("empty", Config::Empty)];
+    if full {
+        if !bpftrace_available() {
+            bail!("no `bpftrace` on PATH: `apt-get install -y bpftrace` (`cargo run --release -p xtask -- bench` does)");
+        }
+        columns.push(("bpftrace", Config::Bpftrace));
+    }
+    columns.push(("stallwatch", Config::Agent(agent_bin())));
+    if let Some(baseline) = baseline_bin() {
+        columns.push(("baseline", Config::Agent(baseline)));
+    }
+    Ok(columns)
+}
+
 pub fn bpftrace_available() -> bool {
     Command::new(BPFTRACE).arg("--version").output().is_ok_and(|out| out.status.success())
 }
