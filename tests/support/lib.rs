@@ -323,7 +323,9 @@ pub struct Agent {
 }
 
 impl Agent {
-    /// Start `stallwatch run` and wait until its probes are attached.
+    /// Start `stallwatch run` and wait until its probes are attached and it
+    /// serves its query socket (bound after attaching and taking over, so
+    /// "watching" alone is too early for a test that looks at the socket).
     /// Without `--socket` in `extra` it serves a fresh [`test_socket`], so
     /// agents of concurrent test runs never meet on the default socket.
     pub fn watch(pid: u32, profile: &str, timeout: &str, extra: &[&str]) -> Self {
@@ -334,6 +336,7 @@ impl Agent {
     pub fn watch_with_env(pid: u32, profile: &str, timeout: &str, extra: &[&str], env: &[(&str, &str)]) -> Self {
         let agent = Self::start(&["--pid", &pid.to_string()], profile, timeout, extra, env);
         agent.proc.wait_stderr("watching", Duration::from_secs(30));
+        agent.proc.wait_stderr("serving `stallwatch inflight`", Duration::from_secs(30));
         agent
     }
 
