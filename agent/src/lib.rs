@@ -19,6 +19,7 @@ pub mod probes;
 pub mod query;
 mod reactor;
 pub mod run;
+pub mod signals;
 pub mod state;
 pub mod status;
 pub mod text;

@@ -13,6 +13,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use aya::maps::{MapData, RingBuf};
 use aya_log::EbpfLogger;
+use stallwatch_common::Event;
 use tokio::{
     io::unix::AsyncFd,
     signal::unix::{SignalKind, signal},
@@ -35,6 +36,7 @@ use crate::{
     query::{QueryServer, SocketPlace},
     reactor,
     state::{BpfDir, KernelState},
+    signals::{self, Signals},
     status::StatusReader,
     transport::Tracker,
 };
@@ -116,6 +118,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
         exit_tx,
         reports: Vec::new(),
         ingest: Ingest::default(),
+        signals: Signals::default(),
     };
 
     let (mut execs, selector) = match target {
@@ -164,6 +167,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
         tokio::select! {
             read = session.reader.read(|bytes| session.ingest.record(
                 bytes, &mut session.transport, &mut session.engine, &mut session.reports,
+                &mut |event| session.signals.route(event, session.probes.slot(event.slot)),
             )) => read?,
             _ = ticks.tick() => {
                 // The clock first: every event submitted before it is read
@@ -304,6 +308,8 @@ struct Session<W> {
     exit_tx: mpsc::UnboundedSender<u32>,
     reports: Vec<Report>,
     ingest: Ingest,
+    /// Where the profile's `[[signal]]` hits go.
+    signals: Signals,
 }
 
 impl<W: Write> Session<W> {
@@ -427,8 +433,9 @@ impl<W: Write> Session<W> {
     /// this runs on every tick; the kernel wakes [`EventReader::read`]
     /// only when the buffer fills past a quarter.
     fn drain(&mut self) {
-        let Session { reader, ingest, transport, engine, reports, .. } = self;
-        reader.drain(|bytes| ingest.record(bytes, transport, engine, reports));
+        let Session { reader, ingest, transport, engine, reports, signals, probes, .. } = self;
+        let mut route = |event: &Event| signals.route(event, probes.slot(event.slot));
+        reader.drain(|bytes| ingest.record(bytes, transport, engine, reports, &mut route));
     }
 
     /// Judge silence at `now`: requests whose stall is due are read first
@@ -505,6 +512,7 @@ impl<W: Write> Session<W> {
         }
         let losses = Losses { kernel: self.probes.counters()?, undecodable: self.ingest.undecodable };
         self.ingest.warn_undecodable();
+        self.signals.finish();
         let export = self.telemetry.finish();
         self.alerts
             .summary(
@@ -565,9 +573,24 @@ struct Ingest {
 }
 
 impl Ingest {
-    fn record(&mut self, bytes: &[u8], transport: &mut Tracker, engine: &mut Engine, reports: &mut Vec<Report>) {
-        match events::decode(bytes).and_then(|event| events::observe(&event)) {
-            Ok(observation) => {
+    fn record(
+        &mut self,
+        bytes: &[u8],
+        transport: &mut Tracker,
+        engine: &mut Engine,
+        reports: &mut Vec<Report>,
+        signal: &mut impl FnMut(&Event),
+    ) {
+        let decoded = events::decode(bytes).and_then(|event| {
+            if signals::is_signal(&event) {
+                signal(&event);
+                return Ok(None);
+            }
+            events::observe(&event).map(Some)
+        });
+        match decoded {
+            Ok(None) => {}
+            Ok(Some(observation)) => {
                 transport.observe(&observation);
                 engine.observe(observation, reports);
             }
@@ -715,9 +738,9 @@ mod tests {
         };
         let logged = warnings(|| {
             for _ in 0..1000 {
-                ingest.record(&[0; 8], &mut transport, &mut engine, &mut reports);
+                ingest.record(&[0; 8], &mut transport, &mut engine, &mut reports, &mut |_| {});
             }
-            ingest.record(&bytes_of(&unknown_stage), &mut transport, &mut engine, &mut reports);
+            ingest.record(&bytes_of(&unknown_stage), &mut transport, &mut engine, &mut reports, &mut |_| {});
             // Two counter periods: the second has nothing new.
             ingest.warn_undecodable();
             ingest.warn_undecodable();

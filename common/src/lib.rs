@@ -89,6 +89,11 @@ pub mod stage {
     pub const FIRST_TERMINAL: u8 = RELEASED;
     /// Live stages timed in [`InflightEntry::stage_ns`](super::InflightEntry::stage_ns).
     pub const LIVE: usize = FIRST_TERMINAL as usize;
+    /// Not a lifecycle stage: the hit is a *signal*, an event the agent
+    /// hands to a consumer of its own (e.g. ZMQ frames), which the kernel
+    /// neither records in the in-flight table nor compares with the last
+    /// event. A slot whose every hit is a signal has this as its stage.
+    pub const SIGNAL: u8 = u8::MAX;
 }
 
 /// Bits of [`SlotConfig::flags`].
@@ -110,6 +115,10 @@ pub mod slot_flags {
     /// A transport-activity slot: count the hit and its time in `HITS` and
     /// `SEEN`, emit nothing (the agent samples them as evidence).
     pub const COUNT_ONLY: u32 = 1 << 7;
+    /// Capture [`EXT_ID_LEN`](super::EXT_ID_LEN) raw bytes at
+    /// [`SlotConfig::ext`], not a NUL-terminated string (binary data such
+    /// as a ZMQ frame); where they cannot all be read, a string is read.
+    pub const EXT_BYTES: u32 = 1 << 8;
     /// The slot is live. The agent writes a process's slots without it,
     /// attaches every probe, then sets it on all of them: a request that
     /// began while only some probes were attached would be seen at one
@@ -144,6 +153,9 @@ pub struct SlotConfig {
 pub mod event_flags {
     /// `ext` holds a NUL-terminated string.
     pub const HAS_EXT: u32 = 1 << 0;
+    /// With `HAS_EXT`: `ext` holds [`EXT_ID_LEN`](super::EXT_ID_LEN) raw
+    /// bytes ([`slot_flags::EXT_BYTES`](super::slot_flags::EXT_BYTES)), not a string.
+    pub const EXT_BYTES: u32 = 1 << 1;
     /// Set when return rule `n` matched: `RULE_MATCHED << n`.
     pub const RULE_MATCHED: u32 = 1 << 8;
 }

@@ -21,7 +21,7 @@ use aya_ebpf::{
     bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, pt_regs},
     helpers::{
         bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
-        bpf_probe_read_user_str_bytes, generated::bpf_get_attach_cookie,
+        bpf_probe_read_user_buf, bpf_probe_read_user_str_bytes, generated::bpf_get_attach_cookie,
     },
     macros::{btf_tracepoint, map, uprobe, uretprobe},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
@@ -366,6 +366,8 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         bump(counter::UNCHANGED);
         return;
     }
+    // A signal is the agent's alone: no in-flight entry, no last event.
+    let lifecycle = matched.stage != stage::SIGNAL;
     // SAFETY: the helper only reads the clock.
     let ts = unsafe { bpf_ktime_get_ns() };
     let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
@@ -373,7 +375,9 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         // The agent misses this event, but the in-flight table need not;
         // it is not recorded as emitted, so a poll answering the same
         // again is sent again.
-        track(&request, matched.stage, ts, None, None);
+        if lifecycle {
+            track(&request, matched.stage, ts, None, None);
+        }
         return;
     };
     let event = entry.as_mut_ptr();
@@ -391,7 +395,11 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         (*event).stage = matched.stage;
         (*event).ext[0] = 0;
         if cfg.flags & slot_flags::HAS_EXT != 0 && guard_holds(cfg, args, ret, key) {
+            let bytes = cfg.flags & slot_flags::EXT_BYTES != 0;
             match resolve(&cfg.ext, args, ret, key) {
+                Some(at) if bytes && bpf_probe_read_user_buf(at as *const u8, &mut (*event).ext).is_ok() => {
+                    (*event).flags |= event_flags::HAS_EXT | event_flags::EXT_BYTES;
+                }
                 Some(at) if bpf_probe_read_user_str_bytes(at as *const u8, &mut (*event).ext).is_ok() => {
                     (*event).flags |= event_flags::HAS_EXT;
                 }
@@ -399,9 +407,11 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
                 _ => bump(counter::EXT_UNREADABLE),
             }
         }
-        // Before the submit: once submitted the record is the agent's.
-        let ext = if (*event).flags & event_flags::HAS_EXT != 0 { Some(&(*event).ext) } else { None };
-        track(&request, matched.stage, ts, ext, emitted);
+        if lifecycle {
+            // Before the submit: once submitted the record is the agent's.
+            let ext = if (*event).flags & event_flags::HAS_EXT != 0 { Some(&(*event).ext) } else { None };
+            track(&request, matched.stage, ts, ext, emitted);
+        }
     }
     let wakeup = if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKEUP_AT {
         BPF_RB_FORCE_WAKEUP

@@ -230,3 +230,68 @@ fn at_the_highest_rate_nothing_is_lost_and_stalls_are_on_time() {
     assert!(per_tick > 35_000, "the demo ran too slowly to test this: {per_tick} events a tick, {done}");
     let _ = demo.proc.wait(Duration::from_secs(5));
 }
+
+/// A profile's `[[signal]]` tables: every hit reaches the agent with the
+/// value and the string or raw bytes it read, and none is a lifecycle
+/// (the requests it probes are followed as before, none stalls).
+#[test]
+fn signal_probes_deliver_their_value_and_capture_without_touching_lifecycles() {
+    require_root();
+    let demo_profile = String::from_utf8(
+        Command::new(agent_bin()).args(["profile", "show", "demo"]).output().expect("profile show").stdout,
+    )
+    .expect("utf-8 profile");
+    // prefill_enqueue(const Request *req): the id at offset 0, the room
+    // string inlined at 8; the same function as the `enqueued` probe.
+    let profile = format!(
+        "{demo_profile}\n[[signal]]\nname = \"room_text\"\nsymbol = \"prefill_enqueue\"\nat = \"entry\"\n\
+         value = {{ from = \"arg0\", deref = [0] }}\ntext = {{ from = \"arg0\", add = 8 }}\n\n\
+         [[signal]]\nname = \"room_bytes\"\nsymbol = \"prefill_enqueue\"\nat = \"entry\"\n\
+         value = {{ from = \"arg0\", deref = [0] }}\nbytes = {{ from = \"arg0\", add = 8 }}\n"
+    );
+    let path = std::env::temp_dir().join(format!("stallwatch-signal-{}.toml", std::process::id()));
+    std::fs::write(&path, profile).expect("writing the profile");
+    let mut demo = Demo::start(&["--rate", "200", "--duration", "3s"]);
+    let agent = Agent::watch_with_env(
+        demo.proc.pid(),
+        path.to_str().expect("utf-8 path"),
+        "1s",
+        &[],
+        &[("STALLWATCH_LOG", "stallwatch=debug")],
+    );
+    demo.go();
+    let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(30));
+    let _ = std::fs::remove_file(&path);
+    let stderr = agent.proc.stderr();
+    let field = |line: &str, name: &str| {
+        let at = line.find(&format!(" {name}="))? + name.len() + 2;
+        line[at..].split(' ').next().map(str::to_owned)
+    };
+    let mut texts = 0;
+    let mut raw = 0;
+    for line in stderr.lines().filter(|l| l.contains(" signal ") || l.ends_with(" signal")) {
+        let value = field(line, "value").unwrap_or_else(|| panic!("no value: {line}"));
+        let id = u64::from_str_radix(value.trim_start_matches("0x"), 16).unwrap_or_else(|_| panic!("{line}"));
+        let capture = field(line, "capture").unwrap_or_else(|| panic!("no capture: {line}"));
+        match field(line, "name").as_deref() {
+            Some("room_text") => {
+                assert_eq!(capture, format!("room-{id}"), "{line}");
+                texts += 1;
+            }
+            Some("room_bytes") => {
+                // 64 raw bytes: the room's text, then its NUL padding.
+                let want: String = format!("room-{id}").bytes().map(|b| format!("{b:02x}")).collect();
+                assert!(capture.len() == 128 && capture.starts_with(&format!("{want}00")), "{line}");
+                raw += 1;
+            }
+            other => panic!("a signal of no profile table ({other:?}): {line}"),
+        }
+    }
+    let summary = summary(&agent_lines);
+    let seen = summary["seen"].as_u64().expect("seen");
+    assert!(seen >= 100, "{summary}");
+    assert_eq!((texts, raw), (seen, seen), "one signal of each kind per request:\n{stderr}");
+    assert_eq!(summary["completed"], seen, "signals are no lifecycles: {summary}");
+    assert_eq!(alerts(&agent_lines, "stalled").count(), 0, "{agent_lines:?}");
+    let _ = demo.proc.wait(Duration::from_secs(5));
+}

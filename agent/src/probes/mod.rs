@@ -34,7 +34,7 @@ use aya::{
 use stallwatch_common::{MAX_SLOTS, SlotConfig, cmp, counter, slot_flags};
 use tracing::{info, warn};
 
-pub use self::profile::{ActivityKind, ActivitySpec, At, Profile, ProbeSpec, RetType, StatusSpec};
+pub use self::profile::{ActivityKind, ActivitySpec, At, Capture, Profile, ProbeSpec, RetType, SignalSpec, StatusSpec};
 use self::resolve::{ElfFile, FirstInsn, ProcessImage};
 use crate::state::{BpfDir, BpfTables, KernelState, OldLink, PINNED_MAPS};
 
@@ -54,6 +54,8 @@ pub enum Role {
     Lifecycle(Arc<ProbeSpec>),
     /// Hits are counted as transport activity of this kind.
     Activity(ActivityKind),
+    /// Hits are signals for the consumer of this name.
+    Signal(Arc<SignalSpec>),
 }
 
 /// One attached probe: what the event decoder needs to know of a slot.
@@ -336,6 +338,10 @@ impl Probes {
                 other => other?,
             }
         }
+        for spec in &profile.signals {
+            let target = Target { object: spec.object.as_deref(), symbol: &spec.symbol, line: spec.line };
+            self.attach_slot(image, &mut files, profile, &target, spec.slot_config(), Role::Signal(Arc::new(spec.clone())))?;
+        }
         Ok(())
     }
 
@@ -360,6 +366,7 @@ impl Probes {
         let at = match &role {
             Role::Lifecycle(spec) => spec.at,
             Role::Activity(_) => At::Entry,
+            Role::Signal(spec) => spec.at,
         };
         self.slots[index as usize] = Some(Slot {
             pid,
@@ -460,6 +467,11 @@ impl Probes {
     }
 
     /// The slots in use, with their indices.
+    /// The probe attached at slot `index`, if one is.
+    pub fn slot(&self, index: u32) -> Option<&Slot> {
+        self.slots.get(index as usize)?.as_ref()
+    }
+
     pub fn slots(&self) -> impl Iterator<Item = (u32, &Slot)> {
         self.slots.iter().enumerate().filter_map(|(index, slot)| Some((index as u32, slot.as_ref()?)))
     }
@@ -497,6 +509,7 @@ impl Probes {
         let role = match &slot.role {
             Role::Lifecycle(_) => "lifecycle",
             Role::Activity(kind) => kind.as_str(),
+            Role::Signal(_) => "signal",
         };
         Ok(ProbeHits { pid: slot.pid, symbol: slot.symbol.clone(), role, hits: self.hits(index)? })
     }

@@ -9,7 +9,7 @@ use std::{fmt, path::Path};
 use anyhow::{Context as _, Result, anyhow, bail};
 use serde::Deserialize;
 use stallwatch_common::{
-    MAX_DEREF, MAX_RET_RULES, RetRule, SAVED_ARGS, SlotConfig, ValueSource, base, cmp, slot_flags,
+    MAX_DEREF, MAX_RET_RULES, RetRule, SAVED_ARGS, SlotConfig, ValueSource, base, cmp, slot_flags, stage,
 };
 use toml::Spanned;
 
@@ -41,6 +41,9 @@ pub struct Profile {
     pub probes: Vec<ProbeSpec>,
     /// Transport functions whose calls are counted as evidence.
     pub activity: Vec<ActivitySpec>,
+    /// Functions whose hits are signals for a consumer in the agent, not
+    /// lifecycle events (`[[signal]]`).
+    pub signals: Vec<SignalSpec>,
     /// Where a request's state lies in the target's memory, read for a
     /// request whose stall is due (`[status]`).
     pub status: Option<StatusSpec>,
@@ -114,6 +117,79 @@ impl ActivitySpec {
     pub fn slot_config() -> SlotConfig {
         SlotConfig { flags: slot_flags::COUNT_ONLY | slot_flags::CONFIGURED, ..SlotConfig::default() }
     }
+}
+
+/// A `[[signal]]` table: every hit is an event for a consumer in the
+/// agent, named by `name` (e.g. the ZMQ frames behind SGLang's rooms),
+/// which the kernel does not track as a request: a value, and optionally a
+/// string or raw bytes read at an address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SignalSpec {
+    pub line: usize,
+    /// What consumers know it by.
+    pub name: String,
+    pub object: Option<String>,
+    pub symbol: String,
+    pub at: At,
+    pub ret: RetType,
+    pub value: Source,
+    pub capture: Option<Capture>,
+}
+
+/// What a signal reads at an address besides its value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Capture {
+    /// A NUL-terminated string (`text`).
+    Text(Source),
+    /// [`EXT_ID_LEN`](stallwatch_common::EXT_ID_LEN) raw bytes (`bytes`).
+    Bytes(Source),
+}
+
+impl SignalSpec {
+    /// The kernel-side configuration of this signal's slot.
+    pub fn slot_config(&self) -> SlotConfig {
+        let mut cfg = SlotConfig { key: self.value.lower(), stage: stage::SIGNAL, ..SlotConfig::default() };
+        let capture = match &self.capture {
+            Some(Capture::Text(at)) => Some((at, 0)),
+            Some(Capture::Bytes(at)) => Some((at, slot_flags::EXT_BYTES)),
+            None => None,
+        };
+        let mut flags = return_flags(self.at, self.ret, args_read(std::iter::once(&self.value).chain(capture.map(|(at, _)| at))), &mut cfg);
+        if let Some((at, bytes)) = capture {
+            flags |= slot_flags::HAS_EXT | bytes;
+            cfg.ext = at.lower();
+        }
+        cfg.flags = flags | slot_flags::CONFIGURED;
+        cfg
+    }
+}
+
+/// The flags (and saved-argument count) of a probe at `at`: a return
+/// probe's entry saves the `nargs` arguments its return reads.
+fn return_flags(at: At, ret: RetType, nargs: u32, cfg: &mut SlotConfig) -> u32 {
+    if at != At::Return {
+        return 0;
+    }
+    let mut flags = slot_flags::RETURN;
+    if ret == RetType::I32 {
+        flags |= slot_flags::RET_I32;
+    }
+    if nargs > 0 {
+        flags |= slot_flags::NEEDS_ARGS;
+        cfg.nargs = nargs;
+    }
+    flags
+}
+
+/// How many arguments a probe reading `sources` needs saved.
+fn args_read<'a>(sources: impl Iterator<Item = &'a Source>) -> u32 {
+    sources
+        .filter_map(|source| match source.from {
+            From::Arg(n) => Some(u32::from(n) + 1),
+            From::Ret | From::Key => None,
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// Entry or return of the probed function.
@@ -258,6 +334,27 @@ impl Profile {
                 );
             }
         }
+        let signals = raw
+            .signal
+            .into_iter()
+            .map(|spanned| {
+                let line = line_of(text, spanned.span().start);
+                let raw = spanned.into_inner();
+                let name = raw.name.clone();
+                raw.validate(line).map_err(|err| anyhow!("profile {origin}, line {line} ([[signal]] `{name}`): {err}"))
+            })
+            .collect::<Result<Vec<SignalSpec>>>()?;
+        for (i, spec) in signals.iter().enumerate() {
+            if let Some(earlier) = signals[..i].iter().find(|e| e.name == spec.name) {
+                bail!(
+                    "profile {origin}, line {} ([[signal]] `{}`): the [[signal]] on line {} has the same name, and \
+                     consumers tell signals apart by name: rename one",
+                    spec.line,
+                    spec.name,
+                    earlier.line
+                );
+            }
+        }
         let status = raw
             .status
             .map(|spanned| {
@@ -273,6 +370,7 @@ impl Profile {
             origin: origin.to_owned(),
             probes,
             activity,
+            signals,
             status,
         })
     }
@@ -282,18 +380,7 @@ impl ProbeSpec {
     /// The kernel-side configuration of this probe's slot.
     pub fn slot_config(&self) -> SlotConfig {
         let mut cfg = SlotConfig { key: self.key.lower(), ..SlotConfig::default() };
-        let mut flags = 0;
-        if self.at == At::Return {
-            flags |= slot_flags::RETURN;
-            if self.ret == RetType::I32 {
-                flags |= slot_flags::RET_I32;
-            }
-            let nargs = self.args_read();
-            if nargs > 0 {
-                flags |= slot_flags::NEEDS_ARGS;
-                cfg.nargs = nargs;
-            }
-        }
+        let mut flags = return_flags(self.at, self.ret, self.args_read(), &mut cfg);
         match &self.action {
             Action::Always(stage) => cfg.stage = *stage as u8,
             Action::OnReturn(rules) => {
@@ -361,14 +448,7 @@ impl ProbeSpec {
     /// How many arguments a return probe reads (so its entry must save them).
     pub fn args_read(&self) -> u32 {
         let ext = self.external_id.iter().flat_map(|ext| std::iter::once(&ext.at).chain(&ext.guard));
-        std::iter::once(&self.key)
-            .chain(ext)
-            .filter_map(|source| match source.from {
-                From::Arg(n) => Some(u32::from(n) + 1),
-                From::Ret | From::Key => None,
-            })
-            .max()
-            .unwrap_or(0)
+        args_read(std::iter::once(&self.key).chain(ext))
     }
 }
 
@@ -445,7 +525,55 @@ struct RawProfile {
     probe: Vec<Spanned<RawProbe>>,
     #[serde(default)]
     activity: Vec<Spanned<RawActivity>>,
+    #[serde(default)]
+    signal: Vec<Spanned<RawSignal>>,
     status: Option<Spanned<RawStatus>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSignal {
+    name: String,
+    object: Option<String>,
+    symbol: String,
+    at: At,
+    ret: Option<RetType>,
+    value: RawSource,
+    text: Option<RawSource>,
+    bytes: Option<RawSource>,
+}
+
+impl RawSignal {
+    fn validate(self, line: usize) -> Result<SignalSpec> {
+        if self.name.trim().is_empty() {
+            bail!("`name` is empty: name the signal as its consumer knows it");
+        }
+        if self.symbol.trim().is_empty() {
+            bail!("`symbol` is empty: name the function to probe (mangled C++ names are fine)");
+        }
+        if self.at == At::Entry && self.ret.is_some() {
+            bail!("`ret` describes a return value: it needs `at = \"return\"`");
+        }
+        let value = self.value.validate("value", self.at, false)?;
+        // `from = "key"` reads at the signal's value, which may well be an
+        // address (a data pointer returned).
+        let capture = match (self.text, self.bytes) {
+            (Some(text), None) => Some(Capture::Text(text.validate("text", self.at, true)?)),
+            (None, Some(bytes)) => Some(Capture::Bytes(bytes.validate("bytes", self.at, true)?)),
+            (None, None) => None,
+            (Some(_), Some(_)) => bail!("give either `text` (a string) or `bytes` (raw bytes), not both"),
+        };
+        Ok(SignalSpec {
+            line,
+            name: self.name,
+            object: self.object.filter(|object| !object.is_empty()),
+            symbol: self.symbol,
+            at: self.at,
+            ret: self.ret.unwrap_or_default(),
+            value,
+            capture,
+        })
+    }
 }
 
 #[derive(Deserialize)]
@@ -773,6 +901,46 @@ mod tests {
         assert_eq!(cfg.key.offsets[..2], [8, 16]);
         assert_eq!(cfg.key.add, 4);
         assert_eq!(cfg.stage, stallwatch_common::stage::RELEASED);
+    }
+
+    const ONE_PROBE: &str = "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg0\" }\n";
+
+    #[test]
+    fn signals_lower_to_untracked_slots_reading_their_value_and_capture() {
+        let text = format!(
+            "{ONE_PROBE}\n[[signal]]\nname = \"frame\"\nobject = \"libzmq.so\"\nsymbol = \"zmq_msg_data\"\nat = \"return\"\n\
+             value = {{ from = \"arg0\" }}\nbytes = {{ from = \"ret\" }}\n\n\
+             [[signal]]\nname = \"peer\"\nsymbol = \"g\"\nat = \"entry\"\nvalue = {{ from = \"arg5\" }}\ntext = {{ from = \"arg3\", deref = [0] }}\n"
+        );
+        let profile = Profile::parse(&text, "test").unwrap();
+        let [frame, peer] = profile.signals.as_slice() else { panic!("{:?}", profile.signals) };
+        assert_eq!((frame.name.as_str(), frame.line, frame.object.as_deref()), ("frame", 7, Some("libzmq.so")));
+        let cfg = frame.slot_config();
+        assert_eq!(cfg.stage, stage::SIGNAL);
+        let want = slot_flags::RETURN | slot_flags::NEEDS_ARGS | slot_flags::HAS_EXT | slot_flags::EXT_BYTES | slot_flags::CONFIGURED;
+        assert_eq!((cfg.flags, cfg.nargs), (want, 1));
+        assert_eq!((cfg.key.base, cfg.ext.base), (base::ARG, base::RET));
+        let cfg = peer.slot_config();
+        assert_eq!(cfg.flags, slot_flags::HAS_EXT | slot_flags::CONFIGURED);
+        assert_eq!((cfg.key.index, cfg.ext.index, cfg.ext.depth), (5, 3, 1));
+    }
+
+    #[test]
+    fn invalid_signals_name_their_line_and_the_fix() {
+        let signal = |body: &str| format!("{ONE_PROBE}[[signal]]\nname = \"s\"\nsymbol = \"g\"\n{body}");
+        let err = error_of(&signal("at = \"entry\"\nvalue = { from = \"ret\" }\n"));
+        assert!(err.contains("line 6 ([[signal]] `s`): `value.from = \"ret\"` needs `at = \"return\"`"), "{err}");
+        let err = error_of(&signal("at = \"return\"\nvalue = { from = \"ret\" }\ntext = { from = \"ret\" }\nbytes = { from = \"ret\" }\n"));
+        assert!(err.contains("either `text`") && err.contains("line 6"), "{err}");
+        let err = error_of(&signal("at = \"entry\"\nret = \"i32\"\nvalue = { from = \"arg0\" }\n"));
+        assert!(err.contains("`ret` describes a return value"), "{err}");
+        let err = error_of(&signal("at = \"entry\"\n"));
+        assert!(err.contains("value"), "{err}");
+        let err = error_of(&format!("{ONE_PROBE}[[signal]]\nname = \" \"\nsymbol = \"g\"\nat = \"entry\"\nvalue = {{ from = \"arg0\" }}\n"));
+        assert!(err.contains("`name` is empty"), "{err}");
+        let twice = signal("at = \"entry\"\nvalue = { from = \"arg0\" }\n");
+        let err = error_of(&format!("{twice}{}", twice.trim_start_matches(ONE_PROBE)));
+        assert!(err.contains("line 11 ([[signal]] `s`): the [[signal]] on line 6 has the same name"), "{err}");
     }
 
     #[test]

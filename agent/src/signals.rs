@@ -1,0 +1,155 @@
+//! Signals: probe hits that are not lifecycle events (a profile's
+//! `[[signal]]` tables). The kernel hands them over as events of stage
+//! [`stage::SIGNAL`] without tracking them; here each one is named by its
+//! slot's spec and handed to the consumer of that name, never to the
+//! lifecycle engine. With no consumer of its name a signal is only logged
+//! (`STALLWATCH_LOG=debug`), which is how a profile author checks what a
+//! signal reads.
+use std::sync::Arc;
+
+use stallwatch_common::{EXT_ID_LEN, Event, event_flags, stage};
+use tracing::{debug, info};
+
+use crate::{
+    probes::{Role, SignalSpec, Slot},
+    text,
+};
+
+/// One signal hit, as its consumer sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Signal {
+    pub pid: u32,
+    pub tid: u32,
+    pub ts_ns: u64,
+    /// What the spec's `value` read.
+    pub value: u64,
+    /// The return value (0 at entry).
+    pub ret: i64,
+    pub capture: Captured,
+}
+
+/// What a signal read at an address besides its value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Captured {
+    /// Nothing asked for, or it could not be read (the kernel counts that
+    /// as `ext_unreadable`).
+    None,
+    /// A string, up to its NUL (also what `bytes` falls back to where the
+    /// whole [`EXT_ID_LEN`] bytes could not be read).
+    Text(Box<[u8]>),
+    /// [`EXT_ID_LEN`] raw bytes.
+    Bytes(Box<[u8; EXT_ID_LEN]>),
+}
+
+impl Signal {
+    pub fn of(event: &Event) -> Self {
+        let capture = if event.flags & event_flags::HAS_EXT == 0 {
+            Captured::None
+        } else if event.flags & event_flags::EXT_BYTES != 0 {
+            Captured::Bytes(Box::new(event.ext))
+        } else {
+            let len = event.ext.iter().position(|&b| b == 0).unwrap_or(EXT_ID_LEN);
+            Captured::Text(event.ext[..len].into())
+        };
+        Self { pid: event.pid, tid: event.tid, ts_ns: event.ts_ns, value: event.key, ret: event.ret, capture }
+    }
+}
+
+/// Whether an event is a signal rather than a lifecycle event.
+pub fn is_signal(event: &Event) -> bool {
+    event.stage == stage::SIGNAL
+}
+
+/// Hands each signal to its consumer.
+#[derive(Default)]
+pub struct Signals {
+    /// Signals whose slot is no signal of their process any more (a
+    /// previous agent's probes, read after a restart, or a process gone):
+    /// their meaning is unknown, so they are dropped, counted.
+    pub unrouted: u64,
+}
+
+impl Signals {
+    /// Route one signal event of slot `slot` (`None`: not attached now).
+    pub fn route(&mut self, event: &Event, slot: Option<&Slot>) {
+        let spec: Arc<SignalSpec> = match slot {
+            Some(Slot { pid, role: Role::Signal(spec), .. }) if *pid == event.pid => spec.clone(),
+            _ => {
+                self.unrouted += 1;
+                return;
+            }
+        };
+        let signal = Signal::of(event);
+        debug!(
+            name = %spec.name,
+            pid = signal.pid,
+            tid = signal.tid,
+            value = format_args!("{:#x}", signal.value),
+            ret = signal.ret,
+            capture = %Shown(&signal.capture),
+            "signal"
+        );
+    }
+
+    /// At exit: what could not be routed, if anything.
+    pub fn finish(&self) {
+        if self.unrouted > 0 {
+            info!(unrouted = self.unrouted, "signals of probes no longer attached were dropped (their meaning is unknown)");
+        }
+    }
+}
+
+/// A capture for a log line: text quoted, bytes in hex.
+struct Shown<'a>(&'a Captured);
+
+impl std::fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Captured::None => f.write_str("none"),
+            Captured::Text(bytes) => f.write_str(&text::value(&String::from_utf8_lossy(bytes))),
+            Captured::Bytes(bytes) => bytes.iter().try_for_each(|b| write!(f, "{b:02x}")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(flags: u32, ext: &[u8]) -> Event {
+        let mut event = Event {
+            ts_ns: 5,
+            key: 0x10,
+            ret: 3,
+            pid: 9,
+            tid: 10,
+            slot: 0,
+            flags,
+            stage: stage::SIGNAL,
+            _pad: [0; 7],
+            ext: [0; EXT_ID_LEN],
+        };
+        event.ext[..ext.len()].copy_from_slice(ext);
+        event
+    }
+
+    #[test]
+    fn captures_are_text_up_to_nul_raw_bytes_or_nothing() {
+        let text = Signal::of(&event(event_flags::HAS_EXT, b"ABORT\0junk"));
+        assert_eq!(text.capture, Captured::Text(b"ABORT".as_slice().into()));
+        assert_eq!((text.pid, text.tid, text.value, text.ret, text.ts_ns), (9, 10, 0x10, 3, 5));
+        let raw = Signal::of(&event(event_flags::HAS_EXT | event_flags::EXT_BYTES, b"KV\0STATUS"));
+        let Captured::Bytes(bytes) = raw.capture else { panic!("{raw:?}") };
+        assert_eq!(&bytes[..9], b"KV\0STATUS");
+        assert_eq!(Signal::of(&event(0, b"ABORT")).capture, Captured::None);
+        assert_eq!(Shown(&Captured::Text(b"a b".as_slice().into())).to_string(), text::value("a b"));
+        assert!(is_signal(&event(0, b"")));
+    }
+
+    #[test]
+    fn signals_of_slots_not_attached_as_signals_are_dropped_counted() {
+        let mut signals = Signals::default();
+        signals.route(&event(0, b""), None);
+        assert_eq!(signals.unrouted, 1);
+    }
+}
