@@ -232,6 +232,11 @@ fn print(write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()
 /// `stallwatch profile check`: what each probe of a valid profile attaches to.
 fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
     writeln!(out, "profile {}: ok", profile.name)?;
+    if let Some(base) = &profile.extends {
+        writeln!(out, "  extends {base}")?;
+    }
+    // What a profile inherits names the file it comes from.
+    let from = |origin: &str| if origin == profile.origin { String::new() } else { format!(" (from {origin})") };
     for probe in &profile.probes {
         let events = match &probe.action {
             profile::Action::Always(stage) => stage.to_string(),
@@ -241,32 +246,35 @@ fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
         };
         writeln!(
             out,
-            "  line {:>3}: {events:<30} {:?} of `{}` in {}",
+            "  line {:>3}: {events:<30} {:?} of `{}` in {}{}",
             probe.line,
             probe.at,
             probe.symbol,
-            probe.object.as_deref().unwrap_or("the executable")
+            probe.object.as_deref().unwrap_or("the executable"),
+            from(&probe.origin)
         )?;
     }
     if let Some(status) = &profile.status {
         let stages = status.rules.iter().map(|(_, stage)| stage.to_string()).collect::<Vec<_>>().join(" | ");
         writeln!(
             out,
-            "  line {:>3}: {stages:<30} read from the target's memory, key {}{:+}, when a stall is due",
+            "  line {:>3}: {stages:<30} read from the target's memory, key {}{:+}, when a stall is due{}",
             status.line,
             status.at.deref.iter().map(|offset| format!("->[{offset:+}]")).collect::<String>(),
             status.at.add,
+            from(&status.origin)
         )?;
     }
     for activity in &profile.activity {
         writeln!(
             out,
-            "  line {:>3}: {:<30} Entry of `{}` in {}{}",
+            "  line {:>3}: {:<30} Entry of `{}` in {}{}{}",
             activity.line,
             format!("transport {}", activity.kind.as_str()),
             activity.symbol,
             activity.object.as_deref().unwrap_or("the executable"),
-            if activity.optional { " (optional)" } else { "" }
+            if activity.optional { " (optional)" } else { "" },
+            from(&activity.origin)
         )?;
     }
     Ok(())

@@ -90,7 +90,7 @@ impl StatusReader {
                 return None;
             }
             Err(err) => {
-                return self.unreadable(format!("reading the status of pid {pid} key {key:#x} (profile line {}): {err}", self.spec.line));
+                return self.unreadable(format!("reading the status of pid {pid} key {key:#x} (profile {}, line {}): {err}", self.spec.origin, self.spec.line));
             }
         };
         // The read raced a release: the memory may have been freed mid-read.
@@ -107,7 +107,8 @@ impl StatusReader {
             None => {
                 self.reads.unrecognised += 1;
                 self.last_problem = Some(format!(
-                    "pid {pid} key {key:#x}: status {value}, which no `values` rule of the profile's [status] (line {}) takes",
+                    "pid {pid} key {key:#x}: status {value}, which no `values` rule of the [status] of profile {}, line {} takes",
+                    self.spec.origin,
                     self.spec.line
                 ));
                 None

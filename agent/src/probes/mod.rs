@@ -324,13 +324,13 @@ impl Probes {
         let mut files = ElfCache::default();
         for spec in &profile.probes {
             let cfg = spec.slot_config();
-            let target = Target { object: spec.object.as_deref(), symbol: &spec.symbol, line: spec.line };
-            self.attach_slot(image, &mut files, profile, &target, cfg, Role::Lifecycle(Arc::new(spec.clone())))?;
+            let target = Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
+            self.attach_slot(image, &mut files, &target, cfg, Role::Lifecycle(Arc::new(spec.clone())))?;
         }
         for spec in &profile.activity {
-            let target = Target { object: spec.object.as_deref(), symbol: &spec.symbol, line: spec.line };
+            let target = Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
             let attached =
-                self.attach_slot(image, &mut files, profile, &target, ActivitySpec::slot_config(), Role::Activity(spec.kind));
+                self.attach_slot(image, &mut files, &target, ActivitySpec::slot_config(), Role::Activity(spec.kind));
             match attached {
                 Err(err) if spec.optional && err.downcast_ref::<Unresolved>().is_some() => {
                     info!(pid = image.pid, symbol = %spec.symbol, reason = %err, "optional transport probe skipped");
@@ -339,8 +339,8 @@ impl Probes {
             }
         }
         for spec in &profile.signals {
-            let target = Target { object: spec.object.as_deref(), symbol: &spec.symbol, line: spec.line };
-            self.attach_slot(image, &mut files, profile, &target, spec.slot_config(), Role::Signal(Arc::new(spec.clone())))?;
+            let target = Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
+            self.attach_slot(image, &mut files, &target, spec.slot_config(), Role::Signal(Arc::new(spec.clone())))?;
         }
         Ok(())
     }
@@ -350,7 +350,6 @@ impl Probes {
         &mut self,
         image: &ProcessImage,
         files: &mut ElfCache,
-        profile: &Profile,
         target: &Target<'_>,
         cfg: SlotConfig,
         role: Role,
@@ -360,7 +359,7 @@ impl Probes {
         let resolved = files
             .open(&object.host_path)?
             .resolve(target.symbol)
-            .map_err(|err| Unresolved(format!("profile {}, line {}: {err:#}", profile.origin, target.line)))?;
+            .map_err(|err| Unresolved(format!("profile {}, line {}: {err:#}", target.origin, target.line)))?;
         let index = self.allocate_slot()?;
         self.slots_map.set(index, cfg, 0).context("writing the slot config map")?;
         let at = match &role {
@@ -573,6 +572,8 @@ pub struct ProbeHits {
 struct Target<'a> {
     object: Option<&'a str>,
     symbol: &'a str,
+    /// The profile file that names the probe (one the profile extends, maybe).
+    origin: &'a str,
     line: usize,
 }
 

@@ -4,7 +4,11 @@
 //! A profile is a TOML file (format in the README) or one of the built-ins.
 //! Parsing checks everything the kernel side cannot: every error names the
 //! file, the line of the `[[probe]]` table and what to write instead.
-use std::{fmt, path::Path};
+use std::{
+    fmt,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use serde::Deserialize;
@@ -21,7 +25,12 @@ const BUILTIN: &[(&str, &str)] = &[
     ("demo", include_str!("builtin/demo.toml")),
     ("nixl", include_str!("builtin/nixl.toml")),
     ("marker", include_str!("builtin/marker.toml")),
+    ("sglang", include_str!("builtin/sglang.toml")),
 ];
+
+/// Deepest chain of `extends` a profile may have (a longer one is a loop
+/// or a mistake).
+const MAX_EXTENDS: usize = 8;
 
 /// Names of the built-in profiles, for help texts and errors.
 pub fn builtin_names() -> impl Iterator<Item = &'static str> {
@@ -38,6 +47,9 @@ pub struct Profile {
     pub name: String,
     /// Where it came from: a path, or `built-in NAME`; used in errors.
     pub origin: String,
+    /// The profile it `extends`, by its origin, if any (what it inherits
+    /// names its own origin).
+    pub extends: Option<String>,
     pub probes: Vec<ProbeSpec>,
     /// Transport functions whose calls are counted as evidence.
     pub activity: Vec<ActivitySpec>,
@@ -55,6 +67,8 @@ pub struct Profile {
 /// status the target polls in a hot loop needs no probe.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StatusSpec {
+    /// The profile file the table is in (a profile's own, or one it extends).
+    pub origin: Arc<str>,
     /// 1-based line of the `[status]` table.
     pub line: usize,
     /// From the key: `deref` steps (each reads a `u64`), then `add`.
@@ -104,6 +118,8 @@ impl ActivityKind {
 /// A `[[activity]]` table: a transport function counted, never an event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ActivitySpec {
+    /// The profile file the table is in (a profile's own, or one it extends).
+    pub origin: Arc<str>,
     pub line: usize,
     pub object: Option<String>,
     pub symbol: String,
@@ -125,6 +141,8 @@ impl ActivitySpec {
 /// string or raw bytes read at an address.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SignalSpec {
+    /// The profile file the table is in (a profile's own, or one it extends).
+    pub origin: Arc<str>,
     pub line: usize,
     /// What consumers know it by.
     pub name: String,
@@ -248,6 +266,8 @@ pub enum Action {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProbeSpec {
+    /// The profile file the table is in (a profile's own, or one it extends).
+    pub origin: Arc<str>,
     /// 1-based line of the `[[probe]]` table.
     pub line: usize,
     /// Executable or library name as mapped in the target; `None` is the
@@ -265,47 +285,75 @@ pub struct ProbeSpec {
 impl Profile {
     /// `spec` is a built-in name or a path to a TOML file.
     pub fn load(spec: &str) -> Result<Self> {
+        Self::load_in(spec, None, &mut Vec::new())
+    }
+
+    /// Parse and validate profile text; `origin` names it in errors. An
+    /// `extends` path in it is taken from the current directory.
+    pub fn parse(text: &str, origin: &str) -> Result<Self> {
+        Self::parse_in(text, origin, None, &mut Vec::new())
+    }
+
+    /// `spec` as [`Self::load`], a relative path taken from `dir` (the
+    /// directory of the profile that extends it); `chain` holds the
+    /// origins being loaded, to refuse a loop.
+    fn load_in(spec: &str, dir: Option<&Path>, chain: &mut Vec<String>) -> Result<Self> {
         if let Some(text) = builtin_text(spec) {
-            return Self::parse(text, &format!("built-in profile `{spec}`"));
+            return Self::parse_in(text, &format!("built-in profile `{spec}`"), None, chain);
         }
-        let path = Path::new(spec);
+        let path = match dir {
+            Some(dir) if Path::new(spec).is_relative() => dir.join(spec),
+            _ => PathBuf::from(spec),
+        };
         if !path.exists() {
             bail!(
-                "no built-in profile named `{spec}` and no file `{spec}`: built-ins are {}; \
+                "no built-in profile named `{spec}` and no file `{}`: built-ins are {}; \
                  otherwise pass the path of a profile TOML file",
+                path.display(),
                 builtin_names().collect::<Vec<_>>().join(", ")
             );
         }
-        let text = std::fs::read_to_string(path)
+        let text = std::fs::read_to_string(&path)
             .with_context(|| format!("reading profile file {}", path.display()))?;
-        Self::parse(&text, &path.display().to_string())
+        let dir = path.parent().map(Path::to_path_buf);
+        Self::parse_in(&text, &path.display().to_string(), dir.as_deref(), chain)
     }
 
-    /// Parse and validate profile text; `origin` names it in errors.
-    pub fn parse(text: &str, origin: &str) -> Result<Self> {
+    fn parse_in(text: &str, origin: &str, dir: Option<&Path>, chain: &mut Vec<String>) -> Result<Self> {
+        if chain.iter().any(|earlier| earlier == origin) {
+            bail!("profiles extend one another in a loop: {} -> {origin}", chain.join(" -> "));
+        }
         let raw: RawProfile =
             toml::from_str(text).map_err(|err| anyhow!("profile {origin}: {err}"))?;
-        if raw.probe.is_empty() {
-            bail!("profile {origin}: no [[probe]] tables; a profile needs at least one lifecycle point");
-        }
-        let probes = raw
+        let here: Arc<str> = origin.into();
+        let base = match raw.extends {
+            Some(spanned) => {
+                let line = line_of(text, spanned.span().start);
+                let spec = spanned.into_inner();
+                let at = format!("profile {origin}, line {line} (`extends = \"{spec}\"`)");
+                chain.push(origin.to_owned());
+                if chain.len() > MAX_EXTENDS {
+                    bail!("{at}: more than {MAX_EXTENDS} profiles extend one another ({}): shorten the chain", chain.join(" -> "));
+                }
+                let base = Self::load_in(&spec, dir, chain).with_context(|| at.clone())?;
+                chain.pop();
+                Some(base)
+            }
+            None => None,
+        };
+        let own_probes = raw
             .probe
             .into_iter()
             .map(|spanned| {
                 let line = line_of(text, spanned.span().start);
                 let raw = spanned.into_inner();
                 let symbol = raw.symbol.clone();
-                raw.validate(line, |span| line_of(text, span.start)).map_err(|err| {
+                raw.validate(here.clone(), line, |span| line_of(text, span.start)).map_err(|err| {
                     anyhow!("profile {origin}, line {line} ([[probe]] for `{symbol}`): {err}")
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        for (i, probe) in probes.iter().enumerate() {
-            if let Some(err) = probes[..i].iter().find_map(|earlier| probe.conflict_with(earlier)) {
-                bail!("profile {origin}, line {} ([[probe]] for `{}`): {err}", probe.line, probe.symbol);
-            }
-        }
-        let activity = raw
+        let own_activity = raw
             .activity
             .into_iter()
             .map(|spanned| {
@@ -315,6 +363,7 @@ impl Profile {
                     bail!("profile {origin}, line {line} ([[activity]]): `symbol` is empty");
                 }
                 Ok(ActivitySpec {
+                    origin: here.clone(),
                     line,
                     object: raw.object.filter(|object| !object.is_empty()),
                     symbol: raw.symbol,
@@ -323,51 +372,87 @@ impl Profile {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        for (i, spec) in activity.iter().enumerate() {
-            if let Some(earlier) = activity[..i].iter().find(|e| e.object == spec.object && e.symbol == spec.symbol) {
-                bail!(
-                    "profile {origin}, line {} ([[activity]] for `{}`): the [[activity]] on line {} counts the same \
-                     function already, so every call would count twice: keep one",
-                    spec.line,
-                    spec.symbol,
-                    earlier.line
-                );
-            }
-        }
-        let signals = raw
+        let own_status = raw
+            .status
+            .map(|spanned| {
+                let line = line_of(text, spanned.span().start);
+                spanned
+                    .into_inner()
+                    .validate(here.clone(), line, |span| line_of(text, span.start))
+                    .map_err(|err| anyhow!("profile {origin}, line {line} ([status]): {err}"))
+            })
+            .transpose()?;
+        let own_signals = raw
             .signal
             .into_iter()
             .map(|spanned| {
                 let line = line_of(text, spanned.span().start);
                 let raw = spanned.into_inner();
                 let name = raw.name.clone();
-                raw.validate(line).map_err(|err| anyhow!("profile {origin}, line {line} ([[signal]] `{name}`): {err}"))
+                raw.validate(here.clone(), line).map_err(|err| anyhow!("profile {origin}, line {line} ([[signal]] `{name}`): {err}"))
             })
             .collect::<Result<Vec<SignalSpec>>>()?;
+        // What this file probes replaces what the base probes on the same
+        // function (both ends): a profile changes a probe by giving the
+        // function's probes anew, and adds one on a function of its own. A
+        // signal replaces the base's of the same name.
+        let (probes, activity, signals, status, extends) = match base {
+            Some(base) => {
+                let mut probes: Vec<ProbeSpec> = base
+                    .probes
+                    .into_iter()
+                    .filter(|probe| !own_probes.iter().any(|own| own.function() == probe.function()))
+                    .collect();
+                probes.extend(own_probes);
+                let mut activity: Vec<ActivitySpec> = base
+                    .activity
+                    .into_iter()
+                    .filter(|spec| !own_activity.iter().any(|own| own.function() == spec.function()))
+                    .collect();
+                activity.extend(own_activity);
+                let mut signals: Vec<SignalSpec> =
+                    base.signals.into_iter().filter(|spec| !own_signals.iter().any(|own| own.name == spec.name)).collect();
+                signals.extend(own_signals);
+                (probes, activity, signals, own_status.or(base.status), Some(base.origin))
+            }
+            None => (own_probes, own_activity, own_signals, own_status, None),
+        };
+        if probes.is_empty() {
+            bail!("profile {origin}: no [[probe]] tables; a profile needs at least one lifecycle point");
+        }
+        for (i, probe) in probes.iter().enumerate() {
+            if let Some(err) = probes[..i].iter().find_map(|earlier| probe.conflict_with(earlier)) {
+                bail!("profile {}, line {} ([[probe]] for `{}`): {err}", probe.origin, probe.line, probe.symbol);
+            }
+        }
+        for (i, spec) in activity.iter().enumerate() {
+            if let Some(earlier) = activity[..i].iter().find(|e| e.function() == spec.function()) {
+                bail!(
+                    "profile {}, line {} ([[activity]] for `{}`): the [[activity]] on line {} counts the same \
+                     function already, so every call would count twice: keep one",
+                    spec.origin,
+                    spec.line,
+                    spec.symbol,
+                    earlier.line
+                );
+            }
+        }
         for (i, spec) in signals.iter().enumerate() {
             if let Some(earlier) = signals[..i].iter().find(|e| e.name == spec.name) {
                 bail!(
-                    "profile {origin}, line {} ([[signal]] `{}`): the [[signal]] on line {} has the same name, and \
+                    "profile {}, line {} ([[signal]] `{}`): the [[signal]] on line {} has the same name, and \
                      consumers tell signals apart by name: rename one",
+                    spec.origin,
                     spec.line,
                     spec.name,
                     earlier.line
                 );
             }
         }
-        let status = raw
-            .status
-            .map(|spanned| {
-                let line = line_of(text, spanned.span().start);
-                spanned
-                    .into_inner()
-                    .validate(line, |span| line_of(text, span.start))
-                    .map_err(|err| anyhow!("profile {origin}, line {line} ([status]): {err}"))
-            })
-            .transpose()?;
         Ok(Self {
             name: raw.name.unwrap_or_else(|| origin.to_owned()),
             origin: origin.to_owned(),
+            extends,
             probes,
             activity,
             signals,
@@ -376,7 +461,19 @@ impl Profile {
     }
 }
 
+impl ActivitySpec {
+    /// The function counted: (object, symbol).
+    fn function(&self) -> (Option<&str>, &str) {
+        (self.object.as_deref(), &self.symbol)
+    }
+}
+
 impl ProbeSpec {
+    /// The function probed: (object, symbol).
+    fn function(&self) -> (Option<&str>, &str) {
+        (self.object.as_deref(), &self.symbol)
+    }
+
     /// The kernel-side configuration of this probe's slot.
     pub fn slot_config(&self) -> SlotConfig {
         let mut cfg = SlotConfig { key: self.key.lower(), ..SlotConfig::default() };
@@ -519,6 +616,8 @@ fn line_of(text: &str, offset: usize) -> usize {
 #[serde(deny_unknown_fields)]
 struct RawProfile {
     name: Option<String>,
+    /// A profile this one starts from (a built-in name or a file).
+    extends: Option<Spanned<String>>,
     #[serde(rename = "description")]
     _description: Option<String>,
     #[serde(default)]
@@ -544,7 +643,7 @@ struct RawSignal {
 }
 
 impl RawSignal {
-    fn validate(self, line: usize) -> Result<SignalSpec> {
+    fn validate(self, origin: Arc<str>, line: usize) -> Result<SignalSpec> {
         if self.name.trim().is_empty() {
             bail!("`name` is empty: name the signal as its consumer knows it");
         }
@@ -564,6 +663,7 @@ impl RawSignal {
             (Some(_), Some(_)) => bail!("give either `text` (a string) or `bytes` (raw bytes), not both"),
         };
         Ok(SignalSpec {
+            origin,
             line,
             name: self.name,
             object: self.object.filter(|object| !object.is_empty()),
@@ -644,7 +744,7 @@ struct RawString {
 
 impl RawProbe {
     /// `line_at` turns a span of the file into its line.
-    fn validate(self, line: usize, line_at: impl Fn(std::ops::Range<usize>) -> usize) -> Result<ProbeSpec> {
+    fn validate(self, origin: Arc<str>, line: usize, line_at: impl Fn(std::ops::Range<usize>) -> usize) -> Result<ProbeSpec> {
         if self.symbol.trim().is_empty() {
             bail!("`symbol` is empty: name the function to probe (mangled C++ names are fine)");
         }
@@ -688,6 +788,7 @@ impl RawProbe {
             })
             .transpose()?;
         Ok(ProbeSpec {
+            origin,
             line,
             object: self.object.filter(|object| !object.is_empty()),
             symbol: self.symbol,
@@ -740,7 +841,7 @@ fn parse_rules(
 }
 
 impl RawStatus {
-    fn validate(self, line: usize, line_at: impl Fn(std::ops::Range<usize>) -> usize) -> Result<StatusSpec> {
+    fn validate(self, origin: Arc<str>, line: usize, line_at: impl Fn(std::ops::Range<usize>) -> usize) -> Result<StatusSpec> {
         if self.at.from != "key" {
             bail!(
                 "`at.from = \"{}\"`: a status is read long after any probe fired, when only the request key is \
@@ -766,7 +867,7 @@ impl RawStatus {
                  transfer_posted, transfer_done, aborted or failed"
             );
         }
-        Ok(StatusSpec { line, at, value: self.value, rules })
+        Ok(StatusSpec { origin, line, at, value: self.value, rules })
     }
 }
 
@@ -846,6 +947,105 @@ mod tests {
         let rules = post.slot_config().rules;
         assert_eq!((rules[0].op, rules[0].value, rules[0].stage), (cmp::EQ, 0, stallwatch_common::stage::TRANSFER_DONE));
         assert_eq!((rules[1].op, rules[1].value, rules[1].stage), (cmp::LT, 0, stallwatch_common::stage::FAILED));
+    }
+
+    #[test]
+    fn the_sglang_profile_is_the_nixl_profile_with_its_release_probed_at_return() {
+        let nixl = Profile::load("nixl").unwrap();
+        let sglang = Profile::load("sglang").unwrap();
+        assert_eq!((sglang.name.as_str(), sglang.extends.as_deref()), ("sglang", Some("built-in profile `nixl`")));
+        let releases = |p: &Profile| -> Vec<ProbeSpec> { p.probes.iter().filter(|p| p.symbol.contains("releaseXferReq")).cloned().collect() };
+        // Every other probe is nixl's own, from nixl's file.
+        let others = |p: &Profile| -> Vec<ProbeSpec> { p.probes.iter().filter(|p| !p.symbol.contains("releaseXferReq")).cloned().collect() };
+        assert_eq!(others(&sglang), others(&nixl));
+        assert!(others(&sglang).iter().all(|p| &*p.origin == "built-in profile `nixl`"));
+        assert_eq!((sglang.activity.clone(), sglang.status.clone()), (nixl.activity.clone(), nixl.status.clone()));
+        let [release] = &releases(&sglang)[..] else { panic!("one release probe: {:?}", releases(&sglang)) };
+        assert_eq!((release.at, &*release.origin), (At::Return, "built-in profile `sglang`"));
+        // Only NIXL_SUCCESS is a release; the handle is the argument saved at entry.
+        let cfg = release.slot_config();
+        assert_eq!(cfg.flags & (slot_flags::RETURN | slot_flags::NEEDS_ARGS | slot_flags::RET_I32), slot_flags::RETURN | slot_flags::NEEDS_ARGS | slot_flags::RET_I32);
+        assert_eq!((cfg.key.base, cfg.key.index, cfg.nargs), (base::ARG, 1, 2));
+        assert_eq!((cfg.rules[0].op, cfg.rules[0].value, cfg.rules[0].stage), (cmp::EQ, 0, stallwatch_common::stage::RELEASED));
+        assert_eq!(cfg.rules[1].op, cmp::NONE, "a failed release (e.g. -7) emits nothing");
+        assert_eq!(releases(&nixl)[0].at, At::Entry);
+    }
+
+    /// A directory of profile files for one test.
+    fn profile_dir(files: &[(&str, &str)]) -> PathBuf {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "stallwatch-profiles-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (name, text) in files {
+            std::fs::write(dir.join(name), text).unwrap();
+        }
+        dir
+    }
+
+    const ENTRY_F: &str = "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n\n";
+    const RETURN_F: &str = "[[probe]]\nsymbol = \"f\"\nat = \"return\"\nkey = { from = \"arg0\" }\nevent = \"transfer_done\"\n\n";
+    const ENTRY_G: &str = "[[probe]]\nsymbol = \"g\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg0\" }\n\n";
+    const ACTIVITY_P: &str = "[[activity]]\nsymbol = \"p\"\nkind = \"progress\"\n\n";
+
+    #[test]
+    fn a_profile_extending_another_replaces_the_functions_it_probes_and_adds_the_rest() {
+        let base = format!("name = \"base\"\n{ENTRY_F}{RETURN_F}{ENTRY_G}{ACTIVITY_P}[status]\nat = {{ from = \"key\", add = 8 }}\ntype = \"i32\"\nvalues = [{{ when = \"== 0\", event = \"transfer_done\" }}]\n");
+        let child = "extends = \"base.toml\"\nname = \"child\"\n\n[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"transfer_posted\"\nkey = { from = \"arg1\" }\n\n[[probe]]\nsymbol = \"h\"\nat = \"entry\"\nevent = \"aborted\"\nkey = { from = \"arg0\" }\n\n[[activity]]\nsymbol = \"p\"\nkind = \"post\"\n";
+        let dir = profile_dir(&[("base.toml", &base), ("child.toml", child)]);
+        let path = dir.join("child.toml");
+        let profile = Profile::load(path.to_str().unwrap()).expect("child");
+        let base_origin = dir.join("base.toml").display().to_string();
+        assert_eq!((profile.name.as_str(), profile.extends.as_deref()), ("child", Some(base_origin.as_str())));
+        // f's two probes gave way to the child's one; g stays, h is added.
+        let probes: Vec<(&str, Stage, usize, bool)> = profile
+            .probes
+            .iter()
+            .map(|p| (p.symbol.as_str(), match p.action { Action::Always(stage) => stage, Action::OnReturn(_) => unreachable!() }, p.line, *p.origin == *base_origin))
+            .collect();
+        assert_eq!(probes, [("g", Stage::Released, 14, true), ("f", Stage::TransferPosted, 4, false), ("h", Stage::Aborted, 10, false)]);
+        assert_eq!(profile.activity.iter().map(|a| (a.kind, a.line)).collect::<Vec<_>>(), [(ActivityKind::Post, 16)]);
+        assert_eq!(profile.status.as_ref().map(|s| (&*s.origin, s.line)), Some((base_origin.as_str(), 24)));
+        // A profile of nothing but `extends` is its base.
+        let same = profile_dir(&[("base.toml", &base), ("same.toml", "extends = \"base.toml\"\n")]);
+        let copy = Profile::load(same.join("same.toml").to_str().unwrap()).expect("same");
+        assert_eq!(copy.probes.len(), 3);
+        // Built-ins are found by name from any file.
+        let on_nixl = profile_dir(&[("mine.toml", &format!("extends = \"nixl\"\n{ENTRY_F}"))]);
+        let mine = Profile::load(on_nixl.join("mine.toml").to_str().unwrap()).expect("mine");
+        assert_eq!(mine.probes.len(), Profile::load("nixl").unwrap().probes.len() + 1);
+        for dir in [dir, same, on_nixl] {
+            std::fs::remove_dir_all(dir).unwrap();
+        }
+    }
+
+    #[test]
+    fn bad_extends_name_the_file_the_line_and_the_fix() {
+        let dir = profile_dir(&[
+            ("missing.toml", &format!("name = \"m\"\n\nextends = \"nowhere.toml\"\n{ENTRY_F}")),
+            ("a.toml", &format!("extends = \"b.toml\"\n{ENTRY_F}")),
+            ("b.toml", &format!("extends = \"a.toml\"\n{ENTRY_G}")),
+            ("broken.toml", "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\" }\n"),
+            ("on-broken.toml", &format!("extends = \"broken.toml\"\n{ENTRY_G}")),
+            ("twice.toml", &format!("extends = \"nixl\"\n{ENTRY_F}{ENTRY_F}")),
+        ]);
+        let err = |name: &str| format!("{:#}", Profile::load(dir.join(name).to_str().unwrap()).unwrap_err());
+        let missing = err("missing.toml");
+        assert!(missing.contains("missing.toml, line 3 (`extends = \"nowhere.toml\"`)") && missing.contains("no built-in profile named `nowhere.toml`") && missing.contains("built-ins are demo, nixl"), "{missing}");
+        let looped = err("a.toml");
+        assert!(looped.contains("extend one another in a loop") && looped.contains("a.toml -> ") && looped.contains("b.toml -> "), "{looped}");
+        // An error in the base names the base's own line, under the line that extends it.
+        let broken = err("on-broken.toml");
+        assert!(broken.contains("on-broken.toml, line 1 (`extends = \"broken.toml\"`)") && broken.contains("broken.toml, line 1 ([[probe]] for `f`): no lifecycle event"), "{broken}");
+        // Probes of one file still may not both emit for one call.
+        let twice = err("twice.toml");
+        assert!(twice.contains("twice.toml, line 8 ([[probe]] for `f`): the [[probe]] on line 2"), "{twice}");
+        let err = error_of("extends = 3\n");
+        assert!(err.contains("extends"), "{err}");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
