@@ -31,7 +31,7 @@ use crate::{
         clock::{Clock, monotonic_ns, process_start_ns},
         telemetry::{Telemetry, TelemetryOptions},
     },
-    lifecycle::{Engine, EngineConfig, Report},
+    lifecycle::{Engine, EngineConfig, Observation, Report},
     probes::{KernelCounters, Probes, Profile},
     query::{QueryServer, SocketPlace},
     reactor,
@@ -179,6 +179,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
             _ = counter_ticks.tick() => {
                 reported = warn_on_loss(&session.probes, reported)?;
                 session.ingest.warn_undecodable();
+                session.signals.warn();
                 if let Some(status) = &mut session.status {
                     status.warn();
                 }
@@ -477,6 +478,7 @@ impl<W: Write> Session<W> {
         self.probes.detach(pid);
         // Its requests' reports carry no transport evidence (only stalls do).
         self.transport.forget(pid);
+        self.signals.forget(pid);
         if let Some(watched) = self.watched.remove(&pid) {
             watched.exit_waiter.abort();
         }
@@ -579,15 +581,12 @@ impl Ingest {
         transport: &mut Tracker,
         engine: &mut Engine,
         reports: &mut Vec<Report>,
-        signal: &mut impl FnMut(&Event),
+        signal: &mut impl FnMut(&Event) -> Option<Observation>,
     ) {
-        let decoded = events::decode(bytes).and_then(|event| {
-            if signals::is_signal(&event) {
-                signal(&event);
-                return Ok(None);
-            }
-            events::observe(&event).map(Some)
-        });
+        // A signal is a lifecycle event only once its consumer makes one
+        // (an SGLang room's, from its ZMQ messages).
+        let decoded = events::decode(bytes)
+            .and_then(|event| if signals::is_signal(&event) { Ok(signal(&event)) } else { events::observe(&event).map(Some) });
         match decoded {
             Ok(None) => {}
             Ok(Some(observation)) => {
@@ -738,9 +737,9 @@ mod tests {
         };
         let logged = warnings(|| {
             for _ in 0..1000 {
-                ingest.record(&[0; 8], &mut transport, &mut engine, &mut reports, &mut |_| {});
+                ingest.record(&[0; 8], &mut transport, &mut engine, &mut reports, &mut |_| None);
             }
-            ingest.record(&bytes_of(&unknown_stage), &mut transport, &mut engine, &mut reports, &mut |_| {});
+            ingest.record(&bytes_of(&unknown_stage), &mut transport, &mut engine, &mut reports, &mut |_| None);
             // Two counter periods: the second has nothing new.
             ingest.warn_undecodable();
             ingest.warn_undecodable();

@@ -2,17 +2,23 @@
 //! `[[signal]]` tables). The kernel hands them over as events of stage
 //! [`stage::SIGNAL`] without tracking them; here each one is named by its
 //! slot's spec and handed to the consumer of that name, never to the
-//! lifecycle engine. With no consumer of its name a signal is only logged
+//! lifecycle engine. The consumers: the ZMQ frames of `zmq_recv`,
+//! `zmq_data` and `zmq_send` ([`crate::zmq`]) make messages, which the
+//! SGLang room tracker ([`crate::sglang`]) turns into the rooms'
+//! lifecycle observations. A signal of any other name is only logged
 //! (`STALLWATCH_LOG=debug`), which is how a profile author checks what a
 //! signal reads.
 use std::sync::Arc;
 
 use stallwatch_common::{EXT_ID_LEN, Event, event_flags, stage};
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use crate::{
+    lifecycle::Observation,
     probes::{Role, SignalSpec, Slot},
+    sglang::{self, Rooms},
     text,
+    zmq::{Assembler, Hit},
 };
 
 /// One signal hit, as its consumer sees it.
@@ -67,19 +73,85 @@ pub struct Signals {
     /// previous agent's probes, read after a restart, or a process gone):
     /// their meaning is unknown, so they are dropped, counted.
     pub unrouted: u64,
+    zmq: Assembler,
+    rooms: Rooms,
+    /// SGLang messages (by their tag) that did not read as SGLang writes
+    /// them, and why the latest did not.
+    unparsed: u64,
+    last_unparsed: Option<String>,
+    /// Garbled frames and unparsed messages the last warning covered.
+    warned: u64,
 }
 
 impl Signals {
-    /// Route one signal event of slot `slot` (`None`: not attached now).
-    pub fn route(&mut self, event: &Event, slot: Option<&Slot>) {
+    /// Route one signal event of slot `slot` (`None`: not attached now):
+    /// the lifecycle observation it completes, if it does.
+    pub fn route(&mut self, event: &Event, slot: Option<&Slot>) -> Option<Observation> {
         let spec: Arc<SignalSpec> = match slot {
             Some(Slot { pid, role: Role::Signal(spec), .. }) if *pid == event.pid => spec.clone(),
             _ => {
                 self.unrouted += 1;
-                return;
+                return None;
             }
         };
         let signal = Signal::of(event);
+        let raw = match &signal.capture {
+            Captured::Bytes(bytes) => Some(&**bytes),
+            _ => None,
+        };
+        let hit = match spec.name.as_str() {
+            "zmq_recv" => Hit::Recv { msg: signal.value, size: signal.ret, tail: raw },
+            "zmq_send" => Hit::Send { flags: signal.value, tail: raw },
+            "zmq_data" => Hit::Data {
+                msg: signal.value,
+                data: match &signal.capture {
+                    Captured::Bytes(bytes) => Some(&bytes[..]),
+                    // Where 64 bytes could not be read: up to the NUL.
+                    Captured::Text(text) => Some(&text[..]),
+                    Captured::None => None,
+                },
+            },
+            _ => {
+                self.log(&spec, &signal);
+                return None;
+            }
+        };
+        let message = self.zmq.hit(signal.pid, signal.tid, signal.ts_ns, hit)?;
+        match sglang::parse(&message) {
+            Ok(Some(bootstrap)) => self.rooms.observe(message.pid, message.ts_ns, &bootstrap),
+            Ok(None) => None,
+            Err(why) => {
+                self.unparsed += 1;
+                self.last_unparsed = Some(format!("pid {} thread {}: {why}", message.pid, message.tid));
+                None
+            }
+        }
+    }
+
+    /// One warning for the frames and messages that could not be read
+    /// since the last one (called once per counter period, never per
+    /// message: a stream of them must not flood the log).
+    pub fn warn(&mut self) {
+        let bad = self.zmq.garbled + self.unparsed;
+        if bad > self.warned {
+            warn!(
+                new = bad - self.warned,
+                garbled_frames = self.zmq.garbled,
+                unparsed_messages = self.unparsed,
+                latest = self.last_unparsed.as_deref().unwrap_or_default(),
+                "ZMQ frames or SGLang bootstrap messages that could not be read (their rooms may be missed)"
+            );
+            self.warned = bad;
+        }
+    }
+
+    /// The process is gone: what it was in the middle of goes with it.
+    pub fn forget(&mut self, pid: u32) {
+        self.zmq.forget(pid);
+        self.rooms.forget(pid);
+    }
+
+    fn log(&self, spec: &SignalSpec, signal: &Signal) {
         debug!(
             name = %spec.name,
             pid = signal.pid,
@@ -91,8 +163,9 @@ impl Signals {
         );
     }
 
-    /// At exit: what could not be routed, if anything.
-    pub fn finish(&self) {
+    /// At exit: what could not be routed or read, if anything.
+    pub fn finish(&mut self) {
+        self.warn();
         if self.unrouted > 0 {
             info!(unrouted = self.unrouted, "signals of probes no longer attached were dropped (their meaning is unknown)");
         }
@@ -149,7 +222,7 @@ mod tests {
     #[test]
     fn signals_of_slots_not_attached_as_signals_are_dropped_counted() {
         let mut signals = Signals::default();
-        signals.route(&event(0, b""), None);
+        assert_eq!(signals.route(&event(0, b""), None), None);
         assert_eq!(signals.unrouted, 1);
     }
 }

@@ -48,6 +48,10 @@ pub mod attr {
     pub const KEY: &str = "stallwatch.request.key";
     /// The cross-node identity the probe captured (a bootstrap room).
     pub const EXTERNAL_ID: &str = "stallwatch.request.external_id";
+    /// An SGLang request's room (an integer), under the name SGLang's own
+    /// spans give it, so its spans and SGLang's are found by one query.
+    /// Set for a request keyed by its room ([`crate::sglang::room_of`]).
+    pub const BOOTSTRAP_ROOM: &str = "bootstrap_room";
     /// The furthest stage reached (for an ended request, how it ended if by
     /// an event).
     pub const STAGE: &str = "stallwatch.request.stage";
@@ -279,6 +283,9 @@ impl SpanMaker {
         if let Some(id) = &request.external_id {
             attributes.push(KeyValue::new(attr::EXTERNAL_ID, id.to_string()));
         }
+        if let Some(room) = crate::sglang::room_of(request.key, request.external_id.as_deref()).and_then(|room| i64::try_from(room).ok()) {
+            attributes.push(KeyValue::new(attr::BOOTSTRAP_ROOM, room));
+        }
         attributes.push(KeyValue::new(attr::STAGE, request.stage.as_str()));
         let reached = |stage: &Stage| request.stage_at(*stage).is_some() || (stage.is_terminal() && *stage == request.stage);
         let (inferred, observed): (Vec<Stage>, Vec<Stage>) =
@@ -438,8 +445,21 @@ mod tests {
         assert_eq!(attribute(span, attr::EXTERNAL_ID).as_deref(), Some("room-9"));
         assert_eq!(attribute(span, attr::OUTCOME).as_deref(), Some("released"));
         assert_eq!(attribute(span, attr::STALL_CLASS), None);
+        assert_eq!(attribute(span, attr::BOOTSTRAP_ROOM), None, "not keyed by a room");
         assert!(span.links.is_empty());
         assert_eq!(span.start_time, Clock::new().wall(1_000_000_000).max(span.start_time));
+    }
+
+    #[test]
+    fn a_request_keyed_by_its_room_carries_bootstrap_room_and_the_rooms_trace_id() {
+        let mut maker = SpanMaker::new("node-a".into(), Clock::new());
+        let mut spans = Vec::new();
+        let request = RequestSnapshot { key: 171, ..snapshot(Stage::Released, Some("171")) };
+        maker.push(Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released }, None, &mut spans);
+        let [span] = spans.as_slice() else { panic!("{spans:?}") };
+        let room = span.attributes.iter().find(|kv| kv.key == Key::from_static_str(attr::BOOTSTRAP_ROOM)).expect("bootstrap_room");
+        assert_eq!(room.value, Value::I64(171));
+        assert_eq!(span.span_context.trace_id(), external_trace_id("171"));
     }
 
     #[test]

@@ -1,0 +1,190 @@
+//! SGLang's rooms, from its bootstrap ZMQ traffic (sglang 0.5.23,
+//! `disaggregation/nixl/conn.py` and `common/conn.py`), as lifecycles.
+//!
+//! A prefill rank receives, on its bootstrap PULL socket, per room and
+//! decode rank the room's destination ("TransferInfo": `[b"NixlMsgGuard",
+//! room, ip, port, agent name, ...]`, the room as ASCII decimal) and, when
+//! the decode gives the room up, `[b"ABORT", room, ...]`; it answers each
+//! decode with `[b"KV_STATUS", room, status, ...]` (KVPoll: 0 Failed,
+//! 4 Success) once the room's transfers are over. So a room is enqueued
+//! when its destination arrives, released when Success is sent, failed
+//! when Failed is, aborted at the ABORT. The lifecycle's key is the room
+//! and its external id the room in decimal, so its trace id is the room's
+//! on every node. A registration (room `b"None"`) is no room.
+use std::collections::HashSet;
+
+use crate::{
+    lifecycle::{Observation, Stage},
+    zmq::{Direction, Message},
+};
+
+const GUARD: &[u8] = b"NixlMsgGuard";
+const ABORT: &[u8] = b"ABORT";
+const KV_STATUS: &[u8] = b"KV_STATUS";
+/// KVPoll.Failed and KVPoll.Success.
+const FAILED: u8 = 0;
+const SUCCESS: u8 = 4;
+
+/// What one bootstrap message says of a room.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Bootstrap {
+    /// A decode rank's destination for `room`, on its PULL `port`.
+    Destination { room: u64, port: u16 },
+    Abort { room: u64 },
+    /// A KVPoll status sent to a decode.
+    Status { room: u64, status: u8 },
+}
+
+/// The room a message is about, if it is one of SGLang's; `Err` for one of
+/// SGLang's (by its tag) whose fields do not read as SGLang writes them.
+pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
+    let frame = |n: usize, what: &str| -> Result<&[u8], String> {
+        let frame = message.frames.get(n).ok_or_else(|| format!("no frame {n} ({what})"))?;
+        frame.whole().ok_or_else(|| format!("frame {n} ({what}) was not read whole"))
+    };
+    let number = |n: usize, what: &str| -> Result<u64, String> {
+        let bytes = frame(n, what)?;
+        std::str::from_utf8(bytes)
+            .ok()
+            .and_then(|text| text.parse::<u64>().ok())
+            .ok_or_else(|| format!("frame {n} ({what}) is {:?}, not a decimal number", String::from_utf8_lossy(bytes)))
+    };
+    let Some(tag) = message.frames.first().and_then(|frame| frame.whole()) else {
+        return Ok(None);
+    };
+    let parsed = match (message.direction, tag) {
+        (Direction::Received, GUARD) => {
+            if frame(1, "room")? == b"None" {
+                return Ok(None);
+            }
+            let room = number(1, "room")?;
+            let port = u16::try_from(number(3, "port")?).map_err(|_| "frame 3 (port) is past 65535".to_owned())?;
+            Bootstrap::Destination { room, port }
+        }
+        (Direction::Received, ABORT) => Bootstrap::Abort { room: number(1, "room")? },
+        (Direction::Sent, KV_STATUS) => {
+            let status = u8::try_from(number(2, "status")?).map_err(|_| "frame 2 (status) is past 255".to_owned())?;
+            Bootstrap::Status { room: number(1, "room")?, status }
+        }
+        _ => return Ok(None),
+    };
+    Ok(Some(parsed))
+}
+
+/// The rooms of every watched process, from destination to conclusion.
+#[derive(Default)]
+pub struct Rooms {
+    /// (pid, room) of every room whose destination arrived and that has
+    /// not ended.
+    live: HashSet<(u32, u64)>,
+}
+
+impl Rooms {
+    /// The lifecycle event `bootstrap` stands for, if any: each room starts
+    /// once (a destination per decode rank) and ends once (a status per
+    /// decode rank, an ABORT racing the status).
+    pub fn observe(&mut self, pid: u32, ts_ns: u64, bootstrap: &Bootstrap) -> Option<Observation> {
+        let (room, stage) = match *bootstrap {
+            Bootstrap::Destination { room, .. } => {
+                if !self.live.insert((pid, room)) {
+                    return None;
+                }
+                (room, Stage::Enqueued)
+            }
+            Bootstrap::Abort { room } => (room, Stage::Aborted),
+            Bootstrap::Status { room, status: SUCCESS } => (room, Stage::Released),
+            Bootstrap::Status { room, status: FAILED } => (room, Stage::Failed),
+            // Bootstrapping .. Transferring: not an end.
+            Bootstrap::Status { .. } => return None,
+        };
+        if stage.is_terminal() && !self.live.remove(&(pid, room)) {
+            return None;
+        }
+        Some(Observation { pid, key: room, stage, ts_ns, external_id: Some(room.to_string().into()) })
+    }
+
+    /// The process is gone (its rooms end `process_exited` in the engine).
+    pub fn forget(&mut self, pid: u32) {
+        self.live.retain(|(p, _)| *p != pid);
+    }
+}
+
+/// Whether a request is an SGLang room: keyed by its room, its external id
+/// the room in decimal (as [`Rooms`] and the `marker` profile make them).
+pub fn room_of(key: u64, external_id: Option<&str>) -> Option<u64> {
+    external_id.and_then(|id| id.parse::<u64>().ok()).filter(|&room| room == key)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::zmq::Frame;
+
+    fn message(direction: Direction, frames: &[&[u8]]) -> Message {
+        let frames = frames.iter().map(|bytes| Frame { bytes: (*bytes).into(), complete: true }).collect();
+        Message { pid: 1, tid: 2, ts_ns: 3, direction, frames }
+    }
+
+    #[test]
+    fn sglangs_messages_name_their_room_and_others_are_not_sglangs() {
+        use Direction::{Received, Sent};
+        let info = message(Received, &[GUARD, b"8070450532247928832", b"127.0.0.1", b"40001", b"decode-0", b"\0\0\0\0"]);
+        assert_eq!(parse(&info), Ok(Some(Bootstrap::Destination { room: 8070450532247928832, port: 40001 })));
+        let registration = message(Received, &[GUARD, b"None", b"127.0.0.1", b"40001"]);
+        assert_eq!(parse(&registration), Ok(None));
+        assert_eq!(parse(&message(Received, &[ABORT, b"17", b"127.0.0.1", b"40001", b"1"])), Ok(Some(Bootstrap::Abort { room: 17 })));
+        let status = message(Sent, &[KV_STATUS, b"17", b"4", b"0", b""]);
+        assert_eq!(parse(&status), Ok(Some(Bootstrap::Status { room: 17, status: 4 })));
+        // Direction matters: a KV_STATUS received is the decode's business.
+        assert_eq!(parse(&message(Received, &[KV_STATUS, b"17", b"4"])), Ok(None));
+        assert_eq!(parse(&message(Received, &[b"hello"])), Ok(None));
+    }
+
+    #[test]
+    fn truncated_or_garbled_messages_of_sglang_say_what_is_wrong() {
+        use Direction::{Received, Sent};
+        let err = parse(&message(Received, &[GUARD, b"12x"])).unwrap_err();
+        assert!(err.contains("frame 1 (room)") && err.contains("12x"), "{err}");
+        let err = parse(&message(Received, &[GUARD, b"12", b"ip"])).unwrap_err();
+        assert!(err.contains("no frame 3 (port)"), "{err}");
+        let err = parse(&message(Received, &[GUARD, b"12", b"ip", b"70000"])).unwrap_err();
+        assert!(err.contains("past 65535"), "{err}");
+        let mut cut = message(Sent, &[KV_STATUS, b"12", b"4"]);
+        cut.frames[1].complete = false;
+        assert!(parse(&cut).unwrap_err().contains("not read whole"));
+        assert_eq!(parse(&message(Sent, &[])), Ok(None));
+    }
+
+    #[test]
+    fn a_room_starts_at_its_first_destination_and_ends_once() {
+        let mut rooms = Rooms::default();
+        let destination = Bootstrap::Destination { room: 9, port: 1 };
+        let start = rooms.observe(4, 10, &destination).expect("enqueued");
+        assert_eq!((start.key, start.stage, start.ts_ns, start.external_id.as_deref()), (9, Stage::Enqueued, 10, Some("9")));
+        // The second decode rank's destination of the same room.
+        assert_eq!(rooms.observe(4, 11, &destination), None);
+        // Not an end yet; then Success to each rank: released once.
+        assert_eq!(rooms.observe(4, 12, &Bootstrap::Status { room: 9, status: 3 }), None);
+        assert_eq!(rooms.observe(4, 13, &Bootstrap::Status { room: 9, status: SUCCESS }).map(|o| o.stage), Some(Stage::Released));
+        assert_eq!(rooms.observe(4, 14, &Bootstrap::Status { room: 9, status: SUCCESS }), None);
+        // Aborted, then its Failed status: one end. Another pid's room 9 is another room.
+        rooms.observe(5, 20, &destination).expect("enqueued");
+        assert_eq!(rooms.observe(5, 21, &Bootstrap::Abort { room: 9 }).map(|o| o.stage), Some(Stage::Aborted));
+        assert_eq!(rooms.observe(5, 22, &Bootstrap::Status { room: 9, status: FAILED }), None);
+        rooms.observe(6, 30, &destination).expect("enqueued");
+        assert_eq!(rooms.observe(6, 31, &Bootstrap::Status { room: 9, status: FAILED }).map(|o| o.stage), Some(Stage::Failed));
+        // An end for a room never started is no event.
+        assert_eq!(rooms.observe(4, 40, &Bootstrap::Abort { room: 77 }), None);
+        rooms.observe(7, 50, &destination).expect("enqueued");
+        rooms.forget(7);
+        assert!(rooms.live.is_empty());
+    }
+
+    #[test]
+    fn rooms_are_told_by_key_and_decimal_external_id() {
+        assert_eq!(room_of(42, Some("42")), Some(42));
+        assert_eq!(room_of(42, Some("room-42")), None);
+        assert_eq!(room_of(0x55aa, Some("42")), None);
+        assert_eq!(room_of(42, None), None);
+    }
+}
