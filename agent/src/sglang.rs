@@ -15,7 +15,7 @@ use std::collections::HashSet;
 
 use crate::{
     lifecycle::{Observation, Stage},
-    zmq::{Direction, Message},
+    zmq::{Direction, Frame, Message},
 };
 
 const GUARD: &[u8] = b"NixlMsgGuard";
@@ -49,7 +49,7 @@ pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
             .and_then(|text| text.parse::<u64>().ok())
             .ok_or_else(|| format!("frame {n} ({what}) is {:?}, not a decimal number", String::from_utf8_lossy(bytes)))
     };
-    let Some(tag) = message.frames.first().and_then(|frame| frame.whole()) else {
+    let Some(tag) = message.frames.first().and_then(tag_of) else {
         return Ok(None);
     };
     let parsed = match (message.direction, tag) {
@@ -69,6 +69,16 @@ pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
         _ => return Ok(None),
     };
     Ok(Some(parsed))
+}
+
+/// A message's tag: its first frame, or, when only its first bytes were
+/// read (a frame whose receive began before the probes), the tag it starts
+/// with; the frames after it must still read as SGLang's.
+fn tag_of(frame: &Frame) -> Option<&[u8]> {
+    match frame.whole() {
+        Some(whole) => Some(whole),
+        None => [GUARD, ABORT].into_iter().find(|tag| frame.bytes.starts_with(tag)),
+    }
 }
 
 /// The rooms of every watched process, from destination to conclusion.
@@ -118,7 +128,6 @@ pub fn room_of(key: u64, external_id: Option<&str>) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::zmq::Frame;
 
     fn message(direction: Direction, frames: &[&[u8]]) -> Message {
         let frames = frames.iter().map(|bytes| Frame { bytes: (*bytes).into(), complete: true }).collect();
@@ -138,6 +147,12 @@ mod tests {
         // Direction matters: a KV_STATUS received is the decode's business.
         assert_eq!(parse(&message(Received, &[KV_STATUS, b"17", b"4"])), Ok(None));
         assert_eq!(parse(&message(Received, &[b"hello"])), Ok(None));
+        // A first frame read in part (its receive began before the probes).
+        let mut cut = message(Received, &[b"NixlMsgGuard\x55\x55", b"5", b"ip", b"40001"]);
+        cut.frames[0].complete = false;
+        assert_eq!(parse(&cut), Ok(Some(Bootstrap::Destination { room: 5, port: 40001 })));
+        cut.frames[0].bytes = b"NixlMsgGuar".as_slice().into();
+        assert_eq!(parse(&cut), Ok(None));
     }
 
     #[test]

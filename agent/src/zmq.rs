@@ -103,6 +103,12 @@ pub struct Assembler {
 struct Thread {
     /// A frame received, waiting for its bytes: (msg, size, more).
     pending: Option<(u64, usize, bool)>,
+    /// The data of a `msg` no receive was seen for: a send filling its
+    /// frame (its send follows), or the first frame of a message whose
+    /// `zmq_msg_recv` began before the probes were attached (a thread
+    /// blocked in it, waiting for the next message, when the agent
+    /// started), which the next receive of the same `msg` reveals.
+    orphan: Option<(u64, Box<[u8]>)>,
     incoming: Vec<Frame>,
     outgoing: Vec<Frame>,
 }
@@ -113,7 +119,10 @@ impl Assembler {
     pub fn hit(&mut self, pid: u32, tid: u32, ts_ns: u64, hit: Hit<'_>) -> Option<Message> {
         let thread = self.threads.entry((pid, tid)).or_default();
         let done = step(thread, hit, &mut self.garbled);
-        let idle = thread.pending.is_none() && thread.incoming.is_empty() && thread.outgoing.is_empty();
+        let idle = thread.pending.is_none()
+            && thread.orphan.is_none()
+            && thread.incoming.is_empty()
+            && thread.outgoing.is_empty();
         if idle {
             // A thread between messages holds nothing: no entry per thread
             // that ever spoke ZMQ.
@@ -141,7 +150,12 @@ fn step(thread: &mut Thread, hit: Hit<'_>, garbled: &mut u64) -> Option<(Directi
         Hit::Recv { msg, size, tail } => {
             // A failed receive (EAGAIN, EINTR) is no frame.
             thread.pending = None;
+            let orphan = thread.orphan.take();
             let size = usize::try_from(size).ok()?;
+            if let Some((_, bytes)) = orphan.filter(|(orphan, _)| *orphan == msg && thread.incoming.is_empty()) {
+                // Its length is unknown: what was read of it, incomplete.
+                thread.incoming.push(Frame { bytes, complete: false });
+            }
             let Some(tail) = tail else {
                 *garbled += 1;
                 return None;
@@ -152,7 +166,10 @@ fn step(thread: &mut Thread, hit: Hit<'_>, garbled: &mut u64) -> Option<(Directi
         Hit::Data { msg, data } => {
             // Anything but the data of the frame just received (a send
             // filling its frame) is not a received frame.
-            let (_, size, more) = thread.pending.filter(|(pending, ..)| *pending == msg)?;
+            let Some((_, size, more)) = thread.pending.filter(|(pending, ..)| *pending == msg) else {
+                thread.orphan = data.map(|data| (msg, data.into()));
+                return None;
+            };
             thread.pending = None;
             let frame = match data {
                 Some(data) => Frame {
@@ -171,6 +188,7 @@ fn step(thread: &mut Thread, hit: Hit<'_>, garbled: &mut u64) -> Option<(Directi
             (!more).then(|| (Direction::Received, std::mem::take(&mut thread.incoming)))
         }
         Hit::Send { flags, tail } => {
+            thread.orphan = None;
             let frame = match tail {
                 Some(tail) if tail[TYPE_AT] == TYPE_VSM && usize::from(tail[VSM_SIZE_AT]) <= VSM_MAX => Frame {
                     bytes: tail[..usize::from(tail[VSM_SIZE_AT])].into(),
@@ -316,6 +334,30 @@ mod tests {
         let message = receive(&mut asm, 1, 0x100, b"7", false).expect("a message");
         assert_eq!(texts(&message), [b"ABORT".as_slice(), b"7"]);
         assert_eq!(asm.garbled, 0);
+    }
+
+    #[test]
+    fn a_first_frame_received_before_the_probes_is_kept_incomplete() {
+        let mut asm = Assembler::default();
+        // The thread was inside zmq_msg_recv when the probes came: only the
+        // data of its frame is seen; the next frame's receive of the same
+        // msg says it was a received one.
+        let mut first = [0x55; EXT_ID_LEN];
+        first[..12].copy_from_slice(b"NixlMsgGuard");
+        assert_eq!(asm.hit(1, 4, 1, Hit::Data { msg: 0x100, data: Some(&first) }), None);
+        let message = receive(&mut asm, 4, 0x100, b"42", false).expect("a message");
+        assert_eq!(message.frames.len(), 2);
+        assert!(!message.frames[0].complete && message.frames[0].bytes.starts_with(b"NixlMsgGuard"));
+        assert_eq!(message.frames[1].whole(), Some(b"42".as_slice()));
+        // A send's fill of its frame is no received frame, nor is data of
+        // another msg.
+        asm.hit(1, 4, 2, Hit::Data { msg: 0x200, data: Some(&first) });
+        let tail = vsm(b"x", false);
+        assert!(asm.hit(1, 4, 2, Hit::Send { flags: 0, tail: Some(&tail) }).is_some());
+        assert_eq!(texts(&receive(&mut asm, 4, 0x200, b"y", false).expect("a message")), [b"y".as_slice()]);
+        asm.hit(1, 4, 3, Hit::Data { msg: 0x300, data: Some(&first) });
+        assert_eq!(texts(&receive(&mut asm, 4, 0x100, b"z", false).expect("a message")), [b"z".as_slice()]);
+        assert!(asm.threads.is_empty());
     }
 
     #[test]

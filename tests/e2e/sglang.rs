@@ -17,7 +17,11 @@ use std::{
 };
 
 use serde_json::Value;
-use stallwatch_tests::{Agent, Line, Proc, alerts, marker_lib, require_root, root, summary, venv_python};
+use stallwatch_tests::{
+    Agent, Line, Proc, alerts, marker_lib,
+    otlp::{Collector, Span, expected_trace_id},
+    require_root, root, summary, venv_python,
+};
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 /// The `marker` profile's runs: marks have no polling to wait out.
@@ -56,6 +60,24 @@ impl Target {
         let agent = Agent::watch(target.prefill, "nixl", "2s", &[]);
         target.proc.write_line("go");
         (target, agent)
+    }
+
+    /// The agent on the built-in `sglang` profile (2 s) with `extra`
+    /// flags, then let the target run.
+    fn rooms(fault: &str, target_args: &[&str], agent_args: &[&str]) -> (Self, Agent) {
+        let mut target = Self::start(fault, target_args);
+        let agent = Agent::watch(target.prefill, "sglang", "2s", agent_args);
+        target.proc.write_line("go");
+        (target, agent)
+    }
+
+    /// Every room the target requested.
+    fn rooms_requested(&self) -> Vec<u64> {
+        let rooms = self.lines.iter().filter_map(|line| {
+            let value = line.json()?;
+            (value["event"] == "request").then(|| value["room"].as_u64().expect("room"))
+        });
+        rooms.collect()
     }
 
     /// The target marking its rooms (`--marker`), the agent on the
@@ -252,4 +274,66 @@ fn marked_abort_racing_a_chunk_ends_the_room_aborted() {
     assert_eq!(summary["aborted"], 1, "{summary}");
     assert_eq!(summary["completed"], 11, "{summary}");
     assert_eq!(summary["in_flight"], 0, "{summary}");
+}
+
+/// A room's request span: keyed by the room, `bootstrap_room` and the
+/// room's trace id (as the decode side's agent derives it).
+fn room_span(spans: &[Span], room: u64) -> Option<&Span> {
+    spans.iter().find(|span| span.name == "stallwatch.request" && span.attr("stallwatch.request.key") == Some(&format!("{room:#x}")))
+}
+
+fn assert_room_span(span: &Span, room: u64) {
+    assert_eq!(span.attr("bootstrap_room"), Some(room.to_string().as_str()), "{span:?}");
+    assert_eq!(span.attr("stallwatch.request.external_id"), Some(room.to_string().as_str()), "{span:?}");
+    assert_eq!(span.trace_id, expected_trace_id(&room.to_string()), "{span:?}");
+}
+
+/// No alert names a room: keyed by one, or with one as external id.
+fn assert_no_room_alert(lines: &[Line], rooms: &[u64]) {
+    for line in lines {
+        let Some(alert) = line.json().filter(|v| v["alert"] != "summary") else { continue };
+        for room in rooms {
+            assert!(alert["key"] != format!("{room:#x}").as_str() && alert["external_id"] != room.to_string().as_str(), "{alert}");
+        }
+    }
+}
+
+#[test]
+fn sglang_profile_follows_every_room_of_a_healthy_run_into_its_span() {
+    let mut collector = Collector::start();
+    let endpoint = collector.http_endpoint();
+    let (mut target, agent) = Target::rooms("none", &["--hold"], &["--otlp-endpoint", &endpoint]);
+    let done = target.until("done", Duration::from_secs(30));
+    assert_eq!(done["completed"], 12, "{done}");
+    let rooms = target.rooms_requested();
+    assert_eq!(rooms.len(), 12, "{:?}", target.lines);
+    // Two timeouts of idle workers.
+    std::thread::sleep(TIMEOUT * 2);
+    let lines = agent.stop();
+    assert_no_room_alert(&lines, &rooms);
+    let spans = collector.wait_for(Duration::from_secs(5), "a span per room", |spans| rooms.iter().all(|r| room_span(spans, *r).is_some()));
+    for room in &rooms {
+        let span = room_span(&spans, *room).expect("room span");
+        assert_room_span(span, *room);
+        assert_eq!(span.attr("stallwatch.request.outcome"), Some("released"), "{span:?}");
+    }
+    let _ = collector.stop();
+}
+
+#[test]
+fn sglang_profile_ends_an_aborted_room_aborted() {
+    let mut collector = Collector::start();
+    let endpoint = collector.http_endpoint();
+    let (mut target, agent) = Target::rooms("abort", &[], &["--otlp-endpoint", &endpoint]);
+    let holding = target.until("holding", Duration::from_secs(30));
+    let room = target.fault_room;
+    assert_eq!(holding["rooms"][room.to_string()], "failed", "{holding}");
+    std::thread::sleep(TIMEOUT * 2);
+    let lines = agent.stop();
+    assert_no_room_alert(&lines, &target.rooms_requested());
+    let spans = collector.wait_for(Duration::from_secs(5), "the aborted room's span", |spans| room_span(spans, room).is_some());
+    let span = room_span(&spans, room).expect("room span");
+    assert_room_span(span, room);
+    assert_eq!(span.attr("stallwatch.request.outcome"), Some("aborted"), "{span:?}");
+    let _ = collector.stop();
 }
