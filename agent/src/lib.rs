@@ -5,6 +5,7 @@
 //! (ring-buffer reader, decoding) -> [`lifecycle`] (per-request state
 //! machine, timer wheel, classification) -> [`export`] (alerts, summary);
 //! [`query`] answers `stallwatch inflight`. [`run`] wires them together;
+//! [`gate`] links the costly progress probes only near a stall;
 //! [`state`] keeps what outlives an agent (pinned maps and links) for the
 //! next one, in directories [`trusted_dir`] keeps out of other users'
 //! reach; [`config`] reads its settings from a file, [`doctor`] checks
@@ -14,6 +15,7 @@ pub mod doctor;
 pub mod discovery;
 pub mod events;
 pub mod export;
+pub mod gate;
 pub mod lifecycle;
 pub mod probes;
 pub mod query;

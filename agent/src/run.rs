@@ -31,6 +31,7 @@ use crate::{
         clock::{Clock, monotonic_ns, process_start_ns},
         telemetry::{Telemetry, TelemetryOptions},
     },
+    gate::{Change, Failures, Gate},
     lifecycle::{Engine, EngineConfig, Observation, Report},
     probes::{KernelCounters, Probes, Profile},
     query::{QueryServer, SocketPlace},
@@ -107,6 +108,8 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
     let mut session = Session {
         engine: Engine::new(EngineConfig { timeout_ns: duration_ns(timeout), max_tracked, tick_ns: duration_ns(tick) }),
         transport: Tracker::new(duration_ns(timeout)),
+        gate: Gate::new(duration_ns(timeout), duration_ns(tick)),
+        gate_failures: Failures::default(),
         alerts: AlertWriter::new(out, format, clock),
         telemetry,
         probes,
@@ -174,6 +177,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 // before the timers judge silence at it.
                 let now = monotonic_ns();
                 session.drain();
+                session.gate(now);
                 session.advance(now);
             }
             _ = counter_ticks.tick() => {
@@ -294,6 +298,9 @@ enum Gone {
 struct Session<W> {
     engine: Engine,
     transport: Tracker,
+    /// When each process's progress probes are linked.
+    gate: Gate,
+    gate_failures: Failures,
     alerts: AlertWriter<W>,
     telemetry: Telemetry,
     probes: Probes,
@@ -439,6 +446,60 @@ impl<W: Write> Session<W> {
         reader.drain(|bytes| ingest.record(bytes, transport, engine, reports, &mut route));
     }
 
+    /// Link the progress probes of processes that now hold a request near
+    /// its stall, unlink those of processes that hold none (see
+    /// [`crate::gate`]). Before [`Self::advance`], so a request reaching
+    /// its stall in this tick is judged with its process's probe on.
+    fn gate(&mut self, now: u64) {
+        if !self.gate.due(now) || self.probes.gates().next().is_none() {
+            return;
+        }
+        let near_stall = self.engine.pids_silent_since(self.gate.cutoff(now));
+        for change in Gate::changes(self.probes.gates(), &near_stall) {
+            match change {
+                Change::Open(pid) => self.open_gate(pid),
+                Change::Close(pid) => {
+                    let links = self.probes.close_gate(pid);
+                    self.transport.progress_attached(pid, None);
+                    // Detaching a uprobe takes the kernel tens of ms: off
+                    // the loop. The slots stay the process's meanwhile
+                    // (a closing never frees them), so a hit of a link
+                    // still going counts where it belongs.
+                    let count = links.len();
+                    tokio::task::spawn_blocking(move || drop(links));
+                    info!(pid, probes = count, "progress probes detached: no request of the process is near its stall");
+                }
+            }
+        }
+    }
+
+    fn open_gate(&mut self, pid: u32) {
+        // The count stands still while unlinked: a sample now is the count
+        // the window starts from.
+        let since = monotonic_ns();
+        if let Err(err) = self.transport.sample(&self.probes, since) {
+            warn!(pid, "sampling transport counts before attaching the progress probes: {err:#}");
+            return;
+        }
+        match self.probes.open_gate(pid) {
+            Ok(()) => {
+                self.transport.progress_attached(pid, Some(since));
+                self.gate_failures.forget(pid);
+                info!(
+                    pid,
+                    attach_ms = format_args!("{:.1}", monotonic_ns().saturating_sub(since) as f64 / 1e6),
+                    "progress probes attached: a request of the process is near its stall"
+                );
+            }
+            Err(err) => {
+                let err = format!("{err:#}");
+                if self.gate_failures.is_new(pid, &err) {
+                    warn!(pid, "progress probes not attached (retried while a request is near its stall; its stalls tell no no_progress): {err}");
+                }
+            }
+        }
+    }
+
     /// Judge silence at `now`: requests whose stall is due are read first
     /// where the profile has a `[status]`, and only while the kernel holds
     /// them live (a released request's memory is not its own any more).
@@ -479,6 +540,7 @@ impl<W: Write> Session<W> {
         // Its requests' reports carry no transport evidence (only stalls do).
         self.transport.forget(pid);
         self.signals.forget(pid);
+        self.gate_failures.forget(pid);
         if let Some(watched) = self.watched.remove(&pid) {
             watched.exit_waiter.abort();
         }

@@ -9,6 +9,14 @@
 //! say how many calls happened *since* a request's last event ("120 000
 //! progress calls since, none completed") and refine the stall's class with
 //! a verdict.
+//!
+//! Progress probes are linked only while a request of their process nears
+//! its stall ([`crate::gate`]), so progress is counted over a *window*: from
+//! the later of the request's last event and the moment the probe's current
+//! attachment began, to the newest sample. The evidence says how long that
+//! window is, and a window shorter than [`Tracker::min_window_ns`] (the
+//! probe attached just now, e.g. by an agent that took over a request near
+//! its timeout) never yields `no_progress`: zero calls in it prove nothing.
 use std::collections::{HashMap, VecDeque};
 
 use anyhow::Result;
@@ -52,8 +60,13 @@ pub struct Evidence {
     /// Counts since the process started being watched, and last-seen times.
     pub total: Totals,
     /// Calls since the request's last lifecycle event (at sampling
-    /// resolution: the sample at or before that event).
+    /// resolution: the sample at or before that event); progress calls
+    /// only over `progress_window_ns`.
     pub since: Totals,
+    /// How far back `since` counts progress calls: the probe was attached
+    /// all through the last this many ns. `None`: no progress probe is
+    /// attached now, and the progress count is 0 for want of one.
+    pub progress_window_ns: Option<u64>,
     /// When this was measured (monotonic ns).
     pub at_ns: u64,
     pub verdict: Verdict,
@@ -61,7 +74,7 @@ pub struct Evidence {
 
 impl Evidence {
     /// One line for people: "last post 57.0s ago, last completion 57.0s
-    /// ago, 120000 progress calls since, none completed".
+    /// ago, 120000 progress calls in the last 30.0s, none completed".
     pub fn summary(&self) -> String {
         let ago = |kind: ActivityKind| match self.total.get(kind).last_ns {
             Some(ns) => format!("{:.1}s ago", self.at_ns.saturating_sub(ns) as f64 / 1e9),
@@ -71,12 +84,11 @@ impl Evidence {
             0 => "none completed".to_owned(),
             n => format!("{n} completed"),
         };
-        format!(
-            "last post {}, last completion {}, {} progress calls since, {completed}",
-            ago(ActivityKind::Post),
-            ago(ActivityKind::Completion),
-            self.since.get(ActivityKind::Progress).calls
-        )
+        let progress = match self.progress_window_ns {
+            Some(ns) => format!("{} progress calls in the last {:.1}s", self.since.get(ActivityKind::Progress).calls, ns as f64 / 1e9),
+            None => "progress not watched".to_owned(),
+        };
+        format!("last post {}, last completion {}, {progress}, {completed}", ago(ActivityKind::Post), ago(ActivityKind::Completion))
     }
 }
 
@@ -105,7 +117,9 @@ impl Verdict {
         }
     }
 
-    fn of(class: StallClass, since: &Totals, has_progress_probe: bool) -> Self {
+    /// `progress_known`: a progress probe was attached over a window long
+    /// enough that no calls in it mean nobody drives progress.
+    fn of(class: StallClass, since: &Totals, progress_known: bool) -> Self {
         let completions = since.get(ActivityKind::Completion).calls;
         let progress = since.get(ActivityKind::Progress).calls;
         let posts = since.get(ActivityKind::Post).calls;
@@ -114,7 +128,7 @@ impl Verdict {
         }
         match class {
             StallClass::TransferHung if progress > 0 => Self::PeerUnresponsive,
-            StallClass::TransferHung if has_progress_probe => Self::NoProgress,
+            StallClass::TransferHung if progress_known => Self::NoProgress,
             _ if progress + posts > 0 => Self::PeerUnresponsive,
             _ => Self::Idle,
         }
@@ -136,7 +150,11 @@ pub struct ProcessTransport {
     history: VecDeque<Sample>,
     /// Completions seen as lifecycle events.
     done: Activity,
-    has_progress_probe: bool,
+    /// When the progress probes' current attachment began (the sample
+    /// taken just before they were linked); `None` while none is linked.
+    progress_since: Option<u64>,
+    /// The shortest progress window that can tell `no_progress`.
+    min_window_ns: u64,
     has_activity_probe: bool,
 }
 
@@ -148,24 +166,47 @@ impl ProcessTransport {
             return None;
         }
         let newest = self.history.back()?;
-        // Samples are in time order: the last one at or before the event,
-        // found by bisection, or the oldest kept.
-        let after = self.history.partition_point(|sample| sample.at_ns <= request.last_ns);
-        let before = self.history.get(after.saturating_sub(1))?;
+        let before = self.sample_at(request.last_ns)?;
         let total = newest.totals;
         let mut since = Totals::default();
         for kind in ActivityKind::ALL {
             let calls = total.get(kind).calls.saturating_sub(before.totals.get(kind).calls);
             since.add(kind, calls, None);
         }
-        let verdict = Verdict::of(class, &since, self.has_progress_probe);
-        Some(Evidence { total, since, at_ns: newest.at_ns, verdict })
+        // Progress only from when its probe went on, if that was later.
+        let progress_window_ns = match self.progress_since {
+            Some(attached_ns) if attached_ns > request.last_ns => {
+                let from = self.sample_at(attached_ns)?;
+                let calls = total.get(ActivityKind::Progress).calls.saturating_sub(from.totals.get(ActivityKind::Progress).calls);
+                since.0[ActivityKind::Progress as usize].calls = calls;
+                Some(newest.at_ns.saturating_sub(from.at_ns))
+            }
+            Some(_) => Some(newest.at_ns.saturating_sub(before.at_ns)),
+            None => {
+                since.0[ActivityKind::Progress as usize].calls = 0;
+                None
+            }
+        };
+        let progress_known = progress_window_ns.is_some_and(|ns| ns >= self.min_window_ns);
+        let verdict = Verdict::of(class, &since, progress_known);
+        Some(Evidence { total, since, progress_window_ns, at_ns: newest.at_ns, verdict })
+    }
+
+    /// The last sample at or before `at_ns` (samples are in time order:
+    /// found by bisection), or the oldest kept.
+    fn sample_at(&self, at_ns: u64) -> Option<&Sample> {
+        let after = self.history.partition_point(|sample| sample.at_ns <= at_ns);
+        self.history.get(after.saturating_sub(1))
     }
 
     /// The newest totals and when they were sampled, if the process has
-    /// transport probes.
-    pub fn latest(&self) -> Option<(Totals, u64)> {
-        self.history.back().filter(|_| self.has_activity_probe).map(|sample| (sample.totals, sample.at_ns))
+    /// transport probes, with how long its progress probes had been
+    /// attached then (`None`: they were not).
+    pub fn latest(&self) -> Option<(Totals, u64, Option<u64>)> {
+        self.history
+            .back()
+            .filter(|_| self.has_activity_probe)
+            .map(|sample| (sample.totals, sample.at_ns, self.progress_since.map(|since| sample.at_ns.saturating_sub(since))))
     }
 }
 
@@ -176,11 +217,32 @@ pub struct Tracker {
     /// How far back samples are kept: a stall is judged against the sample
     /// at its last event, up to one timeout (plus slack) ago.
     keep_ns: u64,
+    /// The shortest progress window that can tell `no_progress`: a quarter
+    /// of the timeout, at most a second. The gate links the probe at half
+    /// the timeout, so a stall judged on time has about half the timeout;
+    /// a window shorter than this is one the probe was linked late to
+    /// (a take-over near the timeout). UCX progress that is driven at all
+    /// is called far more often than once a second.
+    min_window_ns: u64,
 }
 
 impl Tracker {
     pub fn new(timeout_ns: u64) -> Self {
-        Self { processes: HashMap::new(), keep_ns: timeout_ns.saturating_mul(2).saturating_add(5_000_000_000) }
+        Self {
+            processes: HashMap::new(),
+            keep_ns: timeout_ns.saturating_mul(2).saturating_add(5_000_000_000),
+            min_window_ns: (timeout_ns / 4).min(1_000_000_000),
+        }
+    }
+
+    /// The progress probes of `pid` were just linked (`Some`: the time of
+    /// the sample taken before linking them, from which they count) or
+    /// unlinked (`None`).
+    pub fn progress_attached(&mut self, pid: u32, since_ns: Option<u64>) {
+        let min_window_ns = self.min_window_ns;
+        let process = self.processes.entry(pid).or_default();
+        process.progress_since = since_ns;
+        process.min_window_ns = min_window_ns;
     }
 
     /// Count a lifecycle completion.
@@ -212,26 +274,27 @@ impl Tracker {
 
     /// Read every activity slot and append a sample per process.
     pub fn sample(&mut self, probes: &Probes, now_ns: u64) -> Result<()> {
-        let mut fresh: HashMap<u32, (Totals, bool)> = HashMap::new();
+        let mut fresh: HashMap<u32, Totals> = HashMap::new();
         for (index, slot) in probes.slots() {
             let Role::Activity(kind) = slot.role else { continue };
-            let (totals, has_progress) = fresh.entry(slot.pid).or_default();
-            totals.add(kind, probes.hits(index)?, probes.last_hit(index)?);
-            *has_progress |= kind == ActivityKind::Progress;
+            fresh.entry(slot.pid).or_default().add(kind, probes.hits(index)?, probes.last_hit(index)?);
         }
-        for (pid, (totals, has_progress)) in fresh {
-            self.record(pid, now_ns, totals, has_progress);
+        for (pid, totals) in fresh {
+            self.record(pid, now_ns, totals);
         }
         Ok(())
     }
 
     /// Append one process's sample (probe counts; lifecycle completions are
-    /// added here) and drop what is older than `keep_ns`.
-    fn record(&mut self, pid: u32, now_ns: u64, mut totals: Totals, has_progress_probe: bool) {
+    /// added here) and drop what is older than `keep_ns` (a progress window
+    /// older than that then counts from the oldest sample kept, and says
+    /// so by its length).
+    fn record(&mut self, pid: u32, now_ns: u64, mut totals: Totals) {
         let keep_ns = self.keep_ns;
+        let min_window_ns = self.min_window_ns;
         let process = self.processes.entry(pid).or_default();
         totals.add(ActivityKind::Completion, process.done.calls, process.done.last_ns);
-        process.has_progress_probe = has_progress_probe;
+        process.min_window_ns = min_window_ns;
         process.has_activity_probe = true;
         process.history.push_back(Sample { at_ns: now_ns, totals });
         while process.history.front().is_some_and(|s| now_ns.saturating_sub(s.at_ns) > keep_ns) {
@@ -258,7 +321,7 @@ impl Tracker {
 
     #[cfg(test)]
     pub(crate) fn record_for_test(&mut self, pid: u32, now_ns: u64, totals: Totals) {
-        self.record(pid, now_ns, totals, true);
+        self.record(pid, now_ns, totals);
     }
 
     /// The evidence a report's alert carries: stalls only.
@@ -294,24 +357,26 @@ mod tests {
     #[test]
     fn a_hung_transfer_with_progress_and_no_completion_blames_the_peer() {
         let mut tracker = Tracker::new(60 * S);
-        tracker.record(7, 10 * S, totals(5, 0, 100, 10 * S), true);
-        tracker.record(7, 11 * S, totals(6, 0, 150, 11 * S), true);
-        tracker.record(7, 80 * S, totals(6, 0, 120_150, 79 * S), true);
+        tracker.progress_attached(7, Some(10 * S));
+        tracker.record(7, 10 * S, totals(5, 0, 100, 10 * S));
+        tracker.record(7, 11 * S, totals(6, 0, 150, 11 * S));
+        tracker.record(7, 80 * S, totals(6, 0, 120_150, 79 * S));
         let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 11 * S), StallClass::TransferHung).unwrap();
         assert_eq!(evidence.verdict, Verdict::PeerUnresponsive);
         assert_eq!(evidence.since.get(ActivityKind::Progress).calls, 120_000);
         assert_eq!(evidence.since.get(ActivityKind::Post).calls, 0);
         assert_eq!(
             evidence.summary(),
-            "last post 1.0s ago, last completion never, 120000 progress calls since, none completed"
+            "last post 1.0s ago, last completion never, 120000 progress calls in the last 69.0s, none completed"
         );
     }
 
     #[test]
     fn no_progress_calls_at_all_is_no_progress() {
         let mut tracker = Tracker::new(60 * S);
-        tracker.record(7, 10 * S, totals(1, 0, 10, 10 * S), true);
-        tracker.record(7, 80 * S, totals(1, 0, 10, 10 * S), true);
+        tracker.progress_attached(7, Some(10 * S));
+        tracker.record(7, 10 * S, totals(1, 0, 10, 10 * S));
+        tracker.record(7, 80 * S, totals(1, 0, 10, 10 * S));
         let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung).unwrap();
         assert_eq!(evidence.verdict, Verdict::NoProgress);
     }
@@ -319,11 +384,11 @@ mod tests {
     #[test]
     fn completions_of_other_requests_say_this_one_alone_is_stuck() {
         let mut tracker = Tracker::new(60 * S);
-        tracker.record(7, 10 * S, totals(1, 0, 10, 10 * S), true);
+        tracker.record(7, 10 * S, totals(1, 0, 10, 10 * S));
         for n in 0..3 {
             tracker.observe(&Observation { pid: 7, key: 100 + n, stage: Stage::TransferDone, ts_ns: 20 * S, external_id: None });
         }
-        tracker.record(7, 80 * S, totals(4, 0, 40, 20 * S), true);
+        tracker.record(7, 80 * S, totals(4, 0, 40, 20 * S));
         let evidence = tracker.evidence(&stalled(7, Stage::TransferDone, 10 * S), StallClass::ReleaseLost).unwrap();
         assert_eq!(evidence.since.get(ActivityKind::Completion).calls, 3);
         assert_eq!(evidence.verdict, Verdict::OthersCompleting);
@@ -339,7 +404,7 @@ mod tests {
     #[test]
     fn a_release_after_a_post_is_a_completion_no_probe_saw_counted_once() {
         let mut tracker = Tracker::new(60 * S);
-        tracker.record(7, 10 * S, totals(1, 0, 10, 10 * S), true);
+        tracker.record(7, 10 * S, totals(1, 0, 10, 10 * S));
         let mut done_inferred = StageSet::EMPTY;
         done_inferred.insert(Stage::TransferDone);
         // Done unseen (counted at the release), done inferred from memory
@@ -350,7 +415,7 @@ mod tests {
         tracker.observe(&Observation { pid: 7, key: 3, stage: Stage::TransferDone, ts_ns: 19 * S, external_id: None });
         tracker.observe_end(&released(3, [Some(S), Some(11 * S), Some(19 * S), Some(20 * S)], StageSet::EMPTY, 20 * S));
         tracker.observe_end(&released(4, [Some(S), None, None, Some(20 * S)], StageSet::EMPTY, 20 * S));
-        tracker.record(7, 80 * S, totals(4, 0, 40, 20 * S), true);
+        tracker.record(7, 80 * S, totals(4, 0, 40, 20 * S));
         let evidence = tracker.evidence(&stalled(7, Stage::TransferDone, 10 * S), StallClass::ReleaseLost).unwrap();
         assert_eq!(evidence.since.get(ActivityKind::Completion).calls, 3);
         assert_eq!(evidence.total.get(ActivityKind::Completion).last_ns, Some(20 * S));
@@ -367,13 +432,82 @@ mod tests {
     #[test]
     fn history_is_bounded_and_an_old_request_uses_the_oldest_sample() {
         let mut tracker = Tracker::new(S);
+        tracker.progress_attached(7, Some(0));
         for t in 0..100 {
-            tracker.record(7, t * S, totals(0, 0, t * 10, t * S), true);
+            tracker.record(7, t * S, totals(0, 0, t * 10, t * S));
         }
         let kept = tracker.processes[&7].history.len();
         assert!(kept <= 8, "{kept}");
         let evidence = tracker.evidence(&stalled(7, Stage::Enqueued, 0), StallClass::WaitingForPeer).unwrap();
         assert_eq!(evidence.since.get(ActivityKind::Progress).calls, 990 - tracker.processes[&7].history[0].totals.get(ActivityKind::Progress).calls);
         assert_eq!(evidence.verdict, Verdict::PeerUnresponsive);
+    }
+
+    /// A hung transfer whose request went silent at 10 s, judged at 70 s
+    /// (timeout 60 s), with the process's progress probe linked at `attached`
+    /// (`None`: not linked) and `calls` progress calls from then on.
+    fn hung_with_probe_from(attached: Option<u64>, calls: u64) -> Evidence {
+        let mut tracker = Tracker::new(60 * S);
+        // Progress before the probe went on is never counted: its slot's
+        // count stood still while it was unlinked.
+        tracker.record(7, 10 * S, totals(1, 0, 500, 10 * S));
+        if let Some(at) = attached {
+            tracker.record(7, at, totals(1, 0, 500, 10 * S));
+            tracker.progress_attached(7, Some(at));
+        }
+        tracker.record(7, 70 * S, totals(1, 0, 500 + calls, 70 * S));
+        tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung).unwrap()
+    }
+
+    #[test]
+    fn progress_is_counted_only_over_the_window_its_probe_was_attached_and_says_so() {
+        let evidence = hung_with_probe_from(Some(40 * S), 3000);
+        assert_eq!(evidence.progress_window_ns, Some(30 * S));
+        assert_eq!(evidence.since.get(ActivityKind::Progress).calls, 3000);
+        assert_eq!(evidence.verdict, Verdict::PeerUnresponsive);
+        assert!(evidence.summary().contains("3000 progress calls in the last 30.0s"), "{}", evidence.summary());
+
+        // Attached since half the timeout and no call: nobody drives UCX.
+        let evidence = hung_with_probe_from(Some(40 * S), 0);
+        assert_eq!(evidence.verdict, Verdict::NoProgress);
+        assert!(evidence.summary().contains("0 progress calls in the last 30.0s"), "{}", evidence.summary());
+    }
+
+    #[test]
+    fn a_probe_attached_too_late_or_not_at_all_never_claims_no_progress() {
+        // Linked 0.5 s before the judgement (the minimum is 1 s here): zero
+        // calls in it prove nothing.
+        let evidence = hung_with_probe_from(Some(69 * S + S / 2), 0);
+        assert_eq!(evidence.progress_window_ns, Some(S / 2));
+        assert_eq!(evidence.verdict, Verdict::Idle, "nothing seen, and too short a look to say nobody drives progress");
+        let evidence = hung_with_probe_from(None, 0);
+        assert_eq!(evidence.progress_window_ns, None);
+        assert_ne!(evidence.verdict, Verdict::NoProgress);
+        assert!(evidence.summary().contains("progress not watched"), "{}", evidence.summary());
+
+        // A short timeout shortens the minimum with it: a quarter of it.
+        let mut tracker = Tracker::new(2 * S);
+        tracker.record(7, 0, totals(1, 0, 0, 0));
+        tracker.record(7, S, totals(1, 0, 0, 0));
+        tracker.progress_attached(7, Some(S));
+        tracker.record(7, 2 * S, totals(1, 0, 0, 0));
+        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 0), StallClass::TransferHung).unwrap();
+        assert_eq!((evidence.progress_window_ns, evidence.verdict), (Some(S), Verdict::NoProgress));
+    }
+
+    #[test]
+    fn a_request_silent_since_after_the_probe_went_on_counts_from_its_own_event() {
+        let mut tracker = Tracker::new(60 * S);
+        tracker.record(7, 5 * S, totals(1, 0, 0, 5 * S));
+        tracker.progress_attached(7, Some(5 * S));
+        tracker.record(7, 10 * S, totals(1, 0, 700, 10 * S));
+        tracker.record(7, 70 * S, totals(1, 0, 1700, 70 * S));
+        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung).unwrap();
+        assert_eq!((evidence.progress_window_ns, evidence.since.get(ActivityKind::Progress).calls), (Some(60 * S), 1000));
+
+        // Unlinked again: nothing is claimed of progress any more.
+        tracker.progress_attached(7, None);
+        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung).unwrap();
+        assert_eq!((evidence.progress_window_ns, evidence.since.get(ActivityKind::Progress).calls), (None, 0));
     }
 }

@@ -120,6 +120,12 @@ fn posted_to_a_stopped_peer_is_transfer_hung() {
         let transport = &alert["transport"];
         assert_eq!(transport["verdict"], "peer_unresponsive", "{alert}");
         assert!(transport["progress"]["since"].as_u64().expect("progress since") > 0, "{alert}");
+        // Counted since the progress probe went on, at half the timeout
+        // (checked every quarter second), and the evidence says over how long.
+        let window_ms = transport["progress"]["window_ms"].as_u64().expect("progress window");
+        assert!((500..=1200).contains(&window_ms), "{alert}");
+        let summary = transport["summary"].as_str().expect("summary");
+        assert!(summary.contains(&format!("progress calls in the last {:.1}s", window_ms as f64 / 1e3)), "{alert}");
         assert_eq!(transport["completion"]["since"], 0, "{alert}");
         assert!(transport["post"]["total"].as_u64().expect("post total") > 0, "{alert}");
         assert!(transport["summary"].as_str().expect("summary").contains("none completed"), "{alert}");
@@ -137,6 +143,8 @@ fn posted_to_a_stopped_peer_is_transfer_hung() {
     }
     let process = &inflight["processes"][0];
     assert!(process["transport"]["progress"]["total"].as_u64().expect("progress total") > 0, "{process}");
+    // The hung requests hold the progress probe on.
+    assert!(process["transport"]["progress_attached_ms"].as_u64().expect("progress probe attached") >= 1000, "{process}");
     assert!(process["transport"]["post"]["total"].as_u64().expect("post total") >= 3, "{process}");
     // The initiator keeps polling getXferStatus (IN_PROG) the whole time:
     // polls are not life, and nothing else is reported. Two more status
@@ -266,14 +274,17 @@ fn two_thousand_healthy_transfers_raise_no_alert() {
     // Transport probes: UCX really ran under every transfer; the RDMA verbs
     // transports the wheel ships are loaded and attached, and never called:
     // the driver's UCX_TLS leaves them out, on any host.
-    let hits: HashMap<&str, u64> = summary["probes"]
-        .as_array()
-        .expect("probes")
-        .iter()
-        .map(|p| (p["symbol"].as_str().expect("symbol"), p["hits"].as_u64().expect("hits")))
-        .collect();
+    let probes = summary["probes"].as_array().expect("probes");
+    let hits: HashMap<&str, u64> =
+        probes.iter().map(|p| (p["symbol"].as_str().expect("symbol"), p["hits"].as_u64().expect("hits"))).collect();
     assert!(hits["ucp_put_nbx"] >= 2000, "{hits:?}");
-    assert!(hits["ucp_worker_progress"] > 0, "{hits:?}");
+    // UCX progress is called thousands of times a second here, but no
+    // request came near its stall: its probe was never attached.
+    assert_eq!(hits["ucp_worker_progress"], 0, "{hits:?}");
+    for probe in probes {
+        let on_demand = probe["symbol"] == "ucp_worker_progress";
+        assert_eq!(probe["attached"], if on_demand { "on_demand_idle" } else { "always" }, "{probe}");
+    }
     for verbs in ["uct_rc_verbs_ep_put_zcopy", "uct_rc_verbs_ep_get_zcopy", "uct_rc_mlx5_base_ep_put_zcopy", "uct_rc_mlx5_base_ep_get_zcopy"] {
         assert_eq!(hits.get(verbs), Some(&0), "{verbs} attached with no hits: {hits:?}");
     }

@@ -145,7 +145,16 @@ impl<W: Write> AlertWriter<W> {
                 .unwrap_or_default()
                 + &probes
                 .iter()
-                .map(|p| format!("\nPROBE pid={} role={} hits={} symbol={}", p.pid, p.role, p.hits, text::value(&p.symbol)))
+                .map(|p| {
+                    format!(
+                        "\nPROBE pid={} role={} hits={} attached={} symbol={}",
+                        p.pid,
+                        p.role,
+                        p.hits,
+                        p.attached.as_str(),
+                        text::value(&p.symbol)
+                    )
+                })
                 .collect::<String>(),
             Format::Json => json!({
                 "alert": "summary",
@@ -180,7 +189,7 @@ impl<W: Write> AlertWriter<W> {
                 })),
                 "probes": probes
                     .iter()
-                    .map(|p| json!({"pid": p.pid, "role": p.role, "hits": p.hits, "symbol": p.symbol}))
+                    .map(|p| json!({"pid": p.pid, "role": p.role, "hits": p.hits, "attached": p.attached.as_str(), "symbol": p.symbol}))
                     .collect::<Vec<_>>(),
             })
             .to_string(),
@@ -307,7 +316,9 @@ impl<'a> Alert<'a> {
     }
 }
 
-/// `{"verdict": .., "summary": .., "post": {"since": n, "total": n, "last_ago_ms": n|null}, ..}`
+/// `{"verdict": .., "summary": .., "post": {"since": n, "total": n, "last_ago_ms": n|null}, ..}`;
+/// `progress` also has `window_ms`: how far back its `since` counts
+/// (`null`: no progress probe was attached).
 fn evidence_json(evidence: &Evidence) -> Value {
     let mut object = Map::new();
     object.insert("verdict".to_owned(), json!(evidence.verdict.as_str()));
@@ -322,6 +333,9 @@ fn evidence_json(evidence: &Evidence) -> Value {
                 "last_ago_ms": total.last_ns.map(|ns| evidence.at_ns.saturating_sub(ns) / 1_000_000),
             }),
         );
+    }
+    if let Some(Value::Object(progress)) = object.get_mut(ActivityKind::Progress.as_str()) {
+        progress.insert("window_ms".to_owned(), json!(evidence.progress_window_ns.map(|ns| ns / 1_000_000)));
     }
     Value::Object(object)
 }

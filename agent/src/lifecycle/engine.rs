@@ -282,6 +282,17 @@ impl Engine {
         self.slab.live().map(|(_, r)| r.snapshot())
     }
 
+    /// The pids holding a request silent since `cutoff_ns` or earlier,
+    /// stalled or not (for the progress-probe gate). A scan of the record
+    /// store: the gate runs it a few times a second, not per event.
+    pub fn pids_silent_since(&self, cutoff_ns: u64) -> std::collections::HashSet<u32> {
+        self.slab
+            .live()
+            .filter(|(_, r)| r.last_ns <= cutoff_ns)
+            .map(|(_, r)| r.pid)
+            .collect()
+    }
+
     /// Counters, and the number of requests tracked now.
     pub fn stats(&self) -> EngineStats {
         debug_assert_eq!(self.index.len(), self.slab.len());

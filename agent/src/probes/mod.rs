@@ -10,6 +10,15 @@
 //! With a [`BpfDir`], the maps are pinned there (or taken over from a
 //! previous agent) and every link is pinned as it is made, so the probes
 //! outlive the agent; see [`crate::state`].
+//!
+//! Progress probes (`[[activity]]` with `kind = "progress"`) are the
+//! exception: the target calls them thousands of times a transfer, so they
+//! get their slot at attach time but are linked only while
+//! [`Probes::open_gate`] says so (a request of the process nears its stall,
+//! see [`crate::gate`]). Their links are never pinned: they belong to this
+//! agent alone and go with it (the kernel drops an unpinned link when its
+//! file descriptor closes, even on a crash), so a restart can neither leak
+//! nor double one; the next agent opens its own gate when it needs to.
 pub mod profile;
 pub mod resolve;
 mod returns;
@@ -69,6 +78,15 @@ pub struct Slot {
     pub first_insn: FirstInsn,
 }
 
+/// A progress probe of one process, resolved and given its slot, linked
+/// only while its gate is open.
+struct Gated {
+    index: u32,
+    host_path: PathBuf,
+    file_offset: u64,
+    link: Option<UProbeLink>,
+}
+
 /// One uprobe link; dropping it detaches the probe, unless it is pinned.
 enum Link {
     Owned(UProbeLink),
@@ -102,6 +120,8 @@ pub struct Probes {
     /// Slots ready for reuse.
     free: Vec<u32>,
     links: HashMap<u32, Vec<Link>>,
+    /// Per pid, its progress probes, linked only while its gate is open.
+    gated: HashMap<u32, Vec<Gated>>,
     /// Where the maps and links are pinned; `None`: nothing outlives us.
     dir: Option<BpfDir>,
     /// Links a previous agent left pinned, until ours replace them.
@@ -162,6 +182,7 @@ impl Probes {
             slots: Vec::new(),
             free: Vec::new(),
             links: HashMap::new(),
+            gated: HashMap::new(),
             dir,
             old_links,
             retired: std::collections::VecDeque::new(),
@@ -253,7 +274,7 @@ impl Probes {
     /// whose library or symbol is missing are skipped).
     pub fn attach(&mut self, pid: u32, profile: &Profile) -> Result<usize> {
         let image = ProcessImage::read(pid)?;
-        if self.links.contains_key(&pid) {
+        if self.links.contains_key(&pid) || self.gated.contains_key(&pid) {
             bail!("pid {pid} is attached already");
         }
         let result = self.attach_all(&image, profile).and_then(|()| self.arm(pid));
@@ -375,6 +396,18 @@ impl Probes {
             file_offset: resolved.file_offset,
             first_insn: resolved.first_insn,
         });
+        if matches!(self.slots[index as usize].as_ref().map(|slot| &slot.role), Some(Role::Activity(ActivityKind::Progress))) {
+            let gated = Gated { index, host_path: object.host_path.clone(), file_offset: resolved.file_offset, link: None };
+            self.gated.entry(pid).or_default().push(gated);
+            info!(
+                pid,
+                symbol = %target.symbol,
+                object = %object.path.display(),
+                offset = format_args!("{:#x}", resolved.file_offset),
+                "progress probe ready: attached only while a request of the process nears its stall"
+            );
+            return Ok(());
+        }
         let mut programs = Vec::new();
         if at == At::Entry || cfg.flags & slot_flags::NEEDS_ARGS != 0 {
             programs.push(ENTRY_PROGRAM);
@@ -382,18 +415,8 @@ impl Probes {
         if at == At::Return {
             programs.push(RETURN_PROGRAM);
         }
-        let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).ok_or_else(|| anyhow!("pid 0 is not a process"))?);
         for name in programs {
-            let program: &mut UProbe = self
-                .ebpf
-                .program_mut(name)
-                .ok_or_else(|| anyhow!("the eBPF object has no program `{name}`"))?
-                .try_into()?;
-            let point = UProbeAttachPoint {
-                location: UProbeAttachLocation::AbsoluteOffset(resolved.file_offset),
-                cookie: Some(u64::from(index)),
-            };
-            let id = program.attach(point, &object.host_path, scope).with_context(|| {
+            let link = self.link(name, index, pid, &object.host_path, resolved.file_offset).with_context(|| {
                 format!(
                     "attaching a uprobe to `{}` at {:#x} in {} for pid {pid}",
                     target.symbol,
@@ -401,7 +424,6 @@ impl Probes {
                     object.path.display()
                 )
             })?;
-            let link = program.take_link(id).context("taking the uprobe link")?;
             let link = match &self.dir {
                 Some(dir) => Link::Pinned(pin(link, &dir.link_path(index, pid, name))?),
                 None => Link::Owned(link),
@@ -418,6 +440,65 @@ impl Probes {
             "probe attached"
         );
         Ok(())
+    }
+
+    /// Attach program `name` at `file_offset` of `host_path` for `pid`, its
+    /// hits on slot `index` (the cookie).
+    fn link(&mut self, name: &str, index: u32, pid: u32, host_path: &std::path::Path, file_offset: u64) -> Result<UProbeLink> {
+        let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).ok_or_else(|| anyhow!("pid 0 is not a process"))?);
+        let program: &mut UProbe =
+            self.ebpf.program_mut(name).ok_or_else(|| anyhow!("the eBPF object has no program `{name}`"))?.try_into()?;
+        let point =
+            UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(file_offset), cookie: Some(u64::from(index)) };
+        let id = program.attach(point, host_path, scope)?;
+        program.take_link(id).context("taking the uprobe link")
+    }
+
+    /// Whether `pid` has progress probes that [`Self::open_gate`] links.
+    pub fn has_gated(&self, pid: u32) -> bool {
+        self.gated.get(&pid).is_some_and(|gated| !gated.is_empty())
+    }
+
+    /// The pids with gated progress probes, and whether their gate is open.
+    pub fn gates(&self) -> impl Iterator<Item = (u32, bool)> + '_ {
+        self.gated.iter().filter(|(_, gated)| !gated.is_empty()).map(|(&pid, gated)| (pid, gated.iter().all(|g| g.link.is_some())))
+    }
+
+    /// Link every progress probe of `pid` (its slots are configured and
+    /// armed already; their hit counts go on from where the last opening
+    /// left them). All or nothing: on error those linked by this call are
+    /// dropped again. Costs a few ms a probe: the kernel writes the
+    /// breakpoint into the target's mapped pages.
+    pub fn open_gate(&mut self, pid: u32) -> Result<()> {
+        let mut gated = self.gated.remove(&pid).unwrap_or_default();
+        let mut result = Ok(());
+        for probe in gated.iter_mut().filter(|probe| probe.link.is_none()) {
+            match self.link(ENTRY_PROGRAM, probe.index, pid, &probe.host_path, probe.file_offset) {
+                Ok(link) => probe.link = Some(link),
+                Err(err) => {
+                    result = Err(err).with_context(|| {
+                        format!("attaching the progress probe at {:#x} in {} for pid {pid}", probe.file_offset, probe.host_path.display())
+                    });
+                    break;
+                }
+            }
+        }
+        if result.is_err() {
+            for probe in &mut gated {
+                probe.link = None;
+            }
+        }
+        self.gated.insert(pid, gated);
+        result
+    }
+
+    /// Unlink every progress probe of `pid`; its slots stay its own, so
+    /// their counts keep their meaning and a later opening goes on from
+    /// them. The links are returned: dropping one detaches it, which takes
+    /// the kernel tens of ms, so the caller may drop them off the event
+    /// loop.
+    pub fn close_gate(&mut self, pid: u32) -> Vec<UProbeLink> {
+        self.gated.get_mut(&pid).map_or_else(Vec::new, |gated| gated.iter_mut().filter_map(|probe| probe.link.take()).collect())
     }
 
     /// Start hearing of every exec on the host (process discovery): loads
@@ -446,8 +527,12 @@ impl Probes {
         for link in self.links.remove(&pid).unwrap_or_default().into_iter().rev() {
             link.detach();
         }
+        // Their final counts say whether the progress probes were on.
         let finals: Vec<ProbeHits> =
             self.slots().filter(|(_, slot)| slot.pid == pid).filter_map(|(index, slot)| self.probe_hit(index, slot).ok()).collect();
+        // Now, not off the loop: the slots are freed below, and a link
+        // still live would count its hits on a successor's slot.
+        drop(self.gated.remove(&pid));
         for hits in finals {
             if self.retired.len() == MAX_SLOTS as usize {
                 self.retired.pop_front();
@@ -510,7 +595,12 @@ impl Probes {
             Role::Activity(kind) => kind.as_str(),
             Role::Signal(_) => "signal",
         };
-        Ok(ProbeHits { pid: slot.pid, symbol: slot.symbol.clone(), role, hits: self.hits(index)? })
+        let gated = self.gated.get(&slot.pid).and_then(|gated| gated.iter().find(|probe| probe.index == index));
+        let attached = match gated {
+            Some(probe) => Attached::OnDemand { now: probe.link.is_some() },
+            None => Attached::Always,
+        };
+        Ok(ProbeHits { pid: slot.pid, symbol: slot.symbol.clone(), role, hits: self.hits(index)?, attached })
     }
 
     /// When a transport-activity slot was last hit, on any CPU.
@@ -566,6 +656,28 @@ pub struct ProbeHits {
     /// `lifecycle`, or the activity kind.
     pub role: &'static str,
     pub hits: u64,
+    pub attached: Attached,
+}
+
+/// When a probe is linked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attached {
+    /// From attach to detach.
+    Always,
+    /// Only while a request of its process nears its stall (progress
+    /// probes); `now`: whether it is linked at this moment.
+    OnDemand { now: bool },
+}
+
+impl Attached {
+    /// `always`, `on_demand` (linked now) or `on_demand_idle`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Always => "always",
+            Self::OnDemand { now: true } => "on_demand",
+            Self::OnDemand { now: false } => "on_demand_idle",
+        }
+    }
 }
 
 /// Where one probe goes, for [`Probes::attach_slot`].

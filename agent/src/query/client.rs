@@ -144,13 +144,17 @@ pub fn write_table(inflight: &Inflight, mut out: impl Write) -> std::io::Result<
         match &p.transport {
             Some(t) => writeln!(
                 out,
-                "; transport: {} posts (last {}), {} completions (last {}), {} progress calls (last {})",
+                "; transport: {} posts (last {}), {} completions (last {}), {} progress calls (last {}; {})",
                 t.post.total,
                 ago(t.post.last_ago_ms),
                 t.completion.total,
                 ago(t.completion.last_ago_ms),
                 t.progress.total,
-                ago(t.progress.last_ago_ms)
+                ago(t.progress.last_ago_ms),
+                t.progress_attached_ms.map_or_else(
+                    || "probe off until a request nears its stall".to_owned(),
+                    |ms| format!("probe on for {}", duration(ms))
+                )
             )?,
             None => writeln!(out)?,
         }
@@ -242,7 +246,7 @@ mod tests {
                     class: Some(StallClass::TransferHung),
                     transport: Some(RequestTransport {
                         verdict: "peer_unresponsive".to_owned(),
-                        summary: "last post 61.0s ago, last completion never, 900 progress calls since, none completed".to_owned(),
+                        summary: "last post 61.0s ago, last completion never, 900 progress calls in the last 30.0s, none completed".to_owned(),
                     }),
                 },
                 InflightRequest {
@@ -340,7 +344,7 @@ mod tests {
             lines,
             [
                 "PID  PROCESS       KEY            EXTERNAL_ID         STAGE                     AGE    SILENT  CLASS",
-                "42   demo-prefill  0x10000000000  room-1099511627776  transfer_posted           2m05s  1m01s   transfer_hung (peer_unresponsive: last post 61.0s ago, last completion never, 900 progress calls since, none completed)",
+                "42   demo-prefill  0x10000000000  room-1099511627776  transfer_posted           2m05s  1m01s   transfer_hung (peer_unresponsive: last post 61.0s ago, last completion never, 900 progress calls in the last 30.0s, none completed)",
                 "42   demo-prefill  0x7            -                   transfer_done (inferred)  3ms    3ms     -",
                 "2 requests in flight, 1 stalled (timeout 1m00s), as of 2025-01-01T00:00:00.000Z",
                 "pid 42 (demo-prefill): 2 in flight, 1 stalled",

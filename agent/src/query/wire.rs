@@ -87,7 +87,12 @@ pub struct Process {
 pub struct TransportEvidence {
     pub post: ActivityCount,
     pub completion: ActivityCount,
+    /// Counted only while the progress probes are attached (near a stall).
     pub progress: ActivityCount,
+    /// How long the progress probes have been attached, as of the agent's
+    /// last sample; `null`: they are not (no request is near its stall).
+    #[serde(default)]
+    pub progress_attached_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -98,7 +103,7 @@ pub struct ActivityCount {
 }
 
 impl TransportEvidence {
-    fn of(totals: &Totals, at_ns: u64) -> Self {
+    fn of(totals: &Totals, at_ns: u64, progress_attached_ns: Option<u64>) -> Self {
         let count = |kind| {
             let activity = totals.get(kind);
             ActivityCount { total: activity.calls, last_ago_ms: activity.last_ns.map(|ns| ms(at_ns.saturating_sub(ns))) }
@@ -107,6 +112,7 @@ impl TransportEvidence {
             post: count(ActivityKind::Post),
             completion: count(ActivityKind::Completion),
             progress: count(ActivityKind::Progress),
+            progress_attached_ms: progress_attached_ns.map(ms),
         }
     }
 }
@@ -117,7 +123,7 @@ pub struct RequestTransport {
     /// `peer_unresponsive`, `no_progress`, `others_completing` or `idle`.
     pub verdict: String,
     /// "last post 57.0s ago, last completion 57.0s ago, 120000 progress
-    /// calls since, none completed".
+    /// calls in the last 30.0s, none completed".
     pub summary: String,
 }
 
@@ -185,7 +191,7 @@ impl Snapshot {
             .map(|(pid, process)| {
                 let transport = transport_of(&transport, pid)
                     .and_then(ProcessTransport::latest)
-                    .map(|(totals, at_ns)| TransportEvidence::of(&totals, at_ns));
+                    .map(|(totals, at_ns, attached_ns)| TransportEvidence::of(&totals, at_ns, attached_ns));
                 Process { pid, process, in_flight: 0, stalled: 0, transport }
             })
             .collect();
@@ -567,6 +573,7 @@ mod tests {
         totals.add_for_test(ActivityKind::Progress, 500, Some(9_000_000_000));
         totals.add_for_test(ActivityKind::Post, 1, Some(2_000_000_000));
         tracker.record_for_test(42, 1_500_000_000, Totals::default());
+        tracker.progress_attached(42, Some(1_500_000_000));
         tracker.record_for_test(42, 9_500_000_000, totals);
         snapshot.transport.push((42, tracker.process(42).expect("recorded").clone()));
         let value: Value = serde_json::from_slice(&encode(&snapshot.into_answer())).expect("JSON");
@@ -576,12 +583,13 @@ mod tests {
                 "post": {"total": 1, "last_ago_ms": 7500},
                 "completion": {"total": 0, "last_ago_ms": null},
                 "progress": {"total": 500, "last_ago_ms": 500},
+                "progress_attached_ms": 8000,
             })
         );
         assert_eq!(value["requests"][0]["transport"]["verdict"], "peer_unresponsive");
         assert_eq!(
             value["requests"][0]["transport"]["summary"],
-            "last post 7.5s ago, last completion never, 500 progress calls since, none completed"
+            "last post 7.5s ago, last completion never, 500 progress calls in the last 8.0s, none completed"
         );
     }
 

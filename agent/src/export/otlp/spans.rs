@@ -77,12 +77,15 @@ pub mod attr {
     pub const STUCK_MS: &str = "stallwatch.stall.stuck_ms";
     /// The transport's verdict on a stall (`peer_unresponsive`, ...).
     pub const TRANSPORT_VERDICT: &str = "stallwatch.transport.verdict";
-    /// "last post 57.0s ago, last completion 57.0s ago, 120000 progress calls since, none completed".
+    /// "last post 57.0s ago, last completion 57.0s ago, 120000 progress calls in the last 30.0s, none completed".
     pub const TRANSPORT_SUMMARY: &str = "stallwatch.transport.summary";
     /// Calls of each kind since the request's last event.
     pub const TRANSPORT_POSTS_SINCE: &str = "stallwatch.transport.posts_since";
     pub const TRANSPORT_COMPLETIONS_SINCE: &str = "stallwatch.transport.completions_since";
     pub const TRANSPORT_PROGRESS_SINCE: &str = "stallwatch.transport.progress_calls_since";
+    /// How far back `progress_calls_since` counts, in ms: the progress
+    /// probe is attached only near a stall. Absent: it was not attached.
+    pub const TRANSPORT_PROGRESS_WINDOW_MS: &str = "stallwatch.transport.progress_window_ms";
 }
 
 /// Domain prefixes of the trace-id hash; see [`trace_id`].
@@ -343,15 +346,19 @@ impl SpanMaker {
 }
 
 /// The transport evidence of a stall, as span attributes.
-fn transport_attributes(evidence: &Evidence) -> [KeyValue; 5] {
+fn transport_attributes(evidence: &Evidence) -> Vec<KeyValue> {
     let since = |kind| evidence.since.get(kind).calls as i64;
-    [
+    let mut attributes = vec![
         KeyValue::new(attr::TRANSPORT_VERDICT, evidence.verdict.as_str()),
         KeyValue::new(attr::TRANSPORT_SUMMARY, evidence.summary()),
         KeyValue::new(attr::TRANSPORT_POSTS_SINCE, since(ActivityKind::Post)),
         KeyValue::new(attr::TRANSPORT_COMPLETIONS_SINCE, since(ActivityKind::Completion)),
         KeyValue::new(attr::TRANSPORT_PROGRESS_SINCE, since(ActivityKind::Progress)),
-    ]
+    ];
+    if let Some(window_ns) = evidence.progress_window_ns {
+        attributes.push(KeyValue::new(attr::TRANSPORT_PROGRESS_WINDOW_MS, ms(window_ns)));
+    }
+    attributes
 }
 
 fn ms(ns: u64) -> i64 {
@@ -469,6 +476,7 @@ mod tests {
         let mut busy = crate::transport::Totals::default();
         busy.add_for_test(ActivityKind::Progress, 4_000, Some(request.last_ns + 1_900_000_000));
         tracker.record_for_test(7, request.last_ns, crate::transport::Totals::default());
+        tracker.progress_attached(7, Some(request.last_ns));
         tracker.record_for_test(7, request.last_ns + 2_000_000_000, busy);
         let evidence = tracker.evidence(&request, StallClass::TransferHung);
         assert!(evidence.is_some());
@@ -480,7 +488,8 @@ mod tests {
         assert_eq!(attribute(stall, attr::TRANSPORT_VERDICT).as_deref(), Some("peer_unresponsive"));
         assert_eq!(attribute(stall, attr::TRANSPORT_PROGRESS_SINCE).as_deref(), Some("4000"));
         assert_eq!(attribute(stall, attr::TRANSPORT_COMPLETIONS_SINCE).as_deref(), Some("0"));
-        assert!(attribute(stall, attr::TRANSPORT_SUMMARY).is_some_and(|s| s.contains("4000 progress calls since, none completed")));
+        assert_eq!(attribute(stall, attr::TRANSPORT_PROGRESS_WINDOW_MS).as_deref(), Some("2000"));
+        assert!(attribute(stall, attr::TRANSPORT_SUMMARY).is_some_and(|s| s.contains("4000 progress calls in the last 2.0s, none completed")));
     }
 
     #[test]
