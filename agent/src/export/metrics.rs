@@ -78,6 +78,7 @@ impl Metrics {
             losses,
             export,
             status_reads: None,
+            progress_probes: None,
         }
     }
 }
@@ -97,6 +98,9 @@ pub struct Snapshot {
     pub export: Option<ExportCounts>,
     /// How the reads of the profile's `[status]` went, when it has one.
     pub status_reads: Option<StatusReads>,
+    /// Processes whose progress probes are attached now and those whose
+    /// are not (attached only near a stall); `None`: no process has any.
+    pub progress_probes: Option<[u64; 2]>,
 }
 
 const LIVE_STAGES: [Stage; 3] = [Stage::Enqueued, Stage::TransferPosted, Stage::TransferDone];
@@ -186,6 +190,15 @@ impl Collector for Snapshot {
                 "stallwatch_state_full",
                 "Requests the kernel's in-flight table had no room for (they would not survive a restart)",
                 k.state_full,
+            )?;
+        }
+        if let Some([attached, detached]) = self.progress_probes {
+            gauges(
+                &mut encoder,
+                "stallwatch_progress_probes",
+                "Watched processes by whether their progress probes are attached now (only while a request nears its stall)",
+                "state",
+                &[("attached", attached), ("detached", detached)],
             )?;
         }
         if let Some(r) = &self.status_reads {
@@ -449,6 +462,7 @@ mod tests {
         let export = ExportCounts { exported: 10, dropped_queue_full: 2, queue_capacity: 16, ..ExportCounts::default() };
         let mut snapshot = metrics.snapshot(&engine, Some(losses), Some(export));
         snapshot.status_reads = Some(StatusReads { answered: 6, unreadable: 1, ..StatusReads::default() });
+        snapshot.progress_probes = Some([1, 2]);
         let open = render(snapshot, Format::OpenMetrics);
         for line in [
             "stallwatch_requests_in_flight{stage=\"transfer_posted\"} 2",
@@ -467,6 +481,8 @@ mod tests {
             "stallwatch_export_spans_total 10",
             "stallwatch_status_reads_total{result=\"answered\"} 6",
             "stallwatch_status_reads_total{result=\"unreadable\"} 1",
+            "stallwatch_progress_probes{state=\"attached\"} 1",
+            "stallwatch_progress_probes{state=\"detached\"} 2",
             "stallwatch_export_queue_capacity 16",
             "# TYPE stallwatch_stalls counter",
             "# EOF",
@@ -475,7 +491,7 @@ mod tests {
         }
         let classic = render(metrics.snapshot(&engine, None, None), Format::Prometheus);
         assert!(classic.contains("stallwatch_stalls_total{class=\"transfer_hung\"} 1"), "{classic}");
-        assert!(!classic.contains("# EOF") && !classic.contains("lost_events") && !classic.contains("export") && !classic.contains("status_reads"), "{classic}");
+        assert!(!classic.contains("# EOF") && !classic.contains("lost_events") && !classic.contains("export") && !classic.contains("status_reads") && !classic.contains("progress_probes"), "{classic}");
     }
 
     #[test]

@@ -98,6 +98,10 @@ impl Telemetry {
         let format = scrape.format;
         let mut snapshot = self.metrics.snapshot(engine, losses, export);
         snapshot.status_reads = status;
+        let mut gates = probes.gates().peekable();
+        if gates.peek().is_some() {
+            snapshot.progress_probes = Some(gates.fold([0, 0], |[on, off], (_, open)| if open { [on + 1, off] } else { [on, off + 1] }));
+        }
         scrape.answer(metrics::render(snapshot, format));
     }
 
