@@ -144,7 +144,7 @@ fn posted_to_a_stopped_peer_is_transfer_hung() {
     let process = &inflight["processes"][0];
     assert!(process["transport"]["progress"]["total"].as_u64().expect("progress total") > 0, "{process}");
     // The hung requests hold the progress probe on.
-    assert!(process["transport"]["progress_attached_ms"].as_u64().expect("progress probe attached") >= 1000, "{process}");
+    assert!(process["transport"]["progress_attached_ms"].as_u64().expect("progress probe attached") >= 500, "{process}");
     assert!(process["transport"]["post"]["total"].as_u64().expect("post total") >= 3, "{process}");
     // The initiator keeps polling getXferStatus (IN_PROG) the whole time:
     // polls are not life, and nothing else is reported. Two more status
