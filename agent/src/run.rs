@@ -170,7 +170,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
         tokio::select! {
             read = session.reader.read(|bytes| session.ingest.record(
                 bytes, &mut session.transport, &mut session.engine, &mut session.reports,
-                &mut |event| session.signals.route(event, session.probes.slot(event.slot)),
+                &mut |event, observation| session.signals.consume(event, observation, session.probes.slot(event.slot)),
             )) => read?,
             _ = ticks.tick() => {
                 // The clock first: every event submitted before it is read
@@ -442,7 +442,7 @@ impl<W: Write> Session<W> {
     /// only when the buffer fills past a quarter.
     fn drain(&mut self) {
         let Session { reader, ingest, transport, engine, reports, signals, probes, .. } = self;
-        let mut route = |event: &Event| signals.route(event, probes.slot(event.slot));
+        let mut route = |event: &Event, observation| signals.consume(event, observation, probes.slot(event.slot));
         reader.drain(|bytes| ingest.record(bytes, transport, engine, reports, &mut route));
     }
 
@@ -643,12 +643,14 @@ impl Ingest {
         transport: &mut Tracker,
         engine: &mut Engine,
         reports: &mut Vec<Report>,
-        signal: &mut impl FnMut(&Event) -> Option<Observation>,
+        route: &mut impl FnMut(&Event, Option<Observation>) -> Option<Observation>,
     ) {
         // A signal is a lifecycle event only once its consumer makes one
-        // (an SGLang room's, from its ZMQ messages).
-        let decoded = events::decode(bytes)
-            .and_then(|event| if signals::is_signal(&event) { Ok(signal(&event)) } else { events::observe(&event).map(Some) });
+        // (an SGLang room's, from its ZMQ messages); a probe's lifecycle
+        // event may be another's (a NIXL handle's, its room's).
+        let decoded = events::decode(bytes).and_then(|event| {
+            if signals::is_signal(&event) { Ok(route(&event, None)) } else { events::observe(&event).map(|o| route(&event, Some(o))) }
+        });
         match decoded {
             Ok(None) => {}
             Ok(Some(observation)) => {
@@ -799,9 +801,9 @@ mod tests {
         };
         let logged = warnings(|| {
             for _ in 0..1000 {
-                ingest.record(&[0; 8], &mut transport, &mut engine, &mut reports, &mut |_| None);
+                ingest.record(&[0; 8], &mut transport, &mut engine, &mut reports, &mut |_, observation| observation);
             }
-            ingest.record(&bytes_of(&unknown_stage), &mut transport, &mut engine, &mut reports, &mut |_| None);
+            ingest.record(&bytes_of(&unknown_stage), &mut transport, &mut engine, &mut reports, &mut |_, observation| observation);
             // Two counter periods: the second has nothing new.
             ingest.warn_undecodable();
             ingest.warn_undecodable();

@@ -11,7 +11,17 @@
 //! when Failed is, aborted at the ABORT. The lifecycle's key is the room
 //! and its external id the room in decimal, so its trace id is the room's
 //! on every node. A registration (room `b"None"`) is no room.
-use std::collections::HashSet;
+//!
+//! NIXL handles are attributed to rooms by destination: each worker
+//! thread names the remote agent of the transfer it creates (a signal on
+//! `createXferReq`'s entry) just before the call's handle comes back on
+//! the same thread, and a handle to agent A created while exactly one live
+//! room of the process lists A among its destinations is that room's. Its
+//! lifecycle events then are the room's (so the room is `transfer_posted`
+//! from its first posted transfer on, and a hung transfer stalls the room
+//! `transfer_hung`), and the handle raises no lifecycle of its own. A
+//! handle that cannot be attributed unambiguously stays its own lifecycle.
+use std::collections::HashMap;
 
 use crate::{
     lifecycle::{Observation, Stage},
@@ -28,8 +38,9 @@ const SUCCESS: u8 = 4;
 /// What one bootstrap message says of a room.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Bootstrap {
-    /// A decode rank's destination for `room`, on its PULL `port`.
-    Destination { room: u64, port: u16 },
+    /// A decode rank's destination for `room`, on its PULL `port`, its
+    /// NIXL agent named `agent`.
+    Destination { room: u64, port: u16, agent: Box<str> },
     Abort { room: u64 },
     /// A KVPoll status sent to a decode.
     Status { room: u64, status: u8 },
@@ -59,7 +70,8 @@ pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
             }
             let room = number(1, "room")?;
             let port = u16::try_from(number(3, "port")?).map_err(|_| "frame 3 (port) is past 65535".to_owned())?;
-            Bootstrap::Destination { room, port }
+            let agent = String::from_utf8_lossy(frame(4, "agent name")?).into();
+            Bootstrap::Destination { room, port, agent }
         }
         (Direction::Received, ABORT) => Bootstrap::Abort { room: number(1, "room")? },
         (Direction::Sent, KV_STATUS) => {
@@ -85,8 +97,18 @@ fn tag_of(frame: &Frame) -> Option<&[u8]> {
 #[derive(Default)]
 pub struct Rooms {
     /// (pid, room) of every room whose destination arrived and that has
-    /// not ended.
-    live: HashSet<(u32, u64)>,
+    /// not ended: the NIXL agents of its destinations.
+    live: HashMap<(u32, u64), Vec<Box<str>>>,
+    /// (pid, tid): the remote agent of the transfer the thread is creating.
+    creating: HashMap<(u32, u32), Box<str>>,
+    /// (pid, handle) -> the room the handle was attributed to, until the
+    /// handle ends (its events are the room's, or nobody's once the room
+    /// ended, never a lifecycle of their own).
+    handles: HashMap<(u32, u64), u64>,
+    /// (pid, tid) -> the room the thread's last attributed handle was
+    /// (a worker transfers one room at a time: its next handle to one of
+    /// that room's destinations is that room's too).
+    current: HashMap<(u32, u32), u64>,
 }
 
 impl Rooms {
@@ -95,10 +117,12 @@ impl Rooms {
     /// decode rank, an ABORT racing the status).
     pub fn observe(&mut self, pid: u32, ts_ns: u64, bootstrap: &Bootstrap) -> Option<Observation> {
         let (room, stage) = match *bootstrap {
-            Bootstrap::Destination { room, .. } => {
-                if !self.live.insert((pid, room)) {
+            Bootstrap::Destination { room, ref agent, .. } => {
+                if let Some(agents) = self.live.get_mut(&(pid, room)) {
+                    agents.push(agent.clone());
                     return None;
                 }
+                self.live.insert((pid, room), vec![agent.clone()]);
                 (room, Stage::Enqueued)
             }
             Bootstrap::Abort { room } => (room, Stage::Aborted),
@@ -107,16 +131,76 @@ impl Rooms {
             // Bootstrapping .. Transferring: not an end.
             Bootstrap::Status { .. } => return None,
         };
-        if stage.is_terminal() && !self.live.remove(&(pid, room)) {
+        if stage.is_terminal() && self.live.remove(&(pid, room)).is_none() {
             return None;
         }
-        Some(Observation { pid, key: room, stage, ts_ns, external_id: Some(room.to_string().into()) })
+        Some(room_observation(pid, room, stage, ts_ns))
+    }
+
+    /// Thread `tid` is creating a transfer to the NIXL agent `agent`.
+    pub fn creating(&mut self, pid: u32, tid: u32, agent: &[u8]) {
+        self.creating.insert((pid, tid), String::from_utf8_lossy(agent).into());
+    }
+
+    /// A NIXL handle's lifecycle event, seen on thread `tid`: the room's
+    /// event it is if the handle is a room's, none if it is the handle of a
+    /// room that ended, else the handle's own. A handle is attributed when
+    /// it is created (`enqueued`), to the one live room whose destinations
+    /// include the agent its thread named; its `transfer_posted` and
+    /// `transfer_done` are the room's life at `transfer_posted` (a room's
+    /// transfers follow one another, so it is mid-transfer until its
+    /// status is sent), its `failed` fails the room, its other ends only
+    /// end the attribution.
+    pub fn handle(&mut self, tid: u32, observation: Observation) -> Option<Observation> {
+        let Observation { pid, key, stage, ts_ns, .. } = observation;
+        if stage == Stage::Enqueued {
+            let agent = self.creating.remove(&(pid, tid));
+            let awaits = |room: &u64| {
+                self.live.get(&(pid, *room)).is_some_and(|agents| agent.as_ref().is_some_and(|a| agents.contains(a)))
+            };
+            let owner = match self.current.get(&(pid, tid)).filter(|room| awaits(room)) {
+                Some(&room) => Some(room),
+                None => {
+                    let mut owners = self.live.keys().filter(|(p, room)| *p == pid && awaits(room)).map(|(_, room)| *room);
+                    match (owners.next(), owners.next()) {
+                        (Some(room), None) => Some(room),
+                        _ => None,
+                    }
+                }
+            };
+            let Some(room) = owner else { return Some(observation) };
+            self.handles.insert((pid, key), room);
+            self.current.insert((pid, tid), room);
+            return None;
+        }
+        let Some(&room) = self.handles.get(&(pid, key)) else {
+            return Some(observation);
+        };
+        if stage.is_terminal() {
+            self.handles.remove(&(pid, key));
+        }
+        let live = match stage {
+            Stage::TransferPosted | Stage::TransferDone => self.live.contains_key(&(pid, room)),
+            Stage::Failed => self.live.remove(&(pid, room)).is_some(),
+            _ => false,
+        };
+        let stage = if stage == Stage::Failed { Stage::Failed } else { Stage::TransferPosted };
+        live.then(|| room_observation(pid, room, stage, ts_ns))
     }
 
     /// The process is gone (its rooms end `process_exited` in the engine).
     pub fn forget(&mut self, pid: u32) {
-        self.live.retain(|(p, _)| *p != pid);
+        self.live.retain(|(p, _), _| *p != pid);
+        self.creating.retain(|(p, _), _| *p != pid);
+        self.handles.retain(|(p, _), _| *p != pid);
+        self.current.retain(|(p, _), _| *p != pid);
     }
+}
+
+/// An event of `room`: keyed by the room, its external id the room in
+/// decimal.
+fn room_observation(pid: u32, room: u64, stage: Stage, ts_ns: u64) -> Observation {
+    Observation { pid, key: room, stage, ts_ns, external_id: Some(room.to_string().into()) }
 }
 
 /// Whether a request is an SGLang room: keyed by its room, its external id
@@ -138,7 +222,7 @@ mod tests {
     fn sglangs_messages_name_their_room_and_others_are_not_sglangs() {
         use Direction::{Received, Sent};
         let info = message(Received, &[GUARD, b"8070450532247928832", b"127.0.0.1", b"40001", b"decode-0", b"\0\0\0\0"]);
-        assert_eq!(parse(&info), Ok(Some(Bootstrap::Destination { room: 8070450532247928832, port: 40001 })));
+        assert_eq!(parse(&info), Ok(Some(Bootstrap::Destination { room: 8070450532247928832, port: 40001, agent: "decode-0".into() })));
         let registration = message(Received, &[GUARD, b"None", b"127.0.0.1", b"40001"]);
         assert_eq!(parse(&registration), Ok(None));
         assert_eq!(parse(&message(Received, &[ABORT, b"17", b"127.0.0.1", b"40001", b"1"])), Ok(Some(Bootstrap::Abort { room: 17 })));
@@ -148,9 +232,9 @@ mod tests {
         assert_eq!(parse(&message(Received, &[KV_STATUS, b"17", b"4"])), Ok(None));
         assert_eq!(parse(&message(Received, &[b"hello"])), Ok(None));
         // A first frame read in part (its receive began before the probes).
-        let mut cut = message(Received, &[b"NixlMsgGuard\x55\x55", b"5", b"ip", b"40001"]);
+        let mut cut = message(Received, &[b"NixlMsgGuard\x55\x55", b"5", b"ip", b"40001", b"d"]);
         cut.frames[0].complete = false;
-        assert_eq!(parse(&cut), Ok(Some(Bootstrap::Destination { room: 5, port: 40001 })));
+        assert_eq!(parse(&cut), Ok(Some(Bootstrap::Destination { room: 5, port: 40001, agent: "d".into() })));
         cut.frames[0].bytes = b"NixlMsgGuar".as_slice().into();
         assert_eq!(parse(&cut), Ok(None));
     }
@@ -173,7 +257,7 @@ mod tests {
     #[test]
     fn a_room_starts_at_its_first_destination_and_ends_once() {
         let mut rooms = Rooms::default();
-        let destination = Bootstrap::Destination { room: 9, port: 1 };
+        let destination = Bootstrap::Destination { room: 9, port: 1, agent: "d".into() };
         let start = rooms.observe(4, 10, &destination).expect("enqueued");
         assert_eq!((start.key, start.stage, start.ts_ns, start.external_id.as_deref()), (9, Stage::Enqueued, 10, Some("9")));
         // The second decode rank's destination of the same room.
@@ -193,6 +277,55 @@ mod tests {
         rooms.observe(7, 50, &destination).expect("enqueued");
         rooms.forget(7);
         assert!(rooms.live.is_empty());
+    }
+
+    fn handle_event(pid: u32, handle: u64, stage: Stage, ts_ns: u64) -> Observation {
+        Observation { pid, key: handle, stage, ts_ns, external_id: None }
+    }
+
+    #[test]
+    fn a_handle_to_the_one_room_awaiting_its_agent_is_the_rooms() {
+        use Stage::*;
+        let mut rooms = Rooms::default();
+        let to = |room, agent: &str| Bootstrap::Destination { room, port: 1, agent: agent.into() };
+        rooms.observe(4, 1, &to(7, "decode-0")).expect("room 7");
+        rooms.observe(4, 2, &to(7, "decode-1"));
+        rooms.observe(4, 3, &to(8, "decode-1")).expect("room 8");
+        // Thread 20 creates a transfer to decode-0: only room 7 awaits it.
+        rooms.creating(4, 20, b"decode-0");
+        assert_eq!(rooms.handle(20, handle_event(4, 0xa0, Enqueued, 10)), None);
+        let posted = rooms.handle(21, handle_event(4, 0xa0, TransferPosted, 11)).expect("the room's");
+        assert_eq!((posted.key, posted.stage, posted.ts_ns, posted.external_id.as_deref()), (7, TransferPosted, 11, Some("7")));
+        // Done is life of the room mid-transfer; the release only ends the attribution.
+        assert_eq!(rooms.handle(20, handle_event(4, 0xa0, TransferDone, 12)).map(|o| (o.key, o.stage)), Some((7, TransferPosted)));
+        assert_eq!(rooms.handle(20, handle_event(4, 0xa0, Released, 13)), None);
+        assert_eq!(rooms.handle(20, handle_event(4, 0xa0, TransferDone, 14)), Some(handle_event(4, 0xa0, TransferDone, 14)));
+        // decode-1 on a new thread: rooms 7 and 8 both await it, so the handle is its own.
+        rooms.creating(4, 30, b"decode-1");
+        assert_eq!(rooms.handle(30, handle_event(4, 0xb0, Enqueued, 20)), Some(handle_event(4, 0xb0, Enqueued, 20)));
+        assert_eq!(rooms.handle(30, handle_event(4, 0xb0, TransferPosted, 21)), Some(handle_event(4, 0xb0, TransferPosted, 21)));
+        // Thread 20 was on room 7: its next handle to decode-1 is room 7's, ambiguous or not.
+        rooms.creating(4, 20, b"decode-1");
+        assert_eq!(rooms.handle(20, handle_event(4, 0xb1, Enqueued, 22)), None);
+        assert_eq!(rooms.handle(20, handle_event(4, 0xb1, TransferPosted, 23)).map(|o| o.key), Some(7));
+        // A thread that named no agent (or another pid's) attributes nothing.
+        rooms.creating(5, 20, b"decode-0");
+        assert_eq!(rooms.handle(20, handle_event(4, 0xc0, Enqueued, 30)), Some(handle_event(4, 0xc0, Enqueued, 30)));
+        // Room 8's handle fails: the room fails, once; its status then ends nothing.
+        rooms.observe(4, 40, &Bootstrap::Status { room: 7, status: SUCCESS }).expect("room 7 released");
+        rooms.creating(4, 22, b"decode-1");
+        assert_eq!(rooms.handle(22, handle_event(4, 0xd0, Enqueued, 41)), None);
+        assert_eq!(rooms.handle(22, handle_event(4, 0xd0, Failed, 42)).map(|o| (o.key, o.stage)), Some((8, Failed)));
+        assert_eq!(rooms.observe(4, 43, &Bootstrap::Status { room: 8, status: FAILED }), None);
+        // A handle of a room that ended is nobody's lifecycle.
+        rooms.observe(4, 50, &to(9, "decode-0")).expect("room 9");
+        rooms.creating(4, 23, b"decode-0");
+        assert_eq!(rooms.handle(23, handle_event(4, 0xe0, Enqueued, 51)), None);
+        rooms.observe(4, 52, &Bootstrap::Abort { room: 9 }).expect("room 9 aborted");
+        assert_eq!(rooms.handle(23, handle_event(4, 0xe0, TransferDone, 53)), None);
+        rooms.forget(4);
+        rooms.forget(5);
+        assert!(rooms.handles.is_empty() && rooms.creating.is_empty() && rooms.current.is_empty());
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //! lifecycle engine. The consumers: the ZMQ frames of `zmq_recv`,
 //! `zmq_data` and `zmq_send` ([`crate::zmq`]) make messages, which the
 //! SGLang room tracker ([`crate::sglang`]) turns into the rooms'
-//! lifecycle observations. A signal of any other name is only logged
+//! lifecycle observations; `nixl_remote_agent` names the peer of the NIXL
+//! transfer a thread creates, so the tracker attributes the handle to its
+//! room. A signal of any other name is only logged
 //! (`STALLWATCH_LOG=debug`), which is how a profile author checks what a
 //! signal reads.
 use std::sync::Arc;
@@ -102,6 +104,12 @@ impl Signals {
         let hit = match spec.name.as_str() {
             "zmq_recv" => Hit::Recv { msg: signal.value, size: signal.ret, tail: raw },
             "zmq_send" => Hit::Send { flags: signal.value, tail: raw },
+            "nixl_remote_agent" => {
+                if let Captured::Text(agent) = &signal.capture {
+                    self.rooms.creating(signal.pid, signal.tid, agent);
+                }
+                return None;
+            }
             "zmq_data" => Hit::Data {
                 msg: signal.value,
                 data: match &signal.capture {
@@ -125,6 +133,17 @@ impl Signals {
                 self.last_unparsed = Some(format!("pid {} thread {}: {why}", message.pid, message.tid));
                 None
             }
+        }
+    }
+
+    /// What the engine gets of `event`: a signal's observation, if it
+    /// completes one ([`Signals::route`]); a probe's lifecycle event
+    /// (`observation`), unless it is a NIXL handle attributed to a room,
+    /// which makes it the room's event ([`Rooms::handle`]).
+    pub fn consume(&mut self, event: &Event, observation: Option<Observation>, slot: Option<&Slot>) -> Option<Observation> {
+        match observation {
+            Some(observation) => self.rooms.handle(event.tid, observation),
+            None => self.route(event, slot),
         }
     }
 

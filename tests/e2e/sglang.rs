@@ -337,3 +337,30 @@ fn sglang_profile_ends_an_aborted_room_aborted() {
     assert_eq!(span.attr("stallwatch.request.outcome"), Some("aborted"), "{span:?}");
     let _ = collector.stop();
 }
+
+#[test]
+fn sglang_profile_alerts_a_hung_transfer_on_its_room() {
+    let (mut target, agent) = Target::rooms("hang", &[], &[]);
+    let holding = target.until("holding", Duration::from_secs(30));
+    let room = target.fault_room;
+    assert_eq!(holding["rooms"][room.to_string()], "transferring", "{holding}");
+    let hung = target.transfers(room);
+    assert_eq!(hung.len(), 1, "one chunk posted before the stall: {hung:?}");
+    let (handle, posted) = hung.iter().next().expect("the hung transfer");
+    let mut seen = Vec::new();
+    agent.wait_until("a transfer_hung alert", TIMEOUT + Duration::from_secs(5), &mut seen, |seen| {
+        alerts(seen, "stalled").any(|(_, a)| a["class"] == "transfer_hung")
+    });
+    // A second timeout later: the hung transfer is alerted once, on its room.
+    std::thread::sleep(TIMEOUT);
+    seen.extend(agent.stop());
+    let stalls: Vec<(Instant, Value)> = alerts(&seen, "stalled").filter(|(_, a)| a["class"] == "transfer_hung").collect();
+    assert_eq!(stalls.len(), 1, "{seen:?}");
+    let (at, alert) = &stalls[0];
+    assert_eq!(alert["key"], format!("{room:#x}").as_str(), "{alert}");
+    assert_eq!(alert["external_id"], room.to_string().as_str(), "{alert}");
+    assert_eq!(alert["stage"], "transfer_posted", "{alert}");
+    assert!(alerts(&seen, "stalled").all(|(_, a)| a["key"] != handle.as_str()), "the hung handle alerted on its own: {seen:?}");
+    let latency = at.duration_since(*posted);
+    assert!(latency >= TIMEOUT - Duration::from_millis(50) && latency <= TIMEOUT + LATENESS, "{alert} after {latency:?}");
+}
