@@ -554,7 +554,8 @@ impl<W: Write> Session<W> {
         for report in self.reports.drain(..) {
             self.transport.observe_end(&report);
             let evidence = self.transport.for_report(&report);
-            self.alerts.report(&report, evidence.as_ref()).context("writing an alert to stdout")?;
+            let room = self.signals.context(report.request());
+            self.alerts.report(&report, evidence.as_ref(), &room).context("writing an alert to stdout")?;
             // After the alert: an agent that dies in between reports the
             // stall again rather than never. A failure costs only restart
             // safety for this request, never the alerts: logged, not fatal.

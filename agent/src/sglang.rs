@@ -93,12 +93,29 @@ fn tag_of(frame: &Frame) -> Option<&[u8]> {
     }
 }
 
+/// SGLang's transfer workers per prefill rank: a room's transfers run on
+/// worker `sum(destination ports) % WORKERS`.
+const WORKERS: u32 = 4;
+
+/// A live room.
+#[derive(Default)]
+struct Room {
+    /// The NIXL agents of its destinations (one per decode rank).
+    agents: Vec<Box<str>>,
+    /// The sum of its destinations' ports: its worker, modulo [`WORKERS`].
+    ports: u32,
+    /// Whether a handle was ever attributed to it.
+    transferring: bool,
+    /// Its handles posted and not done, oldest first.
+    outstanding: Vec<u64>,
+}
+
 /// The rooms of every watched process, from destination to conclusion.
 #[derive(Default)]
 pub struct Rooms {
     /// (pid, room) of every room whose destination arrived and that has
-    /// not ended: the NIXL agents of its destinations.
-    live: HashMap<(u32, u64), Vec<Box<str>>>,
+    /// not ended.
+    live: HashMap<(u32, u64), Room>,
     /// (pid, tid): the remote agent of the transfer the thread is creating.
     creating: HashMap<(u32, u32), Box<str>>,
     /// (pid, handle) -> the room the handle was attributed to, until the
@@ -117,12 +134,14 @@ impl Rooms {
     /// decode rank, an ABORT racing the status).
     pub fn observe(&mut self, pid: u32, ts_ns: u64, bootstrap: &Bootstrap) -> Option<Observation> {
         let (room, stage) = match *bootstrap {
-            Bootstrap::Destination { room, ref agent, .. } => {
-                if let Some(agents) = self.live.get_mut(&(pid, room)) {
-                    agents.push(agent.clone());
+            Bootstrap::Destination { room, port, ref agent } => {
+                let known = self.live.contains_key(&(pid, room));
+                let entry = self.live.entry((pid, room)).or_default();
+                entry.agents.push(agent.clone());
+                entry.ports += u32::from(port);
+                if known {
                     return None;
                 }
-                self.live.insert((pid, room), vec![agent.clone()]);
                 (room, Stage::Enqueued)
             }
             Bootstrap::Abort { room } => (room, Stage::Aborted),
@@ -156,7 +175,7 @@ impl Rooms {
         if stage == Stage::Enqueued {
             let agent = self.creating.remove(&(pid, tid));
             let awaits = |room: &u64| {
-                self.live.get(&(pid, *room)).is_some_and(|agents| agent.as_ref().is_some_and(|a| agents.contains(a)))
+                self.live.get(&(pid, *room)).is_some_and(|r| agent.as_ref().is_some_and(|a| r.agents.contains(a)))
             };
             let owner = match self.current.get(&(pid, tid)).filter(|room| awaits(room)) {
                 Some(&room) => Some(room),
@@ -169,6 +188,9 @@ impl Rooms {
                 }
             };
             let Some(room) = owner else { return Some(observation) };
+            if let Some(r) = self.live.get_mut(&(pid, room)) {
+                r.transferring = true;
+            }
             self.handles.insert((pid, key), room);
             self.current.insert((pid, tid), room);
             return None;
@@ -179,6 +201,12 @@ impl Rooms {
         if stage.is_terminal() {
             self.handles.remove(&(pid, key));
         }
+        if let Some(r) = self.live.get_mut(&(pid, room)) {
+            r.outstanding.retain(|&h| h != key);
+            if stage == Stage::TransferPosted {
+                r.outstanding.push(key);
+            }
+        }
         let live = match stage {
             Stage::TransferPosted | Stage::TransferDone => self.live.contains_key(&(pid, room)),
             Stage::Failed => self.live.remove(&(pid, room)).is_some(),
@@ -186,6 +214,25 @@ impl Rooms {
         };
         let stage = if stage == Stage::Failed { Stage::Failed } else { Stage::TransferPosted };
         live.then(|| room_observation(pid, room, stage, ts_ns))
+    }
+
+    /// What an alert of `room` says besides its lifecycle: `handle`, its
+    /// oldest transfer posted and not done; or, for a room with no
+    /// transfer yet, `behind`, a room of the same worker with a transfer
+    /// posted and not done (the worker is stuck on it, so this room waits
+    /// in its queue, not for its peer).
+    pub fn context(&self, pid: u32, room: u64) -> Vec<(&'static str, String)> {
+        let Some(this) = self.live.get(&(pid, room)) else { return Vec::new() };
+        if let Some(handle) = this.outstanding.first() {
+            return vec![("handle", format!("{handle:#x}"))];
+        }
+        if this.transferring {
+            return Vec::new();
+        }
+        let blocking = self.live.iter().filter(|((p, other), r)| {
+            *p == pid && *other != room && r.ports % WORKERS == this.ports % WORKERS && !r.outstanding.is_empty()
+        });
+        blocking.map(|((_, other), _)| *other).min().map(|other| vec![("behind", other.to_string())]).unwrap_or_default()
     }
 
     /// The process is gone (its rooms end `process_exited` in the engine).
@@ -325,7 +372,33 @@ mod tests {
         assert_eq!(rooms.handle(23, handle_event(4, 0xe0, TransferDone, 53)), None);
         rooms.forget(4);
         rooms.forget(5);
+        assert!(rooms.live.is_empty());
         assert!(rooms.handles.is_empty() && rooms.creating.is_empty() && rooms.current.is_empty());
+    }
+
+    #[test]
+    fn a_rooms_alert_names_its_hung_handle_or_the_room_its_worker_is_stuck_on() {
+        use Stage::*;
+        let mut rooms = Rooms::default();
+        let to = |room, port, agent: &str| Bootstrap::Destination { room, port, agent: agent.into() };
+        // Rooms 1 and 2 on worker (40001 + 40003) % 4 = 0, room 3 on worker 40001 % 4 = 1.
+        rooms.observe(4, 1, &to(1, 40001, "a")).expect("room 1");
+        rooms.observe(4, 1, &to(1, 40003, "b"));
+        rooms.observe(4, 2, &to(2, 40003, "b")).expect("room 2");
+        rooms.observe(4, 2, &to(2, 40001, "a"));
+        rooms.observe(4, 3, &to(3, 40001, "a")).expect("room 3");
+        rooms.creating(4, 20, b"a");
+        // Ambiguous until the thread is on a room: make it room 1's by the thread.
+        rooms.current.insert((4, 20), 1);
+        assert_eq!(rooms.handle(20, handle_event(4, 0xa0, Enqueued, 10)), None);
+        rooms.handle(20, handle_event(4, 0xa0, TransferPosted, 11)).expect("room 1's");
+        assert_eq!(rooms.context(4, 1), vec![("handle", "0xa0".to_owned())]);
+        assert_eq!(rooms.context(4, 2), vec![("behind", "1".to_owned())]);
+        assert_eq!(rooms.context(4, 3), Vec::new(), "another worker");
+        assert_eq!(rooms.context(4, 99), Vec::new(), "no such room");
+        rooms.handle(20, handle_event(4, 0xa0, TransferDone, 12)).expect("room 1's");
+        assert_eq!(rooms.context(4, 1), Vec::new(), "between its transfers");
+        assert_eq!(rooms.context(4, 2), Vec::new(), "the worker moved on");
     }
 
     #[test]

@@ -16,7 +16,7 @@ use stallwatch_common::{EXT_ID_LEN, Event, event_flags, stage};
 use tracing::{debug, info, warn};
 
 use crate::{
-    lifecycle::Observation,
+    lifecycle::{Observation, RequestSnapshot},
     probes::{Role, SignalSpec, Slot},
     sglang::{self, Rooms},
     text,
@@ -144,6 +144,15 @@ impl Signals {
         match observation {
             Some(observation) => self.rooms.handle(event.tid, observation),
             None => self.route(event, slot),
+        }
+    }
+
+    /// What an alert of `request` says besides its lifecycle, if it is an
+    /// SGLang room ([`Rooms::context`]).
+    pub fn context(&self, request: &RequestSnapshot) -> Vec<(&'static str, String)> {
+        match sglang::room_of(request.key, request.external_id.as_deref()) {
+            Some(room) => self.rooms.context(request.pid, room),
+            None => Vec::new(),
         }
     }
 

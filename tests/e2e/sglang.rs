@@ -347,6 +347,16 @@ fn sglang_profile_alerts_a_hung_transfer_on_its_room() {
     let hung = target.transfers(room);
     assert_eq!(hung.len(), 1, "one chunk posted before the stall: {hung:?}");
     let (handle, posted) = hung.iter().next().expect("the hung transfer");
+    // The rooms queued behind it on its worker: their destinations arrived,
+    // the worker never got to them.
+    let queued: Vec<u64> = holding["rooms"]
+        .as_object()
+        .expect("rooms")
+        .iter()
+        .filter(|(_, state)| *state == "queued")
+        .map(|(r, _)| r.parse().expect("room"))
+        .collect();
+    assert!(queued.len() >= 3, "{holding}");
     let mut seen = Vec::new();
     agent.wait_until("a transfer_hung alert", TIMEOUT + Duration::from_secs(5), &mut seen, |seen| {
         alerts(seen, "stalled").any(|(_, a)| a["class"] == "transfer_hung")
@@ -360,7 +370,19 @@ fn sglang_profile_alerts_a_hung_transfer_on_its_room() {
     assert_eq!(alert["key"], format!("{room:#x}").as_str(), "{alert}");
     assert_eq!(alert["external_id"], room.to_string().as_str(), "{alert}");
     assert_eq!(alert["stage"], "transfer_posted", "{alert}");
+    assert_eq!(alert["handle"], handle.as_str(), "{alert}");
     assert!(alerts(&seen, "stalled").all(|(_, a)| a["key"] != handle.as_str()), "the hung handle alerted on its own: {seen:?}");
     let latency = at.duration_since(*posted);
     assert!(latency >= TIMEOUT - Duration::from_millis(50) && latency <= TIMEOUT + LATENESS, "{alert} after {latency:?}");
+    // Each queued room: alerted with its room and the room its worker is stuck on.
+    for r in &queued {
+        let (at, alert) = alerts(&seen, "stalled")
+            .find(|(_, a)| a["key"] == format!("{r:#x}").as_str())
+            .unwrap_or_else(|| panic!("queued room {r} not alerted: {seen:?}"));
+        assert_eq!(alert["external_id"], r.to_string().as_str(), "{alert}");
+        assert_eq!(alert["stage"], "enqueued", "{alert}");
+        assert_eq!(alert["behind"], room.to_string().as_str(), "{alert}");
+        let latency = at.duration_since(target.last_mark(*r));
+        assert!(latency <= TIMEOUT + LATENESS, "{alert} after {latency:?}");
+    }
 }

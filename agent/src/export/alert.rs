@@ -78,11 +78,12 @@ impl<W: Write> AlertWriter<W> {
 
     /// Write the alert line a report calls for, if any, with the transport
     /// evidence of its process where there is some.
-    pub fn report(&mut self, report: &Report, evidence: Option<&Evidence>) -> std::io::Result<()> {
+    pub fn report(&mut self, report: &Report, evidence: Option<&Evidence>, fields: &[(&'static str, String)]) -> std::io::Result<()> {
         let Some(mut alert) = Alert::of(report) else {
             return Ok(());
         };
         alert.evidence = evidence;
+        alert.fields = fields;
         let line = match self.format {
             Format::Human => self.human(&alert),
             Format::Json => self.json(&alert).to_string(),
@@ -223,6 +224,9 @@ impl<W: Write> AlertWriter<W> {
         if !request.inferred.is_empty() {
             line.push_str(&format!(" inferred={}", request.inferred.iter().map(Stage::as_str).collect::<Vec<_>>().join(",")));
         }
+        for (name, value) in alert.fields {
+            line.push_str(&format!(" {name}={}", text::value(value)));
+        }
         if let Some(evidence) = alert.evidence {
             line.push_str(&format!(
                 " verdict={} transport={}",
@@ -257,6 +261,9 @@ impl<W: Write> AlertWriter<W> {
             if let Some(evidence) = alert.evidence {
                 object.insert("transport".to_owned(), evidence_json(evidence));
             }
+            for (name, value) in alert.fields {
+                object.insert((*name).to_owned(), json!(value));
+            }
         }
         value
     }
@@ -275,6 +282,9 @@ struct Alert<'a> {
     duration: Option<(&'static str, u64)>,
     at_ns: u64,
     evidence: Option<&'a Evidence>,
+    /// What the request's tracker adds (an SGLang room's hung `handle`,
+    /// or the room it is queued `behind`).
+    fields: &'a [(&'static str, String)],
 }
 
 impl<'a> Alert<'a> {
@@ -287,6 +297,7 @@ impl<'a> Alert<'a> {
                 duration: Some(("silent", *silent_ns)),
                 at_ns: *at_ns,
                 evidence: None,
+                fields: &[],
             }),
             Report::Recovered { request, class, stuck_ns } => Some(Self {
                 kind: "recovered",
@@ -295,6 +306,7 @@ impl<'a> Alert<'a> {
                 duration: Some(("stuck", *stuck_ns)),
                 at_ns: request.last_ns,
                 evidence: None,
+                fields: &[],
             }),
             Report::Ended { request, outcome, at_ns } => {
                 let kind = match outcome {
@@ -310,6 +322,7 @@ impl<'a> Alert<'a> {
                     duration: Some(("age", at_ns.saturating_sub(request.first_ns))),
                     at_ns: *at_ns,
                     evidence: None,
+                    fields: &[],
                 })
             }
         }
@@ -370,8 +383,20 @@ mod tests {
 
     fn line(format: Format, report: &Report) -> String {
         let mut out = Vec::new();
-        AlertWriter::new(&mut out, format, Clock::new()).report(report, None).expect("write");
+        AlertWriter::new(&mut out, format, Clock::new()).report(report, None, &[]).expect("write");
         String::from_utf8(out).expect("UTF-8")
+    }
+
+    #[test]
+    fn alerts_carry_their_trackers_fields() {
+        let fields = [("handle", "0x7f00".to_owned()), ("behind", "17".to_owned())];
+        let mut out = Vec::new();
+        AlertWriter::new(&mut out, Format::Json, Clock::new()).report(&release_lost(StageSet::EMPTY), None, &fields).expect("write");
+        let json: Value = serde_json::from_slice(&out).expect("JSON");
+        assert_eq!((&json["handle"], &json["behind"]), (&json!("0x7f00"), &json!("17")), "{json}");
+        let mut out = Vec::new();
+        AlertWriter::new(&mut out, Format::Human, Clock::new()).report(&release_lost(StageSet::EMPTY), None, &fields).expect("write");
+        assert!(String::from_utf8(out).expect("UTF-8").contains(" handle=0x7f00 behind=17"));
     }
 
     #[test]
@@ -404,11 +429,11 @@ mod tests {
     fn a_closed_stdout_stops_the_agent_but_not_its_stop() {
         let report = release_lost(StageSet::EMPTY);
         let mut running = AlertWriter::new(Closed, Format::Json, Clock::new());
-        assert!(running.report(&report, None).is_err(), "the write that finds stdout closed fails, so the agent stops");
+        assert!(running.report(&report, None, &[]).is_err(), "the write that finds stdout closed fails, so the agent stops");
         assert!(running.is_closed());
         let mut stopping = AlertWriter::new(Closed, Format::Json, Clock::new());
         stopping.stopping();
-        stopping.report(&report, None).expect("at the stop a closed stdout is no error");
+        stopping.report(&report, None, &[]).expect("at the stop a closed stdout is no error");
         stopping.summary(&EngineStats::default(), &Losses::default(), 0, &[], None).expect("nor for the summary");
         assert!(stopping.is_closed());
     }
