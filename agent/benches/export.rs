@@ -165,7 +165,7 @@ fn event_path(endpoint: Option<&str>, n: u64) -> Cost {
                 engine.observe(Observation { pid: 4242, key: *id, stage, ts_ns: ts + i as u64 * 1_000, external_id }, &mut reports);
             }
             for report in reports.drain(..) {
-                alerts.report(&report, None).expect("sink");
+                alerts.report(&report, None, &[]).expect("sink");
                 metrics.report(&report);
                 if let Some(exporter) = &exporter {
                     exporter.report(report, None);
