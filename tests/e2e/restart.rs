@@ -464,13 +464,15 @@ fn requests_of_a_pid_reused_while_no_agent_ran_end_process_exited() {
 
     // Another process gets the pid; the next agent is told to watch it.
     let mut new = demo_as_pid(pid, &["--rate", "200", "--duration", "30s"]);
-    let second = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
+    let second = Agent::watch_on(pid, &dir, TIMEOUT, &METRICS);
     new.go();
     let mut lines = Vec::new();
     let exited = second.wait_alerts("process_exited", 2, Duration::from_secs(5), &mut lines);
     for (_, alert) in &exited {
         assert!(pinned.contains_key(&key_of(alert)), "{alert} {pinned:?}");
     }
+    // The take-over reports before the new process's first request ends.
+    second.wait_completed(1);
     let lines: Vec<Line> = lines.into_iter().chain(second.stop()).collect();
     let summary = summary(&lines);
     assert_eq!(summary["process_exited"], 2, "{summary}");
