@@ -188,7 +188,10 @@ fn done_never_released_is_release_lost() {
     assert!(driver.requests("posted").len() == 3 && driver.lines.iter().filter_map(Line::json).all(|v| v["event"] != "posted" || v["post"] == "PROC"), "{:?}", driver.lines);
     let mut seen = Vec::new();
     let stalls = agent.wait_alerts("stalled", 3, TIMEOUT + Duration::from_secs(5), &mut seen);
-    assert_stalls(&stalls, &driver.requests("completed"), "release_lost");
+    // Silent since the post: the completion is a poll's, which no probe
+    // sees (it is inferred at the read), so a transfer slow under load
+    // does not move the stall's due time.
+    assert_stalls(&stalls, &driver.requests("posted"), "release_lost");
     for (_, alert) in &stalls {
         assert_eq!((&alert["stage"], &alert["inferred"]), (&Value::from("transfer_done"), &serde_json::json!(["transfer_done"])), "{alert}");
         // Observed: created and posted; inferred: done, timed at the read.

@@ -466,16 +466,19 @@ fn requests_of_a_pid_reused_while_no_agent_ran_end_process_exited() {
     let mut new = demo_as_pid(pid, &["--rate", "200", "--duration", "30s"]);
     let second = Agent::watch_on(pid, &dir, TIMEOUT, &METRICS);
     new.go();
+    // Both stalls end process_exited; so may a healthy request the old
+    // process had in flight when it was killed (no agent ran to see it end).
     let mut lines = Vec::new();
-    let exited = second.wait_alerts("process_exited", 2, Duration::from_secs(5), &mut lines);
-    for (_, alert) in &exited {
-        assert!(pinned.contains_key(&key_of(alert)), "{alert} {pinned:?}");
-    }
+    second.wait_until("both stalls ended process_exited", Duration::from_secs(5), &mut lines, |seen| {
+        let exited: Vec<String> = alerts(seen, "process_exited").map(|(_, alert)| key_of(&alert)).collect();
+        pinned.keys().all(|key| exited.contains(key))
+    });
     // The take-over reports before the new process's first request ends.
     second.wait_completed(1);
     let lines: Vec<Line> = lines.into_iter().chain(second.stop()).collect();
+    let exited = alerts(&lines, "process_exited").count();
     let summary = summary(&lines);
-    assert_eq!(summary["process_exited"], 2, "{summary}");
+    assert_eq!(summary["process_exited"], exited as u64, "each reported once: {summary}");
     assert_eq!(summary["stalled"], 0, "the old process's stalls are not the new one's: {summary}");
     assert!(summary["completed"].as_u64().unwrap_or(0) > 0, "the new process is followed: {summary}");
 }
