@@ -38,7 +38,7 @@ use crate::{
     reactor,
     state::{BpfDir, KernelState},
     signals::{self, Signals},
-    status::StatusReader,
+    status::{self, StatusReader},
     transport::Tracker,
 };
 
@@ -508,7 +508,10 @@ impl<W: Write> Session<W> {
         match status {
             Some(status) => engine.advance_reading(
                 now,
-                &mut |silent| status.read(silent, || state.holds(silent.pid, silent.key, silent.last_ns)),
+                status::READS_PER_TICK,
+                &mut |silents, answers| {
+                    status.read(silents, |silent| state.holds(silent.pid, silent.key, silent.last_ns), answers);
+                },
                 reports,
             ),
             None => engine.advance(now, reports),

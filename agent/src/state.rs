@@ -648,9 +648,12 @@ mod tests {
             let state = &self.state;
             self.engine.advance_reading(
                 now,
-                &mut |silent| {
-                    let failed = silent.key == 0x105 && silent.stage == Stage::TransferPosted;
-                    (failed && state.holds(silent.pid, silent.key, silent.last_ns).expect("holds")).then_some(Stage::Failed)
+                usize::MAX,
+                &mut |silents, answers| {
+                    answers.extend(silents.iter().map(|silent| {
+                        let failed = silent.key == 0x105 && silent.stage == Stage::TransferPosted;
+                        (failed && state.holds(silent.pid, silent.key, silent.last_ns).expect("holds")).then_some(Stage::Failed)
+                    }));
                 },
                 &mut reports,
             );

@@ -28,6 +28,13 @@ use crate::{
     probes::{RetType, StatusSpec},
 };
 
+/// Most requests whose stall is due read per tick (10 ms by default): a
+/// read costs a few microseconds on the event loop (two lookups in the
+/// kernel's table and a share of a batched `process_vm_readv(2)`), so a
+/// mass stall of 100 000 takes about a second of ticks to report instead
+/// of one long one; the rest wait their turn, oldest due first.
+pub const READS_PER_TICK: usize = 1000;
+
 /// How the reads went, by outcome: each read counts once.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StatusReads {
@@ -70,20 +77,45 @@ impl StatusReader {
         self.reads
     }
 
-    /// The stage the target's memory shows for `silent`, if it can tell.
-    /// `holds` asks the kernel whether it still holds the lifecycle live.
-    pub fn read(&mut self, silent: &Silent, holds: impl Fn() -> Result<bool>) -> Option<Stage> {
-        let (pid, key) = (silent.pid, silent.key);
-        match holds() {
-            Ok(true) => {}
-            Ok(false) => {
-                debug!(pid, key = format_args!("{key:#x}"), "status not read: the request ended or its key began another");
-                self.reads.not_held += 1;
-                return None;
+    /// The stage the target's memory shows for each of `silents`, if it
+    /// can tell, pushed onto `answers` in order. `holds` asks the kernel
+    /// whether it still holds a request's lifecycle live. The requests of
+    /// one process are read together, a `process_vm_readv(2)` call for up
+    /// to [`IOV_MAX`] of them per step of the `[status]` pointer chain.
+    pub fn read(&mut self, silents: &[Silent], holds: impl Fn(&Silent) -> Result<bool>, answers: &mut Vec<Option<Stage>>) {
+        let start = answers.len();
+        answers.resize(start + silents.len(), None);
+        let mut held = Vec::with_capacity(silents.len());
+        for (n, silent) in silents.iter().enumerate() {
+            let (pid, key) = (silent.pid, silent.key);
+            match holds(silent) {
+                Ok(true) => held.push(n),
+                Ok(false) => {
+                    debug!(pid, key = format_args!("{key:#x}"), "status not read: the request ended or its key began another");
+                    self.reads.not_held += 1;
+                }
+                Err(err) => {
+                    self.unreadable(format!("asking the kernel whether it holds pid {pid} key {key:#x}: {err:#}"));
+                }
             }
-            Err(err) => return self.unreadable(format!("asking the kernel whether it holds pid {pid} key {key:#x}: {err:#}")),
         }
-        let value = match read_value(pid, key, &self.spec) {
+        held.sort_by_key(|&n| silents[n].pid);
+        for process in held.chunk_by(|&a, &b| silents[a].pid == silents[b].pid) {
+            let pid = silents[process[0]].pid;
+            let keys: Vec<u64> = process.iter().map(|&n| silents[n].key).collect();
+            let (values, calls) = read_values(pid, &keys, &self.spec);
+            debug!(pid, requests = keys.len(), calls, "status read in batches");
+            for (&n, value) in process.iter().zip(values) {
+                answers[start + n] = self.judge(&silents[n], value, &holds);
+            }
+        }
+    }
+
+    /// What the value read for `silent` says, once the kernel says the
+    /// read did not race a release (the memory may have been freed mid-read).
+    fn judge(&mut self, silent: &Silent, value: io::Result<i64>, holds: impl Fn(&Silent) -> Result<bool>) -> Option<Stage> {
+        let (pid, key) = (silent.pid, silent.key);
+        let value = match value {
             Ok(value) => value,
             Err(err) if err.raw_os_error() == Some(libc::ESRCH) => {
                 self.reads.process_gone += 1;
@@ -93,8 +125,7 @@ impl StatusReader {
                 return self.unreadable(format!("reading the status of pid {pid} key {key:#x} (profile {}, line {}): {err}", self.spec.origin, self.spec.line));
             }
         };
-        // The read raced a release: the memory may have been freed mid-read.
-        if !matches!(holds(), Ok(true)) {
+        if !matches!(holds(silent), Ok(true)) {
             self.reads.not_held += 1;
             return None;
         }
@@ -140,43 +171,84 @@ impl StatusReader {
     }
 }
 
-/// The value `spec` says lies at `key`'s request in `pid`, sign-extended.
-fn read_value(pid: u32, key: u64, spec: &StatusSpec) -> io::Result<i64> {
-    let mut addr = key;
+/// Most iovecs one `process_vm_readv(2)` call takes (`UIO_MAXIOV`).
+pub const IOV_MAX: usize = 1024;
+
+/// The value `spec` says lies at each of `keys`' requests in `pid`,
+/// sign-extended, and how many `process_vm_readv(2)` calls that took.
+fn read_values(pid: u32, keys: &[u64], spec: &StatusSpec) -> (Vec<io::Result<i64>>, usize) {
+    let mut calls = 0;
+    let mut addrs: Vec<io::Result<u64>> = keys.iter().map(|&key| Ok(key)).collect();
     for &offset in &spec.at.deref {
-        let mut word = [0; 8];
-        read_memory(pid, addr.wrapping_add_signed(offset), &mut word)?;
-        addr = u64::from_ne_bytes(word);
+        let at = addrs.into_iter().map(|addr| addr.map(|addr| addr.wrapping_add_signed(offset))).collect();
+        addrs = read_words(pid, at, 8, &mut calls);
     }
-    addr = addr.wrapping_add_signed(spec.at.add);
-    Ok(match spec.value {
-        RetType::I32 => {
-            let mut bytes = [0; 4];
-            read_memory(pid, addr, &mut bytes)?;
-            i64::from(i32::from_ne_bytes(bytes))
-        }
-        RetType::I64 => {
-            let mut bytes = [0; 8];
-            read_memory(pid, addr, &mut bytes)?;
-            i64::from_ne_bytes(bytes)
-        }
-    })
+    let at = addrs.into_iter().map(|addr| addr.map(|addr| addr.wrapping_add_signed(spec.at.add))).collect();
+    let (width, value): (usize, fn([u8; 8]) -> i64) = match spec.value {
+        RetType::I32 => (4, |word| i64::from(i32::from_ne_bytes([word[0], word[1], word[2], word[3]]))),
+        RetType::I64 => (8, i64::from_ne_bytes),
+    };
+    let values = read_words(pid, at, width, &mut calls).into_iter().map(|word| word.map(|word| value(word.to_ne_bytes()))).collect();
+    (values, calls)
 }
 
-/// Fill `buf` from `pid`'s memory at `addr` (`process_vm_readv(2)`: no
-/// ptrace stop, the target never notices). A short read is EFAULT.
-fn read_memory(pid: u32, addr: u64, buf: &mut [u8]) -> io::Result<()> {
-    let pid = libc::pid_t::try_from(pid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
-    let local = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
-    let remote = libc::iovec { iov_base: addr as usize as *mut libc::c_void, iov_len: buf.len() };
-    // SAFETY: one local iovec over `buf`, which we own mutably; the remote
-    // address is only read by the kernel, in the other process.
-    let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
-    match usize::try_from(n) {
-        Ok(n) if n == buf.len() => Ok(()),
-        Ok(_) => Err(io::Error::from_raw_os_error(libc::EFAULT)),
-        Err(_) => Err(io::Error::last_os_error()),
+/// The first `width` bytes (at most 8) at each address of `pid`'s memory,
+/// in the low-addressed bytes of a word: as few `process_vm_readv(2)`
+/// calls (no ptrace stop, the target never notices) as iovecs allow, one
+/// iovec per address. An address already failed stays failed. The kernel
+/// stops a call at the first element it cannot read whole: that one is
+/// EFAULT and the call goes on after it; an error of the process (gone,
+/// no permission) is every remaining address's.
+fn read_words(pid: u32, addrs: Vec<io::Result<u64>>, width: usize, calls: &mut usize) -> Vec<io::Result<u64>> {
+    let width = width.min(8);
+    let wanted: Vec<usize> = (0..addrs.len()).filter(|&n| addrs[n].is_ok()).collect();
+    let mut words = vec![0u64; addrs.len()];
+    let mut results: Vec<io::Result<u64>> = addrs;
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return results.into_iter().map(|result| result.and(Err(io::Error::from_raw_os_error(libc::ESRCH)))).collect();
+    };
+    let mut next = 0;
+    while next < wanted.len() {
+        let chunk = &wanted[next..(next + IOV_MAX).min(wanted.len())];
+        let base = words.as_mut_ptr();
+        let local: Vec<libc::iovec> =
+            chunk.iter().map(|&n| libc::iovec { iov_base: base.wrapping_add(n).cast(), iov_len: width }).collect();
+        let remote: Vec<libc::iovec> = chunk
+            .iter()
+            .map(|&n| libc::iovec {
+                iov_base: *results[n].as_ref().unwrap_or(&0) as usize as *mut libc::c_void,
+                iov_len: width,
+            })
+            .collect();
+        *calls += 1;
+        // SAFETY: each local iovec covers `width` <= 8 bytes of its own
+        // element of `words`, which lives, unmoved, until the call returns;
+        // the remote addresses are only read by the kernel, in the other
+        // process.
+        let got = unsafe { libc::process_vm_readv(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0) };
+        let done = match usize::try_from(got) {
+            Ok(bytes) => (bytes / width).min(chunk.len()),
+            Err(_) => {
+                let err = io::Error::last_os_error();
+                if err.raw_os_error() != Some(libc::EFAULT) {
+                    let code = err.raw_os_error().unwrap_or(libc::EIO);
+                    for &n in &wanted[next..] {
+                        results[n] = Err(io::Error::from_raw_os_error(code));
+                    }
+                    break;
+                }
+                0
+            }
+        };
+        for &n in &chunk[..done] {
+            results[n] = Ok(words[n]);
+        }
+        if let Some(&failed) = chunk.get(done) {
+            results[failed] = Err(io::Error::from_raw_os_error(libc::EFAULT));
+        }
+        next += (done + 1).min(chunk.len());
     }
+    results
 }
 
 #[cfg(test)]
@@ -194,6 +266,16 @@ mod tests {
              {{ when = \"== 0\", event = \"transfer_done\" }},\n  {{ when = \"< 0\", event = \"failed\" }},\n]\n"
         );
         StatusReader::new(Profile::parse(&text, "test").expect("profile").status.expect("[status]"))
+    }
+
+    /// One request read alone.
+    impl StatusReader {
+        fn read_one(&mut self, silent: &Silent, holds: impl Fn() -> Result<bool>) -> Option<Stage> {
+            let mut answers = Vec::new();
+            self.read(std::slice::from_ref(silent), |_| holds(), &mut answers);
+            assert_eq!(answers.len(), 1);
+            answers[0]
+        }
     }
 
     fn silent(key: u64) -> Silent {
@@ -214,13 +296,13 @@ mod tests {
         let mut handle = Handle { _pad: 0, status: 1, _more: 0, inner: &raw const deep };
         let key = (&raw const handle) as u64;
         let mut direct = reader("{ from = \"key\", add = 8 }", "i32");
-        assert_eq!(direct.read(&silent(key), || Ok(true)), Some(Stage::TransferPosted));
+        assert_eq!(direct.read_one(&silent(key), || Ok(true)), Some(Stage::TransferPosted));
         handle.status = 0;
-        assert_eq!(direct.read(&silent(key), || Ok(true)), Some(Stage::TransferDone));
+        assert_eq!(direct.read_one(&silent(key), || Ok(true)), Some(Stage::TransferDone));
         let mut through = reader("{ from = \"key\", deref = [16] }", "i64");
-        assert_eq!(through.read(&silent(key), || Ok(true)), Some(Stage::Failed));
+        assert_eq!(through.read_one(&silent(key), || Ok(true)), Some(Stage::Failed));
         handle.status = 7;
-        assert_eq!(direct.read(&silent(key), || Ok(true)), None, "no rule takes 7");
+        assert_eq!(direct.read_one(&silent(key), || Ok(true)), None, "no rule takes 7");
         assert_eq!(direct.reads(), StatusReads { answered: 2, unrecognised: 1, ..StatusReads::default() });
         std::hint::black_box(&handle);
     }
@@ -230,14 +312,14 @@ mod tests {
         let handle = Handle { _pad: 0, status: 0, _more: 0, inner: std::ptr::null() };
         let key = (&raw const handle) as u64;
         let mut status = reader("{ from = \"key\", add = 8 }", "i32");
-        assert_eq!(status.read(&silent(key), || Ok(false)), None);
+        assert_eq!(status.read_one(&silent(key), || Ok(false)), None);
         // Held before the read, released during it.
         let asked = Cell::new(0);
         let released_meanwhile = || {
             asked.set(asked.get() + 1);
             Ok(asked.get() == 1)
         };
-        assert_eq!(status.read(&silent(key), released_meanwhile), None);
+        assert_eq!(status.read_one(&silent(key), released_meanwhile), None);
         assert_eq!((asked.get(), status.reads().not_held, status.reads().answered), (2, 2, 0));
     }
 
@@ -245,15 +327,62 @@ mod tests {
     fn unreadable_memory_and_gone_processes_are_counted_never_a_panic() {
         let mut status = reader("{ from = \"key\", add = 8 }", "i32");
         // Page 0 is never mapped; a pointer chain through it fails too.
-        assert_eq!(status.read(&silent(16), || Ok(true)), None);
+        assert_eq!(status.read_one(&silent(16), || Ok(true)), None);
         let mut through = reader("{ from = \"key\", deref = [0], add = 8 }", "i32");
-        assert_eq!(through.read(&silent(16), || Ok(true)), None);
-        assert_eq!(status.read(&silent(16), || Err(anyhow::anyhow!("bpf(2) failed"))), None);
+        assert_eq!(through.read_one(&silent(16), || Ok(true)), None);
+        assert_eq!(status.read_one(&silent(16), || Err(anyhow::anyhow!("bpf(2) failed"))), None);
         // No such process: pids are below 2^22.
         let gone = Silent { pid: 1 << 30, ..silent(16) };
-        assert_eq!(status.read(&gone, || Ok(true)), None);
+        assert_eq!(status.read_one(&gone, || Ok(true)), None);
         assert_eq!(status.reads(), StatusReads { unreadable: 2, process_gone: 1, ..StatusReads::default() });
         assert_eq!(through.reads().unreadable, 1);
         assert!(status.last_problem.as_deref().is_some_and(|p| p.contains("bpf(2) failed")), "{:?}", status.last_problem);
+    }
+
+    #[test]
+    fn many_requests_of_a_process_are_read_in_few_calls_and_a_bad_one_spoils_no_other() {
+        let statuses: Vec<Handle> =
+            (0..2500).map(|n| Handle { _pad: 0, status: n % 3 - 1, _more: 0, inner: std::ptr::null() }).collect();
+        let mut keys: Vec<u64> = statuses.iter().map(|handle| (&raw const *handle) as u64).collect();
+        let spec = reader("{ from = \"key\", add = 8 }", "i32").spec;
+        let pid = std::process::id();
+        let (values, calls) = read_values(pid, &keys, &spec);
+        assert_eq!(calls, 3, "2500 reads, {IOV_MAX} a call");
+        assert!(values.iter().enumerate().all(|(n, value)| value.as_ref().ok() == Some(&i64::from(n as i32 % 3 - 1))));
+        // Page 0 in the middle of a call: it fails alone, the call goes on after it.
+        keys[700] = 16;
+        let (values, calls) = read_values(pid, &keys, &spec);
+        assert_eq!(calls, 1 + (2500 - 701usize).div_ceil(IOV_MAX), "one call up to it, then on from the next");
+        assert_eq!(values[700].as_ref().map_err(io::Error::raw_os_error).err(), Some(Some(libc::EFAULT)));
+        assert!(values.iter().enumerate().filter(|(n, _)| *n != 700).all(|(n, value)| value.as_ref().ok() == Some(&i64::from(n as i32 % 3 - 1))));
+        // Through a pointer: a call per step of the chain.
+        let deep: Vec<i64> = (0..1500).collect();
+        let handles: Vec<Handle> = deep.iter().map(|d| Handle { _pad: 0, status: 0, _more: 0, inner: d }).collect();
+        let keys: Vec<u64> = handles.iter().map(|handle| (&raw const *handle) as u64).collect();
+        let spec = reader("{ from = \"key\", deref = [16] }", "i64").spec;
+        let (values, calls) = read_values(pid, &keys, &spec);
+        assert_eq!(calls, 4);
+        assert!(values.iter().zip(&deep).all(|(value, d)| value.as_ref().ok() == Some(d)));
+        // A process that is gone: every read says so.
+        let (values, _) = read_values(1 << 30, &keys[..3], &spec);
+        assert!(values.iter().all(|value| value.as_ref().err().and_then(io::Error::raw_os_error) == Some(libc::ESRCH)));
+        std::hint::black_box((&statuses, &handles));
+    }
+
+    #[test]
+    fn a_batch_answers_each_request_in_order_with_processes_mixed() {
+        // The third is not held: were it read, 5 would count as unrecognised.
+        let handles: Vec<Handle> = [-1, 0, 5, 1].map(|status| Handle { _pad: 0, status, _more: 0, inner: std::ptr::null() }).into();
+        let mut silents: Vec<Silent> = handles.iter().map(|handle| silent((&raw const *handle) as u64)).collect();
+        // A gone process's request between two of ours, one not held.
+        silents.insert(1, Silent { pid: 1 << 30, ..silents[0] });
+        let unheld = silents[3].key;
+        let mut status = reader("{ from = \"key\", add = 8 }", "i32");
+        let mut answers = vec![Some(Stage::Enqueued)];
+        status.read(&silents, |silent| Ok(silent.key != unheld || silent.pid != std::process::id()), &mut answers);
+        let expected = [Some(Stage::Enqueued), Some(Stage::Failed), None, Some(Stage::TransferDone), None, Some(Stage::TransferPosted)];
+        assert_eq!(answers, expected, "the answer before the batch kept, then one per request in order");
+        assert_eq!(status.reads(), StatusReads { answered: 3, not_held: 1, process_gone: 1, ..StatusReads::default() });
+        std::hint::black_box(&handles);
     }
 }

@@ -1,6 +1,8 @@
 //! The engine: applies observations to lifecycles and turns silence into
 //! reports. The rules it follows are listed in the [module docs](super).
 
+use std::collections::VecDeque;
+
 use super::index::{Index, Mixer, PidCounts};
 use super::recent::RecentLog;
 use super::report::{EngineStats, Observation, Report, RequestSnapshot, Restored, Silent};
@@ -65,9 +67,24 @@ pub struct Engine {
     ends: RecentLog<(u32, u64)>,
     exits: RecentLog<u32>,
     stats: EngineStats,
-    /// Scratch for [`Engine::advance_reading`]: the records the wheel found
-    /// due, handled once the wheel is done with them.
-    due: Vec<u32>,
+    /// Records whose stall is due, in the order they came due, waiting for
+    /// [`Engine::advance_reading`] to read them (it reads a bounded number
+    /// per call). Off every list meanwhile; checked against the slab when
+    /// their turn comes, since one may have ended, moved or been reused.
+    due: VecDeque<Due>,
+    /// Scratch for one call's batch of reads: the records, what the reader
+    /// is told of each, its answers.
+    batch: Vec<u32>,
+    silents: Vec<Silent>,
+    answers: Vec<Option<Stage>>,
+}
+
+/// A record the wheel found due, and whose it was.
+#[derive(Clone, Copy, Debug)]
+struct Due {
+    i: u32,
+    pid: u32,
+    key: u64,
 }
 
 impl Engine {
@@ -94,7 +111,10 @@ impl Engine {
             ),
             exits: RecentLog::new(RECENT_EXITS, mixer),
             stats: EngineStats::default(),
-            due: Vec::new(),
+            due: VecDeque::new(),
+            batch: Vec::new(),
+            silents: Vec::new(),
+            answers: Vec::new(),
         }
     }
 
@@ -183,33 +203,64 @@ impl Engine {
     /// Work proportional to the ticks crossed and the timers due, never to
     /// the number of tracked requests.
     pub fn advance(&mut self, now_ns: u64, out: &mut Vec<Report>) {
-        self.advance_reading(now_ns, &mut |_| None, out);
+        self.advance_reading(now_ns, usize::MAX, &mut |batch, answers| answers.extend(batch.iter().map(|_| None)), out);
     }
 
     /// [`Engine::advance`], reading the state of each request whose stall
-    /// is due (see **State reads** in the module docs): `read` returns the
-    /// stage the target's memory shows, `None` when it cannot tell (nothing
-    /// to read, unreadable, no rule matched, no longer the same request).
+    /// is due (see **State reads** in the module docs), at most `budget` of
+    /// them per call: the others wait, oldest due first, for the next
+    /// calls, so a mass stall costs each tick a bounded amount of reading
+    /// and is reported over a few ticks. `read` gets one batch and pushes
+    /// an answer per request, in order: the stage the target's memory shows,
+    /// `None` when it cannot tell (nothing to read, unreadable, no rule
+    /// matched, no longer the same request).
     pub fn advance_reading(
         &mut self,
         now_ns: u64,
-        read: &mut dyn FnMut(&Silent) -> Option<Stage>,
+        budget: usize,
+        read: &mut dyn FnMut(&[Silent], &mut Vec<Option<Stage>>),
         out: &mut Vec<Report>,
     ) {
-        let mut due = std::mem::take(&mut self.due);
-        due.clear();
-        self.wheel.advance(self.slab.records_mut(), now_ns, |_, i| due.push(i));
-        for &i in &due {
+        let due = &mut self.due;
+        self.wheel.advance(self.slab.records_mut(), now_ns, |recs, i| {
+            let r = &recs[i as usize];
+            due.push_back(Due { i, pid: r.pid, key: r.key });
+        });
+        let (mut batch, mut silents, mut answers) =
+            (std::mem::take(&mut self.batch), std::mem::take(&mut self.silents), std::mem::take(&mut self.answers));
+        batch.clear();
+        silents.clear();
+        answers.clear();
+        while batch.len() < budget {
+            let Some(Due { i, pid, key }) = self.due.pop_front() else {
+                break;
+            };
             let r = self.slab.get(i);
-            let silent = Silent { pid: r.pid, key: r.key, stage: r.stage(), first_ns: r.first_ns, last_ns: r.last_ns };
-            if let Some(stage) = read(&silent) {
+            // Ended (and maybe reused) or stalled by an earlier turn.
+            if r.place() != Place::Detached || r.pid != pid || r.key != key {
+                continue;
+            }
+            // An event came while it waited: due again later.
+            if r.last_ns.saturating_add(self.config.timeout_ns) > now_ns {
+                let last_ns = r.last_ns;
+                self.arm(i, last_ns);
+                continue;
+            }
+            batch.push(i);
+            silents.push(Silent { pid, key, stage: r.stage(), first_ns: r.first_ns, last_ns: r.last_ns });
+        }
+        if !batch.is_empty() {
+            read(&silents, &mut answers);
+        }
+        for (n, &i) in batch.iter().enumerate() {
+            if let Some(stage) = answers.get(n).copied().flatten() {
                 if !self.apply_read(i, stage, now_ns, out) {
                     continue;
                 }
             }
             self.stall(i, now_ns, out);
         }
-        self.due = due;
+        (self.batch, self.silents, self.answers) = (batch, silents, answers);
     }
 
     /// What a read of the target's memory says of the silent record `i`:

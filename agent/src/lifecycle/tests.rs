@@ -1870,12 +1870,18 @@ impl H {
     /// `advance_reading` with a memory that answers `read`; also returns
     /// every request it was asked about.
     fn adv_read(&mut self, now_ns: u64, read: Option<Stage>) -> (Vec<Report>, Vec<Silent>) {
+        self.adv_read_some(now_ns, usize::MAX, read)
+    }
+
+    /// [`H::adv_read`], reading at most `budget`.
+    fn adv_read_some(&mut self, now_ns: u64, budget: usize, read: Option<Stage>) -> (Vec<Report>, Vec<Silent>) {
         let (mut out, mut asked) = (Vec::new(), Vec::new());
         self.e.advance_reading(
             now_ns,
-            &mut |silent| {
-                asked.push(*silent);
-                read
+            budget,
+            &mut |silents, answers| {
+                asked.extend_from_slice(silents);
+                answers.extend(silents.iter().map(|_| read));
             },
             &mut out,
         );
@@ -1895,9 +1901,10 @@ fn a_read_at_the_report_tells_a_done_transfer_from_a_hung_one() {
     let mut asked = Vec::new();
     h.e.advance_reading(
         1100,
-        &mut |silent| {
-            asked.push(*silent);
-            (silent.key == 7).then_some(DONE)
+        usize::MAX,
+        &mut |silents, answers| {
+            asked.extend_from_slice(silents);
+            answers.extend(silents.iter().map(|silent| (silent.key == 7).then_some(DONE)));
         },
         &mut out,
     );
@@ -1917,6 +1924,31 @@ fn a_read_at_the_report_tells_a_done_transfer_from_a_hung_one() {
     assert_eq!((hung.stage, hung.inferred), (POST, StageSet::EMPTY));
     // Reported once; a stalled request is not read again.
     assert_eq!(h.adv_read(5000, Some(FAIL)), (vec![], vec![]));
+}
+
+#[test]
+fn a_mass_stall_is_read_a_budget_per_call_oldest_due_first() {
+    let mut h = H::new();
+    // Due in this order: 6 (earliest), 5, 4, 3, 2, 1, 0.
+    for key in 0..7 {
+        h.obs(1, key, POST, 160 - 10 * key);
+    }
+    h.obs(1, 2, REL, 170);
+    let keys = |asked: &[Silent]| asked.iter().map(|silent| silent.key).collect::<Vec<_>>();
+    let (out, asked) = h.adv_read_some(1200, 2, Some(DONE));
+    assert_eq!((keys(&asked), out.len()), (vec![6, 5], 2), "{out:?}");
+    // While waiting its turn: 4 moves (due again later), 3 ends; neither is read.
+    assert!(h.obs(1, 4, DONE, 1250).is_empty());
+    assert_eq!(h.obs(1, 3, REL, 1250).len(), 1);
+    let (out, asked) = h.adv_read_some(1300, 2, Some(DONE));
+    assert_eq!(keys(&asked), [1, 0], "{out:?}");
+    assert!(out.iter().all(|report| matches!(report, Report::Stalled { class: LOST, silent_ns, .. } if *silent_ns > TIMEOUT)));
+    assert_eq!(h.adv_read_some(1400, 2, Some(DONE)), (vec![], vec![]));
+    // 4, from its own last event.
+    let (out, asked) = h.adv_read_some(2250, 2, None);
+    assert_eq!((keys(&asked), out.len()), (vec![4], 1), "{out:?}");
+    assert_eq!((h.stats().stalled, h.stats().in_flight), (5, 5));
+    assert_balanced(h.stats());
 }
 
 #[test]
