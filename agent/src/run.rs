@@ -178,7 +178,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 let now = monotonic_ns();
                 session.drain();
                 session.gate(now);
-                session.advance(now);
+                session.advance(now, status::READS_PER_TICK);
             }
             _ = counter_ticks.tick() => {
                 reported = warn_on_loss(&session.probes, reported)?;
@@ -502,13 +502,14 @@ impl<W: Write> Session<W> {
 
     /// Judge silence at `now`: requests whose stall is due are read first
     /// where the profile has a `[status]`, and only while the kernel holds
-    /// them live (a released request's memory is not its own any more).
-    fn advance(&mut self, now: u64) {
+    /// them live (a released request's memory is not its own any more), at
+    /// most `budget` of them (the rest wait for the next calls).
+    fn advance(&mut self, now: u64, budget: usize) {
         let Session { engine, status, state, reports, .. } = self;
         match status {
             Some(status) => engine.advance_reading(
                 now,
-                status::READS_PER_TICK,
+                budget,
                 &mut |silents, answers| {
                     status.read(silents, |silent| state.holds(silent.pid, silent.key, silent.last_ns), answers);
                 },
@@ -573,7 +574,9 @@ impl<W: Write> Session<W> {
     fn finish(mut self, on_exit: OnExit) -> Result<()> {
         self.alerts.stopping();
         self.drain();
-        self.advance(monotonic_ns());
+        // Every stall due by now, however many: the loop's latency no
+        // longer matters, and this agent's alerts should be complete.
+        self.advance(monotonic_ns(), usize::MAX);
         self.emit()?;
         if let Some(status) = &mut self.status {
             status.warn();

@@ -69,8 +69,9 @@ pub struct Engine {
     stats: EngineStats,
     /// Records whose stall is due, in the order they came due, waiting for
     /// [`Engine::advance_reading`] to read them (it reads a bounded number
-    /// per call). Off every list meanwhile; checked against the slab when
-    /// their turn comes, since one may have ended, moved or been reused.
+    /// per call). Off every list meanwhile, and the next choice for
+    /// eviction after the stalled; checked against the slab when their turn
+    /// comes, since one may have ended, had an event or been reused.
     due: VecDeque<Due>,
     /// Scratch for one call's batch of reads: the records, what the reader
     /// is told of each, its answers.
@@ -232,22 +233,19 @@ impl Engine {
         silents.clear();
         answers.clear();
         while batch.len() < budget {
-            let Some(Due { i, pid, key }) = self.due.pop_front() else {
+            let Some(i) = self.pop_due() else {
                 break;
             };
             let r = self.slab.get(i);
-            // Ended (and maybe reused) or stalled by an earlier turn.
-            if r.place() != Place::Detached || r.pid != pid || r.key != key {
-                continue;
-            }
-            // An event came while it waited: due again later.
-            if r.last_ns.saturating_add(self.config.timeout_ns) > now_ns {
+            // An event came while it waited: due again later (the wheel's
+            // own test of silence).
+            if now_ns.checked_sub(r.last_ns).is_none_or(|silent| silent < self.config.timeout_ns) {
                 let last_ns = r.last_ns;
                 self.arm(i, last_ns);
                 continue;
             }
             batch.push(i);
-            silents.push(Silent { pid, key, stage: r.stage(), first_ns: r.first_ns, last_ns: r.last_ns });
+            silents.push(Silent { pid: r.pid, key: r.key, stage: r.stage(), first_ns: r.first_ns, last_ns: r.last_ns });
         }
         if !batch.is_empty() {
             read(&silents, &mut answers);
@@ -261,6 +259,20 @@ impl Engine {
             self.stall(i, now_ns, out);
         }
         (self.batch, self.silents, self.answers) = (batch, silents, answers);
+    }
+
+    /// The oldest entry of the due queue that is still the request it was
+    /// queued for: those that ended meanwhile (their record free, or
+    /// another request's now) or were stalled by an earlier entry of the
+    /// same record are dropped on the way.
+    fn pop_due(&mut self) -> Option<u32> {
+        while let Some(Due { i, pid, key }) = self.due.pop_front() {
+            let r = self.slab.get(i);
+            if r.place() == Place::Detached && r.pid == pid && r.key == key {
+                return Some(i);
+            }
+        }
+        None
     }
 
     /// What a read of the target's memory says of the silent record `i`:
@@ -389,8 +401,9 @@ impl Engine {
         if self.slab.len() >= self.config.max_tracked {
             self.evict_one(ts_ns, out);
             if self.slab.len() >= self.config.max_tracked {
-                // Unreachable: every tracked request is on the wheel or the
-                // stalled list, so there is always a victim. The cap wins.
+                // Unreachable: every tracked request is on the wheel, the
+                // stalled list or the due queue, so there is always a
+                // victim. The cap wins.
                 debug_assert!(false, "no eviction victim");
                 return;
             }
@@ -478,11 +491,12 @@ impl Engine {
     }
 
     /// Make room for one more request: the oldest stall if any (its alert
-    /// already went out), else the request silent longest.
+    /// already went out), else the oldest whose stall is due but not read
+    /// yet, else the request silent longest.
     fn evict_one(&mut self, at_ns: u64, out: &mut Vec<Report>) {
         let victim = match self.stalled.first() {
             Some(i) => Some(i),
-            None => self.wheel.oldest(self.slab.records_mut()),
+            None => self.pop_due().or_else(|| self.wheel.oldest(self.slab.records_mut())),
         };
         if let Some(i) = victim {
             let last_ns = self.slab.get(i).last_ns;

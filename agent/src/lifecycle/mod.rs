@@ -42,6 +42,9 @@
 //! per silence episode, at the first `advance(now)` with
 //! `now >= last_ns + timeout_ns`: never earlier, and so no later than
 //! `timeout + tick` when `advance` is called at least once per tick.
+//! ([`Engine::advance_reading`] with a budget may take a few more ticks
+//! when more stalls come due at once than it reads per call: see **State
+//! reads**.)
 //! A stalled request stays tracked (the query layer shows it) until it
 //! recovers, ends, is evicted or its process exits.
 //!
@@ -78,7 +81,8 @@
 //!
 //! **Memory bound.** Never more than `max_tracked` requests. A new lifecycle
 //! that would exceed it first evicts one: the oldest stalled request if any
-//! (its alert already went out), otherwise the one silent longest (to
+//! (its alert already went out), otherwise the oldest whose stall is due but
+//! not read yet (**State reads**), otherwise the one silent longest (to
 //! within a tick, found from the timer wheel, see `wheel.rs`), which ends with
 //! [`Outcome::Evicted`] and is counted in `evicted`.
 //!
@@ -118,7 +122,12 @@
 //! inferred. A read that tells nothing (unreadable, no rule, an earlier
 //! stage) changes nothing: the stall is classified by the probes' stage. A
 //! stalled request is not read again. A probe event for a stage whose time
-//! was inferred replaces that time.
+//! was inferred replaces that time. A read costs the event loop a few
+//! microseconds, so `advance_reading` reads at most a budget of requests per
+//! call: those beyond it wait in a queue, oldest due first, for the next
+//! calls, and none is reported before it is read. One that ends while it
+//! waits is dropped from the queue; one that has an event is armed again
+//! from that event.
 //!
 //! **Counters.** `seen` counts lifecycles started, and
 //! `seen = completed + failed + aborted + process_exited + evicted +

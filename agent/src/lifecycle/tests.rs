@@ -1952,6 +1952,62 @@ fn a_mass_stall_is_read_a_budget_per_call_oldest_due_first() {
 }
 
 #[test]
+fn a_stall_beyond_the_budget_is_read_on_a_later_call_and_only_then_reported() {
+    // 2 500 due at once, 1 000 read a call: three calls, in the order they
+    // came due (key n's last event at 100 + n / 100, over three ticks),
+    // each report one of the requests read in that call, none before it is
+    // read, none dropped.
+    let mut h = H::with(TIMEOUT, TICK, 10_000);
+    for key in 0..2500 {
+        h.obs(1, key, POST, 100 + key / 100);
+    }
+    let mut read = Vec::new();
+    for call in 0..3u64 {
+        let (out, asked) = h.adv_read_some(1130 + call * TICK, 1000, None);
+        let keys: Vec<u64> = asked.iter().map(|silent| silent.key).collect();
+        let expected: Vec<u64> = (call * 1000..(call * 1000 + 1000).min(2500)).collect();
+        assert_eq!(keys, expected, "call {call}: the oldest due first, a budget's worth");
+        let stalled: Vec<u64> = out
+            .iter()
+            .map(|report| match report {
+                Report::Stalled { request, class: HUNG, .. } => request.key,
+                other => panic!("call {call}: {other:?}"),
+            })
+            .collect();
+        assert_eq!(stalled, keys, "call {call}: each stall reported once it is read, in order");
+        read.extend(keys);
+    }
+    assert_eq!(read, (0..2500).collect::<Vec<_>>());
+    assert_eq!(h.adv_read_some(1160, 1000, None), (vec![], vec![]));
+    assert_eq!((h.stats().stalled, h.stats().in_flight), (2500, 2500));
+    assert_balanced(h.stats());
+}
+
+#[test]
+fn a_request_waiting_for_its_read_is_evicted_before_a_live_one() {
+    // At the cap, every request due, one read so far: a new request evicts
+    // the oldest still waiting for its read, never a live one, and is
+    // tracked.
+    let mut h = H::with(TIMEOUT, TICK, 3);
+    for key in 0..3 {
+        h.obs(1, key, POST, 100 + key);
+    }
+    let (out, asked) = h.adv_read_some(5000, 1, None);
+    assert_eq!((asked.len(), asked[0].key, out.len()), (1, 0, 1));
+    // Key 0 is stalled: evicted first, its alert already out.
+    let out = h.obs(1, 10, ENQ, 5001);
+    assert!(matches!(&out[..], [Report::Ended { request, outcome: Outcome::Evicted, .. }] if request.key == 0), "{out:?}");
+    let out = h.obs(1, 11, ENQ, 5002);
+    assert!(matches!(&out[..], [Report::Ended { request, outcome: Outcome::Evicted, .. }] if request.key == 1), "{out:?}");
+    assert!(h.e.get(1, 10).is_some() && h.e.get(1, 11).is_some() && h.e.get(1, 2).is_some());
+    // The one left waiting is still read and stalled; the evicted one is not.
+    let (out, asked) = h.adv_read_some(5010, 1, None);
+    assert_eq!((asked.len(), asked[0].key, out.len()), (1, 2, 1));
+    assert_eq!((h.stats().evicted, h.stats().in_flight), (2, 3));
+    assert_balanced(h.stats());
+}
+
+#[test]
 fn a_failed_status_ends_the_request_failed_at_the_read() {
     let mut h = H::new();
     h.obs_ext(1, 7, POST, 100, Some("room-1"));
