@@ -30,13 +30,11 @@ impl EventReader {
         Ok(Self { ring: reactor::register(ring, "the EVENTS ring buffer")? })
     }
 
-    /// Wait until records are ready, then hand every one to `sink`.
-    pub async fn read(&mut self, mut sink: impl FnMut(&[u8])) -> Result<()> {
+    /// Wait until the kernel says records are ready; [`EventReader::drain`]
+    /// reads them. The readiness is cleared first, so a record submitted
+    /// while they are read wakes the next wait rather than going unnoticed.
+    pub async fn readable(&mut self) -> Result<()> {
         let mut guard = self.ring.readable_mut().await.context("waiting on the ring buffer")?;
-        let ring = guard.get_inner_mut();
-        while let Some(item) = ring.next() {
-            sink(&item);
-        }
         guard.clear_ready();
         Ok(())
     }

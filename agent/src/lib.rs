@@ -9,7 +9,8 @@
 //! [`state`] keeps what outlives an agent (pinned maps and links) for the
 //! next one, in directories [`trusted_dir`] keeps out of other users'
 //! reach; [`config`] reads its settings from a file, [`doctor`] checks
-//! the host; [`text`] makes what a target wrote safe to print.
+//! the host; [`text`] makes what a target wrote safe to print; [`warned`]
+//! keeps warnings about bad input to one a period.
 pub mod config;
 pub mod doctor;
 pub mod discovery;
@@ -28,4 +29,5 @@ pub mod status;
 pub mod text;
 pub mod transport;
 pub mod trusted_dir;
+pub mod warned;
 pub mod zmq;

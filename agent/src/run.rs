@@ -40,6 +40,7 @@ use crate::{
     signals::{self, Signals},
     status::{self, StatusReader},
     transport::Tracker,
+    warned::Warned,
 };
 
 /// Which processes to watch.
@@ -168,10 +169,10 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
 
     loop {
         tokio::select! {
-            read = session.reader.read(|bytes| session.ingest.record(
-                bytes, &mut session.transport, &mut session.engine, &mut session.reports,
-                &mut |event, observation| session.signals.consume(event, observation, session.probes.slot(event.slot)),
-            )) => read?,
+            ready = session.reader.readable() => {
+                ready?;
+                session.drain();
+            }
             _ = ticks.tick() => {
                 // The clock first: every event submitted before it is read
                 // before the timers judge silence at it.
@@ -436,9 +437,10 @@ impl<W: Write> Session<W> {
         self.emit()
     }
 
-    /// Read every event the ring buffer holds. The programs submit without
+    /// Read every event the ring buffer holds, each signal to its consumer
+    /// and each lifecycle event to the engine. The programs submit without
     /// waking the agent (it costs the target more than the event), so
-    /// this runs on every tick; the kernel wakes [`EventReader::read`]
+    /// this runs on every tick; the kernel wakes [`EventReader::readable`]
     /// only when the buffer fills past a quarter.
     fn drain(&mut self) {
         let Session { reader, ingest, transport, engine, reports, signals, probes, .. } = self;
@@ -637,8 +639,7 @@ fn drain_execs(mut guard: tokio::io::unix::AsyncFdReadyMutGuard<'_, RingBuf<MapD
 #[derive(Default)]
 struct Ingest {
     undecodable: u64,
-    /// How many of them the last warning covered.
-    warned: u64,
+    warned: Warned,
     /// Why the latest one did not decode.
     last_error: Option<String>,
 }
@@ -673,14 +674,13 @@ impl Ingest {
 
     /// One warning for the records that failed since the last one.
     fn warn_undecodable(&mut self) {
-        if self.undecodable > self.warned {
+        if let Some(new) = self.warned.news(self.undecodable) {
             warn!(
-                new = self.undecodable - self.warned,
+                new,
                 undecodable = self.undecodable,
                 latest = self.last_error.as_deref().unwrap_or_default(),
                 "ring-buffer records that did not become lifecycle events (counted as lost)"
             );
-            self.warned = self.undecodable;
         }
     }
 }

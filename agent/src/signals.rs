@@ -20,6 +20,7 @@ use crate::{
     probes::{Role, SignalSpec, Slot},
     sglang::{self, Rooms},
     text,
+    warned::Warned,
     zmq::{Assembler, Hit},
 };
 
@@ -82,7 +83,7 @@ pub struct Signals {
     unparsed: u64,
     last_unparsed: Option<String>,
     /// Garbled frames and unparsed messages the last warning covered.
-    warned: u64,
+    warned: Warned,
 }
 
 impl Signals {
@@ -160,16 +161,14 @@ impl Signals {
     /// since the last one (called once per counter period, never per
     /// message: a stream of them must not flood the log).
     pub fn warn(&mut self) {
-        let bad = self.zmq.garbled + self.unparsed;
-        if bad > self.warned {
+        if let Some(new) = self.warned.news(self.zmq.garbled + self.unparsed) {
             warn!(
-                new = bad - self.warned,
+                new,
                 garbled_frames = self.zmq.garbled,
                 unparsed_messages = self.unparsed,
                 latest = self.last_unparsed.as_deref().unwrap_or_default(),
                 "ZMQ frames or SGLang bootstrap messages that could not be read (their rooms may be missed)"
             );
-            self.warned = bad;
         }
     }
 

@@ -26,6 +26,7 @@ use tracing::{debug, warn};
 use crate::{
     lifecycle::{Silent, Stage},
     probes::{RetType, StatusSpec},
+    warned::Warned,
 };
 
 /// Most requests whose stall is due read per tick (10 ms by default): a
@@ -62,15 +63,15 @@ impl StatusReads {
 pub struct StatusReader {
     spec: StatusSpec,
     reads: StatusReads,
-    /// `unrecognised + unreadable` when the last warning went out.
-    warned: u64,
+    /// The `unrecognised + unreadable` the last warning covered.
+    warned: Warned,
     /// What the latest of those was.
     last_problem: Option<String>,
 }
 
 impl StatusReader {
     pub fn new(spec: StatusSpec) -> Self {
-        Self { spec, reads: StatusReads::default(), warned: 0, last_problem: None }
+        Self { spec, reads: StatusReads::default(), warned: Warned::default(), last_problem: None }
     }
 
     pub fn reads(&self) -> StatusReads {
@@ -157,16 +158,14 @@ impl StatusReader {
     /// last one (a wrong layout would fail every read: one line a period,
     /// not one per request).
     pub fn warn(&mut self) {
-        let problems = self.reads.unrecognised + self.reads.unreadable;
-        if problems > self.warned {
+        if let Some(new) = self.warned.news(self.reads.unrecognised + self.reads.unreadable) {
             warn!(
-                new = problems - self.warned,
+                new,
                 unreadable = self.reads.unreadable,
                 unrecognised = self.reads.unrecognised,
                 latest = self.last_problem.as_deref().unwrap_or_default(),
                 "request states the target's memory did not tell (those stalls are classified by the probes alone)"
             );
-            self.warned = problems;
         }
     }
 }
