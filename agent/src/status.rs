@@ -30,10 +30,11 @@ use crate::{
 };
 
 /// Most requests whose stall is due read per tick (10 ms by default): a
-/// read costs a few microseconds on the event loop (two lookups in the
-/// kernel's table and a share of a batched `process_vm_readv(2)`), so a
-/// mass stall of 100 000 takes about a second of ticks to report instead
-/// of one long one; the rest wait their turn, oldest due first.
+/// read costs the event loop about a microsecond (two lookups in the
+/// kernel's table and a share of a batched `process_vm_readv(2)`; the
+/// `engine` bench's (4)), so a mass stall of 100 000 is reported over a
+/// second of ticks of about 2 ms each instead of in one tick of 170 ms;
+/// the rest wait their turn, oldest due first.
 pub const READS_PER_TICK: usize = 1000;
 
 /// How the reads went, by outcome: each read counts once.
