@@ -169,6 +169,7 @@ impl Workload {
             stage,
             ts_ns: self.now_ns,
             external_id,
+            ends: false,
         }));
     }
 

@@ -162,7 +162,7 @@ fn event_path(endpoint: Option<&str>, n: u64) -> Cost {
             let ts = 1_000_000 + *id * 4_000;
             for (i, stage) in [Stage::Enqueued, Stage::TransferPosted, Stage::TransferDone, Stage::Released].into_iter().enumerate() {
                 let external_id = (stage == Stage::Enqueued).then(|| format!("room-{id}").into_boxed_str());
-                engine.observe(Observation { pid: 4242, key: *id, stage, ts_ns: ts + i as u64 * 1_000, external_id }, &mut reports);
+                engine.observe(Observation { pid: 4242, key: *id, stage, ts_ns: ts + i as u64 * 1_000, external_id, ends: false }, &mut reports);
             }
             for report in reports.drain(..) {
                 alerts.report(&report, None, &[]).expect("sink");

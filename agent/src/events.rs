@@ -88,6 +88,7 @@ pub fn observe(event: &Event) -> Result<Observation> {
         stage,
         ts_ns: event.ts_ns,
         external_id: external_id(event),
+        ends: event.flags & event_flags::ENDS != 0,
     })
 }
 

@@ -116,7 +116,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
         probes,
         state,
         reader,
-        status: profile.status.clone().map(StatusReader::new),
+        status: profile.status.clone().map(|spec| StatusReader::new(spec, profile.complete_at)),
         profile,
         watched: HashMap::new(),
         exit_tx,

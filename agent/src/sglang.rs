@@ -171,7 +171,7 @@ impl Rooms {
     /// status is sent), its `failed` fails the room, its other ends only
     /// end the attribution.
     pub fn handle(&mut self, tid: u32, observation: Observation) -> Option<Observation> {
-        let Observation { pid, key, stage, ts_ns, .. } = observation;
+        let Observation { pid, key, stage, ts_ns, ends, .. } = observation;
         if stage == Stage::Enqueued {
             let agent = self.creating.remove(&(pid, tid));
             let awaits = |room: &u64| {
@@ -198,7 +198,7 @@ impl Rooms {
         let Some(&room) = self.handles.get(&(pid, key)) else {
             return Some(observation);
         };
-        if stage.is_terminal() {
+        if stage.is_terminal() || ends {
             self.handles.remove(&(pid, key));
         }
         if let Some(r) = self.live.get_mut(&(pid, room)) {
@@ -247,7 +247,7 @@ impl Rooms {
 /// An event of `room`: keyed by the room, its external id the room in
 /// decimal.
 fn room_observation(pid: u32, room: u64, stage: Stage, ts_ns: u64) -> Observation {
-    Observation { pid, key: room, stage, ts_ns, external_id: Some(room.to_string().into()) }
+    Observation { pid, key: room, stage, ts_ns, external_id: Some(room.to_string().into()), ends: false }
 }
 
 /// Whether a request is an SGLang room: keyed by its room, its external id
@@ -327,7 +327,7 @@ mod tests {
     }
 
     fn handle_event(pid: u32, handle: u64, stage: Stage, ts_ns: u64) -> Observation {
-        Observation { pid, key: handle, stage, ts_ns, external_id: None }
+        Observation { pid, key: handle, stage, ts_ns, external_id: None, ends: false }
     }
 
     #[test]

@@ -25,7 +25,7 @@ use std::{
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::maps::{HashMap as BpfHashMap, MapData, MapError};
-use stallwatch_common::{InflightEntry, RequestKey, STATE_LAYOUT, stage};
+use stallwatch_common::{InflightEntry, RequestKey, STATE_LAYOUT};
 use tracing::{info, warn};
 
 use crate::{
@@ -302,7 +302,7 @@ impl<T: Tables> KernelState<T> {
             let alerted = self.tables.alerted(&key)?;
             match restored_from(key, &entry, alerted) {
                 Some(request) => {
-                    if alerted.is_some() || request.stage.is_terminal() {
+                    if alerted.is_some() || request.ended {
                         self.marked.insert((key.pid, key.key));
                     }
                     restored.push(request);
@@ -343,10 +343,12 @@ impl<T: Tables> KernelState<T> {
                 }
                 match outcome {
                     // Ended by a read of the target's memory (an error
-                    // status): the kernel saw no end and still holds it as
+                    // status, or a done one where done is complete): the kernel saw no end and still holds it as
                     // live, which the next agent would take over and end
                     // again. Its entry, not a next lifecycle's.
-                    Outcome::Released | Outcome::Aborted | Outcome::Failed if request.inferred.contains(request.stage) => {
+                    Outcome::Released | Outcome::Completed | Outcome::Aborted | Outcome::Failed
+                        if request.inferred.contains(request.stage) =>
+                    {
                         if self.tables.inflight(&key)?.is_some_and(|entry| entry.first_ns <= request.last_ns) {
                             self.tables.forget_inflight(&key)?;
                         }
@@ -354,12 +356,12 @@ impl<T: Tables> KernelState<T> {
                     // The kernel already dropped it, unless it kept it for
                     // the stall alert: collect that (not a next lifecycle
                     // of the key that began since).
-                    Outcome::Released | Outcome::Aborted | Outcome::Failed if marked => {
-                        if self.tables.inflight(&key)?.is_some_and(|entry| entry.stage >= stage::FIRST_TERMINAL) {
+                    Outcome::Released | Outcome::Completed | Outcome::Aborted | Outcome::Failed if marked => {
+                        if self.tables.inflight(&key)?.is_some_and(|entry| entry.ended != 0) {
                             self.tables.forget_inflight(&key)?;
                         }
                     }
-                    Outcome::Released | Outcome::Aborted | Outcome::Failed => {}
+                    Outcome::Released | Outcome::Completed | Outcome::Aborted | Outcome::Failed => {}
                     Outcome::Evicted => self.tables.forget_inflight(&key)?,
                     // Its own entry only: a reused pid's new process may
                     // hold others (`forget_process` drops the rest of an
@@ -383,7 +385,7 @@ impl<T: Tables> KernelState<T> {
     /// may be freed or already another request's.
     pub fn holds(&self, pid: u32, key: u64, last_ns: u64) -> Result<bool> {
         let entry = self.tables.inflight(&RequestKey { key, pid, _pad: 0 })?;
-        Ok(entry.is_some_and(|entry| entry.stage < stage::FIRST_TERMINAL && entry.first_ns <= last_ns))
+        Ok(entry.is_some_and(|entry| entry.ended == 0 && entry.first_ns <= last_ns))
     }
 
     /// Drop every entry of `pid`: it exited, or this agent does not watch it.
@@ -426,6 +428,7 @@ pub fn restored_from(key: RequestKey, entry: &InflightEntry, alerted_ns: Option<
         pid: key.pid,
         key: key.key,
         stage,
+        ended: entry.ended != 0,
         stage_ns,
         first_ns: entry.first_ns,
         last_ns: entry.last_ns,
@@ -436,7 +439,7 @@ pub fn restored_from(key: RequestKey, entry: &InflightEntry, alerted_ns: Option<
 
 #[cfg(test)]
 mod tests {
-    use stallwatch_common::{EXT_ID_LEN, NOT_EMITTED};
+    use stallwatch_common::{EXT_ID_LEN, NOT_EMITTED, stage};
 
     use super::*;
     use crate::lifecycle::Stage;
@@ -462,7 +465,8 @@ mod tests {
             last_slot: 1,
             stage: stage::TRANSFER_POSTED,
             has_ext: 1,
-            _pad: [0; 2],
+            ended: 0,
+            _pad: 0,
             ext,
         };
         let key = RequestKey { key: 0xabc, pid: 42, _pad: 0 };
@@ -474,13 +478,16 @@ mod tests {
         let no_ext = InflightEntry { has_ext: 0, ..entry };
         assert_eq!(restored_from(key, &no_ext, None).unwrap().external_id, None);
         assert!(restored_from(key, &InflightEntry { stage: 99, ..entry }, None).is_none());
+        // Ended at a live stage (a slot that ends lifecycles at transfer_done).
+        let done = restored_from(key, &InflightEntry { stage: stage::TRANSFER_DONE, ended: 1, ..entry }, Some(30)).unwrap();
+        assert_eq!((done.stage, done.ended, restored.ended), (Stage::TransferDone, true, false));
     }
 
     // ------------------------------------------- the in-flight protocol, modelled
 
     use std::{cell::RefCell, collections::BTreeMap, collections::HashMap, collections::VecDeque, rc::Rc};
 
-    use crate::lifecycle::{Engine, EngineConfig, Observation};
+    use crate::lifecycle::{Engine, EngineConfig, Observation, StageRead};
 
     /// What the eBPF programs do with the two tables and the ring buffer
     /// (`emit` and `track` in ebpf/src/main.rs), written out plainly. It
@@ -494,13 +501,15 @@ mod tests {
     }
 
     impl Kernel {
-        fn event(&mut self, pid: u32, key: u64, stage: u8, ts: u64) {
+        /// `ends`: the event's slot ends lifecycles at its stage (`ENDS`).
+        fn event(&mut self, pid: u32, key: u64, stage: u8, ends: bool, ts: u64) {
             let id = (pid, key);
-            self.ring.push_back(Observation { pid, key, stage: events::stage(stage).expect("stage"), ts_ns: ts, external_id: None });
-            if stage >= stage::FIRST_TERMINAL {
+            self.ring.push_back(Observation { pid, key, stage: events::stage(stage).expect("stage"), ts_ns: ts, external_id: None, ends });
+            if ends || stage >= stage::FIRST_TERMINAL {
                 if self.alerted.contains_key(&id) {
                     if let Some(entry) = self.inflight.get_mut(&id) {
                         entry.stage = stage;
+                        entry.ended = 1;
                         entry.last_ns = entry.last_ns.max(ts);
                     }
                 } else {
@@ -509,7 +518,7 @@ mod tests {
                 return;
             }
             if let Some(entry) = self.inflight.get_mut(&id) {
-                if entry.stage < stage::FIRST_TERMINAL {
+                if entry.ended == 0 {
                     entry.last_ns = entry.last_ns.max(ts);
                     entry.stage = entry.stage.max(stage);
                     if entry.stage_ns[usize::from(stage)] == 0 {
@@ -528,7 +537,8 @@ mod tests {
                 last_slot: NOT_EMITTED,
                 stage,
                 has_ext: 0,
-                _pad: [0; 2],
+                ended: 0,
+                _pad: 0,
                 ext: [0; EXT_ID_LEN],
             };
             entry.stage_ns[usize::from(stage)] = ts;
@@ -589,8 +599,10 @@ mod tests {
         ended: HashMap<(u32, u64, u64), usize>,
         /// (pid, key, last_ns) of each silence reported.
         stalled: HashMap<(u32, u64, u64), usize>,
-        /// Lifecycles ended by a read of the target's memory.
+        /// Lifecycles ended by a read of the target's memory: failed, and
+        /// complete at a done read.
         read_failed: usize,
+        read_done: usize,
     }
 
     impl ModelAgent {
@@ -620,6 +632,7 @@ mod tests {
                     Report::Ended { .. } => {
                         *reported.ended.entry((r.pid, r.key, r.first_ns)).or_default() += 1;
                         reported.read_failed += usize::from(r.inferred.contains(Stage::Failed));
+                        reported.read_done += usize::from(r.inferred.contains(Stage::TransferDone));
                     }
                     Report::Stalled { .. } => *reported.stalled.entry((r.pid, r.key, r.last_ns)).or_default() += 1,
                     Report::Recovered { .. } => {}
@@ -642,9 +655,11 @@ mod tests {
 
         /// A tick, reading the target's memory as `run` does, only for a
         /// request the kernel still holds: key 0x105's memory says its
-        /// transfer failed once posted, and the target never releases it.
-        /// One read a tick, so requests due but not read yet (carried over,
-        /// as at a mass stall) are often what a killed agent leaves behind.
+        /// transfer failed once posted, and the target never releases it;
+        /// key 0x104's says done, which completes it (its profile completes
+        /// at transfer_done, see [`lazy`]). One read a tick, so requests due
+        /// but not read yet (carried over, as at a mass stall) are often
+        /// what a killed agent leaves behind.
         fn advance(&mut self, now: u64, reported: &mut Reported) {
             let mut reports = Vec::new();
             let state = &self.state;
@@ -653,14 +668,27 @@ mod tests {
                 1,
                 &mut |silents, answers| {
                     answers.extend(silents.iter().map(|silent| {
-                        let failed = silent.key == 0x105 && silent.stage == Stage::TransferPosted;
-                        (failed && state.holds(silent.pid, silent.key, silent.last_ns).expect("holds")).then_some(Stage::Failed)
+                        let stage = match silent.key {
+                            0x105 => Stage::Failed,
+                            0x104 => Stage::TransferDone,
+                            _ => return None,
+                        };
+                        let read = silent.stage == Stage::TransferPosted;
+                        (read && state.holds(silent.pid, silent.key, silent.last_ns).expect("holds"))
+                            .then_some(StageRead { stage, ends: lazy(silent.key) && stage == Stage::TransferDone })
                     }));
                 },
                 &mut reports,
             );
             self.emit(reports, reported);
         }
+    }
+
+    /// Keys whose probes end their lifecycles at transfer_done (a profile
+    /// with `complete_at = "transfer_done"`), released only some time
+    /// later if ever, as SGLang's handles are.
+    fn lazy(key: u64) -> bool {
+        key >= 0x103
     }
 
     /// Random lifecycles of a few keys (reused at once, as NIXL does),
@@ -671,7 +699,7 @@ mod tests {
     #[test]
     fn no_request_ends_twice_across_any_number_of_restarts() {
         use stallwatch_common::stage::{ABORTED, ENQUEUED, FAILED, RELEASED, TRANSFER_DONE};
-        let mut totals = (0usize, 0usize, 0usize, 0usize);
+        let mut totals = (0usize, 0usize, 0usize, 0usize, 0usize);
         for seed in 1..=40u64 {
             let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
             let mut roll = |n: u64| {
@@ -693,6 +721,8 @@ mod tests {
                     0..55 => {
                         let id = (1 + roll(2) as u32, 0x100 + roll(6));
                         let stage = match live.get(&id) {
+                            // The late release of a lifecycle complete at transfer_done.
+                            None if lazy(id.1) && roll(3) == 0 => RELEASED,
                             None => ENQUEUED,
                             Some(&at) => match roll(10) {
                                 0..6 => (at + roll(2) as u8).min(TRANSFER_DONE),
@@ -701,12 +731,13 @@ mod tests {
                                 _ => FAILED,
                             },
                         };
-                        if stage >= RELEASED {
+                        let ends = lazy(id.1) && stage == TRANSFER_DONE;
+                        if stage >= RELEASED || ends {
                             live.remove(&id);
                         } else {
                             live.insert(id, stage);
                         }
-                        kernel.0.borrow_mut().event(id.0, id.1, stage, now);
+                        kernel.0.borrow_mut().event(id.0, id.1, stage, ends, now);
                     }
                     55..75 => {
                         if let Some(agent) = &mut agent {
@@ -736,7 +767,7 @@ mod tests {
                 if let Some(agent) = &mut agent {
                     if kernel.0.borrow().ring.is_empty() {
                         let k = kernel.0.borrow();
-                        let ended: Vec<_> = k.inflight.iter().filter(|(_, e)| e.stage >= stage::FIRST_TERMINAL).collect();
+                        let ended: Vec<_> = k.inflight.iter().filter(|(_, e)| e.ended != 0).collect();
                         assert!(ended.is_empty(), "{ctx}: ended entries the agent has seen end are kept: {ended:?}");
                         let orphans: Vec<_> = k.alerted.keys().filter(|id| agent.engine.get(id.0, id.1).is_none()).collect();
                         assert!(orphans.is_empty(), "{ctx}: marks of requests no agent follows: {orphans:?}");
@@ -747,9 +778,10 @@ mod tests {
             totals.1 += reported.stalled.len();
             totals.2 += reported.ended.len();
             totals.3 += reported.read_failed;
+            totals.4 += reported.read_done;
         }
         // The walk really restarted agents with stalls marked, and ended
         // requests by reads.
-        assert!(totals.0 > 500 && totals.1 > 500 && totals.2 > 5000 && totals.3 > 20, "{totals:?}");
+        assert!(totals.0 > 500 && totals.1 > 500 && totals.2 > 5000 && totals.3 > 20 && totals.4 > 20, "{totals:?}");
     }
 }

@@ -24,8 +24,8 @@ use anyhow::Result;
 use tracing::{debug, warn};
 
 use crate::{
-    lifecycle::{Silent, Stage},
-    probes::{RetType, StatusSpec},
+    lifecycle::{Silent, StageRead},
+    probes::{RetType, StatusSpec, profile::CompleteAt},
     warned::Warned,
 };
 
@@ -63,6 +63,8 @@ impl StatusReads {
 /// Reads `[status]` for requests whose stall is due.
 pub struct StatusReader {
     spec: StatusSpec,
+    /// The profile's `complete_at`: a stage read there ends the lifecycle.
+    complete_at: CompleteAt,
     reads: StatusReads,
     /// The `unrecognised + unreadable` the last warning covered.
     warned: Warned,
@@ -71,8 +73,8 @@ pub struct StatusReader {
 }
 
 impl StatusReader {
-    pub fn new(spec: StatusSpec) -> Self {
-        Self { spec, reads: StatusReads::default(), warned: Warned::default(), last_problem: None }
+    pub fn new(spec: StatusSpec, complete_at: CompleteAt) -> Self {
+        Self { spec, complete_at, reads: StatusReads::default(), warned: Warned::default(), last_problem: None }
     }
 
     pub fn reads(&self) -> StatusReads {
@@ -80,11 +82,12 @@ impl StatusReader {
     }
 
     /// The stage the target's memory shows for each of `silents`, if it
-    /// can tell, pushed onto `answers` in order. `holds` asks the kernel
+    /// can tell, and whether that ends the lifecycle (the profile completes
+    /// there), pushed onto `answers` in order. `holds` asks the kernel
     /// whether it still holds a request's lifecycle live. The requests of
     /// one process are read together, a `process_vm_readv(2)` call for up
     /// to [`IOV_MAX`] of them per step of the `[status]` pointer chain.
-    pub fn read(&mut self, silents: &[Silent], holds: impl Fn(&Silent) -> Result<bool>, answers: &mut Vec<Option<Stage>>) {
+    pub fn read(&mut self, silents: &[Silent], holds: impl Fn(&Silent) -> Result<bool>, answers: &mut Vec<Option<StageRead>>) {
         let start = answers.len();
         answers.resize(start + silents.len(), None);
         let mut held = Vec::with_capacity(silents.len());
@@ -115,7 +118,7 @@ impl StatusReader {
 
     /// What the value read for `silent` says, once the kernel says the
     /// read did not race a release (the memory may have been freed mid-read).
-    fn judge(&mut self, silent: &Silent, value: io::Result<i64>, holds: impl Fn(&Silent) -> Result<bool>) -> Option<Stage> {
+    fn judge(&mut self, silent: &Silent, value: io::Result<i64>, holds: impl Fn(&Silent) -> Result<bool>) -> Option<StageRead> {
         let (pid, key) = (silent.pid, silent.key);
         let value = match value {
             Ok(value) => value,
@@ -135,7 +138,7 @@ impl StatusReader {
             Some(stage) => {
                 self.reads.answered += 1;
                 debug!(pid, key = format_args!("{key:#x}"), value, %stage, "status read");
-                Some(stage)
+                Some(StageRead { stage, ends: self.complete_at.ends_at(stage) })
             }
             None => {
                 self.reads.unrecognised += 1;
@@ -149,7 +152,7 @@ impl StatusReader {
         }
     }
 
-    fn unreadable(&mut self, problem: String) -> Option<Stage> {
+    fn unreadable(&mut self, problem: String) -> Option<StageRead> {
         self.reads.unreadable += 1;
         self.last_problem = Some(problem);
         None
@@ -256,7 +259,7 @@ mod tests {
     use std::cell::Cell;
 
     use super::*;
-    use crate::probes::Profile;
+    use crate::{lifecycle::Stage, probes::Profile};
 
     /// A `[status]` over this very process's memory, the real syscall.
     fn reader(at: &str, ty: &str) -> StatusReader {
@@ -265,12 +268,12 @@ mod tests {
              [status]\nat = {at}\ntype = \"{ty}\"\nvalues = [\n  {{ when = \"== 1\", event = \"transfer_posted\" }},\n  \
              {{ when = \"== 0\", event = \"transfer_done\" }},\n  {{ when = \"< 0\", event = \"failed\" }},\n]\n"
         );
-        StatusReader::new(Profile::parse(&text, "test").expect("profile").status.expect("[status]"))
+        StatusReader::new(Profile::parse(&text, "test").expect("profile").status.expect("[status]"), CompleteAt::Released)
     }
 
     /// One request read alone.
     impl StatusReader {
-        fn read_one(&mut self, silent: &Silent, holds: impl Fn() -> Result<bool>) -> Option<Stage> {
+        fn read_one(&mut self, silent: &Silent, holds: impl Fn() -> Result<bool>) -> Option<StageRead> {
             let mut answers = Vec::new();
             self.read(std::slice::from_ref(silent), |_| holds(), &mut answers);
             assert_eq!(answers.len(), 1);
@@ -296,11 +299,11 @@ mod tests {
         let mut handle = Handle { _pad: 0, status: 1, _more: 0, inner: &raw const deep };
         let key = (&raw const handle) as u64;
         let mut direct = reader("{ from = \"key\", add = 8 }", "i32");
-        assert_eq!(direct.read_one(&silent(key), || Ok(true)), Some(Stage::TransferPosted));
+        assert_eq!(direct.read_one(&silent(key), || Ok(true)), Some(StageRead { stage: Stage::TransferPosted, ends: false }));
         handle.status = 0;
-        assert_eq!(direct.read_one(&silent(key), || Ok(true)), Some(Stage::TransferDone));
+        assert_eq!(direct.read_one(&silent(key), || Ok(true)), Some(StageRead { stage: Stage::TransferDone, ends: false }));
         let mut through = reader("{ from = \"key\", deref = [16] }", "i64");
-        assert_eq!(through.read_one(&silent(key), || Ok(true)), Some(Stage::Failed));
+        assert_eq!(through.read_one(&silent(key), || Ok(true)), Some(StageRead { stage: Stage::Failed, ends: false }));
         handle.status = 7;
         assert_eq!(direct.read_one(&silent(key), || Ok(true)), None, "no rule takes 7");
         assert_eq!(direct.reads(), StatusReads { answered: 2, unrecognised: 1, ..StatusReads::default() });
@@ -378,9 +381,10 @@ mod tests {
         silents.insert(1, Silent { pid: 1 << 30, ..silents[0] });
         let unheld = silents[3].key;
         let mut status = reader("{ from = \"key\", add = 8 }", "i32");
-        let mut answers = vec![Some(Stage::Enqueued)];
+        let read = |stage| Some(StageRead { stage, ends: false });
+        let mut answers = vec![read(Stage::Enqueued)];
         status.read(&silents, |silent| Ok(silent.key != unheld || silent.pid != std::process::id()), &mut answers);
-        let expected = [Some(Stage::Enqueued), Some(Stage::Failed), None, Some(Stage::TransferDone), None, Some(Stage::TransferPosted)];
+        let expected = [read(Stage::Enqueued), read(Stage::Failed), None, read(Stage::TransferDone), None, read(Stage::TransferPosted)];
         assert_eq!(answers, expected, "the answer before the batch kept, then one per request in order");
         assert_eq!(status.reads(), StatusReads { answered: 3, not_held: 1, process_gone: 1, ..StatusReads::default() });
         std::hint::black_box(&handles);

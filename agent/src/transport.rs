@@ -253,13 +253,14 @@ impl Tracker {
     }
 
     /// Count a completion no probe saw, from a request's end: one released
-    /// after its post without an observed `transfer_done` finished its
-    /// transfer unseen, at its release at the latest. Profiles that do not
+    /// (or read done, where done is complete) after its post without an
+    /// observed `transfer_done` finished its transfer unseen, at its
+    /// release (the read) at the latest. Profiles that do not
     /// probe status polls (the `nixl` profile reads no getXferStatus) see
     /// most completions only this way; without it a busy transport whose
     /// transfers all complete read "last completion never".
     pub fn observe_end(&mut self, report: &Report) {
-        let Report::Ended { request, outcome: Outcome::Released, at_ns } = report else { return };
+        let Report::Ended { request, outcome: Outcome::Released | Outcome::Completed, at_ns } = report else { return };
         let done_seen = request.stage_at(Stage::TransferDone).is_some() && !request.inferred.contains(Stage::TransferDone);
         if request.stage_at(Stage::TransferPosted).is_some() && !done_seen {
             self.complete(request.pid, *at_ns);
@@ -386,7 +387,7 @@ mod tests {
         let mut tracker = Tracker::new(60 * S);
         tracker.record(7, 10 * S, totals(1, 0, 10, 10 * S));
         for n in 0..3 {
-            tracker.observe(&Observation { pid: 7, key: 100 + n, stage: Stage::TransferDone, ts_ns: 20 * S, external_id: None });
+            tracker.observe(&Observation { pid: 7, key: 100 + n, stage: Stage::TransferDone, ts_ns: 20 * S, external_id: None, ends: false });
         }
         tracker.record(7, 80 * S, totals(4, 0, 40, 20 * S));
         let evidence = tracker.evidence(&stalled(7, Stage::TransferDone, 10 * S), StallClass::ReleaseLost).unwrap();
@@ -412,7 +413,7 @@ mod tests {
         // posted (no transfer to complete).
         tracker.observe_end(&released(1, [Some(S), Some(11 * S), None, Some(20 * S)], StageSet::EMPTY, 20 * S));
         tracker.observe_end(&released(2, [Some(S), Some(11 * S), Some(15 * S), Some(20 * S)], done_inferred, 20 * S));
-        tracker.observe(&Observation { pid: 7, key: 3, stage: Stage::TransferDone, ts_ns: 19 * S, external_id: None });
+        tracker.observe(&Observation { pid: 7, key: 3, stage: Stage::TransferDone, ts_ns: 19 * S, external_id: None, ends: false });
         tracker.observe_end(&released(3, [Some(S), Some(11 * S), Some(19 * S), Some(20 * S)], StageSet::EMPTY, 20 * S));
         tracker.observe_end(&released(4, [Some(S), None, None, Some(20 * S)], StageSet::EMPTY, 20 * S));
         tracker.record(7, 80 * S, totals(4, 0, 40, 20 * S));
@@ -425,7 +426,7 @@ mod tests {
     #[test]
     fn a_process_without_transport_probes_has_no_evidence() {
         let mut tracker = Tracker::new(60 * S);
-        tracker.observe(&Observation { pid: 8, key: 1, stage: Stage::TransferDone, ts_ns: S, external_id: None });
+        tracker.observe(&Observation { pid: 8, key: 1, stage: Stage::TransferDone, ts_ns: S, external_id: None, ends: false });
         assert_eq!(tracker.evidence(&stalled(8, Stage::Enqueued, S), StallClass::WaitingForPeer), None);
     }
 

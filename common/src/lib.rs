@@ -119,6 +119,13 @@ pub mod slot_flags {
     /// [`SlotConfig::ext`], not a NUL-terminated string (binary data such
     /// as a ZMQ frame); where they cannot all be read, a string is read.
     pub const EXT_BYTES: u32 = 1 << 8;
+    /// Every event of the slot ends its request's lifecycle, whatever its
+    /// stage: the in-flight entry goes as at a terminal stage, and the
+    /// event says so ([`event_flags::ENDS`](super::event_flags::ENDS)). For
+    /// a framework that releases what is done lazily, if ever (a profile's
+    /// `complete_at = "transfer_done"`): its done requests must neither
+    /// fill the table nor read as stalled to a restarted agent.
+    pub const ENDS: u32 = 1 << 9;
     /// The slot is live. The agent writes a process's slots without it,
     /// attaches every probe, then sets it on all of them: a request that
     /// began while only some probes were attached would be seen at one
@@ -156,6 +163,9 @@ pub mod event_flags {
     /// With `HAS_EXT`: `ext` holds [`EXT_ID_LEN`](super::EXT_ID_LEN) raw
     /// bytes ([`slot_flags::EXT_BYTES`](super::slot_flags::EXT_BYTES)), not a string.
     pub const EXT_BYTES: u32 = 1 << 1;
+    /// The event ends the lifecycle at its stage (its slot has
+    /// [`slot_flags::ENDS`](super::slot_flags::ENDS)).
+    pub const ENDS: u32 = 1 << 2;
     /// Set when return rule `n` matched: `RULE_MATCHED << n`.
     pub const RULE_MATCHED: u32 = 1 << 8;
 }
@@ -243,13 +253,16 @@ pub struct InflightEntry {
     /// its own, and a released (reused) handle starts afresh with its entry.
     pub last_ret: i64,
     pub last_slot: u32,
-    /// The furthest stage. A terminal one only while an agent's stall alert
-    /// for the request is out (see `ALERTED`): the entry is kept so the next
-    /// agent can report the recovery.
+    /// The furthest stage.
     pub stage: u8,
     /// `ext` holds a NUL-terminated string.
     pub has_ext: u8,
-    pub _pad: [u8; 2],
+    /// 1: the lifecycle ended (at `stage`, terminal or one its slot ends
+    /// at, see [`slot_flags::ENDS`]). Only while an agent's stall alert for
+    /// the request is out (see `ALERTED`): the entry is kept so the next
+    /// agent can report the recovery.
+    pub ended: u8,
+    pub _pad: u8,
     pub ext: [u8; EXT_ID_LEN],
 }
 
@@ -263,8 +276,9 @@ pub const NOT_EMITTED: u32 = u32::MAX;
 /// another layout, it discards it. 2: `COUNTERS` gained `EXT_UNREADABLE`.
 /// 3: `SAVED` is an LRU hash. 4: [`InflightEntry`] holds the last event
 /// emitted; `LAST` only the ends of lifecycles an `ONLY_ON_CHANGE` slot
-/// emitted; [`SavedArgs`] are reused, marked `live`.
-pub const STATE_LAYOUT: u32 = 4;
+/// emitted; [`SavedArgs`] are reused, marked `live`. 5: [`InflightEntry`]
+/// says `ended` (a lifecycle can end at a live stage, [`slot_flags::ENDS`]).
+pub const STATE_LAYOUT: u32 = 5;
 
 /// Indices of the per-CPU `COUNTERS` array: what the kernel side could not do.
 /// Every one is reported by the agent; none is silent. The first four each

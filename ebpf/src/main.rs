@@ -370,13 +370,14 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
     let lifecycle = matched.stage != stage::SIGNAL;
     // SAFETY: the helper only reads the clock.
     let ts = unsafe { bpf_ktime_get_ns() };
+    let ends = lifecycle && (matched.stage >= stage::FIRST_TERMINAL || cfg.flags & slot_flags::ENDS != 0);
     let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
         bump(counter::RINGBUF_FULL);
         // The agent misses this event, but the in-flight table need not;
         // it is not recorded as emitted, so a poll answering the same
         // again is sent again.
         if lifecycle {
-            track(&request, matched.stage, ts, None, None);
+            track(&request, matched.stage, ends, ts, None, None);
         }
         return;
     };
@@ -391,7 +392,7 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         (*event).pid = request.pid;
         (*event).tid = pid_tgid as u32;
         (*event).slot = slot;
-        (*event).flags = matched.rules;
+        (*event).flags = if cfg.flags & slot_flags::ENDS != 0 { matched.rules | event_flags::ENDS } else { matched.rules };
         (*event).stage = matched.stage;
         (*event).ext[0] = 0;
         if cfg.flags & slot_flags::HAS_EXT != 0 && guard_holds(cfg, args, ret, key) {
@@ -410,7 +411,7 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         if lifecycle {
             // Before the submit: once submitted the record is the agent's.
             let ext = if (*event).flags & event_flags::HAS_EXT != 0 { Some(&(*event).ext) } else { None };
-            track(&request, matched.stage, ts, ext, emitted);
+            track(&request, matched.stage, ends, ts, ext, emitted);
         }
     }
     let wakeup = if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKEUP_AT {
@@ -419,7 +420,7 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         BPF_RB_NO_WAKEUP
     };
     entry.submit(u64::from(wakeup));
-    if only_on_change && matched.stage >= stage::FIRST_TERMINAL {
+    if only_on_change && ends {
         if let Some(last) = &emitted {
             let _ = LAST.insert(&request, last, 0);
         }
@@ -438,13 +439,14 @@ fn unchanged(request: &RequestKey, slot: u32, ret: i64) -> bool {
     }
 }
 
-/// Keep the in-flight table: a live stage creates or advances the
-/// request's entry, a terminal one deletes it (or, while the agent's stall
-/// alert for it is out, marks it ended for the agent to collect). The
-/// entry records `emitted`, the event sent for this hit, if one was.
+/// Keep the in-flight table: an event that leaves the lifecycle live
+/// creates or advances the request's entry, one that `ends` it (a terminal
+/// stage, or a slot's `ENDS`) deletes it (or, while the agent's stall alert
+/// for it is out, marks it ended for the agent to collect). The entry
+/// records `emitted`, the event sent for this hit, if one was.
 #[inline(always)]
-fn track(request: &RequestKey, stage: u8, ts: u64, ext: Option<&[u8; EXT_ID_LEN]>, emitted: Option<LastEmitted>) {
-    if stage >= stage::FIRST_TERMINAL {
+fn track(request: &RequestKey, stage: u8, ends: bool, ts: u64, ext: Option<&[u8; EXT_ID_LEN]>, emitted: Option<LastEmitted>) {
+    if ends {
         // SAFETY: only tested for presence.
         if unsafe { ALERTED.get(request) }.is_some() {
             if let Some(entry) = INFLIGHT.get_ptr_mut(request) {
@@ -452,6 +454,7 @@ fn track(request: &RequestKey, stage: u8, ts: u64, ext: Option<&[u8; EXT_ID_LEN]
                 // (whole u64/u8 fields, the agent reads them as a hint).
                 let entry = unsafe { &mut *entry };
                 entry.stage = stage;
+                entry.ended = 1;
                 if ts > entry.last_ns {
                     entry.last_ns = ts;
                 }
@@ -465,7 +468,7 @@ fn track(request: &RequestKey, stage: u8, ts: u64, ext: Option<&[u8; EXT_ID_LEN]
     if let Some(entry) = INFLIGHT.get_ptr_mut(request) {
         // SAFETY: as above.
         let entry = unsafe { &mut *entry };
-        if entry.stage < stage::FIRST_TERMINAL {
+        if entry.ended == 0 {
             if ts > entry.last_ns {
                 entry.last_ns = ts;
             }
@@ -491,7 +494,8 @@ fn track(request: &RequestKey, stage: u8, ts: u64, ext: Option<&[u8; EXT_ID_LEN]
         last_slot: NOT_EMITTED,
         stage,
         has_ext: 0,
-        _pad: [0; 2],
+        ended: 0,
+        _pad: 0,
         ext: [0; EXT_ID_LEN],
     };
     note_stage_time(&mut entry.stage_ns, stage, ts);

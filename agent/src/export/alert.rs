@@ -107,12 +107,13 @@ impl<W: Write> AlertWriter<W> {
         let kernel = &losses.kernel;
         let line = match self.format {
             Format::Human => format!(
-                "SUMMARY seen={} restored={} completed={} stalled={} recovered={} failed={} aborted={} process_exited={} \
+                "SUMMARY seen={} restored={} completed={} (unreleased={}) stalled={} recovered={} failed={} aborted={} process_exited={} \
                  evicted={} in_flight={} lost_events={} (ringbuf_full={} key_unreadable={} args_missing={} no_slot={} undecodable={}) \
                  ext_unreadable={} stale_events={} duplicate_events={} export_drops={} state_full={}",
                 stats.seen,
                 stats.restored,
                 stats.completed,
+                stats.completed_unreleased,
                 stats.stalled,
                 stats.recovered,
                 stats.failed,
@@ -162,6 +163,7 @@ impl<W: Write> AlertWriter<W> {
                 "seen": stats.seen,
                 "restored": stats.restored,
                 "completed": stats.completed,
+                "completed_unreleased": stats.completed_unreleased,
                 "stalled": stats.stalled,
                 "recovered": stats.recovered,
                 "failed": stats.failed,
@@ -313,7 +315,7 @@ impl<'a> Alert<'a> {
                     Outcome::Failed => "failed",
                     Outcome::ProcessExited => "process_exited",
                     Outcome::Evicted => "evicted",
-                    Outcome::Released | Outcome::Aborted => return None,
+                    Outcome::Released | Outcome::Completed | Outcome::Aborted => return None,
                 };
                 Some(Self {
                     kind,

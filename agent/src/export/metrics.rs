@@ -142,7 +142,8 @@ impl Collector for Snapshot {
             .iter()
             .map(|outcome| {
                 let n = match outcome {
-                    Outcome::Released => e.completed,
+                    Outcome::Released => e.completed - e.completed_unreleased,
+                    Outcome::Completed => e.completed_unreleased,
                     Outcome::Aborted => e.aborted,
                     Outcome::Failed => e.failed,
                     Outcome::ProcessExited => e.process_exited,
@@ -440,7 +441,7 @@ mod tests {
         let mut engine = Engine::new(EngineConfig { timeout_ns: 1_000, max_tracked: 100, tick_ns: 10 });
         let mut reports = Vec::new();
         for (key, stage) in [(1, Stage::Enqueued), (2, Stage::TransferPosted), (3, Stage::TransferPosted)] {
-            engine.observe(Observation { pid: 1, key, stage, ts_ns: 100, external_id: None }, &mut reports);
+            engine.observe(Observation { pid: 1, key, stage, ts_ns: 100, external_id: None, ends: false }, &mut reports);
         }
         engine.advance(5_000, &mut reports);
         engine

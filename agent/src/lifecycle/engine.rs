@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 
 use super::index::{Index, Mixer, PidCounts};
 use super::recent::RecentLog;
-use super::report::{EngineStats, Observation, Report, RequestSnapshot, Restored, Silent};
+use super::report::{EngineStats, Observation, Report, RequestSnapshot, Restored, Silent, StageRead};
 use super::slab::{List, MAX_RECORDS, Place, Record, Slab};
 use super::stage::{Outcome, Stage, StallClass};
 use super::wheel::Wheel;
@@ -77,7 +77,7 @@ pub struct Engine {
     /// is told of each, its answers.
     batch: Vec<u32>,
     silents: Vec<Silent>,
-    answers: Vec<Option<Stage>>,
+    answers: Vec<Option<StageRead>>,
 }
 
 /// A record the wheel found due, and whose it was.
@@ -132,10 +132,12 @@ impl Engine {
             stage,
             ts_ns,
             external_id,
+            ends,
         } = obs;
+        let outcome = Outcome::of_event(stage, ends);
         match self.index.find(self.slab.records(), pid, key) {
-            Some(i) => self.observe_tracked(i, stage, ts_ns, external_id, out),
-            None => self.observe_new(pid, key, stage, ts_ns, external_id, out),
+            Some(i) => self.observe_tracked(i, stage, outcome, ts_ns, external_id, out),
+            None => self.observe_new(pid, key, stage, outcome, ts_ns, external_id, out),
         }
     }
 
@@ -143,7 +145,7 @@ impl Engine {
     /// [`Restored`] and the **Restoring** rule in the module docs). Meant
     /// for a fresh engine, before observations.
     pub fn restore(&mut self, request: Restored, out: &mut Vec<Report>) {
-        let Restored { pid, key, stage, stage_ns, first_ns, last_ns, external_id, alerted_ns } = request;
+        let Restored { pid, key, stage, ended, stage_ns, first_ns, last_ns, external_id, alerted_ns } = request;
         if self.index.find(self.slab.records(), pid, key).is_some() {
             self.stats.duplicate_events += 1;
             return;
@@ -186,7 +188,7 @@ impl Engine {
                 self.stalled.push_back(self.slab.records_mut(), i);
             }
         }
-        if let Some(outcome) = Outcome::for_stage(stage) {
+        if let Some(outcome) = Outcome::of_event(stage, ended) {
             self.end(i, outcome, last_ns, last_ns, out);
         } else if self.slab.get(i).place() == Place::Detached {
             self.arm(i, last_ns);
@@ -219,7 +221,7 @@ impl Engine {
         &mut self,
         now_ns: u64,
         budget: usize,
-        read: &mut dyn FnMut(&[Silent], &mut Vec<Option<Stage>>),
+        read: &mut dyn FnMut(&[Silent], &mut Vec<Option<StageRead>>),
         out: &mut Vec<Report>,
     ) {
         let due = &mut self.due;
@@ -251,8 +253,8 @@ impl Engine {
             read(&silents, &mut answers);
         }
         for (n, &i) in batch.iter().enumerate() {
-            if let Some(stage) = answers.get(n).copied().flatten() {
-                if !self.apply_read(i, stage, now_ns, out) {
+            if let Some(found) = answers.get(n).copied().flatten() {
+                if !self.apply_read(i, found, now_ns, out) {
                     continue;
                 }
             }
@@ -277,13 +279,24 @@ impl Engine {
 
     /// What a read of the target's memory says of the silent record `i`:
     /// a later live stage is inferred (timed at the read, not activity); a
-    /// terminal one ends the lifecycle at the read. Returns whether the
-    /// request is still tracked.
-    fn apply_read(&mut self, i: u32, stage: Stage, now_ns: u64, out: &mut Vec<Report>) -> bool {
-        let Some(outcome) = Outcome::for_stage(stage) else {
+    /// terminal one, or one that ends the lifecycle, ends it at the read.
+    /// Returns whether the request is still tracked.
+    fn apply_read(&mut self, i: u32, StageRead { stage, ends }: StageRead, now_ns: u64, out: &mut Vec<Report>) -> bool {
+        let Some(outcome) = Outcome::of_event(stage, ends) else {
             self.slab.get_mut(i).infer_stage(stage, now_ns);
             return true;
         };
+        if outcome == Outcome::Completed {
+            // An earlier stage than the probes saw says nothing of it:
+            // classified by what they saw, as any read of an earlier stage.
+            if stage < self.slab.get(i).stage() {
+                return true;
+            }
+            // Timed (and marked inferred) at the read unless a probe saw it.
+            self.slab.get_mut(i).infer_stage(stage, now_ns);
+            self.end(i, outcome, now_ns, now_ns, out);
+            return false;
+        }
         self.slab.get_mut(i).set_stage(stage);
         self.end(i, outcome, now_ns, now_ns, out);
         if let Some(Report::Ended { request, .. }) = out.last_mut() {
@@ -388,13 +401,15 @@ impl Engine {
         pid: u32,
         key: u64,
         stage: Stage,
+        outcome: Option<Outcome>,
         ts_ns: u64,
         external_id: Option<Box<str>>,
         out: &mut Vec<Report>,
     ) {
-        // Only a live stage can open a lifecycle: a terminal event for
-        // something never tracked carries nothing to report.
-        if stage.is_terminal() || self.ended_after(pid, key, ts_ns) {
+        // Only an event that leaves it live can open a lifecycle: an end
+        // of something never tracked carries nothing to report (the
+        // release of a lifecycle complete at transfer_done among them).
+        if outcome.is_some() || self.ended_after(pid, key, ts_ns) {
             self.stats.stale_events += 1;
             return;
         }
@@ -429,6 +444,7 @@ impl Engine {
         &mut self,
         i: u32,
         stage: Stage,
+        outcome: Option<Outcome>,
         ts_ns: u64,
         external_id: Option<Box<str>>,
         out: &mut Vec<Report>,
@@ -470,7 +486,7 @@ impl Engine {
                     class,
                     stuck_ns: ts_ns - before,
                 });
-                if !stage.is_terminal() {
+                if outcome.is_none() {
                     self.arm(i, ts_ns);
                 }
             }
@@ -478,7 +494,7 @@ impl Engine {
         // Otherwise the wheel entry stays where it is: it re-arms itself
         // lazily from `last_ns` when its bucket comes due.
 
-        if let Some(outcome) = Outcome::for_stage(stage) {
+        if let Some(outcome) = outcome {
             let end_ns = self.slab.get(i).last_ns;
             self.end(i, outcome, ts_ns, end_ns, out);
         }
@@ -528,6 +544,10 @@ impl Engine {
         self.ends.record((pid, key), end_ns);
         let counter = match outcome {
             Outcome::Released => &mut self.stats.completed,
+            Outcome::Completed => {
+                self.stats.completed_unreleased += 1;
+                &mut self.stats.completed
+            }
             Outcome::Aborted => &mut self.stats.aborted,
             Outcome::Failed => &mut self.stats.failed,
             Outcome::ProcessExited => &mut self.stats.process_exited,

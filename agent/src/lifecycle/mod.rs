@@ -59,6 +59,13 @@
 //! means the request ended while still stuck (evicted, process exited, or a
 //! terminal event that was late news).
 //!
+//! **Completing early.** An observation that `ends` (its probe's profile
+//! completes lifecycles at that live stage, `complete_at`, for a framework
+//! that releases lazily) is terminal in every rule here: it ends the
+//! lifecycle at its own stage with [`Outcome::Completed`] (counted in
+//! `completed`), and a later `released` of the key is a stale event of a
+//! lifecycle already over, never a new one.
+//!
 //! **Ending.** Every tracked request ends in exactly one [`Report::Ended`]:
 //! on `released`/`aborted`/`failed` (at the event's `ts_ns`), on
 //! [`Engine::process_exited`], or on eviction. It is then untracked and its
@@ -127,7 +134,8 @@
 //! call: those beyond it wait in a queue, oldest due first, for the next
 //! calls, and none is reported before it is read. One that ends while it
 //! waits is dropped from the queue; one that has an event is armed again
-//! from that event.
+//! from that event. A read whose stage `ends` (see [`StageRead`])
+//! completes the lifecycle at the read, that stage inferred.
 //!
 //! **Counters.** `seen` counts lifecycles started, and
 //! `seen = completed + failed + aborted + process_exited + evicted +
@@ -157,5 +165,5 @@ mod wheel;
 mod tests;
 
 pub use engine::{Engine, EngineConfig, RECENT_ENDS, RECENT_ENDS_MIN, RECENT_EXITS};
-pub use report::{EngineStats, Observation, Report, RequestSnapshot, Restored, Silent};
+pub use report::{EngineStats, Observation, Report, RequestSnapshot, Restored, Silent, StageRead};
 pub use stage::{Outcome, Stage, StageSet, StallClass, UnknownStage, UnknownStallClass};

@@ -21,6 +21,20 @@ pub struct Observation {
     /// A cross-node identity (bootstrap room, notification message) if the
     /// probe captured one.
     pub external_id: Option<Box<str>>,
+    /// The event ends the lifecycle at its live stage ([`Outcome::Completed`]):
+    /// its probe's profile completes lifecycles there (`complete_at`), for
+    /// a framework that releases what is done only lazily, if ever. Terminal
+    /// stages end it whatever this says.
+    pub ends: bool,
+}
+
+/// What a read of the target's memory says of a request whose stall is
+/// due: its stage, and whether that ends the lifecycle as an
+/// [`Observation`] that `ends` does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StageRead {
+    pub stage: Stage,
+    pub ends: bool,
 }
 
 /// A request the kernel's in-flight table held when this agent started: a
@@ -30,10 +44,12 @@ pub struct Observation {
 pub struct Restored {
     pub pid: u32,
     pub key: u64,
-    /// Furthest stage. Terminal when the request ended while a previous
-    /// agent's stall alert for it was out (the kernel keeps such entries so
-    /// that the recovery is not lost).
+    /// Furthest stage.
     pub stage: Stage,
+    /// The request ended (at `stage`, terminal or one its profile completes
+    /// at) while a previous agent's stall alert for it was out: the kernel
+    /// keeps such entries so that the recovery is not lost.
+    pub ended: bool,
     /// When enqueued, transfer_posted and transfer_done were first seen.
     pub stage_ns: [Option<u64>; 3],
     pub first_ns: u64,
@@ -173,8 +189,11 @@ impl Report {
 pub struct EngineStats {
     /// Lifecycles started.
     pub seen: u64,
-    /// Lifecycles ended by `released`.
+    /// Lifecycles ended by `released`, or complete at a live stage
+    /// ([`Outcome::Completed`]).
     pub completed: u64,
+    /// Of `completed`, those complete at a live stage, not released.
+    pub completed_unreleased: u64,
     /// Lifecycles ended by `failed`.
     pub failed: u64,
     /// Lifecycles ended by `aborted`.

@@ -224,6 +224,10 @@ impl FromStr for StallClass {
 pub enum Outcome {
     /// A `released` event.
     Released,
+    /// An event at a live stage that ends the lifecycle there (its probe's
+    /// profile has `complete_at = "transfer_done"`: the framework releases
+    /// lazily, so done is complete), or such a stage read from memory.
+    Completed,
     /// An `aborted` event.
     Aborted,
     /// A `failed` event.
@@ -236,8 +240,9 @@ pub enum Outcome {
 
 impl Outcome {
     /// Every outcome.
-    pub const ALL: [Outcome; 5] = [
+    pub const ALL: [Outcome; 6] = [
         Outcome::Released,
+        Outcome::Completed,
         Outcome::Aborted,
         Outcome::Failed,
         Outcome::ProcessExited,
@@ -248,11 +253,19 @@ impl Outcome {
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Released => "released",
+            Outcome::Completed => "completed",
             Outcome::Aborted => "aborted",
             Outcome::Failed => "failed",
             Outcome::ProcessExited => "process_exited",
             Outcome::Evicted => "evicted",
         }
+    }
+
+    /// The outcome of an event at `stage` that `ends` the lifecycle (see
+    /// [`Observation::ends`](super::Observation::ends)) or is terminal;
+    /// `None` for one that leaves it live.
+    pub fn of_event(stage: Stage, ends: bool) -> Option<Outcome> {
+        Outcome::for_stage(stage).or(ends.then_some(Outcome::Completed))
     }
 
     /// The outcome a terminal stage means; `None` for live stages.

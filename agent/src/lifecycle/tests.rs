@@ -62,6 +62,7 @@ impl H {
                 stage,
                 ts_ns,
                 external_id: ext.map(Into::into),
+                ends: false,
             },
             &mut out,
         );
@@ -210,7 +211,7 @@ fn class_and_outcome_names() {
     );
     assert_eq!(
         Outcome::ALL.map(|o| o.to_string()),
-        ["released", "aborted", "failed", "process_exited", "evicted"]
+        ["released", "completed", "aborted", "failed", "process_exited", "evicted"]
     );
     assert_eq!(
         Stage::ALL.map(StallClass::for_stage),
@@ -1410,12 +1411,17 @@ fn random_ops(seed: u64, n: usize, step: u64) -> Vec<Op> {
             Op::Observe(last.clone().unwrap_or_else(|| unreachable!()))
         } else if roll < 80 {
             let jitter = rng.below(41);
+            let key = 0x1000 + 64 * rng.below(12);
+            let stage = random_stage(&mut rng);
             let obs = Observation {
                 pid: 1 + rng.below(3) as u32,
-                key: 0x1000 + 64 * rng.below(12),
-                stage: random_stage(&mut rng),
+                key,
+                stage,
                 ts_ns: (clock + jitter).saturating_sub(20),
                 external_id: (rng.below(10) == 0).then(|| format!("id-{}", rng.below(5)).into()),
+                // A third of the keys come from a profile that completes
+                // at transfer_done.
+                ends: stage == DONE && key < 0x1000 + 64 * 4,
             };
             last = Some(obs.clone());
             Op::Observe(obs)
@@ -1460,6 +1466,10 @@ impl Model {
         *e = (*e).max(end_ns);
         match outcome {
             Outcome::Released => self.stats.completed += 1,
+            Outcome::Completed => {
+                self.stats.completed += 1;
+                self.stats.completed_unreleased += 1;
+            }
             Outcome::Aborted => self.stats.aborted += 1,
             Outcome::Failed => self.stats.failed += 1,
             Outcome::ProcessExited => self.stats.process_exited += 1,
@@ -1505,12 +1515,13 @@ impl Model {
                     }
                 }
                 let end_ns = r.last_ns;
-                if let Some(outcome) = Outcome::for_stage(o.stage) {
+                let outcome = Outcome::for_stage(o.stage).or(o.ends.then_some(Outcome::Completed));
+                if let Some(outcome) = outcome {
                     self.end(k, outcome, ts, end_ns, out);
                 }
             }
             None => {
-                if o.stage.is_terminal() || self.ended_after(o.pid, o.key, ts) {
+                if o.stage.is_terminal() || o.ends || self.ended_after(o.pid, o.key, ts) {
                     self.stats.stale_events += 1;
                     return;
                 }
@@ -1733,6 +1744,7 @@ fn held(alerted_ns: Option<u64>) -> Restored {
         pid: 1,
         key: 7,
         stage: Stage::TransferPosted,
+        ended: false,
         stage_ns: [Some(100), Some(200), None],
         first_ns: 100,
         last_ns: 200,
@@ -1881,7 +1893,7 @@ impl H {
             budget,
             &mut |silents, answers| {
                 asked.extend_from_slice(silents);
-                answers.extend(silents.iter().map(|_| read));
+                answers.extend(silents.iter().map(|_| read.map(|stage| StageRead { stage, ends: false })));
             },
             &mut out,
         );
@@ -1904,7 +1916,7 @@ fn a_read_at_the_report_tells_a_done_transfer_from_a_hung_one() {
         usize::MAX,
         &mut |silents, answers| {
             asked.extend_from_slice(silents);
-            answers.extend(silents.iter().map(|silent| (silent.key == 7).then_some(DONE)));
+            answers.extend(silents.iter().map(|silent| (silent.key == 7).then_some(StageRead { stage: DONE, ends: false })));
         },
         &mut out,
     );
@@ -2045,4 +2057,92 @@ fn a_read_never_moves_a_request_back_and_a_probe_replaces_an_inferred_time() {
     // The probe's news of the real completion: its time replaces the read's.
     let out = h.obs(1, 8, DONE, 2500);
     assert!(matches!(&out[..], [Report::Recovered { class: LOST, request, .. }] if request.inferred.is_empty() && request.stage_ns[2] == Some(2500)), "{out:?}");
+}
+
+// ------------------------------------------- completing at transfer_done
+
+impl H {
+    /// An observation whose probe ends lifecycles at its stage.
+    fn obs_ending(&mut self, pid: u32, key: u64, stage: Stage, ts_ns: u64) -> Vec<Report> {
+        let mut out = Vec::new();
+        self.e.observe(Observation { pid, key, stage, ts_ns, external_id: None, ends: true }, &mut out);
+        out
+    }
+}
+
+#[test]
+fn a_done_that_ends_the_lifecycle_completes_it_and_its_later_release_is_stale() {
+    let mut h = H::new();
+    assert!(h.obs(1, 7, ENQ, 100).is_empty());
+    assert!(h.obs(1, 7, POST, 150).is_empty());
+    let done = snap(1, 7, DONE, [Some(100), Some(150), Some(200), None], 100, 200, None);
+    assert_eq!(h.obs_ending(1, 7, DONE, 200), vec![ended(done, Outcome::Completed, 200)]);
+    assert_eq!(h.get(1, 7), None);
+    // Idle for ever after: nothing stalls; the late release starts nothing.
+    assert!(h.adv(10_000).is_empty());
+    assert!(h.obs(1, 7, REL, 20_000).is_empty());
+    let s = h.stats();
+    assert_eq!((s.seen, s.completed, s.completed_unreleased, s.stale_events, s.stalled, s.in_flight), (1, 1, 1, 1, 0, 0));
+    assert_balanced(s);
+    // The key's next lifecycle is a new one, and a release still ends it.
+    assert!(h.obs(1, 7, ENQ, 20_100).is_empty());
+    assert_eq!(h.obs(1, 7, REL, 20_200).len(), 1);
+    assert_eq!((h.stats().completed, h.stats().completed_unreleased), (2, 1));
+    // An ending event of a request never seen opens nothing.
+    assert!(h.obs_ending(1, 9, DONE, 20_300).is_empty());
+    assert_eq!((h.get(1, 9), h.stats().stale_events), (None, 2));
+}
+
+#[test]
+fn a_stalled_request_whose_done_ends_it_recovers_then_completes() {
+    let mut h = H::new();
+    h.obs(1, 7, POST, 100);
+    assert_eq!(h.adv(1100).len(), 1);
+    let out = h.obs_ending(1, 7, DONE, 1500);
+    assert!(matches!(&out[..], [Report::Recovered { class: HUNG, stuck_ns: 1400, .. }, Report::Ended { outcome: Outcome::Completed, at_ns: 1500, .. }]), "{out:?}");
+    assert!(h.adv(5000).is_empty());
+}
+
+#[test]
+fn a_done_read_where_done_is_complete_ends_the_lifecycle_inferred_never_release_lost() {
+    let mut h = H::new();
+    h.obs(1, 7, POST, 100);
+    h.obs(1, 8, ENQ, 100);
+    let mut out = Vec::new();
+    // Both memories say done, past what the probes saw (posted, enqueued):
+    // complete, not release_lost.
+    h.e.advance_reading(1100, usize::MAX, &mut |silents, answers| answers.extend(silents.iter().map(|_| Some(StageRead { stage: DONE, ends: true }))), &mut out);
+    assert_eq!(out.len(), 2, "{out:?}");
+    for report in &out {
+        let Report::Ended { request, outcome: Outcome::Completed, at_ns: 1100 } = report else { panic!("{report:?}") };
+        assert_eq!((request.stage, request.stage_at(DONE), request.stalled), (DONE, Some(1100), None));
+        assert!(request.inferred.contains(DONE) && request.stage_at(REL).is_none(), "{request:?}");
+    }
+    assert_eq!((h.stats().stalled, h.stats().completed_unreleased, h.stats().in_flight), (0, 2, 0));
+    h.obs(1, 9, POST, 2000);
+    h.e.advance_reading(3000, usize::MAX, &mut |silents, answers| answers.extend(silents.iter().map(|_| Some(StageRead { stage: ENQ, ends: false }))), &mut out);
+    assert!(matches!(out.last(), Some(Report::Stalled { class: HUNG, .. })), "{out:?}");
+}
+
+#[test]
+fn a_request_taken_over_ended_at_done_recovers_and_completes_once() {
+    let mut h = H::new();
+    // Alerted at 200 while posted, then done (ending it) while no agent ran.
+    let request = Restored {
+        stage: DONE,
+        ended: true,
+        stage_ns: [Some(100), Some(200), Some(900)],
+        last_ns: 900,
+        ..held(Some(200))
+    };
+    let out = h.restore(request);
+    assert!(
+        matches!(&out[..], [Report::Recovered { class: HUNG, stuck_ns: 700, .. }, Report::Ended { outcome: Outcome::Completed, at_ns: 900, .. }]),
+        "{out:?}"
+    );
+    assert_eq!((h.stats().completed_unreleased, h.stats().in_flight), (1, 0));
+    // Live at done (a profile that waits for the release): release_lost as before.
+    let mut h = H::new();
+    h.restore(Restored { stage: DONE, stage_ns: [Some(100), Some(200), Some(900)], last_ns: 900, ..held(None) });
+    assert!(matches!(&h.adv(1900)[..], [Report::Stalled { class: LOST, .. }]));
 }

@@ -59,6 +59,45 @@ pub struct Profile {
     /// Where a request's state lies in the target's memory, read for a
     /// request whose stall is due (`[status]`).
     pub status: Option<StatusSpec>,
+    /// Where a lifecycle is complete (`complete_at`).
+    pub complete_at: CompleteAt,
+}
+
+/// Where a profile's lifecycles are complete (`complete_at`, a top-level
+/// key): at their release (the default), or, for a framework that releases
+/// what is done only lazily if ever (SGLang drops its NIXL handles to the
+/// garbage collector when a worker picks up its next chunk), once done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CompleteAt {
+    #[default]
+    Released,
+    TransferDone,
+}
+
+impl CompleteAt {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Released => "released",
+            Self::TransferDone => "transfer_done",
+        }
+    }
+
+    /// Whether an event (or a state read) at `stage` ends the lifecycle
+    /// beyond what terminal stages do: a live stage the profile completes at.
+    pub fn ends_at(self, stage: Stage) -> bool {
+        self == Self::TransferDone && stage == Stage::TransferDone
+    }
+
+    fn parse(text: &str) -> Result<Self> {
+        match text {
+            "released" => Ok(Self::Released),
+            "transfer_done" => Ok(Self::TransferDone),
+            other => bail!(
+                "`complete_at = \"{other}\"`: expected \"released\" (the default: a lifecycle is complete when \
+                 released) or \"transfer_done\" (for a framework that releases what is done lazily, if ever)"
+            ),
+        }
+    }
 }
 
 /// The `[status]` table: a request's state as the target keeps it, at an
@@ -280,6 +319,9 @@ pub struct ProbeSpec {
     pub external_id: Option<StringSource>,
     pub ret: RetType,
     pub only_on_change: bool,
+    /// Its events end the lifecycle at a live stage: it emits only the
+    /// stage its profile completes at (`complete_at`), or terminal ones.
+    pub ends: bool,
 }
 
 impl Profile {
@@ -396,7 +438,14 @@ impl Profile {
         // function (both ends): a profile changes a probe by giving the
         // function's probes anew, and adds one on a function of its own. A
         // signal replaces the base's of the same name.
-        let (probes, activity, signals, status, extends) = match base {
+        let own_complete_at = raw
+            .complete_at
+            .map(|spanned| {
+                let line = line_of(text, spanned.span().start);
+                CompleteAt::parse(spanned.get_ref()).map(|at| (at, line)).map_err(|err| anyhow!("profile {origin}, line {line}: {err}"))
+            })
+            .transpose()?;
+        let (mut probes, activity, signals, status, extends, complete_at) = match base {
             Some(base) => {
                 let mut probes: Vec<ProbeSpec> = base
                     .probes
@@ -413,10 +462,16 @@ impl Profile {
                 let mut signals: Vec<SignalSpec> =
                     base.signals.into_iter().filter(|spec| !own_signals.iter().any(|own| own.name == spec.name)).collect();
                 signals.extend(own_signals);
-                (probes, activity, signals, own_status.or(base.status), Some(base.origin))
+                let complete_at = own_complete_at.map(|(at, _)| at).unwrap_or(base.complete_at);
+                (probes, activity, signals, own_status.or(base.status), Some(base.origin), complete_at)
             }
-            None => (own_probes, own_activity, own_signals, own_status, None),
+            None => (own_probes, own_activity, own_signals, own_status, None, own_complete_at.map(|(at, _)| at).unwrap_or_default()),
         };
+        for probe in &mut probes {
+            probe.ends = probe.ends_under(complete_at, origin).map_err(|err| {
+                anyhow!("profile {}, line {} ([[probe]] for `{}`): {err}", probe.origin, probe.line, probe.symbol)
+            })?;
+        }
         if probes.is_empty() {
             bail!("profile {origin}: no [[probe]] tables; a profile needs at least one lifecycle point");
         }
@@ -457,6 +512,7 @@ impl Profile {
             activity,
             signals,
             status,
+            complete_at,
         })
     }
 }
@@ -469,6 +525,28 @@ impl ActivitySpec {
 }
 
 impl ProbeSpec {
+    /// Whether this probe's events end the lifecycle under `complete_at`
+    /// (of the profile `profile`): the kernel ends a lifecycle per probe,
+    /// so one whose rules pick both the completing stage and another live
+    /// stage is refused.
+    fn ends_under(&self, complete_at: CompleteAt, profile: &str) -> Result<bool> {
+        let stages: Vec<Stage> = match &self.action {
+            Action::Always(stage) => vec![*stage],
+            Action::OnReturn(rules) => rules.iter().map(|(_, stage)| *stage).collect(),
+        };
+        let completing = stages.iter().any(|stage| complete_at.ends_at(*stage));
+        match stages.iter().find(|stage| !stage.is_terminal() && !complete_at.ends_at(**stage)) {
+            Some(live) if completing => bail!(
+                "its rules pick both {} (where profile {profile} completes a lifecycle: `complete_at = \"{}\"`) and \
+                 {live}, but a probe's events either all end the lifecycle or none do: split the rules over two \
+                 [[probe]] tables on the same function",
+                complete_at.as_str(),
+                complete_at.as_str()
+            ),
+            _ => Ok(completing),
+        }
+    }
+
     /// The function probed: (object, symbol).
     fn function(&self) -> (Option<&str>, &str) {
         (self.object.as_deref(), &self.symbol)
@@ -496,6 +574,9 @@ impl ProbeSpec {
         }
         if self.only_on_change {
             flags |= slot_flags::ONLY_ON_CHANGE;
+        }
+        if self.ends {
+            flags |= slot_flags::ENDS;
         }
         // A zero flags word means "no slot" to the kernel side.
         cfg.flags = flags | slot_flags::CONFIGURED;
@@ -627,6 +708,7 @@ struct RawProfile {
     #[serde(default)]
     signal: Vec<Spanned<RawSignal>>,
     status: Option<Spanned<RawStatus>>,
+    complete_at: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -798,6 +880,7 @@ impl RawProbe {
             external_id,
             ret,
             only_on_change: self.only_on_change,
+            ends: false,
         })
     }
 }
@@ -957,7 +1040,16 @@ mod tests {
         let releases = |p: &Profile| -> Vec<ProbeSpec> { p.probes.iter().filter(|p| p.symbol.contains("releaseXferReq")).cloned().collect() };
         // Every other probe is nixl's own, from nixl's file.
         let others = |p: &Profile| -> Vec<ProbeSpec> { p.probes.iter().filter(|p| !p.symbol.contains("releaseXferReq")).cloned().collect() };
-        assert_eq!(others(&sglang), others(&nixl));
+        // The same but for where a lifecycle ends: done is complete, so the
+        // post's return (done or failed) ends it, in the kernel too.
+        let ending: Vec<ProbeSpec> = others(&nixl)
+            .into_iter()
+            .map(|p| ProbeSpec { ends: p.at == At::Return && p.symbol.contains("postXferReq"), ..p })
+            .collect();
+        assert_eq!(others(&sglang), ending);
+        assert_eq!((sglang.complete_at, nixl.complete_at), (CompleteAt::TransferDone, CompleteAt::Released));
+        let ends = |p: &Profile| p.probes.iter().filter(|p| p.slot_config().flags & slot_flags::ENDS != 0).count();
+        assert_eq!((ends(&sglang), ends(&nixl)), (1, 0));
         assert!(others(&sglang).iter().all(|p| &*p.origin == "built-in profile `nixl`"));
         assert_eq!((sglang.activity.clone(), sglang.status.clone()), (nixl.activity.clone(), nixl.status.clone()));
         let [release] = &releases(&sglang)[..] else { panic!("one release probe: {:?}", releases(&sglang)) };
@@ -1020,6 +1112,36 @@ mod tests {
         for dir in [dir, same, on_nixl] {
             std::fs::remove_dir_all(dir).unwrap();
         }
+    }
+
+    #[test]
+    fn complete_at_ends_lifecycles_at_transfer_done_per_probe_and_is_inherited() {
+        let profile = |top: &str, body: &str| format!("{top}{ENTRY_F}[[probe]]\nsymbol = \"g\"\nat = \"return\"\nret = \"i32\"\nkey = {{ from = \"arg0\" }}\non_return = [\n{body}]\n");
+        let done_or_failed = "  { when = \"== 0\", event = \"transfer_done\" },\n  { when = \"< 0\", event = \"failed\" },\n";
+        let lazy = Profile::parse(&profile("complete_at = \"transfer_done\"\n", done_or_failed), "p.toml").expect("valid");
+        let flags: Vec<bool> = lazy.probes.iter().map(|p| p.slot_config().flags & slot_flags::ENDS != 0).collect();
+        assert_eq!((lazy.complete_at, flags), (CompleteAt::TransferDone, vec![false, true]));
+        let eager = Profile::parse(&profile("complete_at = \"released\"\n", done_or_failed), "p.toml").expect("valid");
+        assert!(eager.probes.iter().all(|p| p.slot_config().flags & slot_flags::ENDS == 0));
+        assert_eq!(Profile::parse(&profile("", done_or_failed), "p.toml").unwrap().complete_at, CompleteAt::Released);
+        // Rules that pick done and another live stage cannot end per probe.
+        let mixed = "  { when = \"== 0\", event = \"transfer_done\" },\n  { when = \"== 1\", event = \"transfer_posted\" },\n";
+        let err = error_of(&profile("complete_at = \"transfer_done\"\n", mixed));
+        assert!(err.contains("line 8 ([[probe]] for `g`): its rules pick both transfer_done") && err.contains("split the rules"), "{err}");
+        Profile::parse(&profile("", mixed), "p.toml").expect("fine where done is not complete");
+        let err = error_of(&profile("\ncomplete_at = \"done\"\n", done_or_failed));
+        assert!(err.contains("p.toml, line 2: `complete_at = \"done\"`: expected \"released\""), "{err}");
+        // Inherited, and overridden.
+        let dir = profile_dir(&[
+            ("lazy.toml", &profile("complete_at = \"transfer_done\"\n", done_or_failed)),
+            ("child.toml", "extends = \"lazy.toml\"\n"),
+            ("eager.toml", "extends = \"lazy.toml\"\ncomplete_at = \"released\"\n"),
+        ]);
+        let load = |name: &str| Profile::load(dir.join(name).to_str().unwrap()).unwrap();
+        let (child, eager) = (load("child.toml"), load("eager.toml"));
+        assert_eq!((child.complete_at, child.probes.iter().filter(|p| p.ends).count()), (CompleteAt::TransferDone, 1));
+        assert_eq!((eager.complete_at, eager.probes.iter().filter(|p| p.ends).count()), (CompleteAt::Released, 0));
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]

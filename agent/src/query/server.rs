@@ -303,7 +303,7 @@ mod tests {
         let mut engine = Engine::new(EngineConfig { timeout_ns: 1_000_000_000, max_tracked: 100, tick_ns: 1_000_000 });
         let mut reports = Vec::new();
         for (key, stage, ts_ns) in [(1, Stage::Enqueued, 3_000_000_000), (2, Stage::TransferPosted, 1_000_000_000), (3, Stage::Enqueued, 2_000_000_000)] {
-            engine.observe(Observation { pid: 42, key, stage, ts_ns, external_id: None }, &mut reports);
+            engine.observe(Observation { pid: 42, key, stage, ts_ns, external_id: None, ends: false }, &mut reports);
         }
         engine.advance(3_500_000_000, &mut reports);
         engine

@@ -229,7 +229,9 @@ impl SpanMaker {
                 let mut attributes = self.base(&request);
                 attributes.push(KeyValue::new(attr::OUTCOME, outcome.as_str()));
                 let mut events: Vec<Event> = self.stage_events(&request).collect();
-                if outcome != Outcome::Released {
+                // A release or a completion at a live stage ends the span
+                // at its stage's own event; other ends add theirs.
+                if !matches!(outcome, Outcome::Released | Outcome::Completed) {
                     let read = Stage::ALL.iter().any(|stage| stage.as_str() == outcome.as_str() && request.inferred.contains(*stage));
                     events.push(Event::new(outcome.as_str(), self.clock.wall(at_ns), inferred_mark(read), 0));
                 }
