@@ -32,7 +32,7 @@ use crate::{
         telemetry::{Telemetry, TelemetryOptions},
     },
     gate::{Change, Failures, Gate},
-    lifecycle::{Engine, EngineConfig, Observation, Report},
+    lifecycle::{Engine, EngineConfig, Observation, Report, Silent},
     probes::{KernelCounters, Probes, Profile},
     query::{QueryServer, SocketPlace},
     reactor,
@@ -507,13 +507,37 @@ impl<W: Write> Session<W> {
     /// them live (a released request's memory is not its own any more), at
     /// most `budget` of them (the rest wait for the next calls).
     fn advance(&mut self, now: u64, budget: usize) {
-        let Session { engine, status, state, reports, .. } = self;
+        let Session { engine, status, state, reports, signals, .. } = self;
         match status {
             Some(status) => engine.advance_reading(
                 now,
                 budget,
                 &mut |silents, answers| {
-                    status.read(silents, |silent| state.holds(silent.pid, silent.key, silent.last_ns), answers);
+                    let holds = |silent: &Silent| state.holds(silent.pid, silent.key, silent.last_ns);
+                    let start = answers.len();
+                    answers.resize(start + silents.len(), None);
+                    // A room has no memory of its own: its handles have,
+                    // read one by one (rooms are few); the rest in a batch.
+                    let (mut own, mut own_at) = (Vec::new(), Vec::new());
+                    for (n, silent) in silents.iter().enumerate() {
+                        let mut one = |handle: &Silent| {
+                            let mut answer = Vec::with_capacity(1);
+                            status.read(std::slice::from_ref(handle), holds, &mut answer);
+                            answer.pop().flatten()
+                        };
+                        match signals.read_room(silent, &mut one) {
+                            Some(answer) => answers[start + n] = answer,
+                            None => {
+                                own.push(*silent);
+                                own_at.push(start + n);
+                            }
+                        }
+                    }
+                    let mut read = Vec::with_capacity(own.len());
+                    status.read(&own, holds, &mut read);
+                    for (at, answer) in own_at.into_iter().zip(read) {
+                        answers[at] = answer;
+                    }
                 },
                 reports,
             ),

@@ -24,7 +24,7 @@
 use std::collections::HashMap;
 
 use crate::{
-    lifecycle::{Observation, Stage},
+    lifecycle::{Observation, Silent, Stage, StageRead},
     zmq::{Direction, Frame, Message},
 };
 
@@ -39,8 +39,9 @@ const SUCCESS: u8 = 4;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Bootstrap {
     /// A decode rank's destination for `room`, on its PULL `port`, its
-    /// NIXL agent named `agent`.
-    Destination { room: u64, port: u16, agent: Box<str> },
+    /// NIXL agent named `agent`; the room has `ranks` decode ranks
+    /// (`required_dst_info_num`), each of which sends one.
+    Destination { room: u64, port: u16, agent: Box<str>, ranks: u32 },
     Abort { room: u64 },
     /// A KVPoll status sent to a decode.
     Status { room: u64, status: u8 },
@@ -71,7 +72,9 @@ pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
             let room = number(1, "room")?;
             let port = u16::try_from(number(3, "port")?).map_err(|_| "frame 3 (port) is past 65535".to_owned())?;
             let agent = String::from_utf8_lossy(frame(4, "agent name")?).into();
-            Bootstrap::Destination { room, port, agent }
+            let ranks = u32::try_from(number(7, "required_dst_info_num")?)
+                .map_err(|_| "frame 7 (required_dst_info_num) is past 2^32".to_owned())?;
+            Bootstrap::Destination { room, port, agent, ranks }
         }
         (Direction::Received, ABORT) => Bootstrap::Abort { room: number(1, "room")? },
         (Direction::Sent, KV_STATUS) => {
@@ -100,14 +103,19 @@ const WORKERS: u32 = 4;
 /// A live room.
 #[derive(Default)]
 struct Room {
-    /// The NIXL agents of its destinations (one per decode rank).
+    /// The NIXL agents of its destinations (one per decode rank that
+    /// answered).
     agents: Vec<Box<str>>,
+    /// Its decode ranks: it is bootstrapped once each sent its destination.
+    ranks: u32,
     /// The sum of its destinations' ports: its worker, modulo [`WORKERS`].
     ports: u32,
-    /// Whether a handle was ever attributed to it.
-    transferring: bool,
-    /// Its handles posted and not done, oldest first.
-    outstanding: Vec<u64>,
+    /// How many handles were attributed to it (its transfers in the order
+    /// its worker created them: per chunk one per rank, the aux last).
+    transfers: u32,
+    /// Its handles posted and not done, oldest first, with their ordinal
+    /// among its transfers (from 1).
+    outstanding: Vec<(u64, u32)>,
 }
 
 /// The rooms of every watched process, from destination to conclusion.
@@ -118,10 +126,11 @@ pub struct Rooms {
     live: HashMap<(u32, u64), Room>,
     /// (pid, tid): the remote agent of the transfer the thread is creating.
     creating: HashMap<(u32, u32), Box<str>>,
-    /// (pid, handle) -> the room the handle was attributed to, until the
-    /// handle ends (its events are the room's, or nobody's once the room
-    /// ended, never a lifecycle of their own).
-    handles: HashMap<(u32, u64), u64>,
+    /// (pid, handle) -> the room the handle was attributed to and its
+    /// ordinal among the room's transfers, until the handle ends (its
+    /// events are the room's, or nobody's once the room ended, never a
+    /// lifecycle of their own).
+    handles: HashMap<(u32, u64), (u64, u32)>,
     /// (pid, tid) -> the room the thread's last attributed handle was
     /// (a worker transfers one room at a time: its next handle to one of
     /// that room's destinations is that room's too).
@@ -134,11 +143,12 @@ impl Rooms {
     /// decode rank, an ABORT racing the status).
     pub fn observe(&mut self, pid: u32, ts_ns: u64, bootstrap: &Bootstrap) -> Option<Observation> {
         let (room, stage) = match *bootstrap {
-            Bootstrap::Destination { room, port, ref agent } => {
+            Bootstrap::Destination { room, port, ref agent, ranks } => {
                 let known = self.live.contains_key(&(pid, room));
                 let entry = self.live.entry((pid, room)).or_default();
                 entry.agents.push(agent.clone());
                 entry.ports += u32::from(port);
+                entry.ranks = ranks;
                 if known {
                     return None;
                 }
@@ -188,23 +198,24 @@ impl Rooms {
                 }
             };
             let Some(room) = owner else { return Some(observation) };
-            if let Some(r) = self.live.get_mut(&(pid, room)) {
-                r.transferring = true;
-            }
-            self.handles.insert((pid, key), room);
+            let ordinal = self.live.get_mut(&(pid, room)).map_or(0, |r| {
+                r.transfers += 1;
+                r.transfers
+            });
+            self.handles.insert((pid, key), (room, ordinal));
             self.current.insert((pid, tid), room);
             return None;
         }
-        let Some(&room) = self.handles.get(&(pid, key)) else {
+        let Some(&(room, ordinal)) = self.handles.get(&(pid, key)) else {
             return Some(observation);
         };
         if stage.is_terminal() || ends {
             self.handles.remove(&(pid, key));
         }
         if let Some(r) = self.live.get_mut(&(pid, room)) {
-            r.outstanding.retain(|&h| h != key);
+            r.outstanding.retain(|&(h, _)| h != key);
             if stage == Stage::TransferPosted {
-                r.outstanding.push(key);
+                r.outstanding.push((key, ordinal));
             }
         }
         let live = match stage {
@@ -216,23 +227,71 @@ impl Rooms {
         live.then(|| room_observation(pid, room, stage, ts_ns))
     }
 
-    /// What an alert of `room` says besides its lifecycle: `handle`, its
-    /// oldest transfer posted and not done; or, for a room with no
-    /// transfer yet, `behind`, a room of the same worker with a transfer
-    /// posted and not done (the worker is stuck on it, so this room waits
-    /// in its queue, not for its peer).
+    /// What an alert of `room` says besides its lifecycle. A room with a
+    /// transfer posted and not done names its oldest: `handle`, and
+    /// `transfer`, its ordinal among the room's transfers (the chunk that
+    /// stopped: per chunk one per decode rank, the aux last). A room with
+    /// no transfer yet says how many of its decode ranks sent their
+    /// destination, `answered` ("1/2"), and what it waits on, `waiting_on`:
+    /// `peer` while one has not; `worker` when another room of its worker
+    /// (by `sum(destination ports) % 4`) has a transfer posted and not done
+    /// (the worker is stuck on that room, named `behind`, so this one waits
+    /// in its queue, not for its peer); else `prefill` (bootstrapped: its
+    /// forward pass or its worker's queue).
     pub fn context(&self, pid: u32, room: u64) -> Vec<(&'static str, String)> {
         let Some(this) = self.live.get(&(pid, room)) else { return Vec::new() };
-        if let Some(handle) = this.outstanding.first() {
-            return vec![("handle", format!("{handle:#x}"))];
+        if let Some((handle, ordinal)) = this.outstanding.first() {
+            return vec![("handle", format!("{handle:#x}")), ("transfer", ordinal.to_string())];
         }
-        if this.transferring {
+        if this.transfers > 0 {
             return Vec::new();
+        }
+        let answered = this.agents.len();
+        let mut fields = vec![("answered", format!("{answered}/{}", this.ranks))];
+        if answered < this.ranks as usize {
+            fields.push(("waiting_on", "peer".to_owned()));
+            return fields;
         }
         let blocking = self.live.iter().filter(|((p, other), r)| {
             *p == pid && *other != room && r.ports % WORKERS == this.ports % WORKERS && !r.outstanding.is_empty()
         });
-        blocking.map(|((_, other), _)| *other).min().map(|other| vec![("behind", other.to_string())]).unwrap_or_default()
+        match blocking.map(|((_, other), _)| *other).min() {
+            Some(other) => fields.extend([("behind", other.to_string()), ("waiting_on", "worker".to_owned())]),
+            None => fields.push(("waiting_on", "prefill".to_owned())),
+        }
+        fields
+    }
+
+    /// What the target's memory says of the silent room `silent` (`None`:
+    /// it is no live room), read from its transfers' handles, since a room
+    /// has no memory of its own to read: the oldest posted and not seen
+    /// done first (`read` reads one handle as the profile's `[status]`
+    /// does). A handle read done is no longer outstanding, and the next is
+    /// read; one failed fails the room (it is no longer live here either:
+    /// a dead decode's status may never be sent); one in progress, or
+    /// unreadable, leaves the room as the probes saw it (`transfer_hung`
+    /// on that handle). A room whose posted transfers are all done, its
+    /// status never sent, reads `transfer_done` (never complete: a room is
+    /// complete at its status). A room with no transfer posted reads
+    /// nothing.
+    pub fn read(&mut self, silent: &Silent, read: &mut dyn FnMut(&Silent) -> Option<StageRead>) -> Option<Option<StageRead>> {
+        let room = self.live.get_mut(&(silent.pid, silent.key))?;
+        if room.outstanding.is_empty() {
+            return Some(None);
+        }
+        while let Some(&(handle, _)) = room.outstanding.first() {
+            match read(&Silent { key: handle, stage: Stage::TransferPosted, ..*silent }) {
+                Some(StageRead { stage: Stage::TransferDone, .. }) => {
+                    room.outstanding.remove(0);
+                }
+                Some(StageRead { stage: Stage::Failed, .. }) => {
+                    self.live.remove(&(silent.pid, silent.key));
+                    return Some(Some(StageRead { stage: Stage::Failed, ends: false }));
+                }
+                _ => return Some(None),
+            }
+        }
+        Some(Some(StageRead { stage: Stage::TransferDone, ends: false }))
     }
 
     /// The process is gone (its rooms end `process_exited` in the engine).
@@ -268,8 +327,9 @@ mod tests {
     #[test]
     fn sglangs_messages_name_their_room_and_others_are_not_sglangs() {
         use Direction::{Received, Sent};
-        let info = message(Received, &[GUARD, b"8070450532247928832", b"127.0.0.1", b"40001", b"decode-0", b"\0\0\0\0"]);
-        assert_eq!(parse(&info), Ok(Some(Bootstrap::Destination { room: 8070450532247928832, port: 40001, agent: "decode-0".into() })));
+        let info = message(Received, &[GUARD, b"8070450532247928832", b"127.0.0.1", b"40001", b"decode-0", b"\0\0\0\0", b"3", b"2"]);
+        let destination = Bootstrap::Destination { room: 8070450532247928832, port: 40001, agent: "decode-0".into(), ranks: 2 };
+        assert_eq!(parse(&info), Ok(Some(destination)));
         let registration = message(Received, &[GUARD, b"None", b"127.0.0.1", b"40001"]);
         assert_eq!(parse(&registration), Ok(None));
         assert_eq!(parse(&message(Received, &[ABORT, b"17", b"127.0.0.1", b"40001", b"1"])), Ok(Some(Bootstrap::Abort { room: 17 })));
@@ -279,9 +339,9 @@ mod tests {
         assert_eq!(parse(&message(Received, &[KV_STATUS, b"17", b"4"])), Ok(None));
         assert_eq!(parse(&message(Received, &[b"hello"])), Ok(None));
         // A first frame read in part (its receive began before the probes).
-        let mut cut = message(Received, &[b"NixlMsgGuard\x55\x55", b"5", b"ip", b"40001", b"d"]);
+        let mut cut = message(Received, &[b"NixlMsgGuard\x55\x55", b"5", b"ip", b"40001", b"d", b"", b"0", b"1"]);
         cut.frames[0].complete = false;
-        assert_eq!(parse(&cut), Ok(Some(Bootstrap::Destination { room: 5, port: 40001, agent: "d".into() })));
+        assert_eq!(parse(&cut), Ok(Some(Bootstrap::Destination { room: 5, port: 40001, agent: "d".into(), ranks: 1 })));
         cut.frames[0].bytes = b"NixlMsgGuar".as_slice().into();
         assert_eq!(parse(&cut), Ok(None));
     }
@@ -295,6 +355,8 @@ mod tests {
         assert!(err.contains("no frame 3 (port)"), "{err}");
         let err = parse(&message(Received, &[GUARD, b"12", b"ip", b"70000"])).unwrap_err();
         assert!(err.contains("past 65535"), "{err}");
+        let err = parse(&message(Received, &[GUARD, b"12", b"ip", b"1", b"d", b"", b"0"])).unwrap_err();
+        assert!(err.contains("no frame 7 (required_dst_info_num)"), "{err}");
         let mut cut = message(Sent, &[KV_STATUS, b"12", b"4"]);
         cut.frames[1].complete = false;
         assert!(parse(&cut).unwrap_err().contains("not read whole"));
@@ -304,7 +366,7 @@ mod tests {
     #[test]
     fn a_room_starts_at_its_first_destination_and_ends_once() {
         let mut rooms = Rooms::default();
-        let destination = Bootstrap::Destination { room: 9, port: 1, agent: "d".into() };
+        let destination = Bootstrap::Destination { room: 9, port: 1, agent: "d".into(), ranks: 2 };
         let start = rooms.observe(4, 10, &destination).expect("enqueued");
         assert_eq!((start.key, start.stage, start.ts_ns, start.external_id.as_deref()), (9, Stage::Enqueued, 10, Some("9")));
         // The second decode rank's destination of the same room.
@@ -334,7 +396,7 @@ mod tests {
     fn a_handle_to_the_one_room_awaiting_its_agent_is_the_rooms() {
         use Stage::*;
         let mut rooms = Rooms::default();
-        let to = |room, agent: &str| Bootstrap::Destination { room, port: 1, agent: agent.into() };
+        let to = |room, agent: &str| Bootstrap::Destination { room, port: 1, agent: agent.into(), ranks: 1 };
         rooms.observe(4, 1, &to(7, "decode-0")).expect("room 7");
         rooms.observe(4, 2, &to(7, "decode-1"));
         rooms.observe(4, 3, &to(8, "decode-1")).expect("room 8");
@@ -377,28 +439,78 @@ mod tests {
     }
 
     #[test]
-    fn a_rooms_alert_names_its_hung_handle_or_the_room_its_worker_is_stuck_on() {
+    fn a_rooms_alert_names_its_stopped_transfer_or_what_it_waits_on() {
         use Stage::*;
         let mut rooms = Rooms::default();
-        let to = |room, port, agent: &str| Bootstrap::Destination { room, port, agent: agent.into() };
-        // Rooms 1 and 2 on worker (40001 + 40003) % 4 = 0, room 3 on worker 40001 % 4 = 1.
+        let to = |room, port, agent: &str| Bootstrap::Destination { room, port, agent: agent.into(), ranks: 2 };
+        let fields = |pairs: &[(&'static str, &str)]| pairs.iter().map(|(k, v)| (*k, (*v).to_owned())).collect::<Vec<_>>();
+        // Rooms 1 and 2 on worker (40001 + 40003) % 4 = 0, both ranks answered;
+        // room 3: one rank of its two answered.
         rooms.observe(4, 1, &to(1, 40001, "a")).expect("room 1");
         rooms.observe(4, 1, &to(1, 40003, "b"));
         rooms.observe(4, 2, &to(2, 40003, "b")).expect("room 2");
         rooms.observe(4, 2, &to(2, 40001, "a"));
         rooms.observe(4, 3, &to(3, 40001, "a")).expect("room 3");
+        assert_eq!(rooms.context(4, 2), fields(&[("answered", "2/2"), ("waiting_on", "prefill")]));
+        assert_eq!(rooms.context(4, 3), fields(&[("answered", "1/2"), ("waiting_on", "peer")]));
+        // Room 1's first transfer, to a, done; its second, to b, posted and not done.
         rooms.creating(4, 20, b"a");
         // Ambiguous until the thread is on a room: make it room 1's by the thread.
         rooms.current.insert((4, 20), 1);
         assert_eq!(rooms.handle(20, handle_event(4, 0xa0, Enqueued, 10)), None);
         rooms.handle(20, handle_event(4, 0xa0, TransferPosted, 11)).expect("room 1's");
-        assert_eq!(rooms.context(4, 1), vec![("handle", "0xa0".to_owned())]);
-        assert_eq!(rooms.context(4, 2), vec![("behind", "1".to_owned())]);
-        assert_eq!(rooms.context(4, 3), Vec::new(), "another worker");
-        assert_eq!(rooms.context(4, 99), Vec::new(), "no such room");
+        assert_eq!(rooms.context(4, 1), fields(&[("handle", "0xa0"), ("transfer", "1")]));
         rooms.handle(20, handle_event(4, 0xa0, TransferDone, 12)).expect("room 1's");
         assert_eq!(rooms.context(4, 1), Vec::new(), "between its transfers");
-        assert_eq!(rooms.context(4, 2), Vec::new(), "the worker moved on");
+        rooms.creating(4, 20, b"b");
+        assert_eq!(rooms.handle(20, handle_event(4, 0xa1, Enqueued, 13)), None);
+        rooms.handle(20, handle_event(4, 0xa1, TransferPosted, 14)).expect("room 1's");
+        assert_eq!(rooms.context(4, 1), fields(&[("handle", "0xa1"), ("transfer", "2")]));
+        // Room 2 waits on the worker stuck on room 1; room 3 still on its peer.
+        assert_eq!(rooms.context(4, 2), fields(&[("answered", "2/2"), ("behind", "1"), ("waiting_on", "worker")]));
+        assert_eq!(rooms.context(4, 3), fields(&[("answered", "1/2"), ("waiting_on", "peer")]), "a missing peer first");
+        assert_eq!(rooms.context(4, 99), Vec::new(), "no such room");
+        // Done at the post's return, ending the handle's lifecycle (`complete_at`).
+        let done = Observation { ends: true, ..handle_event(4, 0xa1, TransferDone, 15) };
+        assert_eq!(rooms.handle(20, done).map(|o| (o.key, o.stage)), Some((1, TransferPosted)));
+        assert!(!rooms.handles.contains_key(&(4, 0xa1)), "an ended handle is no room's any more");
+        assert_eq!(rooms.context(4, 2), fields(&[("answered", "2/2"), ("waiting_on", "prefill")]), "the worker moved on");
+    }
+
+    #[test]
+    fn a_silent_rooms_state_is_read_from_its_outstanding_handles_oldest_first() {
+        use Stage::*;
+        let mut rooms = Rooms::default();
+        let to = |room, agent: &str| Bootstrap::Destination { room, port: 1, agent: agent.into(), ranks: 1 };
+        let silent = |key| Silent { pid: 4, key, stage: TransferPosted, first_ns: 1, last_ns: 9 };
+        let posted = |rooms: &mut Rooms, tid, agent: &[u8], handle| {
+            rooms.creating(4, tid, agent);
+            assert_eq!(rooms.handle(tid, handle_event(4, handle, Enqueued, 5)), None);
+            rooms.handle(tid, handle_event(4, handle, TransferPosted, 6)).expect("the room's");
+        };
+        // What each handle's memory says, and which handles were read.
+        let memory: HashMap<u64, Stage> = [(0xa0, TransferDone), (0xa1, TransferPosted), (0xb0, TransferDone), (0xb1, Failed)].into();
+        let mut asked = Vec::new();
+        let mut read = |s: &Silent| {
+            assert_eq!((s.pid, s.stage, s.last_ns), (4, TransferPosted, 9), "{s:?}");
+            asked.push(s.key);
+            memory.get(&s.key).map(|&stage| StageRead { stage, ends: stage == TransferDone })
+        };
+        rooms.observe(4, 1, &to(7, "a")).expect("room 7");
+        rooms.observe(4, 1, &to(8, "b")).expect("room 8");
+        assert_eq!(rooms.read(&silent(7), &mut read), Some(None), "no transfer posted: nothing to read");
+        posted(&mut rooms, 20, b"a", 0xa0);
+        posted(&mut rooms, 20, b"a", 0xa1);
+        // 0xa0 done: not outstanding; 0xa1 in progress: the room is hung on it.
+        assert_eq!(rooms.read(&silent(7), &mut read), Some(None));
+        assert_eq!(rooms.context(4, 7)[0], ("handle", "0xa1".to_owned()));
+        posted(&mut rooms, 30, b"b", 0xb0);
+        assert_eq!(rooms.read(&silent(8), &mut read), Some(Some(StageRead { stage: TransferDone, ends: false })), "all done, no status");
+        posted(&mut rooms, 30, b"b", 0xb1);
+        assert_eq!(rooms.read(&silent(8), &mut read), Some(Some(StageRead { stage: Failed, ends: false })));
+        assert_eq!(rooms.read(&silent(8), &mut read), None, "a failed room is no live room");
+        assert_eq!(rooms.read(&silent(0xa1), &mut read), None, "a handle is no room");
+        assert_eq!(asked, [0xa0, 0xa1, 0xb0, 0xb1]);
     }
 
     #[test]

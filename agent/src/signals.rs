@@ -16,7 +16,7 @@ use stallwatch_common::{EXT_ID_LEN, Event, event_flags, stage};
 use tracing::{debug, info, warn};
 
 use crate::{
-    lifecycle::{Observation, RequestSnapshot},
+    lifecycle::{Observation, RequestSnapshot, Silent, StageRead},
     probes::{Role, SignalSpec, Slot},
     sglang::{self, Rooms},
     text,
@@ -155,6 +155,13 @@ impl Signals {
             Some(room) => self.rooms.context(request.pid, room),
             None => Vec::new(),
         }
+    }
+
+    /// What the target's memory says of a silent request that is an SGLang
+    /// room (read from its handles, see [`Rooms::read`]); `None` for one
+    /// that is no room, whose own memory `read` reads.
+    pub fn read_room(&mut self, silent: &Silent, read: &mut dyn FnMut(&Silent) -> Option<StageRead>) -> Option<Option<StageRead>> {
+        self.rooms.read(silent, read)
     }
 
     /// One warning for the frames and messages that could not be read
