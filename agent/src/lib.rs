@@ -18,6 +18,7 @@ pub mod events;
 pub mod export;
 pub mod gate;
 pub mod lifecycle;
+pub mod peers;
 pub mod probes;
 pub mod query;
 mod reactor;

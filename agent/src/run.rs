@@ -122,7 +122,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
         exit_tx,
         reports: Vec::new(),
         ingest: Ingest::default(),
-        signals: Signals::default(),
+        signals: Signals::new(duration_ns(timeout)),
     };
 
     let (mut execs, selector) = match target {
@@ -583,7 +583,7 @@ impl<W: Write> Session<W> {
         }
         for report in self.reports.drain(..) {
             self.transport.observe_end(&report);
-            let evidence = self.transport.for_report(&report);
+            let evidence = self.transport.for_report(&report, |request| self.signals.peer_completions(request));
             let room = self.signals.context(report.request());
             self.alerts.report(&report, evidence.as_ref(), &room).context("writing an alert to stdout")?;
             // After the alert: an agent that dies in between reports the

@@ -294,6 +294,12 @@ impl Rooms {
         Some(Some(StageRead { stage: Stage::TransferDone, ends: false }))
     }
 
+    /// The room's oldest transfer posted and not done, the one its stall
+    /// is on (what [`Rooms::context`] names as `handle`).
+    pub fn hung_handle(&self, pid: u32, room: u64) -> Option<u64> {
+        self.live.get(&(pid, room))?.outstanding.first().map(|&(handle, _)| handle)
+    }
+
     /// The process is gone (its rooms end `process_exited` in the engine).
     pub fn forget(&mut self, pid: u32) {
         self.live.retain(|(p, _), _| *p != pid);

@@ -7,7 +7,8 @@
 //! SGLang room tracker ([`crate::sglang`]) turns into the rooms'
 //! lifecycle observations; `nixl_remote_agent` names the peer of the NIXL
 //! transfer a thread creates, so the tracker attributes the handle to its
-//! room. A signal of any other name is only logged
+//! room and [`crate::peers`] knows every handle's peer, for the verdict
+//! per peer. A signal of any other name is only logged
 //! (`STALLWATCH_LOG=debug`), which is how a profile author checks what a
 //! signal reads.
 use std::sync::Arc;
@@ -17,6 +18,7 @@ use tracing::{debug, info, warn};
 
 use crate::{
     lifecycle::{Observation, RequestSnapshot, Silent, StageRead},
+    peers::{PeerCompletions, Peers},
     probes::{Role, SignalSpec, Slot},
     sglang::{self, Rooms},
     text,
@@ -70,7 +72,6 @@ pub fn is_signal(event: &Event) -> bool {
 }
 
 /// Hands each signal to its consumer.
-#[derive(Default)]
 pub struct Signals {
     /// Signals whose slot is no signal of their process any more (a
     /// previous agent's probes, read after a restart, or a process gone):
@@ -78,6 +79,7 @@ pub struct Signals {
     pub unrouted: u64,
     zmq: Assembler,
     rooms: Rooms,
+    peers: Peers,
     /// SGLang messages (by their tag) that did not read as SGLang writes
     /// them, and why the latest did not.
     unparsed: u64,
@@ -87,6 +89,20 @@ pub struct Signals {
 }
 
 impl Signals {
+    /// `timeout_ns`: the stall timeout, how far back peers' completions
+    /// are needed.
+    pub fn new(timeout_ns: u64) -> Self {
+        Self {
+            unrouted: 0,
+            zmq: Assembler::default(),
+            rooms: Rooms::default(),
+            peers: Peers::new(timeout_ns),
+            unparsed: 0,
+            last_unparsed: None,
+            warned: Warned::default(),
+        }
+    }
+
     /// Route one signal event of slot `slot` (`None`: not attached now):
     /// the lifecycle observation it completes, if it does.
     pub fn route(&mut self, event: &Event, slot: Option<&Slot>) -> Option<Observation> {
@@ -108,6 +124,7 @@ impl Signals {
             "nixl_remote_agent" => {
                 if let Captured::Text(agent) = &signal.capture {
                     self.rooms.creating(signal.pid, signal.tid, agent);
+                    self.peers.creating(signal.pid, signal.tid, agent);
                 }
                 return None;
             }
@@ -140,10 +157,14 @@ impl Signals {
     /// What the engine gets of `event`: a signal's observation, if it
     /// completes one ([`Signals::route`]); a probe's lifecycle event
     /// (`observation`), unless it is a NIXL handle attributed to a room,
-    /// which makes it the room's event ([`Rooms::handle`]).
+    /// which makes it the room's event ([`Rooms::handle`]); every handle's
+    /// event counts for its peer first ([`Peers::observe`]).
     pub fn consume(&mut self, event: &Event, observation: Option<Observation>, slot: Option<&Slot>) -> Option<Observation> {
         match observation {
-            Some(observation) => self.rooms.handle(event.tid, observation),
+            Some(observation) => {
+                self.peers.observe(event.tid, &observation);
+                self.rooms.handle(event.tid, observation)
+            }
             None => self.route(event, slot),
         }
     }
@@ -162,6 +183,19 @@ impl Signals {
     /// that is no room, whose own memory `read` reads.
     pub fn read_room(&mut self, silent: &Silent, read: &mut dyn FnMut(&Silent) -> Option<StageRead>) -> Option<Option<StageRead>> {
         self.rooms.read(silent, read)
+    }
+
+    /// What the peer of `request`'s stalled transfer, and the other peers
+    /// of its process, completed since its last event: the transfer is the
+    /// request's own handle, or for an SGLang room its oldest transfer
+    /// posted and not done ([`Rooms::hung_handle`]). `None` when that
+    /// transfer's peer is unknown.
+    pub fn peer_completions(&self, request: &RequestSnapshot) -> Option<PeerCompletions> {
+        let handle = match sglang::room_of(request.key, request.external_id.as_deref()) {
+            Some(room) => self.rooms.hung_handle(request.pid, room)?,
+            None => request.key,
+        };
+        self.peers.since(request.pid, handle, request.last_ns)
     }
 
     /// One warning for the frames and messages that could not be read
@@ -183,6 +217,7 @@ impl Signals {
     pub fn forget(&mut self, pid: u32) {
         self.zmq.forget(pid);
         self.rooms.forget(pid);
+        self.peers.forget(pid);
     }
 
     fn log(&self, spec: &SignalSpec, signal: &Signal) {
@@ -254,8 +289,51 @@ mod tests {
     }
 
     #[test]
+    fn a_stalled_rooms_peer_is_its_hung_handles_and_a_handles_is_its_own() {
+        use crate::lifecycle::Stage::{self, *};
+        let mut signals = Signals::new(1_000_000_000);
+        // Every handle event comes on thread 10 of pid 9.
+        let on_thread = event(0, b"");
+        let handle = |key, stage, ts_ns| Observation { pid: 9, key, stage, ts_ns, external_id: None, ends: false };
+        let consume = |signals: &mut Signals, key, stage, ts_ns| signals.consume(&on_thread, Some(handle(key, stage, ts_ns)), None);
+        // What the route of a `nixl_remote_agent` signal tells both trackers.
+        let name = |signals: &mut Signals, agent: &[u8]| {
+            signals.rooms.creating(9, 10, agent);
+            signals.peers.creating(9, 10, agent);
+        };
+        signals.rooms.observe(9, 1, &sglang::Bootstrap::Destination { room: 7, port: 1, agent: "decode-0".into(), ranks: 1 }).expect("room 7");
+        name(&mut signals, b"decode-0");
+        assert_eq!(consume(&mut signals, 0xa0, Enqueued, 10), None, "room 7's");
+        assert!(consume(&mut signals, 0xa0, TransferPosted, 20).is_some());
+        // Two transfers to decode-1 of no room: one completes (released
+        // after its post), one is left hanging.
+        for key in [0xb0, 0xc0] {
+            name(&mut signals, b"decode-1");
+            assert_eq!(consume(&mut signals, key, Enqueued, 21), Some(handle(key, Enqueued, 21)), "its own");
+            consume(&mut signals, key, TransferPosted, 25);
+        }
+        consume(&mut signals, 0xb0, Released, 30);
+        let stalled = |key, external_id: Option<&str>, last_ns| RequestSnapshot {
+            pid: 9,
+            key,
+            external_id: external_id.map(Into::into),
+            stage: Stage::TransferPosted,
+            stage_ns: [Some(last_ns), Some(last_ns), None, None],
+            first_ns: last_ns,
+            last_ns,
+            stalled: None,
+            inferred: Default::default(),
+        };
+        let of = |request| signals.peer_completions(&request).map(|p| (p.peer.to_string(), p.to_peer, p.to_others));
+        assert_eq!(of(stalled(7, Some("7"), 20)), Some(("decode-0".into(), 0, 1)), "the room's hung handle's peer");
+        assert_eq!(of(stalled(0xc0, None, 25)), Some(("decode-1".into(), 1, 0)), "the handle's own");
+        assert_eq!(of(stalled(0xd0, None, 25)), None, "a handle whose peer no thread named");
+        assert_eq!(of(stalled(8, Some("8"), 25)), None, "a room with no transfer");
+    }
+
+    #[test]
     fn signals_of_slots_not_attached_as_signals_are_dropped_counted() {
-        let mut signals = Signals::default();
+        let mut signals = Signals::new(1_000_000_000);
         assert_eq!(signals.route(&event(0, b""), None), None);
         assert_eq!(signals.unrouted, 1);
     }

@@ -17,12 +17,19 @@
 //! window is, and a window shorter than [`Tracker::min_window_ns`] (the
 //! probe attached just now, e.g. by an agent that took over a request near
 //! its timeout) never yields `no_progress`: zero calls in it prove nothing.
+//!
+//! Where the stalled transfer's peer is known ([`crate::peers`]), the
+//! verdict is judged per peer first: completions to that peer since say it
+//! is alive (`others_completing`), none to it while other peers of the
+//! process complete say it is the peer (`peer_unresponsive`); the
+//! process's counts decide only when no peer completed anything.
 use std::collections::{HashMap, VecDeque};
 
 use anyhow::Result;
 
 use crate::{
     lifecycle::{Observation, Outcome, Report, RequestSnapshot, Stage, StallClass},
+    peers::PeerCompletions,
     probes::{ActivityKind, Probes, Role},
 };
 
@@ -55,7 +62,7 @@ impl Totals {
 }
 
 /// What the transport says about one stalled request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Evidence {
     /// Counts since the process started being watched, and last-seen times.
     pub total: Totals,
@@ -69,20 +76,27 @@ pub struct Evidence {
     pub progress_window_ns: Option<u64>,
     /// When this was measured (monotonic ns).
     pub at_ns: u64,
+    /// The peer of the stalled transfer and the completions per peer since
+    /// the request's last event, where the profile names peers.
+    pub peer: Option<PeerCompletions>,
     pub verdict: Verdict,
 }
 
 impl Evidence {
     /// One line for people: "last post 57.0s ago, last completion 57.0s
-    /// ago, 120000 progress calls in the last 30.0s, none completed".
+    /// ago, 120000 progress calls in the last 30.0s, none completed"; with
+    /// a known peer the completions are told per peer: "none to decode-0
+    /// completed, 14 to other peers".
     pub fn summary(&self) -> String {
         let ago = |kind: ActivityKind| match self.total.get(kind).last_ns {
             Some(ns) => format!("{:.1}s ago", self.at_ns.saturating_sub(ns) as f64 / 1e9),
             None => "never".to_owned(),
         };
-        let completed = match self.since.get(ActivityKind::Completion).calls {
-            0 => "none completed".to_owned(),
-            n => format!("{n} completed"),
+        let count = |n: u64| if n == 0 { "none".to_owned() } else { n.to_string() };
+        let completed = match (&self.peer, self.since.get(ActivityKind::Completion).calls) {
+            (Some(peer), _) => format!("{} to {} completed, {} to other peers", count(peer.to_peer), peer.peer, count(peer.to_others)),
+            (None, 0) => "none completed".to_owned(),
+            (None, n) => format!("{n} completed"),
         };
         let progress = match self.progress_window_ns {
             Some(ns) => format!("{} progress calls in the last {:.1}s", self.since.get(ActivityKind::Progress).calls, ns as f64 / 1e9),
@@ -118,8 +132,14 @@ impl Verdict {
     }
 
     /// `progress_known`: a progress probe was attached over a window long
-    /// enough that no calls in it mean nobody drives progress.
-    fn of(class: StallClass, since: &Totals, progress_known: bool) -> Self {
+    /// enough that no calls in it mean nobody drives progress. `peer`: what
+    /// the stalled transfer's peer and the process's other peers completed.
+    fn of(class: StallClass, since: &Totals, progress_known: bool, peer: Option<&PeerCompletions>) -> Self {
+        match peer {
+            Some(peer) if peer.to_peer > 0 => return Self::OthersCompleting,
+            Some(peer) if peer.to_others > 0 => return Self::PeerUnresponsive,
+            _ => {}
+        }
         let completions = since.get(ActivityKind::Completion).calls;
         let progress = since.get(ActivityKind::Progress).calls;
         let posts = since.get(ActivityKind::Post).calls;
@@ -160,8 +180,9 @@ pub struct ProcessTransport {
 
 impl ProcessTransport {
     /// The evidence for a stalled request of this process, from the newest
-    /// sample; `None` when the process has no transport probes.
-    pub fn evidence(&self, request: &RequestSnapshot, class: StallClass) -> Option<Evidence> {
+    /// sample, judged per peer where `peer` is known; `None` when the
+    /// process has no transport probes.
+    pub fn evidence(&self, request: &RequestSnapshot, class: StallClass, peer: Option<PeerCompletions>) -> Option<Evidence> {
         if !self.has_activity_probe {
             return None;
         }
@@ -188,8 +209,8 @@ impl ProcessTransport {
             }
         };
         let progress_known = progress_window_ns.is_some_and(|ns| ns >= self.min_window_ns);
-        let verdict = Verdict::of(class, &since, progress_known);
-        Some(Evidence { total, since, progress_window_ns, at_ns: newest.at_ns, verdict })
+        let verdict = Verdict::of(class, &since, progress_known, peer.as_ref());
+        Some(Evidence { total, since, progress_window_ns, at_ns: newest.at_ns, peer, verdict })
     }
 
     /// The last sample at or before `at_ns` (samples are in time order:
@@ -305,8 +326,8 @@ impl Tracker {
 
     /// The evidence for a stalled request, from the newest sample; `None`
     /// when its process has no transport probes.
-    pub fn evidence(&self, request: &RequestSnapshot, class: StallClass) -> Option<Evidence> {
-        self.processes.get(&request.pid)?.evidence(request, class)
+    pub fn evidence(&self, request: &RequestSnapshot, class: StallClass, peer: Option<PeerCompletions>) -> Option<Evidence> {
+        self.processes.get(&request.pid)?.evidence(request, class, peer)
     }
 
     /// The process is gone: its history goes with it (discovery watches
@@ -325,10 +346,11 @@ impl Tracker {
         self.record(pid, now_ns, totals);
     }
 
-    /// The evidence a report's alert carries: stalls only.
-    pub fn for_report(&self, report: &Report) -> Option<Evidence> {
+    /// The evidence a report's alert carries: stalls only, judged per
+    /// peer where `peer_of` knows the stalled transfer's.
+    pub fn for_report(&self, report: &Report, peer_of: impl FnOnce(&RequestSnapshot) -> Option<PeerCompletions>) -> Option<Evidence> {
         match report {
-            Report::Stalled { request, class, .. } => self.evidence(request, *class),
+            Report::Stalled { request, class, .. } => self.evidence(request, *class, peer_of(request)),
             _ => None,
         }
     }
@@ -362,7 +384,7 @@ mod tests {
         tracker.record(7, 10 * S, totals(5, 0, 100, 10 * S));
         tracker.record(7, 11 * S, totals(6, 0, 150, 11 * S));
         tracker.record(7, 80 * S, totals(6, 0, 120_150, 79 * S));
-        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 11 * S), StallClass::TransferHung).unwrap();
+        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 11 * S), StallClass::TransferHung, None).unwrap();
         assert_eq!(evidence.verdict, Verdict::PeerUnresponsive);
         assert_eq!(evidence.since.get(ActivityKind::Progress).calls, 120_000);
         assert_eq!(evidence.since.get(ActivityKind::Post).calls, 0);
@@ -378,7 +400,7 @@ mod tests {
         tracker.progress_attached(7, Some(10 * S));
         tracker.record(7, 10 * S, totals(1, 0, 10, 10 * S));
         tracker.record(7, 80 * S, totals(1, 0, 10, 10 * S));
-        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung).unwrap();
+        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung, None).unwrap();
         assert_eq!(evidence.verdict, Verdict::NoProgress);
     }
 
@@ -390,7 +412,7 @@ mod tests {
             tracker.observe(&Observation { pid: 7, key: 100 + n, stage: Stage::TransferDone, ts_ns: 20 * S, external_id: None, ends: false });
         }
         tracker.record(7, 80 * S, totals(4, 0, 40, 20 * S));
-        let evidence = tracker.evidence(&stalled(7, Stage::TransferDone, 10 * S), StallClass::ReleaseLost).unwrap();
+        let evidence = tracker.evidence(&stalled(7, Stage::TransferDone, 10 * S), StallClass::ReleaseLost, None).unwrap();
         assert_eq!(evidence.since.get(ActivityKind::Completion).calls, 3);
         assert_eq!(evidence.verdict, Verdict::OthersCompleting);
     }
@@ -417,17 +439,58 @@ mod tests {
         tracker.observe_end(&released(3, [Some(S), Some(11 * S), Some(19 * S), Some(20 * S)], StageSet::EMPTY, 20 * S));
         tracker.observe_end(&released(4, [Some(S), None, None, Some(20 * S)], StageSet::EMPTY, 20 * S));
         tracker.record(7, 80 * S, totals(4, 0, 40, 20 * S));
-        let evidence = tracker.evidence(&stalled(7, Stage::TransferDone, 10 * S), StallClass::ReleaseLost).unwrap();
+        let evidence = tracker.evidence(&stalled(7, Stage::TransferDone, 10 * S), StallClass::ReleaseLost, None).unwrap();
         assert_eq!(evidence.since.get(ActivityKind::Completion).calls, 3);
         assert_eq!(evidence.total.get(ActivityKind::Completion).last_ns, Some(20 * S));
         assert_eq!(evidence.verdict, Verdict::OthersCompleting);
+    }
+
+    /// A transfer to decode-0 hung since 10 s, judged at 70 s (timeout
+    /// 60 s), the process having `process_completions` completions since
+    /// and `progress` progress calls over the window, its peer's counts
+    /// `peer` (`None`: unknown).
+    fn judged_with_peer(process_completions: u64, progress: u64, peer: Option<(u64, u64)>) -> Evidence {
+        let mut tracker = Tracker::new(60 * S);
+        tracker.progress_attached(7, Some(10 * S));
+        tracker.record(7, 10 * S, totals(1, 0, 0, 10 * S));
+        tracker.record(7, 70 * S, totals(1, process_completions, progress, 60 * S));
+        let peer = peer.map(|(to_peer, to_others)| PeerCompletions { peer: "decode-0".into(), to_peer, to_others });
+        tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung, peer).unwrap()
+    }
+
+    #[test]
+    fn with_its_peer_known_a_stall_is_judged_by_what_that_peer_completed() {
+        // Other peers complete, this one nothing: the peer, where the
+        // process's counts would say the request alone is stuck.
+        let evidence = judged_with_peer(14, 500, Some((0, 14)));
+        assert_eq!(evidence.verdict, Verdict::PeerUnresponsive);
+        assert_eq!(judged_with_peer(14, 500, None).verdict, Verdict::OthersCompleting, "per process");
+        assert_eq!(
+            evidence.summary(),
+            "last post 10.0s ago, last completion 10.0s ago, 500 progress calls in the last 60.0s, none to decode-0 completed, 14 to other peers"
+        );
+        // Whatever progress did: other peers completing prove it is driven.
+        assert_eq!(judged_with_peer(14, 0, Some((0, 14))).verdict, Verdict::PeerUnresponsive);
+        // The peer completes other transfers: it is alive, this transfer alone is stuck.
+        let evidence = judged_with_peer(3, 500, Some((2, 1)));
+        assert_eq!(evidence.verdict, Verdict::OthersCompleting);
+        assert!(evidence.summary().ends_with("2 to decode-0 completed, 1 to other peers"), "{}", evidence.summary());
+        assert_eq!(judged_with_peer(2, 500, Some((2, 0))).verdict, Verdict::OthersCompleting);
+        // No peer completed anything: the process's rules, as without a peer
+        // (completions of handles with no known peer, progress, neither).
+        assert_eq!(judged_with_peer(5, 500, Some((0, 0))).verdict, Verdict::OthersCompleting);
+        assert_eq!(judged_with_peer(0, 500, Some((0, 0))).verdict, Verdict::PeerUnresponsive);
+        assert_eq!(judged_with_peer(0, 0, Some((0, 0))).verdict, Verdict::NoProgress);
+        let evidence = judged_with_peer(0, 0, Some((0, 0)));
+        assert!(evidence.summary().ends_with("none to decode-0 completed, none to other peers"), "{}", evidence.summary());
+        assert_eq!(evidence.peer.as_ref().map(|p| &*p.peer), Some("decode-0"));
     }
 
     #[test]
     fn a_process_without_transport_probes_has_no_evidence() {
         let mut tracker = Tracker::new(60 * S);
         tracker.observe(&Observation { pid: 8, key: 1, stage: Stage::TransferDone, ts_ns: S, external_id: None, ends: false });
-        assert_eq!(tracker.evidence(&stalled(8, Stage::Enqueued, S), StallClass::WaitingForPeer), None);
+        assert_eq!(tracker.evidence(&stalled(8, Stage::Enqueued, S), StallClass::WaitingForPeer, None), None);
     }
 
     #[test]
@@ -439,7 +502,7 @@ mod tests {
         }
         let kept = tracker.processes[&7].history.len();
         assert!(kept <= 8, "{kept}");
-        let evidence = tracker.evidence(&stalled(7, Stage::Enqueued, 0), StallClass::WaitingForPeer).unwrap();
+        let evidence = tracker.evidence(&stalled(7, Stage::Enqueued, 0), StallClass::WaitingForPeer, None).unwrap();
         assert_eq!(evidence.since.get(ActivityKind::Progress).calls, 990 - tracker.processes[&7].history[0].totals.get(ActivityKind::Progress).calls);
         assert_eq!(evidence.verdict, Verdict::PeerUnresponsive);
     }
@@ -457,7 +520,7 @@ mod tests {
             tracker.progress_attached(7, Some(at));
         }
         tracker.record(7, 70 * S, totals(1, 0, 500 + calls, 70 * S));
-        tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung).unwrap()
+        tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung, None).unwrap()
     }
 
     #[test]
@@ -492,7 +555,7 @@ mod tests {
         tracker.record(7, S, totals(1, 0, 0, 0));
         tracker.progress_attached(7, Some(S));
         tracker.record(7, 2 * S, totals(1, 0, 0, 0));
-        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 0), StallClass::TransferHung).unwrap();
+        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 0), StallClass::TransferHung, None).unwrap();
         assert_eq!((evidence.progress_window_ns, evidence.verdict), (Some(S), Verdict::NoProgress));
     }
 
@@ -503,12 +566,12 @@ mod tests {
         tracker.progress_attached(7, Some(5 * S));
         tracker.record(7, 10 * S, totals(1, 0, 700, 10 * S));
         tracker.record(7, 70 * S, totals(1, 0, 1700, 70 * S));
-        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung).unwrap();
+        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung, None).unwrap();
         assert_eq!((evidence.progress_window_ns, evidence.since.get(ActivityKind::Progress).calls), (Some(60 * S), 1000));
 
         // Unlinked again: nothing is claimed of progress any more.
         tracker.progress_attached(7, None);
-        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung).unwrap();
+        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung, None).unwrap();
         assert_eq!((evidence.progress_window_ns, evidence.since.get(ActivityKind::Progress).calls), (None, 0));
     }
 }

@@ -230,11 +230,11 @@ impl<W: Write> AlertWriter<W> {
             line.push_str(&format!(" {name}={}", text::value(value)));
         }
         if let Some(evidence) = alert.evidence {
-            line.push_str(&format!(
-                " verdict={} transport={}",
-                evidence.verdict.as_str(),
-                text::value(&evidence.summary())
-            ));
+            line.push_str(&format!(" verdict={}", evidence.verdict.as_str()));
+            if let Some(peer) = &evidence.peer {
+                line.push_str(&format!(" peer={}", text::value(&peer.peer)));
+            }
+            line.push_str(&format!(" transport={}", text::value(&evidence.summary())));
         }
         line
     }
@@ -352,6 +352,11 @@ fn evidence_json(evidence: &Evidence) -> Value {
     if let Some(Value::Object(progress)) = object.get_mut(ActivityKind::Progress.as_str()) {
         progress.insert("window_ms".to_owned(), json!(evidence.progress_window_ns.map(|ns| ns / 1_000_000)));
     }
+    object.insert("peer".to_owned(), json!(evidence.peer.as_ref().map(|peer| &*peer.peer)));
+    if let (Some(peer), Some(Value::Object(completion))) = (&evidence.peer, object.get_mut(ActivityKind::Completion.as_str())) {
+        completion.insert("to_peer".to_owned(), json!(peer.to_peer));
+        completion.insert("to_other_peers".to_owned(), json!(peer.to_others));
+    }
     Value::Object(object)
 }
 
@@ -399,6 +404,37 @@ mod tests {
         let mut out = Vec::new();
         AlertWriter::new(&mut out, Format::Human, Clock::new()).report(&release_lost(StageSet::EMPTY), None, &fields).expect("write");
         assert!(String::from_utf8(out).expect("UTF-8").contains(" handle=0x7f00 behind=17"));
+    }
+
+    #[test]
+    fn a_stall_whose_peer_is_known_names_it_with_the_completions_per_peer() {
+        let peer = crate::peers::PeerCompletions { peer: "decode-0".into(), to_peer: 0, to_others: 14 };
+        let evidence = Evidence {
+            total: Default::default(),
+            since: Default::default(),
+            progress_window_ns: None,
+            at_ns: 9_000,
+            peer: Some(peer),
+            verdict: crate::transport::Verdict::PeerUnresponsive,
+        };
+        let write = |format| {
+            let mut out = Vec::new();
+            AlertWriter::new(&mut out, format, Clock::new()).report(&release_lost(StageSet::EMPTY), Some(&evidence), &[]).expect("write");
+            String::from_utf8(out).expect("UTF-8")
+        };
+        let json: Value = serde_json::from_str(&write(Format::Json)).expect("JSON");
+        assert_eq!(json["transport"]["peer"], "decode-0", "{json}");
+        assert_eq!(json["transport"]["verdict"], "peer_unresponsive", "{json}");
+        assert_eq!((&json["transport"]["completion"]["to_peer"], &json["transport"]["completion"]["to_other_peers"]), (&json!(0), &json!(14)), "{json}");
+        assert!(json["transport"]["summary"].as_str().is_some_and(|s| s.ends_with("none to decode-0 completed, 14 to other peers")), "{json}");
+        let human = write(Format::Human);
+        assert!(human.contains(" verdict=peer_unresponsive peer=decode-0 transport="), "{human}");
+        // Unknown: null, and no per-peer counts.
+        let evidence = Evidence { peer: None, ..evidence.clone() };
+        let mut out = Vec::new();
+        AlertWriter::new(&mut out, Format::Json, Clock::new()).report(&release_lost(StageSet::EMPTY), Some(&evidence), &[]).expect("write");
+        let json: Value = serde_json::from_slice(&out).expect("JSON");
+        assert!(json["transport"]["peer"].is_null() && json["transport"]["completion"].get("to_peer").is_none(), "{json}");
     }
 
     #[test]

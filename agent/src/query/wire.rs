@@ -200,7 +200,7 @@ impl Snapshot {
             .map(|request| {
                 let evidence = request
                     .stalled
-                    .and_then(|class| transport_of(&transport, request.pid)?.evidence(&request, class));
+                    .and_then(|class| transport_of(&transport, request.pid)?.evidence(&request, class, None));
                 let process = match counts.binary_search_by_key(&request.pid, |p| p.pid) {
                     Ok(i) => {
                         let entry = &mut counts[i];

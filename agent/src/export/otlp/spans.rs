@@ -86,6 +86,12 @@ pub mod attr {
     /// How far back `progress_calls_since` counts, in ms: the progress
     /// probe is attached only near a stall. Absent: it was not attached.
     pub const TRANSPORT_PROGRESS_WINDOW_MS: &str = "stallwatch.transport.progress_window_ms";
+    /// The stalled transfer's peer (the remote NIXL agent), where known.
+    pub const TRANSPORT_PEER: &str = "stallwatch.transport.peer";
+    /// Completions to that peer, and to the process's other peers, since
+    /// the request's last event.
+    pub const TRANSPORT_PEER_COMPLETIONS_SINCE: &str = "stallwatch.transport.peer_completions_since";
+    pub const TRANSPORT_OTHER_PEERS_COMPLETIONS_SINCE: &str = "stallwatch.transport.other_peers_completions_since";
 }
 
 /// Domain prefixes of the trace-id hash; see [`trace_id`].
@@ -360,6 +366,14 @@ fn transport_attributes(evidence: &Evidence) -> Vec<KeyValue> {
     if let Some(window_ns) = evidence.progress_window_ns {
         attributes.push(KeyValue::new(attr::TRANSPORT_PROGRESS_WINDOW_MS, ms(window_ns)));
     }
+    if let Some(peer) = &evidence.peer {
+        let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        attributes.extend([
+            KeyValue::new(attr::TRANSPORT_PEER, peer.peer.to_string()),
+            KeyValue::new(attr::TRANSPORT_PEER_COMPLETIONS_SINCE, count(peer.to_peer)),
+            KeyValue::new(attr::TRANSPORT_OTHER_PEERS_COMPLETIONS_SINCE, count(peer.to_others)),
+        ]);
+    }
     attributes
 }
 
@@ -480,7 +494,7 @@ mod tests {
         tracker.record_for_test(7, request.last_ns, crate::transport::Totals::default());
         tracker.progress_attached(7, Some(request.last_ns));
         tracker.record_for_test(7, request.last_ns + 2_000_000_000, busy);
-        let evidence = tracker.evidence(&request, StallClass::TransferHung);
+        let evidence = tracker.evidence(&request, StallClass::TransferHung, None);
         assert!(evidence.is_some());
         let mut maker = SpanMaker::new("node-a".into(), Clock::new());
         let mut spans = Vec::new();
@@ -492,6 +506,26 @@ mod tests {
         assert_eq!(attribute(stall, attr::TRANSPORT_COMPLETIONS_SINCE).as_deref(), Some("0"));
         assert_eq!(attribute(stall, attr::TRANSPORT_PROGRESS_WINDOW_MS).as_deref(), Some("2000"));
         assert!(attribute(stall, attr::TRANSPORT_SUMMARY).is_some_and(|s| s.contains("4000 progress calls in the last 2.0s, none completed")));
+        assert_eq!(attribute(stall, attr::TRANSPORT_PEER), None, "no peer known");
+    }
+
+    #[test]
+    fn a_stall_span_names_the_transfers_peer_where_known() {
+        let request = snapshot(Stage::TransferPosted, Some("room-3"));
+        let mut tracker = crate::transport::Tracker::new(2_000_000_000);
+        tracker.record_for_test(7, request.last_ns, crate::transport::Totals::default());
+        tracker.record_for_test(7, request.last_ns + 2_000_000_000, crate::transport::Totals::default());
+        let peer = crate::peers::PeerCompletions { peer: "decode-0".into(), to_peer: 0, to_others: 14 };
+        let evidence = tracker.evidence(&request, StallClass::TransferHung, Some(peer));
+        let mut maker = SpanMaker::new("node-a".into(), Clock::new());
+        let mut spans = Vec::new();
+        let at_ns = request.last_ns + 2_000_000_000;
+        maker.push(Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns }, evidence, &mut spans);
+        let [stall] = spans.as_slice() else { panic!("{spans:?}") };
+        assert_eq!(attribute(stall, attr::TRANSPORT_PEER).as_deref(), Some("decode-0"));
+        assert_eq!(attribute(stall, attr::TRANSPORT_PEER_COMPLETIONS_SINCE).as_deref(), Some("0"));
+        assert_eq!(attribute(stall, attr::TRANSPORT_OTHER_PEERS_COMPLETIONS_SINCE).as_deref(), Some("14"));
+        assert_eq!(attribute(stall, attr::TRANSPORT_VERDICT).as_deref(), Some("peer_unresponsive"));
     }
 
     #[test]
