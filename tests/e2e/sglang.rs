@@ -450,3 +450,73 @@ fn sglang_profile_alerts_a_hung_transfer_on_its_room_and_the_rooms_queued_behind
     }
     assert_eq!(alert_lines(&seen).len(), expected.len(), "{seen:?}");
 }
+
+/// The hang fault with every decode on its own worker
+/// (`--no-hang-shared-worker`): the stopped decode's transfer hangs while
+/// the other decode's rooms keep transferring and complete. Returns the
+/// stopped decode's NIXL agent name (from the `ready` line) and the
+/// `holding` line, checked: the fault room transferring, a room of the
+/// other decode requested after it completed.
+fn one_peer_stopped(target: &mut Target) -> (String, Value) {
+    let stopped = target.until("decode_stopped", Duration::from_secs(30));
+    let index = stopped["decode"].as_u64().expect("decode index");
+    let ready = target.lines[0].json().expect("the ready line");
+    let decodes = ready["decodes"].as_array().expect("decodes");
+    let agent = decodes.iter().find(|d| d["index"] == index).and_then(|d| d["agent"].as_str()).expect("the stopped decode's agent");
+    let holding = target.until("holding", Duration::from_secs(30));
+    let room = target.fault_room;
+    assert_eq!(holding["rooms"][room.to_string()], "transferring", "{holding}");
+    let healthy_after: Vec<u64> = target
+        .lines
+        .iter()
+        .filter_map(|line| line.json())
+        .filter(|v| v["event"] == "request" && v["room"].as_u64() > Some(room) && v["decodes"][0] != index)
+        .map(|v| v["room"].as_u64().expect("room"))
+        .collect();
+    assert!(!healthy_after.is_empty(), "no room of the other decode after the fault: {:?}", target.lines);
+    for r in &healthy_after {
+        assert_eq!(holding["rooms"][r.to_string()], "completed", "room {r} of the healthy decode: {holding}");
+    }
+    (agent.to_owned(), holding)
+}
+
+/// The `transfer_hung` alert whose key is `key`, within timeout + 5 s.
+fn hung_alert(agent: Agent, key: &str) -> Value {
+    let mut seen = Vec::new();
+    let is_it = |a: &Value| a["class"] == "transfer_hung" && a["key"] == key;
+    agent.wait_until("the hung transfer's transfer_hung alert", TIMEOUT + Duration::from_secs(5), &mut seen, |seen| {
+        alerts(seen, "stalled").any(|(_, a)| is_it(&a))
+    });
+    seen.extend(agent.stop());
+    alerts(&seen, "stalled").map(|(_, a)| a).find(is_it).expect("the alert")
+}
+
+#[test]
+fn sglang_profile_blames_the_stopped_peer_while_the_other_peer_completes() {
+    let (mut target, agent) = Target::watched("hang", "sglang", &["--no-hang-shared-worker"], &[]);
+    let (stopped, _) = one_peer_stopped(&mut target);
+    let room = target.fault_room;
+    let alert = hung_alert(agent, &format!("{room:#x}"));
+    let transport = &alert["transport"];
+    assert_eq!(transport["peer"], stopped.as_str(), "{alert}");
+    assert_eq!(transport["verdict"], "peer_unresponsive", "{alert}");
+    assert_eq!(transport["completion"]["to_peer"], 0, "{alert}");
+    assert!(transport["completion"]["to_other_peers"].as_u64() > Some(0), "the other decode's transfers complete: {alert}");
+    let summary = transport["summary"].as_str().expect("summary");
+    assert!(summary.contains(&format!("none to {stopped} completed")), "{alert}");
+}
+
+/// The control: the same run shape judged per process (the `nixl`
+/// profile names no peer) reads the hung transfer as the one request
+/// stuck among others completing, which the test above shows is wrong.
+#[test]
+fn per_process_the_same_hang_reads_others_completing() {
+    let (mut target, agent) = Target::watched("hang", "nixl", &["--no-hang-shared-worker"], &[]);
+    one_peer_stopped(&mut target);
+    let hung = target.transfers(target.fault_room);
+    assert_eq!(hung.len(), 1, "one chunk posted before the stall: {hung:?}");
+    let (handle, _) = hung.iter().next().expect("the hung transfer");
+    let alert = hung_alert(agent, handle);
+    assert!(alert["transport"]["peer"].is_null(), "{alert}");
+    assert_eq!(alert["transport"]["verdict"], "others_completing", "{alert}");
+}

@@ -87,6 +87,11 @@ Seeded faults (--fault), each on the room --fault-room:
                 lasts, no error): the worker polls forever, and the rooms of
                 the second decode, whose port is put on the same worker,
                 queue behind it. The decode is continued and killed at exit.
+                With --no-hang-shared-worker every decode keeps its own
+                worker (decode d on worker d % 4, as without a fault): the
+                other decodes' rooms keep transferring and completing while
+                the stopped decode's transfer hangs (one peer stuck, the
+                others alive).
   abort         the decode sends ABORT as soon as the first byte of the
                 room's first chunk lands (the chunk still in flight); the
                 room turns Failed, its later chunks are never sent, and its
@@ -485,7 +490,7 @@ class Prefill:
     def decode_args(self, d):
         a = self.args
         residue = d % wire.SHARDS
-        if a.fault == "hang":
+        if a.fault == "hang" and a.hang_shared_worker:
             residue = 0  # every decode on worker 0: rooms queue behind the hung one
         cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode.py"),
                "--prefill-port", str(self.mgr.rank_port), "--agent-name", f"decode-{d}",
@@ -811,6 +816,10 @@ def parse_args(argv):
     p.add_argument("--settle", type=float, default=1.0,
                    help="faults: seconds without change before 'holding' (default: 1)")
     p.add_argument("--hold", action="store_true", help="healthy: keep running after 'done' until stdin EOF")
+    p.add_argument("--hang-shared-worker", action=argparse.BooleanOptionalAction, default=True,
+                   help="hang: put every decode on worker 0, so the other decodes' rooms queue behind the hung "
+                        "transfer (default); --no-hang-shared-worker: each decode keeps its own worker, so they "
+                        "keep completing")
     p.add_argument("--marker", default=None, metavar="LIB",
                    help="mark each room's stages with the stallwatch marker library LIB (see the module doc)")
     p.add_argument("--events", action="store_true",
