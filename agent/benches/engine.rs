@@ -34,7 +34,7 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use stallwatch::lifecycle::{Engine, EngineConfig, Observation, Report, Silent, Stage, StallClass};
+use stallwatch::lifecycle::{Engine, EngineConfig, Observation, Report, Silent, Stage, StageRead, StallClass};
 use stallwatch::probes::{Probes, Profile};
 use stallwatch::state::KernelState;
 use stallwatch::status::{READS_PER_TICK, StatusReader};
@@ -401,7 +401,7 @@ struct StatusTicks {
 fn status_ticks(n: usize, reads: Reads, state: &KernelState) -> StatusTicks {
     let handles: Vec<Handle> = (0..n).map(|_| Handle { _before: [0; 184], status: 1, _after: [0; 4] }).collect();
     let profile = Profile::load("nixl").expect("the built-in nixl profile");
-    let mut status = StatusReader::new(profile.status.expect("the nixl profile's [status]"));
+    let mut status = StatusReader::new(profile.status.expect("the nixl profile's [status]"), profile.complete_at);
     let pid = std::process::id();
     let mut engine = Engine::new(EngineConfig { max_tracked: n.max(1), ..config() });
     let mut out = Vec::with_capacity(n);
@@ -412,6 +412,7 @@ fn status_ticks(n: usize, reads: Reads, state: &KernelState) -> StatusTicks {
             stage: Stage::TransferPosted,
             ts_ns: START_NS + i as u64,
             external_id: None,
+            ends: false,
         };
         engine.observe(observation, &mut out);
     }
@@ -420,7 +421,7 @@ fn status_ticks(n: usize, reads: Reads, state: &KernelState) -> StatusTicks {
         Reads::BudgetBatched => READS_PER_TICK,
     };
     let holds = |silent: &Silent| state.holds(silent.pid, silent.key, silent.last_ns).map(|_| true);
-    let mut read = |silents: &[Silent], answers: &mut Vec<Option<Stage>>| match reads {
+    let mut read = |silents: &[Silent], answers: &mut Vec<Option<StageRead>>| match reads {
         Reads::AllAtOnceOneEach => {
             for silent in silents {
                 status.read(std::slice::from_ref(silent), holds, answers);
