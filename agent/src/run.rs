@@ -262,7 +262,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
             query = queries.next() => {
                 // Up to date to the moment asked, not to the last tick.
                 session.drain();
-                queries.answer(query, &session.engine, &session.transport, monotonic_ns());
+                queries.answer(query, &session.engine, &session.transport, &session.signals, monotonic_ns());
             }
             _ = interrupt.recv() => break,
             _ = terminate.recv() => break,
@@ -584,15 +584,15 @@ impl<W: Write> Session<W> {
         for report in self.reports.drain(..) {
             self.transport.observe_end(&report);
             let evidence = self.transport.for_report(&report, |request| self.signals.peer_completions(request));
-            let room = self.signals.context(report.request());
-            self.alerts.report(&report, evidence.as_ref(), &room).context("writing an alert to stdout")?;
+            let fields = self.signals.context(report.request());
+            self.alerts.report(&report, evidence.as_ref(), &fields).context("writing an alert to stdout")?;
             // After the alert: an agent that dies in between reports the
             // stall again rather than never. A failure costs only restart
             // safety for this request, never the alerts: logged, not fatal.
             if let Err(err) = self.state.apply(&report) {
                 warn!(pid = report.request().pid, "recording a report in the kernel's in-flight table: {err:#}");
             }
-            self.telemetry.report(report, evidence);
+            self.telemetry.report(report, evidence, fields);
         }
         Ok(())
     }

@@ -22,7 +22,7 @@ use serde_json::Value;
 use stallwatch_tests::{
     Agent, Line, Proc, alerts, marker_lib,
     otlp::{Collector, Span, expected_trace_id},
-    require_root, root, summary, venv_python,
+    agent_bin, require_root, root, run_to_end, summary, test_socket, venv_python,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(2);
@@ -376,7 +376,9 @@ fn sglang_profile_ends_an_aborted_room_aborted_and_raises_nothing() {
 /// `waiting_for_peer`, saying one rank of two answered.
 #[test]
 fn sglang_profile_reports_a_room_whose_decode_rank_never_answers_waiting_for_peer() {
-    let (mut target, agent) = Target::watched("no-answer", "sglang", &["--peers", "2"], &[]);
+    let mut collector = Collector::start();
+    let endpoint = collector.http_endpoint();
+    let (mut target, agent) = Target::watched("no-answer", "sglang", &["--peers", "2"], &["--otlp-endpoint", &endpoint]);
     let holding = target.until("holding", Duration::from_secs(30));
     let room = target.fault_room;
     assert_eq!(holding["rooms"][room.to_string()], "bootstrapping", "{holding}");
@@ -387,6 +389,14 @@ fn sglang_profile_reports_a_room_whose_decode_rank_never_answers_waiting_for_pee
     let [alert] = &assert_room_stalls(&seen, &[(room, "waiting_for_peer")], |r| target.last_mark(r))[..] else { unreachable!() };
     assert_eq!((alert["stage"].as_str(), alert["answered"].as_str(), alert["waiting_on"].as_str()), (Some("enqueued"), Some("1/2"), Some("peer")), "{alert}");
     assert_eq!(alert_lines(&seen).len(), 1, "{seen:?}");
+    // Its stall span says so too.
+    let spans = collector.wait_for(Duration::from_secs(5), "the room's stall span", |spans| {
+        spans.iter().any(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&format!("{room:#x}")))
+    });
+    let stall = spans.iter().find(|s| s.name == "stallwatch.stall").expect("stall span");
+    assert_eq!((stall.attr("stallwatch.sglang.answered"), stall.attr("stallwatch.sglang.waiting_on")), (Some("1/2"), Some("peer")), "{stall:?}");
+    assert_eq!(stall.attr("bootstrap_room"), Some(room.to_string().as_str()), "{stall:?}");
+    let _ = collector.stop();
 }
 
 #[test]
@@ -415,7 +425,9 @@ fn sglang_profile_fails_the_room_of_a_decode_that_died() {
 
 #[test]
 fn sglang_profile_alerts_a_hung_transfer_on_its_room_and_the_rooms_queued_behind_it() {
-    let (mut target, agent) = Target::watched("hang", "sglang", &[], &[]);
+    let socket = test_socket();
+    let socket = socket.to_str().expect("utf-8 socket path");
+    let (mut target, agent) = Target::watched("hang", "sglang", &[], &["--socket", socket]);
     let holding = target.until("holding", Duration::from_secs(30));
     let room = target.fault_room;
     assert_eq!(holding["rooms"][room.to_string()], "transferring", "{holding}");
@@ -434,6 +446,18 @@ fn sglang_profile_alerts_a_hung_transfer_on_its_room_and_the_rooms_queued_behind
     assert!(queued.len() >= 3, "{holding}");
     let mut seen = Vec::new();
     agent.wait_until("the stalls", TIMEOUT + Duration::from_secs(5), &mut seen, |seen| alerts(seen, "stalled").count() > queued.len());
+    // `stallwatch inflight` says where each stands, as the alerts do.
+    let (ok, answer, stderr) = run_to_end(Command::new(agent_bin()).args(["inflight", "--json", "--socket", socket]));
+    assert!(ok, "{stderr}");
+    let answer: Value = serde_json::from_str(&answer).expect("inflight --json");
+    let row = |r: u64| -> Value {
+        let rows = answer["requests"].as_array().expect("requests");
+        rows.iter().find(|row| row["key"] == format!("{r:#x}").as_str()).cloned().unwrap_or_else(|| panic!("room {r} not in flight: {answer}"))
+    };
+    assert_eq!(row(room)["context"], serde_json::json!({"handle": handle.as_str(), "transfer": "1"}), "{answer}");
+    for r in &queued {
+        assert_eq!(row(*r)["context"]["waiting_on"], "worker", "{answer}");
+    }
     // A second timeout later: each alerted once, nothing else.
     std::thread::sleep(TIMEOUT);
     seen.extend(agent.stop());

@@ -70,11 +70,12 @@ impl Telemetry {
     }
 
     /// Count a report and queue it for export, with the transport evidence
-    /// a stall carries.
-    pub fn report(&mut self, report: Report, evidence: Option<Evidence>) {
+    /// a stall carries and `fields`, what the request's tracker says of
+    /// where it stopped (an SGLang room's, on its stall span).
+    pub fn report(&mut self, report: Report, evidence: Option<Evidence>, fields: Vec<(&'static str, String)>) {
         self.metrics.report(&report);
         if let Some(otlp) = &self.otlp {
-            otlp.report(report, evidence);
+            otlp.report(report, evidence, fields);
         }
     }
 

@@ -105,12 +105,16 @@ pub fn write_table(inflight: &Inflight, mut out: impl Write) -> std::io::Result<
                 if r.inferred.contains(&r.stage) { format!("{} (inferred)", r.stage) } else { r.stage.to_string() },
                 duration(r.age_ms),
                 duration(r.silent_ms),
-                match (&r.class, &r.transport) {
-                    (Some(class), Some(transport)) => {
-                        text::escaped(&format!("{class} ({}: {})", transport.verdict, transport.summary)).into_owned()
-                    }
-                    (Some(class), None) => class.to_string(),
-                    (None, _) => "-".to_owned(),
+                {
+                    // Where it stands, as its alert says: "[waiting_on=worker behind=17]".
+                    let context = r.context.iter().map(|(name, value)| format!(" {name}={value}")).collect::<String>();
+                    let context = if context.is_empty() { context } else { format!(" [{}]", &context[1..]) };
+                    let cell = match (&r.class, &r.transport) {
+                        (Some(class), Some(transport)) => format!("{class}{context} ({}: {})", transport.verdict, transport.summary),
+                        (Some(class), None) => format!("{class}{context}"),
+                        (None, _) => format!("-{context}"),
+                    };
+                    text::escaped(&cell).into_owned()
                 },
             ]
         })
@@ -248,6 +252,7 @@ mod tests {
                         verdict: "peer_unresponsive".to_owned(),
                         summary: "last post 61.0s ago, last completion never, 900 progress calls in the last 30.0s, none completed".to_owned(),
                     }),
+                    context: [("handle", "0x7f00"), ("transfer", "2")].map(|(k, v)| (k.to_owned(), v.to_owned())).into(),
                 },
                 InflightRequest {
                     pid: 42,
@@ -260,6 +265,7 @@ mod tests {
                     silent_ms: 3,
                     class: None,
                     transport: None,
+                    context: Default::default(),
                 },
             ],
         }
@@ -344,7 +350,7 @@ mod tests {
             lines,
             [
                 "PID  PROCESS       KEY            EXTERNAL_ID         STAGE                     AGE    SILENT  CLASS",
-                "42   demo-prefill  0x10000000000  room-1099511627776  transfer_posted           2m05s  1m01s   transfer_hung (peer_unresponsive: last post 61.0s ago, last completion never, 900 progress calls in the last 30.0s, none completed)",
+                "42   demo-prefill  0x10000000000  room-1099511627776  transfer_posted           2m05s  1m01s   transfer_hung [handle=0x7f00 transfer=2] (peer_unresponsive: last post 61.0s ago, last completion never, 900 progress calls in the last 30.0s, none completed)",
                 "42   demo-prefill  0x7            -                   transfer_done (inferred)  3ms    3ms     -",
                 "2 requests in flight, 1 stalled (timeout 1m00s), as of 2025-01-01T00:00:00.000Z",
                 "pid 42 (demo-prefill): 2 in flight, 1 stalled",

@@ -23,7 +23,13 @@ use tokio::{
 use tracing::{debug, info, warn};
 
 use super::wire::{self, QueryKind, Snapshot};
-use crate::{export::clock::Clock, lifecycle::Engine, transport::Tracker, trusted_dir::TrustedDir};
+use crate::{
+    export::clock::Clock,
+    lifecycle::{Engine, RequestSnapshot},
+    signals::Signals,
+    transport::Tracker,
+    trusted_dir::TrustedDir,
+};
 
 /// Connections served at once; more get a "busy" answer.
 pub const MAX_CONNECTIONS: usize = 4;
@@ -85,16 +91,26 @@ impl QueryServer {
     }
 
     /// Answer with a copy of the engine's tracked requests as of `now_ns`,
-    /// and the transport evidence of their processes.
-    pub fn answer(&self, pending: Pending, engine: &Engine, transport: &Tracker, now_ns: u64) {
+    /// the transport evidence of their processes, and what the signals'
+    /// trackers say of them (an SGLang room's `waiting_on` ...).
+    pub fn answer(&self, pending: Pending, engine: &Engine, transport: &Tracker, signals: &Signals, now_ns: u64) {
         let started = Instant::now();
+        let requests: Vec<RequestSnapshot> = engine.inflight().collect();
+        let fields = requests
+            .iter()
+            .filter_map(|request| {
+                let fields = signals.context(request);
+                (!fields.is_empty()).then_some(((request.pid, request.key), fields))
+            })
+            .collect();
         let snapshot = Snapshot {
             agent_pid: std::process::id(),
             at: self.clock.rfc3339(now_ns),
             now_ns,
             timeout_ns: engine.config().timeout_ns,
             processes: self.names.iter().map(|(pid, name)| (*pid, name.clone())).collect(),
-            requests: engine.inflight().collect(),
+            requests,
+            fields,
             transport: self.names.keys().filter_map(|&pid| Some((pid, transport.process(pid)?.clone()))).collect(),
         };
         let requests = snapshot.requests.len();
@@ -326,7 +342,7 @@ mod tests {
         rt.block_on(async {
             while !client.is_finished() {
                 tokio::select! {
-                    pending = server.next() => server.answer(pending, engine, &transport, 4_000_000_000),
+                    pending = server.next() => server.answer(pending, engine, &transport, &Signals::new(1_000_000_000), 4_000_000_000),
                     _ = tokio::time::sleep(Duration::from_millis(5)) => {}
                 }
             }

@@ -20,6 +20,8 @@
 //! on both sides, so fields can be added without a version bump; a change
 //! of meaning bumps [`VERSION`]. `stallwatch inflight --json` prints the
 //! answer as it came.
+use std::collections::{BTreeMap, HashMap};
+
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -152,6 +154,11 @@ pub struct InflightRequest {
     /// Stalled requests of processes with transport probes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transport: Option<RequestTransport>,
+    /// Where it stands, as the signals' trackers know it (an SGLang room:
+    /// `handle` and `transfer` of its transfer posted and not done, or
+    /// `answered`, `waiting_on` and `behind`), the fields its alert has.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub context: BTreeMap<String, String>,
 }
 
 /// A refused query.
@@ -177,12 +184,15 @@ pub struct Snapshot {
     /// The transport history of the watched processes that have one: the
     /// evidence of stalled requests is worked out from it off the loop.
     pub transport: Vec<(u32, ProcessTransport)>,
+    /// (pid, key) -> what the signals' trackers say of the request, for
+    /// those they know.
+    pub fields: HashMap<(u32, u64), Vec<(&'static str, String)>>,
 }
 
 impl Snapshot {
     /// Sort oldest first and convert to the wire form.
     pub fn into_answer(self) -> Inflight {
-        let Snapshot { agent_pid, at, now_ns, timeout_ns, mut processes, mut requests, transport } = self;
+        let Snapshot { agent_pid, at, now_ns, timeout_ns, mut processes, mut requests, transport, mut fields } = self;
         requests.sort_unstable_by_key(oldest_first);
         processes.sort_unstable();
         processes.dedup_by_key(|(pid, _)| *pid);
@@ -226,6 +236,12 @@ impl Snapshot {
                         verdict: evidence.verdict.as_str().to_owned(),
                         summary: evidence.summary(),
                     }),
+                    context: fields
+                        .remove(&(request.pid, request.key))
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|(name, value)| (name.to_owned(), value))
+                        .collect(),
                 }
             })
             .collect();
@@ -425,6 +441,7 @@ mod tests {
             processes: vec![(42, "demo-prefill".to_owned()), (7, "other".to_owned())],
             requests,
             transport: Vec::new(),
+            fields: HashMap::new(),
         }
     }
 
@@ -466,6 +483,20 @@ mod tests {
                 {"pid": 42, "process": "demo-prefill", "in_flight": 1, "stalled": 1, "transport": null},
             ])
         );
+    }
+
+    #[test]
+    fn a_rooms_row_says_where_it_stands_and_others_have_no_context() {
+        let mut answer = snapshot(vec![
+            request(42, 17, Stage::Enqueued, 4_000_000_000, 4_000_000_000, Some(StallClass::WaitingForPeer)),
+            request(42, 18, Stage::Enqueued, 4_000_000_000, 4_000_000_000, None),
+        ]);
+        answer.fields.insert((42, 17), vec![("answered", "1/1".to_owned()), ("behind", "16".to_owned()), ("waiting_on", "worker".to_owned())]);
+        let value: Value = serde_json::from_slice(&encode(&answer.into_answer())).expect("valid JSON");
+        assert_eq!(value["requests"][0]["context"], json!({"answered": "1/1", "behind": "16", "waiting_on": "worker"}));
+        assert!(value["requests"][1].get("context").is_none(), "{}", value["requests"][1]);
+        let decoded = decode_inflight(&encode(&value)).expect("decodes");
+        assert_eq!(decoded.requests[0].context.get("waiting_on").map(String::as_str), Some("worker"));
     }
 
     #[test]

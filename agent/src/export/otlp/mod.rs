@@ -71,8 +71,9 @@ impl Default for ExportSettings {
 
 enum Msg {
     Process(u32, Box<str>),
-    /// Evidence is rare (stalls only) and large: boxed.
-    Report(Report, Option<Box<Evidence>>),
+    /// Evidence is rare (stalls only) and large: boxed; so are the stall's
+    /// fields (an SGLang room's, see [`SpanMaker::push`]).
+    Report(Report, Option<Box<Evidence>>, Vec<(&'static str, String)>),
 }
 
 #[derive(Default)]
@@ -206,9 +207,9 @@ impl OtlpExporter {
 
     /// Queue a report for export; never blocks. A full queue drops it and
     /// counts the drop.
-    pub fn report(&self, report: Report, evidence: Option<Evidence>) {
+    pub fn report(&self, report: Report, evidence: Option<Evidence>, fields: Vec<(&'static str, String)>) {
         let urgent = matches!(report, Report::Stalled { .. });
-        if self.tx.try_send(Msg::Report(report, evidence.map(Box::new))).is_err() {
+        if self.tx.try_send(Msg::Report(report, evidence.map(Box::new), fields)).is_err() {
             self.counters.queue_full.fetch_add(1, Ordering::Relaxed);
         } else if urgent {
             self.wake.notify_one();
@@ -296,7 +297,7 @@ impl Pump {
             loop {
                 match rx.try_recv() {
                     Ok(Msg::Process(pid, name)) => self.maker.name_process(pid, &name),
-                    Ok(Msg::Report(report, evidence)) => urgent |= self.maker.push(report, evidence.map(|e| *e), &mut batch),
+                    Ok(Msg::Report(report, evidence, fields)) => urgent |= self.maker.push(report, evidence.map(|e| *e), &fields, &mut batch),
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => {
                         closed = true;

@@ -52,6 +52,10 @@ pub mod attr {
     /// spans give it, so its spans and SGLang's are found by one query.
     /// Set for a request keyed by its room ([`crate::sglang::room_of`]).
     pub const BOOTSTRAP_ROOM: &str = "bootstrap_room";
+    /// Where a stalled SGLang room stopped, on its stall span: the fields
+    /// of its alert (`handle`, `transfer`, `answered`, `waiting_on`,
+    /// `behind`) under this prefix, e.g. `stallwatch.sglang.waiting_on`.
+    pub const SGLANG_PREFIX: &str = "stallwatch.sglang.";
     /// The furthest stage reached (for an ended request, how it ended if by
     /// an event).
     pub const STAGE: &str = "stallwatch.request.stage";
@@ -186,9 +190,10 @@ impl SpanMaker {
     }
 
     /// The spans a report calls for (none for a recovery, which becomes an
-    /// event of the request span). Returns whether one is a stall span,
-    /// which should be sent at once.
-    pub fn push(&mut self, report: Report, evidence: Option<Evidence>, out: &mut Vec<SpanData>) -> bool {
+    /// event of the request span); a stall's span carries `fields`, what
+    /// the request's tracker says of where it stopped. Returns whether one
+    /// is a stall span, which should be sent at once.
+    pub fn push(&mut self, report: Report, evidence: Option<Evidence>, fields: &[(&'static str, String)], out: &mut Vec<SpanData>) -> bool {
         match report {
             Report::Stalled { request, class, silent_ns, at_ns } => {
                 let span_id = self.ids.new_span_id();
@@ -209,6 +214,7 @@ impl SpanMaker {
                 if let Some(evidence) = &evidence {
                     attributes.extend(transport_attributes(evidence));
                 }
+                attributes.extend(fields.iter().map(|(name, value)| KeyValue::new(format!("{}{name}", attr::SGLANG_PREFIX), value.clone())));
                 let status = Status::error(format!(
                     "{class}: silent for {:.2}s at {}",
                     silent_ns as f64 / 1e9,
@@ -453,7 +459,7 @@ mod tests {
         maker.name_process(7, "demo-prefill");
         let mut spans = Vec::new();
         let request = snapshot(Stage::Released, Some("room-9"));
-        let urgent = maker.push(Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released }, None, &mut spans);
+        let urgent = maker.push(Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released }, None, &[], &mut spans);
         assert!(!urgent);
         let [span] = spans.as_slice() else { panic!("{spans:?}") };
         assert_eq!(span.name, REQUEST_SPAN);
@@ -478,7 +484,7 @@ mod tests {
         let mut maker = SpanMaker::new("node-a".into(), Clock::new());
         let mut spans = Vec::new();
         let request = RequestSnapshot { key: 171, ..snapshot(Stage::Released, Some("171")) };
-        maker.push(Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released }, None, &mut spans);
+        maker.push(Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released }, None, &[], &mut spans);
         let [span] = spans.as_slice() else { panic!("{spans:?}") };
         let room = span.attributes.iter().find(|kv| kv.key == Key::from_static_str(attr::BOOTSTRAP_ROOM)).expect("bootstrap_room");
         assert_eq!(room.value, Value::I64(171));
@@ -499,8 +505,12 @@ mod tests {
         let mut maker = SpanMaker::new("node-a".into(), Clock::new());
         let mut spans = Vec::new();
         let at_ns = request.last_ns + 2_000_000_000;
-        maker.push(Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns }, evidence, &mut spans);
+        let fields = [("handle", "0x7f00".to_owned()), ("transfer", "2".to_owned())];
+        maker.push(Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns }, evidence, &fields, &mut spans);
         let [stall] = spans.as_slice() else { panic!("{spans:?}") };
+        // Where its tracker says it stopped.
+        assert_eq!(attribute(stall, "stallwatch.sglang.handle").as_deref(), Some("0x7f00"));
+        assert_eq!(attribute(stall, "stallwatch.sglang.transfer").as_deref(), Some("2"));
         assert_eq!(attribute(stall, attr::TRANSPORT_VERDICT).as_deref(), Some("peer_unresponsive"));
         assert_eq!(attribute(stall, attr::TRANSPORT_PROGRESS_SINCE).as_deref(), Some("4000"));
         assert_eq!(attribute(stall, attr::TRANSPORT_COMPLETIONS_SINCE).as_deref(), Some("0"));
@@ -520,7 +530,7 @@ mod tests {
         let mut maker = SpanMaker::new("node-a".into(), Clock::new());
         let mut spans = Vec::new();
         let at_ns = request.last_ns + 2_000_000_000;
-        maker.push(Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns }, evidence, &mut spans);
+        maker.push(Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns }, evidence, &[], &mut spans);
         let [stall] = spans.as_slice() else { panic!("{spans:?}") };
         assert_eq!(attribute(stall, attr::TRANSPORT_PEER).as_deref(), Some("decode-0"));
         assert_eq!(attribute(stall, attr::TRANSPORT_PEER_COMPLETIONS_SINCE).as_deref(), Some("0"));
@@ -537,7 +547,7 @@ mod tests {
         request.stalled = Some(StallClass::TransferHung);
         let at_ns = silent_from + 2_000_000_000;
         let stalled = Report::Stalled { request: request.clone(), class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns };
-        assert!(maker.push(stalled, None, &mut spans), "stall spans are urgent");
+        assert!(maker.push(stalled, None, &[], &mut spans), "stall spans are urgent");
         let stall = spans.pop().expect("stall span");
         assert_eq!(stall.name, STALL_SPAN);
         assert!(matches!(&stall.status, Status::Error { description } if description.contains("transfer_hung")), "{:?}", stall.status);
@@ -552,12 +562,12 @@ mod tests {
         request.stage = Stage::TransferDone;
         request.stage_ns[2] = Some(request.last_ns);
         let recovered = Report::Recovered { request: request.clone(), class: StallClass::TransferHung, stuck_ns: 2_500_000_000 };
-        assert!(!maker.push(recovered, None, &mut spans));
+        assert!(!maker.push(recovered, None, &[], &mut spans));
         assert!(spans.is_empty(), "a recovery is an event of the request span");
         request.stage = Stage::Released;
         request.last_ns += 1_000_000;
         request.stage_ns[3] = Some(request.last_ns);
-        maker.push(Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released }, None, &mut spans);
+        maker.push(Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released }, None, &[], &mut spans);
         let [span] = spans.as_slice() else { panic!("{spans:?}") };
         assert_eq!(span.span_context.trace_id(), stall.span_context.trace_id());
         assert_eq!(span.links.len(), 1);
@@ -580,7 +590,7 @@ mod tests {
         request.inferred.insert(Stage::TransferDone);
         let at_ns = request.last_ns + 2_000_000_000;
         request.stalled = Some(StallClass::ReleaseLost);
-        maker.push(Report::Stalled { request: request.clone(), class: StallClass::ReleaseLost, silent_ns: 2_000_000_000, at_ns }, None, &mut spans);
+        maker.push(Report::Stalled { request: request.clone(), class: StallClass::ReleaseLost, silent_ns: 2_000_000_000, at_ns }, None, &[], &mut spans);
         let stall = spans.pop().expect("stall span");
         assert_eq!(attribute(&stall, attr::STAGES_OBSERVED).as_deref(), Some("[\"enqueued\",\"transfer_posted\"]"));
         assert_eq!(attribute(&stall, attr::STAGES_INFERRED).as_deref(), Some("[\"transfer_done\"]"));
@@ -593,7 +603,7 @@ mod tests {
         failed.key = 0xac;
         failed.stage = Stage::Failed;
         failed.inferred.insert(Stage::Failed);
-        maker.push(Report::Ended { at_ns: failed.last_ns + 2_000_000_000, request: failed, outcome: Outcome::Failed }, None, &mut spans);
+        maker.push(Report::Ended { at_ns: failed.last_ns + 2_000_000_000, request: failed, outcome: Outcome::Failed }, None, &[], &mut spans);
         let [span] = spans.as_slice() else { panic!("{spans:?}") };
         assert_eq!(attribute(span, attr::STAGES_OBSERVED).as_deref(), Some("[\"enqueued\",\"transfer_posted\"]"));
         assert_eq!(attribute(span, attr::STAGES_INFERRED).as_deref(), Some("[\"failed\"]"));
@@ -608,7 +618,7 @@ mod tests {
         let mut request = snapshot(Stage::Enqueued, Some("room-3"));
         request.stalled = Some(StallClass::WaitingForPeer);
         let at_ns = request.last_ns + 5_000_000_000;
-        maker.push(Report::Ended { request, outcome: Outcome::ProcessExited, at_ns }, None, &mut spans);
+        maker.push(Report::Ended { request, outcome: Outcome::ProcessExited, at_ns }, None, &[], &mut spans);
         let [span] = spans.as_slice() else { panic!("{spans:?}") };
         assert!(matches!(&span.status, Status::Error { description } if description.contains("waiting_for_peer")));
         assert_eq!(span.events.last().map(|e| e.name.as_ref()), Some("process_exited"));
