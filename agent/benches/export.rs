@@ -105,7 +105,7 @@ fn enqueue_cost(endpoint: &str, n: u64) -> f64 {
         reports.extend((done..done + chunk).map(ended));
         let started = thread_cpu();
         for report in reports.drain(..) {
-            exporter.report(report, None);
+            exporter.report(report, None, Vec::new());
         }
         busy += thread_cpu() - started;
         done += chunk;
@@ -133,7 +133,7 @@ fn throughput(protocol: Protocol, endpoint: &str, n: u64) -> (f64, u64) {
             sent += 1;
         }
         for report in reports.drain(..) {
-            exporter.report(report, None);
+            exporter.report(report, None, Vec::new());
         }
     }
     while exporter.counts().exported + exporter.counts().dropped() < n {
@@ -168,7 +168,7 @@ fn event_path(endpoint: Option<&str>, n: u64) -> Cost {
                 alerts.report(&report, None, &[]).expect("sink");
                 metrics.report(&report);
                 if let Some(exporter) = &exporter {
-                    exporter.report(report, None);
+                    exporter.report(report, None, Vec::new());
                 }
             }
         }
