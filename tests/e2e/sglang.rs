@@ -143,14 +143,22 @@ fn a_transfer_hung_on_a_stopped_decode_is_transfer_hung() {
     assert!(latency >= TIMEOUT - Duration::from_millis(50) && latency <= TIMEOUT + LATENESS, "{alert} after {latency:?}");
 }
 
-#[test]
-fn a_transfer_to_a_decode_that_died_is_failed() {
-    let (mut target, agent) = Target::watched("decode-dies", "nixl", &[], &[]);
+/// The `decode-dies` seed under `profile`, run until the target holds (its
+/// fault room failed in the target): the target, the agent, and when the
+/// decode was killed.
+fn decode_died(profile: &str) -> (Target, Agent, Instant) {
+    let (mut target, agent) = Target::watched("decode-dies", profile, &[], &[]);
     target.until("decode_killed", Duration::from_secs(30));
     let killed_at = target.lines.last().expect("the decode_killed line").at;
     let holding = target.until("holding", Duration::from_secs(30));
+    assert_eq!(holding["rooms"][target.fault_room.to_string()], "failed", "{holding}");
+    (target, agent, killed_at)
+}
+
+#[test]
+fn a_transfer_to_a_decode_that_died_is_failed() {
+    let (target, agent, killed_at) = decode_died("nixl");
     let room = target.fault_room;
-    assert_eq!(holding["rooms"][room.to_string()], "failed", "{holding}");
     let transfers = target.transfers(room);
     let mut seen = Vec::new();
     agent.wait_until("a failed alert", Duration::from_secs(5), &mut seen, |seen| alerts(seen, "failed").next().is_some());
@@ -401,12 +409,8 @@ fn sglang_profile_reports_a_room_whose_decode_rank_never_answers_waiting_for_pee
 
 #[test]
 fn sglang_profile_fails_the_room_of_a_decode_that_died() {
-    let (mut target, agent) = Target::watched("decode-dies", "sglang", &[], &[]);
-    target.until("decode_killed", Duration::from_secs(30));
-    let killed_at = target.lines.last().expect("the decode_killed line").at;
-    let holding = target.until("holding", Duration::from_secs(30));
+    let (target, agent, killed_at) = decode_died("sglang");
     let room = target.fault_room;
-    assert_eq!(holding["rooms"][room.to_string()], "failed", "{holding}");
     let mut seen = Vec::new();
     agent.wait_until("a failed alert", TIMEOUT + Duration::from_secs(5), &mut seen, |seen| alerts(seen, "failed").next().is_some());
     std::thread::sleep(TIMEOUT);

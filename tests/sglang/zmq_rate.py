@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""SGLang's bootstrap messages at full rate, for the cost of watching them.
+
+One process, a NIXL agent created (so libnixl and UCX are mapped, as in an
+SGLang prefill, and the `sglang` profile's NIXL probes attach) and a ZMQ
+PUSH/PULL pair over ipc. Each round, for a room of its own, it sends and
+receives, with pyzmq's copying send_multipart / recv_multipart as SGLang's
+bootstrap thread does, the two messages a prefill handles per room and
+decode rank (frames as tests/sglang/wire.py documents them):
+  [b"NixlMsgGuard", room, ip, port, agent, page indices, aux, ranks, ...]
+      (the decode's destination, received: the room is enqueued)
+  [b"KV_STATUS", room, b"4", rank, b""]
+      (sent: the room is released)
+so a watching agent follows one room a round, start to end.
+
+Protocol (JSON lines on stdout, wire.emit; fd 1 goes to stderr):
+{"event":"ready","pid":P}, then it waits for "go" on
+stdin, runs --rounds rounds and prints
+  {"event":"done","rounds":N,"us_per_round":U}.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import wire
+
+
+def main():
+    p = argparse.ArgumentParser(prog="zmq_rate.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=20000)
+    p.add_argument("--room-start", type=int, default=1 << 40)
+    a = p.parse_args()
+    wire.take_stdout()  # NIXL logs to fd 1: the protocol gets its own
+    import zmq
+    from nixl_cu12 import nixl_agent, nixl_agent_config
+
+    nixl = nixl_agent("zmq-rate", nixl_agent_config(backends=[]))
+    ctx = zmq.Context()
+    path = os.path.join(tempfile.mkdtemp(prefix="stallwatch-zmq-"), "bootstrap")
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(f"ipc://{path}")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"ipc://{path}")
+    pages = (1).to_bytes(4, "little") * 4
+    wire.emit("ready", pid=os.getpid())
+    if sys.stdin.readline().strip() != "go":
+        return 2
+    start = time.perf_counter()
+    for n in range(a.rounds):
+        room = str(a.room_start + n).encode()
+        push.send_multipart([b"NixlMsgGuard", room, b"127.0.0.1", b"40001", b"decode-0", pages, b"1", b"1", b"", b"0", b"0"])
+        pull.recv_multipart()
+        push.send_multipart([b"KV_STATUS", room, b"4", b"0", b""])
+        pull.recv_multipart()
+    elapsed = time.perf_counter() - start
+    wire.emit("done", rounds=a.rounds, us_per_round=elapsed / a.rounds * 1e6)
+    del nixl
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
