@@ -18,7 +18,6 @@ mod support;
 
 use std::{
     io::{BufRead as _, BufReader, Write as _},
-    path::PathBuf,
     process::{Command, Stdio},
 };
 
@@ -31,14 +30,8 @@ struct Run {
     gb_per_s: f64,
 }
 
-fn python() -> PathBuf {
-    support::root()
-        .join(std::env::var("STALLWATCH_VENV").unwrap_or_else(|_| "target/venv".into()))
-        .join("bin/python")
-}
-
 fn run(size: u64, count: u64, config: &Config, profile: &Profile) -> Result<Run> {
-    let python = python();
+    let python = support::venv_python();
     let mut child = Command::new(&python)
         .arg(support::root().join("tests/nixl/driver.py"))
         .args(["--mode", "healthy", "--count", &count.to_string(), "--size", &size.to_string()])
@@ -98,8 +91,8 @@ fn run(size: u64, count: u64, config: &Config, profile: &Profile) -> Result<Run>
 fn main() -> Result<()> {
     support::require_root("the NIXL benchmark")?;
     let full = !support::smoke();
-    if !python().exists() {
-        bail!("no NIXL venv at {}: run `cargo run --release -p xtask -- setup --python`", python().display());
+    if !support::venv_python().exists() {
+        bail!("no NIXL venv at {}: run `cargo run --release -p xtask -- setup --python`", support::venv_python().display());
     }
     let profile = Profile::load("nixl")?;
     let columns = support::columns(full)?;

@@ -18,7 +18,6 @@ mod support;
 
 use std::{
     io::{BufRead as _, BufReader, Write as _},
-    path::PathBuf,
     process::{Command, Stdio},
 };
 
@@ -29,15 +28,9 @@ use support::{Agent, median};
 /// (the status).
 const FRAMES_PER_ROUND: f64 = 32.0;
 
-fn python() -> PathBuf {
-    support::root()
-        .join(std::env::var("STALLWATCH_VENV").unwrap_or_else(|_| "target/venv".into()))
-        .join("bin/python")
-}
-
 /// One run under `profile` (`None`: off): microseconds per round.
 fn run(rounds: u64, profile: Option<&str>) -> Result<f64> {
-    let python = python();
+    let python = support::venv_python();
     let mut child = Command::new(&python)
         .arg(support::root().join("tests/sglang/zmq_rate.py"))
         .args(["--rounds", &rounds.to_string()])
@@ -70,8 +63,8 @@ fn run(rounds: u64, profile: Option<&str>) -> Result<f64> {
 fn main() -> Result<()> {
     support::require_root("the ZMQ benchmark")?;
     let full = !support::smoke();
-    if !python().exists() {
-        bail!("no venv at {}: run `cargo run --release -p xtask -- setup --python`", python().display());
+    if !support::venv_python().exists() {
+        bail!("no venv at {}: run `cargo run --release -p xtask -- setup --python`", support::venv_python().display());
     }
     let (runs, rounds) = if full { (5, 20_000) } else { (1, 500) };
     let smoke = if full { "" } else { " [smoke run: too short for meaningful figures]" };

@@ -53,6 +53,12 @@ pub fn smoke() -> bool {
     !std::env::args().any(|arg| arg == "--bench")
 }
 
+/// The venv's Python (`STALLWATCH_VENV`, relative to the workspace root;
+/// `target/venv` by default): NIXL, pyzmq and rotel live there.
+pub fn venv_python() -> PathBuf {
+    root().join(std::env::var("STALLWATCH_VENV").unwrap_or_else(|_| "target/venv".into())).join("bin/python")
+}
+
 /// The workspace root.
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
