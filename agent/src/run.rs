@@ -185,6 +185,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 reported = warn_on_loss(&session.probes, reported)?;
                 session.ingest.warn_undecodable();
                 session.signals.warn();
+                session.state.warn();
                 if let Some(status) = &mut session.status {
                     status.warn();
                 }
@@ -418,7 +419,11 @@ impl<W: Write> Session<W> {
             self.engine.process_exited(pid, exit_ns, &mut self.reports);
         }
         let taken_count = taken.len();
+        let follows_rooms = self.profile.follows_rooms();
         for request in taken {
+            if follows_rooms {
+                self.signals.adopt(&request);
+            }
             self.engine.restore(request, &mut self.reports);
         }
         for pid in unwatched {
@@ -443,8 +448,19 @@ impl<W: Write> Session<W> {
     /// this runs on every tick; the kernel wakes [`EventReader::readable`]
     /// only when the buffer fills past a quarter.
     fn drain(&mut self) {
-        let Session { reader, ingest, transport, engine, reports, signals, probes, .. } = self;
-        let mut route = |event: &Event, observation| signals.consume(event, observation, probes.slot(event.slot));
+        let Session { reader, ingest, transport, engine, reports, signals, probes, state, .. } = self;
+        let mut route = |event: &Event, observation: Option<Observation>| {
+            let probed = observation.as_ref().map(|o| o.key);
+            let made = signals.consume(event, observation, probes.slot(event.slot));
+            // A lifecycle event no probe made (an SGLang room's): the
+            // kernel did not keep it, so the agent does.
+            if let Some(made) = &made
+                && probed != Some(made.key)
+            {
+                state.hold(made);
+            }
+            made
+        };
         reader.drain(|bytes| ingest.record(bytes, transport, engine, reports, &mut route));
     }
 

@@ -166,6 +166,18 @@ impl Rooms {
         Some(room_observation(pid, room, stage, ts_ns))
     }
 
+    /// Follow `room` again after an agent restart: the previous agent
+    /// followed it and the kernel kept it (see
+    /// [`crate::state::KernelState::hold`]). What it knew of the room's
+    /// destinations and transfers is gone, so the room's handles are not
+    /// attributed to it (the kernel kept them too: they are taken over as
+    /// their own lifecycles), and its alerts say nothing of what it waits
+    /// on ([`Rooms::context`]); a destination that arrives now tells that
+    /// again. Its status or an ABORT ends it as before.
+    pub fn adopt(&mut self, pid: u32, room: u64) {
+        self.live.entry((pid, room)).or_default();
+    }
+
     /// Thread `tid` is creating a transfer to the NIXL agent `agent`.
     pub fn creating(&mut self, pid: u32, tid: u32, agent: &[u8]) {
         self.creating.insert((pid, tid), String::from_utf8_lossy(agent).into());
@@ -243,7 +255,8 @@ impl Rooms {
         if let Some((handle, ordinal)) = this.outstanding.first() {
             return vec![("handle", format!("{handle:#x}")), ("transfer", ordinal.to_string())];
         }
-        if this.transfers > 0 {
+        // Mid-transfer, or adopted after a restart with nothing known.
+        if this.transfers > 0 || this.agents.is_empty() {
             return Vec::new();
         }
         let answered = this.agents.len();
@@ -392,6 +405,28 @@ mod tests {
         rooms.observe(7, 50, &destination).expect("enqueued");
         rooms.forget(7);
         assert!(rooms.live.is_empty());
+    }
+
+    #[test]
+    fn a_room_adopted_after_a_restart_ends_once_and_claims_to_know_nothing() {
+        let mut rooms = Rooms::default();
+        rooms.adopt(4, 9);
+        assert_eq!(rooms.context(4, 9), Vec::new(), "its destinations are unknown");
+        let silent = Silent { pid: 4, key: 9, stage: Stage::Enqueued, first_ns: 1, last_ns: 2 };
+        assert_eq!(rooms.read(&silent, &mut |_| panic!("no handle to read")), Some(None), "a room: its key is no handle to read");
+        // A handle to any agent is not its: none is known.
+        rooms.creating(4, 20, b"d");
+        assert!(rooms.handle(20, handle_event(4, 0xa0, Stage::Enqueued, 3)).is_some());
+        // A destination arriving now tells what it waits on again, and starts nothing.
+        let destination = Bootstrap::Destination { room: 9, port: 1, agent: "d".into(), ranks: 2 };
+        assert_eq!(rooms.observe(4, 4, &destination), None);
+        assert_eq!(rooms.context(4, 9)[0], ("answered", "1/2".to_owned()));
+        assert_eq!(rooms.observe(4, 5, &Bootstrap::Status { room: 9, status: SUCCESS }).map(|o| o.stage), Some(Stage::Released));
+        assert_eq!(rooms.observe(4, 6, &Bootstrap::Status { room: 9, status: SUCCESS }), None);
+        // Adopting a room followed already changes nothing.
+        rooms.observe(4, 7, &destination).expect("enqueued");
+        rooms.adopt(4, 9);
+        assert_eq!(rooms.context(4, 9)[0], ("answered", "1/2".to_owned()));
     }
 
     fn handle_event(pid: u32, handle: u64, stage: Stage, ts_ns: u64) -> Observation {

@@ -17,7 +17,7 @@ use stallwatch_common::{EXT_ID_LEN, Event, event_flags, stage};
 use tracing::{debug, info, warn};
 
 use crate::{
-    lifecycle::{Observation, RequestSnapshot, Silent, StageRead},
+    lifecycle::{Observation, RequestSnapshot, Restored, Silent, StageRead},
     peers::{PeerCompletions, Peers},
     probes::{Role, SignalSpec, Slot},
     sglang::{self, Rooms},
@@ -166,6 +166,15 @@ impl Signals {
                 self.rooms.handle(event.tid, observation)
             }
             None => self.route(event, slot),
+        }
+    }
+
+    /// Follow again a request a previous agent followed, if it is an SGLang
+    /// room (what [`crate::state::KernelState::hold`] kept of it): its
+    /// status and abort end it as they would have ([`Rooms::adopt`]).
+    pub fn adopt(&mut self, request: &Restored) {
+        if let Some(room) = sglang::room_of(request.key, request.external_id.as_deref()) {
+            self.rooms.adopt(request.pid, room);
         }
     }
 

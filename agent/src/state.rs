@@ -25,13 +25,14 @@ use std::{
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::maps::{HashMap as BpfHashMap, MapData, MapError};
-use stallwatch_common::{InflightEntry, RequestKey, STATE_LAYOUT};
+use stallwatch_common::{EXT_ID_LEN, InflightEntry, NOT_EMITTED, RequestKey, STATE_LAYOUT, stage};
 use tracing::{info, warn};
 
 use crate::{
     events,
-    lifecycle::{Outcome, Report, Restored},
+    lifecycle::{Observation, Outcome, Report, Restored},
     trusted_dir::TrustedDir,
+    warned::Warned,
 };
 
 /// `--bpf-dir` when neither the flag nor the config file sets it.
@@ -218,6 +219,8 @@ pub trait Tables {
     fn inflight(&self, key: &RequestKey) -> Result<Option<InflightEntry>>;
     /// Remove an entry; already gone is fine.
     fn forget_inflight(&mut self, key: &RequestKey) -> Result<()>;
+    /// Write an entry (create or replace); a full table is an error.
+    fn put_inflight(&mut self, key: &RequestKey, entry: &InflightEntry) -> Result<()>;
     fn alerted_keys(&self) -> Result<Vec<RequestKey>>;
     fn alerted(&self, key: &RequestKey) -> Result<Option<u64>>;
     /// Mark the silence that ended at `last_ns` as reported.
@@ -254,6 +257,10 @@ impl Tables for BpfTables {
         forget(&mut self.inflight, key)
     }
 
+    fn put_inflight(&mut self, key: &RequestKey, entry: &InflightEntry) -> Result<()> {
+        self.inflight.insert(key, entry, 0).context("writing the INFLIGHT map")
+    }
+
     fn alerted_keys(&self) -> Result<Vec<RequestKey>> {
         self.alerted.keys().collect::<Result<Vec<_>, _>>().context("listing the ALERTED map")
     }
@@ -279,11 +286,97 @@ pub struct KernelState<T = BpfTables> {
     /// it took over ended: the kernel may keep their entry past the end, so
     /// their end must collect it.
     marked: HashSet<(u32, u64)>,
+    /// Lifecycle events the agent made (no probe's: an SGLang room's,
+    /// from its ZMQ traffic) that could not be written to `INFLIGHT`, and
+    /// why the latest could not.
+    unheld: u64,
+    last_unheld: Option<String>,
+    warned: Warned,
 }
 
 impl<T: Tables> KernelState<T> {
     pub fn new(tables: T) -> Self {
-        Self { tables, marked: HashSet::new() }
+        Self { tables, marked: HashSet::new(), unheld: 0, last_unheld: None, warned: Warned::default() }
+    }
+
+    /// Keep in `INFLIGHT` a lifecycle event the agent made itself, as the
+    /// eBPF programs keep those of the probes (`track` in
+    /// ebpf/src/main.rs): the lifecycles the kernel holds are what the
+    /// next agent takes over, so an SGLang room in flight survives a
+    /// restart of the agent like a NIXL handle does. A write that fails
+    /// (a full table) is counted and warned about ([`Self::warn`]); the
+    /// agent goes on following the request, only a restart would lose it.
+    pub fn hold(&mut self, observation: &Observation) {
+        if let Err(err) = self.try_hold(observation) {
+            self.unheld += 1;
+            self.last_unheld = Some(format!("pid {} key {:#x}: {err:#}", observation.pid, observation.key));
+        }
+    }
+
+    fn try_hold(&mut self, o: &Observation) -> Result<()> {
+        let key = RequestKey { key: o.key, pid: o.pid, _pad: 0 };
+        let entry = self.tables.inflight(&key)?;
+        if o.stage.is_terminal() || o.ends {
+            return match entry {
+                // Kept for the agent's stall alert, as the kernel keeps it.
+                Some(entry) if self.tables.alerted(&key)?.is_some() => self.tables.put_inflight(
+                    &key,
+                    &InflightEntry { stage: o.stage as u8, ended: 1, last_ns: entry.last_ns.max(o.ts_ns), ..entry },
+                ),
+                Some(_) => self.tables.forget_inflight(&key),
+                None => Ok(()),
+            };
+        }
+        let at = usize::from(o.stage as u8);
+        let entry = match entry.filter(|entry| entry.ended == 0) {
+            Some(mut entry) => {
+                entry.last_ns = entry.last_ns.max(o.ts_ns);
+                entry.stage = entry.stage.max(o.stage as u8);
+                if entry.stage_ns[at] == 0 {
+                    entry.stage_ns[at] = o.ts_ns;
+                }
+                if entry.has_ext == 0
+                    && let Some(id) = &o.external_id
+                {
+                    (entry.ext, entry.has_ext) = (ext_of(id), 1);
+                }
+                entry
+            }
+            // None, or an ended one kept for an alert: the key's next
+            // lifecycle replaces it.
+            None => {
+                let mut stage_ns = [0; stage::LIVE];
+                stage_ns[at] = o.ts_ns;
+                let (ext, has_ext) = o.external_id.as_deref().map_or(([0; EXT_ID_LEN], 0), |id| (ext_of(id), 1));
+                InflightEntry {
+                    first_ns: o.ts_ns,
+                    last_ns: o.ts_ns,
+                    stage_ns,
+                    last_ret: 0,
+                    last_slot: NOT_EMITTED,
+                    stage: o.stage as u8,
+                    has_ext,
+                    ended: 0,
+                    _pad: 0,
+                    ext,
+                }
+            }
+        };
+        self.tables.put_inflight(&key, &entry)
+    }
+
+    /// Warn, once per counter period, of the lifecycles [`Self::hold`]
+    /// could not keep since the last warning.
+    pub fn warn(&mut self) {
+        if let Some(new) = self.warned.news(self.unheld) {
+            warn!(
+                new,
+                total = self.unheld,
+                latest = self.last_unheld.as_deref().unwrap_or(""),
+                "requests the agent made (SGLang rooms) that the kernel's in-flight table could not hold: they are followed, \
+                 but would not survive an agent restart"
+            );
+        }
     }
 
     /// Every request the kernel holds, as the engine takes them over.
@@ -417,6 +510,14 @@ fn forget<V: aya::Pod>(map: &mut BpfHashMap<MapData, RequestKey, V>, key: &Reque
         Err(MapError::SyscallError(err)) if err.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
         Err(err) => Err(anyhow!(err)).context("removing an in-flight map entry"),
     }
+}
+
+/// An external id as the kernel keeps it: NUL-terminated, cut to fit.
+fn ext_of(id: &str) -> [u8; EXT_ID_LEN] {
+    let mut ext = [0; EXT_ID_LEN];
+    let len = id.len().min(EXT_ID_LEN - 1);
+    ext[..len].copy_from_slice(&id.as_bytes()[..len]);
+    ext
 }
 
 /// The engine's view of one kernel entry; `None` for a stage this agent
@@ -568,6 +669,14 @@ mod tests {
             self.0.borrow_mut().inflight.remove(&id(key));
             Ok(())
         }
+        fn put_inflight(&mut self, key: &RequestKey, entry: &InflightEntry) -> Result<()> {
+            let mut kernel = self.0.borrow_mut();
+            if !kernel.inflight.contains_key(&id(key)) && kernel.inflight.len() >= kernel.capacity {
+                bail!("the table is full");
+            }
+            kernel.inflight.insert(id(key), *entry);
+            Ok(())
+        }
         fn alerted_keys(&self) -> Result<Vec<RequestKey>> {
             Ok(self.0.borrow().alerted.keys().copied().map(key_of).collect())
         }
@@ -682,6 +791,72 @@ mod tests {
             );
             self.emit(reports, reported);
         }
+    }
+
+    /// The lifecycles the agent makes itself (an SGLang room's) are held
+    /// in `INFLIGHT` as the kernel holds the probes': the same random
+    /// events, some keys marked alerted, leave the same table written by
+    /// [`KernelState::hold`] as by the model of the eBPF programs; and a
+    /// full table is counted, not fatal.
+    #[test]
+    fn a_lifecycle_the_agent_makes_is_held_as_the_kernel_holds_its_own() {
+        use stallwatch_common::stage::{FIRST_TERMINAL, LIVE};
+        let mut kept_ended = 0;
+        for seed in 1..=20u64 {
+            let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut roll = |n: u64| {
+                rng ^= rng >> 12;
+                rng ^= rng << 25;
+                rng ^= rng >> 27;
+                rng.wrapping_mul(0x2545_F491_4F6C_DD1D) % n
+            };
+            let (kernel, held) = (Shared::default(), Shared::default());
+            let capacity = if seed % 5 == 0 { 2 } else { 1 << 17 };
+            kernel.0.borrow_mut().capacity = capacity;
+            held.0.borrow_mut().capacity = capacity;
+            let mut state = KernelState::new(held.clone());
+            let mut full = 0;
+            for step in 0..400u64 {
+                let (pid, key) = (1 + roll(2) as u32, 1_000 + roll(4));
+                if roll(10) == 0 {
+                    for table in [&kernel, &held] {
+                        table.0.borrow_mut().alerted.insert((pid, key), step);
+                    }
+                }
+                let stage = if roll(5) == 0 { FIRST_TERMINAL + roll(3) as u8 } else { roll(LIVE as u64) as u8 };
+                let ends = stage < FIRST_TERMINAL && roll(8) == 0;
+                let ts = 10 * step + roll(15);
+                let before = held.0.borrow().inflight.len();
+                kernel.0.borrow_mut().event(pid, key, stage, ends, ts);
+                let observation = Observation {
+                    pid,
+                    key,
+                    stage: events::stage(stage).expect("stage"),
+                    ts_ns: ts,
+                    external_id: Some(key.to_string().into()),
+                    ends,
+                };
+                let unheld = state.unheld;
+                state.hold(&observation);
+                if state.unheld > unheld {
+                    assert_eq!(before, capacity, "seed {seed} step {step}: only a full table refuses");
+                    full += 1;
+                }
+                kept_ended += held.0.borrow().inflight.values().filter(|entry| entry.ended == 1).count();
+            }
+            // The model keeps no external id: compare the rest, and the id
+            // where the agent kept one.
+            let ours = held.0.borrow().inflight.clone();
+            for ((pid, key), entry) in &ours {
+                assert_eq!(entry.has_ext, 1);
+                assert_eq!(events::external_id_of(&entry.ext, true).as_deref(), Some(key.to_string().as_str()), "{pid}");
+            }
+            let normalized: BTreeMap<_, _> =
+                ours.into_iter().map(|(id, entry)| (id, InflightEntry { has_ext: 0, ext: [0; EXT_ID_LEN], ..entry })).collect();
+            assert_eq!(normalized, kernel.0.borrow().inflight, "seed {seed}");
+            assert_eq!(full > 0, capacity == 2, "seed {seed}");
+        }
+        assert!(kept_ended > 0, "some ended entries were kept for their alert");
     }
 
     /// Keys whose probes end their lifecycles at transfer_done (a profile

@@ -407,6 +407,44 @@ fn sglang_profile_reports_a_room_whose_decode_rank_never_answers_waiting_for_pee
     let _ = collector.stop();
 }
 
+/// The agent keeps the rooms it follows in the kernel's in-flight table,
+/// as the kernel keeps the probes' lifecycles: a room waiting on its peer
+/// when the agent is SIGKILLed is taken over by the next agent and
+/// reported there, once, when its timeout is up (counted from the room's
+/// own last event, before either agent's restart).
+#[test]
+fn sglang_profile_rooms_in_flight_survive_an_agent_restart() {
+    const LONGER: Duration = Duration::from_secs(5);
+    let mut target = Target::start("no-answer", &["--peers", "2"]);
+    let mut first = Agent::watch(target.prefill, "sglang", "5s", &[]);
+    target.proc.write_line("go");
+    target.until("holding", Duration::from_secs(30));
+    let room = target.fault_room;
+    let since = target.last_mark(room);
+    assert!(since.elapsed() < LONGER - Duration::from_secs(1), "the room is still short of its timeout: {:?}", since.elapsed());
+    let before = first.proc.lines_now();
+    assert_eq!(alert_lines(&before).len(), 0, "{before:?}");
+    // Killed as a crash would; the next agent takes its bpf directory over.
+    let dir = first.bpf_dir.take().expect("its own bpf directory");
+    first.proc.signal(libc::SIGKILL);
+    let _ = first.proc.wait(Duration::from_secs(5));
+    let mut second = Agent::watch(target.prefill, "sglang", "5s", &["--bpf-dir", dir.to_str().expect("utf-8 bpf dir")]);
+    second.bpf_dir = Some(dir);
+    second.proc.wait_stderr("took over the requests in flight", Duration::from_secs(10));
+    let mut seen = Vec::new();
+    second.wait_until("the room's stall", LONGER + Duration::from_secs(5), &mut seen, |seen| alerts(seen, "stalled").next().is_some());
+    std::thread::sleep(Duration::from_secs(1));
+    seen.extend(second.stop());
+    let stalls: Vec<(Instant, Value)> = alerts(&seen, "stalled").collect();
+    let [(at, alert)] = &stalls[..] else { panic!("one stall, the room's: {seen:?}") };
+    assert_eq!((alert["key"].as_str(), alert["external_id"].as_str()), (Some(format!("{room:#x}").as_str()), Some(room.to_string().as_str())), "{alert}");
+    assert_eq!((alert["class"].as_str(), alert["stage"].as_str()), (Some("waiting_for_peer"), Some("enqueued")), "{alert}");
+    // What it waits on died with the first agent.
+    assert!(alert["answered"].is_null() && alert["waiting_on"].is_null(), "{alert}");
+    let latency = at.duration_since(since);
+    assert!(latency >= LONGER - Duration::from_millis(50) && latency <= LONGER + LATENESS, "{alert} after {latency:?}");
+}
+
 #[test]
 fn sglang_profile_fails_the_room_of_a_decode_that_died() {
     let (target, agent, killed_at) = decode_died("sglang");

@@ -517,6 +517,16 @@ impl Profile {
     }
 }
 
+impl Profile {
+    /// Whether the agent follows SGLang's rooms under this profile (it
+    /// reads the bootstrap ZMQ messages, [`crate::sglang`]): a request the
+    /// kernel holds that is keyed by its room is then one of those rooms,
+    /// not a probe's (the `marker` profile's are keyed by room too).
+    pub fn follows_rooms(&self) -> bool {
+        self.signals.iter().any(|spec| spec.name == "zmq_recv")
+    }
+}
+
 impl ActivitySpec {
     /// The function counted: (object, symbol).
     fn function(&self) -> (Option<&str>, &str) {
