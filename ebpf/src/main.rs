@@ -362,12 +362,23 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
     let pid_tgid = bpf_get_current_pid_tgid();
     let request = RequestKey { key, pid: (pid_tgid >> 32) as u32, _pad: 0 };
     let only_on_change = cfg.flags & slot_flags::ONLY_ON_CHANGE != 0;
-    if only_on_change && unchanged(&request, slot, ret) {
+    // A signal is the agent's alone: no in-flight entry, no last event.
+    let lifecycle = matched.stage != stage::SIGNAL;
+    // The request's entry, looked up once for everything below that needs
+    // it. A map value stays valid while the program runs (RCU), even if
+    // another CPU deletes it meanwhile.
+    let held = if lifecycle || only_on_change { INFLIGHT.get_ptr_mut(&request) } else { None };
+    // SAFETY: read only, see above.
+    let held_ref = held.map(|entry| unsafe { &*entry });
+    if only_on_change && unchanged(held_ref, &request, slot, ret) {
         bump(counter::UNCHANGED);
         return;
     }
-    // A signal is the agent's alone: no in-flight entry, no last event.
-    let lifecycle = matched.stage != stage::SIGNAL;
+    // The kernel and the agent keep a request's first external id: once
+    // its live entry has one, reading it again (a string copy from the
+    // target) is wasted.
+    let wants_ext = cfg.flags & slot_flags::HAS_EXT != 0
+        && !(lifecycle && held_ref.is_some_and(|entry| entry.ended == 0 && entry.has_ext != 0));
     // SAFETY: the helper only reads the clock.
     let ts = unsafe { bpf_ktime_get_ns() };
     let ends = lifecycle && (matched.stage >= stage::FIRST_TERMINAL || cfg.flags & slot_flags::ENDS != 0);
@@ -377,7 +388,7 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         // it is not recorded as emitted, so a poll answering the same
         // again is sent again.
         if lifecycle {
-            track(&request, matched.stage, ends, ts, None, None);
+            track(&request, held, matched.stage, ends, ts, None, None);
         }
         return;
     };
@@ -395,7 +406,7 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         (*event).flags = if cfg.flags & slot_flags::ENDS != 0 { matched.rules | event_flags::ENDS } else { matched.rules };
         (*event).stage = matched.stage;
         (*event).ext[0] = 0;
-        if cfg.flags & slot_flags::HAS_EXT != 0 && guard_holds(cfg, args, ret, key) {
+        if wants_ext && guard_holds(cfg, args, ret, key) {
             let bytes = cfg.flags & slot_flags::EXT_BYTES != 0;
             match resolve(&cfg.ext, args, ret, key) {
                 Some(at) if bytes && bpf_probe_read_user_buf(at as *const u8, &mut (*event).ext).is_ok() => {
@@ -411,7 +422,7 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         if lifecycle {
             // Before the submit: once submitted the record is the agent's.
             let ext = if (*event).flags & event_flags::HAS_EXT != 0 { Some(&(*event).ext) } else { None };
-            track(&request, matched.stage, ends, ts, ext, emitted);
+            track(&request, held, matched.stage, ends, ts, ext, emitted);
         }
     }
     let wakeup = if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKEUP_AT {
@@ -428,12 +439,11 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
 }
 
 /// Whether the last event emitted for `request` was this slot's with this
-/// return value: what the request's in-flight entry says, or, once its
-/// lifecycle has ended (no entry), what ended it.
+/// return value: what the request's in-flight entry (`held`) says, or, once
+/// its lifecycle has ended (no entry), what ended it.
 #[inline(always)]
-fn unchanged(request: &RequestKey, slot: u32, ret: i64) -> bool {
-    // SAFETY: the values are only compared, never kept.
-    match unsafe { INFLIGHT.get(request) } {
+fn unchanged(held: Option<&InflightEntry>, request: &RequestKey, slot: u32, ret: i64) -> bool {
+    match held {
         Some(entry) => entry.last_slot == slot && entry.last_ret == ret,
         None => unsafe { LAST.get(request) }.is_some_and(|last| last.slot == slot && last.ret == ret),
     }
@@ -442,14 +452,23 @@ fn unchanged(request: &RequestKey, slot: u32, ret: i64) -> bool {
 /// Keep the in-flight table: an event that leaves the lifecycle live
 /// creates or advances the request's entry, one that `ends` it (a terminal
 /// stage, or a slot's `ENDS`) deletes it (or, while the agent's stall alert
-/// for it is out, marks it ended for the agent to collect). The entry
-/// records `emitted`, the event sent for this hit, if one was.
+/// for it is out, marks it ended for the agent to collect). `held` is the
+/// request's entry as the event's lookup found it. The entry records
+/// `emitted`, the event sent for this hit, if one was.
 #[inline(always)]
-fn track(request: &RequestKey, stage: u8, ends: bool, ts: u64, ext: Option<&[u8; EXT_ID_LEN]>, emitted: Option<LastEmitted>) {
+fn track(
+    request: &RequestKey,
+    held: Option<*mut InflightEntry>,
+    stage: u8,
+    ends: bool,
+    ts: u64,
+    ext: Option<&[u8; EXT_ID_LEN]>,
+    emitted: Option<LastEmitted>,
+) {
     if ends {
         // SAFETY: only tested for presence.
         if unsafe { ALERTED.get(request) }.is_some() {
-            if let Some(entry) = INFLIGHT.get_ptr_mut(request) {
+            if let Some(entry) = held {
                 // SAFETY: a map value; concurrent writers race benignly
                 // (whole u64/u8 fields, the agent reads them as a hint).
                 let entry = unsafe { &mut *entry };
@@ -465,7 +484,7 @@ fn track(request: &RequestKey, stage: u8, ends: bool, ts: u64, ext: Option<&[u8;
         }
         return;
     }
-    if let Some(entry) = INFLIGHT.get_ptr_mut(request) {
+    if let Some(entry) = held {
         // SAFETY: as above.
         let entry = unsafe { &mut *entry };
         if entry.ended == 0 {
