@@ -650,6 +650,18 @@ mod tests {
     #[derive(Clone, Default)]
     struct Shared(Rc<RefCell<Kernel>>);
 
+    /// A seeded xorshift die, `roll(n)` in `0..n`: the model tests replay
+    /// any failing seed exactly, without a crate for randomness.
+    fn dice(seed: u64) -> impl FnMut(u64) -> u64 {
+        let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        move |n| {
+            rng ^= rng >> 12;
+            rng ^= rng << 25;
+            rng ^= rng >> 27;
+            rng.wrapping_mul(0x2545_F491_4F6C_DD1D) % n
+        }
+    }
+
     fn id(key: &RequestKey) -> (u32, u64) {
         (key.pid, key.key)
     }
@@ -803,13 +815,7 @@ mod tests {
         use stallwatch_common::stage::{FIRST_TERMINAL, LIVE};
         let mut kept_ended = 0;
         for seed in 1..=20u64 {
-            let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-            let mut roll = |n: u64| {
-                rng ^= rng >> 12;
-                rng ^= rng << 25;
-                rng ^= rng >> 27;
-                rng.wrapping_mul(0x2545_F491_4F6C_DD1D) % n
-            };
+            let mut roll = dice(seed);
             let (kernel, held) = (Shared::default(), Shared::default());
             let capacity = if seed % 5 == 0 { 2 } else { 1 << 17 };
             kernel.0.borrow_mut().capacity = capacity;
@@ -876,13 +882,7 @@ mod tests {
         use stallwatch_common::stage::{ABORTED, ENQUEUED, FAILED, RELEASED, TRANSFER_DONE};
         let mut totals = (0usize, 0usize, 0usize, 0usize, 0usize);
         for seed in 1..=40u64 {
-            let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-            let mut roll = |n: u64| {
-                rng ^= rng >> 12;
-                rng ^= rng << 25;
-                rng ^= rng >> 27;
-                rng.wrapping_mul(0x2545_F491_4F6C_DD1D) % n
-            };
+            let mut roll = dice(seed);
             let kernel = Shared::default();
             kernel.0.borrow_mut().capacity = if seed % 4 == 0 { 3 } else { 1 << 17 };
             let mut reported = Reported::default();
