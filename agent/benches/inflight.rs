@@ -12,7 +12,6 @@
 //! `cargo test --all-targets` it runs a smoke version: 2 000 pinned, 2
 //! queries of each kind, and it fails unless the take-over kept every
 //! pinned request and reported none of their stalls again.
-#[allow(dead_code)] // `Attached` is not used here
 mod support;
 
 use std::{
@@ -165,6 +164,9 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// An agent's stderr, a line each, as it is written.
+type Lines = Arc<Mutex<Vec<String>>>;
+
 /// `stallwatch run` on the demo with `bpf_dir`: the child, its stderr
 /// lines, and a count of the stall alerts on its stdout.
 fn start_agent(
@@ -172,7 +174,7 @@ fn start_agent(
     pid: &str,
     socket: &PathBuf,
     bpf_dir: &PathBuf,
-) -> Result<(Killed, Arc<Mutex<Vec<String>>>, Arc<AtomicU64>)> {
+) -> Result<(Killed, Lines, Arc<AtomicU64>)> {
     let mut child = Killed(
         Command::new(agent)
             .args(["run", "--pid", pid, "--profile", "demo", "--timeout", "2s", "--output", "json", "--socket"])

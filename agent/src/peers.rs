@@ -52,6 +52,10 @@ struct Handle {
     done: bool,
 }
 
+/// One peer's completions: (first completion's time, completions) per
+/// bucket, oldest first.
+type Buckets = VecDeque<(u64, u64)>;
+
 /// The handles' peers and the peers' completions of every watched process.
 pub struct Peers {
     /// (pid, tid): the peer of the transfer the thread is creating.
@@ -60,7 +64,7 @@ pub struct Peers {
     handles: HashMap<(u32, u64), Handle>,
     /// pid -> peer -> (first completion's time, completions) per bucket,
     /// oldest first, no older than `keep_ns` before the newest.
-    completions: HashMap<u32, HashMap<Arc<str>, VecDeque<(u64, u64)>>>,
+    completions: HashMap<u32, HashMap<Arc<str>, Buckets>>,
     /// How far back completions are kept: a stall is judged against its
     /// last event, one timeout (plus slack) ago.
     keep_ns: u64,
@@ -236,7 +240,7 @@ mod tests {
         assert_eq!(peers.since(5, 0xa0, 0).map(|p| (p.to_peer, p.to_others)), Some((1, 0)));
         peers.forget(4);
         assert_eq!(counts(&peers, 0xa0, 0), None);
-        assert!(peers.completions.get(&4).is_none() && peers.handles.keys().all(|(pid, _)| *pid == 5));
+        assert!(!peers.completions.contains_key(&4) && peers.handles.keys().all(|(pid, _)| *pid == 5));
         peers.forget(5);
         assert!(peers.handles.is_empty() && peers.creating.is_empty() && peers.completions.is_empty());
     }

@@ -210,6 +210,9 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                         queries.forget_process(pid);
                     }
                     match &selector {
+                        // A selected process that could not be watched is
+                        // logged, not left for the pending arm below.
+                        #[expect(clippy::collapsible_match, reason = "the failed watch must not fall through")]
                         Some(selector) if selector.matches(pid) => {
                             if session.watch_or_log(pid) {
                                 queries.name_process(pid, &process_name(pid));

@@ -32,9 +32,9 @@ fn fields(line: &str, lead: usize) -> Vec<(String, String)> {
         rest = rest.trim_start();
         let (key, after) = rest.split_once('=').unwrap_or_else(|| panic!("not key=value at `{rest}` in: {line}"));
         assert!(!key.contains(' ') && !key.is_empty(), "a bare word `{key}` in: {line}");
-        let end = if after.starts_with('"') {
+        let end = if let Some(quoted) = after.strip_prefix('"') {
             let mut escaped = false;
-            1 + after[1..]
+            1 + quoted
                 .char_indices()
                 .find(|&(_, c)| {
                     let close = c == '"' && !escaped;

@@ -17,6 +17,10 @@ pub const RECENT_ENDS_MIN: usize = 256;
 /// Most recent process exits remembered for stale-event detection.
 pub const RECENT_EXITS: usize = 4096;
 
+/// What [`Engine::advance_reading`] reads the target's memory with: one
+/// batch of silent requests in, an answer per request pushed, in order.
+pub type ReadBatch<'a> = dyn FnMut(&[Silent], &mut Vec<Option<StageRead>>) + 'a;
+
 /// The class of a request alerted at `alerted_ns`: that of the furthest
 /// stage first seen by then (enqueued's when none was).
 fn class_when(stage_ns: &[Option<u64>; 3], alerted_ns: u64) -> StallClass {
@@ -126,18 +130,9 @@ impl Engine {
 
     /// Apply one observation; reports it causes are appended to `out`.
     pub fn observe(&mut self, obs: Observation, out: &mut Vec<Report>) {
-        let Observation {
-            pid,
-            key,
-            stage,
-            ts_ns,
-            external_id,
-            ends,
-        } = obs;
-        let outcome = Outcome::of_event(stage, ends);
-        match self.index.find(self.slab.records(), pid, key) {
-            Some(i) => self.observe_tracked(i, stage, outcome, ts_ns, external_id, out),
-            None => self.observe_new(pid, key, stage, outcome, ts_ns, external_id, out),
+        match self.index.find(self.slab.records(), obs.pid, obs.key) {
+            Some(i) => self.observe_tracked(i, obs, out),
+            None => self.observe_new(obs, out),
         }
     }
 
@@ -221,7 +216,7 @@ impl Engine {
         &mut self,
         now_ns: u64,
         budget: usize,
-        read: &mut dyn FnMut(&[Silent], &mut Vec<Option<StageRead>>),
+        read: &mut ReadBatch<'_>,
         out: &mut Vec<Report>,
     ) {
         let due = &mut self.due;
@@ -396,16 +391,9 @@ impl Engine {
     }
 
     /// An event for an untracked (pid, key).
-    fn observe_new(
-        &mut self,
-        pid: u32,
-        key: u64,
-        stage: Stage,
-        outcome: Option<Outcome>,
-        ts_ns: u64,
-        external_id: Option<Box<str>>,
-        out: &mut Vec<Report>,
-    ) {
+    fn observe_new(&mut self, obs: Observation, out: &mut Vec<Report>) {
+        let Observation { pid, key, stage, ts_ns, external_id, ends } = obs;
+        let outcome = Outcome::of_event(stage, ends);
         // Only an event that leaves it live can open a lifecycle: an end
         // of something never tracked carries nothing to report (the
         // release of a lifecycle complete at transfer_done among them).
@@ -440,15 +428,9 @@ impl Engine {
     }
 
     /// An event for the tracked record `i`.
-    fn observe_tracked(
-        &mut self,
-        i: u32,
-        stage: Stage,
-        outcome: Option<Outcome>,
-        ts_ns: u64,
-        external_id: Option<Box<str>>,
-        out: &mut Vec<Report>,
-    ) {
+    fn observe_tracked(&mut self, i: u32, obs: Observation, out: &mut Vec<Report>) {
+        let Observation { stage, ts_ns, external_id, ends, .. } = obs;
+        let outcome = Outcome::of_event(stage, ends);
         let r = self.slab.get(i);
         // Older than this lifecycle and no later than the previous end of
         // the same (pid, key): a straggler of the previous lifecycle that
