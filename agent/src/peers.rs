@@ -62,8 +62,8 @@ pub struct Peers {
     creating: HashMap<(u32, u32), Arc<str>>,
     /// (pid, handle): until the handle ends.
     handles: HashMap<(u32, u64), Handle>,
-    /// pid -> peer -> (first completion's time, completions) per bucket,
-    /// oldest first, no older than `keep_ns` before the newest.
+    /// pid -> peer -> its buckets, none older than `keep_ns` before the
+    /// newest.
     completions: HashMap<u32, HashMap<Arc<str>, Buckets>>,
     /// How far back completions are kept: a stall is judged against its
     /// last event, one timeout (plus slack) ago.
