@@ -32,7 +32,7 @@ use crate::{
         telemetry::{Telemetry, TelemetryOptions},
     },
     gate::{Change, Failures, Gate},
-    lifecycle::{Engine, EngineConfig, Observation, Report, Silent},
+    lifecycle::{Engine, EngineConfig, Observation, Report, RequestSnapshot, Silent},
     probes::{KernelCounters, Probes, Profile},
     query::{QueryServer, SocketPlace},
     reactor,
@@ -101,6 +101,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
     let socket = SocketPlace::check(&socket)?;
     let bpf_dir = bpf_dir.as_deref().map(BpfDir::open).transpose()?;
     let mut probes = Probes::load(bpf_dir)?;
+    probes.set_quiet_gap(duration_ns(timeout) / 2);
     let state = probes.kernel_state()?;
     let logger = EbpfLogger::init(probes.ebpf_mut()).context("setting up eBPF logging")?;
     let mut logger = reactor::register(logger, "the eBPF log buffer")?;
@@ -266,7 +267,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
             query = queries.next() => {
                 // Up to date to the moment asked, not to the last tick.
                 session.drain();
-                queries.answer(query, &session.engine, &session.transport, &session.signals, monotonic_ns());
+                queries.answer(query, &session.engine, &session.transport, &session.signals, |request| session.catch_up(request), monotonic_ns());
             }
             _ = interrupt.recv() => break,
             _ = terminate.recv() => break,
@@ -527,10 +528,15 @@ impl<W: Write> Session<W> {
     /// most `budget` of them (the rest wait for the next calls).
     fn advance(&mut self, now: u64, budget: usize) {
         let Session { engine, status, state, reports, signals, .. } = self;
+        // What `quiet` probes kept in the kernel's table comes first: a
+        // request they moved along is not silent. A lookup that fails
+        // tells nothing, as one that finds nothing.
+        let mut withheld = |silent: &Silent| state.withheld(silent).ok().flatten();
         match status {
-            Some(status) => engine.advance_reading(
+            Some(status) => engine.advance_checking(
                 now,
                 budget,
+                &mut withheld,
                 &mut |silents, answers| {
                     let holds = |silent: &Silent| state.holds(silent.pid, silent.key, silent.last_ns);
                     let start = answers.len();
@@ -560,7 +566,25 @@ impl<W: Write> Session<W> {
                 },
                 reports,
             ),
-            None => engine.advance(now, reports),
+            None => engine.advance_checking(
+                now,
+                budget,
+                &mut withheld,
+                &mut |silents, answers| answers.extend(silents.iter().map(|_| None)),
+                reports,
+            ),
+        }
+    }
+
+    /// A live request as the kernel holds it, for `stallwatch inflight`: a
+    /// stalled one is as the engine has it (its next event is always sent).
+    fn catch_up(&self, request: &mut RequestSnapshot) {
+        if request.stalled.is_some() {
+            return;
+        }
+        let silent = Silent { pid: request.pid, key: request.key, stage: request.stage, first_ns: request.first_ns, last_ns: request.last_ns };
+        if let Ok(Some(seen)) = self.state.withheld(&silent) {
+            request.catch_up(&seen);
         }
     }
 
@@ -581,7 +605,9 @@ impl<W: Write> Session<W> {
                 "target process exec'd a new program: the old one's requests end process_exited, its probes are detached"
             ),
         }
-        self.engine.process_exited(pid, monotonic_ns(), &mut self.reports);
+        let state = &self.state;
+        let mut withheld = |silent: &Silent| state.withheld(silent).ok().flatten();
+        self.engine.process_exited_checking(pid, monotonic_ns(), &mut withheld, &mut self.reports);
         if let Err(err) = self.state.forget_process(pid) {
             warn!(pid, "dropping the kernel's in-flight entries of an exited process: {err:#}");
         }
@@ -696,12 +722,33 @@ impl Ingest {
         reports: &mut Vec<Report>,
         route: &mut impl FnMut(&Event, Option<Observation>) -> Option<Observation>,
     ) {
+        match events::decode(bytes) {
+            Ok(event) => {
+                for earlier in events::withheld(&event) {
+                    self.event(&earlier, transport, engine, reports, route);
+                }
+                self.event(&event, transport, engine, reports, route);
+            }
+            Err(err) => {
+                self.undecodable += 1;
+                self.last_error = Some(format!("{err:#}"));
+            }
+        }
+    }
+
+    fn event(
+        &mut self,
+        event: &Event,
+        transport: &mut Tracker,
+        engine: &mut Engine,
+        reports: &mut Vec<Report>,
+        route: &mut impl FnMut(&Event, Option<Observation>) -> Option<Observation>,
+    ) {
         // A signal is a lifecycle event only once its consumer makes one
         // (an SGLang room's, from its ZMQ messages); a probe's lifecycle
         // event may be another's (a NIXL handle's, its room's).
-        let decoded = events::decode(bytes).and_then(|event| {
-            if signals::is_signal(&event) { Ok(route(&event, None)) } else { events::observe(&event).map(|o| route(&event, Some(o))) }
-        });
+        let decoded =
+            if signals::is_signal(event) { Ok(route(event, None)) } else { events::observe(event).map(|o| route(event, Some(o))) };
         match decoded {
             Ok(None) => {}
             Ok(Some(observation)) => {
@@ -847,7 +894,7 @@ mod tests {
         let mut engine = Engine::new(EngineConfig::default());
         let mut reports = Vec::new();
         let unknown_stage = Event {
-            ts_ns: 5, key: 7, ret: 0, pid: 9, tid: 9, slot: 3, flags: 0, stage: 200, _pad: [0; 7], ext: [0; EXT_ID_LEN],
+            ts_ns: 5, key: 7, ret: 0, pid: 9, tid: 9, slot: 3, flags: 0, stage: 200, _pad: [0; 7], stage_ns: [0; 3], ext: [0; EXT_ID_LEN],
         };
         let logged = warnings(|| {
             for _ in 0..1000 {

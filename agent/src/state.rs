@@ -30,7 +30,7 @@ use tracing::{info, warn};
 
 use crate::{
     events,
-    lifecycle::{Observation, Outcome, Report, Restored},
+    lifecycle::{Observation, Outcome, Report, Restored, Silent, Withheld},
     trusted_dir::TrustedDir,
     warned::Warned,
 };
@@ -357,7 +357,7 @@ impl<T: Tables> KernelState<T> {
                     stage: o.stage as u8,
                     has_ext,
                     ended: 0,
-                    _pad: 0,
+                    withheld: 0,
                     ext,
                 }
             }
@@ -481,6 +481,20 @@ impl<T: Tables> KernelState<T> {
         Ok(entry.is_some_and(|entry| entry.ended == 0 && entry.first_ns <= last_ns))
     }
 
+    /// What the kernel holds of the silent `silent` beyond what the agent
+    /// has: its entry's events later than `last_ns`, kept there by `quiet`
+    /// probes, while the entry is live and this lifecycle's (it began no
+    /// later than the silence).
+    pub fn withheld(&self, silent: &Silent) -> Result<Option<Withheld>> {
+        let entry = self.tables.inflight(&RequestKey { key: silent.key, pid: silent.pid, _pad: 0 })?;
+        let Some(entry) = entry.filter(|entry| entry.ended == 0 && entry.first_ns <= silent.last_ns && entry.last_ns > silent.last_ns)
+        else {
+            return Ok(None);
+        };
+        let Some(stage) = events::stage(entry.stage).filter(|stage| !stage.is_terminal()) else { return Ok(None) };
+        Ok(Some(Withheld { stage, last_ns: entry.last_ns, stage_ns: entry.stage_ns.map(|ns| (ns != 0).then_some(ns)) }))
+    }
+
     /// Drop every entry of `pid`: it exited, or this agent does not watch it.
     pub fn forget_process(&mut self, pid: u32) -> Result<()> {
         self.marked.retain(|(marked_pid, _)| *marked_pid != pid);
@@ -567,7 +581,7 @@ mod tests {
             stage: stage::TRANSFER_POSTED,
             has_ext: 1,
             ended: 0,
-            _pad: 0,
+            withheld: 0,
             ext,
         };
         let key = RequestKey { key: 0xabc, pid: 42, _pad: 0 };
@@ -639,7 +653,7 @@ mod tests {
                 stage,
                 has_ext: 0,
                 ended: 0,
-                _pad: 0,
+                withheld: 0,
                 ext: [0; EXT_ID_LEN],
             };
             entry.stage_ns[usize::from(stage)] = ts;

@@ -126,6 +126,14 @@ pub mod slot_flags {
     /// `complete_at = "transfer_done"`): its done requests must neither
     /// fill the table nor read as stalled to a restarted agent.
     pub const ENDS: u32 = 1 << 9;
+    /// The slot's events need not reach the agent at once (a profile's
+    /// `quiet = true`): one that only moves a request the agent knows of
+    /// along, within [`SlotConfig::quiet_ns`] of its previous event, is
+    /// kept in the request's in-flight entry, not sent. The agent reads
+    /// the entry when the silence it knows of comes due, and the next
+    /// record sent for the request carries the stage times it was not
+    /// sent ([`event_flags::WITHHELD`](super::event_flags::WITHHELD)).
+    pub const QUIET: u32 = 1 << 10;
     /// The slot is live. The agent writes a process's slots without it,
     /// attaches every probe, then sets it on all of them: a request that
     /// began while only some probes were attached would be seen at one
@@ -154,6 +162,11 @@ pub struct SlotConfig {
     /// (one of [`stage`]).
     pub stage: u8,
     pub _pad: [u8; 7],
+    /// With [`slot_flags::QUIET`]: the longest gap after a request's
+    /// previous event within which an event of it is not sent. Half the
+    /// agent's timeout, so an event after a silence the agent may have
+    /// reported (a stall's recovery) is always sent.
+    pub quiet_ns: u64,
 }
 
 /// Bits of [`Event::flags`].
@@ -166,6 +179,10 @@ pub mod event_flags {
     /// The event ends the lifecycle at its stage (its slot has
     /// [`slot_flags::ENDS`](super::slot_flags::ENDS)).
     pub const ENDS: u32 = 1 << 2;
+    /// [`Event::stage_ns`] holds the times of the request's stages whose
+    /// events were not sent ([`slot_flags::QUIET`](super::slot_flags::QUIET)),
+    /// 0 for the others: the agent takes them as events seen then.
+    pub const WITHHELD: u32 = 1 << 3;
     /// Set when return rule `n` matched: `RULE_MATCHED << n`.
     pub const RULE_MATCHED: u32 = 1 << 8;
 }
@@ -190,6 +207,9 @@ pub struct Event {
     /// probes wrote without knowing their slots.
     pub stage: u8,
     pub _pad: [u8; 7],
+    /// With [`event_flags::WITHHELD`]: when each live stage whose event
+    /// was not sent was first seen (0: sent, or not seen).
+    pub stage_ns: [u64; stage::LIVE],
     pub ext: [u8; EXT_ID_LEN],
 }
 
@@ -262,8 +282,21 @@ pub struct InflightEntry {
     /// the request is out (see `ALERTED`): the entry is kept so the next
     /// agent can report the recovery.
     pub ended: u8,
-    pub _pad: u8,
+    /// What the agent was not sent of this lifecycle (see [`withheld`]).
+    pub withheld: u8,
     pub ext: [u8; EXT_ID_LEN],
+}
+
+/// Bits of [`InflightEntry::withheld`].
+pub mod withheld {
+    /// Bit `n` (below [`stage::LIVE`](super::stage::LIVE)): live stage
+    /// `n`'s first time, in `stage_ns`, was not sent; the next record sent
+    /// for the request carries it, which clears the bits.
+    pub const STAGES: u8 = (1 << super::stage::LIVE) - 1;
+    /// The lifecycle's first event was lost (the ring buffer was full):
+    /// the agent does not know of the request, so nothing of it is
+    /// withheld until a record of it is sent.
+    pub const UNKNOWN: u8 = 1 << 7;
 }
 
 /// [`InflightEntry::last_slot`] of a request whose events were all lost
@@ -278,7 +311,9 @@ pub const NOT_EMITTED: u32 = u32::MAX;
 /// emitted; `LAST` only the ends of lifecycles an `ONLY_ON_CHANGE` slot
 /// emitted; [`SavedArgs`] are reused, marked `live`. 5: [`InflightEntry`]
 /// says `ended` (a lifecycle can end at a live stage, [`slot_flags::ENDS`]).
-pub const STATE_LAYOUT: u32 = 5;
+/// 6: [`InflightEntry::withheld`], [`Event::stage_ns`], [`SlotConfig::quiet_ns`]
+/// ([`slot_flags::QUIET`]), `COUNTERS` gained `WITHHELD`.
+pub const STATE_LAYOUT: u32 = 6;
 
 /// Indices of the per-CPU `COUNTERS` array: what the kernel side could not do.
 /// Every one is reported by the agent; none is silent. The first four each
@@ -304,7 +339,10 @@ pub mod counter {
     pub const STATE_FULL: u32 = 6;
     /// The external id could not be read: the event was delivered without it.
     pub const EXT_UNREADABLE: u32 = 7;
-    pub const COUNT: u32 = 8;
+    /// Events kept in their request's in-flight entry, not sent
+    /// ([`slot_flags::QUIET`](super::slot_flags::QUIET)): not lost.
+    pub const WITHHELD: u32 = 8;
+    pub const COUNT: u32 = 9;
 }
 
 #[cfg(feature = "user")]

@@ -31,7 +31,7 @@ use aya_log_ebpf::warn;
 use stallwatch_common::{
     EXT_ID_LEN, Event, InflightEntry, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS, NOT_EMITTED,
     RequestKey, RetRule, SAVED_ARGS, SavedArgs, SavedArgsKey, SlotConfig, ValueSource, base, cmp,
-    counter, event_flags, slot_flags, stage,
+    counter, event_flags, slot_flags, stage, withheld,
 };
 
 /// `BPF_F_NO_PREALLOC`: the in-flight tables take memory per request held,
@@ -382,18 +382,32 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
     // SAFETY: the helper only reads the clock.
     let ts = unsafe { bpf_ktime_get_ns() };
     let ends = lifecycle && (matched.stage >= stage::FIRST_TERMINAL || cfg.flags & slot_flags::ENDS != 0);
+    let live = held_ref.filter(|entry| entry.ended == 0);
+    let emitted = LastEmitted { ret, slot, _pad: 0 };
+    // A quiet slot's event that only moves a busy request the agent knows
+    // along stays in its entry: the ring-buffer record is most of what an
+    // emitting probe costs the target.
+    if lifecycle
+        && !ends
+        && !wants_ext
+        && cfg.flags & slot_flags::QUIET != 0
+        && live.is_some_and(|entry| entry.withheld & withheld::UNKNOWN == 0 && ts.saturating_sub(entry.last_ns) < cfg.quiet_ns)
+    {
+        bump(counter::WITHHELD);
+        track(&request, held, matched.stage, ends, ts, None, Delivery::Withheld(emitted));
+        return;
+    }
     let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
         bump(counter::RINGBUF_FULL);
         // The agent misses this event, but the in-flight table need not;
         // it is not recorded as emitted, so a poll answering the same
         // again is sent again.
         if lifecycle {
-            track(&request, held, matched.stage, ends, ts, None, None);
+            track(&request, held, matched.stage, ends, ts, None, Delivery::Lost);
         }
         return;
     };
     let event = entry.as_mut_ptr();
-    let emitted = Some(LastEmitted { ret, slot, _pad: 0 });
     // SAFETY: `event` points at a reserved, exclusively owned ring-buffer
     // record of the right size; every field but the tail of `ext` is written.
     unsafe {
@@ -405,6 +419,18 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         (*event).slot = slot;
         (*event).flags = if cfg.flags & slot_flags::ENDS != 0 { matched.rules | event_flags::ENDS } else { matched.rules };
         (*event).stage = matched.stage;
+        (*event).stage_ns = [0; stage::LIVE];
+        if let Some(held) = live {
+            let bits = held.withheld & withheld::STAGES;
+            if bits != 0 {
+                for (n, at) in (*event).stage_ns.iter_mut().enumerate() {
+                    if bits & (1 << n) != 0 {
+                        *at = held.stage_ns[n];
+                    }
+                }
+                (*event).flags |= event_flags::WITHHELD;
+            }
+        }
         (*event).ext[0] = 0;
         if wants_ext && guard_holds(cfg, args, ret, key) {
             let bytes = cfg.flags & slot_flags::EXT_BYTES != 0;
@@ -422,7 +448,7 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         if lifecycle {
             // Before the submit: once submitted the record is the agent's.
             let ext = if (*event).flags & event_flags::HAS_EXT != 0 { Some(&(*event).ext) } else { None };
-            track(&request, held, matched.stage, ends, ts, ext, emitted);
+            track(&request, held, matched.stage, ends, ts, ext, Delivery::Sent(emitted));
         }
     }
     let wakeup = if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKEUP_AT {
@@ -432,10 +458,19 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
     };
     entry.submit(u64::from(wakeup));
     if only_on_change && ends {
-        if let Some(last) = &emitted {
-            let _ = LAST.insert(&request, last, 0);
-        }
+        let _ = LAST.insert(&request, &emitted, 0);
     }
+}
+
+/// What became of the event [`track`] records, as its entry keeps it.
+enum Delivery {
+    /// In the ring buffer, with every stage time withheld before it.
+    Sent(LastEmitted),
+    /// Kept in the entry only ([`slot_flags::QUIET`]).
+    Withheld(LastEmitted),
+    /// Lost (the ring buffer was full); the next record sent for the
+    /// request carries its stage's time, if it was the first.
+    Lost,
 }
 
 /// Whether the last event emitted for `request` was this slot's with this
@@ -453,8 +488,8 @@ fn unchanged(held: Option<&InflightEntry>, request: &RequestKey, slot: u32, ret:
 /// creates or advances the request's entry, one that `ends` it (a terminal
 /// stage, or a slot's `ENDS`) deletes it (or, while the agent's stall alert
 /// for it is out, marks it ended for the agent to collect). `held` is the
-/// request's entry as the event's lookup found it. The entry records
-/// `emitted`, the event sent for this hit, if one was.
+/// request's entry as the event's lookup found it. The entry records the
+/// event as `delivery` says.
 #[inline(always)]
 fn track(
     request: &RequestKey,
@@ -463,7 +498,7 @@ fn track(
     ends: bool,
     ts: u64,
     ext: Option<&[u8; EXT_ID_LEN]>,
-    emitted: Option<LastEmitted>,
+    delivery: Delivery,
 ) {
     if ends {
         // SAFETY: only tested for presence.
@@ -477,7 +512,7 @@ fn track(
                 if ts > entry.last_ns {
                     entry.last_ns = ts;
                 }
-                note_emitted(entry, emitted);
+                note_delivery(entry, stage, false, &delivery);
             }
         } else {
             let _ = INFLIGHT.remove(request);
@@ -494,12 +529,12 @@ fn track(
             if stage > entry.stage {
                 entry.stage = stage;
             }
-            note_stage_time(&mut entry.stage_ns, stage, ts);
+            let first = note_stage_time(&mut entry.stage_ns, stage, ts);
             if let (0, Some(ext)) = (entry.has_ext, ext) {
                 entry.ext = *ext;
                 entry.has_ext = 1;
             }
-            note_emitted(entry, emitted);
+            note_delivery(entry, stage, first, &delivery);
             return;
         }
         // An ended entry kept for the agent: the key's next lifecycle
@@ -514,11 +549,14 @@ fn track(
         stage,
         has_ext: 0,
         ended: 0,
-        _pad: 0,
+        withheld: 0,
         ext: [0; EXT_ID_LEN],
     };
     note_stage_time(&mut entry.stage_ns, stage, ts);
-    note_emitted(&mut entry, emitted);
+    note_delivery(&mut entry, stage, true, &delivery);
+    if let Delivery::Lost = delivery {
+        entry.withheld |= withheld::UNKNOWN;
+    }
     if let Some(ext) = ext {
         entry.ext = *ext;
         entry.has_ext = 1;
@@ -532,24 +570,53 @@ fn track(
     }
 }
 
+/// Record how the event of `stage` was delivered: the last event an
+/// `ONLY_ON_CHANGE` slot compares with (sent or withheld, not lost), and
+/// whether the agent still lacks the stage's first time (`first`: this
+/// event set it). A record sent carries every time withheld before it.
 #[inline(always)]
-fn note_emitted(entry: &mut InflightEntry, emitted: Option<LastEmitted>) {
-    if let Some(last) = emitted {
-        entry.last_ret = last.ret;
-        entry.last_slot = last.slot;
+fn note_delivery(entry: &mut InflightEntry, stage: u8, first: bool, delivery: &Delivery) {
+    match delivery {
+        Delivery::Sent(last) => {
+            entry.last_ret = last.ret;
+            entry.last_slot = last.slot;
+            entry.withheld = 0;
+        }
+        Delivery::Withheld(last) => {
+            entry.last_ret = last.ret;
+            entry.last_slot = last.slot;
+            if first {
+                entry.withheld |= stage_bit(stage);
+            }
+        }
+        Delivery::Lost => {
+            if first {
+                entry.withheld |= stage_bit(stage);
+            }
+        }
     }
 }
 
-/// When a live stage was first seen, unless it already has a time. A walk
-/// with constant offsets: LLVM turns `get_mut(stage as usize)` into a
-/// variable offset whose bound the verifier cannot follow.
+/// The [`withheld::STAGES`] bit of a live stage.
 #[inline(always)]
-fn note_stage_time(times: &mut [u64; stage::LIVE], stage: u8, ts: u64) {
+fn stage_bit(stage: u8) -> u8 {
+    (1u8 << (stage & 7)) & withheld::STAGES
+}
+
+/// When a live stage was first seen, unless it already has a time; true
+/// when this set it. A walk with constant offsets: LLVM turns
+/// `get_mut(stage as usize)` into a variable offset whose bound the
+/// verifier cannot follow.
+#[inline(always)]
+fn note_stage_time(times: &mut [u64; stage::LIVE], stage: u8, ts: u64) -> bool {
+    let mut set = false;
     for (n, at) in times.iter_mut().enumerate() {
         if n == usize::from(stage) && *at == 0 {
             *at = ts;
+            set = true;
         }
     }
+    set
 }
 
 #[inline(always)]

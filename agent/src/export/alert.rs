@@ -109,7 +109,7 @@ impl<W: Write> AlertWriter<W> {
             Format::Human => format!(
                 "SUMMARY seen={} restored={} completed={} (unreleased={}) stalled={} recovered={} failed={} aborted={} process_exited={} \
                  evicted={} in_flight={} lost_events={} (ringbuf_full={} key_unreadable={} args_missing={} no_slot={} undecodable={}) \
-                 ext_unreadable={} stale_events={} duplicate_events={} export_drops={} state_full={}",
+                 ext_unreadable={} stale_events={} duplicate_events={} export_drops={} state_full={} withheld={} caught_up={}",
                 stats.seen,
                 stats.restored,
                 stats.completed,
@@ -132,6 +132,8 @@ impl<W: Write> AlertWriter<W> {
                 stats.duplicate_events,
                 export_drops,
                 kernel.state_full,
+                kernel.withheld,
+                stats.caught_up,
             ) + &status
                 .map(|r| {
                     format!(
@@ -182,6 +184,8 @@ impl<W: Write> AlertWriter<W> {
                 "duplicate_events": stats.duplicate_events,
                 "export_drops": export_drops,
                 "state_full": kernel.state_full,
+                "withheld": kernel.withheld,
+                "caught_up": stats.caught_up,
                 "status_reads": status.map(|r| json!({
                     "total": r.total(),
                     "answered": r.answered,

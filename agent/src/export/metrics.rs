@@ -103,8 +103,6 @@ pub struct Snapshot {
     pub progress_probes: Option<[u64; 2]>,
 }
 
-const LIVE_STAGES: [Stage; 3] = [Stage::Enqueued, Stage::TransferPosted, Stage::TransferDone];
-
 impl Collector for Snapshot {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), fmt::Error> {
         let gauges = |encoder: &mut DescriptorEncoder, name: &str, help: &str, label: &str, values: &[(&str, u64)]| {
@@ -114,7 +112,7 @@ impl Collector for Snapshot {
             }
             Ok::<(), fmt::Error>(())
         };
-        let in_flight: Vec<(&str, u64)> = LIVE_STAGES.iter().map(|s| s.as_str()).zip(self.in_flight).collect();
+        let in_flight: Vec<(&str, u64)> = Stage::LIVE.iter().map(|s| s.as_str()).zip(self.in_flight).collect();
         gauges(&mut encoder, "stallwatch_requests_in_flight", "Requests tracked right now, by furthest stage", "stage", &in_flight)?;
         let classes = || StallClass::ALL.iter().map(|c| c.as_str());
         let stalled: Vec<(&str, u64)> = classes().zip(self.stalled).collect();
@@ -191,6 +189,12 @@ impl Collector for Snapshot {
                 "stallwatch_state_full",
                 "Requests the kernel's in-flight table had no room for (they would not survive a restart)",
                 k.state_full,
+            )?;
+            counter(
+                &mut encoder,
+                "stallwatch_withheld_events",
+                "Events of quiet probes kept in the kernel's in-flight table instead of sent (not lost)",
+                k.withheld,
             )?;
         }
         if let Some([attached, detached]) = self.progress_probes {

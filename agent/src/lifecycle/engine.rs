@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 
 use super::index::{Index, Mixer, PidCounts};
 use super::recent::RecentLog;
-use super::report::{EngineStats, Observation, Report, RequestSnapshot, Restored, Silent, StageRead};
+use super::report::{EngineStats, Observation, Report, RequestSnapshot, Restored, Silent, StageRead, Withheld};
 use super::slab::{List, MAX_RECORDS, Place, Record, Slab};
 use super::stage::{Outcome, Stage, StallClass};
 use super::wheel::Wheel;
@@ -20,6 +20,10 @@ pub const RECENT_EXITS: usize = 4096;
 /// What [`Engine::advance_reading`] reads the target's memory with: one
 /// batch of silent requests in, an answer per request pushed, in order.
 pub type ReadBatch<'a> = dyn FnMut(&[Silent], &mut Vec<Option<StageRead>>) + 'a;
+
+/// What [`Engine::advance_checking`] asks the kernel of a request whose
+/// stall is due: the events it holds that the engine was not sent.
+pub type CheckWithheld<'a> = dyn FnMut(&Silent) -> Option<Withheld> + 'a;
 
 /// The class of a request alerted at `alerted_ns`: that of the furthest
 /// stage first seen by then (enqueued's when none was).
@@ -219,6 +223,21 @@ impl Engine {
         read: &mut ReadBatch<'_>,
         out: &mut Vec<Report>,
     ) {
+        self.advance_checking(now_ns, budget, &mut |_| None, read, out);
+    }
+
+    /// [`Engine::advance_reading`], asking `withheld` first about each
+    /// request whose stall is due (see **Withheld events** in the module
+    /// docs): one the kernel saw active since is armed again, one still
+    /// silent is read and stalled with what the kernel saw.
+    pub fn advance_checking(
+        &mut self,
+        now_ns: u64,
+        budget: usize,
+        withheld: &mut CheckWithheld<'_>,
+        read: &mut ReadBatch<'_>,
+        out: &mut Vec<Report>,
+    ) {
         let due = &mut self.due;
         self.wheel.advance(self.slab.records_mut(), now_ns, |recs, i| {
             let r = &recs[i as usize];
@@ -241,8 +260,23 @@ impl Engine {
                 self.arm(i, last_ns);
                 continue;
             }
+            let silent = Silent { pid: r.pid, key: r.key, stage: r.stage(), first_ns: r.first_ns, last_ns: r.last_ns };
+            let silent = match withheld(&silent) {
+                Some(seen) => {
+                    let r = self.slab.get_mut(i);
+                    r.catch_up(&seen);
+                    self.stats.caught_up += 1;
+                    if now_ns.saturating_sub(r.last_ns) < self.config.timeout_ns {
+                        let last_ns = r.last_ns;
+                        self.arm(i, last_ns);
+                        continue;
+                    }
+                    Silent { stage: r.stage(), last_ns: r.last_ns, ..silent }
+                }
+                None => silent,
+            };
             batch.push(i);
-            silents.push(Silent { pid: r.pid, key: r.key, stage: r.stage(), first_ns: r.first_ns, last_ns: r.last_ns });
+            silents.push(silent);
         }
         if !batch.is_empty() {
             read(&silents, &mut answers);
@@ -331,6 +365,13 @@ impl Engine {
     /// still in the pipeline (`ts_ns <= now_ns`) are stale rather than
     /// starting lifecycles that could never end.
     pub fn process_exited(&mut self, pid: u32, now_ns: u64, out: &mut Vec<Report>) {
+        self.process_exited_checking(pid, now_ns, &mut |_| None, out);
+    }
+
+    /// [`Engine::process_exited`], each request first brought up to what
+    /// `withheld` says the kernel holds of it (see **Withheld events** in
+    /// the module docs), so it ends at the stage it had got to.
+    pub fn process_exited_checking(&mut self, pid: u32, now_ns: u64, withheld: &mut CheckWithheld<'_>, out: &mut Vec<Report>) {
         self.exits.record(pid, now_ns);
         let mut left = self.pids.get(pid);
         if left == 0 {
@@ -340,6 +381,15 @@ impl Engine {
         while left > 0 && (i as usize) < self.slab.records().len() {
             let r = self.slab.get(i);
             if r.pid == pid && r.place() != Place::Free {
+                // A stalled one's every later event is sent.
+                if r.stalled().is_none() {
+                    let silent = Silent { pid, key: r.key, stage: r.stage(), first_ns: r.first_ns, last_ns: r.last_ns };
+                    if let Some(seen) = withheld(&silent) {
+                        self.slab.get_mut(i).catch_up(&seen);
+                        self.stats.caught_up += 1;
+                    }
+                }
+                let r = self.slab.get(i);
                 let end_ns = r.last_ns.max(now_ns);
                 self.end(i, Outcome::ProcessExited, now_ns, end_ns, out);
                 left -= 1;

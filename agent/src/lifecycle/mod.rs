@@ -137,6 +137,17 @@
 //! from that event. A read whose stage `ends` (see [`StageRead`])
 //! completes the lifecycle at the read, that stage inferred.
 //!
+//! **Withheld events.** A probe can keep its events in the kernel's
+//! in-flight entry instead of sending them (a profile's `quiet`), so the
+//! engine may know less of a request than the kernel does. Before reading
+//! or stalling a request whose stall is due, [`Engine::advance_checking`]
+//! asks what the kernel holds of it; events there later than the last the
+//! engine has are applied as probe events at their times (stage times
+//! too), and a request they show active within the timeout is armed again
+//! from its latest event instead. The kernel sends any event that ends a
+//! silence of half the timeout, so a stalled request's recovery is always
+//! an observation.
+//!
 //! **Counters.** `seen` counts lifecycles started, and
 //! `seen = completed + failed + aborted + process_exited + evicted +
 //! in_flight` always holds; `in_flight` is the number tracked.
@@ -165,5 +176,5 @@ mod wheel;
 mod tests;
 
 pub use engine::{Engine, EngineConfig, RECENT_ENDS, RECENT_ENDS_MIN, RECENT_EXITS};
-pub use report::{EngineStats, Observation, Report, RequestSnapshot, Restored, Silent, StageRead};
+pub use report::{EngineStats, Observation, Report, RequestSnapshot, Restored, Silent, StageRead, Withheld};
 pub use stage::{Outcome, Stage, StageSet, StallClass, UnknownStage, UnknownStallClass};

@@ -37,6 +37,20 @@ pub struct StageRead {
     pub ends: bool,
 }
 
+/// What the kernel's in-flight entry of a request whose stall is due holds
+/// beyond what the agent was sent: events of its `quiet` probes, kept in
+/// the entry instead of the ring buffer. Probe events all the same: seen
+/// at these times, not inferred.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Withheld {
+    /// The furthest stage.
+    pub stage: Stage,
+    /// The latest event.
+    pub last_ns: u64,
+    /// When each live stage was first seen.
+    pub stage_ns: [Option<u64>; 3],
+}
+
 /// A request the kernel's in-flight table held when this agent started: a
 /// lifecycle a previous agent was following, or one that began while no
 /// agent ran. See [`Engine::restore`](super::Engine::restore).
@@ -101,6 +115,21 @@ pub struct RequestSnapshot {
 }
 
 impl RequestSnapshot {
+    /// Bring a copy up to what the kernel holds of the request: `seen`,
+    /// its events of `quiet` probes, are probe events at their times.
+    pub fn catch_up(&mut self, seen: &Withheld) {
+        for (n, ns) in seen.stage_ns.iter().enumerate() {
+            if let Some(ns) = ns {
+                if self.stage_ns[n].is_none() || self.inferred.contains(Stage::LIVE[n]) {
+                    self.stage_ns[n] = Some(*ns);
+                    self.inferred.remove(Stage::LIVE[n]);
+                }
+            }
+        }
+        self.stage = self.stage.max(seen.stage);
+        self.last_ns = self.last_ns.max(seen.last_ns);
+    }
+
     /// When stage `s` was first seen, for the four main-path stages; `None`
     /// for a stage never seen and for the side exits (whose time is the
     /// `at_ns` of the [`Report::Ended`]).
@@ -214,6 +243,9 @@ pub struct EngineStats {
     /// Lifecycles taken over from the kernel's in-flight table at start
     /// (also counted in `seen`).
     pub restored: u64,
+    /// Requests due to stall that the kernel's in-flight entry showed
+    /// further along than the engine knew (events of `quiet` probes).
+    pub caught_up: u64,
     /// Requests tracked right now.
     pub in_flight: u64,
 }

@@ -16,7 +16,7 @@
 //! - Free slots are reused LIFO, so a steady churn of lifecycles keeps
 //!   touching the same warm memory.
 
-use super::report::RequestSnapshot;
+use super::report::{RequestSnapshot, Withheld};
 use super::stage::{Stage, StageSet, StallClass};
 
 /// "No record": the end of a list, an empty bucket.
@@ -141,7 +141,7 @@ impl Record {
     /// memory (the read's time) rather than seen by a probe.
     pub(crate) fn inferred(&self) -> StageSet {
         let mut set = StageSet::EMPTY;
-        for stage in [Stage::Enqueued, Stage::TransferPosted, Stage::TransferDone] {
+        for stage in Stage::LIVE {
             if self.stage_bits & (1 << (INFERRED_SHIFT + stage as u8)) != 0 {
                 set.insert(stage);
             }
@@ -167,6 +167,18 @@ impl Record {
                 self.stage_bits &= !inferred;
             }
         }
+    }
+
+    /// Apply what the kernel holds of the request beyond what the engine
+    /// was sent (`quiet` probes' events): probe events at their times.
+    pub(crate) fn catch_up(&mut self, seen: &Withheld) {
+        for stage in Stage::LIVE {
+            if let Some(ns) = seen.stage_ns[stage as usize] {
+                self.note_stage_ts(stage, ns);
+            }
+        }
+        self.set_stage(self.stage().max(seen.stage));
+        self.last_ns = self.last_ns.max(seen.last_ns);
     }
 
     /// A live stage the target's memory says was reached by `at_ns`, which

@@ -45,6 +45,9 @@ impl Stage {
         Stage::Failed,
     ];
 
+    /// The live stages, in order: those a request in flight is at.
+    pub const LIVE: [Stage; 3] = [Stage::Enqueued, Stage::TransferPosted, Stage::TransferDone];
+
     /// The stable name used in reports, configuration and the CLI.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -2146,3 +2146,73 @@ fn a_request_taken_over_ended_at_done_recovers_and_completes_once() {
     h.restore(Restored { stage: DONE, stage_ns: [Some(100), Some(200), Some(900)], last_ns: 900, ..held(None) });
     assert!(matches!(&h.adv(1900)[..], [Report::Stalled { class: LOST, .. }]));
 }
+
+// ---- Withheld events: what `quiet` probes kept in the kernel's table ----
+
+impl H {
+    /// `advance_checking` with a kernel that holds `kernel` of every
+    /// request it is asked about; also returns every request asked about.
+    fn adv_withheld(&mut self, now_ns: u64, kernel: Option<Withheld>) -> (Vec<Report>, Vec<Silent>) {
+        let (mut out, mut asked) = (Vec::new(), Vec::new());
+        self.e.advance_checking(
+            now_ns,
+            usize::MAX,
+            &mut |silent| {
+                asked.push(*silent);
+                kernel
+            },
+            &mut |silents, answers| answers.extend(silents.iter().map(|_| None)),
+            &mut out,
+        );
+        (out, asked)
+    }
+}
+
+#[test]
+fn a_request_moved_along_by_withheld_events_stalls_from_its_latest_at_its_stage() {
+    let mut h = H::new();
+    h.obs(1, 7, ENQ, 100);
+    // Posted at 300 and again at 600, neither sent: due at 1100 by what the
+    // engine knows, active at 600 by what the kernel holds.
+    let kernel = Withheld { stage: POST, last_ns: 600, stage_ns: [Some(100), Some(300), None] };
+    let (out, asked) = h.adv_withheld(1100, Some(kernel));
+    assert_eq!(out, vec![], "not silent: armed again from the kernel's latest");
+    assert_eq!(asked, [Silent { pid: 1, key: 7, stage: ENQ, first_ns: 100, last_ns: 100 }]);
+    assert_eq!(h.stats().caught_up, 1);
+    let caught = h.get(1, 7).expect("tracked");
+    assert_eq!((caught.stage, caught.stage_at(POST), caught.last_ns), (POST, Some(300), 600));
+    assert!(!caught.inferred.contains(POST), "a probe's event, not a read: {caught:?}");
+    // Nothing more in the kernel: transfer_hung, silent since 600.
+    let (out, asked) = h.adv_withheld(1600, None);
+    assert_eq!(asked.len(), 1);
+    let [Report::Stalled { request, class: HUNG, silent_ns: 1000, at_ns: 1600 }] = &out[..] else { panic!("{out:?}") };
+    assert_eq!(request.stage_at(POST), Some(300));
+}
+
+#[test]
+fn withheld_events_that_leave_a_request_silent_stall_it_at_once_at_their_stage() {
+    let mut h = H::new();
+    h.obs(1, 7, ENQ, 100);
+    h.obs(1, 8, ENQ, 100);
+    // Key 7 was done at 200, unsent and silent since: release_lost now, its
+    // silence counted from 200. Key 8's kernel entry is what the engine has.
+    let (mut out, mut asked) = (Vec::new(), Vec::new());
+    h.e.advance_checking(
+        1300,
+        usize::MAX,
+        &mut |silent| {
+            asked.push(silent.key);
+            (silent.key == 7).then_some(Withheld { stage: DONE, last_ns: 200, stage_ns: [Some(100), None, Some(200)] })
+        },
+        &mut |silents, answers| answers.extend(silents.iter().map(|_| None)),
+        &mut out,
+    );
+    asked.sort_unstable();
+    assert_eq!(asked, [7, 8]);
+    let out = by_key(out);
+    let [Report::Stalled { request: lost, class: LOST, silent_ns: 1100, .. }, Report::Stalled { request: waiting, class: WFP, .. }] = &out[..]
+    else {
+        panic!("{out:?}")
+    };
+    assert_eq!((lost.key, lost.stage_at(DONE), waiting.key), (7, Some(200), 8));
+}

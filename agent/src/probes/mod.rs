@@ -129,6 +129,9 @@ pub struct Probes {
     /// The final counts of detached probes, for the summary (the newest
     /// [`MAX_SLOTS`]).
     retired: std::collections::VecDeque<ProbeHits>,
+    /// [`SlotConfig::quiet_ns`] of `quiet` probes; 0 (the default) sends
+    /// every event.
+    quiet_ns: u64,
 }
 
 impl Probes {
@@ -181,6 +184,7 @@ impl Probes {
             seen,
             slots: Vec::new(),
             free: Vec::new(),
+            quiet_ns: 0,
             links: HashMap::new(),
             gated: HashMap::new(),
             dir,
@@ -341,10 +345,21 @@ impl Probes {
         Ok(index)
     }
 
+    /// Let `quiet` probes attached from now on keep an event in the
+    /// kernel's in-flight table when it comes within `ns` of its request's
+    /// previous one (see [`slot_flags::QUIET`]): half the agent's timeout,
+    /// so that an event after a silence it may have reported is sent.
+    pub fn set_quiet_gap(&mut self, ns: u64) {
+        self.quiet_ns = ns;
+    }
+
     fn attach_all(&mut self, image: &ProcessImage, profile: &Profile) -> Result<()> {
         let mut files = ElfCache::default();
         for spec in &profile.probes {
-            let cfg = spec.slot_config();
+            let mut cfg = spec.slot_config();
+            if cfg.flags & slot_flags::QUIET != 0 {
+                cfg.quiet_ns = self.quiet_ns;
+            }
             let target = Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
             self.attach_slot(image, &mut files, &target, cfg, Role::Lifecycle(Arc::new(spec.clone())))?;
         }
@@ -574,6 +589,7 @@ impl Probes {
             exec_lost: sum(counter::EXEC_LOST)?,
             state_full: sum(counter::STATE_FULL)?,
             ext_unreadable: sum(counter::EXT_UNREADABLE)?,
+            withheld: sum(counter::WITHHELD)?,
         })
     }
 
@@ -737,6 +753,9 @@ pub struct KernelCounters {
     /// Events delivered without their external id, which could not be read:
     /// not lost, but the request has no cross-node trace id.
     pub ext_unreadable: u64,
+    /// Events of `quiet` probes kept in their request's in-flight entry,
+    /// not sent: not lost, the agent reads them when it needs them.
+    pub withheld: u64,
 }
 
 impl KernelCounters {

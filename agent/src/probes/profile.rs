@@ -319,6 +319,10 @@ pub struct ProbeSpec {
     pub external_id: Option<StringSource>,
     pub ret: RetType,
     pub only_on_change: bool,
+    /// Its events may stay in the kernel's in-flight table instead of the
+    /// ring buffer while they only move a busy request along
+    /// ([`slot_flags::QUIET`]).
+    pub quiet: bool,
     /// Its events end the lifecycle at a live stage: it emits only the
     /// stage its profile completes at (`complete_at`), or terminal ones.
     pub ends: bool,
@@ -585,6 +589,9 @@ impl ProbeSpec {
         if self.only_on_change {
             flags |= slot_flags::ONLY_ON_CHANGE;
         }
+        if self.quiet {
+            flags |= slot_flags::QUIET;
+        }
         if self.ends {
             flags |= slot_flags::ENDS;
         }
@@ -804,6 +811,8 @@ struct RawProbe {
     ret: Option<RetType>,
     #[serde(default)]
     only_on_change: bool,
+    #[serde(default)]
+    quiet: bool,
 }
 
 #[derive(Deserialize)]
@@ -890,6 +899,7 @@ impl RawProbe {
             external_id,
             ret,
             only_on_change: self.only_on_change,
+            quiet: self.quiet,
             ends: false,
         })
     }
@@ -1043,24 +1053,31 @@ mod tests {
     }
 
     #[test]
-    fn the_sglang_profile_is_the_nixl_profile_with_its_release_probed_at_return() {
+    fn the_sglang_profile_is_the_nixl_profile_with_its_posts_sent_and_its_release_probed_at_return() {
         let nixl = Profile::load("nixl").unwrap();
         let sglang = Profile::load("sglang").unwrap();
         assert_eq!((sglang.name.as_str(), sglang.extends.as_deref()), ("sglang", Some("built-in profile `nixl`")));
-        let releases = |p: &Profile| -> Vec<ProbeSpec> { p.probes.iter().filter(|p| p.symbol.contains("releaseXferReq")).cloned().collect() };
+        let of = |p: &Profile, name: &str| -> Vec<ProbeSpec> { p.probes.iter().filter(|p| p.symbol.contains(name)).cloned().collect() };
+        let releases = |p: &Profile| of(p, "releaseXferReq");
         // Every other probe is nixl's own, from nixl's file.
-        let others = |p: &Profile| -> Vec<ProbeSpec> { p.probes.iter().filter(|p| !p.symbol.contains("releaseXferReq")).cloned().collect() };
-        // The same but for where a lifecycle ends: done is complete, so the
-        // post's return (done or failed) ends it, in the kernel too.
-        let ending: Vec<ProbeSpec> = others(&nixl)
+        let others = |p: &Profile| -> Vec<ProbeSpec> {
+            p.probes.iter().filter(|p| !p.symbol.contains("releaseXferReq") && !p.symbol.contains("postXferReq")).cloned().collect()
+        };
+        assert_eq!(others(&sglang), others(&nixl));
+        assert!(others(&sglang).iter().all(|p| &*p.origin == "built-in profile `nixl`"));
+        // The posts are nixl's but sent (rooms follow them as they happen),
+        // and done is complete: the post's return (done or failed) ends the
+        // lifecycle, in the kernel too.
+        let posts: Vec<ProbeSpec> = of(&nixl, "postXferReq")
             .into_iter()
-            .map(|p| ProbeSpec { ends: p.at == At::Return && p.symbol.contains("postXferReq"), ..p })
+            .map(|p| ProbeSpec { quiet: false, ends: p.at == At::Return, ..p })
             .collect();
-        assert_eq!(others(&sglang), ending);
+        let without_place = |p: Vec<ProbeSpec>| -> Vec<ProbeSpec> { p.into_iter().map(|p| ProbeSpec { origin: "".into(), line: 0, ..p }).collect() };
+        assert!(of(&nixl, "postXferReq").iter().all(|p| p.quiet), "nixl's posts are quiet");
+        assert_eq!(without_place(of(&sglang, "postXferReq")), without_place(posts));
         assert_eq!((sglang.complete_at, nixl.complete_at), (CompleteAt::TransferDone, CompleteAt::Released));
         let ends = |p: &Profile| p.probes.iter().filter(|p| p.slot_config().flags & slot_flags::ENDS != 0).count();
         assert_eq!((ends(&sglang), ends(&nixl)), (1, 0));
-        assert!(others(&sglang).iter().all(|p| &*p.origin == "built-in profile `nixl`"));
         assert_eq!((sglang.activity.clone(), sglang.status.clone()), (nixl.activity.clone(), nixl.status.clone()));
         let [release] = &releases(&sglang)[..] else { panic!("one release probe: {:?}", releases(&sglang)) };
         assert_eq!((release.at, &*release.origin), (At::Return, "built-in profile `sglang`"));
