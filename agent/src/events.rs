@@ -97,11 +97,16 @@ pub fn observe(event: &Event) -> Result<Observation> {
 /// probe's, or lost), oldest stage first, each an event of the record's
 /// slot at that stage and time. They come before the record itself.
 pub fn withheld(event: &Event) -> impl Iterator<Item = Event> + '_ {
-    let carried = event.flags & event_flags::WITHHELD != 0;
-    (0u8..).zip(event.stage_ns).filter(move |&(_, ts_ns)| carried && ts_ns != 0).map(|(stage, ts_ns)| Event {
+    let carried = event.flags & event_flags::WITHHELD != 0 && event.flags & event_flags::HAS_EXT == 0;
+    let times = event.ext.chunks_exact(8).take(stallwatch_common::stage::LIVE).map(|bytes| {
+        u64::from_ne_bytes(bytes.try_into().unwrap_or_default())
+    });
+    let flags = event.flags & !(event_flags::WITHHELD | event_flags::ENDS);
+    (0u8..).zip(times).filter(move |&(_, ts_ns)| carried && ts_ns != 0).map(move |(stage, ts_ns)| Event {
         ts_ns,
         stage,
-        flags: event.flags & !(event_flags::WITHHELD | event_flags::ENDS),
+        flags,
+        ext: [0; EXT_ID_LEN],
         ..*event
     })
 }
@@ -131,7 +136,7 @@ mod tests {
 
     fn event(flags: u32, ext: &[u8]) -> Event {
         let mut event =
-            Event { ts_ns: 5, key: 7, ret: 0, pid: 9, tid: 9, slot: 0, flags, stage: 0, _pad: [0; 7], stage_ns: [0; 3], ext: [0; EXT_ID_LEN] };
+            Event { ts_ns: 5, key: 7, ret: 0, pid: 9, tid: 9, slot: 0, flags, stage: 0, _pad: [0; 7], ext: [0; EXT_ID_LEN] };
         event.ext[..ext.len()].copy_from_slice(ext);
         event
     }
@@ -159,16 +164,19 @@ mod tests {
 
     #[test]
     fn a_record_carries_the_stage_times_withheld_before_it_as_events_of_its_slot() {
-        let mut release = event(event_flags::WITHHELD | event_flags::ENDS | event_flags::HAS_EXT, b"room-1\0");
+        let times: Vec<u8> = [0u64, 300, 600].iter().flat_map(|t| t.to_ne_bytes()).collect();
+        let mut release = event(event_flags::WITHHELD | event_flags::ENDS, &times);
         release.stage = stallwatch_common::stage::RELEASED;
         release.ts_ns = 900;
-        release.stage_ns = [0, 300, 600];
         let earlier: Vec<Event> = withheld(&release).collect();
         let seen: Vec<(u8, u64, u32)> = earlier.iter().map(|e| (e.stage, e.ts_ns, e.flags)).collect();
-        assert_eq!(seen, [(1, 300, event_flags::HAS_EXT), (2, 600, event_flags::HAS_EXT)], "posted, then done; neither ends it");
+        assert_eq!(seen, [(1, 300, 0), (2, 600, 0)], "posted, then done; neither ends it");
         assert!(earlier.iter().all(|e| (e.pid, e.key, e.slot) == (release.pid, release.key, release.slot)));
-        // Times without the flag are not news.
+        assert!(earlier.iter().all(|e| external_id(e).is_none()), "the times are not an id");
+        // Times without the flag are not news; nor is an id read as times.
         release.flags = event_flags::ENDS;
+        assert_eq!(withheld(&release).count(), 0);
+        release.flags = event_flags::WITHHELD | event_flags::HAS_EXT;
         assert_eq!(withheld(&release).count(), 0);
     }
 

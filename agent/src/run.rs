@@ -894,7 +894,7 @@ mod tests {
         let mut engine = Engine::new(EngineConfig::default());
         let mut reports = Vec::new();
         let unknown_stage = Event {
-            ts_ns: 5, key: 7, ret: 0, pid: 9, tid: 9, slot: 3, flags: 0, stage: 200, _pad: [0; 7], stage_ns: [0; 3], ext: [0; EXT_ID_LEN],
+            ts_ns: 5, key: 7, ret: 0, pid: 9, tid: 9, slot: 3, flags: 0, stage: 200, _pad: [0; 7], ext: [0; EXT_ID_LEN],
         };
         let logged = warnings(|| {
             for _ in 0..1000 {

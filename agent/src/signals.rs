@@ -278,7 +278,6 @@ mod tests {
             flags,
             stage: stage::SIGNAL,
             _pad: [0; 7],
-            stage_ns: [0; 3],
             ext: [0; EXT_ID_LEN],
         };
         event.ext[..ext.len()].copy_from_slice(ext);

@@ -179,9 +179,11 @@ pub mod event_flags {
     /// The event ends the lifecycle at its stage (its slot has
     /// [`slot_flags::ENDS`](super::slot_flags::ENDS)).
     pub const ENDS: u32 = 1 << 2;
-    /// [`Event::stage_ns`] holds the times of the request's stages whose
+    /// [`Event::ext`] holds the times of the request's stages whose
     /// events were not sent ([`slot_flags::QUIET`](super::slot_flags::QUIET)),
-    /// 0 for the others: the agent takes them as events seen then.
+    /// 0 for the others: the agent takes them as events seen then. Never
+    /// with `HAS_EXT`: a record that carries the external id leaves them to
+    /// the next.
     pub const WITHHELD: u32 = 1 << 3;
     /// Set when return rule `n` matched: `RULE_MATCHED << n`.
     pub const RULE_MATCHED: u32 = 1 << 8;
@@ -207,9 +209,12 @@ pub struct Event {
     /// probes wrote without knowing their slots.
     pub stage: u8,
     pub _pad: [u8; 7],
-    /// With [`event_flags::WITHHELD`]: when each live stage whose event
-    /// was not sent was first seen (0: sent, or not seen).
-    pub stage_ns: [u64; stage::LIVE],
+    /// The external id ([`event_flags::HAS_EXT`]), or with
+    /// [`event_flags::WITHHELD`] the withheld stage times: the first
+    /// [`stage::LIVE`] native-endian `u64`s, when each live stage whose
+    /// event was not sent was first seen (0: sent, or not seen). Sharing
+    /// the field keeps every record the size it was: a record's size is
+    /// much of what it costs.
     pub ext: [u8; EXT_ID_LEN],
 }
 
@@ -291,7 +296,8 @@ pub struct InflightEntry {
 pub mod withheld {
     /// Bit `n` (below [`stage::LIVE`](super::stage::LIVE)): live stage
     /// `n`'s first time, in `stage_ns`, was not sent; the next record sent
-    /// for the request carries it, which clears the bits.
+    /// for the request without an external id carries it, which clears
+    /// the bits.
     pub const STAGES: u8 = (1 << super::stage::LIVE) - 1;
     /// The lifecycle's first event was lost (the ring buffer was full):
     /// the agent does not know of the request, so nothing of it is
@@ -311,7 +317,7 @@ pub const NOT_EMITTED: u32 = u32::MAX;
 /// emitted; `LAST` only the ends of lifecycles an `ONLY_ON_CHANGE` slot
 /// emitted; [`SavedArgs`] are reused, marked `live`. 5: [`InflightEntry`]
 /// says `ended` (a lifecycle can end at a live stage, [`slot_flags::ENDS`]).
-/// 6: [`InflightEntry::withheld`], [`Event::stage_ns`], [`SlotConfig::quiet_ns`]
+/// 6: [`InflightEntry::withheld`], [`event_flags::WITHHELD`], [`SlotConfig::quiet_ns`]
 /// ([`slot_flags::QUIET`]), `COUNTERS` gained `WITHHELD`.
 pub const STATE_LAYOUT: u32 = 6;
 

@@ -419,19 +419,11 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         (*event).slot = slot;
         (*event).flags = if cfg.flags & slot_flags::ENDS != 0 { matched.rules | event_flags::ENDS } else { matched.rules };
         (*event).stage = matched.stage;
-        (*event).stage_ns = [0; stage::LIVE];
-        if let Some(held) = live {
-            let bits = held.withheld & withheld::STAGES;
-            if bits != 0 {
-                for (n, at) in (*event).stage_ns.iter_mut().enumerate() {
-                    if bits & (1 << n) != 0 {
-                        *at = held.stage_ns[n];
-                    }
-                }
-                (*event).flags |= event_flags::WITHHELD;
-            }
-        }
         (*event).ext[0] = 0;
+        // The external id, or else the stage times withheld before this
+        // record (they share the field): a record that reads the id leaves
+        // the times in the entry for the next.
+        let mut carried = false;
         if wants_ext && guard_holds(cfg, args, ret, key) {
             let bytes = cfg.flags & slot_flags::EXT_BYTES != 0;
             match resolve(&cfg.ext, args, ret, key) {
@@ -444,11 +436,25 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
                 // Delivered all the same, without the id.
                 _ => bump(counter::EXT_UNREADABLE),
             }
+        } else if let Some(held) = live {
+            let bits = held.withheld & withheld::STAGES;
+            if bits != 0 {
+                let mut times = [0u64; stage::LIVE];
+                for (n, at) in times.iter_mut().enumerate() {
+                    if bits & (1 << n) != 0 {
+                        *at = held.stage_ns[n];
+                    }
+                }
+                // `ext` is 8-aligned in the record (offset 48), and longer.
+                *(*event).ext.as_mut_ptr().cast::<[u64; stage::LIVE]>() = times;
+                (*event).flags |= event_flags::WITHHELD;
+                carried = true;
+            }
         }
         if lifecycle {
             // Before the submit: once submitted the record is the agent's.
             let ext = if (*event).flags & event_flags::HAS_EXT != 0 { Some(&(*event).ext) } else { None };
-            track(&request, held, matched.stage, ends, ts, ext, Delivery::Sent(emitted));
+            track(&request, held, matched.stage, ends, ts, ext, Delivery::Sent { last: emitted, carried });
         }
     }
     let wakeup = if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKEUP_AT {
@@ -464,8 +470,9 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
 
 /// What became of the event [`track`] records, as its entry keeps it.
 enum Delivery {
-    /// In the ring buffer, with every stage time withheld before it.
-    Sent(LastEmitted),
+    /// In the ring buffer; `carried`: with the stage times withheld
+    /// before it (a record with an external id leaves them to the next).
+    Sent { last: LastEmitted, carried: bool },
     /// Kept in the entry only ([`slot_flags::QUIET`]).
     Withheld(LastEmitted),
     /// Lost (the ring buffer was full); the next record sent for the
@@ -577,10 +584,11 @@ fn track(
 #[inline(always)]
 fn note_delivery(entry: &mut InflightEntry, stage: u8, first: bool, delivery: &Delivery) {
     match delivery {
-        Delivery::Sent(last) => {
+        Delivery::Sent { last, carried } => {
             entry.last_ret = last.ret;
             entry.last_slot = last.slot;
-            entry.withheld = 0;
+            // The agent knows of the request now.
+            entry.withheld &= if *carried { 0 } else { withheld::STAGES };
         }
         Delivery::Withheld(last) => {
             entry.last_ret = last.ret;
