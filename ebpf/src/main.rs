@@ -9,7 +9,8 @@
 //! Besides the events, the programs keep the in-flight table (`INFLIGHT`):
 //! the agent pins it with the other maps and the links in bpffs, so the
 //! probes keep recording while no agent runs and a restarted agent takes
-//! over every request in flight.
+//! over every request in flight. A quiet slot's event that only moves a
+//! busy request along stays there, not sent (`slot_flags::QUIET`).
 //!
 //! Every helper is `#[inline(always)]`: as BPF-to-BPF calls, LLVM may leave a
 //! stack pointer in r0 on return, which the verifier rejects.
