@@ -32,7 +32,7 @@ use crate::{
         telemetry::{Telemetry, TelemetryOptions},
     },
     gate::{Change, Failures, Gate},
-    lifecycle::{Engine, EngineConfig, Observation, Report, RequestSnapshot, Silent},
+    lifecycle::{Engine, EngineConfig, Observation, Report, Silent, Withheld},
     probes::{KernelCounters, Probes, Profile},
     query::{QueryServer, SocketPlace},
     reactor,
@@ -265,9 +265,11 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 session.status.as_ref().map(StatusReader::reads),
             ),
             query = queries.next() => {
-                // Up to date to the moment asked, not to the last tick.
+                // Up to date to the moment asked, not to the last tick, and
+                // to what the kernel holds of requests not yet due.
                 session.drain();
-                queries.answer(query, &session.engine, &session.transport, &session.signals, |request| session.catch_up(request), monotonic_ns());
+                session.engine.catch_up(None, &mut withheld_in(&session.state));
+                queries.answer(query, &session.engine, &session.transport, &session.signals, monotonic_ns());
             }
             _ = interrupt.recv() => break,
             _ = terminate.recv() => break,
@@ -529,9 +531,8 @@ impl<W: Write> Session<W> {
     fn advance(&mut self, now: u64, budget: usize) {
         let Session { engine, status, state, reports, signals, .. } = self;
         // What `quiet` probes kept in the kernel's table comes first: a
-        // request they moved along is not silent. A lookup that fails
-        // tells nothing, as one that finds nothing.
-        let mut withheld = |silent: &Silent| state.withheld(silent).ok().flatten();
+        // request they moved along is not silent.
+        let mut withheld = withheld_in(state);
         match status {
             Some(status) => engine.advance_checking(
                 now,
@@ -576,18 +577,6 @@ impl<W: Write> Session<W> {
         }
     }
 
-    /// A live request as the kernel holds it, for `stallwatch inflight`: a
-    /// stalled one is as the engine has it (its next event is always sent).
-    fn catch_up(&self, request: &mut RequestSnapshot) {
-        if request.stalled.is_some() {
-            return;
-        }
-        let silent = Silent { pid: request.pid, key: request.key, stage: request.stage, first_ns: request.first_ns, last_ns: request.last_ns };
-        if let Ok(Some(seen)) = self.state.withheld(&silent) {
-            request.catch_up(&seen);
-        }
-    }
-
     /// The process is gone, or its program is: what it did before counts
     /// first, then every request it still held ends `process_exited`.
     fn unwatch(&mut self, pid: u32, gone: Gone) {
@@ -605,9 +594,8 @@ impl<W: Write> Session<W> {
                 "target process exec'd a new program: the old one's requests end process_exited, its probes are detached"
             ),
         }
-        let state = &self.state;
-        let mut withheld = |silent: &Silent| state.withheld(silent).ok().flatten();
-        self.engine.process_exited_checking(pid, monotonic_ns(), &mut withheld, &mut self.reports);
+        self.engine.catch_up(Some(pid), &mut withheld_in(&self.state));
+        self.engine.process_exited(pid, monotonic_ns(), &mut self.reports);
         if let Err(err) = self.state.forget_process(pid) {
             warn!(pid, "dropping the kernel's in-flight entries of an exited process: {err:#}");
         }
@@ -673,6 +661,13 @@ impl<W: Write> Session<W> {
         }
         Ok(())
     }
+}
+
+/// What the engine asks the kernel's table of a request (the events of
+/// `quiet` probes it was not sent). A lookup that fails tells nothing, as
+/// one that finds nothing: the request is judged by what the engine has.
+fn withheld_in(state: &KernelState) -> impl FnMut(&Silent) -> Option<Withheld> + '_ {
+    |silent| state.withheld(silent).ok().flatten()
 }
 
 /// Wait for exec notifications; never resolves without discovery.

@@ -260,7 +260,7 @@ impl Engine {
                 self.arm(i, last_ns);
                 continue;
             }
-            let silent = Silent { pid: r.pid, key: r.key, stage: r.stage(), first_ns: r.first_ns, last_ns: r.last_ns };
+            let silent = r.silent();
             let silent = match withheld(&silent) {
                 Some(seen) => {
                     let r = self.slab.get_mut(i);
@@ -365,13 +365,6 @@ impl Engine {
     /// still in the pipeline (`ts_ns <= now_ns`) are stale rather than
     /// starting lifecycles that could never end.
     pub fn process_exited(&mut self, pid: u32, now_ns: u64, out: &mut Vec<Report>) {
-        self.process_exited_checking(pid, now_ns, &mut |_| None, out);
-    }
-
-    /// [`Engine::process_exited`], each request first brought up to what
-    /// `withheld` says the kernel holds of it (see **Withheld events** in
-    /// the module docs), so it ends at the stage it had got to.
-    pub fn process_exited_checking(&mut self, pid: u32, now_ns: u64, withheld: &mut CheckWithheld<'_>, out: &mut Vec<Report>) {
         self.exits.record(pid, now_ns);
         let mut left = self.pids.get(pid);
         if left == 0 {
@@ -381,20 +374,30 @@ impl Engine {
         while left > 0 && (i as usize) < self.slab.records().len() {
             let r = self.slab.get(i);
             if r.pid == pid && r.place() != Place::Free {
-                // A stalled one's every later event is sent.
-                if r.stalled().is_none() {
-                    let silent = Silent { pid, key: r.key, stage: r.stage(), first_ns: r.first_ns, last_ns: r.last_ns };
-                    if let Some(seen) = withheld(&silent) {
-                        self.slab.get_mut(i).catch_up(&seen);
-                        self.stats.caught_up += 1;
-                    }
-                }
-                let r = self.slab.get(i);
                 let end_ns = r.last_ns.max(now_ns);
                 self.end(i, Outcome::ProcessExited, now_ns, end_ns, out);
                 left -= 1;
             }
             i += 1;
+        }
+    }
+
+    /// Bring the tracked requests (of `pid` only, with `Some`) up to what
+    /// `withheld` says the kernel holds of them (see **Withheld events** in
+    /// the module docs): before a gone process's requests end, so each
+    /// ends at the stage it had got to, and before a query lists requests
+    /// not yet due. A stalled one is left as it is: its every later event
+    /// is sent. A timer re-arms itself lazily from the later `last_ns`.
+    pub fn catch_up(&mut self, pid: Option<u32>, withheld: &mut CheckWithheld<'_>) {
+        for i in 0..self.slab.records().len() as u32 {
+            let r = self.slab.get(i);
+            if r.place() == Place::Free || r.stalled().is_some() || pid.is_some_and(|pid| pid != r.pid) {
+                continue;
+            }
+            if let Some(seen) = withheld(&r.silent()) {
+                self.slab.get_mut(i).catch_up(&seen);
+                self.stats.caught_up += 1;
+            }
         }
     }
 

@@ -115,21 +115,6 @@ pub struct RequestSnapshot {
 }
 
 impl RequestSnapshot {
-    /// Bring a copy up to what the kernel holds of the request: `seen`,
-    /// its events of `quiet` probes, are probe events at their times.
-    pub fn catch_up(&mut self, seen: &Withheld) {
-        for (n, ns) in seen.stage_ns.iter().enumerate() {
-            if let Some(ns) = ns {
-                if self.stage_ns[n].is_none() || self.inferred.contains(Stage::LIVE[n]) {
-                    self.stage_ns[n] = Some(*ns);
-                    self.inferred.remove(Stage::LIVE[n]);
-                }
-            }
-        }
-        self.stage = self.stage.max(seen.stage);
-        self.last_ns = self.last_ns.max(seen.last_ns);
-    }
-
     /// When stage `s` was first seen, for the four main-path stages; `None`
     /// for a stage never seen and for the side exits (whose time is the
     /// `at_ns` of the [`Report::Ended`]).
@@ -243,8 +228,9 @@ pub struct EngineStats {
     /// Lifecycles taken over from the kernel's in-flight table at start
     /// (also counted in `seen`).
     pub restored: u64,
-    /// Requests due to stall that the kernel's in-flight entry showed
-    /// further along than the engine knew (events of `quiet` probes).
+    /// Times the kernel's in-flight entry of a request showed it further
+    /// along than the engine knew (events of `quiet` probes): read when its
+    /// stall came due, before a query, or before its process's end.
     pub caught_up: u64,
     /// Requests tracked right now.
     pub in_flight: u64,

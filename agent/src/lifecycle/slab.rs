@@ -16,7 +16,7 @@
 //! - Free slots are reused LIFO, so a steady churn of lifecycles keeps
 //!   touching the same warm memory.
 
-use super::report::{RequestSnapshot, Withheld};
+use super::report::{RequestSnapshot, Silent, Withheld};
 use super::stage::{Stage, StageSet, StallClass};
 
 /// "No record": the end of a list, an empty bucket.
@@ -167,6 +167,12 @@ impl Record {
                 self.stage_bits &= !inferred;
             }
         }
+    }
+
+    /// What a reader of its state (the target's memory, the kernel's
+    /// table) is told of the request.
+    pub(crate) fn silent(&self) -> Silent {
+        Silent { pid: self.pid, key: self.key, stage: self.stage(), first_ns: self.first_ns, last_ns: self.last_ns }
     }
 
     /// Apply what the kernel holds of the request beyond what the engine

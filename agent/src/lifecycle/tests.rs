@@ -2216,3 +2216,30 @@ fn withheld_events_that_leave_a_request_silent_stall_it_at_once_at_their_stage()
     };
     assert_eq!((lost.key, lost.stage_at(DONE), waiting.key), (7, Some(200), 8));
 }
+
+#[test]
+fn catching_up_brings_the_requests_asked_for_up_to_the_kernel_but_not_a_stalled_one() {
+    let mut h = H::new();
+    h.obs(1, 7, ENQ, 100);
+    h.obs(2, 8, ENQ, 100);
+    h.obs(1, 9, POST, 100);
+    assert!(matches!(&h.adv(1100)[..], [_, _, _]), "all three stalled");
+    h.obs(1, 10, ENQ, 1200);
+    h.obs(2, 11, ENQ, 1200);
+    let done = Withheld { stage: DONE, last_ns: 1300, stage_ns: [Some(1200), Some(1250), Some(1300)] };
+    let mut asked = Vec::new();
+    h.e.catch_up(Some(1), &mut |silent| {
+        asked.push(silent.key);
+        Some(done)
+    });
+    assert_eq!(asked, [10], "pid 1's live request only: a stalled one's later events are all sent");
+    assert_eq!(h.stats().caught_up, 1);
+    let caught = h.get(1, 10).expect("tracked");
+    assert_eq!((caught.stage, caught.stage_at(POST), caught.stage_at(DONE), caught.last_ns), (DONE, Some(1250), Some(1300), 1300));
+    assert_eq!(h.get(2, 11).map(|r| r.stage), Some(ENQ), "another process's request is not asked about");
+    // Its timer counts from the kernel's latest event: release_lost at 2300,
+    // not 2200 with the other process's request.
+    assert!(matches!(&h.adv(2250)[..], [Report::Stalled { class: WFP, request, .. }] if request.key == 11));
+    assert_eq!(h.adv(2299), vec![]);
+    assert!(matches!(&h.adv(2300)[..], [Report::Stalled { class: LOST, request, silent_ns: 1000, .. }] if request.key == 10));
+}

@@ -93,20 +93,9 @@ impl QueryServer {
     /// Answer with a copy of the engine's tracked requests as of `now_ns`,
     /// the transport evidence of their processes, and what the signals'
     /// trackers say of them (an SGLang room's `waiting_on` ...).
-    /// `catch_up` brings a request up to what the kernel holds of it (the
-    /// events of `quiet` probes the engine was not sent).
-    pub fn answer(
-        &self,
-        pending: Pending,
-        engine: &Engine,
-        transport: &Tracker,
-        signals: &Signals,
-        catch_up: impl Fn(&mut RequestSnapshot),
-        now_ns: u64,
-    ) {
+    pub fn answer(&self, pending: Pending, engine: &Engine, transport: &Tracker, signals: &Signals, now_ns: u64) {
         let started = Instant::now();
-        let mut requests: Vec<RequestSnapshot> = engine.inflight().collect();
-        requests.iter_mut().for_each(catch_up);
+        let requests: Vec<RequestSnapshot> = engine.inflight().collect();
         let fields = requests
             .iter()
             .filter_map(|request| {
@@ -353,7 +342,7 @@ mod tests {
         rt.block_on(async {
             while !client.is_finished() {
                 tokio::select! {
-                    pending = server.next() => server.answer(pending, engine, &transport, &Signals::new(1_000_000_000), |_| {}, 4_000_000_000),
+                    pending = server.next() => server.answer(pending, engine, &transport, &Signals::new(1_000_000_000), 4_000_000_000),
                     _ = tokio::time::sleep(Duration::from_millis(5)) => {}
                 }
             }
