@@ -75,7 +75,8 @@ pub struct RunSettings {
     /// [default: 60s].
     #[arg(long, value_parser = parse_duration)]
     pub timeout: Option<Duration>,
-    /// Resolution of the stall timer, and how often the ring buffer is read [default: 10ms].
+    /// Resolution of the stall timer: a stall is reported within a tick of its timeout [default: 10ms].
+    /// The agent wakes when one can be due, and reads the ring buffer at least every 100 ms.
     #[arg(long, value_parser = parse_duration)]
     pub tick: Option<Duration>,
     /// Most requests tracked at once; beyond it the stalest is evicted

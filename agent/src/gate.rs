@@ -55,6 +55,11 @@ impl Gate {
         true
     }
 
+    /// When the next check is due.
+    pub fn next_ns(&self) -> u64 {
+        self.next_ns
+    }
+
     /// Requests whose last event is at or before this are in the window.
     pub fn cutoff(&self, now_ns: u64) -> u64 {
         now_ns.saturating_sub(self.open_after_ns)

@@ -19,7 +19,6 @@ use tokio::{
     signal::unix::{SignalKind, signal},
     sync::mpsc,
     task::JoinHandle,
-    time::MissedTickBehavior,
 };
 use tracing::{error, info, warn};
 
@@ -161,8 +160,9 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
     }
     session.transport.sample(&session.probes, monotonic_ns())?;
 
-    let mut ticks = tokio::time::interval(tick);
-    ticks.set_missed_tick_behavior(MissedTickBehavior::Skip);
+    let unread_ns = unread_ns(duration_ns(timeout), duration_ns(tick));
+    let wake = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(wake);
     let mut counter_ticks = tokio::time::interval(COUNTER_PERIOD);
     let mut recheck = tokio::time::interval(Duration::from_nanos(Pending::RECHECK_NS));
     let mut reported = KernelCounters::default();
@@ -174,7 +174,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 ready?;
                 session.drain();
             }
-            _ = ticks.tick() => {
+            () = &mut wake => {
                 // The clock first: every event submitted before it is read
                 // before the timers judge silence at it.
                 let now = monotonic_ns();
@@ -257,13 +257,17 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 guard.get_inner_mut().flush();
                 guard.clear_ready();
             }
-            scrape = session.telemetry.scrape() => session.telemetry.answer(
-                scrape,
-                &session.engine,
-                &session.probes,
-                session.ingest.undecodable,
-                session.status.as_ref().map(StatusReader::reads),
-            ),
+            scrape = session.telemetry.scrape() => {
+                // Counts up to the scrape, not to the last drain.
+                session.drain();
+                session.telemetry.answer(
+                    scrape,
+                    &session.engine,
+                    &session.probes,
+                    session.ingest.undecodable,
+                    session.status.as_ref().map(StatusReader::reads),
+                );
+            }
             query = queries.next() => {
                 // Up to date to the moment asked, not to the last tick, and
                 // to what the kernel holds of requests not yet due.
@@ -283,8 +287,26 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
             info!("stdout was closed (its reader went away): stopping");
             break;
         }
+        let now = monotonic_ns();
+        let next = session.next_wake(now, unread_ns);
+        wake.as_mut().reset(tokio::time::Instant::now() + Duration::from_nanos(next.saturating_sub(now)));
     }
     session.finish(on_exit)
+}
+
+/// Longest the ring buffer goes unread while no stall is due: how late a
+/// finished request's span, a recovery's alert or a per-peer count can be.
+/// The programs do not wake the agent per event (that costs the target
+/// more than the event does), and waking only when something can be due
+/// spares the idle agent a wake per tick; this bounds the staleness
+/// between. `stallwatch inflight` and a metrics scrape read the ring first.
+const MAX_UNREAD: Duration = Duration::from_millis(100);
+
+/// [`MAX_UNREAD`], but never longer than the timeout (a request's first
+/// event is then read before its deadline, so its stall is never late) nor
+/// shorter than a tick.
+fn unread_ns(timeout_ns: u64, tick_ns: u64) -> u64 {
+    duration_ns(MAX_UNREAD).min(timeout_ns).max(tick_ns)
 }
 
 /// One attached process.
@@ -451,8 +473,9 @@ impl<W: Write> Session<W> {
     /// Read every event the ring buffer holds, each signal to its consumer
     /// and each lifecycle event to the engine. The programs submit without
     /// waking the agent (it costs the target more than the event), so
-    /// this runs on every tick; the kernel wakes [`EventReader::readable`]
-    /// only when the buffer fills past a quarter.
+    /// this runs whenever the loop wakes (see [`Self::next_wake`]); the
+    /// kernel wakes [`EventReader::readable`] only when the buffer fills
+    /// past a quarter.
     fn drain(&mut self) {
         let Session { reader, ingest, transport, engine, reports, signals, probes, state, .. } = self;
         let mut route = |event: &Event, observation: Option<Observation>| {
@@ -468,6 +491,21 @@ impl<W: Write> Session<W> {
             made
         };
         reader.drain(|bytes| ingest.record(bytes, transport, engine, reports, &mut route));
+    }
+
+    /// When the loop next drains the ring buffer and judges silence: when
+    /// the engine can next report a stall, when the gate is next checked
+    /// (while any process has gated probes), and `unread_ns` from `now` at
+    /// the latest.
+    fn next_wake(&self, now: u64, unread_ns: u64) -> u64 {
+        let mut next = now.saturating_add(unread_ns);
+        if let Some(due) = self.engine.next_due_ns(now) {
+            next = next.min(due);
+        }
+        if self.probes.gates().next().is_some() {
+            next = next.min(self.gate.next_ns());
+        }
+        next
     }
 
     /// Link the progress probes of processes that now hold a request near
@@ -913,5 +951,14 @@ mod tests {
             .expect("summary");
         let summary: Value = serde_json::from_slice(&out).expect("JSON summary");
         assert_eq!((summary["lost_events"].as_u64(), summary["undecodable"].as_u64()), (Some(1003), Some(1001)), "{summary}");
+    }
+
+    #[test]
+    fn the_ring_buffer_is_read_within_the_timeout_and_never_more_often_than_a_tick() {
+        const MS: u64 = 1_000_000;
+        assert_eq!(unread_ns(60_000 * MS, 10 * MS), 100 * MS);
+        // A request's first event is read before its deadline.
+        assert_eq!(unread_ns(40 * MS, 10 * MS), 40 * MS);
+        assert_eq!(unread_ns(5 * MS, 200 * MS), 200 * MS);
     }
 }

@@ -61,7 +61,8 @@ impl Default for EngineConfig {
 
 /// The lifecycle engine. Single-threaded and synchronous: the event loop
 /// owns it, feeds it observations in arrival order and calls
-/// [`advance`](Engine::advance) every tick. See the [module docs](super).
+/// [`advance`](Engine::advance) when [`next_due_ns`](Engine::next_due_ns)
+/// says something can be due. See the [module docs](super).
 #[derive(Debug)]
 pub struct Engine {
     config: EngineConfig,
@@ -404,6 +405,19 @@ impl Engine {
     /// Every tracked request (any order); the query layer sorts.
     pub fn inflight(&self) -> impl Iterator<Item = RequestSnapshot> + '_ {
         self.slab.live().map(|(_, r)| r.snapshot())
+    }
+
+    /// When the next [`advance`](Engine::advance) can report something, for
+    /// a caller that sleeps until then instead of ticking: the next tick
+    /// when requests wait for the read budget, else the end of the earliest
+    /// tick holding a deadline (see [`Wheel::next_due_ns`]), `None` when
+    /// nothing is armed. Events arriving later can only add later
+    /// deadlines: a request's deadline is a whole timeout after its event.
+    pub fn next_due_ns(&self, now_ns: u64) -> Option<u64> {
+        if !self.due.is_empty() {
+            return Some(now_ns.saturating_add(self.config.tick_ns));
+        }
+        self.wheel.next_due_ns()
     }
 
     /// The pids holding a request silent since `cutoff_ns` or earlier,

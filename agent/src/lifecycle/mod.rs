@@ -41,7 +41,8 @@
 //! `transfer_done` -> `release_lost`. [`Report::Stalled`] fires exactly once
 //! per silence episode, at the first `advance(now)` with
 //! `now >= last_ns + timeout_ns`: never earlier, and so no later than
-//! `timeout + tick` when `advance` is called at least once per tick.
+//! `timeout + tick` when `advance` is called at least once per tick, or at
+//! each [`Engine::next_due_ns`] (which the agent's loop sleeps until).
 //! ([`Engine::advance_reading`] with a budget may take a few more ticks
 //! when more stalls come due at once than it reads per call: see **State
 //! reads**.)

@@ -1619,6 +1619,7 @@ fn engine_matches_the_naive_model() {
                 ..Model::default()
             };
             let mut total = EngineStats::default();
+            let (mut last_now, mut ahead) = (0, 0);
             for (n, op) in random_ops(seed * 7919 + timeout + tick, 6000, step)
                 .into_iter()
                 .enumerate()
@@ -1630,6 +1631,17 @@ fn engine_matches_the_naive_model() {
                         h.e.observe(o, &mut got);
                     }
                     Op::Advance(now) => {
+                        // A loop sleeping until `next_due_ns` misses no
+                        // stall: it wakes by the end of the earliest
+                        // deadline's tick (or at once, for one already past).
+                        let earliest = m.reqs.values().filter(|r| r.stalled.is_none()).map(|r| r.last_ns.saturating_add(timeout)).min();
+                        let due = h.e.next_due_ns(last_now);
+                        if let Some(earliest) = earliest {
+                            let by = earliest.div_ceil(tick).saturating_mul(tick).max(last_now);
+                            assert!(due.is_some_and(|due| due <= by), "config {timeout}/{tick} seed {seed} op {n}: due {due:?}, a deadline at {earliest}");
+                        }
+                        ahead += usize::from(due.is_some_and(|due| due > last_now));
+                        last_now = last_now.max(now);
                         m.advance(now, &mut want);
                         h.e.advance(now, &mut got);
                     }
@@ -1650,6 +1662,7 @@ fn engine_matches_the_naive_model() {
                 total = st;
             }
             // The stream really exercised the rules.
+            assert!(ahead > 100, "config {timeout}/{tick} seed {seed}: the next due time was ahead only {ahead} times");
             assert!(total.stalled > 20, "{total:?}");
             assert!(total.recovered > 5, "{total:?}");
             assert!(total.completed > 100, "{total:?}");

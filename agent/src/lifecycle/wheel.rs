@@ -174,6 +174,33 @@ impl Wheel {
         }
     }
 
+    /// The first time, a tick boundary, at which [`Self::advance`] would
+    /// process a bucket: the end of the tick holding the earliest deadline
+    /// bound, or the cursor's own tick for entries armed in the past. So a
+    /// caller that sleeps until then wakes once per tick that holds
+    /// deadlines, however many, and never misses one. Lazy re-arming makes
+    /// it an early answer at worst (the entry moves on and the next answer
+    /// is later), never a late one.
+    pub(crate) fn next_due_ns(&self) -> Option<u64> {
+        let size = self.size();
+        let start = (self.cursor & self.mask) as usize;
+        let mut best: Option<u64> = None;
+        let mut off = 0;
+        while let Some(found) = self.next_occupied(start, off, size) {
+            let begins = self.cursor.saturating_add(found as u64).saturating_mul(self.tick_ns);
+            // Later buckets begin later: only one on a later lap of its
+            // own (a timeout of more than 2^16 ticks) lets them win.
+            if best.is_some_and(|best| begins >= best) {
+                break;
+            }
+            let due = begins.max(self.min_deadline[(start + found) & (size - 1)]);
+            let due = due.div_ceil(self.tick_ns).saturating_mul(self.tick_ns);
+            best = Some(best.map_or(due, |best| best.min(due)));
+            off = found + 1;
+        }
+        best
+    }
+
     /// Walk bucket `b`: fire what is due, re-link the rest at their real
     /// deadline (possibly back into `b` itself, for a later lap).
     fn process(
