@@ -224,9 +224,12 @@ pub struct Event {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SavedArgs {
     pub args: [u64; SAVED_ARGS],
-    /// 1 from the entry until its return takes them: the entry is reused
-    /// by the thread's next call, not deleted.
-    pub live: u64,
+    /// The stack pointer at the call's entry, 0 once its return took them:
+    /// the entry is reused by the thread's next call, not deleted. A return
+    /// takes them only if its stack pointer is this one past the return
+    /// address, so a return filtered out leaves them behind without an
+    /// outer call of a recursion (or any call but theirs) ever reading them.
+    pub frame: u64,
 }
 
 #[repr(C)]
@@ -318,8 +321,9 @@ pub const NOT_EMITTED: u32 = u32::MAX;
 /// emitted; [`SavedArgs`] are reused, marked `live`. 5: [`InflightEntry`]
 /// says `ended` (a lifecycle can end at a live stage, [`slot_flags::ENDS`]).
 /// 6: [`InflightEntry::withheld`], [`event_flags::WITHHELD`], [`SlotConfig::quiet_ns`]
-/// ([`slot_flags::QUIET`]), `COUNTERS` gained `WITHHELD`.
-pub const STATE_LAYOUT: u32 = 6;
+/// ([`slot_flags::QUIET`]), `COUNTERS` gained `WITHHELD`. 7: [`SavedArgs`]
+/// carry their call's `frame` in place of `live`.
+pub const STATE_LAYOUT: u32 = 7;
 
 /// Indices of the per-CPU `COUNTERS` array: what the kernel side could not do.
 /// Every one is reported by the agent; none is silent. The first four each

@@ -109,7 +109,9 @@ pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
     if cfg.flags & slot_flags::RETURN != 0 {
         // The entry half of a return slot: keep the arguments for the
         // return, armed or not, since the return may come after arming.
-        save_args(slot, cfg, &args);
+        // SAFETY: `regs` is the probe context the kernel handed this program.
+        let frame = unsafe { (*ctx.regs).rsp };
+        save_args(slot, cfg, &args, frame);
         return 0;
     }
     if cfg.flags & slot_flags::ARMED == 0 {
@@ -133,10 +135,6 @@ pub fn lifecycle_return(ctx: RetProbeContext) -> u32 {
     let Some((slot, cfg)) = slot_of(&ctx) else {
         return 0;
     };
-    // Take the saved arguments first, so a filtered-out (or not yet armed)
-    // return never leaves its entry behind.
-    let needs_args = cfg.flags & slot_flags::NEEDS_ARGS != 0;
-    let saved = if needs_args { take_saved(slot) } else { None };
     if cfg.flags & slot_flags::ARMED == 0 {
         return 0;
     }
@@ -147,17 +145,25 @@ pub fn lifecycle_return(ctx: RetProbeContext) -> u32 {
     } else {
         raw as i64
     };
+    // The rules before the saved arguments: a return filtered out (a
+    // status poll answering "in progress") costs no lookup of them. What
+    // it leaves behind is tied to its frame, which no other return has.
     let Some(matched) = match_rules(cfg, ret) else {
         return 0;
     };
-    let args = match saved {
-        Some(saved) => Args::Saved(saved),
-        None if needs_args => {
-            // Only a return that would have been an event is a loss.
-            bump(counter::ARGS_MISSING);
-            return 0;
+    let args = if cfg.flags & slot_flags::NEEDS_ARGS == 0 {
+        Args::None
+    } else {
+        // SAFETY: `regs` is the probe context the kernel handed this program.
+        let frame = unsafe { (*ctx.regs).rsp }.wrapping_sub(RETURN_ADDRESS);
+        match take_saved(slot, frame) {
+            Some(saved) => Args::Saved(saved),
+            None => {
+                // Only a return that would have been an event is a loss.
+                bump(counter::ARGS_MISSING);
+                return 0;
+            }
         }
-        None => Args::None,
     };
     emit(slot, cfg, &args, ret, matched);
     0
@@ -247,27 +253,32 @@ fn slot_of<C: EbpfContext>(ctx: &C) -> Option<(u32, &'static SlotConfig)> {
     }
 }
 
-/// Keep the arguments for the return. A thread's entry for a slot is
-/// written over in place from one call to the next (a lookup, where an
-/// insert at every entry and a delete at every return cost two updates of
-/// the LRU), and marked taken by the return instead of removed.
+/// What a call's `ret` pops off the stack between its entry and its
+/// return probe on x86-64: the return address.
+const RETURN_ADDRESS: u64 = 8;
+
+/// Keep the arguments for the return, with the call's `frame` (its stack
+/// pointer at entry). A thread's entry for a slot is written over in place
+/// from one call to the next (a lookup, where an insert at every entry and
+/// a delete at every return cost two updates of the LRU), and marked taken
+/// by the return instead of removed.
 #[inline(always)]
-fn save_args(slot: u32, cfg: &SlotConfig, args: &Args) {
+fn save_args(slot: u32, cfg: &SlotConfig, args: &Args, frame: u64) {
     let key = SavedArgsKey { pid_tgid: bpf_get_current_pid_tgid(), slot, _pad: 0 };
     if let Some(saved) = SAVED.get_ptr_mut(&key) {
         // SAFETY: a map value only this thread's calls of this slot use.
-        fill_saved(unsafe { &mut *saved }, cfg, args);
+        fill_saved(unsafe { &mut *saved }, cfg, args, frame);
         return;
     }
     let mut saved = SavedArgs::default();
-    fill_saved(&mut saved, cfg, args);
+    fill_saved(&mut saved, cfg, args, frame);
     // A failed save is counted at the return, once, if that return was an
     // event.
     let _ = SAVED.insert(&key, &saved, 0);
 }
 
 #[inline(always)]
-fn fill_saved(saved: &mut SavedArgs, cfg: &SlotConfig, args: &Args) {
+fn fill_saved(saved: &mut SavedArgs, cfg: &SlotConfig, args: &Args, frame: u64) {
     let nargs = cfg.nargs as usize;
     for (n, value) in saved.args.iter_mut().enumerate() {
         if n >= nargs {
@@ -275,21 +286,23 @@ fn fill_saved(saved: &mut SavedArgs, cfg: &SlotConfig, args: &Args) {
         }
         *value = args.get(n).unwrap_or(0);
     }
-    saved.live = 1;
+    saved.frame = frame;
 }
 
-/// The arguments the entry saved for this return, once: a return whose
-/// entry was not seen (the call began before the probe) finds them taken.
+/// The arguments the entry of the returning call (its stack pointer at
+/// entry: `frame`) saved, once. Another call's are refused: an inner call
+/// of a recursion overwrote the outer's, or the thread's last call of the
+/// slot was filtered out at its return and left them.
 #[inline(always)]
-fn take_saved(slot: u32) -> Option<SavedArgs> {
+fn take_saved(slot: u32, frame: u64) -> Option<SavedArgs> {
     let key = SavedArgsKey { pid_tgid: bpf_get_current_pid_tgid(), slot, _pad: 0 };
     let saved = SAVED.get_ptr_mut(&key)?;
     // SAFETY: as in `save_args`.
     let saved = unsafe { &mut *saved };
-    if saved.live == 0 {
+    if saved.frame != frame {
         return None;
     }
-    saved.live = 0;
+    saved.frame = 0;
     Some(*saved)
 }
 

@@ -126,6 +126,34 @@ fn a_stall_that_moves_on_is_reported_recovered() {
     let _ = demo.proc.wait(Duration::from_secs(5));
 }
 
+/// A status poll that polls another transfer from inside (a library
+/// calling itself back) holds two calls of one return-probed function on
+/// one thread. The inner call polls a hung transfer and answers "in
+/// progress" (filtered out at its return); the outer answers done. Given
+/// the inner call's arguments, the outer's done would be the hung
+/// transfer's and turn its hang into `release_lost`; the outer return is
+/// refused instead (its frame is not the one the arguments were saved for)
+/// and counted.
+#[test]
+fn a_nested_status_poll_never_lends_its_arguments_to_the_outer_call() {
+    let (mut demo, agent) = watched(
+        &["--rate", "500", "--duration", "4s", "--inject-after", "300ms", "--transfer-hung", "1", "--nested-polls", "3"],
+        "2s",
+    );
+    let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(30));
+    let demo_lines = demo.proc.lines_until_exit(Duration::from_secs(5));
+    let injected = injected(&demo_lines);
+    let nested = demo_lines.iter().filter_map(Line::json).filter(|v| v["event"] == "nested").count();
+    assert_eq!((injected.len(), nested), (1, 3), "demo said: {demo_lines:?}");
+
+    let seen = stalls_on_time(&agent_lines, &injected, TIMEOUT);
+    assert_eq!(seen.len(), 1, "the hung transfer stalls as hung: {agent_lines:?}");
+    let summary = summary(&agent_lines);
+    assert_eq!(summary["stalled"], 1, "{summary}");
+    assert_eq!(summary["args_missing"], 3, "each outer done is refused, once: {summary}");
+    let _ = demo.proc.wait(Duration::from_secs(5));
+}
+
 #[test]
 fn failed_and_aborted_requests_end_their_lifecycles() {
     let (mut demo, agent) = watched(&["--rate", "1000", "--requests", "500", "--fail", "3", "--abort", "2", "--duration", "10s"], "1s");

@@ -99,6 +99,13 @@ struct Args {
     /// return probe never runs.
     #[arg(long, default_value_t = 0)]
     stuck_in_poll: u64,
+    /// Right after injecting, run this many requests whose done status
+    /// poll first polls the first `--transfer-hung` transfer from inside
+    /// (a library calling itself back), which answers "in progress": two
+    /// calls of one return-probed function in flight on one thread. Each
+    /// prints `nested` with its key.
+    #[arg(long, default_value_t = 0, requires = "transfer_hung")]
+    nested_polls: u64,
     /// Benchmark mode for `cargo bench --bench uprobe`: for every line
     /// `enqueue`, `post`, `poll` or `request` (a whole healthy request) on
     /// stdin, optionally followed by a count, time this many calls of it
@@ -168,8 +175,15 @@ pub extern "C" fn kv_transfer_poll(id: u64, status: i32) -> i32 {
     if status == STUCK {
         stuck();
     }
+    if status == NESTED {
+        kv_transfer_poll(NESTED_INNER.load(Ordering::Relaxed), IN_PROGRESS);
+        return black_box(DONE);
+    }
     black_box(status)
 }
+
+/// The transfer a [`NESTED`] poll polls from inside (`--nested-polls`).
+static NESTED_INNER: AtomicU64 = AtomicU64::new(0);
 
 /// Threads inside `kv_transfer_poll` for good.
 static STUCK_THREADS: AtomicU64 = AtomicU64::new(0);
@@ -217,12 +231,16 @@ const DONE: i32 = 0;
 const ERR_BACKEND: i32 = -3;
 /// A status no transfer has: the poll blocks forever.
 const STUCK: i32 = i32::MIN;
+/// Another one: the poll polls [`NESTED_INNER`], then answers done.
+const NESTED: i32 = i32::MIN + 1;
 /// Polls a healthy transfer answers "in progress" before it is done.
 const POLLS_PER_TRANSFER: u32 = 3;
 /// Pinned requests get their ids from here up, apart from healthy ones.
 const PINNED_BASE: u64 = 1 << 40;
 /// The ids stuck threads poll, apart from both.
 const STUCK_BASE: u64 = 1 << 41;
+/// The ids of `--nested-polls` requests, apart from all three.
+const NESTED_BASE: u64 = 1 << 42;
 
 fn say(line: &str) {
     let mut out = std::io::stdout().lock();
@@ -425,6 +443,16 @@ fn inject(args: &Args) -> Vec<Pinned> {
                 req.room_json()
             ));
             pinned.push(Pinned { id, pin, req });
+        }
+    }
+    if let Some(hung) = pinned.iter().find(|p| matches!(p.pin, Pin::TransferHung)) {
+        NESTED_INNER.store(hung.id, Ordering::Relaxed);
+        for id in (NESTED_BASE..).take(args.nested_polls as usize) {
+            prefill_enqueue(&Request::new(id));
+            kv_transfer_post(id, 4096);
+            kv_transfer_poll(id, NESTED);
+            prefill_release(id);
+            say(&format!("{{\"event\":\"nested\",\"key\":{id},\"inner\":{}}}", hung.id));
         }
     }
     pinned
