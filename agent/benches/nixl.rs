@@ -96,11 +96,15 @@ fn main() -> Result<()> {
     }
     let profile = Profile::load("nixl")?;
     let columns = support::columns(full)?;
-    let runs = if full { 3 } else { 1 };
+    // Five: the host's run-to-run spread at 4 KiB is several tenths.
+    let runs = if full { 5 } else { 1 };
     let sizes: &[(&str, u64, u64)] =
         if full { &[("4 KiB x 5000", 4096, 5000), ("64 MiB x 40", 64 << 20, 40)] } else { &[("4 KiB x 200", 4096, 200)] };
     let smoke = if full { "" } else { " [smoke run: too short for meaningful figures]" };
-    println!("NIXL healthy WRITEs, median of {runs} interleaved runs (tests/nixl/driver.py, default UCX transports){smoke}:");
+    println!(
+        "NIXL healthy WRITEs, {runs} interleaved runs, each configuration against the off run beside it, median and range \
+         (tests/nixl/driver.py, default UCX transports){smoke}:"
+    );
     print!("{:<14} {:>12}", "transfer", "off xfer/s");
     for (name, _) in &columns[1..] {
         print!(" {:>12}", format!("{name}/off"));
@@ -118,12 +122,21 @@ fn main() -> Result<()> {
                 }
             }
         }
-        let off = median(&rate[0]);
-        print!("{label:<14} {off:>12.0}");
-        for values in &rate[1..] {
-            print!(" {:>11.2}x", median(values) / off);
+        // Ratios per run: a run is compared with the off run of its own
+        // round, minutes apart at most, not with the median of all.
+        let ratios: Vec<Vec<f64>> =
+            rate[1..].iter().map(|values| values.iter().zip(&rate[0]).map(|(on, off)| on / off).collect()).collect();
+        print!("{label:<14} {:>12.0}", median(&rate[0]));
+        for values in &ratios {
+            print!(" {:>11.2}x", median(values));
         }
         println!(" {:>9.2}", median(&gb));
+        print!("{:<27}", "  range over the runs");
+        for values in &ratios {
+            let (low, high) = values.iter().fold((f64::MAX, f64::MIN), |(low, high), v| (low.min(*v), high.max(*v)));
+            print!(" {:>12}", format!("{low:.2}-{high:.2}"));
+        }
+        println!();
     }
     Ok(())
 }
