@@ -42,7 +42,7 @@ const REPS: usize = 3;
 /// What is timed: the demo's bench command, the function, what it shows.
 const FUNCTIONS: [(&str, &str, &str); 4] = [
     ("enqueue", "prefill_enqueue", "entry: key deref + room string, emits"),
-    ("post", "kv_transfer_post", "entry: key from an argument, emits"),
+    ("post", "kv_transfer_post", "entry: key from an argument, quiet"),
     ("poll", "kv_transfer_poll", "return, saved argument, filtered out"),
     ("request", "(a request)", "enqueue, post, 4 polls (1 done), release"),
 ];
