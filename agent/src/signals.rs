@@ -5,7 +5,8 @@
 //! lifecycle engine. The consumers: the ZMQ frames of `zmq_recv`,
 //! `zmq_data` and `zmq_send` ([`crate::zmq`]) make messages, which the
 //! SGLang room tracker ([`crate::sglang`]) turns into the rooms'
-//! lifecycle observations; `nixl_remote_agent` names the peer of the NIXL
+//! lifecycle observations; `nixl_remote_agent` (createXferReq) and
+//! `nixl_dlist_remote_agent` (makeXferReq) name the peer of the NIXL
 //! transfer a thread creates, so the tracker attributes the handle to its
 //! room and [`crate::peers`] knows every handle's peer, for the verdict
 //! per peer. A signal of any other name is only logged
@@ -17,7 +18,7 @@ use stallwatch_common::{EXT_ID_LEN, Event, event_flags, stage};
 use tracing::{debug, info, warn};
 
 use crate::{
-    lifecycle::{Observation, RequestSnapshot, Restored, Silent, StageRead},
+    lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, StageRead},
     peers::{PeerCompletions, Peers},
     probes::{Role, SignalSpec, Slot},
     sglang::{self, Rooms},
@@ -121,7 +122,9 @@ impl Signals {
         let hit = match spec.name.as_str() {
             "zmq_recv" => Hit::Recv { msg: signal.value, size: signal.ret, tail: raw },
             "zmq_send" => Hit::Send { flags: signal.value, tail: raw },
-            "nixl_remote_agent" => {
+            // The remote agent named at createXferReq's entry, or read from
+            // the remote dlist handle at makeXferReq's: the same news.
+            "nixl_remote_agent" | "nixl_dlist_remote_agent" => {
                 if let Captured::Text(agent) = &signal.capture {
                     self.rooms.creating(signal.pid, signal.tid, agent);
                     self.peers.creating(signal.pid, signal.tid, agent);
@@ -176,6 +179,12 @@ impl Signals {
         if let Some(room) = sglang::room_of(request.key, request.external_id.as_deref()) {
             self.rooms.adopt(request.pid, room);
         }
+    }
+
+    /// Which side of the transfer `pid` serves, as its SGLang traffic
+    /// tells ([`Rooms::side`]).
+    pub fn side(&self, pid: u32) -> Side {
+        self.rooms.side(pid)
     }
 
     /// What an alert of `request` says besides its lifecycle, if it is an

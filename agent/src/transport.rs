@@ -21,8 +21,10 @@
 //! Where the stalled transfer's peer is known ([`crate::peers`]), the
 //! verdict is judged per peer first: completions to that peer since say it
 //! is alive (`others_completing`), none to it while other peers of the
-//! process complete say it is the peer (`peer_unresponsive`); the
-//! process's counts decide only when no peer completed anything.
+//! process complete say it is the peer (`peer_unresponsive`); when no peer
+//! completed anything, the process's counts decide, except that
+//! completions of handles with no known peer never make a known peer that
+//! completed nothing `others_completing`.
 use std::collections::{HashMap, VecDeque};
 
 use anyhow::Result;
@@ -144,7 +146,10 @@ impl Verdict {
         let progress = since.get(ActivityKind::Progress).calls;
         let posts = since.get(ActivityKind::Post).calls;
         if completions > 0 {
-            return Self::OthersCompleting;
+            // Where the stalled transfer's peer is known and completed
+            // nothing, completions it had no part in say only that others
+            // are alive: never that this peer is.
+            return if peer.is_some() { Self::PeerUnresponsive } else { Self::OthersCompleting };
         }
         match class {
             StallClass::TransferHung if progress > 0 => Self::PeerUnresponsive,
@@ -476,9 +481,11 @@ mod tests {
         assert_eq!(evidence.verdict, Verdict::OthersCompleting);
         assert!(evidence.summary().ends_with("2 to decode-0 completed, 1 to other peers"), "{}", evidence.summary());
         assert_eq!(judged_with_peer(2, 500, Some((2, 0))).verdict, Verdict::OthersCompleting);
-        // No peer completed anything: the process's rules, as without a peer
-        // (completions of handles with no known peer, progress, neither).
-        assert_eq!(judged_with_peer(5, 500, Some((0, 0))).verdict, Verdict::OthersCompleting);
+        // No peer completed anything: completions of handles with no known
+        // peer never make a peer that completed nothing look alive; progress,
+        // or neither, as without a peer.
+        assert_eq!(judged_with_peer(5, 500, Some((0, 0))).verdict, Verdict::PeerUnresponsive);
+        assert_eq!(judged_with_peer(5, 0, Some((0, 0))).verdict, Verdict::PeerUnresponsive);
         assert_eq!(judged_with_peer(0, 500, Some((0, 0))).verdict, Verdict::PeerUnresponsive);
         assert_eq!(judged_with_peer(0, 0, Some((0, 0))).verdict, Verdict::NoProgress);
         let evidence = judged_with_peer(0, 0, Some((0, 0)));
