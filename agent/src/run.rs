@@ -31,7 +31,7 @@ use crate::{
         telemetry::{Telemetry, TelemetryOptions},
     },
     gate::{Change, Failures, Gate},
-    lifecycle::{Engine, EngineConfig, Observation, Report, Silent, Withheld},
+    lifecycle::{Engine, EngineConfig, Observation, Report, Side, Silent, Withheld},
     probes::{KernelCounters, Probes, Profile},
     query::{QueryServer, SocketPlace},
     reactor,
@@ -480,15 +480,16 @@ impl<W: Write> Session<W> {
         let Session { reader, ingest, transport, engine, reports, signals, probes, state, .. } = self;
         let mut route = |event: &Event, observation: Option<Observation>| {
             let probed = observation.as_ref().map(|o| o.key);
-            let made = signals.consume(event, observation, probes.slot(event.slot));
+            let made = signals.consume(event, observation, probes.slot(event.slot))?;
             // A lifecycle event no probe made (an SGLang room's): the
-            // kernel did not keep it, so the agent does.
-            if let Some(made) = &made
-                && probed != Some(made.key)
-            {
-                state.hold(made);
+            // kernel did not keep it, so the agent does; its side is what
+            // its process's traffic says.
+            if probed == Some(made.key) {
+                return Some((made, Side::Prefill));
             }
-            made
+            state.hold(&made);
+            let side = signals.side(made.pid);
+            Some((made, side))
         };
         reader.drain(|bytes| ingest.record(bytes, transport, engine, reports, &mut route));
     }
@@ -753,7 +754,7 @@ impl Ingest {
         transport: &mut Tracker,
         engine: &mut Engine,
         reports: &mut Vec<Report>,
-        route: &mut impl FnMut(&Event, Option<Observation>) -> Option<Observation>,
+        route: &mut impl FnMut(&Event, Option<Observation>) -> Option<(Observation, Side)>,
     ) {
         match events::decode(bytes) {
             Ok(event) => {
@@ -775,7 +776,7 @@ impl Ingest {
         transport: &mut Tracker,
         engine: &mut Engine,
         reports: &mut Vec<Report>,
-        route: &mut impl FnMut(&Event, Option<Observation>) -> Option<Observation>,
+        route: &mut impl FnMut(&Event, Option<Observation>) -> Option<(Observation, Side)>,
     ) {
         // A signal is a lifecycle event only once its consumer makes one
         // (an SGLang room's, from its ZMQ messages); a probe's lifecycle
@@ -784,7 +785,10 @@ impl Ingest {
             if signals::is_signal(event) { Ok(route(event, None)) } else { events::observe(event).map(|o| route(event, Some(o))) };
         match decoded {
             Ok(None) => {}
-            Ok(Some(observation)) => {
+            Ok(Some((observation, side))) => {
+                if side == Side::Decode {
+                    engine.set_side(observation.pid, side);
+                }
                 transport.observe(&observation);
                 engine.observe(observation, reports);
             }
@@ -931,9 +935,9 @@ mod tests {
         };
         let logged = warnings(|| {
             for _ in 0..1000 {
-                ingest.record(&[0; 8], &mut transport, &mut engine, &mut reports, &mut |_, observation| observation);
+                ingest.record(&[0; 8], &mut transport, &mut engine, &mut reports, &mut |_, observation| observation.map(|o| (o, Side::Prefill)));
             }
-            ingest.record(&bytes_of(&unknown_stage), &mut transport, &mut engine, &mut reports, &mut |_, observation| observation);
+            ingest.record(&bytes_of(&unknown_stage), &mut transport, &mut engine, &mut reports, &mut |_, observation| observation.map(|o| (o, Side::Prefill)));
             // Two counter periods: the second has nothing new.
             ingest.warn_undecodable();
             ingest.warn_undecodable();

@@ -12,6 +12,15 @@
 //! and its external id the room in decimal, so its trace id is the room's
 //! on every node. A registration (room `b"None"`) is no room.
 //!
+//! A decode rank is the other end of the same messages: it sends its
+//! destination (the decode asks for the room's KV), may send the ABORT,
+//! and receives the KV_STATUS. So a process that sends destinations is a
+//! decode ([`Side::Decode`]): its room is enqueued when the destination
+//! goes out, released or failed when the status comes in, aborted at its
+//! ABORT, and a room silent in between waits for its KV
+//! (`waiting_for_kv`). Both sides key the room alike, so their spans of
+//! one room share its trace.
+//!
 //! NIXL handles are attributed to rooms by destination: each worker
 //! thread names the remote agent of the transfer it creates (a signal on
 //! `createXferReq`'s entry) just before the call's handle comes back on
@@ -21,10 +30,10 @@
 //! from its first posted transfer on, and a hung transfer stalls the room
 //! `transfer_hung`), and the handle raises no lifecycle of its own. A
 //! handle that cannot be attributed unambiguously stays its own lifecycle.
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use crate::{
-    lifecycle::{Observation, Silent, Stage, StageRead},
+    lifecycle::{Observation, Side, Silent, Stage, StageRead},
     zmq::{Direction, Frame, Message},
 };
 
@@ -42,8 +51,13 @@ pub enum Bootstrap {
     /// NIXL agent named `agent`; the room has `ranks` decode ranks
     /// (`required_dst_info_num`), each of which sends one.
     Destination { room: u64, port: u16, agent: Box<str>, ranks: u32 },
+    /// This process, a decode rank, sent its destination for `room`: it
+    /// asks for the room's KV.
+    Asked { room: u64 },
+    /// The decode gave the room up (received by the prefill, sent by the
+    /// decode).
     Abort { room: u64 },
-    /// A KVPoll status sent to a decode.
+    /// A KVPoll status: sent by the prefill to a decode, received by it.
     Status { room: u64, status: u8 },
 }
 
@@ -76,8 +90,17 @@ pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
                 .map_err(|_| "frame 7 (required_dst_info_num) is past 2^32".to_owned())?;
             Bootstrap::Destination { room, port, agent, ranks }
         }
-        (Direction::Received, ABORT) => Bootstrap::Abort { room: number(1, "room")? },
-        (Direction::Sent, KV_STATUS) => {
+        // A decode's own destination: only its room is read (the frames
+        // after it, the agent name among them, may be past what libzmq
+        // keeps inline, which is all a send is read from).
+        (Direction::Sent, GUARD) => {
+            if frame(1, "room")? == b"None" {
+                return Ok(None);
+            }
+            Bootstrap::Asked { room: number(1, "room")? }
+        }
+        (_, ABORT) => Bootstrap::Abort { room: number(1, "room")? },
+        (_, KV_STATUS) => {
             let status = u8::try_from(number(2, "status")?).map_err(|_| "frame 2 (status) is past 255".to_owned())?;
             Bootstrap::Status { room: number(1, "room")?, status }
         }
@@ -103,6 +126,8 @@ const WORKERS: u32 = 4;
 /// A live room.
 #[derive(Default)]
 struct Room {
+    /// Which end of it this process is.
+    side: Side,
     /// The NIXL agents of its destinations (one per decode rank that
     /// answered).
     agents: Vec<Box<str>>,
@@ -135,6 +160,8 @@ pub struct Rooms {
     /// (a worker transfers one room at a time: its next handle to one of
     /// that room's destinations is that room's too).
     current: HashMap<(u32, u32), u64>,
+    /// Processes seen sending a destination: decode ranks.
+    decodes: HashSet<u32>,
 }
 
 impl Rooms {
@@ -152,6 +179,14 @@ impl Rooms {
                 if known {
                     return None;
                 }
+                (room, Stage::Enqueued)
+            }
+            Bootstrap::Asked { room } => {
+                self.decodes.insert(pid);
+                if self.live.contains_key(&(pid, room)) {
+                    return None;
+                }
+                self.live.insert((pid, room), Room { side: Side::Decode, ..Room::default() });
                 (room, Stage::Enqueued)
             }
             Bootstrap::Abort { room } => (room, Stage::Aborted),
@@ -176,6 +211,12 @@ impl Rooms {
     /// again. Its status or an ABORT ends it as before.
     pub fn adopt(&mut self, pid: u32, room: u64) {
         self.live.entry((pid, room)).or_default();
+    }
+
+    /// Which side of its rooms' transfers `pid` serves: a decode once it
+    /// sent a destination.
+    pub fn side(&self, pid: u32) -> Side {
+        if self.decodes.contains(&pid) { Side::Decode } else { Side::Prefill }
     }
 
     /// Thread `tid` is creating a transfer to the NIXL agent `agent`.
@@ -252,6 +293,9 @@ impl Rooms {
     /// forward pass or its worker's queue).
     pub fn context(&self, pid: u32, room: u64) -> Vec<(&'static str, String)> {
         let Some(this) = self.live.get(&(pid, room)) else { return Vec::new() };
+        if this.side == Side::Decode {
+            return vec![("side", Side::Decode.as_str().to_owned()), ("waiting_on", "prefill".to_owned())];
+        }
         if let Some((handle, ordinal)) = this.outstanding.first() {
             return vec![("handle", format!("{handle:#x}")), ("transfer", ordinal.to_string())];
         }
@@ -319,6 +363,7 @@ impl Rooms {
         self.creating.retain(|(p, _), _| *p != pid);
         self.handles.retain(|(p, _), _| *p != pid);
         self.current.retain(|(p, _), _| *p != pid);
+        self.decodes.remove(&pid);
     }
 }
 
@@ -354,8 +399,14 @@ mod tests {
         assert_eq!(parse(&message(Received, &[ABORT, b"17", b"127.0.0.1", b"40001", b"1"])), Ok(Some(Bootstrap::Abort { room: 17 })));
         let status = message(Sent, &[KV_STATUS, b"17", b"4", b"0", b""]);
         assert_eq!(parse(&status), Ok(Some(Bootstrap::Status { room: 17, status: 4 })));
-        // Direction matters: a KV_STATUS received is the decode's business.
-        assert_eq!(parse(&message(Received, &[KV_STATUS, b"17", b"4"])), Ok(None));
+        // The decode's end of the same messages: its destination sent (only
+        // the room read), its ABORT sent, the status received.
+        let mut asked = message(Sent, &[GUARD, b"17", b"127.0.0.1", b"40001", b"", b"", b"3", b"1"]);
+        asked.frames[4].complete = false;
+        assert_eq!(parse(&asked), Ok(Some(Bootstrap::Asked { room: 17 })));
+        assert_eq!(parse(&message(Sent, &[GUARD, b"None", b"127.0.0.1"])), Ok(None), "its registration");
+        assert_eq!(parse(&message(Sent, &[ABORT, b"17", b"127.0.0.1", b"40001", b"1"])), Ok(Some(Bootstrap::Abort { room: 17 })));
+        assert_eq!(parse(&message(Received, &[KV_STATUS, b"17", b"4"])), Ok(Some(Bootstrap::Status { room: 17, status: 4 })));
         assert_eq!(parse(&message(Received, &[b"hello"])), Ok(None));
         // A first frame read in part (its receive began before the probes).
         let mut cut = message(Received, &[b"NixlMsgGuard\x55\x55", b"5", b"ip", b"40001", b"d", b"", b"0", b"1"]);
@@ -405,6 +456,28 @@ mod tests {
         rooms.observe(7, 50, &destination).expect("enqueued");
         rooms.forget(7);
         assert!(rooms.live.is_empty());
+    }
+
+    #[test]
+    fn a_decode_rank_asks_for_its_rooms_kv_and_waits_on_the_prefill() {
+        let mut rooms = Rooms::default();
+        assert_eq!(rooms.side(4), Side::Prefill);
+        let start = rooms.observe(4, 10, &Bootstrap::Asked { room: 9 }).expect("enqueued");
+        assert_eq!((start.key, start.stage, start.ts_ns, start.external_id.as_deref()), (9, Stage::Enqueued, 10, Some("9")));
+        assert_eq!(rooms.side(4), Side::Decode);
+        assert_eq!(rooms.observe(4, 11, &Bootstrap::Asked { room: 9 }), None, "asked again: one room");
+        let fields = vec![("side", "decode".to_owned()), ("waiting_on", "prefill".to_owned())];
+        assert_eq!(rooms.context(4, 9), fields);
+        // No handle of a decode's is a room's: it names no agent of it.
+        rooms.creating(4, 20, b"prefill-0");
+        assert!(rooms.handle(20, handle_event(4, 0xa0, Stage::Enqueued, 12)).is_some());
+        assert_eq!(rooms.observe(4, 13, &Bootstrap::Status { room: 9, status: SUCCESS }).map(|o| o.stage), Some(Stage::Released));
+        rooms.observe(4, 14, &Bootstrap::Asked { room: 10 }).expect("room 10");
+        assert_eq!(rooms.observe(4, 15, &Bootstrap::Status { room: 10, status: FAILED }).map(|o| o.stage), Some(Stage::Failed));
+        rooms.observe(4, 16, &Bootstrap::Asked { room: 11 }).expect("room 11");
+        assert_eq!(rooms.observe(4, 17, &Bootstrap::Abort { room: 11 }).map(|o| o.stage), Some(Stage::Aborted));
+        rooms.forget(4);
+        assert_eq!(rooms.side(4), Side::Prefill, "a pid reused is no decode until it sends");
     }
 
     #[test]

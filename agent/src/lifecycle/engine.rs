@@ -1,13 +1,13 @@
 //! The engine: applies observations to lifecycles and turns silence into
 //! reports. The rules it follows are listed in the [module docs](super).
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 
 use super::index::{Index, Mixer, PidCounts};
 use super::recent::RecentLog;
 use super::report::{EngineStats, Observation, Report, RequestSnapshot, Restored, Silent, StageRead, Withheld};
 use super::slab::{List, MAX_RECORDS, Place, Record, Slab};
-use super::stage::{Outcome, Stage, StallClass};
+use super::stage::{Outcome, Side, Stage, StallClass};
 use super::wheel::Wheel;
 
 /// Most recent request ends remembered for stale-event detection.
@@ -87,6 +87,9 @@ pub struct Engine {
     batch: Vec<u32>,
     silents: Vec<Silent>,
     answers: Vec<Option<StageRead>>,
+    /// Processes that serve the decode side ([`Engine::set_side`]); every
+    /// other is a prefill. A handful at most.
+    decodes: HashSet<u32>,
 }
 
 /// A record the wheel found due, and whose it was.
@@ -125,12 +128,28 @@ impl Engine {
             batch: Vec::new(),
             silents: Vec::new(),
             answers: Vec::new(),
+            decodes: HashSet::new(),
         }
     }
 
     /// The configuration in force.
     pub fn config(&self) -> &EngineConfig {
         &self.config
+    }
+
+    /// Process `pid` serves `side` of the transfer, which names its
+    /// requests' stalls ([`StallClass::on_side`]): said by what follows its
+    /// framework's protocol, which tells a decode by what it sends. Until
+    /// it exits.
+    pub fn set_side(&mut self, pid: u32, side: Side) {
+        match side {
+            Side::Decode => self.decodes.insert(pid),
+            Side::Prefill => self.decodes.remove(&pid),
+        };
+    }
+
+    fn side(&self, pid: u32) -> Side {
+        if self.decodes.contains(&pid) { Side::Decode } else { Side::Prefill }
     }
 
     /// Apply one observation; reports it causes are appended to `out`.
@@ -337,11 +356,12 @@ impl Engine {
 
     /// Report the silent record `i` (on no list) stalled, by its stage.
     fn stall(&mut self, i: u32, now_ns: u64, out: &mut Vec<Report>) {
+        let side = self.side(self.slab.get(i).pid);
         let r = self.slab.get_mut(i);
         // A tracked record's stage is never terminal, so this is always
         // Some; should that ever break, the request stays visible as
         // stalled (the safe failure) rather than silently unarmed.
-        let class = StallClass::for_stage(r.stage()).unwrap_or(StallClass::ReleaseLost);
+        let class = StallClass::on_side(r.stage(), side).unwrap_or(StallClass::ReleaseLost);
         r.set_place(Place::Stalled(class));
         let silent_ns = now_ns.saturating_sub(r.last_ns);
         let request = r.snapshot();
@@ -367,6 +387,7 @@ impl Engine {
     /// starting lifecycles that could never end.
     pub fn process_exited(&mut self, pid: u32, now_ns: u64, out: &mut Vec<Report>) {
         self.exits.record(pid, now_ns);
+        self.decodes.remove(&pid);
         let mut left = self.pids.get(pid);
         if left == 0 {
             return;

@@ -38,7 +38,9 @@
 //! **Silence and stalls.** Silence is the time since `last_ns`. A request
 //! silent for `timeout_ns` or more is stalled, classified by its stage:
 //! `enqueued` -> `waiting_for_peer`, `transfer_posted` -> `transfer_hung`,
-//! `transfer_done` -> `release_lost`. [`Report::Stalled`] fires exactly once
+//! `transfer_done` -> `release_lost`; in a process [`Engine::set_side`]
+//! made a decode, `enqueued` -> `waiting_for_kv` (the decode asked for its
+//! KV and waits on the prefill). [`Report::Stalled`] fires exactly once
 //! per silence episode, at the first `advance(now)` with
 //! `now >= last_ns + timeout_ns`: never earlier, and so no later than
 //! `timeout + tick` when `advance` is called at least once per tick, or at
@@ -178,4 +180,4 @@ mod tests;
 
 pub use engine::{Engine, EngineConfig, RECENT_ENDS, RECENT_ENDS_MIN, RECENT_EXITS};
 pub use report::{EngineStats, Observation, Report, RequestSnapshot, Restored, Silent, StageRead, Withheld};
-pub use stage::{Outcome, Stage, StageSet, StallClass, UnknownStage, UnknownStallClass};
+pub use stage::{Outcome, Side, Stage, StageSet, StallClass, UnknownStage, UnknownStallClass};

@@ -152,14 +152,38 @@ pub enum StallClass {
     TransferHung = 1,
     /// Completed, never released: typically an abort that raced a chunk.
     ReleaseLost = 2,
+    /// On the decode side: the request asked for its KV (sent its
+    /// destination) and it never arrived. The decode waits on the prefill,
+    /// whose own span of the same request (one trace) says where it stopped.
+    WaitingForKv = 3,
+}
+
+/// Which side of the KV transfer a process serves: the prefill sends the
+/// KV, the decode waits for it. A request silent at `enqueued` means the
+/// prefill waits on its decode, or the decode on its prefill.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Side {
+    #[default]
+    Prefill,
+    Decode,
+}
+
+impl Side {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Side::Prefill => "prefill",
+            Side::Decode => "decode",
+        }
+    }
 }
 
 impl StallClass {
     /// Every class, in order of the stage it stops at.
-    pub const ALL: [StallClass; 3] = [
+    pub const ALL: [StallClass; 4] = [
         StallClass::WaitingForPeer,
         StallClass::TransferHung,
         StallClass::ReleaseLost,
+        StallClass::WaitingForKv,
     ];
 
     /// The stable name used in reports, configuration and the CLI.
@@ -168,6 +192,7 @@ impl StallClass {
             StallClass::WaitingForPeer => "waiting_for_peer",
             StallClass::TransferHung => "transfer_hung",
             StallClass::ReleaseLost => "release_lost",
+            StallClass::WaitingForKv => "waiting_for_kv",
         }
     }
 
@@ -182,11 +207,21 @@ impl StallClass {
         }
     }
 
+    /// The class of a request silent at `stage` in a process on `side`:
+    /// a decode silent at `enqueued` waits for its KV.
+    pub fn on_side(stage: Stage, side: Side) -> Option<StallClass> {
+        match (side, stage) {
+            (Side::Decode, Stage::Enqueued) => Some(StallClass::WaitingForKv),
+            _ => StallClass::for_stage(stage),
+        }
+    }
+
     pub(crate) fn from_bits(bits: u8) -> StallClass {
         match bits {
             0 => StallClass::WaitingForPeer,
             1 => StallClass::TransferHung,
-            _ => StallClass::ReleaseLost,
+            2 => StallClass::ReleaseLost,
+            _ => StallClass::WaitingForKv,
         }
     }
 }

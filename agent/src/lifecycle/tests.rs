@@ -199,7 +199,7 @@ fn stage_parse_error_lists_the_valid_names() {
 fn class_and_outcome_names() {
     assert_eq!(
         StallClass::ALL.map(StallClass::as_str),
-        ["waiting_for_peer", "transfer_hung", "release_lost"]
+        ["waiting_for_peer", "transfer_hung", "release_lost", "waiting_for_kv"]
     );
     for c in StallClass::ALL {
         assert_eq!(c.to_string().parse::<StallClass>(), Ok(c));
@@ -207,7 +207,7 @@ fn class_and_outcome_names() {
     assert_eq!(
         "hung".parse::<StallClass>().unwrap_err().to_string(),
         "unknown stall class \"hung\"; expected one of: waiting_for_peer, transfer_hung, \
-         release_lost"
+         release_lost, waiting_for_kv"
     );
     assert_eq!(
         Outcome::ALL.map(|o| o.to_string()),
@@ -671,6 +671,32 @@ fn each_stage_is_classified() {
         ]
     );
     assert_eq!(h.stats().stalled, 3);
+}
+
+#[test]
+fn a_decode_silent_at_enqueued_waits_for_its_kv_until_it_exits() {
+    let mut h = H::new();
+    h.e.set_side(2, Side::Decode);
+    h.obs(2, 7, ENQ, 0);
+    h.obs(2, 8, ENQ, 0);
+    h.obs(2, 8, POST, 0);
+    h.obs(1, 7, ENQ, 0);
+    let z = Some(0);
+    let kv = StallClass::WaitingForKv;
+    assert_eq!(
+        by_key(h.adv(1000)),
+        vec![
+            stalled(snap(1, 7, ENQ, [z, None, None, None], 0, 0, Some(WFP)), WFP, 1000, 1000),
+            stalled(snap(2, 7, ENQ, [z, None, None, None], 0, 0, Some(kv)), kv, 1000, 1000),
+            stalled(snap(2, 8, POST, [z, z, None, None], 0, 0, Some(HUNG)), HUNG, 1000, 1000),
+        ]
+    );
+    // The class stays with the stalled record (recovery names it).
+    assert!(matches!(h.obs(2, 7, REL, 1500)[0], Report::Recovered { class: StallClass::WaitingForKv, .. }));
+    // A new process with the same pid is a prefill until told otherwise.
+    h.exit(2, 2000);
+    h.obs(2, 9, ENQ, 3000);
+    assert_eq!(h.adv(4000)[0], stalled(snap(2, 9, ENQ, [Some(3000), None, None, None], 3000, 3000, Some(WFP)), WFP, 1000, 4000));
 }
 
 // --------------------------------------------------- episodes, recovery
