@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand};
 use stallwatch::{
     config::{self, ConfigFile},
     doctor,
-    probes::{Profile, profile},
+    probes::{self, Profile, profile},
     query, run, state, text,
 };
 use tracing_subscriber::{field::MakeExt as _, fmt::format::debug_fn};
@@ -101,7 +101,14 @@ enum ProfileCommand {
     /// Print a built-in profile's TOML (a starting point for your own).
     Show { name: String },
     /// Validate a profile file and print what it attaches to.
-    Check { path: PathBuf },
+    Check {
+        path: PathBuf,
+        /// Also resolve every probe in this running process and say what
+        /// the kernel does with the instruction it lands on (emulated, or
+        /// single-stepped: ~30 us a hit).
+        #[arg(long, value_name = "PID")]
+        pid: Option<u32>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -210,10 +217,14 @@ fn dispatch(cli: Cli) -> Result<()> {
                 })?;
                 print(|out| out.write_all(text.as_bytes()))
             }
-            ProfileCommand::Check { path } => {
+            ProfileCommand::Check { path, pid } => {
                 let path = path.to_str().context("profile path is not UTF-8")?;
                 let profile = Profile::load(path)?;
-                print(|out| check_report(&profile, out))
+                let points = pid.map(|pid| probes::resolve::probe_points(&profile, pid)).transpose()?;
+                print(|out| {
+                    check_report(&profile, out)?;
+                    points.map_or(Ok(()), |points| points_report(&points, out))
+                })
             }
         },
     }
@@ -227,6 +238,28 @@ fn print(write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()
         Err(err) if err.kind() == ErrorKind::BrokenPipe => Ok(()),
         other => other.context("writing to stdout"),
     }
+}
+
+/// `stallwatch profile check --pid`: where each probe lands in the process.
+fn points_report(points: &[probes::resolve::ProbePoint], out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(out, "in the process:")?;
+    for point in points {
+        let symbol = text::value(&point.symbol);
+        match &point.found {
+            Ok((path, resolved)) => writeln!(
+                out,
+                "  line {:>3}: {} at {}+{:#x}{}: {}",
+                point.line,
+                symbol,
+                text::value(&path.display().to_string()),
+                resolved.file_offset,
+                if resolved.skipped > 0 { " (after its endbr64)" } else { "" },
+                resolved.first_insn
+            )?,
+            Err(why) => writeln!(out, "  line {:>3}: {symbol}: not attachable: {}", point.line, text::escaped(why))?,
+        }
+    }
+    Ok(())
 }
 
 /// `stallwatch profile check`: what each probe of a valid profile attaches to.

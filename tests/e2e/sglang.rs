@@ -22,7 +22,7 @@ use serde_json::Value;
 use stallwatch_tests::{
     Agent, Line, Proc, alerts, marker_lib,
     otlp::{Collector, Span, expected_trace_id},
-    agent_bin, require_root, root, run_to_end, summary, test_socket, venv_python,
+    agent_bin, require_root, root, run_to_end, summary, test_socket, venv_python, wait_for,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(2);
@@ -585,4 +585,44 @@ fn per_process_the_same_hang_reads_others_completing() {
     let alert = hung_alert(agent, handle);
     assert!(alert["transport"]["peer"].is_null(), "{alert}");
     assert_eq!(alert["transport"]["verdict"], "others_completing", "{alert}");
+}
+
+/// `profile check --pid` on a process that loaded what SGLang loads
+/// (pyzmq's libzmq, NIXL): every probe of the `sglang` profile lands on an
+/// instruction the kernel emulates (no single step on SGLang's threads),
+/// and a probe on one it must single-step (libc's `usleep` begins with
+/// `sub $0x28,%rsp` in Debian 12's build) is said to be.
+#[test]
+fn every_sglang_probe_lands_on_an_emulated_instruction_and_a_single_stepped_one_is_named() {
+    let loaded = Proc::spawn(
+        "python with zmq and nixl loaded",
+        Command::new(venv_python()).args([
+            "-c",
+            "import sys, zmq; from nixl_cu12._api import nixl_agent, nixl_agent_config; \
+             nixl_agent('check', nixl_agent_config(backends=['UCX'])); print('ready', flush=True); sys.stdin.read()",
+        ]),
+    );
+    // NIXL logs to stdout too.
+    wait_for("the ready line", Duration::from_secs(30), || loaded.lines_now().iter().any(|line| line.text == "ready").then_some(()));
+    let check = |profile: &str| {
+        let (ok, out, err) = run_to_end(Command::new(agent_bin()).args(["profile", "check", profile, "--pid", &loaded.pid().to_string()]));
+        assert!(ok, "profile check {profile}: {err}");
+        let points: Vec<String> = out.lines().skip_while(|line| *line != "in the process:").skip(1).map(str::to_owned).collect();
+        assert!(!points.is_empty(), "{out}");
+        points
+    };
+    let points = check("sglang");
+    // 6 lifecycle probes, 5 signals, 8 transport probes.
+    assert_eq!(points.len(), 19, "{points:#?}");
+    for point in &points {
+        assert!(point.contains("(emulated") && !point.contains("single-stepped"), "{point}");
+    }
+    assert!(points.iter().any(|p| p.contains("zmq_msg_data at ") && p.contains("relative branch (emulated")), "{points:#?}");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let profile = dir.path().join("usleep.toml");
+    std::fs::write(&profile, "name = \"usleep\"\n[[probe]]\nobject = \"libc.so.6\"\nsymbol = \"usleep\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n")
+        .expect("write profile");
+    let points = check(profile.to_str().expect("utf-8 path"));
+    assert_eq!(points.len(), 1, "{points:#?}");
+    assert!(points[0].contains("usleep at ") && points[0].contains("single-stepped (~30 us a hit)"), "{points:#?}");
 }

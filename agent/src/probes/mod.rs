@@ -450,10 +450,24 @@ impl Probes {
             symbol = %target.symbol,
             object = %object.path.display(),
             offset = format_args!("{:#x}", resolved.file_offset),
+            skipped = resolved.skipped,
             at = ?at,
             first_insn = %resolved.first_insn,
             "probe attached"
         );
+        if resolved.first_insn.single_stepped() {
+            warn!(
+                pid,
+                symbol = %target.symbol,
+                object = %object.path.display(),
+                first_bytes = format_args!("{:02x?}", resolved.first_bytes),
+                "profile {}, line {}: this probe's first instruction is single-stepped by the kernel (~30 us a hit, 25-50x \
+                 an emulated push, nop or branch): fine for a function called a few times per request, not on a hot path; \
+                 probe a function called less often, or its caller",
+                target.origin,
+                target.line
+            );
+        }
         Ok(())
     }
 
