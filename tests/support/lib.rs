@@ -64,6 +64,33 @@ pub fn venv_python() -> PathBuf {
     python
 }
 
+/// The SGLang venv's Python (SGLang 0.5.23, torch, NIXL cu12 and cu13) for
+/// tests/sglang/real/, made by `cargo run --release -p xtask -- setup --python`
+/// in `~/.cache/stallwatch/venv-sglang-<hash>` (xtask's `sglang_venv`), or
+/// STALLWATCH_SGLANG_VENV.
+pub fn sglang_python() -> PathBuf {
+    let venv = std::env::var_os("STALLWATCH_SGLANG_VENV").map_or_else(
+        || {
+            let read = |name: &str| {
+                std::fs::read_to_string(root().join("tests/sglang").join(name)).unwrap_or_else(|e| panic!("reading tests/sglang/{name}: {e}"))
+            };
+            let wanted = format!("{}\n--\n{}", read("requirements-nodeps.txt"), read("requirements.txt"));
+            // FNV-1a 64, as xtask's sglang_venv_hash.
+            let hash = wanted.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
+            let home = std::env::var_os("HOME").expect("HOME is not set");
+            PathBuf::from(home).join(format!(".cache/stallwatch/venv-sglang-{:012x}", hash >> 16))
+        },
+        PathBuf::from,
+    );
+    let python = venv.join("bin/python");
+    assert!(
+        python.exists() && venv.join(".stallwatch-requirements").exists(),
+        "{} not found or unfinished (STALLWATCH_SGLANG_VENV); create it with `cargo run --release -p xtask -- setup --python`",
+        python.display()
+    );
+    python
+}
+
 /// Integration tests load eBPF: without root they fail, loudly.
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.

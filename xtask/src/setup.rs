@@ -17,6 +17,7 @@ pub fn all(python: bool) -> Result<()> {
     bpf_linker()?;
     if python {
         venv()?;
+        sglang_venv()?;
     }
     Ok(())
 }
@@ -92,6 +93,54 @@ fn venv() -> Result<()> {
     run(Command::new(&pip).args(["install", "--quiet", "-r"]).arg(&deps))?;
     fs::write(&stamp, wanted)?;
     Ok(())
+}
+
+/// The venv for the SGLang target on real code (tests/sglang/real/): SGLang
+/// 0.5.23 and torch 2.14.1 from their wheels, both NIXL builds, pyzmq. About
+/// 6 GB (torch's CUDA libraries), so it lives outside the repo, in
+/// `~/.cache/stallwatch/venv-sglang-<hash of the requirement files>`, where a
+/// fresh clone on the same machine finds it; made once per content of
+/// `tests/sglang/requirements{-nodeps,}.txt`. The stamp is written last, so
+/// an interrupted install is redone from scratch. The wheels in
+/// `~/.cache/stallwatch/wheels` (sglang, torch), if there, are used first.
+fn sglang_venv() -> Result<()> {
+    let root = root()?;
+    let nodeps = root.join("tests/sglang/requirements-nodeps.txt");
+    let deps = root.join("tests/sglang/requirements.txt");
+    let wanted = format!("{}\n--\n{}", fs::read_to_string(&nodeps)?, fs::read_to_string(&deps)?);
+    let cache = cache_dir()?;
+    let venv = cache.join(format!("venv-sglang-{}", sglang_venv_hash(&wanted)));
+    let stamp = venv.join(".stallwatch-requirements");
+    if fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
+        return Ok(());
+    }
+    if venv.exists() {
+        fs::remove_dir_all(&venv).with_context(|| format!("removing the unfinished {}", venv.display()))?;
+    }
+    fs::create_dir_all(&cache)?;
+    run(Command::new("python3.11").arg("-m").arg("venv").arg(&venv))?;
+    let python = venv.join("bin/python");
+    let wheels = cache.join("wheels");
+    // Every package --no-deps: the wheels' metadata asks for far more than
+    // the import chain loads (see the comments in the requirement files).
+    for file in [&nodeps, &deps] {
+        let mut pip = Command::new(&python);
+        pip.args(["-m", "pip", "install", "--quiet", "--no-deps"]);
+        if wheels.is_dir() {
+            pip.arg("--find-links").arg(&wheels);
+        }
+        run(pip.arg("-r").arg(file))?;
+    }
+    fs::write(&stamp, wanted)?;
+    eprintln!("xtask: SGLang venv ready in {}", venv.display());
+    Ok(())
+}
+
+/// FNV-1a 64 of the two requirement files (as `sglang_venv` joins them), 12
+/// hex digits. `sglang_python` in tests/support/lib.rs computes the same.
+fn sglang_venv_hash(text: &str) -> String {
+    let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
+    format!("{:012x}", hash >> 16)
 }
 
 fn cache_dir() -> Result<PathBuf> {
