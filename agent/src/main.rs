@@ -298,6 +298,19 @@ fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
             from(&status.origin)
         )?;
     }
+    for signal in &profile.signals {
+        writeln!(
+            out,
+            "  line {:>3}: {:<30} {:?} of `{}` in {}{}{}",
+            signal.line,
+            format!("signal {}", signal.name),
+            signal.at,
+            signal.symbol,
+            signal.object.as_deref().unwrap_or("the executable"),
+            signal.msgpack.as_ref().map(|m| format!(", msgpack element {} of `{}`", m.element, m.tag)).unwrap_or_default(),
+            from(&signal.origin)
+        )?;
+    }
     for activity in &profile.activity {
         writeln!(
             out,

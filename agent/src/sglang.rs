@@ -59,6 +59,52 @@ pub enum Bootstrap {
     Abort { room: u64 },
     /// A KVPoll status: sent by the prefill to a decode, received by it.
     Status { room: u64, status: u8 },
+    /// The scheduler received the request `room` (SGLang's tokenizer sends
+    /// it a `TokenizedGenerateReqInput`; its `rid` begins with `rid`):
+    /// the process has the room before any decode answers for it.
+    Request { room: u64, rid: Rid },
+    /// The scheduler was told to abort the request whose `rid` begins with
+    /// `rid` (an `AbortReq`).
+    AbortRequest { rid: Rid },
+}
+
+/// The first bytes of a request id (`rid`), as many as fit in what is read
+/// of both a request and an abort: enough to tell requests apart (SGLang's
+/// rids are 32 hex digits), never longer than [`RID_KEPT`].
+pub type Rid = Box<[u8]>;
+
+/// How much of a `rid` is kept: what a 64-byte read of a
+/// `TokenizedGenerateReqInput` holds past its array header and tag.
+pub const RID_KEPT: usize = 24;
+
+/// SGLang's scheduler messages (msgspec tagged `array_like` structs in
+/// msgpack, `srt/managers/io_struct.py`), by their tag, element 0.
+const REQUEST_TAG: &[u8] = b"TokenizedGenerateReqInput";
+const ABORT_REQUEST_TAG: &[u8] = b"AbortReq";
+
+/// What a received frame that is a scheduler message says, from its first
+/// bytes: the message's tag and its `rid` (element 1), if it is one of
+/// [`REQUEST_TAG`] or [`ABORT_REQUEST_TAG`].
+fn scheduler_message(frame: &[u8]) -> Option<(&'static [u8], Rid)> {
+    use stallwatch_common::{MSGPACK_HEAD, msgpack};
+    let head = |at: usize| -> Option<[u8; MSGPACK_HEAD]> {
+        let mut head = [0; MSGPACK_HEAD];
+        let bytes = frame.get(at..)?;
+        let n = bytes.len().min(MSGPACK_HEAD);
+        head[..n].copy_from_slice(&bytes[..n]);
+        Some(head)
+    };
+    let (_, header) = msgpack::array(&head(0)?)?;
+    let at = usize::try_from(header).ok()?;
+    let (len, header) = msgpack::str(&head(at)?)?;
+    let tag_at = at + usize::try_from(header).ok()?;
+    let tag = frame.get(tag_at..tag_at + usize::try_from(len).ok()?)?;
+    let tag = [REQUEST_TAG, ABORT_REQUEST_TAG].into_iter().find(|known| *known == tag)?;
+    let rid_at = tag_at + tag.len();
+    let (len, header) = msgpack::str(&head(rid_at)?)?;
+    let from = rid_at + usize::try_from(header).ok()?;
+    let kept = usize::try_from(len).ok()?.min(RID_KEPT);
+    Some((tag, frame.get(from..from + kept)?.into()))
 }
 
 /// The room a message is about, if it is one of SGLang's; `Err` for one of
@@ -75,6 +121,12 @@ pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
             .and_then(|text| text.parse::<u64>().ok())
             .ok_or_else(|| format!("frame {n} ({what}) is {:?}, not a decimal number", String::from_utf8_lossy(bytes)))
     };
+    if let (Direction::Received, [frame]) = (message.direction, &message.frames[..])
+        && let Some((tag, rid)) = scheduler_message(&frame.bytes)
+    {
+        // The room is read apart, from the same receive (see `Rooms::request`).
+        return Ok(Some(if tag == REQUEST_TAG { Bootstrap::Request { room: 0, rid } } else { Bootstrap::AbortRequest { rid } }));
+    }
     let Some(tag) = message.frames.first().and_then(tag_of) else {
         return Ok(None);
     };
@@ -128,6 +180,8 @@ const WORKERS: u32 = 4;
 struct Room {
     /// Which end of it this process is.
     side: Side,
+    /// Its scheduler received it (before any destination).
+    received: bool,
     /// The NIXL agents of its destinations (one per decode rank that
     /// answered).
     agents: Vec<Box<str>>,
@@ -162,6 +216,9 @@ pub struct Rooms {
     current: HashMap<(u32, u32), u64>,
     /// Processes seen sending a destination: decode ranks.
     decodes: HashSet<u32>,
+    /// (pid, rid) -> the room its scheduler received with that rid, while
+    /// the room is live: what an abort names.
+    rids: HashMap<(u32, Rid), u64>,
 }
 
 impl Rooms {
@@ -173,30 +230,49 @@ impl Rooms {
             Bootstrap::Destination { room, port, ref agent, ranks } => {
                 let known = self.live.contains_key(&(pid, room));
                 let entry = self.live.entry((pid, room)).or_default();
+                // A room its scheduler received moves on at its first
+                // destination: what it waited on since arrived.
+                let first_answer = entry.received && entry.agents.is_empty();
                 entry.agents.push(agent.clone());
                 entry.ports += u32::from(port);
                 entry.ranks = ranks;
-                if known {
+                if known && !first_answer {
                     return None;
                 }
                 (room, Stage::Enqueued)
             }
             Bootstrap::Asked { room } => {
                 self.decodes.insert(pid);
+                let entry = self.live.entry((pid, room)).or_default();
+                let moved = entry.received && entry.side == Side::Prefill;
+                let new = !entry.received && entry.side == Side::Prefill;
+                entry.side = Side::Decode;
+                if !(new || moved) {
+                    return None;
+                }
+                (room, Stage::Enqueued)
+            }
+            Bootstrap::Request { room, ref rid } => {
                 if self.live.contains_key(&(pid, room)) {
                     return None;
                 }
-                self.live.insert((pid, room), Room { side: Side::Decode, ..Room::default() });
+                self.live.insert((pid, room), Room { received: true, ..Room::default() });
+                self.rids.insert((pid, rid.clone()), room);
                 (room, Stage::Enqueued)
             }
+            Bootstrap::AbortRequest { ref rid } => match self.rids.get(&(pid, rid.clone())) {
+                Some(&room) => (room, Stage::Aborted),
+                None => return None,
+            },
             Bootstrap::Abort { room } => (room, Stage::Aborted),
             Bootstrap::Status { room, status: SUCCESS } => (room, Stage::Released),
             Bootstrap::Status { room, status: FAILED } => (room, Stage::Failed),
             // Bootstrapping .. Transferring: not an end.
             Bootstrap::Status { .. } => return None,
         };
-        if stage.is_terminal() && self.live.remove(&(pid, room)).is_none() {
-            return None;
+        if stage.is_terminal() {
+            self.live.remove(&(pid, room))?;
+            self.rids.retain(|(p, _), r| !(*p == pid && *r == room));
         }
         Some(room_observation(pid, room, stage, ts_ns))
     }
@@ -293,11 +369,21 @@ impl Rooms {
     /// forward pass or its worker's queue).
     pub fn context(&self, pid: u32, room: u64) -> Vec<(&'static str, String)> {
         let Some(this) = self.live.get(&(pid, room)) else { return Vec::new() };
+        let decode = ("side", Side::Decode.as_str().to_owned());
         if this.side == Side::Decode {
-            return vec![("side", Side::Decode.as_str().to_owned()), ("waiting_on", "prefill".to_owned())];
+            return vec![decode, ("waiting_on", "prefill".to_owned())];
+        }
+        if this.received && self.decodes.contains(&pid) {
+            // A decode's scheduler has it; the decode has not asked for its
+            // KV yet (its own memory, or the prefill's bootstrap info).
+            return vec![decode, ("asked", "no".to_owned())];
         }
         if let Some((handle, ordinal)) = this.outstanding.first() {
             return vec![("handle", format!("{handle:#x}")), ("transfer", ordinal.to_string())];
+        }
+        if this.received && this.agents.is_empty() {
+            // Its scheduler has it; no decode rank has answered.
+            return vec![("answered", "0".to_owned()), ("waiting_on", "peer".to_owned())];
         }
         // Mid-transfer, or adopted after a restart with nothing known.
         if this.transfers > 0 || this.agents.is_empty() {
@@ -364,6 +450,7 @@ impl Rooms {
         self.handles.retain(|(p, _), _| *p != pid);
         self.current.retain(|(p, _), _| *p != pid);
         self.decodes.remove(&pid);
+        self.rids.retain(|(p, _), _| *p != pid);
     }
 }
 
@@ -456,6 +543,70 @@ mod tests {
         rooms.observe(7, 50, &destination).expect("enqueued");
         rooms.forget(7);
         assert!(rooms.live.is_empty());
+    }
+
+    /// The first `EXT_ID_LEN` bytes of a msgpack tagged array of `len`
+    /// elements: tag, rid, then nils.
+    fn scheduler_frame(len: u16, tag: &[u8], rid: &[u8]) -> Frame {
+        let str = |bytes: &mut Vec<u8>, s: &[u8]| {
+            match s.len() {
+                0..32 => bytes.push(0xa0 | s.len() as u8),
+                _ => bytes.extend_from_slice(&[0xd9, s.len() as u8]),
+            }
+            bytes.extend_from_slice(s);
+        };
+        let mut bytes = vec![0xdc, (len >> 8) as u8, len as u8];
+        str(&mut bytes, tag);
+        str(&mut bytes, rid);
+        bytes.resize(len as usize + bytes.len(), 0xc0);
+        bytes.truncate(stallwatch_common::EXT_ID_LEN);
+        Frame { bytes: bytes.into(), complete: false }
+    }
+
+    #[test]
+    fn the_schedulers_requests_and_aborts_name_their_rid() {
+        let rid = b"8d5e957f297893487bd98fa830fa6413";
+        let received = |frame| Message { pid: 1, tid: 2, ts_ns: 3, direction: Direction::Received, frames: vec![frame] };
+        let kept: Rid = rid[..RID_KEPT].into();
+        let request = received(scheduler_frame(31, REQUEST_TAG, rid));
+        assert_eq!(parse(&request), Ok(Some(Bootstrap::Request { room: 0, rid: kept.clone() })));
+        assert_eq!(parse(&received(scheduler_frame(4, ABORT_REQUEST_TAG, rid))), Ok(Some(Bootstrap::AbortRequest { rid: kept })));
+        // A short rid is kept whole; other tags, other shapes, or a send are none of these.
+        let short: Rid = b"r-1".as_slice().into();
+        assert_eq!(parse(&received(scheduler_frame(4, ABORT_REQUEST_TAG, b"r-1"))), Ok(Some(Bootstrap::AbortRequest { rid: short })));
+        assert_eq!(parse(&received(scheduler_frame(4, b"FlushCacheReqInput", rid))), Ok(None));
+        assert_eq!(parse(&received(Frame { bytes: b"\x93\x01\x02\x03".as_slice().into(), complete: true })), Ok(None));
+        let sent = Message { direction: Direction::Sent, ..request };
+        assert_eq!(parse(&sent), Ok(None));
+    }
+
+    #[test]
+    fn a_room_from_the_scheduler_waits_on_its_peer_until_answered_and_ends_at_its_abort() {
+        let mut rooms = Rooms::default();
+        let rid: Rid = b"rid-7".as_slice().into();
+        let start = rooms.observe(4, 10, &Bootstrap::Request { room: 7, rid: rid.clone() }).expect("enqueued");
+        assert_eq!((start.key, start.stage, start.ts_ns), (7, Stage::Enqueued, 10));
+        let fields = |pairs: &[(&'static str, &str)]| pairs.iter().map(|(k, v)| (*k, (*v).to_owned())).collect::<Vec<_>>();
+        assert_eq!(rooms.context(4, 7), fields(&[("answered", "0"), ("waiting_on", "peer")]));
+        assert_eq!(rooms.observe(4, 11, &Bootstrap::Request { room: 7, rid: rid.clone() }), None, "received once");
+        // Its first destination is news (what it waited on arrived); a second rank's is not.
+        let to = |agent: &str| Bootstrap::Destination { room: 7, port: 1, agent: agent.into(), ranks: 2 };
+        assert_eq!(rooms.observe(4, 12, &to("d0")).map(|o| (o.stage, o.ts_ns)), Some((Stage::Enqueued, 12)));
+        assert_eq!(rooms.context(4, 7), fields(&[("answered", "1/2"), ("waiting_on", "peer")]));
+        assert_eq!(rooms.observe(4, 13, &to("d1")), None);
+        // The abort names its rid; after the room ended it names nothing.
+        assert_eq!(rooms.observe(4, 14, &Bootstrap::AbortRequest { rid: rid.clone() }).map(|o| (o.key, o.stage)), Some((7, Stage::Aborted)));
+        assert_eq!(rooms.observe(4, 15, &Bootstrap::AbortRequest { rid }), None);
+        assert!(rooms.rids.is_empty());
+        // On a decode: received, then asked (news), then its status.
+        rooms.observe(5, 20, &Bootstrap::Asked { room: 1 }).expect("a decode");
+        rooms.observe(5, 21, &Bootstrap::Request { room: 8, rid: b"r8".as_slice().into() }).expect("enqueued");
+        assert_eq!(rooms.context(5, 8), fields(&[("side", "decode"), ("asked", "no")]));
+        assert_eq!(rooms.observe(5, 22, &Bootstrap::Asked { room: 8 }).map(|o| (o.stage, o.ts_ns)), Some((Stage::Enqueued, 22)));
+        assert_eq!(rooms.context(5, 8), fields(&[("side", "decode"), ("waiting_on", "prefill")]));
+        assert_eq!(rooms.observe(5, 23, &Bootstrap::Asked { room: 8 }), None);
+        rooms.forget(5);
+        assert!(rooms.rids.is_empty());
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! per peer. A signal of any other name is only logged
 //! (`STALLWATCH_LOG=debug`), which is how a profile author checks what a
 //! signal reads.
-use std::sync::Arc;
+use std::{collections::HashMap, sync::Arc};
 
 use stallwatch_common::{EXT_ID_LEN, Event, event_flags, stage};
 use tracing::{debug, info, warn};
@@ -87,6 +87,17 @@ pub struct Signals {
     last_unparsed: Option<String>,
     /// Garbled frames and unparsed messages the last warning covered.
     warned: Warned,
+    /// (pid, tid) -> the half of a scheduler's request receive seen first:
+    /// its room (`sglang_request_room`) and its rid (the frame, through
+    /// the ZMQ signals) come from the same `zmq_msg_data` return, as two
+    /// signals in either order ([`Signals::request`]).
+    requests: HashMap<(u32, u32), RequestHalf>,
+}
+
+/// One half of a request the scheduler received.
+enum RequestHalf {
+    Room(u64),
+    Rid(sglang::Rid),
 }
 
 impl Signals {
@@ -101,6 +112,7 @@ impl Signals {
             unparsed: 0,
             last_unparsed: None,
             warned: Warned::default(),
+            requests: HashMap::new(),
         }
     }
 
@@ -131,6 +143,21 @@ impl Signals {
                 }
                 return None;
             }
+            // The `bootstrap_room` of a request SGLang's scheduler receives.
+            "sglang_request_room" => {
+                let room = match &signal.capture {
+                    Captured::Bytes(bytes) => stallwatch_common::msgpack::uint(&bytes[..]),
+                    _ => None,
+                };
+                return match room {
+                    Some(room) => self.request(signal.pid, signal.tid, signal.ts_ns, RequestHalf::Room(room)),
+                    None => {
+                        self.unparsed += 1;
+                        self.last_unparsed = Some(format!("pid {} thread {}: a request's bootstrap_room is no unsigned integer", signal.pid, signal.tid));
+                        None
+                    }
+                };
+            }
             "zmq_data" => Hit::Data {
                 msg: signal.value,
                 data: match &signal.capture {
@@ -147,6 +174,7 @@ impl Signals {
         };
         let message = self.zmq.hit(signal.pid, signal.tid, signal.ts_ns, hit)?;
         match sglang::parse(&message) {
+            Ok(Some(sglang::Bootstrap::Request { rid, .. })) => self.request(message.pid, message.tid, message.ts_ns, RequestHalf::Rid(rid)),
             Ok(Some(bootstrap)) => self.rooms.observe(message.pid, message.ts_ns, &bootstrap),
             Ok(None) => None,
             Err(why) => {
@@ -155,6 +183,22 @@ impl Signals {
                 None
             }
         }
+    }
+
+    /// One half of a request received on thread `tid`: with the other
+    /// half already seen on that thread, the room starts; else this one
+    /// waits for it (replacing a half whose other never came).
+    fn request(&mut self, pid: u32, tid: u32, ts_ns: u64, half: RequestHalf) -> Option<Observation> {
+        let (room, rid) = match (self.requests.remove(&(pid, tid)), half) {
+            (Some(RequestHalf::Rid(rid)), RequestHalf::Room(room)) | (Some(RequestHalf::Room(room)), RequestHalf::Rid(rid)) => {
+                (room, rid)
+            }
+            (_, half) => {
+                self.requests.insert((pid, tid), half);
+                return None;
+            }
+        };
+        self.rooms.observe(pid, ts_ns, &sglang::Bootstrap::Request { room, rid })
     }
 
     /// What the engine gets of `event`: a signal's observation, if it
@@ -233,6 +277,7 @@ impl Signals {
 
     /// The process is gone: what it was in the middle of goes with it.
     pub fn forget(&mut self, pid: u32) {
+        self.requests.retain(|(p, _), _| *p != pid);
         self.zmq.forget(pid);
         self.rooms.forget(pid);
         self.peers.forget(pid);
@@ -347,6 +392,27 @@ mod tests {
         assert_eq!(of(stalled(0xc0, None, 25)), Some(("decode-1".into(), 1, 0)), "the handle's own");
         assert_eq!(of(stalled(0xd0, None, 25)), None, "a handle whose peer no thread named");
         assert_eq!(of(stalled(8, Some("8"), 25)), None, "a room with no transfer");
+    }
+
+    #[test]
+    fn a_requests_room_and_rid_pair_up_per_thread_in_either_order() {
+        use crate::lifecycle::Stage;
+        let mut signals = Signals::new(1_000_000_000);
+        let rid = |r: &[u8]| RequestHalf::Rid(r.into());
+        assert_eq!(signals.request(9, 10, 1, RequestHalf::Room(7)), None, "waits for its rid");
+        assert_eq!(signals.request(9, 11, 2, rid(b"a")), None, "another thread's");
+        let started = signals.request(9, 10, 3, rid(b"b")).expect("room 7 starts");
+        assert_eq!((started.key, started.stage, started.ts_ns), (7, Stage::Enqueued, 3));
+        let started = signals.request(9, 11, 4, RequestHalf::Room(8)).expect("room 8 starts");
+        assert_eq!(started.key, 8);
+        // A half whose other never came is replaced by the next receive's.
+        assert_eq!(signals.request(9, 10, 5, RequestHalf::Room(20)), None);
+        assert_eq!(signals.request(9, 10, 6, RequestHalf::Room(21)), None);
+        assert_eq!(signals.request(9, 10, 7, rid(b"c")).map(|o| o.key), Some(21));
+        assert!(signals.requests.is_empty());
+        signals.request(9, 12, 8, RequestHalf::Room(30));
+        signals.forget(9);
+        assert!(signals.requests.is_empty());
     }
 
     #[test]

@@ -134,6 +134,10 @@ pub mod slot_flags {
     /// record sent for the request carries the stage times it was not
     /// sent ([`event_flags::WITHHELD`](super::event_flags::WITHHELD)).
     pub const QUIET: u32 = 1 << 10;
+    /// The capture is not read at [`SlotConfig::ext`] itself but at one
+    /// element of the msgpack array there ([`SlotConfig::msgpack`]); a hit
+    /// whose data is no such array is no event.
+    pub const EXT_MSGPACK: u32 = 1 << 11;
     /// The slot is live. The agent writes a process's slots without it,
     /// attaches every probe, then sets it on all of them: a request that
     /// began while only some probes were attached would be seen at one
@@ -167,6 +171,122 @@ pub struct SlotConfig {
     /// agent's timeout, so an event after a silence the agent may have
     /// reported (a stall's recovery) is always sent.
     pub quiet_ns: u64,
+    /// With [`slot_flags::EXT_MSGPACK`]: which element to capture.
+    pub msgpack: MsgpackElement,
+}
+
+/// Longest tag a [`MsgpackElement`] matches.
+pub const MSGPACK_TAG_LEN: usize = 32;
+/// Most msgpack headers the kernel reads to find one element: a bound on
+/// what a capture costs the target (each header is one user read).
+pub const MSGPACK_STEPS: u32 = 512;
+
+/// Bytes of a msgpack header [`msgpack`] decodes from: the type byte and
+/// up to eight of length or value.
+pub const MSGPACK_HEAD: usize = 9;
+
+/// Decoding msgpack headers, for the kernel's walk to an element
+/// ([`MsgpackElement`]) and the agent's reading of what it captured. Pure
+/// functions of the header's bytes, so both halves agree by construction.
+pub mod msgpack {
+    use super::MSGPACK_HEAD;
+
+    /// One element's header: how many bytes the element takes with its
+    /// payload (not its children), and how many elements nested in it
+    /// follow (an array's items, a map's keys and values). `None` for the
+    /// byte msgpack never uses (0xc1).
+    #[inline(always)]
+    pub fn element(head: &[u8; MSGPACK_HEAD]) -> Option<(u64, u64)> {
+        let u8_ = u64::from(head[1]);
+        let be16 = u64::from(u16::from_be_bytes([head[1], head[2]]));
+        let be32 = u64::from(u32::from_be_bytes([head[1], head[2], head[3], head[4]]));
+        Some(match head[0] {
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (1, 0),
+            b @ 0x80..=0x8f => (1, 2 * u64::from(b & 0x0f)),
+            b @ 0x90..=0x9f => (1, u64::from(b & 0x0f)),
+            b @ 0xa0..=0xbf => (1 + u64::from(b & 0x1f), 0),
+            0xc4 | 0xd9 => (2 + u8_, 0),
+            0xc5 | 0xda => (3 + be16, 0),
+            0xc6 | 0xdb => (5 + be32, 0),
+            0xc7 => (3 + u8_, 0),
+            0xc8 => (4 + be16, 0),
+            0xc9 => (6 + be32, 0),
+            0xcc | 0xd0 => (2, 0),
+            0xcd | 0xd1 => (3, 0),
+            0xca | 0xce | 0xd2 => (5, 0),
+            0xcb | 0xcf | 0xd3 => (9, 0),
+            0xd4 => (3, 0),
+            0xd5 => (4, 0),
+            0xd6 => (6, 0),
+            0xd7 => (10, 0),
+            0xd8 => (18, 0),
+            0xdc => (3, be16),
+            0xdd => (5, be32),
+            0xde => (3, 2 * be16),
+            0xdf => (5, 2 * be32),
+            _ => return None,
+        })
+    }
+
+    /// An array's header: its length and the header's size.
+    #[inline(always)]
+    pub fn array(head: &[u8; MSGPACK_HEAD]) -> Option<(u64, u64)> {
+        match element(head)? {
+            (size, len) if matches!(head[0], 0x90..=0x9f | 0xdc | 0xdd) => Some((len, size)),
+            _ => None,
+        }
+    }
+
+    /// A string's header: its length and the header's size.
+    #[inline(always)]
+    pub fn str(head: &[u8; MSGPACK_HEAD]) -> Option<(u64, u64)> {
+        let (size, _) = element(head)?;
+        let header = match head[0] {
+            0xa0..=0xbf => 1,
+            0xd9 => 2,
+            0xda => 3,
+            0xdb => 5,
+            _ => return None,
+        };
+        Some((size - header, header))
+    }
+
+    /// An integer element (what a capture of one holds), as u64; `None`
+    /// for any other type or a negative number.
+    pub fn uint(bytes: &[u8]) -> Option<u64> {
+        let be = |n: usize| -> Option<u64> {
+            let body = bytes.get(1..1 + n)?;
+            Some(body.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b)))
+        };
+        match *bytes.first()? {
+            b @ 0x00..=0x7f => Some(u64::from(b)),
+            0xcc => be(1),
+            0xcd => be(2),
+            0xce => be(4),
+            0xcf => be(8),
+            0xd0 | 0xd1 | 0xd2 | 0xd3 => {
+                let n = 1 << (bytes[0] - 0xd0);
+                let value = be(n)?;
+                // Sign bit of an n-byte integer.
+                (value >> (8 * n - 1) == 0).then_some(value)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Element `element` of a msgpack array whose element 0 is the string
+/// `tag` (how msgspec encodes a tagged `array_like` struct, the messages of
+/// SGLang's scheduler among them): the kernel skips the elements before it,
+/// nested arrays and maps included, and captures from its first byte.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MsgpackElement {
+    pub element: u32,
+    /// 0 to [`MSGPACK_TAG_LEN`]: how many bytes of `tag` must match (0:
+    /// any array).
+    pub tag_len: u32,
+    pub tag: [u8; MSGPACK_TAG_LEN],
 }
 
 /// Bits of [`Event::flags`].
@@ -322,8 +442,8 @@ pub const NOT_EMITTED: u32 = u32::MAX;
 /// says `ended` (a lifecycle can end at a live stage, [`slot_flags::ENDS`]).
 /// 6: [`InflightEntry::withheld`], [`event_flags::WITHHELD`], [`SlotConfig::quiet_ns`]
 /// ([`slot_flags::QUIET`]), `COUNTERS` gained `WITHHELD`. 7: [`SavedArgs`]
-/// carry their call's `frame` in place of `live`.
-pub const STATE_LAYOUT: u32 = 7;
+/// carry their call's `frame` in place of `live`. 8: [`SlotConfig::msgpack`].
+pub const STATE_LAYOUT: u32 = 8;
 
 /// Indices of the per-CPU `COUNTERS` array: what the kernel side could not do.
 /// Every one is reported by the agent; none is silent. The first four each

@@ -21,7 +21,7 @@ use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, pt_regs},
     helpers::{
-        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
+        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_loop, bpf_probe_read_user,
         bpf_probe_read_user_buf, bpf_probe_read_user_str_bytes, generated::bpf_get_attach_cookie,
     },
     macros::{btf_tracepoint, map, uprobe, uretprobe},
@@ -29,10 +29,12 @@ use aya_ebpf::{
     programs::{BtfTracePointContext, ProbeContext, RetProbeContext},
 };
 use aya_log_ebpf::warn;
+use core::ffi::c_void;
 use stallwatch_common::{
-    EXT_ID_LEN, Event, InflightEntry, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS, NOT_EMITTED,
-    RequestKey, RetRule, SAVED_ARGS, SavedArgs, SavedArgsKey, SlotConfig, ValueSource, base, cmp,
-    counter, event_flags, slot_flags, stage, withheld,
+    EXT_ID_LEN, Event, InflightEntry, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS, MSGPACK_HEAD,
+    MSGPACK_STEPS, MSGPACK_TAG_LEN, MsgpackElement, NOT_EMITTED, RequestKey, RetRule, SAVED_ARGS, SavedArgs,
+    SavedArgsKey, SlotConfig, ValueSource, base, cmp, counter, event_flags, msgpack, slot_flags, stage,
+    withheld,
 };
 
 /// `BPF_F_NO_PREALLOC`: the in-flight tables take memory per request held,
@@ -411,6 +413,16 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         track(&request, held, matched.stage, ends, ts, None, Delivery::Withheld(emitted));
         return;
     }
+    // A capture at an element of a msgpack array, found before anything is
+    // reserved: a hit whose data is not the array looked for is no event.
+    let element = if cfg.flags & slot_flags::EXT_MSGPACK != 0 {
+        match resolve(&cfg.ext, args, ret, key).and_then(|at| msgpack_element(&cfg.msgpack, at)) {
+            Some(at) => Some(at),
+            None => return,
+        }
+    } else {
+        None
+    };
     let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
         bump(counter::RINGBUF_FULL);
         // The agent misses this event, but the in-flight table need not;
@@ -440,7 +452,7 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         let mut carried = false;
         if wants_ext && guard_holds(cfg, args, ret, key) {
             let bytes = cfg.flags & slot_flags::EXT_BYTES != 0;
-            match resolve(&cfg.ext, args, ret, key) {
+            match element.or_else(|| resolve(&cfg.ext, args, ret, key)) {
                 Some(at) if bytes && bpf_probe_read_user_buf(at as *const u8, &mut (*event).ext).is_ok() => {
                     (*event).flags |= event_flags::HAS_EXT | event_flags::EXT_BYTES;
                 }
@@ -639,6 +651,75 @@ fn note_stage_time(times: &mut [u64; stage::LIVE], stage: u8, ts: u64) -> bool {
         }
     }
     set
+}
+
+/// The address of element `m.element` of the msgpack array at `at`, if
+/// that is an array long enough whose element 0 is the string `m.tag`: the
+/// elements before it are skipped header by header, nested ones included,
+/// at most [`MSGPACK_STEPS`] headers (one user read each).
+#[inline(always)]
+fn msgpack_element(m: &MsgpackElement, at: u64) -> Option<u64> {
+    let (len, header) = msgpack::array(&read_head(at)?)?;
+    if u64::from(m.element) >= len {
+        return None;
+    }
+    let pos = at.wrapping_add(header);
+    if m.tag_len > 0 {
+        let (n, header) = msgpack::str(&read_head(pos)?)?;
+        if n != u64::from(m.tag_len) {
+            return None;
+        }
+        // SAFETY: a user-memory read; failure means "no such array".
+        let tag: [u8; MSGPACK_TAG_LEN] = unsafe { bpf_probe_read_user(pos.wrapping_add(header) as *const _) }.ok()?;
+        for (i, (got, want)) in tag.iter().zip(m.tag.iter()).enumerate() {
+            if (i as u64) < n && got != want {
+                return None;
+            }
+        }
+    }
+    let mut walk = Walk { pos, skip: u64::from(m.element) };
+    // A loop the verifier checks once (`bpf_loop`), not once per turn: an
+    // unrolled walk of this many headers is past what it accepts.
+    // SAFETY: the callback has the signature `bpf_loop` calls it with, and
+    // its context is `walk`, alive until the helper returns.
+    unsafe {
+        let step = core::mem::transmute::<unsafe extern "C" fn(u64, *mut c_void) -> i64, *mut c_void>(msgpack_step);
+        bpf_loop(MSGPACK_STEPS, step, (&raw mut walk).cast(), 0);
+    }
+    (walk.skip == 0).then_some(walk.pos)
+}
+
+/// Where a msgpack walk is: the next header, and how many elements remain
+/// to be skipped before the one looked for (nested ones included).
+#[repr(C)]
+struct Walk {
+    pos: u64,
+    skip: u64,
+}
+
+/// One header of a walk ([`msgpack_element`]): skip the element there.
+/// Stops (1) once nothing remains to skip, or at a header that cannot be
+/// read (the walk then fails: `skip` stays above 0).
+#[inline(never)]
+unsafe extern "C" fn msgpack_step(_turn: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is the `Walk` that `msgpack_element` handed `bpf_loop`.
+    let walk = unsafe { &mut *ctx.cast::<Walk>() };
+    if walk.skip == 0 {
+        return 1;
+    }
+    let Some((size, nested)) = read_head(walk.pos).and_then(|head| msgpack::element(&head)) else {
+        return 1;
+    };
+    walk.pos = walk.pos.wrapping_add(size);
+    walk.skip = (walk.skip - 1).saturating_add(nested);
+    0
+}
+
+/// A msgpack header's bytes at `at`.
+#[inline(always)]
+fn read_head(at: u64) -> Option<[u8; MSGPACK_HEAD]> {
+    // SAFETY: a user-memory read; failure is reported, not a fault.
+    unsafe { bpf_probe_read_user(at as *const [u8; MSGPACK_HEAD]) }.ok()
 }
 
 #[inline(always)]

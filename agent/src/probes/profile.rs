@@ -13,7 +13,8 @@ use std::{
 use anyhow::{Context as _, Result, anyhow, bail};
 use serde::Deserialize;
 use stallwatch_common::{
-    MAX_DEREF, MAX_RET_RULES, RetRule, SAVED_ARGS, SlotConfig, ValueSource, base, cmp, slot_flags, stage,
+    MAX_DEREF, MAX_RET_RULES, MSGPACK_STEPS, MSGPACK_TAG_LEN, RetRule, SAVED_ARGS, SlotConfig, ValueSource, base, cmp,
+    slot_flags, stage,
 };
 use toml::Spanned;
 
@@ -191,6 +192,18 @@ pub struct SignalSpec {
     pub ret: RetType,
     pub value: Source,
     pub capture: Option<Capture>,
+    /// The `bytes` are read at this element of the msgpack array there.
+    pub msgpack: Option<Msgpack>,
+}
+
+/// A signal's `msgpack = { element = N, tag = "..." }`: its `bytes` are
+/// element `element` of the msgpack array at their address, an array
+/// whose element 0 is the string `tag` (a msgspec tagged `array_like`
+/// struct); a hit whose data is no such array is no signal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Msgpack {
+    pub element: u32,
+    pub tag: String,
 }
 
 /// What a signal reads at an address besides its value.
@@ -215,6 +228,12 @@ impl SignalSpec {
         if let Some((at, bytes)) = capture {
             flags |= slot_flags::HAS_EXT | bytes;
             cfg.ext = at.lower();
+        }
+        if let Some(msgpack) = &self.msgpack {
+            flags |= slot_flags::EXT_MSGPACK;
+            cfg.msgpack.element = msgpack.element;
+            cfg.msgpack.tag_len = msgpack.tag.len() as u32;
+            cfg.msgpack.tag[..msgpack.tag.len()].copy_from_slice(msgpack.tag.as_bytes());
         }
         cfg.flags = flags | slot_flags::CONFIGURED;
         cfg
@@ -739,6 +758,15 @@ struct RawSignal {
     value: RawSource,
     text: Option<RawSource>,
     bytes: Option<RawSource>,
+    msgpack: Option<RawMsgpack>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMsgpack {
+    element: u32,
+    #[serde(default)]
+    tag: String,
 }
 
 impl RawSignal {
@@ -761,6 +789,7 @@ impl RawSignal {
             (None, None) => None,
             (Some(_), Some(_)) => bail!("give either `text` (a string) or `bytes` (raw bytes), not both"),
         };
+        let msgpack = self.msgpack.map(|m| m.validate(matches!(capture, Some(Capture::Bytes(_))))).transpose()?;
         Ok(SignalSpec {
             origin,
             line,
@@ -771,7 +800,27 @@ impl RawSignal {
             ret: self.ret.unwrap_or_default(),
             value,
             capture,
+            msgpack,
         })
+    }
+}
+
+impl RawMsgpack {
+    fn validate(self, bytes: bool) -> Result<Msgpack> {
+        if !bytes {
+            bail!("`msgpack` says where in a msgpack array to read `bytes`: give `bytes` too (its address is the array's)");
+        }
+        if self.tag.len() > MSGPACK_TAG_LEN {
+            bail!("`msgpack.tag` is {} bytes; at most {MSGPACK_TAG_LEN} are matched: shorten it", self.tag.len());
+        }
+        // Each element before it costs at least one header read.
+        if self.element >= MSGPACK_STEPS {
+            bail!(
+                "`msgpack.element = {}` is past what the kernel walks ({MSGPACK_STEPS} headers): no hit could reach it",
+                self.element
+            );
+        }
+        Ok(Msgpack { element: self.element, tag: self.tag })
     }
 }
 
@@ -1290,6 +1339,30 @@ mod tests {
         let twice = signal("at = \"entry\"\nvalue = { from = \"arg0\" }\n");
         let err = error_of(&format!("{twice}{}", twice.trim_start_matches(ONE_PROBE)));
         assert!(err.contains("line 11 ([[signal]] `s`): the [[signal]] on line 6 has the same name"), "{err}");
+    }
+
+    #[test]
+    fn a_msgpack_capture_needs_bytes_a_short_tag_and_a_reachable_element() {
+        let signal = |extra: &str| {
+            format!(
+                "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"released\"\nkey = {{ from = \"arg0\" }}\n\
+                 [[signal]]\nname = \"room\"\nobject = \"libzmq.so\"\nsymbol = \"zmq_msg_data\"\nat = \"return\"\n\
+                 value = {{ from = \"arg0\" }}\n{extra}\n"
+            )
+        };
+        let profile = Profile::parse(&signal("bytes = { from = \"ret\" }\nmsgpack = { element = 27, tag = \"TokenizedGenerateReqInput\" }"), "p.toml")
+            .expect("valid");
+        let cfg = profile.signals[0].slot_config();
+        assert_ne!(cfg.flags & slot_flags::EXT_MSGPACK, 0);
+        assert_eq!((cfg.msgpack.element, cfg.msgpack.tag_len), (27, 25));
+        assert_eq!(&cfg.msgpack.tag[..25], b"TokenizedGenerateReqInput");
+        let error_of = |text: &str| Profile::parse(text, "p.toml").unwrap_err().to_string();
+        let err = error_of(&signal("text = { from = \"ret\" }\nmsgpack = { element = 1 }"));
+        assert!(err.contains("line 6 ([[signal]] `room`)") && err.contains("give `bytes` too"), "{err}");
+        let err = error_of(&signal(&format!("bytes = {{ from = \"ret\" }}\nmsgpack = {{ element = 1, tag = \"{}\" }}", "t".repeat(33))));
+        assert!(err.contains("`msgpack.tag` is 33 bytes; at most 32"), "{err}");
+        let err = error_of(&signal("bytes = { from = \"ret\" }\nmsgpack = { element = 512 }"));
+        assert!(err.contains("`msgpack.element = 512` is past what the kernel walks"), "{err}");
     }
 
     #[test]
