@@ -1,0 +1,619 @@
+#!/usr/bin/env python3
+"""SGLang's real disaggregation code as a test target: this process is an
+SGLang prefill rank (the one stallwatch watches) running SGLang's own
+NixlKVBootstrapServer, NixlKVManager (PREFILL) and NixlKVSender, imported
+unchanged from the sglang 0.5.23 wheel (PyPI), with real NIXL over UCX on
+loopback and real pyzmq, on CPU. It starts the decode ranks as separate
+processes (decode.py: NixlKVManager (DECODE) and NixlKVReceiver), each with
+its own pid.
+
+Checked on: sglang 0.5.23, torch 2.14.1 (CUDA 13 build, no GPU), CPython
+3.11.7, nixl / nixl-cu12 / nixl-cu13 1.5.1, pyzmq 27.3.0 (bundled libzmq),
+UCX as bundled in the nixl wheels. libnixl.so build ids (`readelf -n`):
+  nixl_cu12: BUILDID_CU12
+  nixl_cu13: BUILDID_CU13
+
+NIXL build selection (--nixl): SGLang does `from nixl._api import ...`; the
+`nixl` meta package has no switch and picks nixl_cu13 here (from
+torch.version.cuda). common.select_nixl imports the chosen nixl_cuXX and
+aliases its submodules as nixl, nixl._bindings, nixl._utils, nixl.logging,
+nixl._api in sys.modules (what the meta package's __init__ does), before
+SGLang is imported; `--nixl auto` lets the meta package choose. SGLang's code
+is not touched. One build per process (both register the same pybind11
+types); decodes run the same build as the prefill.
+
+What SGLang's code does here (sglang/srt/disaggregation/{nixl,common,base}/
+conn.py, prefill.py, decode.py, utils.py of the wheel)
+-------------------------------------------------------------------------
+- Bootstrap server (aiohttp, in this process, as the prefill launcher runs
+  it): the prefill manager PUTs its rank (ip, ZMQ PULL port) to /route; each
+  decode GETs /route (parallel info once, then per rank). HTTP carries no
+  room.
+- Prefill manager: nixl_agent(uuid4, backends=[], num_threads=8, sync STRICT)
+  + create_backend("UCX", {"num_threads": "8"}); registers KV and aux (DRAM
+  here); a bootstrap thread on the ZMQ PULL socket; 4 transfer workers
+  (SGLANG_DISAGGREGATION_QUEUE_SIZE), a room's chunks go to worker
+  sum(dst ports of the room's decode ranks) % 4.
+- Decode -> prefill frames (ZMQ PUSH to the prefill's PULL, every frame bytes):
+  registration once per decode rank [b"NixlMsgGuard", b"None", ip, port,
+  agent name, agent metadata, kv ptrs (u64), aux ptrs, state ptrs, gpu id,
+  tp size, tp rank, kv item len, state item lens, state dims, staging base,
+  staging size, num slots, mem kinds ("DRAM,DRAM,..."), kv item lens (u64),
+  state layer ids, kv layer ids (u32), dcp size, dcp rank, state data lens]
+  (25 frames); the prefill's bootstrap thread then calls add_remote_agent and
+  prep_xfer_dlist for the peer (and once the local src dlist);
+  per room [b"NixlMsgGuard", room, ip, port, agent name, kv page indices
+  (int32), aux index, required_dst_info_num, state indices, decode prefix
+  len, is_dummy] (11 frames); ABORT: [b"ABORT", room, ip, port(, generation)].
+- Prefill -> decode (PUSH to the decode rank's PULL port): [b"KV_STATUS",
+  room, status (KVPoll: 0 Failed, 1 Bootstrapping, 2 WaitingForInput,
+  3 Transferring, 4 Success), prefill unique rank, reason (utf-8, empty on
+  success)].
+- Per chunk and destination rank, the worker calls make_prepped_xfer
+  ("WRITE", src dlist, src indices, dst dlist, dst indices) -> NIXL
+  makeXferReq, then transfer -> postXferReq; on the last chunk, per rank, the
+  aux transfer: get_xfer_descs x2 + initialize_xfer -> createXferReq, then
+  postXferReq. No notification message on any of them. Then it polls all
+  the chunk's handles (check_xfer_state -> getXferStatus, sleep(0) between
+  rounds) unbounded while none failed; on the last chunk's success
+  conclude_transfer sends KV_STATUS Success. Handles are released by
+  garbage collection (nixl_xfer_handle.__del__ -> releaseXferReq).
+
+What this target supplies instead of a server
+---------------------------------------------
+- ServerArgs(device="cpu", tp_size, disaggregation_mode, transfer backend
+  "nixl", bootstrap port, model_path = a config.json-only tiny Llama dir,
+  skip_tokenizer_init) published with runtime_context.publish(role=
+  "scheduler", ranks=SpawnRanks(world_rank=tp rank, gpu_id=0)), as
+  run_scheduler_process does.
+- KVArgs filled as PrefillBootstrapQueue._init_kv_manager /
+  DecodePreallocQueue do, pointing at numpy buffers in host memory
+  (kv_data_mem_kinds DRAM): --layers layers, MHA (K and V per layer) or MLA
+  (one buffer per layer), --page-bytes bytes per page and buffer; two aux
+  (metadata) buffers; no state buffers (no mamba/SWA/DSA).
+- The router (this process): gives each request a bootstrap room, tells its
+  decode instance's ranks (stdin JSON line) and creates the prefill's sender.
+- The prefill scheduler loop (main thread), as event_loop_normal_disagg_prefill
+  drives the queues: bootstrap queue (NixlKVSender(mgr, addr, room), poll ->
+  WaitingForInput -> sender.init(num_pages, aux_index); Failed ->
+  failure_exception), "forward" (writes the room's pages, then per chunk
+  sender.send(page indices)), inflight queue (poll -> Success: clear();
+  Failed: failure_exception()). No model, no forward pass, no tokenizer.
+- Decode scheduler loop (decode.py): prealloc and transfer queues as
+  DecodePreallocQueue / DecodeTransferQueue drive receivers.
+Nothing on the transfer path is stubbed or wrapped.
+
+Decode shapes (--decode-shape)
+  tp1    --decodes TP1 decode instances, MHA model (prefill MHA).
+  tp2    one TP2 decode instance, MLA model: 2 processes, required_dst_info_num
+         = 2, every room goes to both ranks (MLA KV is replicated: each rank
+         gets the full KV and the aux).
+  mixed  MLA model: --decodes TP1 instances plus one TP2 instance.
+The prefill is TP1. A decode instance's room goes to all its ranks.
+
+Seeded faults (--fault), on --fault-room:
+  none             healthy.
+  no-answer        the decode creates the receiver but never sends the room's
+                   destination: the prefill's room stays Bootstrapping (no
+                   NIXL call) until SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
+                   (300 s).
+  bootstrap-timeout  no-answer with SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT =
+                   --bootstrap-timeout (3 s) in the prefill: sender.poll()
+                   fails the room by itself (failure_exception).
+  decode-dies      once the room is bootstrapped (and the decode's earlier
+                   rooms concluded) the decode (rank 0 of the instance) is
+                   SIGKILLed before the chunks go.
+  hang             same point, the decode rank 0 is SIGSTOPped: the transfer
+                   stays in progress (UCX over tcp) and the worker polls
+                   forever; later rooms of the worker queue behind it.
+  abort            the decode calls receiver.abort() (ABORT frames) when the
+                   first byte of the room's KV lands.
+  prefill-abort    the prefill calls sender.abort() (what the scheduler does
+                   on an AbortReq) right after the room's first chunk is sent.
+Default fault room: the first room of decode instance 0 after the middle of
+the run (abort: its last room). With hang and decode-dies the requests after
+the fault room are issued once the fault is in place.
+
+Protocol: JSON lines on stdout (the logs go to stderr), as
+tests/sglang/prefill.py. After set-up and one warm-up room per decode
+instance:
+  {"event":"ready","prefill_pid","decodes":[{"index","instance","pid","port",
+   "tp_size","tp_rank","agent","mla"}],"instances","fault_room","shape",
+   "nixl","libnixl","sglang","agent","rank_port","bootstrap_port"}
+waits for "go" on stdin unless --no-wait, then prints
+  request {room, instance, decodes}, bootstrapped {room, worker},
+  chunk {room, chunk, last, pages}, completed {room}, failed {room, reason},
+  prefill_abort {room}, decode_<event> {decode, ...} (answered, abort_sent,
+  status {room, status, verified, reason}), decode_stopped, decode_killed,
+  decode_exited, then
+  done {completed, failed, verified}   every room concluded, or
+  holding {rooms: {room: state}, workers: {i: [rooms of the chunks queued]}}  nothing moved
+  for --settle s (states: bootstrapping, forward, inflight, completed,
+  failed), then holds until stdin EOF / "quit", a signal or --max-seconds;
+  last: exit {reason, code}.
+Differences from the imitation's protocol: no `xfer` event (the handle is
+made inside SGLang's worker; see the uprobes below), `bootstrapped` carries
+the worker from SGLang's own sharding formula, rooms are SGLang's
+bootstrap_room integers from --room-start.
+
+Marks (--marker LIB): enqueued when the sender is created, transfer_posted
+at the first sender.send, transfer_done when poll() says Success (failed
+when Failed), released at clear(), aborted with prefill-abort.
+
+Example:
+  PY=~/.cache/stallwatch/venv-sglang-<hash>/bin/python   (support::sglang_python())
+  $PY tests/sglang/real/prefill.py --count 10 --no-wait
+  $PY tests/sglang/real/prefill.py --decode-shape tp2 --fault hang --nixl cu12
+
+What the real code does, as measured
+------------------------------------
+EVIDENCE
+"""
+
+import argparse
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import common  # noqa: E402
+from common import emit, log  # noqa: E402
+
+FAULTS = ("none", "no-answer", "bootstrap-timeout", "decode-dies", "hang", "abort", "prefill-abort")
+WARMUP_ROOM = 10**12
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_marker(path):
+    if path is None:
+        return None
+    sys.path.insert(0, os.path.join(HERE, "../../../common/marker/python"))
+    from stallwatch_marker import Marker
+
+    return Marker(path)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="prefill.py", description="SGLang 0.5.23's own prefill/decode KV transfer "
+                                "classes over real NIXL and ZMQ, with seeded faults. JSON lines on stdout.")
+    p.add_argument("--fault", choices=FAULTS, default="none")
+    p.add_argument("--fault-room", type=int, default=None)
+    p.add_argument("--count", type=int, default=20)
+    p.add_argument("--decode-shape", choices=("tp1", "tp2", "mixed"), default="tp1")
+    p.add_argument("--decodes", type=int, default=2, help="TP1 decode instances (tp1, mixed)")
+    p.add_argument("--nixl", choices=("cu12", "cu13", "auto"), default="cu13")
+    p.add_argument("--chunks", type=int, default=2)
+    p.add_argument("--pages-per-request", type=int, default=4)
+    p.add_argument("--page-bytes", type=int, default=4096)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page (KVArgs.page_size)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--pages", type=int, default=512)
+    p.add_argument("--decode-pages", type=int, default=512)
+    p.add_argument("--aux-slots", type=int, default=64)
+    p.add_argument("--room-start", type=int, default=1000)
+    p.add_argument("--interval", type=float, default=0.005)
+    p.add_argument("--step", type=float, default=0.002)
+    p.add_argument("--settle", type=float, default=1.0)
+    p.add_argument("--hold", action="store_true")
+    p.add_argument("--bootstrap-timeout", type=int, default=3, help="seconds (an EnvInt in SGLang)")
+    p.add_argument("--marker", default=None, metavar="LIB")
+    p.add_argument("--events", action="store_true", help="accepted for compatibility (no xfer events)")
+    p.add_argument("--no-wait", action="store_true")
+    p.add_argument("--ucx-tls", default=None)
+    p.add_argument("--max-seconds", type=float, default=120.0, help="from 'ready' on (set-up: 180 s, warm-up: 120 s)")
+    return p.parse_args(argv)
+
+
+class Target:
+    def __init__(self, args):
+        self.args = args
+        self.marker = load_marker(args.marker)
+        self.events = queue.Queue()  # (decode index, event dict) | ("stdin", line)
+        self.decodes = []  # index, instance, proc, info
+        self.instances = []  # {"tp": n, "ranks": [decode index]}
+        self.rooms = {}
+        self.moved = time.monotonic()
+        self.decode_status = {}  # room -> [status events]
+        self.stopped = []
+        self.abort_seen = set()
+        self.exit_code = None
+
+    # ---- set-up ----------------------------------------------------------
+    def start(self):
+        a = self.args
+        mla = a.decode_shape != "tp1"
+        self.mla = mla
+        self.bootstrap_port = free_port()
+        self.build = common.select_nixl(a.nixl)
+        import numpy as np
+
+        self.np = np
+        common.publish_server_args("prefill", 1, 0, self.bootstrap_port)
+        from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+        from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager, NixlKVSender
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+        from sglang.srt.runtime_context import get_server_args
+
+        self.KVPoll, self.Sender = KVPoll, NixlKVSender
+        self.server = NixlKVBootstrapServer(host="127.0.0.1", port=self.bootstrap_port)
+        up = time.monotonic() + 30  # the server thread binds; the manager PUTs to it
+        while time.monotonic() < up:
+            try:
+                socket.create_connection(("127.0.0.1", self.bootstrap_port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.02)
+        self.pools = common.HostPools(np, layers=a.layers, mla=mla, pages=a.pages, page_bytes=a.page_bytes, aux_slots=a.aux_slots)
+        kv_args = self.pools.kv_args(KVArgs, engine_rank=0, page_size=a.page_size, mla=mla, kv_head_num=2, total_kv_head_num=2)
+        self.mgr = NixlKVManager(kv_args, DisaggregationMode.PREFILL, get_server_args(), mla)
+        self.addr = f"127.0.0.1:{self.bootstrap_port}"
+
+        tp1 = a.decodes if a.decode_shape in ("tp1", "mixed") else 0
+        shapes = [1] * tp1 + ([2] if a.decode_shape in ("tp2", "mixed") else [])
+        for n, tp in enumerate(shapes):
+            ranks = []
+            for rank in range(tp):
+                ranks.append(self.spawn_decode(n, tp, rank, mla))
+            self.instances.append({"instance": n, "tp": tp, "ranks": ranks})
+        for d in self.decodes:
+            info = self.wait_decode_ready(d)
+            d["info"] = info
+        threading.Thread(target=self.watch_decodes, daemon=True).start()
+
+    def spawn_decode(self, instance, tp, rank, mla):
+        a = self.args
+        cmd = [sys.executable, os.path.join(HERE, "decode.py"), "--bootstrap-port", str(self.bootstrap_port),
+               "--tp-size", str(tp), "--tp-rank", str(rank), "--nixl", a.nixl, "--layers", str(a.layers),
+               "--pages", str(a.decode_pages), "--page-bytes", str(a.page_bytes), "--page-size", str(a.page_size),
+               "--aux-slots", str(a.aux_slots), "--max-seconds", str(a.max_seconds + 60)]
+        if mla:
+            cmd.append("--mla")
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+
+        def pdeathsig():
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True,
+                                preexec_fn=pdeathsig)
+        index = len(self.decodes)
+        self.decodes.append({"index": index, "instance": instance, "proc": proc, "tp_size": tp, "tp_rank": rank})
+        return index
+
+    def wait_decode_ready(self, d):
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = d["proc"].stdout.readline()
+            if not line:
+                raise SystemExit(f"decode {d['index']} exited during set-up")
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if msg.get("event") == "decode_ready":
+                return msg
+        raise SystemExit(f"decode {d['index']} not ready in 180 s")
+
+    def watch_decodes(self):
+        def pump(d):
+            for line in d["proc"].stdout:
+                try:
+                    self.events.put((d["index"], json.loads(line)))
+                except ValueError:
+                    pass
+            self.events.put((d["index"], {"event": "exited", "code": d["proc"].wait()}))
+
+        for d in self.decodes:
+            threading.Thread(target=pump, args=(d,), daemon=True).start()
+
+    def tell(self, index, obj):
+        try:
+            proc = self.decodes[index]["proc"]
+            proc.stdin.write(json.dumps(obj) + "\n")
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+
+    # ---- rooms -------------------------------------------------------------
+    def mark(self, room, stage):
+        if self.marker is not None and room < WARMUP_ROOM:
+            self.marker.mark(room, getattr(self.marker, stage))
+
+    def new_room(self, room, instance, mode="answer"):
+        inst = self.instances[instance]
+        st = {"room": room, "instance": instance, "decodes": inst["ranks"], "phase": "bootstrapping",
+              "pages": None, "aux": None, "chunk": 0, "next": 0.0, "quiet": room >= WARMUP_ROOM}
+        self.rooms[room] = st
+        # The prefill scheduler gets the request: PrefillBootstrapQueue.add -> create_sender.
+        st["sender"] = self.Sender(mgr=self.mgr, bootstrap_addr=self.addr, bootstrap_room=room)
+        self.mark(room, "ENQUEUED")
+        if not st["quiet"]:
+            emit("request", room=room, instance=instance, decodes=inst["ranks"])
+        for index in inst["ranks"]:
+            self.tell(index, {"cmd": "room", "room": room, "pages": self.args.pages_per_request, "mode": mode})
+        self.moved = time.monotonic()
+
+    def conclude(self, st, phase, **fields):
+        st["phase"] = phase
+        if st["pages"] is not None:
+            self.pools.free(st["pages"], st["aux"])
+            st["pages"] = None
+        self.moved = time.monotonic()
+        if not st["quiet"]:
+            emit(phase, room=st["room"], **fields)
+
+    def fail(self, st):
+        try:
+            st["sender"].failure_exception()
+            reason = "unknown"
+        except Exception as e:  # KVTransferError, as the scheduler gets it
+            reason = str(e)
+        self.mark(st["room"], "FAILED")
+        self.conclude(st, "failed", reason=reason)
+
+    def earlier_rooms_done(self, st):
+        return all(o["phase"] in ("completed", "failed") for o in self.rooms.values()
+                   if o["instance"] == st["instance"] and o["room"] < st["room"])
+
+    def step(self):
+        """One scheduler iteration over the bootstrap, forward and inflight queues."""
+        KVPoll = self.KVPoll
+        a = self.args
+        now = time.monotonic()
+        for st in list(self.rooms.values()):
+            phase = st["phase"]
+            room = st["room"]
+            if phase == "bootstrapping":
+                poll = st["sender"].poll()
+                if poll == KVPoll.Failed:
+                    self.fail(st)
+                elif poll == KVPoll.WaitingForInput:
+                    pages, aux = self.pools.alloc(a.pages_per_request)
+                    if pages is None:
+                        continue
+                    st["pages"], st["aux"] = pages, aux
+                    st["sender"].init(len(pages), aux)
+                    infos = self.mgr.transfer_infos.get(room, {})
+                    worker = sum(i.dst_port for i in infos.values()) % len(self.mgr.transfer_queues)
+                    st["phase"] = "fault-wait" if room == self.fault_room and a.fault in ("hang", "decode-dies") else "forward"
+                    self.moved = now
+                    if not st["quiet"]:
+                        emit("bootstrapped", room=room, worker=worker)
+            elif phase == "fault-wait":
+                if self.earlier_rooms_done(st):
+                    index = self.instances[st["instance"]]["ranks"][0]
+                    pid = self.decodes[index]["proc"].pid
+                    if a.fault == "hang":
+                        os.kill(pid, signal.SIGSTOP)
+                        self.stopped.append(pid)
+                        emit("decode_stopped", decode=index, pid=pid, room=room)
+                    else:
+                        os.kill(pid, signal.SIGKILL)
+                        self.decodes[index]["proc"].wait()
+                        emit("decode_killed", decode=index, pid=pid, room=room)
+                    st["phase"] = "forward"
+                    self.fault_in_place = True
+            elif phase == "forward" and now >= st["next"]:
+                if (a.fault == "abort" and room == self.fault_room and st["chunk"] >= 1
+                        and room not in self.abort_seen and now < st["next"] + 5.0):
+                    continue  # the router's timing: the next chunk after the decode's ABORT
+                n = a.chunks
+                k = st["chunk"]
+                per = -(-len(st["pages"]) // n)
+                chunk_pages = st["pages"][k * per:(k + 1) * per]
+                last = k == n - 1
+                # The forward pass wrote this chunk's KV (and, at the end, the metadata).
+                self.pools.fill(room, st["pages"]) if k == 0 else None
+                if last:
+                    self.pools.fill_aux(room, st["aux"])
+                if k == 0:
+                    self.mark(room, "TRANSFER_POSTED")
+                st["sender"].send(self.np.array(chunk_pages, dtype=self.np.int32))
+                st["chunk"] += 1
+                st["next"] = now + a.step
+                self.moved = now
+                if not st["quiet"]:
+                    emit("chunk", room=room, chunk=k, last=last, pages=len(chunk_pages))
+                if k == 0 and room == self.fault_room and a.fault == "prefill-abort":
+                    st["sender"].abort()
+                    self.mark(room, "ABORTED")
+                    emit("prefill_abort", room=room)
+                if last or st["sender"].conclude_state == KVPoll.Failed:
+                    st["phase"] = "inflight"
+            elif phase == "inflight":
+                poll = st["sender"].poll()
+                if poll == KVPoll.Success:
+                    self.mark(room, "TRANSFER_DONE")
+                    st["sender"].clear()
+                    self.mark(room, "RELEASED")
+                    self.conclude(st, "completed")
+                elif poll == KVPoll.Failed:
+                    self.fail(st)
+
+    def drain_events(self, stdin_lines):
+        while True:
+            try:
+                index, msg = self.events.get_nowait()
+            except queue.Empty:
+                return
+            if index == "stdin":
+                stdin_lines.append(msg)
+                continue
+            ev = msg.pop("event", "?")
+            if ev == "abort_sent":
+                self.abort_seen.add(msg.get("room"))
+            if ev == "status":
+                self.decode_status.setdefault(msg.get("room"), []).append(msg)
+            if msg.get("room", 0) >= WARMUP_ROOM:
+                continue
+            self.moved = time.monotonic()
+            emit(f"decode_{ev}", decode=index, **msg)
+
+    # ---- the run ------------------------------------------------------------
+    def run_rooms(self, plan, deadline, warmup=False):
+        """Issue `plan` [(room, instance, mode)] and drive the loop until all
+        concluded (-> "done"), or nothing moved for --settle s (-> "holding")."""
+        a = self.args
+        stdin_lines = []
+        pending = list(plan)
+        next_issue = 0.0
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            if pending and now >= next_issue:
+                room, instance, mode = pending[0]
+                blocked = (not warmup and a.fault in ("hang", "decode-dies") and self.fault_room is not None
+                           and room > self.fault_room and not self.fault_in_place)
+                if not blocked:
+                    pending.pop(0)
+                    self.new_room(room, instance, mode)
+                    next_issue = now + a.interval
+            self.step()
+            self.drain_events(stdin_lines)
+            for line in stdin_lines:
+                if line.strip() == "quit":
+                    return "quit"
+                if line == "":
+                    return "stdin-eof"
+            stdin_lines.clear()
+            if not pending and all(st["phase"] in ("completed", "failed") for st in self.rooms.values()):
+                if warmup:
+                    return "done"
+                completed = [r for r, st in self.rooms.items() if st["phase"] == "completed" and r < WARMUP_ROOM]
+                # the decodes' own verdicts on completed rooms, briefly awaited
+                wait_until = time.monotonic() + 2.0
+                def answered(r):
+                    return len(self.decode_status.get(r, ())) >= len(self.rooms[r]["decodes"])
+
+                while time.monotonic() < wait_until and not all(answered(r) for r in completed):
+                    self.drain_events(stdin_lines)
+                    time.sleep(0.005)
+                verified = sum(1 for r in completed if answered(r) and all(s.get("verified") for s in self.decode_status[r]))
+                failed = sum(1 for r, st in self.rooms.items() if st["phase"] == "failed" and r < WARMUP_ROOM)
+                emit("done", completed=len(completed), failed=failed, verified=verified)
+                return "done"
+            if not warmup and (now - self.moved > a.settle and not pending or now - self.moved > max(a.settle, 5.0)):
+                return "holding"
+            time.sleep(0.0005)
+        return "max-seconds"
+
+    def holding(self):
+        rooms = {str(r): st["phase"] for r, st in self.rooms.items() if r < WARMUP_ROOM}
+        # rooms whose chunks wait in each worker's FastQueue (read, not taken)
+        workers = {str(i): [c.room for c in list(q._buf) if c.room < WARMUP_ROOM] for i, q in enumerate(self.mgr.transfer_queues)}
+        emit("holding", rooms=rooms, workers=workers)
+
+
+def main(argv):
+    args = parse_args(argv)
+    if args.ucx_tls is None:
+        os.environ["UCX_TLS"] = "tcp,self"
+    elif args.ucx_tls == "default":
+        os.environ.pop("UCX_TLS", None)
+    else:
+        os.environ["UCX_TLS"] = args.ucx_tls
+    if args.fault == "bootstrap-timeout":
+        os.environ["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] = str(args.bootstrap_timeout)
+    common.claim_stdout()
+    start = time.monotonic()
+    deadline = start + args.max_seconds
+    t = Target(args)
+    exit_reason = {"reason": None}
+
+    def finish(reason, code):
+        for d in t.decodes:
+            try:
+                os.kill(d["proc"].pid, signal.SIGCONT)
+                os.kill(d["proc"].pid, signal.SIGKILL)
+            except OSError:
+                pass
+        emit("exit", reason=reason, code=code)
+        os._exit(code)
+
+    def on_signal(signum, _frame):
+        finish(f"signal {signal.Signals(signum).name}", 128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    t.fault_room = None
+    t.fault_in_place = False
+    t.start()
+    n_inst = len(t.instances)
+    # warm-up: one room per instance (UCX connection set-up, dlist preparation)
+    r = t.run_rooms([(WARMUP_ROOM + i, i, "answer") for i in range(n_inst)], time.monotonic() + 120, warmup=True)
+    if r != "done":
+        finish(f"warm-up {r}", 1)
+    plan_rooms = [(args.room_start + i, i % n_inst) for i in range(args.count)]
+    if args.fault != "none":
+        if args.fault_room is None:
+            own = [room for room, inst in plan_rooms if inst == 0]
+            if args.fault == "abort":
+                args.fault_room = own[-1]
+            else:
+                later = [room for room in own if room >= args.room_start + args.count // 2]
+                args.fault_room = (later or own)[0]
+        t.fault_room = args.fault_room
+    mode_of = {"no-answer": "no-answer", "bootstrap-timeout": "no-answer", "abort": "abort"}
+    plan = [(room, inst, mode_of.get(args.fault, "answer") if room == t.fault_room else "answer") for room, inst in plan_rooms]
+    emit("ready", prefill_pid=os.getpid(), sglang="0.5.23", nixl=t.build, libnixl=common.loaded_libnixl(),
+         shape=args.decode_shape, mla=t.mla, agent=t.mgr.agent.name, rank_port=t.mgr.rank_port,
+         bootstrap_port=t.bootstrap_port, fault=args.fault, fault_room=t.fault_room,
+         instances=[{"instance": i["instance"], "tp": i["tp"], "decodes": i["ranks"]} for i in t.instances],
+         decodes=[{"index": d["index"], "instance": d["instance"], "pid": d["proc"].pid, "port": d["info"]["port"],
+                   "tp_size": d["tp_size"], "tp_rank": d["tp_rank"], "agent": d["info"]["agent"], "mla": t.mla}
+                  for d in t.decodes])
+
+    deadline = time.monotonic() + args.max_seconds  # set-up and warm-up have their own bounds
+
+    def read_stdin():
+        for line in sys.stdin:
+            t.events.put(("stdin", line))
+        t.events.put(("stdin", ""))
+
+    if not args.no_wait:
+        while time.monotonic() < deadline:
+            line = sys.stdin.readline()
+            if line == "" or line.strip() == "quit":
+                finish("stdin-eof" if line == "" else "quit", 0)
+            if line.strip() == "go":
+                break
+        threading.Thread(target=read_stdin, daemon=True).start()
+    result = t.run_rooms(plan, deadline)
+    if result in ("quit", "stdin-eof"):
+        finish(result, 0)
+    if result == "max-seconds":
+        finish("max-seconds", 0)
+    if result == "done" and not args.hold:
+        finish("done", 0)
+    if result == "holding":
+        t.holding()
+    # hold: keep the scheduler loop running (it still polls) until stdin EOF / quit / max-seconds
+    stdin_lines = []
+    while time.monotonic() < deadline:
+        t.step()
+        t.drain_events(stdin_lines)
+        for line in stdin_lines:
+            if line == "" and not args.no_wait:
+                finish("stdin-eof", 0)
+            if line.strip() == "quit":
+                finish("quit", 0)
+        stdin_lines.clear()
+        time.sleep(0.001)
+    finish("max-seconds", 0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
