@@ -32,7 +32,7 @@ use crate::{
     },
     gate::{Change, Failures, Gate},
     lifecycle::{Engine, EngineConfig, Observation, Report, Side, Silent, Withheld},
-    probes::{KernelCounters, Probes, Profile},
+    probes::{KernelCounters, Probes, Profile, Releasing},
     query::{QueryServer, SocketPlace},
     reactor,
     state::{BpfDir, KernelState},
@@ -148,10 +148,11 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
             (Some(execs), Some(selector))
         }
     };
-    // Ours are attached: a previous agent's probes can go, and what they
-    // recorded is ours to follow, before the ring buffer is read.
-    session.probes.release_old_links()?;
+    // Ours are attached: what a previous agent's probes recorded is ours to
+    // follow, taken over first (its stalls may be near due), then its
+    // probes can go.
     session.restore()?;
+    let mut releasing = session.probes.release_old_links()?;
     // After attaching, so a bad profile or pid is reported as such even
     // when another agent serves this socket (a second agent fails here).
     let mut queries = QueryServer::bind(socket, clock)?;
@@ -275,6 +276,10 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 session.engine.catch_up(None, &mut withheld_in(&session.state));
                 queries.answer(query, &session.engine, &session.transport, &session.signals, monotonic_ns());
             }
+            released = released(&mut releasing) => {
+                released.context("releasing the previous agent's links")?;
+                session.probes.released(releasing.take().expect("a release under way"))?;
+            }
             _ = interrupt.recv() => break,
             _ = terminate.recv() => break,
         }
@@ -291,7 +296,20 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
         let next = session.next_wake(now, unread_ns);
         wake.as_mut().reset(tokio::time::Instant::now() + Duration::from_nanos(next.saturating_sub(now)));
     }
+    // The previous agent's links go before this one's state is left.
+    if let Some(mut releasing) = releasing {
+        releasing.done().await.context("releasing the previous agent's links")?;
+        session.probes.released(releasing)?;
+    }
     session.finish(on_exit)
+}
+
+/// Until the release under way, if any, is done; never without one.
+async fn released(releasing: &mut Option<Releasing>) -> Result<()> {
+    match releasing {
+        Some(releasing) => releasing.done().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Longest the ring buffer goes unread while no stall is due: how late a

@@ -26,7 +26,7 @@ mod returns;
 use std::{
     collections::{HashMap, HashSet},
     num::NonZeroU32,
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::Arc,
 };
 
@@ -215,26 +215,36 @@ impl Probes {
     }
 
     /// Let a previous agent's links go once ours are attached (make before
-    /// break: the targets are never without probes), and free their slots.
-    pub fn release_old_links(&mut self) -> Result<()> {
-        let mut released = HashSet::new();
-        let mut old_links = std::mem::take(&mut self.old_links);
+    /// break: the targets are never without probes), on a thread of their
+    /// own: each detach waits for the kernel's uprobe grace period (~0.1 s
+    /// a link on a loaded host, one after another), and two dozen links
+    /// held the event loop for seconds, past stalls coming due. Their slots
+    /// are freed when it is done ([`Probes::released`]). `None`: no links.
+    pub fn release_old_links(&mut self) -> Result<Option<Releasing>> {
+        let old_links = std::mem::take(&mut self.old_links);
+        if old_links.is_empty() {
+            return Ok(None);
+        }
+        let slots: HashSet<u32> = old_links.iter().map(|old| old.slot).collect();
         // Return halves first: a call entering between the two finds its
         // return probe gone, not its arguments unsaved (`args_missing`).
-        old_links.sort_by_key(|old| !old.path.to_string_lossy().ends_with(RETURN_PROGRAM));
-        for old in old_links {
-            // Hold the link while unpinning: dropping the last reference
-            // from a file descriptor detaches at once, while an unpinned
-            // link nobody holds is released later by a kernel worker, and
-            // would fire on a slot config cleared below (`no_slot`).
-            let link = PinnedLink::from_pin(&old.path)
-                .with_context(|| format!("opening the previous agent's probe link {}", old.path.display()))?;
-            drop(link.unpin().with_context(|| format!("unpinning {}", old.path.display()))?);
-            released.insert(old.slot);
-        }
-        // Only once every link is gone: a return slot's other half still
-        // attached would fire on a cleared config (`no_slot`).
-        for slot in released {
+        let (returns, entries): (Vec<_>, Vec<_>) =
+            old_links.into_iter().map(|old| old.path).partition(|path| path.to_string_lossy().ends_with(RETURN_PROGRAM));
+        let (tx, done) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("release-links".into())
+            .spawn(move || {
+                let _ = tx.send(returns.iter().chain(&entries).try_for_each(|path| release(path)));
+            })
+            .context("starting the thread that releases the previous agent's links")?;
+        Ok(Some(Releasing { slots, done }))
+    }
+
+    /// The links [`Probes::release_old_links`] let go are gone: their slots
+    /// are free. Only now: a return slot's other half still attached would
+    /// fire on a cleared config (`no_slot`).
+    pub fn released(&mut self, releasing: Releasing) -> Result<()> {
+        for slot in releasing.slots {
             self.slots_map.set(slot, SlotConfig::default(), 0).context("clearing the slot config map")?;
             self.free.push(slot);
         }
@@ -807,6 +817,29 @@ fn raise_memlock_limit() {
     if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &limit) } != 0 {
         tracing::debug!("could not raise RLIMIT_MEMLOCK: {}", std::io::Error::last_os_error());
     }
+}
+
+/// A previous agent's links being released ([`Probes::release_old_links`]).
+pub struct Releasing {
+    slots: HashSet<u32>,
+    done: tokio::sync::oneshot::Receiver<Result<()>>,
+}
+
+impl Releasing {
+    /// Until every link is released (or one failed to be).
+    pub async fn done(&mut self) -> Result<()> {
+        (&mut self.done).await.unwrap_or_else(|_| Err(anyhow!("the thread releasing the previous agent's links ended without a word")))
+    }
+}
+
+/// Detach a previous agent's link pinned at `path`. The link is held while
+/// unpinning: dropping the last reference from a file descriptor detaches
+/// at once, while an unpinned link nobody holds is released later by a
+/// kernel worker, and would fire on a slot config cleared after (`no_slot`).
+fn release(path: &Path) -> Result<()> {
+    let link = PinnedLink::from_pin(path).with_context(|| format!("opening the previous agent's probe link {}", path.display()))?;
+    drop(link.unpin().with_context(|| format!("unpinning {}", path.display()))?);
+    Ok(())
 }
 
 #[cfg(test)]
