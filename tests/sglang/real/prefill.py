@@ -158,6 +158,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -227,6 +228,8 @@ class Target:
         self.moved = time.monotonic()
         self.decode_status = {}  # room -> [status events]
         self.stopped = []
+        self.routed = {}  # room -> (instance, mode), until the scheduler receives it
+        self.to_tokenizer = queue.Queue()
         self.abort_seen = set()
         self.exit_code = None
 
@@ -259,6 +262,16 @@ class Target:
         kv_args = self.pools.kv_args(KVArgs, engine_rank=0, page_size=a.page_size, mla=mla, kv_head_num=2, total_kv_head_num=2)
         self.mgr = NixlKVManager(kv_args, DisaggregationMode.PREFILL, get_server_args(), mla)
         self.addr = f"127.0.0.1:{self.bootstrap_port}"
+        import zmq
+
+        from sglang.srt.managers.io_struct import sock_recv
+
+        self.sock_recv = sock_recv
+        self.zmq_ctx = zmq.Context()
+        self.ipc_name = f"ipc://{tempfile.gettempdir()}/stallwatch-sglang-{os.getpid()}-scheduler"
+        self.from_tokenizer = self.zmq_ctx.socket(zmq.PULL)
+        self.from_tokenizer.bind(self.ipc_name)
+        threading.Thread(target=self.tokenizer, daemon=True).start()
 
         tp1 = a.decodes if a.decode_shape in ("tp1", "mixed") else 0
         shapes = [1] * tp1 + ([2] if a.decode_shape in ("tp2", "mixed") else [])
@@ -332,18 +345,58 @@ class Target:
         if self.marker is not None and room < WARMUP_ROOM:
             self.marker.mark(room, getattr(self.marker, stage))
 
-    def new_room(self, room, instance, mode="answer"):
+    def route(self, room, instance, mode="answer"):
+        """The router: the room goes to its decode instance's ranks and, as a
+        TokenizedGenerateReqInput, through the tokenizer -> scheduler IPC."""
+        self.routed[room] = (instance, mode)
+        for index in self.instances[instance]["ranks"]:
+            self.tell(index, {"cmd": "room", "room": room, "pages": self.args.pages_per_request, "mode": mode})
+        self.to_tokenizer.put(room)
+        self.moved = time.monotonic()
+
+    def tokenizer(self):
+        """The tokenizer manager's side of the IPC (a thread here, a process in
+        SGLang): io_struct.sock_send of a TokenizedGenerateReqInput (msgpack,
+        msgspec array_like) on a PUSH socket to the scheduler's PULL."""
+        import zmq
+        from array import array
+
+        from sglang.srt.managers.io_struct import TokenizedGenerateReqInput, sock_send
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        push = self.zmq_ctx.socket(zmq.PUSH)
+        push.connect(self.ipc_name)
+        tokens = self.args.pages_per_request * self.args.page_size
+        while True:
+            room = self.to_tokenizer.get()
+            sock_send(push, TokenizedGenerateReqInput(
+                rid=f"req-{room}", input_text=None, input_ids=array("i", range(tokens)), input_embeds=None,
+                mm_inputs=None, token_type_ids=None, sampling_params=SamplingParams(max_new_tokens=1),
+                return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None,
+                stream=False, bootstrap_host="127.0.0.1", bootstrap_port=self.bootstrap_port, bootstrap_room=room))
+
+    def recv_requests(self):
+        """The scheduler's recv path: io_struct.sock_recv(NOBLOCK) on its PULL
+        socket, then PrefillBootstrapQueue.add -> create_sender."""
+        import zmq
+
+        while True:
+            try:
+                req = self.sock_recv(self.from_tokenizer, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.new_room(req.bootstrap_room, req.rid)
+
+    def new_room(self, room, rid):
+        instance, mode = self.routed.pop(room)
         inst = self.instances[instance]
-        st = {"room": room, "instance": instance, "decodes": inst["ranks"], "phase": "bootstrapping",
+        st = {"room": room, "rid": rid, "instance": instance, "decodes": inst["ranks"], "phase": "bootstrapping",
               "pages": None, "aux": None, "chunk": 0, "next": 0.0, "quiet": room >= WARMUP_ROOM}
         self.rooms[room] = st
-        # The prefill scheduler gets the request: PrefillBootstrapQueue.add -> create_sender.
         st["sender"] = self.Sender(mgr=self.mgr, bootstrap_addr=self.addr, bootstrap_room=room)
         self.mark(room, "ENQUEUED")
         if not st["quiet"]:
-            emit("request", room=room, instance=instance, decodes=inst["ranks"])
-        for index in inst["ranks"]:
-            self.tell(index, {"cmd": "room", "room": room, "pages": self.args.pages_per_request, "mode": mode})
+            emit("request", room=room, rid=rid, instance=instance, decodes=inst["ranks"])
         self.moved = time.monotonic()
 
     def conclude(self, st, phase, **fields):
@@ -372,6 +425,7 @@ class Target:
         """One scheduler iteration over the bootstrap, forward and inflight queues."""
         KVPoll = self.KVPoll
         a = self.args
+        self.recv_requests()
         now = time.monotonic()
         for st in list(self.rooms.values()):
             phase = st["phase"]
@@ -478,7 +532,7 @@ class Target:
                            and room > self.fault_room and not self.fault_in_place)
                 if not blocked:
                     pending.pop(0)
-                    self.new_room(room, instance, mode)
+                    self.route(room, instance, mode)
                     next_issue = now + a.interval
             self.step()
             self.drain_events(stdin_lines)
@@ -488,7 +542,7 @@ class Target:
                 if line == "":
                     return "stdin-eof"
             stdin_lines.clear()
-            if not pending and all(st["phase"] in ("completed", "failed") for st in self.rooms.values()):
+            if not pending and not self.routed and all(st["phase"] in ("completed", "failed") for st in self.rooms.values()):
                 if warmup:
                     return "done"
                 completed = [r for r, st in self.rooms.items() if st["phase"] == "completed" and r < WARMUP_ROOM]
@@ -524,6 +578,10 @@ def main(argv):
         os.environ.pop("UCX_TLS", None)
     else:
         os.environ["UCX_TLS"] = args.ucx_tls
+    # Loopback only: SGLang advertises get_local_ip_auto() (else the first
+    # NIC's address) in its frames and /route; UCX's tcp uses lo.
+    os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
     if args.fault == "bootstrap-timeout":
         os.environ["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] = str(args.bootstrap_timeout)
     common.claim_stdout()
@@ -537,6 +595,11 @@ def main(argv):
             try:
                 os.kill(d["proc"].pid, signal.SIGCONT)
                 os.kill(d["proc"].pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if getattr(t, "ipc_name", None):
+            try:
+                os.unlink(t.ipc_name[len("ipc://"):])
             except OSError:
                 pass
         emit("exit", reason=reason, code=code)
