@@ -101,8 +101,7 @@ fn venv() -> Result<()> {
 /// `~/.cache/stallwatch/venv-sglang-<hash of the requirement files>`, where a
 /// fresh clone on the same machine finds it; made once per content of
 /// `tests/sglang/requirements{-nodeps,}.txt`. The stamp is written last, so
-/// an interrupted install is redone from scratch. The wheels in
-/// `~/.cache/stallwatch/wheels` (sglang, torch), if there, are used first.
+/// an interrupted install is redone from scratch.
 fn sglang_venv() -> Result<()> {
     let root = root()?;
     let nodeps = root.join("tests/sglang/requirements-nodeps.txt");
@@ -121,15 +120,27 @@ fn sglang_venv() -> Result<()> {
     run(Command::new("python3.11").arg("-m").arg("venv").arg(&venv))?;
     let python = venv.join("bin/python");
     let wheels = cache.join("wheels");
+    fs::create_dir_all(&wheels)?;
     // Every package --no-deps: the wheels' metadata asks for far more than
     // the import chain loads (see the comments in the requirement files).
+    // pip's own HTTP cache stays empty on this machine, so the ~3 GB of wheels
+    // are kept in ~/.cache/stallwatch/wheels (pip download skips those already
+    // there) and installed from there only.
     for file in [&nodeps, &deps] {
-        let mut pip = Command::new(&python);
-        pip.args(["-m", "pip", "install", "--quiet", "--no-deps"]);
-        if wheels.is_dir() {
-            pip.arg("--find-links").arg(&wheels);
-        }
-        run(pip.arg("-r").arg(file))?;
+        run(Command::new(&python)
+            .args(["-m", "pip", "download", "--quiet", "--no-deps", "--find-links"])
+            .arg(&wheels)
+            .arg("--dest")
+            .arg(&wheels)
+            .arg("-r")
+            .arg(file))?;
+    }
+    for file in [&nodeps, &deps] {
+        run(Command::new(&python)
+            .args(["-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--find-links"])
+            .arg(&wheels)
+            .arg("-r")
+            .arg(file))?;
     }
     fs::write(&stamp, wanted)?;
     eprintln!("xtask: SGLang venv ready in {}", venv.display());

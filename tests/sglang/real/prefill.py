@@ -9,9 +9,15 @@ its own pid.
 
 Checked on: sglang 0.5.23, torch 2.14.1 (CUDA 13 build, no GPU), CPython
 3.11.7, nixl / nixl-cu12 / nixl-cu13 1.5.1, pyzmq 27.3.0 (bundled libzmq),
-UCX as bundled in the nixl wheels. libnixl.so build ids (`readelf -n`):
-  nixl_cu12: BUILDID_CU12
-  nixl_cu13: BUILDID_CU13
+UCX as bundled in the nixl wheels. libnixl.so (site-packages/
+.nixl_cuXX.mesonpy.libs/libnixl.so, 1 669 529 bytes) `readelf -n` build id:
+  nixl_cu12: c60ac851fdd67a4d9738b5b2f53bd4849505f241
+  nixl_cu13: c60ac851fdd67a4d9738b5b2f53bd4849505f241
+The two files differ in one byte only, the RPATH ($ORIGIN/../nixl_cu12.libs vs
+nixl_cu13.libs): the same code, so the same offsets. libplugin_UCX.so
+(68f2cc1f7a4efc9085638ab6b93a9a3659cd568f) and _bindings (469e083b1e99...)
+are identical too. pyzmq's libzmq: pyzmq.libs/libzmq-2f02442c.so.5.2.5,
+build id 2af6ae57aa635caeff02fbae7118ffff36d0349e.
 
 NIXL build selection (--nixl): SGLang does `from nixl._api import ...`; the
 `nixl` meta package has no switch and picks nixl_cu13 here (from
@@ -72,7 +78,11 @@ What this target supplies instead of a server
   (one buffer per layer), --page-bytes bytes per page and buffer; two aux
   (metadata) buffers; no state buffers (no mamba/SWA/DSA).
 - The router (this process): gives each request a bootstrap room, tells its
-  decode instance's ranks (stdin JSON line) and creates the prefill's sender.
+  decode instance's ranks (stdin JSON line) and hands it to the "tokenizer",
+  a thread that sends it to the scheduler over SGLang's own IPC
+  (io_struct.sock_send of a TokenizedGenerateReqInput, ipc:// PUSH -> PULL);
+  the scheduler loop receives it with io_struct.sock_recv and creates the
+  sender from its bootstrap_room (PrefillBootstrapQueue.add).
 - The prefill scheduler loop (main thread), as event_loop_normal_disagg_prefill
   drives the queues: bootstrap queue (NixlKVSender(mgr, addr, room), poll ->
   WaitingForInput -> sender.init(num_pages, aux_index); Failed ->
@@ -121,7 +131,8 @@ instance:
    "tp_size","tp_rank","agent","mla"}],"instances","fault_room","shape",
    "nixl","libnixl","sglang","agent","rank_port","bootstrap_port"}
 waits for "go" on stdin unless --no-wait, then prints
-  request {room, instance, decodes}, bootstrapped {room, worker},
+  request {room, rid, instance, decodes} (when the scheduler received it),
+  bootstrapped {room, worker},
   chunk {room, chunk, last, pages}, completed {room}, failed {room, reason},
   prefill_abort {room}, decode_<event> {decode, ...} (answered, abort_sent,
   status {room, status, verified, reason}), decode_stopped, decode_killed,
@@ -147,7 +158,110 @@ Example:
 
 What the real code does, as measured
 ------------------------------------
-EVIDENCE
+Measured with bpftrace 0.17 uprobes on the libnixl.so mapped by the
+processes (/proc/PID/maps: the venv's .nixl_cu13.mesonpy.libs/libnixl.so;
+cu12 the same) and on pyzmq's bundled libzmq (zmq_msg_send, zmq_msg_recv),
+UCX_TLS=tcp,self, UCX_NET_DEVICES=lo, prefill TP1; "room" = one request of
+--pages-per-request 4 pages in --chunks 2 chunks.
+
+Threads. Prefill: the scheduler (main thread) makes no NIXL call at all; the
+bootstrap thread receives every decode frame and calls prepXferDlist; one of
+the 4 transfer workers (the room's shard) makes every per-room NIXL call and
+sends KV_STATUS. Decode: makes NO NIXL call per room (no getNotifs, no
+getXferStatus, no genNotif): the main thread sends the registration and
+TransferInfo frames, a listener thread receives KV_STATUS. The decode learns
+the outcome only from the ZMQ KV_STATUS frame.
+
+Per room, prefill transfer worker (per destination rank; TP1: 1, TP2: 2):
+  makeXferReq      1 per chunk      _ZNK9nixlAgent11makeXferReqE14nixl_xfer_op_tRK10nixlDlistHSt4spanIKiLm18446744073709551615EES3_S6_RP12nixlXferReqHPK21nixlAgentOptionalArgs
+                                    (or the vector overload ..._ZNK9nixlAgent11makeXferReqERK14nixl_xfer_op_tPK10nixlDlistHRKSt6vectorIiSaIiEES5_SA_RP12nixlXferReqHPK21nixlAgentOptionalArgs)
+  createXferReq    1 (aux, last chunk) _ZNK9nixlAgent13createXferReqERK14nixl_xfer_op_tRK12nixlDescListI13nixlBasicDescES7_RKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEERP12nixlXferReqHPK21nixlAgentOptionalArgs
+  postXferReq      chunks + 1       _ZNK9nixlAgent11postXferReqEP12nixlXferReqHPK21nixlAgentOptionalArgs
+                   (optional args pointer NULL; returned 1 IN_PROG for all 9
+                   posts of 3 rooms on lo; on eth0 2 of 3 returned 0)
+  getXferStatus    >= 1 per handle   _ZNK9nixlAgent13getXferStatusEP12nixlXferReqH
+                   (16 KB chunks: 23 calls for 9 handles, 14 IN_PROG + 9 SUCCESS)
+  releaseXferReq   chunks + 1, late _ZNK9nixlAgent14releaseXferReqEP12nixlXferReqH
+  genNotif / getNotifs: never (_ZNK9nixlAgent8genNotifE..., _ZN9nixlAgent9getNotifsE...)
+  e.g. TP1, 3 rooms (warm-up + 2): makeXferReq 6, createXferReq 3,
+  postXferReq 9, releaseXferReq 7, getXferStatus 23, all on one thread.
+Once per decode rank (bootstrap thread, on its registration):
+add_remote_agent, then prepXferDlist for the peer's destination dlist, and
+once per manager the local source dlist (2 calls for one decode rank, 3 for
+a TP2 instance): _ZNK9nixlAgent13prepXferDlistERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEERK12nixlDescListI14nixlStrideDescERP10nixlDlistHPK21nixlAgentOptionalArgs
+(strided descriptors; the basic-desc overloads exist too).
+
+Release (GC, nixl_xfer_handle.__del__): chunk k's handle is released when the
+worker posts chunk k+1's (the `handles` list rebinds), the room's last KV
+handle when the next room's first chunk is made, the aux handle when the
+next room's aux handle is created. Observed order on the worker, room N:
+release(last KV of N-1), post(make, chunk 0) at the SAME address, release
+(chunk 0), post(make, chunk 1) at the same address again, post(create, aux),
+release(aux of N-1), then KV_STATUS. The allocator reuses handle addresses
+at once: key a lifecycle on (handle, generation), never the address. After
+the last room the worker keeps its last KV and aux handles, unreleased and
+answering SUCCESS, until traffic resumes on that worker.
+
+Notification: none. Every handle at postXferReq has the notif optional
+disengaged (+176 = 0, +152 = 0): neither the KV nor the aux transfer carries
+a room id or any message; the remote agent name (+96) is the decode rank's
+agent name, a uuid4 string (also sent in its ZMQ frames).
+
+Handle layout in this build (1.5.1, cu12 and cu13 identical code), read with
+bpftrace at postXferReq entry: +96 remote agent std::string (data ptr, length
+at +104), +144 notif data ptr, +152 length, +176 engaged flag (checked with a
+direct nixl_agent transfer with notif b"room-1000-notif-message": read back
+exactly, engaged 1, on both builds), +180 op (1 = WRITE), +184 status (-1
+before the post; at getXferStatus entry it holds the previous answer, 1 or 0).
+NIXL.md's offsets hold.
+
+hang (TP2, decode rank 0 SIGSTOPped when room 1001 is bootstrapped): the
+worker made chunk 0's two handles (one per rank), posted both, and then
+polled forever: 62 157 getXferStatus IN_PROG (the stopped rank's handle) and
+62 107 SUCCESS (the live rank's handle, answering SUCCESS each round, never
+released) in about 12 s on that one thread, no error, no log; chunk 1 was
+never made (makeXferReq 10 = warm-up 4 + room 1000 4 + room 1001 chunk 0 2);
+its later rooms stay queued in that worker's FastQueue; the scheduler's
+sender.poll() says Transferring. Other workers' rooms complete.
+
+ZMQ frames (every frame bytes; sizes for --layers 2 MHA, 4 pages):
+ decode -> prefill PULL, registration, once per decode rank (25 frames):
+  "NixlMsgGuard" | "None" | "127.0.0.1" | decode PULL port | agent name (36) |
+  agent metadata (570, "nixlSerDes|Agent...") | kv ptrs (8/entry) | aux ptrs
+  (16) | state ptrs "" | gpu id "0" | tp size | tp rank | kv item len "4096"
+  | "" | "" | "" | "" | num slots "512" | "DRAM,DRAM,DRAM,DRAM" | kv item lens
+  (8/entry) | "" | kv layer ids (4/entry) | dcp size "1" | dcp rank "0" | ""
+ decode -> prefill, per room and rank, TransferInfo (11 frames):
+  "NixlMsgGuard" | room (ASCII decimal) | ip | port | agent name | page
+  indices (int32 LE, 16 bytes for 4 pages) | aux index | required_dst_info_num
+  ("1"; "2" for TP2) | state indices "" | decode prefix len "0" | is_dummy "0"
+ decode -> prefill, ABORT (5 frames): "ABORT" | room | ip | port | generation
+  ("1"); sent from the decode's main thread by receiver.abort(). Seen after
+  it: nothing from the prefill for that room (no KV_STATUS: the scheduler
+  cleared the room on Failed before the worker concluded; no ABORT_ACK
+  before the run ended).
+ prefill -> decode PULL, from the transfer worker (5 frames):
+  "KV_STATUS" | room | status ("4" Success, "0" Failed) | prefill unique rank
+  "0" | reason (utf-8; "" on success)
+ HTTP (aiohttp bootstrap server): PUT /route by the prefill manager, GET
+  /route?prefill_dp_rank=-1... (parallel info) and per rank by each decode;
+  no room in HTTP.
+
+Scheduler IPC (tokenizer -> scheduler): the target feeds every request
+through SGLang's own path: io_struct.sock_send of a TokenizedGenerateReqInput
+(rid "req-<room>", bootstrap_host/port/room, input_ids) on a PUSH socket
+(the "tokenizer" thread) to the scheduler's PULL socket (ipc://), and the
+scheduler loop does io_struct.sock_recv(NOBLOCK) and creates the sender from
+req.bootstrap_room. SGLANG_USE_PICKLE_IPC defaults to True: one frame, a
+pickle (protocol 5, starts 80 05 95, "msgspec._utils rebuild"), 2075 bytes for
+64 input ids; class name "TokenizedGenerateReqInput" near offset 72, rid as
+SHORT_BINUNICODE near offset 111, bootstrap_room as a pickle LONG1 near the
+end (offset varies with the fields). With SGLANG_USE_PICKLE_IPC=0 it is
+msgpack of the msgspec array_like struct (474 bytes: array header, tag string,
+rid at offset ~30, bootstrap_room as uint64 0xcf near the end). Native
+signal: zmq_msg_recv returning the frame length on the prefill's MAIN thread
+(it returns -1 EAGAIN on every idle scheduler iteration); the frame is a
+zero-copy message (msg_t type 105 at +42; content ptr at +8 -> data, size).
 """
 
 import argparse
