@@ -117,7 +117,9 @@ Seeded faults (--fault), on --fault-room:
                    stays in progress (UCX over tcp) and the worker polls
                    forever; later rooms of the worker queue behind it.
   abort            the decode calls receiver.abort() (ABORT frames) when the
-                   first byte of the room's KV lands.
+                   first byte of the room's KV lands; the router sends the
+                   next chunk once the prefill's manager has the room Failed
+                   (bounded 5 s), so the race always goes the abort's way.
   prefill-abort    the prefill calls sender.abort() (what the scheduler does
                    on an AbortReq) right after the room's first chunk is sent.
 Default fault room: the first room of decode instance 0 after the middle of
@@ -236,10 +238,15 @@ ZMQ frames (every frame bytes; sizes for --layers 2 MHA, 4 pages):
   indices (int32 LE, 16 bytes for 4 pages) | aux index | required_dst_info_num
   ("1"; "2" for TP2) | state indices "" | decode prefix len "0" | is_dummy "0"
  decode -> prefill, ABORT (5 frames): "ABORT" | room | ip | port | generation
-  ("1"); sent from the decode's main thread by receiver.abort(). Seen after
-  it: nothing from the prefill for that room (no KV_STATUS: the scheduler
-  cleared the room on Failed before the worker concluded; no ABORT_ACK
-  before the run ended).
+  ("1"); sent from the decode's main thread by receiver.abort(). The
+  prefill's bootstrap thread marks the room Failed and, once the room's
+  worker has nothing in flight, answers from the bootstrap thread with
+  ABORT_ACK (4 frames): "ABORT_ACK" | room | prefill rank "0" | generation
+  "1" (deferred decode KV release, on by default). No KV_STATUS follows for
+  the room; its later chunks and its aux are never made (the worker skips a
+  Failed room: makeXferReq only for the chunk already sent).
+  If the ABORT arrives after the last chunk's transfers finished, the
+  prefill sends KV_STATUS Success anyway and concludes the room Success.
  prefill -> decode PULL, from the transfer worker (5 frames):
   "KV_STATUS" | room | status ("4" Success, "0" Failed) | prefill unique rank
   "0" | reason (utf-8; "" on success)
@@ -576,8 +583,8 @@ class Target:
                     self.fault_in_place = True
             elif phase == "forward" and now >= st["next"]:
                 if (a.fault == "abort" and room == self.fault_room and st["chunk"] >= 1
-                        and room not in self.abort_seen and now < st["next"] + 5.0):
-                    continue  # the router's timing: the next chunk after the decode's ABORT
+                        and self.mgr.request_status.get(room) != KVPoll.Failed and now < st["next"] + 5.0):
+                    continue  # the next chunk once the bootstrap thread has taken the decode's ABORT
                 n = a.chunks
                 k = st["chunk"]
                 per = -(-len(st["pages"]) // n)
