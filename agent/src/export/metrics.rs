@@ -44,9 +44,12 @@ use crate::{
 /// recoveries, but not by class).
 #[derive(Debug, Clone, Default)]
 pub struct Metrics {
-    stalls: [u64; 3],
-    recoveries: [u64; 3],
+    stalls: [u64; CLASSES],
+    recoveries: [u64; CLASSES],
 }
+
+/// Stall classes, each with its own series.
+const CLASSES: usize = StallClass::ALL.len();
 
 impl Metrics {
     pub fn report(&mut self, report: &Report) {
@@ -60,7 +63,7 @@ impl Metrics {
     /// Everything a scrape shows, as of now.
     pub fn snapshot(&self, engine: &Engine, losses: Option<Losses>, export: Option<ExportCounts>) -> Snapshot {
         let mut in_flight = [0; 3];
-        let mut stalled = [0; 3];
+        let mut stalled = [0; CLASSES];
         for request in engine.inflight() {
             if let Some(slot) = request.stage.timestamp_slot().filter(|&slot| slot < 3) {
                 in_flight[slot] += 1;
@@ -90,9 +93,9 @@ pub struct Snapshot {
     /// Tracked requests by stage: enqueued, transfer_posted, transfer_done.
     pub in_flight: [u64; 3],
     /// Tracked requests stuck right now, by class.
-    pub stalled: [u64; 3],
-    pub stalls: [u64; 3],
-    pub recoveries: [u64; 3],
+    pub stalled: [u64; CLASSES],
+    pub stalls: [u64; CLASSES],
+    pub recoveries: [u64; CLASSES],
     /// `None` when the kernel's counters could not be read.
     pub losses: Option<Losses>,
     pub export: Option<ExportCounts>,
@@ -462,6 +465,9 @@ mod tests {
             at_ns: 3,
         };
         metrics.report(&stalled);
+        // A decode's stall has its own class, and series.
+        let Report::Stalled { request, silent_ns, at_ns, .. } = stalled.clone() else { unreachable!() };
+        metrics.report(&Report::Stalled { request, class: StallClass::WaitingForKv, silent_ns, at_ns });
         let kernel = KernelCounters { ringbuf_full: 4, ext_unreadable: 3, ..KernelCounters::default() };
         let losses = Losses { kernel, undecodable: 5 };
         let export = ExportCounts { exported: 10, dropped_queue_full: 2, queue_capacity: 16, ..ExportCounts::default() };
@@ -475,6 +481,7 @@ mod tests {
             "stallwatch_requests_stalled{class=\"transfer_hung\"} 2",
             "stallwatch_stalls_total{class=\"transfer_hung\"} 1",
             "stallwatch_stalls_total{class=\"release_lost\"} 0",
+            "stallwatch_stalls_total{class=\"waiting_for_kv\"} 1",
             "stallwatch_requests_seen_total 3",
             "stallwatch_requests_restored_total 0",
             "stallwatch_state_full_total 0",
