@@ -50,7 +50,9 @@ pub enum Bootstrap {
     /// A decode rank's destination for `room`, on its PULL `port`, its
     /// NIXL agent named `agent`; the room has `ranks` decode ranks
     /// (`required_dst_info_num`), each of which sends one.
-    Destination { room: u64, port: u16, agent: Box<str>, ranks: u32 },
+    /// `pages`: the first of the decode's KV pages for the room (frame 5,
+    /// int32s; as many as the first 64 bytes of the frame hold).
+    Destination { room: u64, port: u16, agent: Box<str>, ranks: u32, pages: Box<[u32]> },
     /// This process, a decode rank, sent its destination for `room`: it
     /// asks for the room's KV.
     Asked { room: u64 },
@@ -140,7 +142,12 @@ pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
             let agent = String::from_utf8_lossy(frame(4, "agent name")?).into();
             let ranks = u32::try_from(number(7, "required_dst_info_num")?)
                 .map_err(|_| "frame 7 (required_dst_info_num) is past 2^32".to_owned())?;
-            Bootstrap::Destination { room, port, agent, ranks }
+            // As much of the page list as was read: whole or not, its first
+            // pages are the room's.
+            let pages = message.frames.get(5).map_or_else(Default::default, |frame| {
+                frame.bytes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+            });
+            Bootstrap::Destination { room, port, agent, ranks, pages }
         }
         // A decode's own destination: only its room is read (the frames
         // after it, the agent name among them, may be past what libzmq
@@ -185,6 +192,10 @@ struct Room {
     /// The NIXL agents of its destinations (one per decode rank that
     /// answered).
     agents: Vec<Box<str>>,
+    /// The first KV pages of each destination, by its agent (as `agents`):
+    /// a chunk's transfer writes to its room's pages, which no other live
+    /// room of that decode rank has.
+    pages: Vec<Box<[u32]>>,
     /// Its decode ranks: it is bootstrapped once each sent its destination.
     ranks: u32,
     /// The sum of its destinations' ports: its worker, modulo [`WORKERS`].
@@ -203,8 +214,9 @@ pub struct Rooms {
     /// (pid, room) of every room whose destination arrived and that has
     /// not ended.
     live: HashMap<(u32, u64), Room>,
-    /// (pid, tid): the remote agent of the transfer the thread is creating.
-    creating: HashMap<(u32, u32), Box<str>>,
+    /// (pid, tid): the remote agent of the transfer the thread is creating,
+    /// and the first remote page it writes, where known.
+    creating: HashMap<(u32, u32), (Box<str>, Option<u32>)>,
     /// (pid, handle) -> the room the handle was attributed to and its
     /// ordinal among the room's transfers, until the handle ends (its
     /// events are the room's, or nobody's once the room ended, never a
@@ -216,6 +228,10 @@ pub struct Rooms {
     current: HashMap<(u32, u32), u64>,
     /// Processes seen sending a destination: decode ranks.
     decodes: HashSet<u32>,
+    /// Handles created while no room could be told theirs (several live
+    /// rooms await their decode rank, none by the page written): followed
+    /// as lifecycles of their own.
+    pub unattributed: u64,
     /// (pid, rid) -> the room its scheduler received with that rid, while
     /// the room is live: what an abort names.
     rids: HashMap<(u32, Rid), u64>,
@@ -227,13 +243,14 @@ impl Rooms {
     /// decode rank, an ABORT racing the status).
     pub fn observe(&mut self, pid: u32, ts_ns: u64, bootstrap: &Bootstrap) -> Option<Observation> {
         let (room, stage) = match *bootstrap {
-            Bootstrap::Destination { room, port, ref agent, ranks } => {
+            Bootstrap::Destination { room, port, ref agent, ranks, ref pages } => {
                 let known = self.live.contains_key(&(pid, room));
                 let entry = self.live.entry((pid, room)).or_default();
                 // A room its scheduler received moves on at its first
                 // destination: what it waited on since arrived.
                 let first_answer = entry.received && entry.agents.is_empty();
                 entry.agents.push(agent.clone());
+                entry.pages.push(pages.clone());
                 entry.ports += u32::from(port);
                 entry.ranks = ranks;
                 if known && !first_answer {
@@ -295,9 +312,12 @@ impl Rooms {
         if self.decodes.contains(&pid) { Side::Decode } else { Side::Prefill }
     }
 
-    /// Thread `tid` is creating a transfer to the NIXL agent `agent`.
-    pub fn creating(&mut self, pid: u32, tid: u32, agent: &[u8]) {
-        self.creating.insert((pid, tid), String::from_utf8_lossy(agent).into());
+    /// Thread `tid` is creating a transfer to the NIXL agent `agent`,
+    /// writing first to its KV page `page` where that is known (a prepped
+    /// transfer's first remote index: SGLang's remote indices begin with
+    /// the chunk's destination pages).
+    pub fn creating(&mut self, pid: u32, tid: u32, agent: &[u8], page: Option<u32>) {
+        self.creating.insert((pid, tid), (String::from_utf8_lossy(agent).into(), page));
     }
 
     /// A NIXL handle's lifecycle event, seen on thread `tid`: the room's
@@ -312,21 +332,29 @@ impl Rooms {
     pub fn handle(&mut self, tid: u32, observation: Observation) -> Option<Observation> {
         let Observation { pid, key, stage, ts_ns, ends, .. } = observation;
         if stage == Stage::Enqueued {
-            let agent = self.creating.remove(&(pid, tid));
-            let awaits = |room: &u64| {
-                self.live.get(&(pid, *room)).is_some_and(|r| agent.as_ref().is_some_and(|a| r.agents.contains(a)))
+            let creating = self.creating.remove(&(pid, tid));
+            let Some((agent, page)) = creating.as_ref() else { return Some(observation) };
+            let awaits = |room: &u64| self.live.get(&(pid, *room)).is_some_and(|r| r.agents.contains(agent));
+            // The one room with that page at that decode rank; else the
+            // thread's room (its next transfer after a chunk is that room's
+            // aux); else the one room awaiting that rank.
+            let one = |mut rooms: Box<dyn Iterator<Item = u64> + '_>| match (rooms.next(), rooms.next()) {
+                (Some(room), None) => Some(room),
+                _ => None,
             };
-            let owner = match self.current.get(&(pid, tid)).filter(|room| awaits(room)) {
-                Some(&room) => Some(room),
-                None => {
-                    let mut owners = self.live.keys().filter(|(p, room)| *p == pid && awaits(room)).map(|(_, room)| *room);
-                    match (owners.next(), owners.next()) {
-                        (Some(room), None) => Some(room),
-                        _ => None,
-                    }
-                }
+            let by_page = page.and_then(|page| {
+                one(Box::new(self.live.iter().filter_map(move |(&(p, room), r)| {
+                    let writes = r.agents.iter().zip(&r.pages).any(|(a, pages)| a == agent && pages.contains(&page));
+                    (p == pid && writes).then_some(room)
+                })))
+            });
+            let owner = by_page
+                .or_else(|| self.current.get(&(pid, tid)).copied().filter(|room| awaits(room)))
+                .or_else(|| one(Box::new(self.live.keys().filter(|(p, room)| *p == pid && awaits(room)).map(|(_, room)| *room))));
+            let Some(room) = owner else {
+                self.unattributed += 1;
+                return Some(observation);
             };
-            let Some(room) = owner else { return Some(observation) };
             let ordinal = self.live.get_mut(&(pid, room)).map_or(0, |r| {
                 r.transfers += 1;
                 r.transfers
@@ -479,7 +507,7 @@ mod tests {
     fn sglangs_messages_name_their_room_and_others_are_not_sglangs() {
         use Direction::{Received, Sent};
         let info = message(Received, &[GUARD, b"8070450532247928832", b"127.0.0.1", b"40001", b"decode-0", b"\0\0\0\0", b"3", b"2"]);
-        let destination = Bootstrap::Destination { room: 8070450532247928832, port: 40001, agent: "decode-0".into(), ranks: 2 };
+        let destination = Bootstrap::Destination { room: 8070450532247928832, port: 40001, agent: "decode-0".into(), ranks: 2, pages: [0].into() };
         assert_eq!(parse(&info), Ok(Some(destination)));
         let registration = message(Received, &[GUARD, b"None", b"127.0.0.1", b"40001"]);
         assert_eq!(parse(&registration), Ok(None));
@@ -498,7 +526,7 @@ mod tests {
         // A first frame read in part (its receive began before the probes).
         let mut cut = message(Received, &[b"NixlMsgGuard\x55\x55", b"5", b"ip", b"40001", b"d", b"", b"0", b"1"]);
         cut.frames[0].complete = false;
-        assert_eq!(parse(&cut), Ok(Some(Bootstrap::Destination { room: 5, port: 40001, agent: "d".into(), ranks: 1 })));
+        assert_eq!(parse(&cut), Ok(Some(Bootstrap::Destination { room: 5, port: 40001, agent: "d".into(), ranks: 1, pages: Default::default() })));
         cut.frames[0].bytes = b"NixlMsgGuar".as_slice().into();
         assert_eq!(parse(&cut), Ok(None));
     }
@@ -523,7 +551,7 @@ mod tests {
     #[test]
     fn a_room_starts_at_its_first_destination_and_ends_once() {
         let mut rooms = Rooms::default();
-        let destination = Bootstrap::Destination { room: 9, port: 1, agent: "d".into(), ranks: 2 };
+        let destination = Bootstrap::Destination { room: 9, port: 1, agent: "d".into(), ranks: 2, pages: Default::default() };
         let start = rooms.observe(4, 10, &destination).expect("enqueued");
         assert_eq!((start.key, start.stage, start.ts_ns, start.external_id.as_deref()), (9, Stage::Enqueued, 10, Some("9")));
         // The second decode rank's destination of the same room.
@@ -590,7 +618,7 @@ mod tests {
         assert_eq!(rooms.context(4, 7), fields(&[("answered", "0"), ("waiting_on", "peer")]));
         assert_eq!(rooms.observe(4, 11, &Bootstrap::Request { room: 7, rid: rid.clone() }), None, "received once");
         // Its first destination is news (what it waited on arrived); a second rank's is not.
-        let to = |agent: &str| Bootstrap::Destination { room: 7, port: 1, agent: agent.into(), ranks: 2 };
+        let to = |agent: &str| Bootstrap::Destination { room: 7, port: 1, agent: agent.into(), ranks: 2, pages: Default::default() };
         assert_eq!(rooms.observe(4, 12, &to("d0")).map(|o| (o.stage, o.ts_ns)), Some((Stage::Enqueued, 12)));
         assert_eq!(rooms.context(4, 7), fields(&[("answered", "1/2"), ("waiting_on", "peer")]));
         assert_eq!(rooms.observe(4, 13, &to("d1")), None);
@@ -620,7 +648,7 @@ mod tests {
         let fields = vec![("side", "decode".to_owned()), ("waiting_on", "prefill".to_owned())];
         assert_eq!(rooms.context(4, 9), fields);
         // No handle of a decode's is a room's: it names no agent of it.
-        rooms.creating(4, 20, b"prefill-0");
+        rooms.creating(4, 20, b"prefill-0", None);
         assert!(rooms.handle(20, handle_event(4, 0xa0, Stage::Enqueued, 12)).is_some());
         assert_eq!(rooms.observe(4, 13, &Bootstrap::Status { room: 9, status: SUCCESS }).map(|o| o.stage), Some(Stage::Released));
         rooms.observe(4, 14, &Bootstrap::Asked { room: 10 }).expect("room 10");
@@ -639,10 +667,10 @@ mod tests {
         let silent = Silent { pid: 4, key: 9, stage: Stage::Enqueued, first_ns: 1, last_ns: 2 };
         assert_eq!(rooms.read(&silent, &mut |_| panic!("no handle to read")), Some(None), "a room: its key is no handle to read");
         // A handle to any agent is not its: none is known.
-        rooms.creating(4, 20, b"d");
+        rooms.creating(4, 20, b"d", None);
         assert!(rooms.handle(20, handle_event(4, 0xa0, Stage::Enqueued, 3)).is_some());
         // A destination arriving now tells what it waits on again, and starts nothing.
-        let destination = Bootstrap::Destination { room: 9, port: 1, agent: "d".into(), ranks: 2 };
+        let destination = Bootstrap::Destination { room: 9, port: 1, agent: "d".into(), ranks: 2, pages: Default::default() };
         assert_eq!(rooms.observe(4, 4, &destination), None);
         assert_eq!(rooms.context(4, 9)[0], ("answered", "1/2".to_owned()));
         assert_eq!(rooms.observe(4, 5, &Bootstrap::Status { room: 9, status: SUCCESS }).map(|o| o.stage), Some(Stage::Released));
@@ -661,12 +689,12 @@ mod tests {
     fn a_handle_to_the_one_room_awaiting_its_agent_is_the_rooms() {
         use Stage::*;
         let mut rooms = Rooms::default();
-        let to = |room, agent: &str| Bootstrap::Destination { room, port: 1, agent: agent.into(), ranks: 1 };
+        let to = |room, agent: &str| Bootstrap::Destination { room, port: 1, agent: agent.into(), ranks: 1, pages: Default::default() };
         rooms.observe(4, 1, &to(7, "decode-0")).expect("room 7");
         rooms.observe(4, 2, &to(7, "decode-1"));
         rooms.observe(4, 3, &to(8, "decode-1")).expect("room 8");
         // Thread 20 creates a transfer to decode-0: only room 7 awaits it.
-        rooms.creating(4, 20, b"decode-0");
+        rooms.creating(4, 20, b"decode-0", None);
         assert_eq!(rooms.handle(20, handle_event(4, 0xa0, Enqueued, 10)), None);
         let posted = rooms.handle(21, handle_event(4, 0xa0, TransferPosted, 11)).expect("the room's");
         assert_eq!((posted.key, posted.stage, posted.ts_ns, posted.external_id.as_deref()), (7, TransferPosted, 11, Some("7")));
@@ -675,25 +703,25 @@ mod tests {
         assert_eq!(rooms.handle(20, handle_event(4, 0xa0, Released, 13)), None);
         assert_eq!(rooms.handle(20, handle_event(4, 0xa0, TransferDone, 14)), Some(handle_event(4, 0xa0, TransferDone, 14)));
         // decode-1 on a new thread: rooms 7 and 8 both await it, so the handle is its own.
-        rooms.creating(4, 30, b"decode-1");
+        rooms.creating(4, 30, b"decode-1", None);
         assert_eq!(rooms.handle(30, handle_event(4, 0xb0, Enqueued, 20)), Some(handle_event(4, 0xb0, Enqueued, 20)));
         assert_eq!(rooms.handle(30, handle_event(4, 0xb0, TransferPosted, 21)), Some(handle_event(4, 0xb0, TransferPosted, 21)));
         // Thread 20 was on room 7: its next handle to decode-1 is room 7's, ambiguous or not.
-        rooms.creating(4, 20, b"decode-1");
+        rooms.creating(4, 20, b"decode-1", None);
         assert_eq!(rooms.handle(20, handle_event(4, 0xb1, Enqueued, 22)), None);
         assert_eq!(rooms.handle(20, handle_event(4, 0xb1, TransferPosted, 23)).map(|o| o.key), Some(7));
         // A thread that named no agent (or another pid's) attributes nothing.
-        rooms.creating(5, 20, b"decode-0");
+        rooms.creating(5, 20, b"decode-0", None);
         assert_eq!(rooms.handle(20, handle_event(4, 0xc0, Enqueued, 30)), Some(handle_event(4, 0xc0, Enqueued, 30)));
         // Room 8's handle fails: the room fails, once; its status then ends nothing.
         rooms.observe(4, 40, &Bootstrap::Status { room: 7, status: SUCCESS }).expect("room 7 released");
-        rooms.creating(4, 22, b"decode-1");
+        rooms.creating(4, 22, b"decode-1", None);
         assert_eq!(rooms.handle(22, handle_event(4, 0xd0, Enqueued, 41)), None);
         assert_eq!(rooms.handle(22, handle_event(4, 0xd0, Failed, 42)).map(|o| (o.key, o.stage)), Some((8, Failed)));
         assert_eq!(rooms.observe(4, 43, &Bootstrap::Status { room: 8, status: FAILED }), None);
         // A handle of a room that ended is nobody's lifecycle.
         rooms.observe(4, 50, &to(9, "decode-0")).expect("room 9");
-        rooms.creating(4, 23, b"decode-0");
+        rooms.creating(4, 23, b"decode-0", None);
         assert_eq!(rooms.handle(23, handle_event(4, 0xe0, Enqueued, 51)), None);
         rooms.observe(4, 52, &Bootstrap::Abort { room: 9 }).expect("room 9 aborted");
         assert_eq!(rooms.handle(23, handle_event(4, 0xe0, TransferDone, 53)), None);
@@ -704,10 +732,35 @@ mod tests {
     }
 
     #[test]
+    fn a_chunk_is_its_rooms_by_the_decode_page_it_writes_however_many_rooms_await_that_decode() {
+        use Stage::*;
+        let mut rooms = Rooms::default();
+        let to = |room, pages: &[u32]| Bootstrap::Destination { room, port: 1, agent: "d".into(), ranks: 1, pages: pages.into() };
+        rooms.observe(4, 1, &to(7, &[10, 11, 12, 13])).expect("room 7");
+        rooms.observe(4, 2, &to(8, &[20, 21, 22, 23])).expect("room 8");
+        // Chunks interleaved on one worker: 7's, 8's, 7's second, 8's second.
+        for (handle, page, room) in [(0xa0, 10, 7), (0xa1, 20, 8), (0xa2, 12, 7), (0xa3, 22, 8)] {
+            rooms.creating(4, 30, b"d", Some(page));
+            assert_eq!(rooms.handle(30, handle_event(4, handle, Enqueued, 3)), None, "{handle:#x}");
+            assert_eq!(rooms.handle(30, handle_event(4, handle, TransferPosted, 4)).map(|o| o.key), Some(room), "{handle:#x}");
+        }
+        // The aux transfer (createXferReq: no page) follows its room's last chunk on the thread.
+        rooms.creating(4, 30, b"d", None);
+        assert_eq!(rooms.handle(30, handle_event(4, 0xa4, Enqueued, 5)), None);
+        assert_eq!(rooms.handle(30, handle_event(4, 0xa4, TransferPosted, 6)).map(|o| o.key), Some(8));
+        // A page neither room has, on a thread with no room yet: nobody's, counted.
+        rooms.creating(4, 31, b"d", Some(99));
+        assert!(rooms.handle(31, handle_event(4, 0xb0, Enqueued, 7)).is_some());
+        assert_eq!(rooms.unattributed, 1);
+        assert_eq!(rooms.live[&(4, 7)].transfers, 2);
+        assert_eq!(rooms.live[&(4, 8)].transfers, 3);
+    }
+
+    #[test]
     fn a_rooms_alert_names_its_stopped_transfer_or_what_it_waits_on() {
         use Stage::*;
         let mut rooms = Rooms::default();
-        let to = |room, port, agent: &str| Bootstrap::Destination { room, port, agent: agent.into(), ranks: 2 };
+        let to = |room, port, agent: &str| Bootstrap::Destination { room, port, agent: agent.into(), ranks: 2, pages: Default::default() };
         let fields = |pairs: &[(&'static str, &str)]| pairs.iter().map(|(k, v)| (*k, (*v).to_owned())).collect::<Vec<_>>();
         // Rooms 1 and 2 on worker (40001 + 40003) % 4 = 0, both ranks answered;
         // room 3: one rank of its two answered.
@@ -719,7 +772,7 @@ mod tests {
         assert_eq!(rooms.context(4, 2), fields(&[("answered", "2/2"), ("waiting_on", "prefill")]));
         assert_eq!(rooms.context(4, 3), fields(&[("answered", "1/2"), ("waiting_on", "peer")]));
         // Room 1's first transfer, to a, done; its second, to b, posted and not done.
-        rooms.creating(4, 20, b"a");
+        rooms.creating(4, 20, b"a", None);
         // Ambiguous until the thread is on a room: make it room 1's by the thread.
         rooms.current.insert((4, 20), 1);
         assert_eq!(rooms.handle(20, handle_event(4, 0xa0, Enqueued, 10)), None);
@@ -727,7 +780,7 @@ mod tests {
         assert_eq!(rooms.context(4, 1), fields(&[("handle", "0xa0"), ("transfer", "1")]));
         rooms.handle(20, handle_event(4, 0xa0, TransferDone, 12)).expect("room 1's");
         assert_eq!(rooms.context(4, 1), Vec::new(), "between its transfers");
-        rooms.creating(4, 20, b"b");
+        rooms.creating(4, 20, b"b", None);
         assert_eq!(rooms.handle(20, handle_event(4, 0xa1, Enqueued, 13)), None);
         rooms.handle(20, handle_event(4, 0xa1, TransferPosted, 14)).expect("room 1's");
         assert_eq!(rooms.context(4, 1), fields(&[("handle", "0xa1"), ("transfer", "2")]));
@@ -746,10 +799,10 @@ mod tests {
     fn a_silent_rooms_state_is_read_from_its_outstanding_handles_oldest_first() {
         use Stage::*;
         let mut rooms = Rooms::default();
-        let to = |room, agent: &str| Bootstrap::Destination { room, port: 1, agent: agent.into(), ranks: 1 };
+        let to = |room, agent: &str| Bootstrap::Destination { room, port: 1, agent: agent.into(), ranks: 1, pages: Default::default() };
         let silent = |key| Silent { pid: 4, key, stage: TransferPosted, first_ns: 1, last_ns: 9 };
         let posted = |rooms: &mut Rooms, tid, agent: &[u8], handle| {
-            rooms.creating(4, tid, agent);
+            rooms.creating(4, tid, agent, None);
             assert_eq!(rooms.handle(tid, handle_event(4, handle, Enqueued, 5)), None);
             rooms.handle(tid, handle_event(4, handle, TransferPosted, 6)).expect("the room's");
         };

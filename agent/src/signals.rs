@@ -138,7 +138,10 @@ impl Signals {
             // the remote dlist handle at makeXferReq's: the same news.
             "nixl_remote_agent" | "nixl_dlist_remote_agent" => {
                 if let Captured::Text(agent) = &signal.capture {
-                    self.rooms.creating(signal.pid, signal.tid, agent);
+                    // makeXferReq's value: its first remote indices (int32s),
+                    // the first of which is the chunk's first destination page.
+                    let page = (spec.name == "nixl_dlist_remote_agent").then_some(signal.value as u32);
+                    self.rooms.creating(signal.pid, signal.tid, agent, page);
                     self.peers.creating(signal.pid, signal.tid, agent);
                 }
                 return None;
@@ -301,6 +304,14 @@ impl Signals {
         if self.unrouted > 0 {
             info!(unrouted = self.unrouted, "signals of probes no longer attached were dropped (their meaning is unknown)");
         }
+        if self.rooms.unattributed > 0 {
+            warn!(
+                unattributed = self.rooms.unattributed,
+                "NIXL transfers no SGLang room could be told theirs (several live rooms awaited their decode rank, and the \
+                 page written was none of the first 16 of any room's destination): each was followed, and counted in \
+                 `seen`, as a request of its own, keyed by its handle"
+            );
+        }
     }
 }
 
@@ -361,10 +372,10 @@ mod tests {
         let consume = |signals: &mut Signals, key, stage, ts_ns| signals.consume(&on_thread, Some(handle(key, stage, ts_ns)), None);
         // What the route of a `nixl_remote_agent` signal tells both trackers.
         let name = |signals: &mut Signals, agent: &[u8]| {
-            signals.rooms.creating(9, 10, agent);
+            signals.rooms.creating(9, 10, agent, None);
             signals.peers.creating(9, 10, agent);
         };
-        signals.rooms.observe(9, 1, &sglang::Bootstrap::Destination { room: 7, port: 1, agent: "decode-0".into(), ranks: 1 }).expect("room 7");
+        signals.rooms.observe(9, 1, &sglang::Bootstrap::Destination { room: 7, port: 1, agent: "decode-0".into(), ranks: 1, pages: Default::default() }).expect("room 7");
         name(&mut signals, b"decode-0");
         assert_eq!(consume(&mut signals, 0xa0, Enqueued, 10), None, "room 7's");
         assert!(consume(&mut signals, 0xa0, TransferPosted, 20).is_some());
