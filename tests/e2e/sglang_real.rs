@@ -1,0 +1,319 @@
+//! SGLang's own code watched by the real agent: tests/sglang/real runs
+//! sglang 0.5.23's NixlKVBootstrapServer, NixlKVManager (PREFILL and
+//! DECODE), NixlKVSender and NixlKVReceiver, unchanged from the wheel, over
+//! real NIXL (UCX on loopback) and real ZMQ, the tokenizer handing each
+//! request to the scheduler with SGLang's own `sock_send` / `sock_recv`
+//! (what the target supplies instead of a server is listed in its header).
+//!
+//! Each seeded stall is asserted on its room: the class, what it waits on,
+//! timed within timeout + 1 s of the room's last activity, and nothing else
+//! alerted. Both NIXL builds (nixl-cu12 and nixl-cu13, one libnixl.so
+//! build id) and both decode shapes (TP1 instances, one TP2 MLA instance
+//! with `required_dst_info_num = 2`) run.
+use std::{
+    collections::HashMap,
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use stallwatch_tests::{
+    Agent, Line, Proc, alerts,
+    otlp::{Collector, expected_trace_id},
+    require_root, sglang_python, summary,
+};
+
+const TIMEOUT: Duration = Duration::from_secs(2);
+const LATENESS: Duration = Duration::from_secs(1);
+
+/// tests/sglang/real/prefill.py (and its decode processes), set up and
+/// waiting for `go`.
+struct Target {
+    proc: Proc,
+    ready: Value,
+    lines: Vec<Line>,
+}
+
+/// How SGLang's tokenizer hands a request to its scheduler: msgpack
+/// (`SGLANG_USE_PICKLE_IPC=0`), whose `bootstrap_room` the agent reads as
+/// the scheduler receives it, or pickle, SGLang 0.5.23's default, from
+/// which it reads nothing (the room then starts at its destination).
+#[derive(Clone, Copy, PartialEq)]
+enum Ipc {
+    Msgpack,
+    Pickle,
+}
+
+impl Target {
+    fn start(fault: &str, extra: &[&str]) -> Self {
+        Self::start_with(fault, extra, Ipc::Msgpack)
+    }
+
+    fn start_with(fault: &str, extra: &[&str], ipc: Ipc) -> Self {
+        require_root();
+        let proc = Proc::spawn(
+            "sglang real prefill",
+            Command::new(sglang_python())
+                .arg(stallwatch_tests::root().join("tests/sglang/real/prefill.py"))
+                .args(["--fault", fault, "--count", "12", "--max-seconds", "90"])
+                .args(extra)
+                .env("SGLANG_USE_PICKLE_IPC", if ipc == Ipc::Pickle { "1" } else { "0" }),
+        );
+        let mut lines = Vec::new();
+        let ready = proc.until_event("ready", Duration::from_secs(120), &mut lines);
+        Self { proc, ready, lines }
+    }
+
+    fn prefill(&self) -> u32 {
+        self.ready["prefill_pid"].as_u64().expect("prefill_pid") as u32
+    }
+
+    fn fault_room(&self) -> u64 {
+        self.ready["fault_room"].as_u64().expect("fault_room")
+    }
+
+    /// Decode rank `index`'s pid and NIXL agent name.
+    fn decode(&self, index: u64) -> (u32, String) {
+        let decodes = self.ready["decodes"].as_array().expect("decodes");
+        let decode = decodes.iter().find(|d| d["index"] == index).unwrap_or_else(|| panic!("no decode {index}: {}", self.ready));
+        (decode["pid"].as_u64().expect("pid") as u32, decode["agent"].as_str().expect("agent").to_owned())
+    }
+
+    /// The agent on the prefill with the `sglang` profile (2 s), then go.
+    fn watched(fault: &str, extra: &[&str], agent_extra: &[&str]) -> (Self, Agent) {
+        Self::watched_with(fault, extra, agent_extra, Ipc::Msgpack)
+    }
+
+    fn watched_with(fault: &str, extra: &[&str], agent_extra: &[&str], ipc: Ipc) -> (Self, Agent) {
+        let mut target = Self::start_with(fault, extra, ipc);
+        let agent = Agent::watch(target.prefill(), "sglang", "2s", agent_extra);
+        target.proc.write_line("go");
+        (target, agent)
+    }
+
+    fn until(&mut self, event: &str, within: Duration) -> Value {
+        self.proc.until_event(event, within, &mut self.lines)
+    }
+
+    /// When the target printed `event` for `room` (its first such line).
+    fn at(&self, event: &str, room: u64) -> Instant {
+        self.lines
+            .iter()
+            .find(|line| line.json().is_some_and(|v| v["event"] == event && v["room"] == room))
+            .map(|line| line.at)
+            .unwrap_or_else(|| panic!("no {event} of room {room}: {:?}", self.lines))
+    }
+
+    /// Every room the router handed to the prefill.
+    fn rooms(&self) -> Vec<u64> {
+        let rooms = self.lines.iter().filter_map(|line| line.json()).filter(|v| v["event"] == "request");
+        rooms.map(|v| v["room"].as_u64().expect("room")).collect()
+    }
+}
+
+/// The lines that are alerts (not the summary).
+fn alert_lines(lines: &[Line]) -> Vec<Value> {
+    lines.iter().filter_map(Line::json).filter(|v| v.get("alert").is_some_and(|a| a != "summary")).collect()
+}
+
+/// A healthy run: every room followed as one lifecycle, none alerted, for
+/// two timeouts after the last (the workers' last handles stay with them).
+fn healthy(extra: &[&str], ipc: Ipc) {
+    let (mut target, agent) = Target::watched_with("none", extra, &[], ipc);
+    let done = target.until("done", Duration::from_secs(60));
+    assert_eq!((done["completed"].as_u64(), done["verified"].as_u64()), (Some(12), Some(12)), "{done}");
+    std::thread::sleep(TIMEOUT * 2 + LATENESS);
+    let lines = agent.stop();
+    let raised = alert_lines(&lines);
+    assert!(raised.is_empty(), "a healthy run raised alerts: {raised:?}");
+    let summary = summary(&lines);
+    assert_eq!(summary["stalled"], 0, "{summary}");
+    assert_eq!((summary["in_flight"].as_u64(), summary["lost_events"].as_u64()), (Some(0), Some(0)), "{summary}");
+    // The rooms, each one lifecycle: no handle of theirs counted apart.
+    assert_eq!(summary["completed"].as_u64(), Some(target.rooms().len() as u64), "{summary}");
+    assert_eq!(summary["seen"], summary["completed"], "{summary}");
+}
+
+#[test]
+fn healthy_tp1_and_tp2_rooms_on_nixl_cu13_raise_nothing_and_are_one_lifecycle_each() {
+    healthy(&["--decode-shape", "mixed", "--nixl", "cu13"], Ipc::Msgpack);
+}
+
+#[test]
+fn healthy_tp1_rooms_on_nixl_cu12_with_pickled_requests_raise_nothing_and_are_one_lifecycle_each() {
+    healthy(&["--decode-shape", "tp1", "--nixl", "cu12"], Ipc::Pickle);
+}
+
+/// The stalls within timeout + 5 s, then one timeout more for anything
+/// else, then the agent's every line.
+fn stalls_then_quiet(agent: Agent, n: usize) -> Vec<Line> {
+    let mut seen = Vec::new();
+    agent.wait_until(&format!("{n} stalls"), TIMEOUT + Duration::from_secs(5), &mut seen, |seen| alerts(seen, "stalled").count() >= n);
+    std::thread::sleep(TIMEOUT);
+    seen.extend(agent.stop());
+    seen
+}
+
+/// `alert` came within [timeout, timeout + 1 s] of `since` (less a margin
+/// below for an activity the target prints just after it happens).
+fn timed_from(alert: &Value, at: Instant, since: Instant, early: Duration) {
+    let latency = at.saturating_duration_since(since);
+    assert!(latency + early >= TIMEOUT && latency <= TIMEOUT + LATENESS, "{alert} after {latency:?}");
+}
+
+/// A decode rank SIGSTOPped with its room's first chunk in flight: the
+/// room is `transfer_hung` on that chunk (its handle, `transfer=1`, the
+/// stopped decode as peer), timed from the chunk; the other decode's rooms
+/// queued behind it on the same worker (SGLang shards rooms by the sum of
+/// their destination ports) are `waiting_for_peer`, `behind` it, waiting
+/// on the worker; the stopped decode's later rooms, which the scheduler
+/// has but no decode answered, `waiting_for_peer` with `answered=0`.
+#[test]
+fn a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so() {
+    let (mut target, agent) = Target::watched("hang", &[], &[]);
+    let stopped = target.until("decode_stopped", Duration::from_secs(60));
+    let (_, peer) = target.decode(stopped["decode"].as_u64().expect("decode"));
+    let holding = target.until("holding", Duration::from_secs(60));
+    let room = target.fault_room();
+    assert_eq!(holding["rooms"][room.to_string()], "inflight", "{holding}");
+    let state = |r: &u64| holding["rooms"][r.to_string()].as_str().unwrap_or_default().to_owned();
+    let later: Vec<u64> = target.rooms().into_iter().filter(|r| *r > room).collect();
+    let behind: Vec<u64> = later.iter().copied().filter(|r| state(r) == "inflight").collect();
+    let unanswered: Vec<u64> = later.iter().copied().filter(|r| state(r) == "bootstrapping").collect();
+    // Whether the other decode's rooms share the stopped one's worker is
+    // up to the ports SGLang's decodes got (its shard is their sum % 4).
+    assert!(!unanswered.is_empty(), "{holding}");
+    let seen = stalls_then_quiet(agent, 1 + behind.len() + unanswered.len());
+    let raised = alert_lines(&seen);
+    assert_eq!(raised.len(), 1 + behind.len() + unanswered.len(), "{raised:#?}");
+    let stall = |r: u64| {
+        alerts(&seen, "stalled")
+            .find(|(_, a)| a["key"] == format!("{r:#x}").as_str())
+            .unwrap_or_else(|| panic!("room {r} not alerted: {raised:#?}"))
+    };
+    let (at, hung) = stall(room);
+    assert_eq!((hung["class"].as_str(), hung["external_id"].as_str()), (Some("transfer_hung"), Some(room.to_string().as_str())), "{hung}");
+    assert_eq!((hung["transfer"].as_str(), hung["transport"]["peer"].as_str()), (Some("1"), Some(peer.as_str())), "{hung}");
+    assert!(hung["handle"].as_str().is_some_and(|h| h.starts_with("0x")), "{hung}");
+    assert_ne!(hung["transport"]["verdict"], "others_completing", "{hung}");
+    timed_from(&hung, at, target.at("chunk", room), Duration::ZERO);
+    for r in &behind {
+        let (at, alert) = stall(*r);
+        let waits = (alert["class"].as_str(), alert["answered"].as_str(), alert["behind"].as_str(), alert["waiting_on"].as_str());
+        assert_eq!(waits, (Some("waiting_for_peer"), Some("1/1"), Some(room.to_string().as_str()), Some("worker")), "{alert}");
+        timed_from(&alert, at, target.at("bootstrapped", *r), Duration::from_millis(500));
+    }
+    for r in &unanswered {
+        let (at, alert) = stall(*r);
+        let waits = (alert["class"].as_str(), alert["answered"].as_str(), alert["waiting_on"].as_str());
+        assert_eq!(waits, (Some("waiting_for_peer"), Some("0"), Some("peer")), "{alert}");
+        timed_from(&alert, at, target.at("request", *r), Duration::from_millis(200));
+    }
+}
+
+/// A decode killed once its room is bootstrapped: the room's transfer to
+/// the dead peer fails, and the room is reported `failed` once, with its
+/// room; its later rooms, which the scheduler has and no decode answers,
+/// wait on their peer.
+#[test]
+fn a_decode_killed_after_answering_fails_its_room_once() {
+    let (mut target, agent) = Target::watched("decode-dies", &[], &[]);
+    target.until("decode_killed", Duration::from_secs(60));
+    let killed = target.lines.last().expect("decode_killed").at;
+    let holding = target.until("holding", Duration::from_secs(60));
+    let room = target.fault_room();
+    assert_eq!(holding["rooms"][room.to_string()], "failed", "{holding}");
+    let unanswered: Vec<u64> = target.rooms().into_iter().filter(|r| holding["rooms"][r.to_string()] == "bootstrapping").collect();
+    let seen = stalls_then_quiet(agent, unanswered.len());
+    let failed: Vec<(Instant, Value)> = alerts(&seen, "failed").collect();
+    let [(at, alert)] = &failed[..] else { panic!("one failed alert: {seen:?}") };
+    assert_eq!((alert["key"].as_str(), alert["external_id"].as_str()), (Some(format!("{room:#x}").as_str()), Some(room.to_string().as_str())), "{alert}");
+    assert!(at.duration_since(killed) <= TIMEOUT + LATENESS, "{alert}");
+    for (_, stall) in alerts(&seen, "stalled") {
+        assert!(unanswered.iter().any(|r| stall["key"] == format!("{r:#x}").as_str()), "{stall}");
+        assert_eq!((stall["class"].as_str(), stall["answered"].as_str()), (Some("waiting_for_peer"), Some("0")), "{stall}");
+    }
+    assert_eq!(alert_lines(&seen).len(), 1 + unanswered.len(), "{seen:?}");
+    assert_eq!(summary(&seen)["failed"], 1, "{seen:?}");
+}
+
+/// The decode aborts its room (ABORT frames) as the first chunk lands:
+/// the room ends `aborted`, no alert.
+#[test]
+fn a_decode_abort_racing_a_chunk_ends_its_room_aborted() {
+    let (mut target, agent) = Target::watched("abort", &["--hold"], &[]);
+    let done = target.until("done", Duration::from_secs(60));
+    assert_eq!(done["failed"], 1, "{done}");
+    target.at("decode_abort_sent", target.fault_room());
+    std::thread::sleep(TIMEOUT * 2 + LATENESS);
+    let lines = agent.stop();
+    assert!(alert_lines(&lines).is_empty(), "{lines:?}");
+    assert_eq!(summary(&lines)["aborted"], 1, "{lines:?}");
+}
+
+/// The room whose decode never sends its destination, with one-rank
+/// decodes: the scheduler has it (its request read from SGLang's own IPC
+/// message), so it is `waiting_for_peer` with `answered=0`, timed from
+/// the request.
+#[test]
+fn a_room_whose_tp1_decode_never_answers_waits_for_its_peer() {
+    let (mut target, agent) = Target::watched("no-answer", &[], &[]);
+    let holding = target.until("holding", Duration::from_secs(60));
+    let room = target.fault_room();
+    assert_eq!(holding["rooms"][room.to_string()], "bootstrapping", "{holding}");
+    let seen = stalls_then_quiet(agent, 1);
+    let stalls: Vec<(Instant, Value)> = alerts(&seen, "stalled").collect();
+    let [(at, alert)] = &stalls[..] else { panic!("one stall: {seen:?}") };
+    assert_eq!((alert["key"].as_str(), alert["class"].as_str()), (Some(format!("{room:#x}").as_str()), Some("waiting_for_peer")), "{alert}");
+    assert_eq!((alert["answered"].as_str(), alert["waiting_on"].as_str()), (Some("0"), Some("peer")), "{alert}");
+    timed_from(alert, *at, target.at("request", room), Duration::from_millis(200));
+    assert_eq!(alert_lines(&seen).len(), 1, "{seen:?}");
+}
+
+/// Both sides of one hung room, each watched by its own agent: the
+/// prefill's room `transfer_hung`, the stopped decode's `waiting_for_kv`
+/// (`side=decode`, waiting on the prefill), and both stall spans in the
+/// room's one trace, which is how an on-call engineer tells which side
+/// stopped.
+#[test]
+fn both_sides_of_a_hung_room_are_alerted_in_one_trace() {
+    let mut collector = Collector::start();
+    let endpoint = collector.http_endpoint();
+    let mut target = Target::start("hang", &[]);
+    let prefill = Agent::watch(target.prefill(), "sglang", "2s", &["--otlp-endpoint", &endpoint]);
+    let decodes: HashMap<u64, u32> = (0..2).map(|i| (i, target.decode(i).0)).collect();
+    let decode_agents: Vec<Agent> =
+        decodes.values().map(|pid| Agent::watch(*pid, "sglang", "2s", &["--otlp-endpoint", &endpoint])).collect();
+    target.proc.write_line("go");
+    let stopped = target.until("decode_stopped", Duration::from_secs(60));
+    let stopped_pid = decodes[&stopped["decode"].as_u64().expect("decode")];
+    let room = target.fault_room();
+    let key = format!("{room:#x}");
+    let prefill_seen = stalls_then_quiet(prefill, 1);
+    let hung = alerts(&prefill_seen, "stalled").map(|(_, a)| a).find(|a| a["key"] == key.as_str()).expect("the prefill's stall");
+    assert_eq!(hung["class"], "transfer_hung", "{hung}");
+    let mut decode_alerts = Vec::new();
+    for agent in decode_agents {
+        let mut seen = Vec::new();
+        std::thread::sleep(TIMEOUT);
+        seen.extend(agent.stop());
+        decode_alerts.extend(alert_lines(&seen));
+    }
+    // The stopped decode alone is silent on a room it asked for.
+    let waiting: Vec<&Value> = decode_alerts.iter().filter(|a| a["key"] == key.as_str()).collect();
+    let [waiting] = &waiting[..] else { panic!("the stopped decode's stall of room {room}: {decode_alerts:#?}") };
+    assert_eq!(waiting["pid"], stopped_pid, "{waiting}");
+    let side = (waiting["class"].as_str(), waiting["side"].as_str(), waiting["waiting_on"].as_str());
+    assert_eq!(side, (Some("waiting_for_kv"), Some("decode"), Some("prefill")), "{waiting}");
+    let spans = collector.wait_for(Duration::from_secs(5), "both sides' stall spans", |spans| {
+        spans.iter().filter(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&key)).count() >= 2
+    });
+    let trace = expected_trace_id(&room.to_string());
+    let stall_spans: Vec<_> = spans.iter().filter(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&key)).collect();
+    for span in &stall_spans {
+        assert_eq!(span.trace_id, trace, "{span:?}");
+    }
+    let classes: Vec<_> = stall_spans.iter().filter_map(|s| s.attr("stallwatch.stall.class")).collect();
+    assert!(classes.contains(&"transfer_hung") && classes.contains(&"waiting_for_kv"), "{stall_spans:#?}");
+    let _ = collector.stop();
+}
