@@ -31,4 +31,5 @@ pub mod text;
 pub mod transport;
 pub mod trusted_dir;
 pub mod warned;
+pub mod workload;
 pub mod zmq;
