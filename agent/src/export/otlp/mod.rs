@@ -42,7 +42,7 @@ use tracing::{debug, info, warn};
 pub use self::config::{OtlpOptions, OtlpTarget, Protocol};
 use self::spans::SpanMaker;
 use super::clock::Clock;
-use crate::{lifecycle::Report, transport::Evidence};
+use crate::{lifecycle::Report, transport::Evidence, workload::Directory};
 
 /// Reports the queue holds; beyond it they are dropped (and counted).
 pub const QUEUE_CAPACITY: usize = 16_384;
@@ -61,11 +61,18 @@ pub struct ExportSettings {
     pub queue_capacity: usize,
     pub max_batch: usize,
     pub batch_delay: Duration,
+    /// The watched processes' workloads: spans carry theirs.
+    pub workloads: Option<Directory>,
 }
 
 impl Default for ExportSettings {
     fn default() -> Self {
-        Self { queue_capacity: QUEUE_CAPACITY, max_batch: MAX_BATCH, batch_delay: BATCH_DELAY }
+        Self {
+            queue_capacity: QUEUE_CAPACITY,
+            max_batch: MAX_BATCH,
+            batch_delay: BATCH_DELAY,
+            workloads: None,
+        }
     }
 }
 
@@ -170,7 +177,8 @@ impl OtlpExporter {
                     let _ = ready_tx.send(Ok(()));
                     let pump = Pump {
                         exporter,
-                        maker: SpanMaker::new(host, clock),
+                        maker: SpanMaker::new(host, clock)
+                            .with_workloads(settings.workloads.clone()),
                         counters: thread_counters,
                         settings,
                         shutdown: shutdown_rx,

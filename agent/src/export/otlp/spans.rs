@@ -32,6 +32,7 @@ use crate::{
     lifecycle::{Outcome, Report, RequestSnapshot, Stage, StallClass},
     probes::ActivityKind,
     transport::Evidence,
+    workload::Directory,
 };
 
 /// Span names.
@@ -170,6 +171,7 @@ pub struct SpanMaker {
     executables: HashMap<u32, Arc<str>>,
     open: HashMap<(u32, u64), Open>,
     ids: RandomIdGenerator,
+    workloads: Option<Directory>,
 }
 
 impl SpanMaker {
@@ -181,7 +183,17 @@ impl SpanMaker {
             executables: HashMap::new(),
             open: HashMap::new(),
             ids: RandomIdGenerator::default(),
+            workloads: None,
         }
+    }
+
+    /// Spans of a process whose workload is known carry its `container.id`
+    /// and `k8s.*` attributes. On the span, not the resource: the resource
+    /// is the agent's own (one per exporter), and one agent watches many
+    /// pods.
+    pub fn with_workloads(mut self, workloads: Option<Directory>) -> Self {
+        self.workloads = workloads;
+        self
     }
 
     /// The executable name spans of `pid` carry (`process.executable.name`).
@@ -295,6 +307,14 @@ impl SpanMaker {
         attributes.push(KeyValue::new(attr::PROCESS_PID, i64::from(request.pid)));
         if let Some(name) = self.executables.get(&request.pid) {
             attributes.push(KeyValue::new(attr::PROCESS_EXECUTABLE_NAME, Value::String(StringValue::from(Arc::clone(name)))));
+        }
+        if let Some(workload) = self.workloads.as_ref().and_then(|w| w.get(request.pid)) {
+            attributes.extend(
+                workload
+                    .attributes()
+                    .into_iter()
+                    .map(|(key, value)| KeyValue::new(key, value)),
+            );
         }
         attributes.push(KeyValue::new(attr::KEY, format!("{:#x}", request.key)));
         if let Some(id) = &request.external_id {
