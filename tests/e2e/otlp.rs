@@ -192,6 +192,49 @@ fn http_export_from_the_environment_with_resource_and_metrics() {
     let (_, classic) = http_get(port, "/metrics", None);
     assert!(classic.contains("stallwatch_requests_seen_total ") && !classic.contains("# EOF"), "{classic}");
     assert_eq!(http_get(port, "/nope", None).0, "HTTP/1.1 404 Not Found");
+    // Durations in seconds, the build, the agent process; the probes' endpoints.
+    assert!(
+        metric(
+            &body,
+            "stallwatch_request_duration_seconds_count{outcome=\"released\"}"
+        ) >= 1,
+        "{body}"
+    );
+    assert!(
+        metric(
+            &body,
+            "stallwatch_stage_duration_seconds_count{stage=\"transfer_posted\"}"
+        ) >= 1,
+        "{body}"
+    );
+    assert!(
+        body.contains("# UNIT stallwatch_stall_duration_seconds seconds"),
+        "{body}"
+    );
+    assert!(
+        body.lines()
+            .any(|l| l.starts_with("stallwatch_build_info{version=\"") && l.ends_with("} 1")),
+        "{body}"
+    );
+    for name in [
+        "process_cpu_seconds_total ",
+        "process_resident_memory_bytes ",
+        "process_open_fds ",
+        "process_start_time_seconds ",
+    ] {
+        assert!(
+            body.lines().any(|l| l.starts_with(name)),
+            "no {name}in:\n{body}"
+        );
+    }
+    assert_eq!(
+        http_get(port, "/healthz", None),
+        ("HTTP/1.1 200 OK".to_owned(), "ok\n".to_owned())
+    );
+    assert_eq!(
+        http_get(port, "/readyz", None),
+        ("HTTP/1.1 200 OK".to_owned(), "ready\n".to_owned())
+    );
 
     let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(20));
     let summary = summary(&agent_lines);
