@@ -399,12 +399,14 @@ impl ConfigFile {
         .resolve()
         {
             Ok(Some(t)) => format!("{} ({}, from {})", t.endpoint, t.protocol, t.source),
-            Ok(None) => {
-                "off (no --otlp-endpoint, [otlp] endpoint nor OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)"
-                    .to_owned()
-            }
+            Ok(None) => match crate::export::otlp::sampling::disabled_by(&|name: &str| std::env::var(name).ok()) {
+                Ok(Some(why)) => format!("off ({why})"),
+                _ => "off (no --otlp-endpoint, [otlp] endpoint nor OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)".to_owned(),
+            },
             Err(err) => bail!("{}", from(&format!("otlp: {err:#}"))),
         };
+        let sampler = crate::export::otlp::sampling::SpanSampler::from_env(&|name: &str| std::env::var(name).ok())
+            .map_err(|err| anyhow!("{}", from(&format!("{err:#}"))))?;
         let rows = [
             ("watch", pid),
             ("profile", profile),
@@ -413,6 +415,7 @@ impl ConfigFile {
             ("max_tracked", or_default(s.max_tracked.map(|n| n.to_string()), DEFAULT_MAX_TRACKED.to_string())),
             ("output", or_default(s.output.map(choice_name), choice_name(DEFAULT_OUTPUT))),
             ("otlp", otlp),
+            ("sampler", sampler.name),
             ("metrics", s.metrics_addr.map_or_else(|| "off".to_owned(), |addr| format!("http://{addr}/metrics"))),
             (
                 "kubernetes",

@@ -392,6 +392,12 @@ impl Collector for Snapshot {
         }
         if let Some(x) = &self.export {
             counter(&mut encoder, "stallwatch_export_spans", "Spans the OTLP collector accepted", x.exported)?;
+            counter(
+                &mut encoder,
+                "stallwatch_export_sampled_out",
+                "Spans the sampler (OTEL_TRACES_SAMPLER) did not send",
+                x.sampled_out,
+            )?;
             counters(
                 &mut encoder,
                 "stallwatch_export_drops",

@@ -41,6 +41,10 @@ impl Telemetry {
     /// Start the exporter and the metrics endpoint the options ask for.
     pub async fn start(options: &TelemetryOptions, clock: Clock) -> Result<Self> {
         let workloads = Directory::new(options.kubernetes.clone())?;
+        let env = |name: &str| std::env::var(name).ok();
+        if let Some(why) = otlp::sampling::disabled_by(&env)? {
+            info!("span export is off: {why}");
+        }
         let otlp = match options.otlp.resolve()? {
             Some(target) => {
                 if target.protocol == Protocol::HttpProtobuf && target.endpoint.contains(":4317") {
@@ -49,10 +53,9 @@ impl Telemetry {
                         "OTLP over HTTP to port 4317, the gRPC port by convention: pass --otlp-protocol grpc if the collector speaks gRPC there"
                     );
                 }
-                let settings = ExportSettings {
-                    workloads: Some(workloads.clone()),
-                    ..ExportSettings::default()
-                };
+                let sampler = otlp::sampling::SpanSampler::from_env(&|name: &str| std::env::var(name).ok())?;
+                info!(sampler = %sampler.name, "span sampler (OTEL_TRACES_SAMPLER)");
+                let settings = ExportSettings { workloads: Some(workloads.clone()), sampler, ..ExportSettings::default() };
                 let exporter =
                     OtlpExporter::start(target, otlp::config::host_name(), clock, settings)?;
                 let target = exporter.target();
