@@ -280,14 +280,19 @@ fn without_the_api_the_container_id_and_on_its_error_a_warning() {
         "{stderr}"
     );
 
-    // A process in no container: no workload, and no error.
+    // A process in no container: no workload, and no error. (If this test
+    // itself runs in a container, the demo is in it too: then its id.)
+    let own = std::fs::read_to_string("/proc/self/cgroup").expect("own cgroup");
+    let in_container = own
+        .split(['/', '\n', ':', '-', '.'])
+        .any(|w| w.len() == 64 && w.bytes().all(|b| b.is_ascii_hexdigit()));
     let mut demo = stalled_demo();
     let agent = Agent::watch(demo.proc.pid(), "demo", "1s", &["--kubernetes", &api.url()]);
     demo.go();
     let lines = agent.proc.lines_until_exit(Duration::from_secs(20));
     let stalls: Vec<Value> = alerts(&lines, "stalled").map(|(_, v)| v).collect();
-    assert!(
-        !stalls.is_empty() && stalls.iter().all(|s| s.get("workload").is_none()),
-        "{stalls:?}"
-    );
+    assert!(!stalls.is_empty(), "no stall reported");
+    if !in_container {
+        assert!(stalls.iter().all(|s| s.get("workload").is_none()), "{stalls:?}");
+    }
 }
