@@ -293,6 +293,9 @@ fn without_the_api_the_container_id_and_on_its_error_a_warning() {
     let stalls: Vec<Value> = alerts(&lines, "stalled").map(|(_, v)| v).collect();
     assert!(!stalls.is_empty(), "no stall reported");
     if !in_container {
-        assert!(stalls.iter().all(|s| s.get("workload").is_none()), "{stalls:?}");
+        assert!(
+            stalls.iter().all(|s| s.get("workload").is_none()),
+            "{stalls:?}"
+        );
     }
 }
