@@ -31,7 +31,7 @@ use crate::{
     probes::{Profile, profile},
     query,
     run::{OnExit, Target},
-    state,
+    state, workload,
 };
 
 /// `--timeout` when neither the flag nor the file sets it.
@@ -50,70 +50,82 @@ pub struct RunSettings {
     /// The process to watch (the prefill server); the agent ends when it
     /// exits. Without it, every process matching the selectors below is
     /// watched, including ones started later.
-    #[arg(long, value_parser = parse_pid)]
+    #[arg(long, value_parser = parse_pid, env = "STALLWATCH_PID")]
     pub pid: Option<u32>,
     /// Select processes by executable: a basename, or a full path.
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", env = "STALLWATCH_EXE")]
     pub exe: Option<String>,
     /// Select processes that have this library mapped (e.g. libnixl.so);
     /// checked again for a while after each exec, as it may be loaded late.
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", env = "STALLWATCH_LIB")]
     pub lib: Option<String>,
     /// Select processes whose command line (arguments joined by spaces)
     /// matches this regular expression.
-    #[arg(long, value_name = "REGEX")]
+    #[arg(long, value_name = "REGEX", env = "STALLWATCH_CMDLINE")]
     pub cmdline: Option<String>,
     /// Select processes whose /proc/PID/cgroup contains this text (a
     /// container id, a pod UID).
-    #[arg(long, value_name = "TEXT")]
+    #[arg(long, value_name = "TEXT", env = "STALLWATCH_CGROUP")]
     pub cgroup: Option<String>,
     /// A built-in profile name (see `stallwatch profile list`) or the
     /// path of a profile TOML file.
-    #[arg(long)]
+    #[arg(long, env = "STALLWATCH_PROFILE")]
     pub profile: Option<String>,
     /// How long a request may stay silent before it is reported stalled
     /// [default: 60s].
-    #[arg(long, value_parser = parse_duration)]
+    #[arg(long, value_parser = parse_duration, env = "STALLWATCH_TIMEOUT")]
     pub timeout: Option<Duration>,
     /// Resolution of the stall timer: a stall is reported within a tick of its timeout [default: 10ms].
     /// The agent wakes when one can be due, and reads the ring buffer at least every 100 ms.
-    #[arg(long, value_parser = parse_duration)]
+    #[arg(long, value_parser = parse_duration, env = "STALLWATCH_TICK")]
     pub tick: Option<Duration>,
     /// Most requests tracked at once; beyond it the stalest is evicted
     /// (and reported) [default: 1000000].
-    #[arg(long)]
+    #[arg(long, env = "STALLWATCH_MAX_TRACKED")]
     pub max_tracked: Option<usize>,
     /// Alert line format on stdout [default: human].
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, env = "STALLWATCH_OUTPUT")]
     pub output: Option<Format>,
     /// Export spans over OTLP to this collector (e.g.
     /// `http://127.0.0.1:4318`). Without it, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
     /// or OTEL_EXPORTER_OTLP_ENDPOINT; none set: no export.
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", env = "STALLWATCH_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
     /// OTLP transport (default: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else http).
-    #[arg(long, value_enum, value_name = "PROTOCOL")]
+    #[arg(
+        long,
+        value_enum,
+        value_name = "PROTOCOL",
+        env = "STALLWATCH_OTLP_PROTOCOL"
+    )]
     pub otlp_protocol: Option<Protocol>,
     /// Serve Prometheus metrics at /metrics on PORT (127.0.0.1) or
     /// ADDRESS:PORT.
-    #[arg(long, value_name = "[ADDRESS:]PORT", value_parser = metrics::parse_addr)]
+    #[arg(long, value_name = "[ADDRESS:]PORT", value_parser = metrics::parse_addr, env = "STALLWATCH_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
     /// Serve `stallwatch inflight` on this unix socket (its directory is
     /// created 0700, and refused if another user owns it, can write to it
     /// or a symlink leads to it; the socket is 0600) [default: /run/stallwatch/stallwatch.sock].
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", env = "STALLWATCH_SOCKET")]
     pub socket: Option<PathBuf>,
     /// Pin the probes and the kernel's in-flight table here (on bpffs), so
     /// a restarted agent takes over every request in flight; one directory
     /// per agent, created 0700, refused as `--socket`'s is [default: /sys/fs/bpf/stallwatch].
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", env = "STALLWATCH_BPF_DIR")]
     pub bpf_dir: Option<PathBuf>,
+    /// Name each watched process's pod from the Kubernetes API: `off`, or
+    /// the API's http:// URL (`kubectl proxy` beside the agent, e.g.
+    /// http://127.0.0.1:8001); only this node's pods (K8S_NODE_NAME) are
+    /// listed. Off, a process in a container still has its container id
+    /// [default: off].
+    #[arg(long, value_name = "off|URL", env = "STALLWATCH_KUBERNETES")]
+    pub kubernetes: Option<String>,
     /// Pin nothing: the probes and the in-flight state end with this agent.
-    #[arg(long)]
+    #[arg(long, env = "STALLWATCH_EPHEMERAL")]
     pub ephemeral: bool,
     /// At SIGINT/SIGTERM, leave the probes attached and the state pinned
     /// for the next agent (keep), or detach everything [default: keep].
-    #[arg(long, value_enum, value_name = "WHAT")]
+    #[arg(long, value_enum, value_name = "WHAT", env = "STALLWATCH_ON_EXIT")]
     pub on_exit: Option<OnExit>,
 }
 
@@ -149,6 +161,7 @@ impl RunSettings {
             otlp_endpoint: self.otlp_endpoint.or(file.otlp_endpoint),
             otlp_protocol: self.otlp_protocol.or(file.otlp_protocol),
             metrics_addr: self.metrics_addr.or(file.metrics_addr),
+            kubernetes: self.kubernetes.or(file.kubernetes),
             socket: self.socket.or(file.socket),
             bpf_dir: self.bpf_dir.or(file.bpf_dir),
             ephemeral: self.ephemeral || file.ephemeral,
@@ -189,6 +202,10 @@ impl RunSettings {
             telemetry: TelemetryOptions {
                 otlp: OtlpOptions { endpoint: self.otlp_endpoint, protocol: self.otlp_protocol },
                 metrics_addr: self.metrics_addr,
+                kubernetes: workload::Source::parse(
+                    self.kubernetes.as_deref().unwrap_or("off"),
+                    std::env::var("K8S_NODE_NAME").ok(),
+                )?,
             },
             socket: self.socket.unwrap_or_else(|| PathBuf::from(query::DEFAULT_SOCKET)),
             bpf_dir: (!self.ephemeral).then(|| self.bpf_dir.unwrap_or_else(|| PathBuf::from(state::DEFAULT_BPF_DIR))),
@@ -290,6 +307,10 @@ impl ConfigFile {
             regex::Regex::new(pattern.get_ref())
                 .map_err(|err| anyhow!("{}: [select] cmdline is not a valid regular expression: {err}", at(pattern.span())))?;
         }
+        if let Some(kubernetes) = &raw.kubernetes {
+            workload::Source::parse(kubernetes.get_ref(), None)
+                .map_err(|err| anyhow!("{}: kubernetes: {err:#}", at(kubernetes.span())))?;
+        }
         let settings = RunSettings {
             pid: raw.pid.map(|pid| pid.into_inner().0),
             exe: select.exe,
@@ -304,6 +325,7 @@ impl ConfigFile {
             otlp_endpoint: otlp.endpoint.map(Spanned::into_inner),
             otlp_protocol: otlp.protocol.map(|p| p.into_inner().0),
             metrics_addr: raw.metrics.and_then(|m| m.addr).map(|a| a.0),
+            kubernetes: raw.kubernetes.map(Spanned::into_inner),
             socket,
             bpf_dir,
             ephemeral: raw.ephemeral.is_some_and(Spanned::into_inner),
@@ -313,15 +335,43 @@ impl ConfigFile {
     }
 
     /// `stallwatch config check`: everything [`parse`](Self::parse) checks,
-    /// plus that the profile loads. Returns what `run` would use, one
-    /// setting a line.
-    pub fn check(path: &Path) -> Result<String> {
-        let file = Self::load(path)?;
-        let s = &file.settings;
+    /// plus that the profile loads, with `flags` (the command line and the
+    /// `STALLWATCH_*` variables) over the file and the `OTEL_*` variables
+    /// resolved exactly as `run` resolves them: what `run` would refuse
+    /// fails here too. Returns what `run` would use, one setting a line.
+    pub fn check(path: Option<&Path>, flags: RunSettings) -> Result<String> {
+        let file = path.map(Self::load).transpose()?;
+        let from = |what: &str| match path {
+            Some(path) => format!("config file {}: {what}", path.display()),
+            None => what.to_owned(),
+        };
+        let s = &flags.over(file.map(|file| file.settings).unwrap_or_default());
+        if s.ephemeral && s.bpf_dir.is_some() {
+            bail!(
+                "{}",
+                from("both a bpf_dir and ephemeral: pin the state in one directory, or nowhere")
+            );
+        }
+        let tick = s.tick.unwrap_or(DEFAULT_TICK);
+        if let Some(timeout) = s.timeout.filter(|&timeout| timeout < tick) {
+            bail!(
+                "{}",
+                from(&format!(
+                    "timeout {} is shorter than the tick {}: raise the timeout or lower the tick",
+                    Dur(timeout),
+                    Dur(tick)
+                ))
+            );
+        }
         let profile = match &s.profile {
             Some(spec) => {
-                let loaded = Profile::load(spec).with_context(|| format!("config file {}: profile", path.display()))?;
-                format!("{} ({}, {} probes)", spec, loaded.origin, loaded.probes.len())
+                let loaded = Profile::load(spec).with_context(|| from("profile"))?;
+                format!(
+                    "{} ({}, {} probes)",
+                    spec,
+                    loaded.origin,
+                    loaded.probes.len()
+                )
             }
             None => "not set: pass --profile at run time".to_owned(),
         };
@@ -331,18 +381,32 @@ impl ConfigFile {
             .collect::<Vec<_>>();
         let pid = match (s.pid, selector.is_empty()) {
             (Some(pid), true) => pid.to_string(),
-            (Some(_), false) => bail!("config file {}: both `pid` and [select]: give one or the other", path.display()),
+            (Some(_), false) => bail!(
+                "{}",
+                from("both a pid and a process selector: give one or the other")
+            ),
             (None, false) => format!("every process matching {}", selector.join(" ")),
             (None, true) => "not set: pass --pid or a selector at run time".to_owned(),
         };
-        let or_default = |value: Option<String>, default: String| value.unwrap_or_else(|| format!("{default} (default)"));
-        let otlp = match (&s.otlp_endpoint, s.otlp_protocol) {
-            (Some(endpoint), protocol) => {
-                let target = OtlpOptions { endpoint: Some(endpoint.clone()), protocol }.resolve_with(|_| None)?;
-                target.map_or_else(String::new, |t| format!("{} ({})", t.endpoint, t.protocol))
-            }
-            (None, _) => "not set here: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT decides, unset: off".to_owned(),
+        let or_default = |value: Option<String>, default: String| {
+            value.unwrap_or_else(|| format!("{default} (default)"))
         };
+        // The environment too, as `run` reads it.
+        let otlp = match (OtlpOptions {
+            endpoint: s.otlp_endpoint.clone(),
+            protocol: s.otlp_protocol,
+        })
+        .resolve()
+        {
+            Ok(Some(t)) => format!("{} ({}, from {})", t.endpoint, t.protocol, t.source),
+            Ok(None) => match crate::export::otlp::sampling::disabled_by(&|name: &str| std::env::var(name).ok()) {
+                Ok(Some(why)) => format!("off ({why})"),
+                _ => "off (no --otlp-endpoint, [otlp] endpoint nor OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)".to_owned(),
+            },
+            Err(err) => bail!("{}", from(&format!("otlp: {err:#}"))),
+        };
+        let sampler = crate::export::otlp::sampling::SpanSampler::from_env(&|name: &str| std::env::var(name).ok())
+            .map_err(|err| anyhow!("{}", from(&format!("{err:#}"))))?;
         let rows = [
             ("watch", pid),
             ("profile", profile),
@@ -351,7 +415,28 @@ impl ConfigFile {
             ("max_tracked", or_default(s.max_tracked.map(|n| n.to_string()), DEFAULT_MAX_TRACKED.to_string())),
             ("output", or_default(s.output.map(choice_name), choice_name(DEFAULT_OUTPUT))),
             ("otlp", otlp),
+            ("sampler", sampler.name),
             ("metrics", s.metrics_addr.map_or_else(|| "off".to_owned(), |addr| format!("http://{addr}/metrics"))),
+            (
+                "kubernetes",
+                match workload::Source::parse(
+                    s.kubernetes.as_deref().unwrap_or("off"),
+                    std::env::var("K8S_NODE_NAME").ok(),
+                )
+                .map_err(|err| anyhow!("{}", from(&format!("{err:#}"))))?
+                {
+                    workload::Source::Off => {
+                        "off (a process in a container is named by its container id)".to_owned()
+                    }
+                    workload::Source::Api {
+                        base,
+                        node: Some(node),
+                    } => format!("{base} (pods of node {node})"),
+                    workload::Source::Api { base, node: None } => {
+                        format!("{base} (every pod: K8S_NODE_NAME is not set)")
+                    }
+                },
+            ),
             (
                 "socket",
                 or_default(s.socket.as_ref().map(|p| p.display().to_string()), query::DEFAULT_SOCKET.to_owned()),
@@ -366,7 +451,10 @@ impl ConfigFile {
             ),
             ("on_exit", or_default(s.on_exit.map(choice_name), choice_name(OnExit::default()))),
         ];
-        let mut out = format!("config file {}: ok\n", path.display());
+        let mut out = match path {
+            Some(path) => format!("config file {}: ok\n", path.display()),
+            None => "settings (no config file): ok\n".to_owned(),
+        };
         for (name, value) in rows {
             out.push_str(&format!("  {name:<12} {value}\n"));
         }
@@ -392,6 +480,7 @@ struct RawConfig {
     on_exit: Option<Spanned<Choice<OnExit>>>,
     otlp: Option<RawOtlp>,
     metrics: Option<RawMetrics>,
+    kubernetes: Option<Spanned<String>>,
 }
 
 /// `[select]`: `--exe`, `--lib`, `--cmdline`, `--cgroup`.
@@ -613,6 +702,7 @@ addr = "0.0.0.0:9464"
                 otlp_endpoint: Some("http://collector:4317".to_owned()),
                 otlp_protocol: Some(Protocol::Grpc),
                 metrics_addr: Some("0.0.0.0:9464".parse().expect("addr")),
+                kubernetes: None,
                 socket: Some(PathBuf::from("/run/sw/agent.sock")),
                 bpf_dir: Some(PathBuf::from("/sys/fs/bpf/sw")),
                 ephemeral: false,
@@ -790,29 +880,38 @@ addr = "0.0.0.0:9464"
         std::fs::create_dir_all(&dir).expect("temp dir");
         let path = dir.join("config.toml");
         std::fs::write(&path, "profile = \"demo\"\ntimeout = \"2s\"\n").expect("write");
-        let out = ConfigFile::check(&path).expect("valid");
+        let out = ConfigFile::check(Some(&path), RunSettings::default()).expect("valid");
         assert!(out.contains(": ok"), "{out}");
         assert!(out.contains("watch        not set: pass --pid or a selector at run time"), "{out}");
         assert!(out.contains("built-in profile `demo`"), "{out}");
         assert!(out.contains("timeout      2s\n"), "{out}");
         assert!(out.contains("tick         10ms (default)"), "{out}");
         std::fs::write(&path, "profile = \"missing.toml\"\n").expect("write");
-        let err = format!("{:#}", ConfigFile::check(&path).expect_err("no such profile"));
-        assert!(err.contains("config file") && err.contains("missing.toml"), "{err}");
+        let err = format!(
+            "{:#}",
+            ConfigFile::check(Some(&path), RunSettings::default()).expect_err("no such profile")
+        );
+        assert!(
+            err.contains("config file") && err.contains("missing.toml"),
+            "{err}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn the_shipped_example_config_is_valid() {
-        let settings = ConfigFile::parse(include_str!("../deploy/config.toml"), Path::new("/etc/stallwatch/config.toml"))
-            .expect("agent/deploy/config.toml parses")
-            .settings;
+        let settings = ConfigFile::parse(
+            include_str!("../deploy/base/config.toml"),
+            Path::new("/etc/stallwatch/config.toml"),
+        )
+        .expect("agent/deploy/base/config.toml parses")
+        .settings;
         assert!(settings.profile.is_some(), "the example names a profile");
     }
 
     #[test]
     fn the_daemonset_sets_every_variable_the_otlp_resource_reads() {
-        let manifest = include_str!("../deploy/daemonset.yaml");
+        let manifest = include_str!("../deploy/base/daemonset.yaml");
         for (attribute, var) in crate::export::otlp::config::K8S_ENV {
             assert!(manifest.contains(&format!("name: {var}\n")), "daemonset.yaml does not set {var} (for {attribute})");
         }

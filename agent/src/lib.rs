@@ -9,8 +9,10 @@
 //! [`state`] keeps what outlives an agent (pinned maps and links) for the
 //! next one, in directories [`trusted_dir`] keeps out of other users'
 //! reach; [`config`] reads its settings from a file, [`doctor`] checks
-//! the host; [`text`] makes what a target wrote safe to print; [`warned`]
+//! the host; [`logging`] sets up the agent's own logs, [`build_info`]
+//! says which build this is; [`text`] makes what a target wrote safe to print; [`warned`]
 //! keeps warnings about bad input to one a period.
+pub mod build_info;
 pub mod config;
 pub mod doctor;
 pub mod discovery;
@@ -18,6 +20,7 @@ pub mod events;
 pub mod export;
 pub mod gate;
 pub mod lifecycle;
+pub mod logging;
 pub mod peers;
 pub mod probes;
 pub mod query;
@@ -31,4 +34,5 @@ pub mod text;
 pub mod transport;
 pub mod trusted_dir;
 pub mod warned;
+pub mod workload;
 pub mod zmq;

@@ -6,31 +6,54 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory as _, Parser, Subcommand};
 use stallwatch::{
+    build_info,
     config::{self, ConfigFile},
     doctor,
+    logging::{self, LogFormat},
     probes::{self, Profile, profile},
     query, run, state, text,
 };
-use tracing_subscriber::{field::MakeExt as _, fmt::format::debug_fn};
 
+/// Every option can also be set by its environment variable (shown in
+/// `--help` as `[env: ...]`); a flag on the command line wins over the
+/// variable, the variable over `run --config`'s file.
 #[derive(Parser)]
-#[command(version, about = "Catches silent request stalls in disaggregated LLM serving, from outside the process")]
+#[command(
+    name = "stallwatch",
+    version,
+    long_version = build_info::LONG_VERSION,
+    about = "Catches silent request stalls in disaggregated LLM serving, from outside the process"
+)]
 struct Cli {
+    /// Which log lines to write (stderr): a level, or `LEVEL,TARGET=LEVEL,...`
+    /// (tracing's EnvFilter syntax); a filter that does not parse is an error.
+    #[arg(long, global = true, env = "STALLWATCH_LOG", value_name = "FILTER", default_value = logging::DEFAULT_FILTER,
+          value_parser = logging::parse_filter)]
+    log: String,
+    /// Log line format.
+    #[arg(
+        long,
+        global = true,
+        env = "STALLWATCH_LOG_FORMAT",
+        value_enum,
+        value_name = "FORMAT",
+        default_value_t
+    )]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Subcommand)]
-#[expect(clippy::large_enum_variant, reason = "parsed once per process; boxing buys nothing")]
 enum Command {
     /// Watch a process: attach a probe profile and alert on every request
     /// silent past the timeout, while it is still stuck.
     Run {
-        /// Settings from this TOML file (see the README); a flag given here
-        /// wins over the file.
-        #[arg(long, value_name = "FILE")]
+        /// Settings from this TOML file (see the README); a flag or
+        /// variable given here wins over the file.
+        #[arg(long, value_name = "FILE", env = "STALLWATCH_CONFIG")]
         config: Option<PathBuf>,
         #[command(flatten)]
         flags: config::RunSettings,
@@ -43,10 +66,10 @@ enum Command {
         #[arg(long)]
         json: bool,
         /// The bpf directory `run` would use: is it safe from other users?
-        #[arg(long, value_name = "PATH", default_value = state::DEFAULT_BPF_DIR)]
+        #[arg(long, value_name = "PATH", env = "STALLWATCH_BPF_DIR", default_value = state::DEFAULT_BPF_DIR)]
         bpf_dir: PathBuf,
         /// The socket `run` would serve: is its directory safe from other users?
-        #[arg(long, value_name = "PATH", default_value = query::DEFAULT_SOCKET)]
+        #[arg(long, value_name = "PATH", env = "STALLWATCH_SOCKET", default_value = query::DEFAULT_SOCKET)]
         socket: PathBuf,
     },
     /// `stallwatch run --config` files.
@@ -58,7 +81,7 @@ enum Command {
     /// age, silence and, if stalled, the class. Needs root.
     Inflight {
         /// The agent's socket (its `stallwatch run --socket`).
-        #[arg(long, value_name = "PATH", default_value = query::DEFAULT_SOCKET)]
+        #[arg(long, value_name = "PATH", env = "STALLWATCH_SOCKET", default_value = query::DEFAULT_SOCKET)]
         socket: PathBuf,
         /// Print the agent's answer as JSON (one document) instead of a table.
         #[arg(long)]
@@ -75,6 +98,18 @@ enum Command {
         #[command(subcommand)]
         command: StateCommand,
     },
+    /// Print a shell completion script, generated from these flags
+    /// (e.g. `stallwatch completions bash > /etc/bash_completion.d/stallwatch`).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff), generated from these flags; with `--dir`,
+    /// write one page per command there (stallwatch.1, stallwatch-run.1, ...).
+    Man {
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -83,15 +118,24 @@ enum StateCommand {
     /// directory (refused while an agent uses it).
     Clear {
         /// The agent's `run --bpf-dir`.
-        #[arg(long, value_name = "PATH", default_value = state::DEFAULT_BPF_DIR)]
+        #[arg(long, value_name = "PATH", env = "STALLWATCH_BPF_DIR", default_value = state::DEFAULT_BPF_DIR)]
         bpf_dir: PathBuf,
     },
 }
 
 #[derive(Subcommand)]
 enum ConfigCommand {
-    /// Validate a config file and print the settings `run` would use.
-    Check { path: PathBuf },
+    /// Validate a config file and print the settings `run` would use with
+    /// it: the same flags, `STALLWATCH_*` and `OTEL_*` variables applied as
+    /// `run` applies them, so what `run` would refuse fails here too.
+    Check {
+        /// The file (else `STALLWATCH_CONFIG`; neither: flags and
+        /// environment alone).
+        #[arg(env = "STALLWATCH_CONFIG")]
+        path: Option<PathBuf>,
+        #[command(flatten)]
+        flags: config::RunSettings,
+    },
 }
 
 #[derive(Subcommand)]
@@ -112,25 +156,9 @@ enum ProfileCommand {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("STALLWATCH_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        // Logs carry what targets wrote (names, paths, symbols): no field
-        // or message may break a line or reach the terminal as a sequence.
-        .fmt_fields(
-            debug_fn(|writer, field, value| match field.name() {
-                "message" => write!(writer, "{}", text::escaped(&format!("{value:?}"))),
-                name if name.starts_with("log.") => Ok(()),
-                name => write!(writer, "{name}={}", text::escaped(&format!("{value:?}"))),
-            })
-            .delimited(" "),
-        )
-        .init();
-    match dispatch(Cli::parse()) {
+    let cli = Cli::parse();
+    logging::init(&cli.log, cli.log_format);
+    match dispatch(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("stallwatch: error: {}", text::escaped(&format!("{err:#}")));
@@ -188,9 +216,30 @@ fn dispatch(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Config { command: ConfigCommand::Check { path } } => {
-            let text = ConfigFile::check(&path)?;
+        Command::Config {
+            command: ConfigCommand::Check { path, flags },
+        } => {
+            let text = ConfigFile::check(path.as_deref(), flags)?;
             print(|out| out.write_all(text.as_bytes()))
+        }
+        Command::Completions { shell } => {
+            // Into a buffer first: clap_complete panics on a write error,
+            // and a closed pipe (`| head`) must end the command quietly.
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "stallwatch", &mut script);
+            print(|out| out.write_all(&script))
+        }
+        Command::Man { dir: None } => {
+            let mut page = Vec::new();
+            clap_mangen::Man::new(Cli::command())
+                .render(&mut page)
+                .context("rendering the man page")?;
+            print(|out| out.write_all(&page))
+        }
+        Command::Man { dir: Some(dir) } => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            clap_mangen::generate_to(Cli::command(), &dir)
+                .with_context(|| format!("writing the man pages to {}", dir.display()))
         }
         Command::Inflight { socket, json } => {
             let (inflight, raw) = query::client::inflight(&socket, query::client::ANSWER_TIMEOUT)?;
@@ -324,4 +373,54 @@ fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// clap's own consistency checks (duplicate names, bad defaults).
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    /// Every option has an environment variable, as a DaemonSet sets
+    /// them; left out: positional arguments (except the config file), the
+    /// generated commands' own options and one-shot `--json` switches.
+    #[test]
+    fn every_option_has_an_environment_variable() {
+        fn walk(command: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            let path = format!("{path} {}", command.get_name());
+            if ["stallwatch completions", "stallwatch man"].contains(&path.as_str()) {
+                return;
+            }
+            for arg in command.get_arguments() {
+                let id = arg.get_id().as_str();
+                let exempt = arg.is_positional() && path != "stallwatch config check"
+                    || ["help", "version", "json"].contains(&id);
+                if !exempt && arg.get_env().is_none() {
+                    missing.push(format!("{path} --{id}"));
+                }
+            }
+            for sub in command.get_subcommands() {
+                walk(sub, &path, missing);
+            }
+        }
+        let mut missing = Vec::new();
+        let command = Cli::command();
+        for sub in command.get_subcommands() {
+            walk(sub, "stallwatch", &mut missing);
+        }
+        for arg in command
+            .get_arguments()
+            .filter(|a| !["help", "version"].contains(&a.get_id().as_str()))
+        {
+            assert!(arg.get_env().is_some(), "--{} has no env", arg.get_id());
+        }
+        assert!(
+            missing.is_empty(),
+            "options without an environment variable: {missing:?}"
+        );
+    }
 }

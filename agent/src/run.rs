@@ -95,6 +95,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
     // Before loading anything: a bad endpoint fails fast.
     let clock = Clock::new();
     let telemetry = Telemetry::start(&telemetry, clock).await?;
+    let workloads = telemetry.workloads();
     // Before anything is pinned or attached: a socket directory another
     // user could change is refused.
     let socket = SocketPlace::check(&socket)?;
@@ -111,7 +112,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
         transport: Tracker::new(duration_ns(timeout)),
         gate: Gate::new(duration_ns(timeout), duration_ns(tick)),
         gate_failures: Failures::default(),
-        alerts: AlertWriter::new(out, format, clock),
+        alerts: AlertWriter::new(out, format, clock).with_workloads(workloads),
         telemetry,
         probes,
         state,
@@ -160,6 +161,9 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
         queries.name_process(*pid, &process_name(*pid));
     }
     session.transport.sample(&session.probes, monotonic_ns())?;
+    // Attached, and a previous agent's requests taken over: a rolling
+    // update may now stop the next pod.
+    session.telemetry.set_ready();
 
     let unread_ns = unread_ns(duration_ns(timeout), duration_ns(tick));
     let wake = tokio::time::sleep(Duration::ZERO);

@@ -1,7 +1,8 @@
-//! The deployment files in agent/deploy/: the DaemonSet checked against the
-//! real Kubernetes API schemas (kubernetes-validate, from the test venv,
+//! The deployment base in agent/deploy/base/: the DaemonSet checked against
+//! the real Kubernetes API schemas (kubernetes-validate, from the test venv,
 //! offline), shown able to fail on a broken copy, and kept consistent with
-//! the example config, the kustomization and the Dockerfile.
+//! the example config, the kustomization and the Dockerfile. The
+//! components and overlays are checked in packaging.rs.
 use std::{
     path::{Path, PathBuf},
     process::Command,
@@ -11,8 +12,12 @@ use std::{
 use serde_json::Value;
 use stallwatch_tests::{Demo, Proc, agent_bin, require_root, root, run_to_end, summary, test_bpf_dir, test_socket, venv_python};
 
+/// A file of the kustomize base (the Dockerfile is one level up).
 fn deploy(file: &str) -> PathBuf {
-    root().join("agent/deploy").join(file)
+    match file {
+        "Dockerfile" => root().join("agent/deploy").join(file),
+        _ => root().join("agent/deploy/base").join(file),
+    }
 }
 
 fn read(path: &Path) -> String {
@@ -70,10 +75,22 @@ fn broken_copy(from: &str, to: &str) -> tempfile::NamedTempFile {
 #[test]
 fn the_daemonset_passes_the_kubernetes_schemas() {
     let (ok, out) = validate(&deploy("daemonset.yaml"));
-    assert!(ok, "agent/deploy/daemonset.yaml does not validate:\n{out}");
-    assert!(out.contains("passed for resource daemonset/stallwatch"), "{out}");
-    assert!(out.contains("passed for resource namespace/stallwatch"), "{out}");
-    assert!(!out.contains("Couldn't find schema"), "every resource was checked against a schema:\n{out}");
+    assert!(
+        ok,
+        "agent/deploy/base/daemonset.yaml does not validate:\n{out}"
+    );
+    assert!(
+        out.contains("passed for resource daemonset/stallwatch"),
+        "{out}"
+    );
+    assert!(
+        out.contains("passed for resource namespace/stallwatch"),
+        "{out}"
+    );
+    assert!(
+        !out.contains("Couldn't find schema"),
+        "every resource was checked against a schema:\n{out}"
+    );
 }
 
 #[test]
@@ -162,11 +179,19 @@ fn the_daemonset_runs_the_agent_privileged_on_gpu_nodes_with_the_config() {
     let pod = &ds["spec"]["template"]["spec"];
     assert_eq!(pod["hostPID"], true);
     assert_eq!(pod["nodeSelector"]["nvidia.com/gpu.present"], "true");
-    assert_eq!(pod["nodeSelector"]["kubernetes.io/arch"], "amd64", "the kernel side is x86-64 only");
+    assert_eq!(
+        pod["nodeSelector"]["kubernetes.io/arch"], "amd64",
+        "the kernel side is x86-64 only"
+    );
+    // Every taint tolerated (a GPU taint, a cordon, a drain), as node agents do.
+    let tolerations = pod["tolerations"].as_array().expect("tolerations");
     assert!(
-        pod["tolerations"].as_array().expect("tolerations").iter().any(|t| t["key"] == "nvidia.com/gpu" && t["effect"] == "NoSchedule"),
+        tolerations.iter().any(|t| t["operator"] == "Exists"
+            && t.get("key").is_none()
+            && t.get("effect").is_none()),
         "{pod:#}"
     );
+    assert_eq!(pod["priorityClassName"], "system-node-critical");
     let containers = pod["containers"].as_array().expect("containers");
     assert_eq!(containers.len(), 1);
     let agent = &containers[0];
@@ -204,7 +229,13 @@ fn the_daemonset_runs_the_agent_privileged_on_gpu_nodes_with_the_config() {
         let name = mount_of(dir)["name"].as_str().expect("volume name");
         assert_eq!(volume(name)["hostPath"]["path"], dir, "{dir} comes from the host");
     }
-    let (ok, check, stderr) = run_to_end(Command::new(agent_bin()).args(["config", "check"]).arg(deploy("config.toml")));
+    // A bpffs the agent mounts reaches the host, so its pins outlive the pod.
+    assert_eq!(mount_of("/sys/fs/bpf")["mountPropagation"], "Bidirectional");
+    let (ok, check, stderr) = run_to_end(
+        Command::new(agent_bin())
+            .args(["config", "check"])
+            .arg(deploy("config.toml")),
+    );
     assert!(ok, "{stderr}");
     let socket = check.lines().find_map(|l| l.trim().strip_prefix("socket")).map(str::trim).expect("socket line");
     assert!(socket.starts_with("/run/stallwatch/"), "the agent's socket is in the mounted /run/stallwatch: {socket}");
@@ -233,20 +264,42 @@ fn the_daemonset_passes_the_node_and_pod_to_the_otlp_resource() {
 }
 
 #[test]
-fn liveness_and_the_init_check_run_doctor_from_the_image() {
+fn probes_ask_the_agent_over_http_and_the_init_check_runs_doctor_from_the_image() {
     let ds = daemonset();
     let pod = &ds["spec"]["template"]["spec"];
-    let liveness: Vec<&str> =
-        pod["containers"][0]["livenessProbe"]["exec"]["command"].as_array().expect("exec probe").iter().filter_map(Value::as_str).collect();
-    assert_eq!(liveness.get(1), Some(&"doctor"), "{liveness:?}");
+    let agent = &pod["containers"][0];
+    // Liveness and readiness are HTTP on the metrics port: no eBPF loaded
+    // per probe, as `doctor` would.
+    for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+        assert_eq!(agent[probe]["httpGet"]["path"], path, "{probe}: {agent:#}");
+        assert_eq!(
+            agent[probe]["httpGet"]["port"], "metrics",
+            "{probe}: {agent:#}"
+        );
+        assert!(agent[probe].get("exec").is_none(), "{probe}");
+    }
     let init = &pod["initContainers"][0];
     assert_eq!(init["args"][0], "doctor");
-    assert_eq!(init["image"], pod["containers"][0]["image"]);
-    // The binary the probe runs is where the Dockerfile puts it, and the
-    // image's entrypoint.
+    assert_eq!(init["image"], agent["image"]);
+    // The binary is where the Dockerfile puts it, and the image's entrypoint.
     let dockerfile = read(&deploy("Dockerfile"));
-    let binary = liveness[0];
-    assert!(dockerfile.lines().any(|l| l.starts_with("COPY --from=build") && l.trim_end().ends_with(binary)), "Dockerfile copies no {binary}");
-    assert!(dockerfile.contains(&format!("ENTRYPOINT [\"{binary}\"]")), "the image's entrypoint is {binary}");
-    assert!(dockerfile.contains("cargo run --release -p xtask -- build"), "the image builds through xtask");
+    let binary = "/usr/local/bin/stallwatch";
+    assert!(
+        dockerfile
+            .lines()
+            .any(|l| l.starts_with("COPY --from=build") && l.trim_end().ends_with(binary)),
+        "Dockerfile copies no {binary}"
+    );
+    assert!(
+        dockerfile.contains(&format!("ENTRYPOINT [\"{binary}\"]")),
+        "the image's entrypoint is {binary}"
+    );
+    assert!(
+        dockerfile.contains("cargo run --release -p xtask -- build"),
+        "the image builds through xtask"
+    );
+    assert!(
+        dockerfile.contains("COPY agent/deploy/base/config.toml /etc/stallwatch/config.toml"),
+        "{dockerfile}"
+    );
 }

@@ -164,7 +164,7 @@ fn into_a_closed_pipe(args: &[&str]) -> (std::process::ExitStatus, String) {
 fn every_printing_command_stops_quietly_when_its_reader_goes_away() {
     let profile = profile_file(&stallwatch_profile_text("nixl"));
     let path = profile.path().to_str().expect("utf-8 temp path");
-    let config = root().join("agent/deploy/config.toml");
+    let config = root().join("agent/deploy/base/config.toml");
     let config = config.to_str().expect("utf-8 path");
     for args in [
         ["profile", "check", path].as_slice(),

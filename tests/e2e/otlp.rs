@@ -74,6 +74,7 @@ fn stalled_spans_arrive_while_stuck_and_lifecycles_when_they_end_grpc() {
             injected.get(key_of(span)).unwrap_or_else(|| panic!("stall span for a healthy request: {span:#?}"));
         assert!(span.is_error(), "{span:#?}");
         assert_eq!(span.attr("stallwatch.stall.class"), Some(class_of(kind)), "{span:#?}");
+        assert_eq!(span.attr("error.type"), Some(class_of(kind)), "an ERROR span says its error.type: {span:#?}");
         assert!(span.status_message.contains(class_of(kind)), "{span:#?}");
         assert_eq!(span.trace_id, expected_trace_id(room), "{span:#?}");
         assert_eq!(span.attr("stallwatch.request.external_id"), Some(room.as_str()));
@@ -122,6 +123,7 @@ fn stalled_spans_arrive_while_stuck_and_lifecycles_when_they_end_grpc() {
         } else {
             assert_eq!(span.attr("stallwatch.request.outcome"), Some("process_exited"), "{span:#?}");
             assert!(span.is_error(), "it ended stuck: {span:#?}");
+            assert_eq!(span.attr("error.type"), Some(class_of(kind)), "{span:#?}");
             assert_eq!(span.event_names().last(), Some(&"process_exited"), "{span:#?}");
         }
     }
@@ -192,6 +194,49 @@ fn http_export_from_the_environment_with_resource_and_metrics() {
     let (_, classic) = http_get(port, "/metrics", None);
     assert!(classic.contains("stallwatch_requests_seen_total ") && !classic.contains("# EOF"), "{classic}");
     assert_eq!(http_get(port, "/nope", None).0, "HTTP/1.1 404 Not Found");
+    // Durations in seconds, the build, the agent process; the probes' endpoints.
+    assert!(
+        metric(
+            &body,
+            "stallwatch_request_duration_seconds_count{outcome=\"released\"}"
+        ) >= 1,
+        "{body}"
+    );
+    assert!(
+        metric(
+            &body,
+            "stallwatch_stage_duration_seconds_count{stage=\"transfer_posted\"}"
+        ) >= 1,
+        "{body}"
+    );
+    assert!(
+        body.contains("# UNIT stallwatch_stall_duration_seconds seconds"),
+        "{body}"
+    );
+    assert!(
+        body.lines()
+            .any(|l| l.starts_with("stallwatch_build_info{version=\"") && l.ends_with("} 1")),
+        "{body}"
+    );
+    for name in [
+        "process_cpu_seconds_total ",
+        "process_resident_memory_bytes ",
+        "process_open_fds ",
+        "process_start_time_seconds ",
+    ] {
+        assert!(
+            body.lines().any(|l| l.starts_with(name)),
+            "no {name}in:\n{body}"
+        );
+    }
+    assert_eq!(
+        http_get(port, "/healthz", None),
+        ("HTTP/1.1 200 OK".to_owned(), "ok\n".to_owned())
+    );
+    assert_eq!(
+        http_get(port, "/readyz", None),
+        ("HTTP/1.1 200 OK".to_owned(), "ready\n".to_owned())
+    );
 
     let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(20));
     let summary = summary(&agent_lines);
@@ -359,4 +404,100 @@ fn scrapes_are_answered_with_hundreds_of_idle_connections_open() {
     assert!(body.contains("stallwatch_requests_seen_total "), "{body}");
     drop(idle);
     drop(agent);
+}
+
+#[test]
+fn the_standard_switches_turn_span_export_off() {
+    require_root();
+    let mut collector = Collector::start();
+    let endpoint = collector.http_endpoint();
+    for (name, value) in [("OTEL_SDK_DISABLED", "true"), ("OTEL_TRACES_EXPORTER", "none")] {
+        let mut demo = Demo::start(&["--rate", "200", "--duration", "2s", "--inject-after", "100ms", "--waiting-for-peer", "1"]);
+        let agent = watch_with_env(demo.proc.pid(), "1s", &[], &[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), (name, value)]);
+        demo.go();
+        let lines = agent.proc.lines_until_exit(Duration::from_secs(20));
+        let summary = summary(&lines);
+        assert!(summary["seen"].as_u64().is_some_and(|n| n > 100), "{summary}");
+        let stderr = agent.proc.stderr();
+        assert!(stderr.contains(&format!("span export is off: {name}={value}")), "{stderr}");
+        assert!(!stderr.contains("exporting spans over OTLP"), "{stderr}");
+    }
+    // Nothing arrived from either run (a run with export on is the
+    // collector's other tests).
+    std::thread::sleep(Duration::from_millis(500));
+    let arrived = collector.spans().len();
+    assert_eq!(arrived, 0, "spans arrived with export off");
+    let _ = collector.stop();
+}
+
+#[test]
+fn stalls_only_sends_every_stalled_request_and_none_of_the_healthy() {
+    require_root();
+    let mut collector = Collector::start();
+    let endpoint = collector.http_endpoint();
+    let mut demo = Demo::start(&[
+        "--rate", "200", "--duration", "4s", "--inject-after", "200ms",
+        "--waiting-for-peer", "1", "--recover", "1", "--recover-after", "1500ms",
+    ]);
+    let agent = watch_with_env(
+        demo.proc.pid(),
+        "1s",
+        &["--metrics-addr", "127.0.0.1:0"],
+        &[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), ("OTEL_TRACES_SAMPLER", "stallwatch_stalls")],
+    );
+    demo.go();
+    let mut demo_lines = Vec::new();
+    let injected = demo.wait_injected(2, &mut demo_lines);
+    collector.wait_for(Duration::from_secs(5), "2 stall spans", |spans| stall_spans(spans).len() >= 2);
+    let port = agent.metrics_port();
+    // The healthy requests' spans were made and kept out, and counted.
+    let (_, body) = http_get(port, "/metrics", None);
+    assert!(metric(&body, "stallwatch_export_sampled_out_total") > 100, "{body}");
+    let lines = agent.proc.lines_until_exit(Duration::from_secs(20));
+    let summary = summary(&lines);
+    let seen = summary["seen"].as_u64().expect("seen");
+    assert!(seen > 300, "{summary}");
+    // The stalled requests' request spans: the one pinned to the end and
+    // the one that recovered; no healthy one.
+    collector.wait_for(Duration::from_secs(5), "2 request spans", |spans| request_spans(spans).len() >= 2);
+    // Anything else would have come in the same flush at exit.
+    std::thread::sleep(Duration::from_millis(500));
+    let spans = collector.spans().to_vec();
+    let requests: std::collections::BTreeSet<&str> = request_spans(&spans).into_iter().map(key_of).collect();
+    let pinned: std::collections::BTreeSet<&str> = injected.keys().map(String::as_str).collect();
+    assert_eq!(requests, pinned, "exactly the stalled requests' spans ({seen} requests seen)");
+    let stderr = agent.proc.stderr();
+    assert!(stderr.contains("sampler=stallwatch_stalls (0)"), "{stderr}");
+    let _ = collector.stop();
+}
+
+#[test]
+fn a_sampler_it_cannot_honour_stops_the_agent_and_config_check() {
+    use std::process::Command;
+    let (ok, _, stderr) = stallwatch_tests::run_to_end(
+        Command::new(stallwatch_tests::agent_bin())
+            .args(["run", "--pid", "1", "--profile", "demo", "--otlp-endpoint", "http://127.0.0.1:4318"])
+            .env("OTEL_TRACES_SAMPLER", "jaeger_remote"),
+    );
+    assert!(!ok && stderr.contains("OTEL_TRACES_SAMPLER=\"jaeger_remote\" is not supported"), "{stderr}");
+    let (ok, _, stderr) = stallwatch_tests::run_to_end(
+        Command::new(stallwatch_tests::agent_bin())
+            .args(["config", "check", "--profile", "demo"])
+            .env("OTEL_TRACES_SAMPLER", "traceidratio")
+            .env("OTEL_TRACES_SAMPLER_ARG", "lots"),
+    );
+    assert!(!ok && stderr.contains("OTEL_TRACES_SAMPLER_ARG=\"lots\" is not a ratio"), "{stderr}");
+    let (ok, stdout, stderr) = stallwatch_tests::run_to_end(
+        Command::new(stallwatch_tests::agent_bin())
+            .args(["config", "check", "--profile", "demo", "--otlp-endpoint", "http://127.0.0.1:4318"])
+            .env("OTEL_SDK_DISABLED", "true"),
+    );
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("otlp         off (OTEL_SDK_DISABLED=true)"), "{stdout}");
+    let (ok, _, stderr) = stallwatch_tests::run_to_end(
+        Command::new(stallwatch_tests::agent_bin())
+            .args(["config", "check", "--profile", "demo", "--otlp-endpoint", "http://127.0.0.1:4318"])
+            .env("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant"),
+    );
+    assert!(!ok && stderr.contains("`x-tenant` is not KEY=VALUE"), "{stderr}");
 }

@@ -2,9 +2,11 @@
 //!
 //! Every command installs what it needs first and is idempotent: the nightly
 //! `rust-src` component, `bpf-linker` built against the nightly rustc's own
-//! libLLVM, and (for tests) the Python venv with NIXL.
+//! libLLVM, and (for tests) the Python venv with NIXL and the manifest
+//! checkers (promtool, kubectl).
 mod setup;
 mod steps;
+mod tools;
 
 use std::time::Duration;
 
@@ -56,8 +58,9 @@ fn main() -> Result<()> {
         }
         Command::Test => {
             setup::all(true)?;
+            let tools = tools::ensure()?;
             let built = steps::build()?;
-            steps::test(&built)
+            steps::test(&built, &tools)
         }
         Command::Bench => {
             setup::all(true)?;

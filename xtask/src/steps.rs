@@ -121,7 +121,7 @@ pub fn demo(built: &Built, duration: Duration, timeout: Duration) -> Result<()> 
 /// fails here, not when someone next wants its figures.
 /// Every target runs even after one fails (`--no-fail-fast`), so a CI run
 /// reports every failure at once.
-pub fn test(built: &Built) -> Result<()> {
+pub fn test(built: &Built, tools: &crate::tools::Tools) -> Result<()> {
     let root = root()?;
     run(Command::new("cargo")
         .current_dir(&root)
@@ -129,7 +129,10 @@ pub fn test(built: &Built) -> Result<()> {
         .env("STALLWATCH_BIN", &built.agent)
         .env("STALLWATCH_DEMO", &built.demo)
         .env("STALLWATCH_MARKER", &built.marker)
-        .env("STALLWATCH_VENV", root.join("target/venv")))
+        .env("STALLWATCH_VENV", root.join("target/venv"))
+        .env("STALLWATCH_PROMTOOL", &tools.promtool)
+        .env("STALLWATCH_KUBECTL", &tools.kubectl)
+        .env("STALLWATCH_DEBIAN_KUBECTL", &tools.debian_kubectl))
 }
 
 /// Every benchmark, against this build. The uprobe and NIXL benches put

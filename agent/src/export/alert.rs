@@ -16,6 +16,7 @@ use crate::probes::{ActivityKind, ProbeHits};
 use crate::status::StatusReads;
 use crate::text;
 use crate::transport::Evidence;
+use crate::workload::{Directory, Workload};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
@@ -30,6 +31,8 @@ pub struct AlertWriter<W> {
     /// Process names by pid, taken when a process is attached (it may be
     /// gone by the time its requests are reported).
     names: HashMap<u32, Box<str>>,
+    /// The watched processes' workloads (pod, container), when known.
+    workloads: Option<Directory>,
     /// Set when stdout's reader went away (`| head`): the first write that
     /// finds it closed fails, so the agent stops; later ones (the stop's
     /// own reports and summary) are dropped, so the stop is a clean one.
@@ -41,7 +44,26 @@ pub struct AlertWriter<W> {
 
 impl<W: Write> AlertWriter<W> {
     pub fn new(out: W, format: Format, clock: Clock) -> Self {
-        Self { out, format, clock, names: HashMap::new(), closed: false, stopping: false }
+        Self {
+            out,
+            format,
+            clock,
+            names: HashMap::new(),
+            workloads: None,
+            closed: false,
+            stopping: false,
+        }
+    }
+
+    /// Alerts name the workload (namespace/pod/container, or the container
+    /// id) of the process whose request it is.
+    pub fn with_workloads(mut self, workloads: Directory) -> Self {
+        self.workloads = Some(workloads);
+        self
+    }
+
+    fn workload(&self, pid: u32) -> Option<std::sync::Arc<Workload>> {
+        self.workloads.as_ref()?.get(pid).filter(|w| !w.is_empty())
     }
 
     /// Whether stdout's reader went away.
@@ -214,6 +236,9 @@ impl<W: Write> AlertWriter<W> {
             text::value(self.process_name(request.pid)),
             request.key
         );
+        if let Some(workload) = self.workload(request.pid) {
+            line.push_str(&format!(" workload={}", text::value(&workload.to_string())));
+        }
         if let Some(ext) = &request.external_id {
             line.push_str(&format!(" external_id={}", text::value(ext)));
         }
@@ -269,6 +294,14 @@ impl<W: Write> AlertWriter<W> {
             }
             for (name, value) in alert.fields {
                 object.insert((*name).to_owned(), json!(value));
+            }
+            if let Some(workload) = self.workload(request.pid) {
+                let attributes: Map<String, Value> = workload
+                    .attributes()
+                    .into_iter()
+                    .map(|(k, v)| (k.to_owned(), Value::String(v)))
+                    .collect();
+                object.insert("workload".to_owned(), Value::Object(attributes));
             }
         }
         value

@@ -12,10 +12,25 @@
 //! classic 0.0.4 text format otherwise, with names, types, `_total`
 //! suffixes and escaping done by the library. The HTTP part is a few lines
 //! on tokio: one `GET /metrics`, one response, close.
+//!
+//! Durations are histograms in seconds (Prometheus base units), beside the
+//! serving frameworks' own (`vllm:e2e_request_latency_seconds`,
+//! `sglang:queue_time_seconds`): how long stalls lasted, how long requests
+//! lived and how long they spent in each stage. Their labels are the
+//! bounded enums of the engine (class, outcome, stage), never a request or
+//! a process: the series count is fixed (see the README's metrics table).
+//!
+//! `/healthz` answers through the event loop (a wedged loop fails it, which
+//! is what a liveness probe should see); `/readyz` answers from a flag the
+//! loop sets once the probes are attached and a previous agent's pinned
+//! state is taken over, so a rolling update waits for the hand-over.
 use std::{
     fmt,
     net::{IpAddr, Ipv4Addr, SocketAddr},
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -23,8 +38,11 @@ use anyhow::{Context as _, Result};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric as _},
-    metrics::{MetricType, counter::ConstCounter, gauge::ConstGauge},
-    registry::Registry,
+    metrics::{
+        MetricType, TypedMetric as _, counter::ConstCounter, gauge::ConstGauge,
+        histogram::Histogram,
+    },
+    registry::{Registry, Unit},
 };
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
@@ -35,17 +53,62 @@ use tracing::{debug, warn};
 
 use super::otlp::ExportCounts;
 use crate::{
-    lifecycle::{Engine, EngineStats, Outcome, Report, Stage, StallClass},
+    build_info,
     events::Losses,
+    lifecycle::{Engine, EngineStats, Outcome, Report, Stage, StallClass},
     status::StatusReads,
+    workload::Directory,
 };
 
+/// Buckets of `stallwatch_stall_duration_seconds`: a stall lasts at least
+/// the timeout (60 s by default, seconds in tests), and up to hours.
+const STALL_BUCKETS: [f64; 13] = [
+    0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 10800.0,
+];
+/// Buckets of the request and stage durations: a KV hand-over takes
+/// milliseconds, a whole request seconds to minutes.
+const REQUEST_BUCKETS: [f64; 17] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+    600.0,
+];
+
+/// The duration histograms, by their label's value. A clone shares the
+/// counts (prometheus-client's histograms are reference counted), so a
+/// scrape's snapshot takes them without copying.
+#[derive(Debug, Clone)]
+pub struct Histograms {
+    /// How long stalls lasted, by class: from the request's last event to
+    /// the event that revived it, or to its end while still stalled.
+    stall: [Histogram; CLASSES],
+    /// Request lifetimes (first event to end), by outcome.
+    request: [Histogram; 6],
+    /// Time from a live stage's first event to the next stage's, by the
+    /// stage waited in (enqueued: waiting for the peer; transfer_posted:
+    /// the transfer; transfer_done: the release), for requests that went on.
+    stage: [Histogram; 3],
+}
+
+impl Default for Histograms {
+    fn default() -> Self {
+        Self {
+            stall: std::array::from_fn(|_| Histogram::new(STALL_BUCKETS)),
+            request: std::array::from_fn(|_| Histogram::new(REQUEST_BUCKETS)),
+            stage: std::array::from_fn(|_| Histogram::new(REQUEST_BUCKETS)),
+        }
+    }
+}
+
+fn seconds(ns: u64) -> f64 {
+    ns as f64 / 1e9
+}
+
 /// Counters kept from the reports themselves (the engine counts stalls and
-/// recoveries, but not by class).
+/// recoveries, but not by class), and the duration histograms.
 #[derive(Debug, Clone, Default)]
 pub struct Metrics {
     stalls: [u64; CLASSES],
     recoveries: [u64; CLASSES],
+    histograms: Histograms,
 }
 
 /// Stall classes, each with its own series.
@@ -55,8 +118,39 @@ impl Metrics {
     pub fn report(&mut self, report: &Report) {
         match report {
             Report::Stalled { class, .. } => self.stalls[*class as usize] += 1,
-            Report::Recovered { class, .. } => self.recoveries[*class as usize] += 1,
-            Report::Ended { .. } => {}
+            Report::Recovered {
+                class, stuck_ns, ..
+            } => {
+                self.recoveries[*class as usize] += 1;
+                self.histograms.stall[*class as usize].observe(seconds(*stuck_ns));
+            }
+            Report::Ended {
+                request,
+                outcome,
+                at_ns,
+            } => {
+                // Still stalled at its end (evicted, its process gone): the
+                // stall lasted until then. A revived one was counted above.
+                if let Some(class) = request.stalled {
+                    self.histograms.stall[class as usize]
+                        .observe(seconds(at_ns.saturating_sub(request.last_ns)));
+                }
+                if let Some(at) = Outcome::ALL.iter().position(|o| o == outcome) {
+                    self.histograms.request[at]
+                        .observe(seconds(at_ns.saturating_sub(request.first_ns)));
+                }
+                // Each live stage whose next stage was seen: its time.
+                let next = [
+                    request.stage_ns[1],
+                    request.stage_ns[2],
+                    request.stage_ns[3].or(Some(*at_ns)),
+                ];
+                for (slot, (from, to)) in request.stage_ns.iter().take(3).zip(next).enumerate() {
+                    if let (Some(from), Some(to)) = (from, to) {
+                        self.histograms.stage[slot].observe(seconds(to.saturating_sub(*from)));
+                    }
+                }
+            }
         }
     }
 
@@ -82,6 +176,9 @@ impl Metrics {
             export,
             status_reads: None,
             progress_probes: None,
+            histograms: self.histograms.clone(),
+            process: ProcessStats::read(),
+            workload_stalled: Vec::new(),
         }
     }
 }
@@ -104,6 +201,78 @@ pub struct Snapshot {
     /// Processes whose progress probes are attached now and those whose
     /// are not (attached only near a stall); `None`: no process has any.
     pub progress_probes: Option<[u64; 2]>,
+    pub histograms: Histograms,
+    /// The agent's own process; `None` when /proc/self could not be read.
+    pub process: Option<ProcessStats>,
+    /// Requests stalled right now by workload and class: one series per
+    /// (pod, container, class) with a stall now, none otherwise.
+    pub workload_stalled: Vec<WorkloadStalled>,
+}
+
+/// Requests of one workload stalled at one class right now.
+pub type WorkloadStalled = ([(&'static str, String); 4], StallClass, u64);
+
+/// The stalled requests now, by the workload of their process (processes
+/// with no known workload count under empty labels).
+pub fn workload_stalled(engine: &Engine, workloads: &Directory) -> Vec<WorkloadStalled> {
+    type Key = ([(&'static str, String); 4], usize);
+    let mut counts: std::collections::BTreeMap<Key, u64> =
+        std::collections::BTreeMap::new();
+    for request in engine.inflight() {
+        if let Some(class) = request.stalled {
+            let labels = workloads
+                .get(request.pid)
+                .map(|w| w.labels())
+                .unwrap_or_else(|| crate::workload::Workload::default().labels());
+            *counts.entry((labels, class as usize)).or_default() += 1;
+        }
+    }
+    counts
+        .into_iter()
+        .map(|((labels, class), n)| (labels, StallClass::ALL[class], n))
+        .collect()
+}
+
+/// The agent process's own resource use, under the names every Prometheus
+/// client library exports (`process_*`), read from /proc/self by `procfs`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProcessStats {
+    pub cpu_seconds: f64,
+    pub resident_bytes: u64,
+    pub virtual_bytes: u64,
+    pub open_fds: u64,
+    /// `None`: unlimited.
+    pub max_fds: Option<u64>,
+    pub start_time_seconds: f64,
+    pub threads: u64,
+}
+
+impl ProcessStats {
+    /// As of now; `None` (and a debug line) if /proc/self cannot be read.
+    pub fn read() -> Option<Self> {
+        let read = || -> procfs::ProcResult<Self> {
+            let me = procfs::process::Process::myself()?;
+            let stat = me.stat()?;
+            let ticks = procfs::ticks_per_second() as f64;
+            let boot = procfs::boot_time_secs()? as f64;
+            let max_fds = match me.limits()?.max_open_files.soft_limit {
+                procfs::process::LimitValue::Value(n) => Some(n),
+                procfs::process::LimitValue::Unlimited => None,
+            };
+            Ok(Self {
+                cpu_seconds: (stat.utime + stat.stime) as f64 / ticks,
+                resident_bytes: stat.rss * procfs::page_size(),
+                virtual_bytes: stat.vsize,
+                open_fds: me.fd_count()? as u64,
+                max_fds,
+                start_time_seconds: boot + stat.starttime as f64 / ticks,
+                threads: u64::try_from(stat.num_threads).unwrap_or(0),
+            })
+        };
+        read()
+            .map_err(|err| debug!("metrics: reading /proc/self: {err}"))
+            .ok()
+    }
 }
 
 impl Collector for Snapshot {
@@ -226,6 +395,12 @@ impl Collector for Snapshot {
         }
         if let Some(x) = &self.export {
             counter(&mut encoder, "stallwatch_export_spans", "Spans the OTLP collector accepted", x.exported)?;
+            counter(
+                &mut encoder,
+                "stallwatch_export_sampled_out",
+                "Spans the sampler (OTEL_TRACES_SAMPLER) did not send",
+                x.sampled_out,
+            )?;
             counters(
                 &mut encoder,
                 "stallwatch_export_drops",
@@ -246,6 +421,143 @@ impl Collector for Snapshot {
                 None,
                 MetricType::Gauge,
             )?)?;
+        }
+        let histograms = |encoder: &mut DescriptorEncoder,
+                          name: &str,
+                          help: &str,
+                          label: &str,
+                          values: &[(&str, &Histogram)]| {
+            let mut family =
+                encoder.encode_descriptor(name, help, Some(&Unit::Seconds), Histogram::TYPE)?;
+            for (value_label, histogram) in values {
+                histogram.encode(family.encode_family(&[(label, *value_label)])?)?;
+            }
+            Ok::<(), fmt::Error>(())
+        };
+        let h = &self.histograms;
+        let stall: Vec<(&str, &Histogram)> = classes().zip(&h.stall).collect();
+        histograms(
+            &mut encoder,
+            "stallwatch_stall_duration",
+            "How long stalls lasted (last event to the reviving event, or to the end while stalled), by class",
+            "class",
+            &stall,
+        )?;
+        let request: Vec<(&str, &Histogram)> = Outcome::ALL
+            .iter()
+            .map(|o| o.as_str())
+            .zip(&h.request)
+            .collect();
+        histograms(
+            &mut encoder,
+            "stallwatch_request_duration",
+            "Request lifetimes (first event to end), by outcome",
+            "outcome",
+            &request,
+        )?;
+        let stage: Vec<(&str, &Histogram)> = Stage::LIVE
+            .iter()
+            .map(|s| s.as_str())
+            .zip(&h.stage)
+            .collect();
+        histograms(
+            &mut encoder,
+            "stallwatch_stage_duration",
+            "Time requests spent in a stage before the next one (enqueued: waiting for the peer; transfer_posted: the transfer; transfer_done: the release)",
+            "stage",
+            &stage,
+        )?;
+        if !self.workload_stalled.is_empty() {
+            let mut family = encoder.encode_descriptor(
+                "stallwatch_workload_requests_stalled",
+                "Requests stalled right now, by the watched workload (namespace, owner, pod, container) and class",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (labels, class, n) in &self.workload_stalled {
+                let labels: Vec<(&str, &str)> = labels
+                    .iter()
+                    .map(|(k, v)| (*k, v.as_str()))
+                    .chain(std::iter::once(("class", class.as_str())))
+                    .collect();
+                ConstGauge::new(*n).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        let mut info = encoder.encode_descriptor(
+            "stallwatch_build_info",
+            "The agent's build; always 1",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(1).encode(info.encode_family(&[
+            ("version", build_info::VERSION),
+            ("commit", build_info::GIT_SHA),
+            ("rustc", build_info::RUSTC),
+            ("target", build_info::TARGET),
+        ])?)?;
+        if let Some(p) = &self.process {
+            let plain = |encoder: &mut DescriptorEncoder,
+                         name: &str,
+                         help: &str,
+                         unit: Option<&Unit>,
+                         value: f64| {
+                ConstGauge::new(value).encode(encoder.encode_descriptor(
+                    name,
+                    help,
+                    unit,
+                    MetricType::Gauge,
+                )?)
+            };
+            ConstCounter::new(p.cpu_seconds).encode(encoder.encode_descriptor(
+                "process_cpu",
+                "Total user and system CPU time spent",
+                Some(&Unit::Seconds),
+                MetricType::Counter,
+            )?)?;
+            plain(
+                &mut encoder,
+                "process_resident_memory",
+                "Resident memory size",
+                Some(&Unit::Bytes),
+                p.resident_bytes as f64,
+            )?;
+            plain(
+                &mut encoder,
+                "process_virtual_memory",
+                "Virtual memory size",
+                Some(&Unit::Bytes),
+                p.virtual_bytes as f64,
+            )?;
+            plain(
+                &mut encoder,
+                "process_open_fds",
+                "Open file descriptors",
+                None,
+                p.open_fds as f64,
+            )?;
+            if let Some(max) = p.max_fds {
+                plain(
+                    &mut encoder,
+                    "process_max_fds",
+                    "Most open file descriptors allowed",
+                    None,
+                    max as f64,
+                )?;
+            }
+            plain(
+                &mut encoder,
+                "process_start_time",
+                "Start time since the Unix epoch",
+                Some(&Unit::Seconds),
+                p.start_time_seconds,
+            )?;
+            plain(
+                &mut encoder,
+                "process_threads",
+                "Threads",
+                None,
+                p.threads as f64,
+            )?;
         }
         Ok(())
     }
@@ -304,9 +616,18 @@ pub fn parse_addr(text: &str) -> Result<SocketAddr, String> {
     })
 }
 
-/// A scrape waiting for the event loop's answer.
+/// What a client asked the event loop for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ask {
+    /// `/metrics`, in this format.
+    Metrics(Format),
+    /// `/healthz`: is the loop turning? Any answer says yes.
+    Health,
+}
+
+/// A request waiting for the event loop's answer.
 pub struct Scrape {
-    pub format: Format,
+    pub ask: Ask,
     reply: oneshot::Sender<String>,
 }
 
@@ -316,6 +637,10 @@ impl Scrape {
         let _ = self.reply.send(body);
     }
 }
+
+/// How long `/healthz` waits for the event loop: far above a turn of the
+/// loop (milliseconds), below a liveness probe's usual timeout.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Connections served at once; more are closed at once. Many, so that
 /// idle or slow clients (the endpoint may listen on every interface) never
@@ -332,6 +657,7 @@ const MAX_REQUEST: usize = 8 * 1024;
 pub struct MetricsServer {
     addr: SocketAddr,
     scrapes: mpsc::Receiver<Scrape>,
+    ready: Arc<AtomicBool>,
 }
 
 impl MetricsServer {
@@ -342,8 +668,19 @@ impl MetricsServer {
         })?;
         let addr = listener.local_addr().context("reading the metrics endpoint's address")?;
         let (tx, scrapes) = mpsc::channel(MAX_CONNECTIONS);
-        tokio::spawn(accept(listener, tx));
-        Ok(Self { addr, scrapes })
+        let ready = Arc::new(AtomicBool::new(false));
+        tokio::spawn(accept(listener, tx, Arc::clone(&ready)));
+        Ok(Self {
+            addr,
+            scrapes,
+            ready,
+        })
+    }
+
+    /// `/readyz` answers 200 from now on: the probes are attached and a
+    /// previous agent's state is taken over.
+    pub fn set_ready(&self) {
+        self.ready.store(true, Ordering::Release);
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -356,7 +693,7 @@ impl MetricsServer {
     }
 }
 
-async fn accept(listener: TcpListener, scrapes: mpsc::Sender<Scrape>) {
+async fn accept(listener: TcpListener, scrapes: mpsc::Sender<Scrape>, ready: Arc<AtomicBool>) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let (stream, peer) = match listener.accept().await {
@@ -372,8 +709,9 @@ async fn accept(listener: TcpListener, scrapes: mpsc::Sender<Scrape>) {
             continue;
         };
         let scrapes = scrapes.clone();
+        let ready = Arc::clone(&ready);
         tokio::spawn(async move {
-            if let Err(err) = serve(stream, scrapes).await {
+            if let Err(err) = serve(stream, scrapes, &ready).await {
                 debug!(%peer, "metrics endpoint: {err:#}");
             }
             drop(slot);
@@ -381,7 +719,11 @@ async fn accept(listener: TcpListener, scrapes: mpsc::Sender<Scrape>) {
     }
 }
 
-async fn serve(mut stream: TcpStream, scrapes: mpsc::Sender<Scrape>) -> Result<()> {
+async fn serve(
+    mut stream: TcpStream,
+    scrapes: mpsc::Sender<Scrape>,
+    ready: &AtomicBool,
+) -> Result<()> {
     let mut request = Vec::with_capacity(1024);
     let head = tokio::time::timeout(REQUEST_TIMEOUT, async {
         let mut buf = [0; 1024];
@@ -410,18 +752,112 @@ async fn serve(mut stream: TcpStream, scrapes: mpsc::Sender<Scrape>) -> Result<(
         .map_or("", |(_, value)| value.trim());
     let head_only = method == "HEAD";
     if method != "GET" && !head_only {
-        return respond(&mut stream, "405 Method Not Allowed", "text/plain", "only GET /metrics\n", false).await;
+        return respond(
+            &mut stream,
+            "405 Method Not Allowed",
+            "text/plain",
+            "only GET (or HEAD)\n",
+            false,
+        )
+        .await;
     }
     match path.split('?').next() {
         Some("/metrics") => {
             let format = Format::from_accept(accept);
             let (reply, answer) = oneshot::channel();
-            scrapes.send(Scrape { format, reply }).await.context("the agent is shutting down")?;
+            scrapes
+                .send(Scrape {
+                    ask: Ask::Metrics(format),
+                    reply,
+                })
+                .await
+                .context("the agent is shutting down")?;
             let body = answer.await.context("the agent is shutting down")?;
-            respond(&mut stream, "200 OK", format.content_type(), &body, head_only).await
+            respond(
+                &mut stream,
+                "200 OK",
+                format.content_type(),
+                &body,
+                head_only,
+            )
+            .await
         }
-        Some("/") => respond(&mut stream, "200 OK", "text/plain", "stallwatch: metrics at /metrics\n", head_only).await,
-        _ => respond(&mut stream, "404 Not Found", "text/plain", "not found: metrics are at /metrics\n", head_only).await,
+        Some("/healthz") => {
+            let (reply, answer) = oneshot::channel();
+            let asked = async {
+                scrapes
+                    .send(Scrape {
+                        ask: Ask::Health,
+                        reply,
+                    })
+                    .await
+                    .ok()?;
+                answer.await.ok()
+            };
+            match tokio::time::timeout(HEALTH_TIMEOUT, asked).await {
+                Ok(Some(body)) => {
+                    respond(&mut stream, "200 OK", "text/plain", &body, head_only).await
+                }
+                Ok(None) => {
+                    respond(
+                        &mut stream,
+                        "503 Service Unavailable",
+                        "text/plain",
+                        "the agent is shutting down\n",
+                        head_only,
+                    )
+                    .await
+                }
+                Err(_) => {
+                    let body = format!(
+                        "the event loop did not answer within {}s\n",
+                        HEALTH_TIMEOUT.as_secs()
+                    );
+                    respond(
+                        &mut stream,
+                        "503 Service Unavailable",
+                        "text/plain",
+                        &body,
+                        head_only,
+                    )
+                    .await
+                }
+            }
+        }
+        Some("/readyz") if ready.load(Ordering::Acquire) => {
+            respond(&mut stream, "200 OK", "text/plain", "ready\n", head_only).await
+        }
+        Some("/readyz") => {
+            let body = "not ready: attaching the probes and taking over the previous agent's pinned state\n";
+            respond(
+                &mut stream,
+                "503 Service Unavailable",
+                "text/plain",
+                body,
+                head_only,
+            )
+            .await
+        }
+        Some("/") => {
+            respond(
+                &mut stream,
+                "200 OK",
+                "text/plain",
+                "stallwatch: /metrics, /healthz, /readyz\n",
+                head_only,
+            )
+            .await
+        }
+        _ => {
+            respond(
+                &mut stream,
+                "404 Not Found",
+                "text/plain",
+                "not found: try /metrics, /healthz or /readyz\n",
+                head_only,
+            )
+            .await
+        }
     }
 }
 
@@ -516,6 +952,112 @@ mod tests {
         assert!(parse_addr("metrics").expect_err("bad").contains("PORT or ADDRESS:PORT"));
     }
 
+    async fn get(addr: SocketAddr, path: &str) -> String {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        stream
+            .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .expect("write");
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.expect("read");
+        response
+    }
+
+    #[tokio::test]
+    async fn ready_only_once_told_and_live_while_the_loop_answers() {
+        let mut server = MetricsServer::bind("127.0.0.1:0".parse().expect("addr"))
+            .await
+            .expect("bind");
+        let addr = server.local_addr();
+        let before = get(addr, "/readyz").await;
+        assert!(
+            before.starts_with("HTTP/1.1 503 Service Unavailable\r\n")
+                && before.contains("not ready"),
+            "{before}"
+        );
+        server.set_ready();
+        assert!(get(addr, "/readyz").await.ends_with("\r\n\r\nready\n"));
+        // /healthz is answered by the loop (here, this test).
+        let health = tokio::spawn(get(addr, "/healthz"));
+        let ask = server.next().await.expect("a health check");
+        assert_eq!(ask.ask, Ask::Health);
+        ask.answer("ok\n".into());
+        let health = health.await.expect("client");
+        assert!(
+            health.starts_with("HTTP/1.1 200 OK\r\n") && health.ends_with("ok\n"),
+            "{health}"
+        );
+    }
+
+    #[test]
+    fn durations_are_histograms_in_seconds_by_bounded_labels() {
+        let mut engine = Engine::new(EngineConfig {
+            timeout_ns: 1_000_000_000,
+            max_tracked: 100,
+            tick_ns: 10,
+        });
+        let mut reports = Vec::new();
+        let ms = 1_000_000;
+        for (stage, at) in [
+            (Stage::Enqueued, 0),
+            (Stage::TransferPosted, 3 * ms),
+            (Stage::TransferDone, 10 * ms),
+            (Stage::Released, 12 * ms),
+        ] {
+            engine.observe(
+                Observation {
+                    pid: 1,
+                    key: 1,
+                    stage,
+                    ts_ns: at,
+                    external_id: None,
+                    ends: false,
+                },
+                &mut reports,
+            );
+        }
+        let mut metrics = Metrics::default();
+        for report in &reports {
+            metrics.report(report);
+        }
+        let request = reports.iter().find_map(|r| match r {
+            Report::Ended { request, .. } => Some(request.clone()),
+            _ => None,
+        });
+        let request = request.expect("the lifecycle ended");
+        metrics.report(&Report::Recovered {
+            request,
+            class: StallClass::ReleaseLost,
+            stuck_ns: 90_000 * ms,
+        });
+        let text = render(metrics.snapshot(&engine, None, None), Format::OpenMetrics);
+        for line in [
+            "# TYPE stallwatch_request_duration_seconds histogram",
+            "# UNIT stallwatch_request_duration_seconds seconds",
+            "stallwatch_request_duration_seconds_count{outcome=\"released\"} 1",
+            "stallwatch_request_duration_seconds_sum{outcome=\"released\"} 0.012",
+            "stallwatch_stage_duration_seconds_sum{stage=\"enqueued\"} 0.003",
+            "stallwatch_stage_duration_seconds_sum{stage=\"transfer_posted\"} 0.007",
+            "stallwatch_stage_duration_seconds_sum{stage=\"transfer_done\"} 0.002",
+            "stallwatch_stall_duration_seconds_count{class=\"release_lost\"} 1",
+            "stallwatch_stall_duration_seconds_bucket{le=\"60.0\",class=\"release_lost\"} 0",
+            "stallwatch_stall_duration_seconds_bucket{le=\"120.0\",class=\"release_lost\"} 1",
+            "stallwatch_stall_duration_seconds_count{class=\"waiting_for_peer\"} 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
+        }
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("stallwatch_build_info{version=\"") && l.ends_with("} 1")),
+            "{text}"
+        );
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("process_resident_memory_bytes ")),
+            "{text}"
+        );
+    }
+
     #[tokio::test]
     async fn serves_a_scrape_over_http() {
         let mut server = MetricsServer::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
@@ -528,7 +1070,7 @@ mod tests {
             response
         });
         let scrape = server.next().await.expect("a scrape");
-        assert_eq!(scrape.format, Format::OpenMetrics);
+        assert_eq!(scrape.ask, Ask::Metrics(Format::OpenMetrics));
         scrape.answer("x 1\n# EOF\n".into());
         let response = client.await.expect("client");
         assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");

@@ -8,7 +8,7 @@ use tracing::{info, warn};
 
 use super::{
     clock::Clock,
-    metrics::{self, Metrics, MetricsServer, Scrape},
+    metrics::{self, Ask, Metrics, MetricsServer, Scrape},
     otlp::{self, ExportCounts, ExportSettings, OtlpExporter, OtlpOptions, Protocol},
 };
 use crate::{
@@ -17,6 +17,7 @@ use crate::{
     probes::Probes,
     status::StatusReads,
     transport::Evidence,
+    workload::{self, Directory},
 };
 
 /// The `stallwatch run` flags for spans and metrics.
@@ -25,17 +26,25 @@ pub struct TelemetryOptions {
     pub otlp: OtlpOptions,
     /// `--metrics-addr`; `None`: no metrics endpoint.
     pub metrics_addr: Option<SocketAddr>,
+    /// `--kubernetes`: where watched processes' pods are looked up.
+    pub kubernetes: workload::Source,
 }
 
 pub struct Telemetry {
     otlp: Option<OtlpExporter>,
     metrics: Metrics,
     server: Option<MetricsServer>,
+    workloads: Directory,
 }
 
 impl Telemetry {
     /// Start the exporter and the metrics endpoint the options ask for.
     pub async fn start(options: &TelemetryOptions, clock: Clock) -> Result<Self> {
+        let workloads = Directory::new(options.kubernetes.clone())?;
+        let env = |name: &str| std::env::var(name).ok();
+        if let Some(why) = otlp::sampling::disabled_by(&env)? {
+            info!("span export is off: {why}");
+        }
         let otlp = match options.otlp.resolve()? {
             Some(target) => {
                 if target.protocol == Protocol::HttpProtobuf && target.endpoint.contains(":4317") {
@@ -44,7 +53,11 @@ impl Telemetry {
                         "OTLP over HTTP to port 4317, the gRPC port by convention: pass --otlp-protocol grpc if the collector speaks gRPC there"
                     );
                 }
-                let exporter = OtlpExporter::start(target, otlp::config::host_name(), clock, ExportSettings::default())?;
+                let sampler = otlp::sampling::SpanSampler::from_env(&|name: &str| std::env::var(name).ok())?;
+                info!(sampler = %sampler.name, "span sampler (OTEL_TRACES_SAMPLER)");
+                let settings = ExportSettings { workloads: Some(workloads.clone()), sampler, ..ExportSettings::default() };
+                let exporter =
+                    OtlpExporter::start(target, otlp::config::host_name(), clock, settings)?;
                 let target = exporter.target();
                 info!(endpoint = %target.endpoint, protocol = %target.protocol, from = target.source, "exporting spans over OTLP");
                 Some(exporter)
@@ -59,14 +72,30 @@ impl Telemetry {
             }
             None => None,
         };
-        Ok(Self { otlp, metrics: Metrics::default(), server })
+        Ok(Self {
+            otlp,
+            metrics: Metrics::default(),
+            server,
+            workloads,
+        })
     }
 
-    /// Name a watched process (spans carry `process.executable.name`).
+    /// The watched processes' workloads (alerts name them too).
+    pub fn workloads(&self) -> Directory {
+        self.workloads.clone()
+    }
+
+    /// Name a watched process (spans carry `process.executable.name`), and
+    /// look its workload up in the background: the cgroup at once, the
+    /// pod from the API when `--kubernetes` names one.
     pub fn name_process(&self, pid: u32) {
         if let Some(otlp) = &self.otlp {
             otlp.name_process(pid, &executable_name(pid));
         }
+        let workloads = self.workloads.clone();
+        tokio::spawn(async move {
+            workloads.resolve(pid).await;
+        });
     }
 
     /// Count a report and queue it for export, with the transport evidence
@@ -76,6 +105,13 @@ impl Telemetry {
         self.metrics.report(&report);
         if let Some(otlp) = &self.otlp {
             otlp.report(report, evidence, fields);
+        }
+    }
+
+    /// `/readyz` says ready from now on (no-op without a metrics endpoint).
+    pub fn set_ready(&self) {
+        if let Some(server) = &self.server {
+            server.set_ready();
         }
     }
 
@@ -93,11 +129,29 @@ impl Telemetry {
     /// Answer a scrape with the current values; `undecodable`: the
     /// ring-buffer records that did not become events so far; `status`:
     /// how the `[status]` reads went, when the profile has one.
-    pub fn answer(&self, scrape: Scrape, engine: &Engine, probes: &Probes, undecodable: u64, status: Option<StatusReads>) {
-        let losses = probes.counters().map_err(|err| warn!("metrics: {err:#}")).ok().map(|kernel| Losses { kernel, undecodable });
+    pub fn answer(
+        &self,
+        scrape: Scrape,
+        engine: &Engine,
+        probes: &Probes,
+        undecodable: u64,
+        status: Option<StatusReads>,
+    ) {
+        let format = match scrape.ask {
+            Ask::Metrics(format) => format,
+            Ask::Health => return scrape.answer("ok\n".to_owned()),
+        };
+        let losses = probes
+            .counters()
+            .map_err(|err| warn!("metrics: {err:#}"))
+            .ok()
+            .map(|kernel| Losses {
+                kernel,
+                undecodable,
+            });
         let export = self.otlp.as_ref().map(OtlpExporter::counts);
-        let format = scrape.format;
         let mut snapshot = self.metrics.snapshot(engine, losses, export);
+        snapshot.workload_stalled = metrics::workload_stalled(engine, &self.workloads);
         snapshot.status_reads = status;
         let mut gates = probes.gates().peekable();
         if gates.peek().is_some() {

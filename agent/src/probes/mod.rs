@@ -442,8 +442,16 @@ impl Probes {
         }
         for name in programs {
             let link = self.link(name, index, pid, &object.host_path, resolved.file_offset).with_context(|| {
+                // EACCES/EPERM here is the capability, not the target: 6.x
+                // kernels want CAP_SYS_ADMIN for a uprobe perf event.
+                let hint = if caps_lack_sys_admin() {
+                    " (this process lacks CAP_SYS_ADMIN, which attaching a uprobe through perf_event_open needs: \
+                     run as root, or add SYS_ADMIN to the container's capabilities; `stallwatch doctor` checks it)"
+                } else {
+                    ""
+                };
                 format!(
-                    "attaching a uprobe to `{}` at {:#x} in {} for pid {pid}",
+                    "attaching a uprobe to `{}` at {:#x} in {} for pid {pid}{hint}",
                     target.symbol,
                     resolved.file_offset,
                     object.path.display()
@@ -842,6 +850,20 @@ fn release(path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Whether this process's effective capabilities lack CAP_SYS_ADMIN (read
+/// from /proc/self/status; unreadable: assumed not lacking).
+fn caps_lack_sys_admin() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        })
+        .is_some_and(|eff| eff & (1 << crate::doctor::CAP_SYS_ADMIN) == 0)
+}
+
 #[cfg(test)]
 mod tests {
     use stallwatch_common::stage;
@@ -875,3 +897,4 @@ mod tests {
         }
     }
 }
+

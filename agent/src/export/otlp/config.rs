@@ -102,6 +102,11 @@ impl OtlpOptions {
     /// [`resolve`](Self::resolve) with the environment given as a lookup
     /// (for tests).
     pub fn resolve_with(&self, env: impl Fn(&str) -> Option<String>) -> Result<Option<OtlpTarget>> {
+        // The standard switches first: off means off, whatever the endpoint.
+        if super::sampling::disabled_by(&env)?.is_some() {
+            return Ok(None);
+        }
+        super::sampling::check_headers(&env)?;
         let env = |name: &str| env(name).filter(|value| !value.trim().is_empty());
         let protocol = match self.protocol {
             Some(protocol) => protocol,

@@ -18,6 +18,7 @@
 //! report also rings a [`Notify`], and its span is sent at once; other
 //! spans wait up to [`BATCH_DELAY`] or until [`MAX_BATCH`] have gathered.
 pub mod config;
+pub mod sampling;
 pub mod spans;
 
 use std::{
@@ -40,9 +41,9 @@ use tokio::{
 use tracing::{debug, info, warn};
 
 pub use self::config::{OtlpOptions, OtlpTarget, Protocol};
-use self::spans::SpanMaker;
+use self::{sampling::SpanSampler, spans::SpanMaker};
 use super::clock::Clock;
-use crate::{lifecycle::Report, transport::Evidence};
+use crate::{lifecycle::Report, transport::Evidence, workload::Directory};
 
 /// Reports the queue holds; beyond it they are dropped (and counted).
 pub const QUEUE_CAPACITY: usize = 16_384;
@@ -61,11 +62,21 @@ pub struct ExportSettings {
     pub queue_capacity: usize,
     pub max_batch: usize,
     pub batch_delay: Duration,
+    /// The watched processes' workloads: spans carry theirs.
+    pub workloads: Option<Directory>,
+    /// `OTEL_TRACES_SAMPLER`: which spans are sent.
+    pub sampler: SpanSampler,
 }
 
 impl Default for ExportSettings {
     fn default() -> Self {
-        Self { queue_capacity: QUEUE_CAPACITY, max_batch: MAX_BATCH, batch_delay: BATCH_DELAY }
+        Self {
+            queue_capacity: QUEUE_CAPACITY,
+            max_batch: MAX_BATCH,
+            batch_delay: BATCH_DELAY,
+            workloads: None,
+            sampler: SpanSampler::default(),
+        }
     }
 }
 
@@ -82,6 +93,7 @@ struct Counters {
     queue_full: AtomicU64,
     export_failed: AtomicU64,
     failed_batches: AtomicU64,
+    sampled_out: AtomicU64,
 }
 
 impl Counters {
@@ -90,6 +102,7 @@ impl Counters {
             exported: self.exported.load(Ordering::Relaxed),
             dropped_queue_full: self.queue_full.load(Ordering::Relaxed),
             dropped_export_failed: self.export_failed.load(Ordering::Relaxed),
+            sampled_out: self.sampled_out.load(Ordering::Relaxed),
             failed_batches: self.failed_batches.load(Ordering::Relaxed),
             queued,
             queue_capacity: capacity as u64,
@@ -109,6 +122,8 @@ pub struct ExportCounts {
     pub dropped_export_failed: u64,
     /// Export requests that failed after their retries.
     pub failed_batches: u64,
+    /// Spans the sampler (`OTEL_TRACES_SAMPLER`) kept out: not lost.
+    pub sampled_out: u64,
     /// Reports waiting in the queue right now.
     pub queued: u64,
     /// The queue's capacity.
@@ -170,7 +185,9 @@ impl OtlpExporter {
                     let _ = ready_tx.send(Ok(()));
                     let pump = Pump {
                         exporter,
-                        maker: SpanMaker::new(host, clock),
+                        maker: SpanMaker::new(host, clock)
+                            .with_workloads(settings.workloads.clone())
+                            .with_sampler(settings.sampler.clone()),
                         counters: thread_counters,
                         settings,
                         shutdown: shutdown_rx,
@@ -297,7 +314,10 @@ impl Pump {
             loop {
                 match rx.try_recv() {
                     Ok(Msg::Process(pid, name)) => self.maker.name_process(pid, &name),
-                    Ok(Msg::Report(report, evidence, fields)) => urgent |= self.maker.push(report, evidence.map(|e| *e), &fields, &mut batch),
+                    Ok(Msg::Report(report, evidence, fields)) => {
+                        urgent |= self.maker.push(report, evidence.map(|e| *e), &fields, &mut batch);
+                        self.counters.sampled_out.store(self.maker.sampled_out(), Ordering::Relaxed);
+                    }
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => {
                         closed = true;

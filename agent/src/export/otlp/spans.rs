@@ -32,7 +32,10 @@ use crate::{
     lifecycle::{Outcome, Report, RequestSnapshot, Stage, StallClass},
     probes::ActivityKind,
     transport::Evidence,
+    workload::Directory,
 };
+
+use super::sampling::SpanSampler;
 
 /// Span names.
 pub const REQUEST_SPAN: &str = "stallwatch.request";
@@ -75,6 +78,9 @@ pub mod attr {
     /// spans, and on request spans of a lifecycle that stalled (the last
     /// episode's class).
     pub const STALL_CLASS: &str = "stallwatch.stall.class";
+    /// On every span whose status is ERROR: the stall class, `failed` or
+    /// `process_exited` (semantic conventions' `error.type`).
+    pub const ERROR_TYPE: &str = "error.type";
     /// How long the request had been silent when the stall was detected.
     pub const SILENT_MS: &str = "stallwatch.stall.silent_ms";
     /// How long a recovered request had been stuck (`recovered` events).
@@ -170,6 +176,9 @@ pub struct SpanMaker {
     executables: HashMap<u32, Arc<str>>,
     open: HashMap<(u32, u64), Open>,
     ids: RandomIdGenerator,
+    workloads: Option<Directory>,
+    sampler: SpanSampler,
+    sampled_out: u64,
 }
 
 impl SpanMaker {
@@ -181,7 +190,25 @@ impl SpanMaker {
             executables: HashMap::new(),
             open: HashMap::new(),
             ids: RandomIdGenerator::default(),
+            workloads: None,
+            sampler: SpanSampler::default(),
+            sampled_out: 0,
         }
+    }
+
+    /// Which spans are sent (`OTEL_TRACES_SAMPLER`); every one by default.
+    pub fn with_sampler(mut self, sampler: SpanSampler) -> Self {
+        self.sampler = sampler;
+        self
+    }
+
+    /// Spans of a process whose workload is known carry its `container.id`
+    /// and `k8s.*` attributes. On the span, not the resource: the resource
+    /// is the agent's own (one per exporter), and one agent watches many
+    /// pods.
+    pub fn with_workloads(mut self, workloads: Option<Directory>) -> Self {
+        self.workloads = workloads;
+        self
     }
 
     /// The executable name spans of `pid` carry (`process.executable.name`).
@@ -194,6 +221,25 @@ impl SpanMaker {
     /// the request's tracker says of where it stopped. Returns whether one
     /// is a stall span, which should be sent at once.
     pub fn push(&mut self, report: Report, evidence: Option<Evidence>, fields: &[(&'static str, String)], out: &mut Vec<SpanData>) -> bool {
+        // Every span is made (a stall's context is remembered for its
+        // request span's links either way); the sampler then says which
+        // are sent.
+        let from = out.len();
+        let urgent = self.make(report, evidence, fields, out);
+        let made = out.len() - from;
+        let kept: Vec<SpanData> = out.drain(from..).filter(|span| self.sampler.keep(span)).collect();
+        self.sampled_out += (made - kept.len()) as u64;
+        let sent = !kept.is_empty();
+        out.extend(kept);
+        urgent && sent
+    }
+
+    /// Spans the sampler kept out so far.
+    pub fn sampled_out(&self) -> u64 {
+        self.sampled_out
+    }
+
+    fn make(&mut self, report: Report, evidence: Option<Evidence>, fields: &[(&'static str, String)], out: &mut Vec<SpanData>) -> bool {
         match report {
             Report::Stalled { request, class, silent_ns, at_ns } => {
                 let span_id = self.ids.new_span_id();
@@ -210,6 +256,9 @@ impl SpanMaker {
                 open.events.push(detected);
                 let mut attributes = self.base(&request);
                 attributes.push(KeyValue::new(attr::STALL_CLASS, class.as_str()));
+                // The semantic conventions' low-cardinality class of the
+                // error this span's ERROR status is.
+                attributes.push(KeyValue::new(attr::ERROR_TYPE, class.as_str()));
                 attributes.push(KeyValue::new(attr::SILENT_MS, ms(silent_ns)));
                 if let Some(evidence) = &evidence {
                     attributes.extend(transport_attributes(evidence));
@@ -266,6 +315,15 @@ impl SpanMaker {
                     }
                     _ => Status::Unset,
                 };
+                let error_type = match (outcome, request.stalled) {
+                    (Outcome::Failed, _) => Some(outcome.as_str()),
+                    (_, Some(class)) => Some(class.as_str()),
+                    (Outcome::ProcessExited, None) => Some(outcome.as_str()),
+                    _ => None,
+                };
+                if let Some(error_type) = error_type {
+                    attributes.push(KeyValue::new(attr::ERROR_TYPE, error_type));
+                }
                 let end_ns = at_ns.max(request.last_ns);
                 out.push(self.span(context, REQUEST_SPAN, request.first_ns, end_ns, attributes, events, links, status));
                 false
@@ -295,6 +353,14 @@ impl SpanMaker {
         attributes.push(KeyValue::new(attr::PROCESS_PID, i64::from(request.pid)));
         if let Some(name) = self.executables.get(&request.pid) {
             attributes.push(KeyValue::new(attr::PROCESS_EXECUTABLE_NAME, Value::String(StringValue::from(Arc::clone(name)))));
+        }
+        if let Some(workload) = self.workloads.as_ref().and_then(|w| w.get(request.pid)) {
+            attributes.extend(
+                workload
+                    .attributes()
+                    .into_iter()
+                    .map(|(key, value)| KeyValue::new(key, value)),
+            );
         }
         attributes.push(KeyValue::new(attr::KEY, format!("{:#x}", request.key)));
         if let Some(id) = &request.external_id {

@@ -1,0 +1,761 @@
+//! The kustomize components and overlays in agent/deploy/, rendered by a
+//! real `kubectl kustomize`, their core resources checked against the
+//! Kubernetes schemas (kubernetes-validate), the alert rules by `promtool
+//! check rules` and `promtool test rules`, the dashboard's structure and
+//! queries, every metric the rules and the dashboard name against a real
+//! scrape of the agent, and the capabilities-only variant run for real with
+//! only its capabilities.
+//!
+//! `xtask test` provides the tools: STALLWATCH_KUBECTL (kustomize with
+//! components), STALLWATCH_DEBIAN_KUBECTL (Debian's kubernetes-client, whose
+//! kustomize predates components: it renders the base only) and
+//! STALLWATCH_PROMTOOL (Debian's prometheus package).
+use std::{
+    collections::BTreeSet,
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use serde_json::Value;
+use stallwatch_tests::{
+    Demo, Proc, agent_bin,
+    otlp::{Collector, http_get},
+    require_root, root, run_to_end, test_bpf_dir, test_socket, venv_python, wait_for,
+};
+
+fn tool(var: &str, what: &str) -> PathBuf {
+    std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
+        panic!("{var} is not set: run the suite with `cargo run --release -p xtask -- test`, which installs {what}, or set {var}")
+    })
+}
+
+fn kubectl() -> PathBuf {
+    tool(
+        "STALLWATCH_KUBECTL",
+        "a kubectl whose kustomize knows components",
+    )
+}
+
+fn promtool() -> PathBuf {
+    tool(
+        "STALLWATCH_PROMTOOL",
+        "promtool from Debian's prometheus package",
+    )
+}
+
+fn deploy(path: &str) -> PathBuf {
+    root().join("agent/deploy").join(path)
+}
+
+/// `kubectl kustomize DIR` with `kubectl`, as JSON documents (PyYAML from
+/// the test venv reads the YAML).
+fn render_with(kubectl: &Path, dir: &str) -> Vec<Value> {
+    let (ok, yaml, stderr) = run_to_end(Command::new(kubectl).arg("kustomize").arg(deploy(dir)));
+    assert!(
+        ok,
+        "{} kustomize agent/deploy/{dir} failed:\n{stderr}",
+        kubectl.display()
+    );
+    let file = tempfile::Builder::new()
+        .suffix(".yaml")
+        .tempfile()
+        .expect("temp file");
+    std::fs::write(file.path(), &yaml).expect("writing the rendered manifests");
+    yaml_documents(file.path())
+}
+
+fn render(dir: &str) -> Vec<Value> {
+    render_with(&kubectl(), dir)
+}
+
+fn yaml_documents(file: &Path) -> Vec<Value> {
+    let script =
+        "import json, sys, yaml\nprint(json.dumps(list(yaml.safe_load_all(open(sys.argv[1])))))";
+    let (ok, stdout, stderr) =
+        run_to_end(Command::new(venv_python()).args(["-c", script]).arg(file));
+    assert!(ok, "parsing {} as YAML: {stderr}", file.display());
+    match serde_json::from_str(&stdout) {
+        Ok(Value::Array(docs)) => docs.into_iter().filter(|doc| !doc.is_null()).collect(),
+        other => panic!("unexpected YAML documents in {}: {other:?}", file.display()),
+    }
+}
+
+fn of_kind<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind)
+        .unwrap_or_else(|| panic!("no {kind} in {docs:#?}"))
+}
+
+/// kubernetes-validate --strict on the documents of core Kubernetes kinds
+/// (the Prometheus Operator's CRDs have no schema there; they are checked
+/// structurally and by promtool below).
+fn validate_core(docs: &[Value]) {
+    let core: Vec<&Value> = docs
+        .iter()
+        .filter(|d| {
+            !d["apiVersion"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with("monitoring.coreos.com")
+        })
+        .collect();
+    let file = tempfile::Builder::new()
+        .suffix(".yaml")
+        .tempfile()
+        .expect("temp file");
+    // JSON documents are YAML; one per `---`.
+    let text = core
+        .iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join("\n---\n");
+    std::fs::write(file.path(), text).expect("writing");
+    let (ok, stdout, stderr) = run_to_end(
+        Command::new(venv_python())
+            .args(["-m", "kubernetes_validate", "--strict"])
+            .arg(file.path()),
+    );
+    let out = format!("{stdout}{stderr}");
+    assert!(
+        ok && !out.contains("Couldn't find schema"),
+        "the rendered manifests do not validate:\n{out}"
+    );
+    assert_eq!(
+        out.matches("passed for resource").count(),
+        core.len(),
+        "{out}"
+    );
+}
+
+#[test]
+fn the_base_and_every_overlay_render_and_pass_the_kubernetes_schemas() {
+    for dir in [
+        "",
+        "base",
+        "overlays/prometheus-operator",
+        "overlays/capabilities",
+        "overlays/full",
+    ] {
+        let docs = render(dir);
+        validate_core(&docs);
+        let ds = of_kind(&docs, "DaemonSet");
+        // The generated ConfigMap's hashed name is the one the pod mounts.
+        let config = docs
+            .iter()
+            .find(|d| {
+                d["kind"] == "ConfigMap"
+                    && d["metadata"]["name"]
+                        .as_str()
+                        .is_some_and(|n| n.starts_with("stallwatch-config-"))
+            })
+            .expect("config map");
+        let volumes = ds["spec"]["template"]["spec"]["volumes"]
+            .as_array()
+            .expect("volumes");
+        assert!(
+            volumes
+                .iter()
+                .any(|v| v["configMap"]["name"] == config["metadata"]["name"]),
+            "{dir}: {volumes:?}"
+        );
+    }
+}
+
+#[test]
+fn debians_kubectl_renders_the_base() {
+    // kubectl 1.20 (kustomize v2.0.3) has no components and takes only
+    // files as resources: the base is written for it too.
+    let debian = tool("STALLWATCH_DEBIAN_KUBECTL", "Debian's kubernetes-client");
+    let (ok, version, _) = run_to_end(Command::new(&debian).args(["version", "--client"]));
+    assert!(ok && version.contains("v1.20"), "{version}");
+    let docs = render_with(&debian, "base");
+    assert_eq!(
+        docs.iter()
+            .map(|d| d["kind"].as_str().unwrap_or_default())
+            .collect::<Vec<_>>(),
+        ["Namespace", "ConfigMap", "DaemonSet"]
+    );
+    // The same DaemonSet, but for the ConfigMap's name: each kustomize
+    // version hashes the contents its own way.
+    let unhashed = |docs: &[Value]| {
+        let mut ds = of_kind(docs, "DaemonSet").clone();
+        for volume in ds["spec"]["template"]["spec"]["volumes"]
+            .as_array_mut()
+            .expect("volumes")
+        {
+            if let Some(name) = volume["configMap"]["name"]
+                .as_str()
+                .and_then(|n| n.rsplit_once('-'))
+                .map(|(base, _)| base.to_owned())
+            {
+                volume["configMap"]["name"] = Value::String(name);
+            }
+        }
+        ds
+    };
+    assert_eq!(
+        unhashed(&docs),
+        unhashed(&render("base")),
+        "both kustomizes make the same DaemonSet"
+    );
+}
+
+#[test]
+fn the_prometheus_operator_overlay_scrapes_the_agents_and_loads_the_dashboard() {
+    let docs = render("overlays/prometheus-operator");
+    let ds = of_kind(&docs, "DaemonSet");
+    let pod_labels = &ds["spec"]["template"]["metadata"]["labels"];
+    let service = of_kind(&docs, "Service");
+    for (key, value) in service["spec"]["selector"].as_object().expect("selector") {
+        assert_eq!(
+            &pod_labels[key], value,
+            "the Service selects the agent pods"
+        );
+    }
+    assert_eq!(
+        service["spec"]["clusterIP"], "None",
+        "headless: one endpoint per agent"
+    );
+    let port = &service["spec"]["ports"][0];
+    assert_eq!(port["targetPort"], "metrics");
+    let monitor = of_kind(&docs, "ServiceMonitor");
+    for (key, value) in monitor["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .expect("matchLabels")
+    {
+        assert_eq!(
+            &service["metadata"]["labels"][key], value,
+            "the ServiceMonitor selects the Service"
+        );
+    }
+    assert_eq!(monitor["spec"]["endpoints"][0]["port"], port["name"]);
+    assert_eq!(monitor["spec"]["endpoints"][0]["path"], "/metrics");
+    assert_eq!(
+        monitor["spec"]["namespaceSelector"]["matchNames"][0],
+        ds["metadata"]["namespace"]
+    );
+    // The job label Prometheus gives the targets (the Service's name) is the
+    // one the AgentDown alert watches.
+    let rule = of_kind(&docs, "PrometheusRule").to_string();
+    assert!(
+        rule.contains(&format!(
+            "up{{job=\\\"{}\\\"}}",
+            service["metadata"]["name"].as_str().expect("name")
+        )),
+        "{rule}"
+    );
+    let dashboard = docs
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["labels"]["grafana_dashboard"] == "1")
+        .expect("the dashboard ConfigMap, labelled for Grafana's sidecar");
+    let json: Value =
+        serde_json::from_str(dashboard["data"]["stallwatch.json"].as_str().expect("json"))
+            .expect("dashboard JSON");
+    assert_eq!(json["uid"], "stallwatch");
+}
+
+#[test]
+fn the_capabilities_overlay_drops_privileged_for_its_capabilities() {
+    let docs = render("overlays/capabilities");
+    let pod = &of_kind(&docs, "DaemonSet")["spec"]["template"]["spec"];
+    for container in [&pod["containers"][0], &pod["initContainers"][0]] {
+        let sc = &container["securityContext"];
+        assert_eq!(sc["privileged"], false, "{container:#}");
+        assert_eq!(sc["capabilities"]["drop"][0], "ALL");
+        assert_eq!(
+            capabilities(sc),
+            capabilities(&pod["containers"][0]["securityContext"])
+        );
+    }
+    // Bidirectional needs privileged: the variant takes the host's mounts only.
+    let mounts = pod["containers"][0]["volumeMounts"]
+        .as_array()
+        .expect("mounts");
+    let bpffs = mounts
+        .iter()
+        .find(|m| m["mountPath"] == "/sys/fs/bpf")
+        .expect("bpffs");
+    assert_eq!(bpffs["mountPropagation"], "HostToContainer");
+}
+
+#[test]
+fn workload_identity_may_only_list_pods_through_its_proxy() {
+    let docs = render("overlays/full");
+    let role = of_kind(&docs, "ClusterRole");
+    assert_eq!(
+        role["rules"],
+        serde_json::json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]),
+        "least privilege: list pods, nothing else"
+    );
+    let binding = of_kind(&docs, "ClusterRoleBinding");
+    let account = of_kind(&docs, "ServiceAccount");
+    assert_eq!(binding["roleRef"]["name"], role["metadata"]["name"]);
+    assert_eq!(binding["subjects"][0]["name"], account["metadata"]["name"]);
+    assert_eq!(
+        binding["subjects"][0]["namespace"],
+        account["metadata"]["namespace"]
+    );
+    let pod = &of_kind(&docs, "DaemonSet")["spec"]["template"]["spec"];
+    assert_eq!(pod["serviceAccountName"], account["metadata"]["name"]);
+    assert_eq!(pod["automountServiceAccountToken"], true);
+    // The agent asks the proxy on the pod's loopback, at the port it serves.
+    let env = pod["containers"][0]["env"].as_array().expect("env");
+    let url = env
+        .iter()
+        .find(|e| e["name"] == "STALLWATCH_KUBERNETES")
+        .and_then(|e| e["value"].as_str())
+        .expect("STALLWATCH_KUBERNETES");
+    let proxy = pod["containers"]
+        .as_array()
+        .expect("containers")
+        .iter()
+        .find(|c| c["name"] == "kube-api-proxy")
+        .expect("the proxy sidecar");
+    let args: Vec<&str> = proxy["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(args[0], "proxy");
+    assert!(args.contains(&"--address=127.0.0.1"), "{args:?}");
+    let port = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--port="))
+        .expect("--port");
+    assert_eq!(url, format!("http://127.0.0.1:{port}"));
+    assert_eq!(proxy["securityContext"]["capabilities"]["drop"][0], "ALL");
+}
+
+fn capabilities(security_context: &Value) -> Vec<String> {
+    security_context["capabilities"]["add"]
+        .as_array()
+        .expect("capabilities.add")
+        .iter()
+        .map(|c| c.as_str().expect("name").to_owned())
+        .collect()
+}
+
+/// The rule groups of the PrometheusRule as a plain rules file, beside a
+/// copy of rules.test.yaml, in a temporary directory.
+fn rules_dir(test_file: &str) -> tempfile::TempDir {
+    let docs = render("overlays/prometheus-operator");
+    let spec = &of_kind(&docs, "PrometheusRule")["spec"];
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("rules.yaml"), spec.to_string()).expect("rules.yaml");
+    std::fs::write(dir.path().join("rules.test.yaml"), test_file).expect("rules.test.yaml");
+    dir
+}
+
+fn rules_test() -> String {
+    std::fs::read_to_string(deploy("components/prometheusrule/rules.test.yaml"))
+        .expect("rules.test.yaml")
+}
+
+#[test]
+fn the_alert_rules_pass_promtool_check_and_their_unit_tests() {
+    let dir = rules_dir(&rules_test());
+    let (ok, stdout, stderr) = run_to_end(
+        Command::new(promtool())
+            .args(["check", "rules"])
+            .arg(dir.path().join("rules.yaml")),
+    );
+    assert!(ok, "promtool check rules:\n{stdout}{stderr}");
+    assert!(stdout.contains("SUCCESS: 5 rules found"), "{stdout}");
+    let (ok, stdout, stderr) = run_to_end(
+        Command::new(promtool())
+            .args(["test", "rules"])
+            .arg(dir.path().join("rules.test.yaml")),
+    );
+    assert!(ok, "promtool test rules:\n{stdout}{stderr}");
+    assert!(stdout.contains("SUCCESS"), "{stdout}");
+}
+
+#[test]
+fn a_wrong_expectation_fails_the_rule_tests() {
+    // The rule tests can fail: one expected alert's class changed.
+    let text = rules_test();
+    let broken = text.replacen(
+        "              class: transfer_hung\n",
+        "              class: release_lost\n",
+        1,
+    );
+    assert_ne!(text, broken);
+    let dir = rules_dir(&broken);
+    let (ok, stdout, stderr) = run_to_end(
+        Command::new(promtool())
+            .args(["test", "rules"])
+            .arg(dir.path().join("rules.test.yaml")),
+    );
+    assert!(!ok, "a wrong expectation passed:\n{stdout}{stderr}");
+    assert!(
+        format!("{stdout}{stderr}").contains("StallwatchRequestsStalled"),
+        "{stdout}{stderr}"
+    );
+}
+
+#[test]
+fn every_alert_has_a_runbook_section() {
+    let runbook = std::fs::read_to_string(deploy("components/prometheusrule/RUNBOOK.md"))
+        .expect("RUNBOOK.md");
+    let anchors: BTreeSet<String> = runbook
+        .lines()
+        .filter_map(|l| l.strip_prefix("## "))
+        .map(|h| h.trim().to_lowercase().replace(' ', "-"))
+        .collect();
+    let docs = render("overlays/prometheus-operator");
+    let groups = of_kind(&docs, "PrometheusRule")["spec"]["groups"]
+        .as_array()
+        .expect("groups")
+        .clone();
+    let mut alerts = 0;
+    for rule in groups
+        .iter()
+        .flat_map(|g| g["rules"].as_array().expect("rules").clone())
+    {
+        let name = rule["alert"].as_str().expect("an alert");
+        let url = rule["annotations"]["runbook_url"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{name} has no runbook_url"));
+        let anchor = url
+            .split_once('#')
+            .map(|(_, a)| a)
+            .unwrap_or_else(|| panic!("{name}: {url} has no anchor"));
+        assert_eq!(anchor, name.to_lowercase(), "{name}'s runbook anchor");
+        assert!(
+            anchors.contains(anchor),
+            "RUNBOOK.md has no section `## {name}`"
+        );
+        assert!(
+            rule["labels"]["severity"].is_string() && rule["annotations"]["summary"].is_string(),
+            "{rule:#}"
+        );
+        alerts += 1;
+    }
+    assert_eq!(alerts, anchors.len(), "one section per alert: {anchors:?}");
+}
+
+fn dashboard() -> Value {
+    let text = std::fs::read_to_string(deploy("components/grafana-dashboard/stallwatch.json"))
+        .expect("stallwatch.json");
+    serde_json::from_str(&text).expect("the dashboard is JSON")
+}
+
+/// Every query of the dashboard, with Grafana's variables put in.
+fn dashboard_queries() -> Vec<String> {
+    let dashboard = dashboard();
+    dashboard["panels"]
+        .as_array()
+        .expect("panels")
+        .iter()
+        .flat_map(|p| p["targets"].as_array().expect("targets").clone())
+        .map(|t| {
+            t["expr"]
+                .as_str()
+                .expect("expr")
+                .replace("$__rate_interval", "1m")
+                .replace("\"$node\"", "\".*\"")
+                .replace("\"$job\"", "\".*\"")
+        })
+        .collect()
+}
+
+#[test]
+fn the_dashboard_is_well_formed_and_its_queries_parse() {
+    let dashboard = dashboard();
+    assert_eq!(dashboard["uid"], "stallwatch");
+    assert!(
+        dashboard["schemaVersion"].as_u64().is_some_and(|v| v >= 36),
+        "a current dashboard schema"
+    );
+    let variables: Vec<&str> = dashboard["templating"]["list"]
+        .as_array()
+        .expect("templating")
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    assert_eq!(variables, ["datasource", "job", "node"]);
+    let panels = dashboard["panels"].as_array().expect("panels");
+    let mut ids = BTreeSet::new();
+    // Panels on Grafana's 24-column grid, none overlapping.
+    let mut cells = BTreeSet::new();
+    for panel in panels {
+        assert!(
+            ids.insert(panel["id"].as_u64().expect("id")),
+            "duplicate panel id: {panel:#}"
+        );
+        assert!(
+            ["timeseries", "table", "stat"].contains(&panel["type"].as_str().expect("type")),
+            "{panel:#}"
+        );
+        assert_eq!(
+            panel["datasource"]["uid"], "${datasource}",
+            "every panel uses the data source variable"
+        );
+        let g = &panel["gridPos"];
+        let [x, y, w, h] = ["x", "y", "w", "h"].map(|k| g[k].as_u64().expect("gridPos"));
+        assert!(x + w <= 24 && w > 0 && h > 0, "{panel:#}");
+        for cell in (x..x + w).flat_map(|cx| (y..y + h).map(move |cy| (cx, cy))) {
+            assert!(
+                cells.insert(cell),
+                "panel {} overlaps another at {cell:?}",
+                panel["title"]
+            );
+        }
+        for target in panel["targets"].as_array().expect("targets") {
+            assert!(
+                target["refId"].is_string() && target["expr"].is_string(),
+                "{target:#}"
+            );
+        }
+    }
+    // Every query parses: promtool checks them as recording rules.
+    let rules: Vec<Value> = dashboard_queries()
+        .iter()
+        .enumerate()
+        .map(|(n, expr)| serde_json::json!({ "record": format!("dashboard:query{n}"), "expr": expr }))
+        .collect();
+    let file = tempfile::Builder::new()
+        .suffix(".yaml")
+        .tempfile()
+        .expect("temp file");
+    std::fs::write(
+        file.path(),
+        serde_json::json!({ "groups": [{ "name": "dashboard", "rules": rules }] }).to_string(),
+    )
+    .expect("write");
+    let (ok, stdout, stderr) = run_to_end(
+        Command::new(promtool())
+            .args(["check", "rules"])
+            .arg(file.path()),
+    );
+    assert!(ok, "a dashboard query does not parse:\n{stdout}{stderr}");
+
+    // And a broken one would not.
+    std::fs::write(file.path(), r#"{"groups":[{"name":"d","rules":[{"record":"x:y","expr":"sum by (class (stallwatch_requests_stalled)"}]}]}"#).expect("write");
+    let (ok, _, _) = run_to_end(
+        Command::new(promtool())
+            .args(["check", "rules"])
+            .arg(file.path()),
+    );
+    assert!(!ok, "promtool accepted a broken query");
+}
+
+/// The metric names an expression reads: every word that starts with the
+/// agent's prefixes (`stallwatch_`, `process_`; no label or function does),
+/// and `up`.
+fn metric_names(expr: &str) -> BTreeSet<String> {
+    expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+        .filter(|word| {
+            word.starts_with("stallwatch_") || word.starts_with("process_") || *word == "up"
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn the_rules_and_the_dashboard_name_only_metrics_the_agent_serves() {
+    require_root();
+    // With a stall, so the per-workload series exist too.
+    let mut demo = Demo::start(&[
+        "--rate",
+        "100",
+        "--duration",
+        "4s",
+        "--inject-after",
+        "100ms",
+        "--waiting-for-peer",
+        "1",
+    ]);
+    let socket = test_socket();
+    let bpf_dir = test_bpf_dir();
+    // And a collector, so the export series exist.
+    let collector = Collector::start();
+    let mut agent = Proc::spawn(
+        "stallwatch",
+        Command::new(agent_bin())
+            .args([
+                "run",
+                "--profile",
+                "demo",
+                "--timeout",
+                "1s",
+                "--metrics-addr",
+                "127.0.0.1:0",
+                "--pid",
+            ])
+            .arg(demo.proc.pid().to_string())
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--bpf-dir")
+            .arg(&bpf_dir)
+            .args(["--otlp-endpoint", &collector.http_endpoint()]),
+    );
+    agent.wait_stderr("serving `stallwatch inflight`", Duration::from_secs(30));
+    demo.go();
+    let port: u16 = agent
+        .stderr()
+        .lines()
+        .filter(|l| l.contains("serving metrics"))
+        .find_map(|l| {
+            l.split("addr=127.0.0.1:")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .expect("metrics port");
+    let body = wait_for("the stall on /metrics", Duration::from_secs(10), || {
+        let (status, body) = http_get(port, "/metrics", None);
+        (status == "HTTP/1.1 200 OK" && body.contains("stallwatch_workload_requests_stalled{"))
+            .then_some(body)
+    });
+    let served: BTreeSet<String> = body
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .map(str::to_owned)
+        .collect();
+    let mut exprs = dashboard_queries();
+    let docs = render("overlays/prometheus-operator");
+    for group in of_kind(&docs, "PrometheusRule")["spec"]["groups"]
+        .as_array()
+        .expect("groups")
+    {
+        for rule in group["rules"].as_array().expect("rules") {
+            exprs.push(rule["expr"].as_str().expect("expr").to_owned());
+        }
+    }
+    let mut named = BTreeSet::new();
+    for expr in &exprs {
+        named.extend(metric_names(expr));
+    }
+    // `up` is Prometheus's own.
+    named.remove("up");
+    assert!(named.len() >= 10, "{named:?}");
+    let missing: Vec<&String> = named
+        .iter()
+        .filter(|name| !served.contains(*name))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "rules or dashboard name metrics the agent does not serve: {missing:?}\nserved: {served:?}"
+    );
+    agent.signal(libc::SIGINT);
+    let _ = agent.wait(Duration::from_secs(20));
+    let _ = std::fs::remove_dir_all(&bpf_dir);
+    let _ = collector.stop();
+}
+
+/// `setpriv` keeping only `caps` in the bounding set: as root, exec then
+/// gives the agent exactly those capabilities.
+fn with_only(caps: &[String]) -> Command {
+    let bounding = std::iter::once("-all".to_owned())
+        .chain(caps.iter().map(|c| format!("+{}", c.to_lowercase())))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut command = Command::new("setpriv");
+    command
+        .args(["--inh-caps", "-all", "--bounding-set", &bounding, "--"])
+        .arg(agent_bin());
+    command
+}
+
+#[test]
+fn the_capabilities_variant_really_runs_with_only_its_capabilities() {
+    require_root();
+    let docs = render("overlays/capabilities");
+    let caps = capabilities(
+        &of_kind(&docs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["securityContext"],
+    );
+
+    // With exactly the listed capabilities: attached, and a stall reported.
+    let mut demo = Demo::start(&[
+        "--rate",
+        "100",
+        "--duration",
+        "4s",
+        "--inject-after",
+        "200ms",
+        "--transfer-hung",
+        "1",
+    ]);
+    let bpf_dir = test_bpf_dir();
+    let mut agent = Proc::spawn(
+        "stallwatch",
+        with_only(&caps)
+            .args([
+                "run",
+                "--profile",
+                "demo",
+                "--timeout",
+                "1s",
+                "--output",
+                "json",
+                "--pid",
+            ])
+            .arg(demo.proc.pid().to_string())
+            .arg("--socket")
+            .arg(test_socket())
+            .arg("--bpf-dir")
+            .arg(&bpf_dir),
+    );
+    agent.wait_stderr("watching", Duration::from_secs(30));
+    let status =
+        std::fs::read_to_string(format!("/proc/{}/status", agent.pid())).expect("agent status");
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(str::trim)
+        .expect("CapEff");
+    demo.go();
+    let lines = agent.lines_until_exit(Duration::from_secs(30));
+    let exit = agent.wait(Duration::from_secs(5));
+    let _ = std::fs::remove_dir_all(&bpf_dir);
+    assert!(exit.success(), "{exit}: {}", agent.stderr());
+    assert_ne!(
+        eff, "000001ffffffffff",
+        "the agent ran with every capability: setpriv did not bound it"
+    );
+    let stalls = lines
+        .iter()
+        .filter_map(|l| l.json())
+        .filter(|v| v["alert"] == "stalled")
+        .count();
+    assert!(
+        stalls >= 1,
+        "no stall reported with the capabilities {caps:?} (CapEff {eff}):\n{}",
+        agent.stderr()
+    );
+
+    // Without CAP_SYS_ADMIN the attach fails, saying so: the docs' claim
+    // that it is needed holds on this kernel.
+    let without: Vec<String> = caps.iter().filter(|c| *c != "SYS_ADMIN").cloned().collect();
+    let mut demo = Demo::start(&["--rate", "100", "--duration", "3s"]);
+    let (ok, _, stderr) = run_to_end(
+        with_only(&without)
+            .args([
+                "run",
+                "--profile",
+                "demo",
+                "--timeout",
+                "1s",
+                "--ephemeral",
+                "--pid",
+            ])
+            .arg(demo.proc.pid().to_string())
+            .arg("--socket")
+            .arg(test_socket()),
+    );
+    demo.go();
+    assert!(
+        !ok,
+        "the agent ran without CAP_SYS_ADMIN: the capability list could drop it\n{stderr}"
+    );
+    assert!(
+        stderr.contains("perf_event_open") && stderr.contains("lacks CAP_SYS_ADMIN"),
+        "the error names the missing capability:\n{stderr}"
+    );
+}

@@ -1,0 +1,301 @@
+//! Which workload is stuck: the demo target moved into a cgroup laid out as
+//! the kubelet lays out a pod's container (`kubepods/burstable/pod<UID>/<ID>`,
+//! made here in the host's cgroup v1 `pids` hierarchy), and a local HTTP
+//! server answering `GET /api/v1/pods` with a PodList as the API server
+//! (behind `kubectl proxy`) does. The agent must name the pod on its alerts,
+//! spans and metrics; without the API, the container id alone; on an API
+//! error, that and a warning, never a failure.
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    net::TcpListener,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use serde_json::{Value, json};
+use stallwatch_tests::{
+    Agent, Demo, alerts, metric,
+    otlp::{Collector, http_get},
+    require_root,
+};
+
+const NAMESPACE: &str = "llm";
+const POD: &str = "prefill-7d9f8-abcde";
+const NODE: &str = "gpu-node-7";
+
+/// A container id and pod UID unique to this test run.
+fn ids(salt: u32) -> (String, String) {
+    let seed = u64::from(std::process::id()) << 16 | u64::from(salt);
+    let id = format!("{:016x}", seed).repeat(4);
+    let uid = format!(
+        "{:08x}-1d2f-4a3b-9c8d-{:012x}",
+        salt,
+        seed & 0xffff_ffff_ffff
+    );
+    (id, uid)
+}
+
+/// The cgroup `kubepods/burstable/pod<UID>/<ID>` in the `pids` hierarchy,
+/// with `pid` moved in; removed (after the process is gone) on drop.
+struct PodCgroup {
+    dirs: Vec<PathBuf>,
+}
+
+impl PodCgroup {
+    fn enter(pid: u32, uid: &str, id: &str) -> Self {
+        let root = PathBuf::from("/sys/fs/cgroup/pids");
+        assert!(
+            root.join("cgroup.procs").exists(),
+            "no cgroup v1 pids hierarchy at {}: this test lays out a pod's cgroup there",
+            root.display()
+        );
+        let pod = root.join("kubepods/burstable").join(format!("pod{uid}"));
+        let container = pod.join(id);
+        std::fs::create_dir_all(&container)
+            .unwrap_or_else(|err| panic!("creating {}: {err}", container.display()));
+        std::fs::write(container.join("cgroup.procs"), pid.to_string())
+            .expect("moving the demo into the pod's cgroup");
+        let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("cgroup");
+        assert!(
+            cgroup.contains(&format!("/kubepods/burstable/pod{uid}/{id}")),
+            "{cgroup}"
+        );
+        Self {
+            dirs: vec![container, pod],
+        }
+    }
+}
+
+impl Drop for PodCgroup {
+    fn drop(&mut self) {
+        for dir in &self.dirs {
+            for _ in 0..50 {
+                if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+/// A local HTTP server answering every request with `status` and `body`;
+/// the request lines it got.
+struct ApiServer {
+    port: u16,
+    requests: Arc<Mutex<Vec<String>>>,
+}
+
+impl ApiServer {
+    fn start(status: &'static str, body: String) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("binding the API server");
+        let port = listener.local_addr().expect("addr").port();
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let seen = Arc::clone(&requests);
+        std::thread::spawn(move || {
+            // Bounded: the agent lists at most every 5 s; a test asks few.
+            for stream in listener.incoming().take(50) {
+                let Ok(mut stream) = stream else { continue };
+                let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+                let mut line = String::new();
+                if reader.read_line(&mut line).is_err() {
+                    continue;
+                }
+                // The rest of the head.
+                let mut header = String::new();
+                while reader.read_line(&mut header).is_ok_and(|n| n > 2) {
+                    header.clear();
+                }
+                seen.lock().expect("lock").push(line.trim().to_owned());
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        Self { port, requests }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn requests(&self) -> Vec<String> {
+        self.requests.lock().expect("lock").clone()
+    }
+}
+
+/// A PodList with one pod of a Deployment `prefill`, its container
+/// `sglang` being `id`.
+fn pod_list(id: &str, uid: &str) -> String {
+    json!({
+        "kind": "PodList",
+        "apiVersion": "v1",
+        "metadata": {"resourceVersion": "1"},
+        "items": [{
+            "metadata": {
+                "name": POD, "namespace": NAMESPACE, "uid": uid,
+                "labels": {"app": "prefill", "pod-template-hash": "7d9f8"},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "prefill-7d9f8", "uid": "x", "controller": true}]
+            },
+            "spec": {"nodeName": NODE, "containers": [{"name": "sglang", "image": "sglang"}]},
+            "status": {"phase": "Running", "containerStatuses": [{"name": "sglang", "containerID": format!("containerd://{id}"), "ready": true}]}
+        }]
+    })
+    .to_string()
+}
+
+fn stalled_demo() -> Demo {
+    Demo::start(&[
+        "--rate",
+        "100",
+        "--duration",
+        "5s",
+        "--inject-after",
+        "200ms",
+        "--waiting-for-peer",
+        "1",
+    ])
+}
+
+#[test]
+fn alerts_spans_and_metrics_name_the_pod_from_the_api() {
+    require_root();
+    let (id, uid) = ids(1);
+    let mut demo = stalled_demo();
+    let pid = demo.proc.pid();
+    let _cgroup = PodCgroup::enter(pid, &uid, &id);
+    let api = ApiServer::start("200 OK", pod_list(&id, &uid));
+    let mut collector = Collector::start();
+    let endpoint = collector.http_endpoint();
+    let agent = Agent::watch_with_env(
+        pid,
+        "demo",
+        "1s",
+        &[
+            "--kubernetes",
+            &api.url(),
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--otlp-endpoint",
+            &endpoint,
+        ],
+        &[("K8S_NODE_NAME", NODE)],
+    );
+    demo.go();
+    let mut seen = Vec::new();
+    let stalled = agent.wait_alerts("stalled", 1, Duration::from_secs(10), &mut seen);
+    let workload = &stalled[0].1["workload"];
+    assert_eq!(
+        workload["k8s.namespace.name"], NAMESPACE,
+        "{}",
+        stalled[0].1
+    );
+    assert_eq!(workload["k8s.pod.name"], POD);
+    assert_eq!(workload["k8s.container.name"], "sglang");
+    assert_eq!(
+        workload["k8s.owner.name"], "prefill",
+        "the Deployment, not its ReplicaSet"
+    );
+    assert_eq!(workload["k8s.owner.kind"], "Deployment");
+    assert_eq!(workload["k8s.node.name"], NODE);
+    assert_eq!(workload["container.id"], Value::String(id.clone()));
+    assert_eq!(workload["k8s.pod.uid"], Value::String(uid.clone()));
+
+    // The metric names the workload, with bounded labels.
+    let (_, body) = http_get(agent.metrics_port(), "/metrics", None);
+    let series = format!(
+        "stallwatch_workload_requests_stalled{{k8s_namespace_name=\"{NAMESPACE}\",k8s_owner_name=\"prefill\",k8s_pod_name=\"{POD}\",k8s_container_name=\"sglang\",class=\"waiting_for_peer\"}}"
+    );
+    assert_eq!(metric(&body, &series), 1, "{body}");
+
+    // So does the stall span.
+    let spans = collector.wait_for(Duration::from_secs(5), "the stall span", |spans| {
+        spans.iter().any(|s| s.name == "stallwatch.stall")
+    });
+    let span = spans
+        .iter()
+        .find(|s| s.name == "stallwatch.stall")
+        .expect("stall span");
+    assert_eq!(span.attr("k8s.pod.name"), Some(POD), "{span:#?}");
+    assert_eq!(span.attr("k8s.namespace.name"), Some(NAMESPACE));
+    assert_eq!(span.attr("container.id"), Some(id.as_str()));
+
+    // One list, of this node's pods only.
+    let requests = api.requests();
+    assert_eq!(
+        requests,
+        [format!(
+            "GET /api/v1/pods?fieldSelector=spec.nodeName%3D{NODE} HTTP/1.1"
+        )],
+        "{requests:?}"
+    );
+    drop(agent);
+    let _ = collector.stop();
+}
+
+#[test]
+fn without_the_api_the_container_id_and_on_its_error_a_warning() {
+    require_root();
+    // No Kubernetes: the cgroup's ids alone.
+    let (id, uid) = ids(2);
+    let mut demo = stalled_demo();
+    let _cgroup = PodCgroup::enter(demo.proc.pid(), &uid, &id);
+    let agent = Agent::watch(demo.proc.pid(), "demo", "1s", &[]);
+    demo.go();
+    let mut seen = Vec::new();
+    let stalled = agent.wait_alerts("stalled", 1, Duration::from_secs(10), &mut seen);
+    let workload = stalled[0].1["workload"]
+        .as_object()
+        .expect("a workload")
+        .clone();
+    assert_eq!(
+        workload.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["container.id", "k8s.pod.uid"],
+        "{workload:?}"
+    );
+    assert_eq!(workload["container.id"], Value::String(id));
+    drop(agent);
+
+    // The API refuses (no RBAC): the ids all the same, and a warning that
+    // says what to grant.
+    let (id, uid) = ids(3);
+    let mut demo = stalled_demo();
+    let _cgroup = PodCgroup::enter(demo.proc.pid(), &uid, &id);
+    let api = ApiServer::start(
+        "403 Forbidden",
+        json!({"kind": "Status", "reason": "Forbidden"}).to_string(),
+    );
+    let agent = Agent::watch(demo.proc.pid(), "demo", "1s", &["--kubernetes", &api.url()]);
+    demo.go();
+    let mut seen = Vec::new();
+    let stalled = agent.wait_alerts("stalled", 1, Duration::from_secs(10), &mut seen);
+    assert_eq!(stalled[0].1["workload"]["container.id"], Value::String(id));
+    assert!(stalled[0].1["workload"].get("k8s.pod.name").is_none());
+    let stderr = agent.proc.stderr();
+    assert!(
+        stderr.contains("403 Forbidden") && stderr.contains("ClusterRole"),
+        "{stderr}"
+    );
+
+    // A process in no container: no workload, and no error. (If this test
+    // itself runs in a container, the demo is in it too: then its id.)
+    let own = std::fs::read_to_string("/proc/self/cgroup").expect("own cgroup");
+    let in_container = own
+        .split(['/', '\n', ':', '-', '.'])
+        .any(|w| w.len() == 64 && w.bytes().all(|b| b.is_ascii_hexdigit()));
+    let mut demo = stalled_demo();
+    let agent = Agent::watch(demo.proc.pid(), "demo", "1s", &["--kubernetes", &api.url()]);
+    demo.go();
+    let lines = agent.proc.lines_until_exit(Duration::from_secs(20));
+    let stalls: Vec<Value> = alerts(&lines, "stalled").map(|(_, v)| v).collect();
+    assert!(!stalls.is_empty(), "no stall reported");
+    if !in_container {
+        assert!(
+            stalls.iter().all(|s| s.get("workload").is_none()),
+            "{stalls:?}"
+        );
+    }
+}
