@@ -264,7 +264,7 @@ pub mod msgpack {
             0xcd => be(2),
             0xce => be(4),
             0xcf => be(8),
-            0xd0 | 0xd1 | 0xd2 | 0xd3 => {
+            0xd0..=0xd3 => {
                 let n = 1 << (bytes[0] - 0xd0);
                 let value = be(n)?;
                 // Sign bit of an n-byte integer.
