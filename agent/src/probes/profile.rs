@@ -326,6 +326,86 @@ pub struct ProbeSpec {
     /// Its events end the lifecycle at a live stage: it emits only the
     /// stage its profile completes at (`complete_at`), or terminal ones.
     pub ends: bool,
+    /// `read_status = true`: read the profile's `[status]` at this entry.
+    pub read_status: bool,
+    /// What `read_status` lowers to, once the profile's `[status]` is known.
+    pub entry_status: Option<EntryStatus>,
+}
+
+/// The profile's `[status]`, read by the kernel at an entry probe (its
+/// `read_status`): where the value lies and the terminal rules of the
+/// table (a value they do not take is the probe's own event). The release
+/// of a transfer that failed is then the failure: the handle's memory is
+/// no longer readable once released, and a failure released before its
+/// stall came due would otherwise end `completed`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryStatus {
+    pub at: Source,
+    pub value: RetType,
+    pub rules: Vec<(RetRule, Stage)>,
+}
+
+impl EntryStatus {
+    /// From the profile's `status`: refused when the kernel could not
+    /// pick what the table picks (too many terminal
+    /// rules, one an earlier live rule overlaps, a pointer chain too long).
+    fn of(status: &StatusSpec) -> Result<Self> {
+        let mut earlier = Values::none();
+        let mut rules = Vec::new();
+        for (rule, stage) in &status.rules {
+            let held = Values::held_by(rule, status.value);
+            if stage.is_terminal() {
+                if held.intersects(&earlier) {
+                    bail!(
+                        "`read_status`: the [status] rule for {stage} (profile {}, line {}) takes values an earlier rule \
+                         takes first, which the kernel cannot tell apart at the probe: make the {stage} rules come \
+                         first or not overlap",
+                        status.origin,
+                        status.line
+                    );
+                }
+                rules.push((*rule, *stage));
+            }
+            earlier = earlier.union(held);
+        }
+        if rules.is_empty() || rules.len() > MAX_RET_RULES {
+            bail!(
+                "`read_status`: the [status] of profile {}, line {} has {} rules for a terminal event (failed, aborted); \
+                 the kernel takes 1 to {MAX_RET_RULES}: merge them (e.g. `when = \"< -1\"`) or drop `read_status`",
+                status.origin,
+                status.line,
+                rules.len()
+            );
+        }
+        if status.at.deref.len() >= MAX_DEREF {
+            bail!(
+                "`read_status`: the [status] `at` of profile {}, line {} follows {} pointers; read at a probe it may \
+                 follow at most {}",
+                status.origin,
+                status.line,
+                status.at.deref.len(),
+                MAX_DEREF - 1
+            );
+        }
+        Ok(Self {
+            at: status.at.clone(),
+            value: status.value,
+            rules,
+        })
+    }
+
+    /// The value's source for the kernel: the table's pointer chain, then
+    /// one more read at its `add` (the value itself).
+    fn lower(&self) -> ValueSource {
+        let mut deref = self.at.deref.clone();
+        deref.push(self.at.add);
+        Source {
+            from: From::Key,
+            deref,
+            add: 0,
+        }
+        .lower()
+    }
 }
 
 impl Profile {
@@ -475,6 +555,22 @@ impl Profile {
             probe.ends = probe.ends_under(complete_at, origin).map_err(|err| {
                 anyhow!("profile {}, line {} ([[probe]] for `{}`): {err}", probe.origin, probe.line, probe.symbol)
             })?;
+            if probe.read_status {
+                let entry = match &status {
+                    Some(status) => EntryStatus::of(status),
+                    None => Err(anyhow!(
+                        "`read_status` reads the profile's [status], and profile {origin} has none: add one"
+                    )),
+                };
+                probe.entry_status = Some(entry.map_err(|err| {
+                    anyhow!(
+                        "profile {}, line {} ([[probe]] for `{}`): {err}",
+                        probe.origin,
+                        probe.line,
+                        probe.symbol
+                    )
+                })?);
+            }
         }
         if probes.is_empty() {
             bail!("profile {origin}: no [[probe]] tables; a profile needs at least one lifecycle point");
@@ -594,6 +690,19 @@ impl ProbeSpec {
         }
         if self.ends {
             flags |= slot_flags::ENDS;
+        }
+        if let Some(status) = &self.entry_status {
+            flags |= slot_flags::ENTRY_VALUE;
+            if status.value == RetType::I32 {
+                flags |= slot_flags::RET_I32;
+            }
+            cfg.value = status.lower();
+            for (slot, (rule, stage)) in cfg.rules.iter_mut().zip(&status.rules) {
+                *slot = RetRule {
+                    stage: *stage as u8,
+                    ..*rule
+                };
+            }
         }
         // A zero flags word means "no slot" to the kernel side.
         cfg.flags = flags | slot_flags::CONFIGURED;
@@ -813,6 +922,8 @@ struct RawProbe {
     only_on_change: bool,
     #[serde(default)]
     quiet: bool,
+    #[serde(default)]
+    read_status: bool,
 }
 
 #[derive(Deserialize)]
@@ -870,6 +981,12 @@ impl RawProbe {
         if self.at == At::Entry && self.ret.is_some() {
             bail!("`ret` describes a return value: it needs `at = \"return\"`");
         }
+        if self.read_status && (self.at != At::Entry || !matches!(action, Action::Always(_))) {
+            bail!(
+                "`read_status` reads the request's [status] at the function's entry, where its memory is still its \
+                 own: it needs `at = \"entry\"` and one `event`"
+            );
+        }
         if self.at == At::Entry && self.only_on_change {
             bail!("`only_on_change` compares return values: it needs `at = \"return\"`");
         }
@@ -901,6 +1018,8 @@ impl RawProbe {
             only_on_change: self.only_on_change,
             quiet: self.quiet,
             ends: false,
+            read_status: self.read_status,
+            entry_status: None,
         })
     }
 }
@@ -1209,6 +1328,112 @@ mod tests {
         for (value, stage) in [(1, Some(Stage::TransferPosted)), (0, Some(Stage::TransferDone)), (-1, Some(Stage::Enqueued)), (-10, Some(Stage::Failed)), (-3, Some(Stage::Failed)), (2, None)] {
             assert_eq!(status.stage_of(value), stage, "status {value}");
         }
+    }
+
+    /// The release reads the handle's status at its entry: an error there
+    /// is the failure, anything else (or nothing readable) the release.
+    #[test]
+    fn the_nixl_release_reads_the_status_at_its_entry_and_an_error_is_failed() {
+        let profile = Profile::load("nixl").unwrap();
+        let release = profile
+            .probes
+            .iter()
+            .find(|p| p.symbol.contains("releaseXferReq"))
+            .unwrap();
+        let cfg = release.slot_config();
+        assert_eq!(
+            cfg.flags & (slot_flags::ENTRY_VALUE | slot_flags::RET_I32 | slot_flags::RETURN),
+            slot_flags::ENTRY_VALUE | slot_flags::RET_I32
+        );
+        assert_eq!(cfg.stage, stallwatch_common::stage::RELEASED);
+        // One read: the i32 at handle + 184.
+        assert_eq!(
+            (
+                cfg.value.base,
+                cfg.value.depth,
+                cfg.value.offsets[0],
+                cfg.value.add
+            ),
+            (base::KEY, 1, 184, 0)
+        );
+        assert_eq!(
+            (cfg.rules[0].op, cfg.rules[0].value, cfg.rules[0].stage),
+            (cmp::LT, -1, stallwatch_common::stage::FAILED)
+        );
+        assert_eq!(cfg.rules[1].op, cmp::NONE, "only the terminal rule");
+        // No other nixl probe reads it.
+        assert_eq!(
+            profile
+                .probes
+                .iter()
+                .filter(|p| p.slot_config().flags & slot_flags::ENTRY_VALUE != 0)
+                .count(),
+            1
+        );
+        // Behind a pointer: the chain, then the value's own offset.
+        let text = "[[probe]]\nsymbol = \"rel\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg0\" }\nread_status = true\n\n\
+                    [status]\nat = { from = \"key\", deref = [8], add = 4 }\ntype = \"i64\"\nvalues = [\n  { when = \"== 1\", event = \"transfer_posted\" },\n  \
+                    { when = \"< 0\", event = \"failed\" },\n  { when = \"== 9\", event = \"aborted\" },\n]\n";
+        let cfg = Profile::parse(text, "p.toml").unwrap().probes[0].slot_config();
+        assert_eq!(
+            (
+                cfg.value.depth,
+                &cfg.value.offsets[..2],
+                cfg.flags & slot_flags::RET_I32
+            ),
+            (2, &[8, 4][..], 0)
+        );
+        assert_eq!(
+            (cfg.rules[0].stage, cfg.rules[1].stage),
+            (
+                stallwatch_common::stage::FAILED,
+                stallwatch_common::stage::ABORTED
+            )
+        );
+    }
+
+    #[test]
+    fn read_status_the_kernel_cannot_follow_is_refused_with_the_fix() {
+        let probe = |at: &str, extra: &str| {
+            format!(
+                "[[probe]]\nsymbol = \"rel\"\nat = \"{at}\"\n{extra}key = {{ from = \"arg0\" }}\nread_status = true\n\n"
+            )
+        };
+        let status = |values: &str| {
+            format!(
+                "[status]\nat = {{ from = \"key\", add = 8 }}\ntype = \"i32\"\nvalues = [\n{values}]\n"
+            )
+        };
+        let failed = "  { when = \"< 0\", event = \"failed\" },\n";
+        let released = "event = \"released\"\n";
+        let err = error_of(&probe("entry", released));
+        assert!(err.contains("has none: add one"), "{err}");
+        let err = error_of(&format!(
+            "{}{}",
+            probe(
+                "return",
+                "on_return = [{ when = \"== 0\", event = \"released\" }]\n"
+            ),
+            status(failed)
+        ));
+        assert!(err.contains("needs `at = \"entry\"`"), "{err}");
+        let err = error_of(&format!(
+            "{}{}",
+            probe("entry", released),
+            status("  { when = \"== 0\", event = \"transfer_done\" },\n")
+        ));
+        assert!(err.contains("has 0 rules for a terminal event"), "{err}");
+        let overlap = "  { when = \"== -1\", event = \"enqueued\" },\n  { when = \"< 0\", event = \"failed\" },\n";
+        let err = error_of(&format!("{}{}", probe("entry", released), status(overlap)));
+        assert!(
+            err.contains("takes values an earlier rule takes first"),
+            "{err}"
+        );
+        Profile::parse(
+            &format!("{}{}", probe("entry", released), status(failed)),
+            "p.toml",
+        )
+        .expect("valid");
     }
 
     #[test]
