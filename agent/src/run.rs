@@ -31,7 +31,7 @@ use crate::{
         telemetry::{Telemetry, TelemetryOptions},
     },
     gate::{Change, Failures, Gate},
-    lifecycle::{Engine, EngineConfig, Observation, Report, Silent, Withheld},
+    lifecycle::{Engine, EngineConfig, Observation, Report, Restored, Silent, Withheld},
     probes::{KernelCounters, Probes, Profile},
     query::{QueryServer, SocketPlace},
     reactor,
@@ -123,6 +123,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
         reports: Vec::new(),
         ingest: Ingest::default(),
         signals: Signals::new(duration_ns(timeout)),
+        synced: Synced::default(),
     };
 
     let (mut execs, selector) = match target {
@@ -151,6 +152,10 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
     // Ours are attached: a previous agent's probes can go, and what they
     // recorded is ours to follow, before the ring buffer is read.
     session.probes.release_old_links()?;
+    // Before the take-over reads the table: a loss from here on is after
+    // its view, and brings a resynchronisation.
+    let counters = session.probes.counters()?;
+    session.synced = Synced { ringbuf_full: counters.ringbuf_full, state_full: counters.state_full };
     session.restore()?;
     // After attaching, so a bad profile or pid is reported as such even
     // when another agent serves this socket (a second agent fails here).
@@ -178,7 +183,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 // The clock first: every event submitted before it is read
                 // before the timers judge silence at it.
                 let now = monotonic_ns();
-                session.drain();
+                session.sync();
                 session.gate(now);
                 session.advance(now, status::READS_PER_TICK);
             }
@@ -271,7 +276,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
             query = queries.next() => {
                 // Up to date to the moment asked, not to the last tick, and
                 // to what the kernel holds of requests not yet due.
-                session.drain();
+                session.sync();
                 session.engine.catch_up(None, &mut withheld_in(&session.state));
                 queries.answer(query, &session.engine, &session.transport, &session.signals, monotonic_ns());
             }
@@ -348,6 +353,20 @@ struct Session<W> {
     ingest: Ingest,
     /// Where the profile's `[[signal]]` hits go.
     signals: Signals,
+    /// The kernel's loss counts the engine was last brought in step with.
+    synced: Synced,
+}
+
+/// The kernel counts that say whether the engine is in step with the
+/// kernel's in-flight table ([`Session::sync`]).
+#[derive(Debug, Default, Clone, Copy)]
+struct Synced {
+    /// `ringbuf_full` when the engine was last in step (or at start).
+    ringbuf_full: u64,
+    /// `state_full` at start: once it grows, the table may lack a request
+    /// the probes saw begin, so one it does not hold is not known to have
+    /// ended.
+    state_full: u64,
 }
 
 impl<W: Write> Session<W> {
@@ -468,6 +487,74 @@ impl<W: Write> Session<W> {
         // read as a new lifecycle and end it twice).
         self.drain();
         self.emit()
+    }
+
+    /// Read the ring buffer, and if events were lost since the engine was
+    /// last in step with the kernel, resynchronise with the kernel's
+    /// in-flight table (see **Resynchronising** in the lifecycle docs)
+    /// before anything is judged: a request whose end was lost would read
+    /// as stalled, and one whose every event was lost would never be seen.
+    /// One read of the loss counters a call; the table only after a loss.
+    fn sync(&mut self) {
+        self.drain();
+        let counters = match self.probes.counters() {
+            Ok(counters) => counters,
+            Err(err) => {
+                warn!(
+                    "reading the kernel's loss counters (lost events cannot be resynchronised): {err:#}"
+                );
+                return;
+            }
+        };
+        if counters.ringbuf_full <= self.synced.ringbuf_full {
+            return;
+        }
+        // Before the table is read: what the probes do from here on is
+        // newer than its view.
+        let since = monotonic_ns();
+        let table = match self.state.snapshot() {
+            Ok(table) => table,
+            Err(err) => {
+                warn!(
+                    "reading the kernel's in-flight table to resynchronise after lost events (retried at the next wake): {err:#}"
+                );
+                return;
+            }
+        };
+        // Ends submitted while the table was read come through the ring.
+        self.drain();
+        let table: Vec<Restored> = table
+            .into_iter()
+            .filter(|request| self.watched.contains_key(&request.pid))
+            .collect();
+        if self.profile.follows_rooms() {
+            for request in table
+                .iter()
+                .filter(|request| self.engine.get(request.pid, request.key).is_none())
+            {
+                self.signals.adopt(request);
+            }
+        }
+        let complete = counters.state_full <= self.synced.state_full && self.state.unheld() == 0;
+        let before = self.engine.stats();
+        let state = &self.state;
+        self.engine.resync(
+            since,
+            complete,
+            &mut |pid, key| state.entry(pid, key).map_err(|_| ()),
+            table,
+            &mut self.reports,
+        );
+        let after = self.engine.stats();
+        info!(
+            lost = counters.ringbuf_full - self.synced.ringbuf_full,
+            ended_unseen = after.end_unseen - before.end_unseen,
+            taken_over = after.restored - before.restored,
+            caught_up = after.caught_up - before.caught_up,
+            table_complete = complete,
+            "events were lost (the ring buffer was full): resynchronised with the kernel's in-flight table"
+        );
+        self.synced.ringbuf_full = counters.ringbuf_full;
     }
 
     /// Read every event the ring buffer holds, each signal to its consumer
@@ -670,7 +757,7 @@ impl<W: Write> Session<W> {
 
     fn finish(mut self, on_exit: OnExit) -> Result<()> {
         self.alerts.stopping();
-        self.drain();
+        self.sync();
         // Every stall due by now, however many: the loop's latency no
         // longer matters, and this agent's alerts should be complete.
         self.advance(monotonic_ns(), usize::MAX);
@@ -758,9 +845,9 @@ impl Ingest {
         match events::decode(bytes) {
             Ok(event) => {
                 for earlier in events::withheld(&event) {
-                    self.event(&earlier, transport, engine, reports, route);
+                    self.event(&earlier, true, transport, engine, reports, route);
                 }
-                self.event(&event, transport, engine, reports, route);
+                self.event(&event, false, transport, engine, reports, route);
             }
             Err(err) => {
                 self.undecodable += 1;
@@ -769,9 +856,12 @@ impl Ingest {
         }
     }
 
+    /// `carried`: a stage time the record carried besides its own event
+    /// (see [`Engine::observe_carried`]).
     fn event(
         &mut self,
         event: &Event,
+        carried: bool,
         transport: &mut Tracker,
         engine: &mut Engine,
         reports: &mut Vec<Report>,
@@ -786,7 +876,11 @@ impl Ingest {
             Ok(None) => {}
             Ok(Some(observation)) => {
                 transport.observe(&observation);
-                engine.observe(observation, reports);
+                if carried {
+                    engine.observe_carried(observation, reports);
+                } else {
+                    engine.observe(observation, reports);
+                }
             }
             Err(err) => {
                 self.undecodable += 1;

@@ -108,8 +108,8 @@ impl<W: Write> AlertWriter<W> {
         let line = match self.format {
             Format::Human => format!(
                 "SUMMARY seen={} restored={} completed={} (unreleased={}) stalled={} recovered={} failed={} aborted={} process_exited={} \
-                 evicted={} in_flight={} lost_events={} (ringbuf_full={} key_unreadable={} args_missing={} no_slot={} undecodable={}) \
-                 ext_unreadable={} stale_events={} duplicate_events={} export_drops={} state_full={} withheld={} caught_up={}",
+                 evicted={} end_unseen={} resyncs={} in_flight={} lost_events={} (ringbuf_full={} key_unreadable={} args_missing={} no_slot={} undecodable={}) \
+                 ext_unreadable={} stale_events={} duplicate_events={} caught_up_repeats={} export_drops={} state_full={} withheld={} caught_up={}",
                 stats.seen,
                 stats.restored,
                 stats.completed,
@@ -120,6 +120,8 @@ impl<W: Write> AlertWriter<W> {
                 stats.aborted,
                 stats.process_exited,
                 stats.evicted,
+                stats.end_unseen,
+                stats.resyncs,
                 stats.in_flight,
                 losses.lost(),
                 kernel.ringbuf_full,
@@ -130,6 +132,7 @@ impl<W: Write> AlertWriter<W> {
                 kernel.ext_unreadable,
                 stats.stale_events,
                 stats.duplicate_events,
+                stats.caught_up_repeats,
                 export_drops,
                 kernel.state_full,
                 kernel.withheld,
@@ -172,6 +175,8 @@ impl<W: Write> AlertWriter<W> {
                 "aborted": stats.aborted,
                 "process_exited": stats.process_exited,
                 "evicted": stats.evicted,
+                "end_unseen": stats.end_unseen,
+                "resyncs": stats.resyncs,
                 "in_flight": stats.in_flight,
                 "lost_events": losses.lost(),
                 "ringbuf_full": kernel.ringbuf_full,
@@ -182,6 +187,7 @@ impl<W: Write> AlertWriter<W> {
                 "ext_unreadable": kernel.ext_unreadable,
                 "stale_events": stats.stale_events,
                 "duplicate_events": stats.duplicate_events,
+                "caught_up_repeats": stats.caught_up_repeats,
                 "export_drops": export_drops,
                 "state_full": kernel.state_full,
                 "withheld": kernel.withheld,
@@ -319,6 +325,10 @@ impl<'a> Alert<'a> {
                     Outcome::Failed => "failed",
                     Outcome::ProcessExited => "process_exited",
                     Outcome::Evicted => "evicted",
+                    // Only a reported stall's end is news: the others
+                    // are counted (a pause can lose thousands of ends).
+                    Outcome::EndUnseen if request.stalled.is_some() => "end_unseen",
+                    Outcome::EndUnseen => return None,
                     Outcome::Released | Outcome::Completed | Outcome::Aborted => return None,
                 };
                 Some(Self {

@@ -146,6 +146,7 @@ impl Collector for Snapshot {
                     Outcome::Failed => e.failed,
                     Outcome::ProcessExited => e.process_exited,
                     Outcome::Evicted => e.evicted,
+                    Outcome::EndUnseen => e.end_unseen,
                 };
                 (outcome.as_str(), n)
             })
@@ -160,7 +161,11 @@ impl Collector for Snapshot {
             "stallwatch_ignored_events",
             "Lifecycle events the engine ignored, by reason",
             "reason",
-            &[("stale", e.stale_events), ("duplicate", e.duplicate_events)],
+            &[
+                ("stale", e.stale_events),
+                ("duplicate", e.duplicate_events),
+                ("caught_up_repeat", e.caught_up_repeats),
+            ],
         )?;
         if let Some(losses) = &self.losses {
             let k = &losses.kernel;
