@@ -111,6 +111,10 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // A stderr gone (its reader exited, a closed fd) loses the logs,
+        // not the agent: tracing's own report of a failed write is an
+        // `eprintln!`, which panics on that same stderr.
+        .log_internal_errors(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         // Logs carry what targets wrote (names, paths, symbols): no field
         // or message may break a line or reach the terminal as a sequence.
@@ -126,7 +130,8 @@ fn main() -> ExitCode {
     match dispatch(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("stallwatch: error: {}", text::escaped(&format!("{err:#}")));
+            // Never `eprintln!`: it panics when stderr is gone.
+            let _ = writeln!(std::io::stderr(), "stallwatch: error: {}", text::escaped(&format!("{err:#}")));
             ExitCode::FAILURE
         }
     }
@@ -164,7 +169,7 @@ fn dispatch(cli: Cli) -> Result<()> {
                 bpf_dir,
                 on_exit,
             };
-            runtime.block_on(run::run(options, std::io::stdout().lock()))
+            runtime.block_on(run::run(options, std::io::stdout()))
         }
         Command::Doctor { json, bpf_dir, socket } => {
             let report = doctor::run(&bpf_dir, &socket);

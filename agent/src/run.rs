@@ -28,6 +28,7 @@ use crate::{
     export::{
         alert::{AlertWriter, Format},
         clock::{Clock, monotonic_ns, process_start_ns},
+        queue::{self, LineQueue},
         telemetry::{Telemetry, TelemetryOptions},
     },
     gate::{Change, Failures, Gate},
@@ -83,7 +84,7 @@ pub enum OnExit {
 /// How often the kernel's loss counters and transport counts are sampled.
 const COUNTER_PERIOD: Duration = Duration::from_secs(1);
 
-pub async fn run(options: Options, out: impl Write) -> Result<()> {
+pub async fn run(options: Options, out: impl Write + Send + 'static) -> Result<()> {
     let Options { target, profile, timeout, tick, max_tracked, format, telemetry, socket, bpf_dir, on_exit } = options;
     if timeout < tick {
         bail!("--timeout {timeout:?} is shorter than --tick {tick:?}: raise the timeout or lower the tick");
@@ -111,7 +112,12 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
         transport: Tracker::new(duration_ns(timeout)),
         gate: Gate::new(duration_ns(timeout), duration_ns(tick)),
         gate_failures: Failures::default(),
-        alerts: AlertWriter::new(out, format, clock),
+        alerts: AlertWriter::new(
+            LineQueue::start(out).context("starting the thread that writes alerts to stdout")?,
+            format,
+            clock,
+        ),
+        alert_drops: Warned::default(),
         telemetry,
         probes,
         state,
@@ -192,6 +198,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 session.ingest.warn_undecodable();
                 session.signals.warn();
                 session.state.warn();
+                session.warn_alert_drops();
                 if let Some(status) = &mut session.status {
                     status.warn();
                 }
@@ -271,6 +278,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                     &session.probes,
                     session.ingest.undecodable,
                     session.status.as_ref().map(StatusReader::reads),
+                    session.alerts.output().dropped(),
                 );
             }
             query = queries.next() => {
@@ -283,10 +291,13 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
             _ = interrupt.recv() => break,
             _ = terminate.recv() => break,
         }
-        if let Err(err) = session.emit() {
-            if !session.alerts.is_closed() {
-                return Err(err);
-            }
+        let closed = match session.emit() {
+            Err(err) if !session.alerts.is_closed() => return Err(err),
+            Err(_) => true,
+            // The writer thread may have found it closed since.
+            Ok(()) => session.alerts.output().is_closed(),
+        };
+        if closed {
             // As a pipeline's writer does at SIGPIPE, but leaving the
             // state for the next agent as a SIGTERM would.
             info!("stdout was closed (its reader went away): stopping");
@@ -330,13 +341,16 @@ enum Gone {
 }
 
 /// Everything one run holds, with the steps the loop takes on it.
-struct Session<W> {
+struct Session {
     engine: Engine,
     transport: Tracker,
     /// When each process's progress probes are linked.
     gate: Gate,
     gate_failures: Failures,
-    alerts: AlertWriter<W>,
+    /// Alert lines, handed to stdout's writer thread ([`LineQueue`]).
+    alerts: AlertWriter<LineQueue>,
+    /// Dropped alert lines the last warning covered.
+    alert_drops: Warned,
     telemetry: Telemetry,
     probes: Probes,
     /// The kernel's in-flight table, kept in step with the reports.
@@ -369,7 +383,7 @@ struct Synced {
     state_full: u64,
 }
 
-impl<W: Write> Session<W> {
+impl Session {
     /// Attach the profile to `pid` and learn when it exits.
     fn watch(&mut self, pid: u32) -> Result<()> {
         if self.watched.contains_key(&pid) {
@@ -768,12 +782,15 @@ impl<W: Write> Session<W> {
         let losses = Losses { kernel: self.probes.counters()?, undecodable: self.ingest.undecodable };
         self.ingest.warn_undecodable();
         self.signals.finish();
+        self.warn_alert_drops();
         let export = self.telemetry.finish();
+        let alert_drops = self.alerts.output().dropped();
         self.alerts
             .summary(
                 &self.engine.stats(),
                 &losses,
                 export.dropped(),
+                alert_drops,
                 &self.probes.probe_hits()?,
                 self.status.as_ref().map(StatusReader::reads).as_ref(),
             )
@@ -784,7 +801,29 @@ impl<W: Write> Session<W> {
                 "probes left attached and in-flight state pinned for the next agent; `stallwatch state clear` removes them"
             );
         }
+        // Last: the hand-over above never waits on a stdout that does not drain.
+        let output = self.alerts.output();
+        if !output.finish(queue::STOP_GRACE) {
+            warn!(
+                lines = output.waiting(),
+                "stdout did not take the last alert lines (the summary among them) within {:?}: they are not written",
+                queue::STOP_GRACE
+            );
+        }
         Ok(())
+    }
+
+    /// One warning a counter period for the alert lines dropped since the
+    /// last one, because stdout did not drain.
+    fn warn_alert_drops(&mut self) {
+        if let Some(new) = self.alert_drops.news(self.alerts.output().dropped()) {
+            warn!(
+                new,
+                total = self.alerts.output().dropped(),
+                "stdout is not draining: the oldest alert lines were dropped (detections still go to the metrics, spans, \
+                 `stallwatch inflight` and the summary); check what reads the agent's stdout"
+            );
+        }
     }
 }
 
@@ -1041,7 +1080,7 @@ mod tests {
         let mut out = Vec::new();
         let losses = Losses { kernel: KernelCounters { ringbuf_full: 2, ..KernelCounters::default() }, undecodable: ingest.undecodable };
         AlertWriter::new(&mut out, Format::Json, Clock::new())
-            .summary(&EngineStats::default(), &losses, 0, &[], None)
+            .summary(&EngineStats::default(), &losses, 0, 0, &[], None)
             .expect("summary");
         let summary: Value = serde_json::from_slice(&out).expect("JSON summary");
         assert_eq!((summary["lost_events"].as_u64(), summary["undecodable"].as_u64()), (Some(1003), Some(1001)), "{summary}");

@@ -72,6 +72,11 @@ impl<W: Write> AlertWriter<W> {
         written
     }
 
+    /// Where the lines go.
+    pub fn output(&self) -> &W {
+        &self.out
+    }
+
     pub fn name_process(&mut self, pid: u32, name: &str) {
         self.names.insert(pid, name.into());
     }
@@ -92,7 +97,8 @@ impl<W: Write> AlertWriter<W> {
     }
 
     /// The end-of-run summary. `export_drops`: spans (or the reports they
-    /// came from) that never reached the OTLP collector, 0 without OTLP.
+    /// came from) that never reached the OTLP collector, 0 without OTLP;
+    /// `alert_drops`: alert lines dropped because stdout did not drain.
     /// Every attached probe's hit count follows (a `PROBE` line each, or a
     /// `probes` array in JSON): a probe that never fired is visible.
     /// `status`: how the reads of the profile's `[status]` went, if it has one.
@@ -101,6 +107,7 @@ impl<W: Write> AlertWriter<W> {
         stats: &EngineStats,
         losses: &Losses,
         export_drops: u64,
+        alert_drops: u64,
         probes: &[ProbeHits],
         status: Option<&StatusReads>,
     ) -> std::io::Result<()> {
@@ -109,7 +116,7 @@ impl<W: Write> AlertWriter<W> {
             Format::Human => format!(
                 "SUMMARY seen={} restored={} completed={} (unreleased={}) stalled={} recovered={} failed={} aborted={} process_exited={} \
                  evicted={} end_unseen={} resyncs={} in_flight={} lost_events={} (ringbuf_full={} key_unreadable={} args_missing={} no_slot={} undecodable={}) \
-                 ext_unreadable={} stale_events={} duplicate_events={} caught_up_repeats={} export_drops={} state_full={} withheld={} caught_up={}",
+                 ext_unreadable={} stale_events={} duplicate_events={} caught_up_repeats={} export_drops={} alert_lines_dropped={} state_full={} withheld={} caught_up={}",
                 stats.seen,
                 stats.restored,
                 stats.completed,
@@ -134,6 +141,7 @@ impl<W: Write> AlertWriter<W> {
                 stats.duplicate_events,
                 stats.caught_up_repeats,
                 export_drops,
+                alert_drops,
                 kernel.state_full,
                 kernel.withheld,
                 stats.caught_up,
@@ -189,6 +197,7 @@ impl<W: Write> AlertWriter<W> {
                 "duplicate_events": stats.duplicate_events,
                 "caught_up_repeats": stats.caught_up_repeats,
                 "export_drops": export_drops,
+                "alert_lines_dropped": alert_drops,
                 "state_full": kernel.state_full,
                 "withheld": kernel.withheld,
                 "caught_up": stats.caught_up,
@@ -486,7 +495,7 @@ mod tests {
         let mut stopping = AlertWriter::new(Closed, Format::Json, Clock::new());
         stopping.stopping();
         stopping.report(&report, None, &[]).expect("at the stop a closed stdout is no error");
-        stopping.summary(&EngineStats::default(), &Losses::default(), 0, &[], None).expect("nor for the summary");
+        stopping.summary(&EngineStats::default(), &Losses::default(), 0, 0, &[], None).expect("nor for the summary");
         assert!(stopping.is_closed());
     }
 }

@@ -79,6 +79,7 @@ impl Metrics {
             export,
             status_reads: None,
             progress_probes: None,
+            alert_lines_dropped: 0,
         }
     }
 }
@@ -101,6 +102,9 @@ pub struct Snapshot {
     /// Processes whose progress probes are attached now and those whose
     /// are not (attached only near a stall); `None`: no process has any.
     pub progress_probes: Option<[u64; 2]>,
+    /// Alert lines dropped because stdout did not drain (the detections
+    /// are all here and in the spans; only their human lines are lost).
+    pub alert_lines_dropped: u64,
 }
 
 impl Collector for Snapshot {
@@ -202,6 +206,12 @@ impl Collector for Snapshot {
                 k.withheld,
             )?;
         }
+        counter(
+            &mut encoder,
+            "stallwatch_alert_lines_dropped",
+            "Alert lines dropped, oldest first, because stdout did not drain (the detections are not lost)",
+            self.alert_lines_dropped,
+        )?;
         if let Some([attached, detached]) = self.progress_probes {
             gauges(
                 &mut encoder,

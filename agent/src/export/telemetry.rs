@@ -93,12 +93,29 @@ impl Telemetry {
     /// Answer a scrape with the current values; `undecodable`: the
     /// ring-buffer records that did not become events so far; `status`:
     /// how the `[status]` reads went, when the profile has one.
-    pub fn answer(&self, scrape: Scrape, engine: &Engine, probes: &Probes, undecodable: u64, status: Option<StatusReads>) {
-        let losses = probes.counters().map_err(|err| warn!("metrics: {err:#}")).ok().map(|kernel| Losses { kernel, undecodable });
+    /// `alert_drops`: alert lines dropped because stdout did not drain.
+    pub fn answer(
+        &self,
+        scrape: Scrape,
+        engine: &Engine,
+        probes: &Probes,
+        undecodable: u64,
+        status: Option<StatusReads>,
+        alert_drops: u64,
+    ) {
+        let losses = probes
+            .counters()
+            .map_err(|err| warn!("metrics: {err:#}"))
+            .ok()
+            .map(|kernel| Losses {
+                kernel,
+                undecodable,
+            });
         let export = self.otlp.as_ref().map(OtlpExporter::counts);
         let format = scrape.format;
         let mut snapshot = self.metrics.snapshot(engine, losses, export);
         snapshot.status_reads = status;
+        snapshot.alert_lines_dropped = alert_drops;
         let mut gates = probes.gates().peekable();
         if gates.peek().is_some() {
             snapshot.progress_probes = Some(gates.fold([0, 0], |[on, off], (_, open)| if open { [on + 1, off] } else { [on, off + 1] }));
