@@ -8,7 +8,8 @@
 //! [`gate`] links the costly progress probes only near a stall;
 //! [`state`] keeps what outlives an agent (pinned maps and links) for the
 //! next one, in directories [`trusted_dir`] keeps out of other users'
-//! reach; [`config`] reads its settings from a file, [`doctor`] checks
+//! reach; [`config`] reads its settings from a file ([`files`] bounds
+//! what is read), [`doctor`] checks
 //! the host; [`text`] makes what a target wrote safe to print; [`warned`]
 //! keeps warnings about bad input to one a period.
 pub mod config;
@@ -16,6 +17,7 @@ pub mod doctor;
 pub mod discovery;
 pub mod events;
 pub mod export;
+pub mod files;
 pub mod gate;
 pub mod lifecycle;
 pub mod peers;

@@ -446,3 +446,23 @@ fn an_agent_whose_stderr_is_gone_runs_and_stops_cleanly() {
     assert!(status.success(), "{status}: {rest}");
     assert!(rest.contains("\"alert\":\"summary\""), "{rest}");
 }
+
+/// Something endless given as a profile or config file is refused after
+/// reading a bounded amount, with an error that says what and why.
+#[test]
+fn an_endless_config_or_profile_file_is_refused_quickly() {
+    for args in [
+        ["config", "check", "/dev/zero"].as_slice(),
+        &["profile", "check", "/dev/zero"],
+        &["run", "--pid", "1", "--profile", "/dev/zero"],
+    ] {
+        // A read of /dev/zero to its end never returns: that it returns at
+        // all is the test (no wall-clock bound).
+        let stderr = fails(args);
+        assert!(
+            stderr.contains("/dev/zero holds more than 4096 KiB")
+                && stderr.contains("check the path"),
+            "{args:?}: {stderr}"
+        );
+    }
+}

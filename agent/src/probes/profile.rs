@@ -439,8 +439,7 @@ impl Profile {
                 builtin_names().collect::<Vec<_>>().join(", ")
             );
         }
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("reading profile file {}", path.display()))?;
+        let text = crate::files::read_text(&path, "profile file")?;
         let dir = path.parent().map(Path::to_path_buf);
         Self::parse_in(&text, &path.display().to_string(), dir.as_deref(), chain)
     }
