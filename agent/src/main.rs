@@ -234,14 +234,18 @@ fn print(write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()
     }
 }
 
-/// `stallwatch profile check`: what each probe of a valid profile attaches to.
+/// `stallwatch profile check`: what each probe of a valid profile attaches
+/// to. Names, symbols and paths come from a file anyone may have written:
+/// printed escaped, so none can break a line or reach the terminal as a
+/// control sequence.
 fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
-    writeln!(out, "profile {}: ok", profile.name)?;
+    use text::escaped;
+    writeln!(out, "profile {}: ok", escaped(&profile.name))?;
     if let Some(base) = &profile.extends {
-        writeln!(out, "  extends {base}")?;
+        writeln!(out, "  extends {}", escaped(base))?;
     }
     // What a profile inherits names the file it comes from.
-    let from = |origin: &str| if origin == profile.origin { String::new() } else { format!(" (from {origin})") };
+    let from = |origin: &str| if origin == profile.origin { String::new() } else { format!(" (from {})", escaped(origin)) };
     for probe in &profile.probes {
         let events = match &probe.action {
             profile::Action::Always(stage) => stage.to_string(),
@@ -254,8 +258,8 @@ fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
             "  line {:>3}: {events:<30} {:?} of `{}` in {}{}",
             probe.line,
             probe.at,
-            probe.symbol,
-            probe.object.as_deref().unwrap_or("the executable"),
+            escaped(&probe.symbol),
+            escaped(probe.object.as_deref().unwrap_or("the executable")),
             from(&probe.origin)
         )?;
     }
@@ -276,8 +280,8 @@ fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
             "  line {:>3}: {:<30} Entry of `{}` in {}{}{}",
             activity.line,
             format!("transport {}", activity.kind.as_str()),
-            activity.symbol,
-            activity.object.as_deref().unwrap_or("the executable"),
+            escaped(&activity.symbol),
+            escaped(activity.object.as_deref().unwrap_or("the executable")),
             if activity.optional { " (optional)" } else { "" },
             from(&activity.origin)
         )?;
