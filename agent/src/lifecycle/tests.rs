@@ -2380,7 +2380,7 @@ fn a_resync_after_lost_events_ends_what_the_kernel_ended_and_takes_over_what_it_
     );
     let recovered: Vec<u64> = reports
         .iter()
-        .filter_map(|r| matches!(r, Report::Recovered { .. }).then(|| r.request().key))
+        .filter(|&r| matches!(r, Report::Recovered { .. })).map(|r| r.request().key)
         .collect();
     assert_eq!(
         recovered,

@@ -348,7 +348,7 @@ mod tests {
             );
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        let err = format!("{:#}", ProcessImage::read(pid).err().expect("no image"));
+        let err = format!("{:#}", ProcessImage::read(pid).expect_err("no image"));
         let _ = child.wait();
         assert!(
             err.contains(&format!("pid {pid} is a zombie")) && !err.contains("kernel thread"),
