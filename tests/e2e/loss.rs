@@ -75,3 +75,23 @@ fn a_paused_agent_reports_exactly_the_stalls_the_kernel_holds_after_losing_event
     );
     assert_eq!(summary["stalled"], 2, "{summary}");
 }
+
+/// A request whose quiet post the agent read from the kernel's table when
+/// its stall came due, then recovered: the record of its recovery carries
+/// the post's time again. That repeat is expected (counted as a caught-up
+/// repeat), never a duplicate event, so `duplicate_events` stays 0 on a
+/// run where nothing was delivered twice.
+#[test]
+fn a_caught_up_request_that_recovers_counts_no_duplicate_event() {
+    require_root();
+    let mut demo = Demo::start(&["--rate", "2000", "--duration", "30s", "--inject-after", "500ms", "--recover", "1", "--recover-after", "3s"]);
+    let agent = Agent::watch(demo.proc.pid(), "demo", "2s", &[]);
+    demo.go();
+    let mut seen = Vec::new();
+    agent.wait_alerts("recovered", 1, Duration::from_secs(15), &mut seen);
+    let lines = agent.stop();
+    let summary = summary(&lines);
+    assert_eq!(summary["duplicate_events"], 0, "{summary}");
+    assert!(summary["caught_up_repeats"].as_u64().expect("caught_up_repeats") >= 1, "{summary}");
+    assert_eq!((&summary["stalled"], &summary["recovered"]), (&1.into(), &1.into()), "{summary}");
+}
