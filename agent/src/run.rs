@@ -3,7 +3,7 @@
 //! until told to stop (or, with `--pid`, until that process exits or execs
 //! a program the profile does not attach to).
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     io::Write,
     os::fd::{FromRawFd as _, OwnedFd},
     path::PathBuf,
@@ -33,7 +33,10 @@ use crate::{
     },
     gate::{Change, Failures, Gate},
     lifecycle::{Engine, EngineConfig, Observation, Report, Restored, Silent, Withheld},
-    probes::{KernelCounters, Probes, Profile},
+    probes::{
+        KernelCounters, Probes, Profile,
+        resolve::{ElfFile, ProcessImage},
+    },
     query::{QueryServer, SocketPlace},
     reactor,
     state::{BpfDir, KernelState},
@@ -130,6 +133,7 @@ pub async fn run(options: Options, out: impl Write + Send + 'static) -> Result<(
         ingest: Ingest::default(),
         signals: Signals::new(duration_ns(timeout)),
         synced: Synced::default(),
+        foreign_builds: HashSet::new(),
     };
 
     let (mut execs, selector) = match target {
@@ -369,6 +373,8 @@ struct Session {
     signals: Signals,
     /// The kernel's loss counts the engine was last brought in step with.
     synced: Synced,
+    /// Library files (and builds) already warned about as foreign builds.
+    foreign_builds: HashSet<(PathBuf, String)>,
 }
 
 /// The kernel counts that say whether the engine is in step with the
@@ -392,7 +398,15 @@ impl Session {
         // Open the pidfd first: if the pid is reused after an exit, the
         // pidfd still refers to the process we attached to.
         let exited = pidfd(pid)?;
-        let probes = self.probes.attach(pid, &self.profile)?;
+        let probes = if self.foreign_build(pid) {
+            let probes = self.probes.attach(pid, &self.profile.without_offsets())?;
+            if let Some(status) = &mut self.status {
+                status.turn_off(pid);
+            }
+            probes
+        } else {
+            self.probes.attach(pid, &self.profile)?
+        };
         let name = process_name(pid);
         self.alerts.name_process(pid, &name);
         self.telemetry.name_process(pid);
@@ -415,6 +429,41 @@ impl Session {
             "watching"
         );
         Ok(())
+    }
+
+    /// Whether `pid` maps a build of the profile's `[layout]` library that
+    /// the profile's offsets were not checked against (another build id,
+    /// or none): then nothing is read at those offsets in it, since the
+    /// bytes there may be anything (a never-posted handle read as
+    /// `release_lost`). Warned about once per library file and build. A
+    /// process that does not map the library is not judged here: its
+    /// probes on it fail to attach, saying so.
+    fn foreign_build(&mut self, pid: u32) -> bool {
+        let Some(layout) = &self.profile.layout else { return false };
+        let Ok(object) = ProcessImage::read(pid).and_then(|image| image.find(Some(&layout.object))) else { return false };
+        let build = match ElfFile::open(&object.host_path).and_then(|elf| elf.build_id()) {
+            Ok(Some(id)) if layout.knows(&id) => return false,
+            Ok(Some(id)) => format!("build id {id}"),
+            Ok(None) => "no build id".to_owned(),
+            Err(err) => format!("a build id that could not be read ({err:#})"),
+        };
+        if self.foreign_builds.insert((object.path.clone(), build.clone())) {
+            warn!(
+                pid,
+                library = %crate::text::value(&object.path.display().to_string()),
+                "{} has {build}, not a build profile {} (line {} of {}) was checked against ({}): its status reads, \
+                 read_status and external ids are off for processes mapping it, their stalls classified by the probes \
+                 alone. To use them, check that the build lays its structs out as the profile's offsets say (see the \
+                 README, \"A library build the profile does not know\"), then add its build id (`readelf -n`) to \
+                 `build_ids` in the [layout] of a profile that extends this one",
+                layout.object,
+                self.profile.name,
+                layout.line,
+                layout.origin,
+                layout.checked
+            );
+        }
+        true
     }
 
     /// [`Self::watch`] for discovered processes: one that cannot be
@@ -743,6 +792,9 @@ impl Session {
         self.transport.forget(pid);
         self.signals.forget(pid);
         self.gate_failures.forget(pid);
+        if let Some(status) = &mut self.status {
+            status.forget(pid);
+        }
         if let Some(watched) = self.watched.remove(&pid) {
             watched.exit_waiter.abort();
         }

@@ -148,13 +148,14 @@ impl<W: Write> AlertWriter<W> {
             ) + &status
                 .map(|r| {
                     format!(
-                        " status_reads={} (answered={} not_held={} process_gone={} unreadable={} unrecognised={})",
+                        " status_reads={} (answered={} not_held={} process_gone={} unreadable={} unrecognised={} off={})",
                         r.total(),
                         r.answered,
                         r.not_held,
                         r.process_gone,
                         r.unreadable,
-                        r.unrecognised
+                        r.unrecognised,
+                        r.off
                     )
                 })
                 .unwrap_or_default()
@@ -208,6 +209,7 @@ impl<W: Write> AlertWriter<W> {
                     "process_gone": r.process_gone,
                     "unreadable": r.unreadable,
                     "unrecognised": r.unrecognised,
+                    "off": r.off,
                 })),
                 "probes": probes
                     .iter()

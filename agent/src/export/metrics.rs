@@ -233,6 +233,7 @@ impl Collector for Snapshot {
                     ("process_gone", r.process_gone),
                     ("unreadable", r.unreadable),
                     ("unrecognised", r.unrecognised),
+                    ("off", r.off),
                 ],
             )?;
         }

@@ -61,6 +61,34 @@ pub struct Profile {
     pub status: Option<StatusSpec>,
     /// Where a lifecycle is complete (`complete_at`).
     pub complete_at: CompleteAt,
+    /// The builds of a library whose memory layout the profile's offsets
+    /// were checked against (`[layout]`).
+    pub layout: Option<Layout>,
+}
+
+/// The `[layout]` table: the offsets a profile reads in a library's
+/// objects (a string behind the key, a status field) are that library's
+/// build's, not its API's: another build may lay its structs out
+/// otherwise, and the bytes there would read as ids and stages. So a
+/// profile names the builds it was checked against, by their GNU build
+/// id, and a process that maps another build is watched without what
+/// those offsets give ([`Profile::without_offsets`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    pub origin: Arc<str>,
+    pub line: usize,
+    /// The library, as a probe's `object` names it.
+    pub object: String,
+    /// Lowercase hex GNU build ids.
+    pub build_ids: Vec<String>,
+    /// What the builds are (a version, a package), for the warning.
+    pub checked: String,
+}
+
+impl Layout {
+    pub fn knows(&self, build_id: &str) -> bool {
+        self.build_ids.iter().any(|known| known.eq_ignore_ascii_case(build_id))
+    }
 }
 
 /// Where a profile's lifecycles are complete (`complete_at`, a top-level
@@ -528,7 +556,33 @@ impl Profile {
                 CompleteAt::parse(spanned.get_ref()).map(|at| (at, line)).map_err(|err| anyhow!("profile {origin}, line {line}: {err}"))
             })
             .transpose()?;
-        let (mut probes, activity, signals, status, extends, complete_at) = match base {
+        let own_layout = raw
+            .layout
+            .map(|spanned| {
+                let line = line_of(text, spanned.span().start);
+                let raw = spanned.into_inner();
+                let bad = |why: String| anyhow!("profile {origin}, line {line} ([layout]): {why}");
+                if raw.object.trim().is_empty() {
+                    return Err(bad("`object` is empty: name the library whose layout the offsets are (e.g. \"libnixl.so\")".into()));
+                }
+                if raw.build_ids.is_empty() {
+                    return Err(bad("`build_ids` is empty: list the GNU build ids (`readelf -n LIB`) the offsets were checked against".into()));
+                }
+                for id in &raw.build_ids {
+                    if id.is_empty() || id.len() % 2 != 0 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+                        return Err(bad(format!("build id {id:?} is not hex bytes: copy it from `readelf -n LIB` (\"Build ID: ...\")")));
+                    }
+                }
+                Ok(Layout {
+                    origin: here.clone(),
+                    line,
+                    object: raw.object,
+                    build_ids: raw.build_ids.into_iter().map(|id| id.to_ascii_lowercase()).collect(),
+                    checked: raw.checked,
+                })
+            })
+            .transpose()?;
+        let (mut probes, activity, signals, status, extends, complete_at, layout) = match base {
             Some(base) => {
                 let mut probes: Vec<ProbeSpec> = base
                     .probes
@@ -546,9 +600,17 @@ impl Profile {
                     base.signals.into_iter().filter(|spec| !own_signals.iter().any(|own| own.name == spec.name)).collect();
                 signals.extend(own_signals);
                 let complete_at = own_complete_at.map(|(at, _)| at).unwrap_or(base.complete_at);
-                (probes, activity, signals, own_status.or(base.status), Some(base.origin), complete_at)
+                (probes, activity, signals, own_status.or(base.status), Some(base.origin), complete_at, own_layout.or(base.layout))
             }
-            None => (own_probes, own_activity, own_signals, own_status, None, own_complete_at.map(|(at, _)| at).unwrap_or_default()),
+            None => (
+                own_probes,
+                own_activity,
+                own_signals,
+                own_status,
+                None,
+                own_complete_at.map(|(at, _)| at).unwrap_or_default(),
+                own_layout,
+            ),
         };
         for probe in &mut probes {
             probe.ends = probe.ends_under(complete_at, origin).map_err(|err| {
@@ -612,7 +674,28 @@ impl Profile {
             signals,
             status,
             complete_at,
+            layout,
         })
+    }
+
+    /// This profile without what its `[layout]` offsets give, for a process
+    /// that maps a build of the library the profile does not know: no
+    /// external id read through the key of a probe on that library, no
+    /// `read_status` (the `[status]` reads are turned off per process by
+    /// [`crate::status::StatusReader::turn_off`]). Lifecycle events, keys
+    /// (function arguments: the API) and transport counts stay.
+    pub fn without_offsets(&self) -> Self {
+        let mut profile = self.clone();
+        let Some(layout) = &self.layout else { return profile };
+        for probe in &mut profile.probes {
+            if probe.object.as_deref().is_some_and(|object| object == layout.object) {
+                if probe.external_id.as_ref().is_some_and(|ext| ext.at.from == From::Key) {
+                    probe.external_id = None;
+                }
+                probe.entry_status = None;
+            }
+        }
+        profile
     }
 }
 
@@ -834,6 +917,15 @@ struct RawProfile {
     signal: Vec<Spanned<RawSignal>>,
     status: Option<Spanned<RawStatus>>,
     complete_at: Option<Spanned<String>>,
+    layout: Option<Spanned<RawLayout>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLayout {
+    object: String,
+    build_ids: Vec<String>,
+    checked: String,
 }
 
 #[derive(Deserialize)]
@@ -1389,6 +1481,29 @@ mod tests {
                 stallwatch_common::stage::ABORTED
             )
         );
+    }
+
+    /// nixl names the build its offsets were checked against; a profile
+    /// extending it inherits that, or gives its own; without the offsets,
+    /// a probe on the library reads neither its external id nor its status.
+    #[test]
+    fn a_layout_names_the_builds_and_without_it_nothing_is_read_at_its_offsets() {
+        let nixl = Profile::load("nixl").unwrap();
+        let layout = nixl.layout.as_ref().expect("[layout]");
+        assert_eq!(layout.object, "libnixl.so");
+        assert!(layout.knows("C60AC851FDD67A4D9738B5B2F53BD4849505F241") && !layout.knows("00"));
+        assert_eq!(Profile::load("sglang").unwrap().layout.as_ref(), Some(layout), "inherited");
+        let off = nixl.without_offsets();
+        assert!(off.probes.iter().all(|p| p.external_id.is_none() && p.entry_status.is_none()));
+        assert!(off.probes.iter().all(|p| p.slot_config().flags & (slot_flags::HAS_EXT | slot_flags::ENTRY_VALUE) == 0));
+        assert_eq!(off.probes.len(), nixl.probes.len(), "every lifecycle point stays");
+        let text = |layout: &str| format!("extends = \"nixl\"\n[layout]\n{layout}");
+        let own = Profile::parse(&text("object = \"libnixl.so\"\nbuild_ids = [\"AB01\"]\nchecked = \"x\"\n"), "p.toml").unwrap();
+        assert_eq!(own.layout.expect("own").build_ids, ["ab01"]);
+        let err = error_of(&text("object = \"libnixl.so\"\nbuild_ids = [\"xyz\"]\nchecked = \"x\"\n"));
+        assert!(err.contains("([layout]): build id \"xyz\" is not hex bytes") && err.contains("readelf -n"), "{err}");
+        let err = error_of(&text("object = \"libnixl.so\"\nbuild_ids = []\nchecked = \"x\"\n"));
+        assert!(err.contains("`build_ids` is empty"), "{err}");
     }
 
     #[test]

@@ -209,6 +209,13 @@ impl ElfFile {
         Ok(Self { path: path.to_owned(), data })
     }
 
+    /// The file's GNU build id, lowercase hex (`None`: it has none).
+    pub fn build_id(&self) -> Result<Option<String>> {
+        let file = object::File::parse(&*self.data).with_context(|| format!("parsing {}", self.path.display()))?;
+        let id = file.build_id().with_context(|| format!("reading the build id of {}", self.path.display()))?;
+        Ok(id.map(|bytes| bytes.iter().map(|b| format!("{b:02x}")).collect()))
+    }
+
     /// Look `symbol` up in `.symtab` and `.dynsym` (mangled names as they
     /// are in the file).
     pub fn resolve(&self, symbol: &str) -> Result<ResolvedSymbol> {
@@ -331,6 +338,14 @@ fn shortened(name: &str) -> std::borrow::Cow<'_, str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_build_id_is_read_as_readelf_prints_it() {
+        // The C library every process here maps carries one.
+        let libc = ProcessImage::read(std::process::id()).expect("own image").find(Some("libc.so")).expect("libc mapped");
+        let id = ElfFile::open(&libc.host_path).expect("libc").build_id().expect("parsed").expect("a build id");
+        assert!(id.len() >= 16 && id.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()), "{id}");
+    }
 
     /// A child that exited and was not reaped is named a zombie, not a
     /// kernel thread.
