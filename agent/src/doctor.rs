@@ -315,6 +315,26 @@ impl Caps {
     }
 }
 
+/// Refuse to start `run` without the privileges to load and attach, before
+/// it creates anything: a bpf or socket directory made by an unprivileged
+/// user belongs to that user, and every root agent after it refuses it.
+pub fn require_privileges() -> anyhow::Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    let caps = read_caps();
+    let cap_last = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap").ok().and_then(|s| s.trim().parse().ok());
+    let check = privileges_check(euid, caps.as_ref().ok().copied(), cap_last, caps.as_ref().err());
+    if check.failed() {
+        anyhow::bail!(
+            "not enough privileges to load and attach eBPF programs ({}): {}; nothing was created. \
+             `stallwatch doctor` checks the host",
+            check.detail,
+            check.fix.unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
 fn read_caps() -> Result<Caps, String> {
     let status = std::fs::read_to_string("/proc/self/status").map_err(|err| format!("reading /proc/self/status: {err}"))?;
     Caps::effective_from_status(&status).ok_or_else(|| "no CapEff line in /proc/self/status".to_owned())

@@ -92,6 +92,9 @@ pub async fn run(options: Options, out: impl Write + Send + 'static) -> Result<(
     if timeout < tick {
         bail!("--timeout {timeout:?} is shorter than --tick {tick:?}: raise the timeout or lower the tick");
     }
+    // Before anything is created (the bpf and socket directories would
+    // then belong to an unprivileged user, and root agents refuse them).
+    crate::doctor::require_privileges()?;
     // First: a stop asked for during start-up is taken at the first turn
     // of the loop, never the default death that leaves no summary.
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;

@@ -466,3 +466,31 @@ fn an_endless_config_or_profile_file_is_refused_quickly() {
         );
     }
 }
+
+/// An unprivileged `run` fails before it creates anything: a bpf or
+/// socket directory it made would be its user's, and every root agent on
+/// the node would then refuse it.
+#[test]
+fn an_unprivileged_run_fails_before_creating_anything() {
+    require_root();
+    let demo = Demo::start(&["--duration", "20s"]);
+    let tag = format!("stallwatch-unprivileged-{}", std::process::id());
+    let bpf_dir = std::path::Path::new("/sys/fs/bpf").join(&tag);
+    let socket_dir = std::env::temp_dir().join(&tag);
+    let (ok, _, stderr) = run_to_end(
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"])
+            .arg(agent_bin())
+            .args(["run", "--pid", &demo.proc.pid().to_string(), "--profile", "demo", "--bpf-dir"])
+            .arg(&bpf_dir)
+            .arg("--socket")
+            .arg(socket_dir.join("s.sock")),
+    );
+    let created = (bpf_dir.exists(), socket_dir.exists());
+    let _ = std::fs::remove_dir_all(&bpf_dir);
+    let _ = std::fs::remove_dir_all(&socket_dir);
+    assert!(!ok, "{stderr}");
+    assert!(stderr.contains("not enough privileges") && stderr.contains("nothing was created"), "{stderr}");
+    assert_eq!(created, (false, false), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
