@@ -37,8 +37,9 @@ const LATE: Duration = Duration::from_secs(1);
 /// probes on (one request at a time, so its rate is its latency's limit).
 const RATE: u32 = 20_000;
 
-/// A line of a child's stdout, and when it was read.
-type Lines = Arc<Mutex<Vec<(Instant, serde_json::Value)>>>;
+/// A line of a child's stdout, and when it was read (on both clocks: the
+/// agent's log is stamped with the wall clock).
+type Lines = Arc<Mutex<Vec<(Instant, std::time::SystemTime, serde_json::Value)>>>;
 
 fn main() -> Result<()> {
     support::require_root("the soak benchmark")?;
@@ -96,7 +97,9 @@ fn main() -> Result<()> {
             rss.push((now.duration_since(start).as_secs(), rss_kib(agent_pid).unwrap_or(0)));
             next_rss = now + Duration::from_secs(if smoke { 5 } else { 30 });
         }
-        if now >= next_pinned && (!smoke || pinned_demos.is_empty()) {
+        // None so late that its stalls could not come due before the stop.
+        let late_start = end.saturating_duration_since(now) < Duration::from_secs(15);
+        if now >= next_pinned && !late_start && (!smoke || pinned_demos.is_empty()) {
             let classes = ["--waiting-for-peer", "--transfer-hung", "--release-lost"];
             let mut args = vec!["--rate".to_owned(), "50".to_owned(), "--duration".to_owned(), "40s".to_owned()];
             args.extend(["--inject-after".to_owned(), format!("{}ms", 1000 + rng.range(0, 9000))]);
@@ -138,12 +141,29 @@ fn main() -> Result<()> {
     let exited = wait_exit(&mut agent.0, Duration::from_secs(30));
     drop(collector);
 
+    // When the agent attached to each demo (its log's `watching` lines): a
+    // request pinned before that had no probe to see it, on any agent.
+    let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+    let watched: HashMap<u64, std::time::SystemTime> = log_text
+        .lines()
+        .filter(|line| line.contains("watching pid="))
+        .filter_map(|line| {
+            let at = humantime::parse_rfc3339(line.split_whitespace().next()?).ok()?;
+            let pid = line.split("watching pid=").nth(1)?.split_whitespace().next()?.parse().ok()?;
+            Some((pid, at))
+        })
+        .collect();
     // Injected: (pid, key) -> when the demo said it pinned it (its last event).
     let mut injected: HashMap<(u64, String), Instant> = HashMap::new();
+    let mut before_attach = 0;
     for (child, lines) in &pinned_demos {
         let pid = u64::from(child.0.id());
-        for (at, line) in lines.lock().expect("lines").iter() {
+        for (at, wall, line) in lines.lock().expect("lines").iter() {
             if line["event"] == "injected" {
+                if watched.get(&pid).is_none_or(|attached| attached > wall) {
+                    before_attach += 1;
+                    continue;
+                }
                 let key = format!("{:#x}", line["key"].as_u64().unwrap_or_default());
                 injected.insert((pid, key), *at);
             }
@@ -152,7 +172,7 @@ fn main() -> Result<()> {
     let lines = alerts.lock().expect("alerts").clone();
     let mut reported: HashMap<(u64, String), Instant> = HashMap::new();
     let mut invented = Vec::new();
-    for (at, alert) in &lines {
+    for (at, _, alert) in &lines {
         if alert["alert"] != "stalled" {
             continue;
         }
@@ -165,7 +185,19 @@ fn main() -> Result<()> {
     }
     let missed: Vec<_> = injected.keys().filter(|id| !reported.contains_key(*id)).collect();
     let late = reported.iter().filter(|(id, at)| at.duration_since(injected[*id]) > TIMEOUT + LATE).count();
-    let summary = lines.iter().map(|(_, l)| l).find(|l| l["alert"] == "summary").cloned().unwrap_or_default();
+    let summary = lines.iter().map(|(_, _, l)| l).find(|l| l["alert"] == "summary").cloned().unwrap_or_default();
+    // A stall late past timeout + 1 s whose due time fell in a pause (or
+    // within the second around it) was late because the agent was stopped.
+    let in_pause = |due: Instant| {
+        pauses.iter().any(|(at, pause): &(Duration, Duration)| {
+            let from = start + *at;
+            due + LATE >= from && due <= from + *pause + LATE
+        })
+    };
+    let late_in_pause = reported
+        .iter()
+        .filter(|(id, at)| at.duration_since(injected[*id]) > TIMEOUT + LATE && in_pause(injected[*id] + TIMEOUT))
+        .count();
     let distinct: HashSet<_> = reported.keys().collect();
 
     println!("soak: {secs} s, healthy demo at {RATE}/s, {} pinned demos, timeout {}s", pinned_demos.len(), TIMEOUT.as_secs());
@@ -175,8 +207,30 @@ fn main() -> Result<()> {
         paused_total.as_secs_f64(),
         pauses.iter().map(|(at, d): &(Duration, Duration)| format!("{}s+{:.1}s", at.as_secs(), d.as_secs_f64())).collect::<Vec<_>>()
     );
-    println!("  stalls injected  {}", injected.len());
-    println!("  reported         {} (missed {}, invented {}, late past timeout + 1 s {})", distinct.len(), missed.len(), invented.len(), late);
+    println!("  stalls injected  {} (and {before_attach} pinned before the agent had attached to their demo: no probe saw them)", injected.len());
+    println!(
+        "  reported         {} (missed {}, invented {}, late past timeout + 1 s {late}, of which {late_in_pause} came due in a pause)",
+        distinct.len(),
+        missed.len(),
+        invented.len()
+    );
+    for (id, at) in &reported {
+        let lateness = at.duration_since(injected[id]).saturating_sub(TIMEOUT);
+        if lateness > LATE {
+            let due = injected[id] + TIMEOUT;
+            println!(
+                "  late             pid {} key {} due at {:.1}s, reported {:.1}s after{}",
+                id.0,
+                id.1,
+                due.duration_since(start).as_secs_f64(),
+                lateness.as_secs_f64(),
+                if in_pause(due) { " (a pause)" } else { "" }
+            );
+        }
+    }
+    for id in &missed {
+        println!("  missed           pid {} key {} pinned at {:.1}s", id.0, id.1, injected[*id].duration_since(start).as_secs_f64());
+    }
     println!(
         "  events           lost {} (ringbuf_full {}), resyncs {}, taken over {}, ended unseen {}, duplicate_events {}, caught_up_repeats {}",
         summary["lost_events"],
@@ -219,7 +273,7 @@ fn read_lines(out: impl std::io::Read + Send + 'static) -> Lines {
     thread::spawn(move || {
         for line in BufReader::new(out).lines().map_while(Result::ok) {
             if let Ok(value) = serde_json::from_str(&line) {
-                sink.lock().expect("lines").push((Instant::now(), value));
+                sink.lock().expect("lines").push((Instant::now(), std::time::SystemTime::now(), value));
             }
         }
     });
