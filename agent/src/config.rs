@@ -81,7 +81,7 @@ pub struct RunSettings {
     pub tick: Option<Duration>,
     /// Most requests tracked at once; beyond it the stalest is evicted
     /// (and reported) [default: 1000000].
-    #[arg(long, env = "STALLWATCH_MAX_TRACKED")]
+    #[arg(long, env = "STALLWATCH_MAX_TRACKED", value_parser = parse_count)]
     pub max_tracked: Option<usize>,
     /// Alert line format on stdout [default: human].
     #[arg(long, value_enum, env = "STALLWATCH_OUTPUT")]
@@ -248,7 +248,7 @@ pub struct ConfigFile {
 
 impl ConfigFile {
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading config file {}", path.display()))?;
+        let text = crate::files::read_text(path, "config file")?;
         Self::parse(&text, path)
     }
 
@@ -591,6 +591,15 @@ impl<'de> Deserialize<'de> for Pid {
     }
 }
 
+/// A positive count on the command line, as the config file takes it
+/// ([`Count`]): 0 would track nothing and is refused by both.
+fn parse_count(text: &str) -> Result<usize, String> {
+    match text.trim().parse::<i64>().ok().map(usize::try_from) {
+        Some(Ok(count)) if count > 0 => Ok(count),
+        _ => Err(format!("{text} is not a positive count (1 or more)")),
+    }
+}
+
 /// A positive count.
 struct Count(usize);
 
@@ -816,6 +825,13 @@ addr = "0.0.0.0:9464"
         assert!(err.contains("line 2") && err.contains("pid 0 is not a process id"), "{err}");
         let err = error("pid = \"4242\"\n");
         assert!(err.contains("line 1") && err.contains("invalid type: string"), "{err}");
+        // The flag and the file refuse the same values.
+        for bad in ["0", "-1", "x"] {
+            assert!(parse_count(bad).is_err_and(|err| err.contains("not a positive count")), "{bad}");
+        }
+        assert_eq!(parse_count("5"), Ok(5));
+        let err = error("max_tracked = 0\n");
+        assert!(err.contains("not a positive count"), "{err}");
         let err = error("max_tracked = -1\n");
         assert!(err.contains("line 1") && err.contains("not a positive count"), "{err}");
         let err = error("output = \"yaml\"\n");

@@ -168,6 +168,7 @@ pub fn run(bpf_dir: &Path, socket: &Path) -> Report {
         privileges_check(euid, caps.as_ref().ok().copied(), cap_last, caps.as_ref().err()),
         ptrace_check(euid, caps.as_ref().ok().copied()),
         pid_namespace_check(std::fs::read_link("/proc/self/ns/pid").map(|link| link.display().to_string())),
+        time_namespace_check(crate::export::clock::time_offsets()),
         // Before the eBPF object is loaded: loading raises the limit.
         memlock_check(read_memlock(), version, caps.as_ref().ok().is_some_and(|c| c.has(CAP_SYS_RESOURCE))),
         btf_check(Path::new("/sys/kernel/btf/vmlinux")),
@@ -314,6 +315,26 @@ impl Caps {
     }
 }
 
+/// Refuse to start `run` without the privileges to load and attach, before
+/// it creates anything: a bpf or socket directory made by an unprivileged
+/// user belongs to that user, and every root agent after it refuses it.
+pub fn require_privileges() -> anyhow::Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    let caps = read_caps();
+    let cap_last = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap").ok().and_then(|s| s.trim().parse().ok());
+    let check = privileges_check(euid, caps.as_ref().ok().copied(), cap_last, caps.as_ref().err());
+    if check.failed() {
+        anyhow::bail!(
+            "not enough privileges to load and attach eBPF programs ({}): {}; nothing was created. \
+             `stallwatch doctor` checks the host",
+            check.detail,
+            check.fix.unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
 fn read_caps() -> Result<Caps, String> {
     let status = std::fs::read_to_string("/proc/self/status").map_err(|err| format!("reading /proc/self/status: {err}"))?;
     Caps::effective_from_status(&status).ok_or_else(|| "no CapEff line in /proc/self/status".to_owned())
@@ -406,6 +427,28 @@ pub fn pid_namespace_check(link: io::Result<String>) -> Check {
         ),
         Err(err) => check.warning(format!("reading /proc/self/ns/pid: {err}"), "check that /proc is mounted"),
     }
+}
+
+/// A time namespace shifts the agent's clocks, not the kernel's
+/// timestamps: the agent reads its offsets and takes them back out, and
+/// says so, since every time it prints depends on it.
+pub fn time_namespace_check(offsets: crate::export::clock::TimeOffsets) -> Check {
+    let check = Check::new(
+        "time_namespace",
+        false,
+        "judging silence: the kernel stamps events on the host's CLOCK_MONOTONIC, which the agent compares with its own",
+    );
+    if offsets.is_zero() {
+        return check.ok("the host's clocks (no time-namespace offset)");
+    }
+    let secs = |ns: i64| format!("{:+.3}s", ns as f64 / 1e9);
+    check.ok(format!(
+        "a time namespace whose CLOCK_MONOTONIC is offset {} (CLOCK_BOOTTIME {}) from the host's, read from \
+         /proc/self/timens_offsets: the agent takes the offset out of every clock it reads, so stalls and the times \
+         printed follow the kernel's timestamps",
+        secs(offsets.monotonic_ns),
+        secs(offsets.boottime_ns)
+    ))
 }
 
 // --- memlock ------------------------------------------------------------
@@ -905,6 +948,29 @@ mod tests {
         let nested = pid_namespace_check(Ok("pid:[4026532201]".into()));
         assert_eq!(nested.status, Status::Warning);
         assert!(nested.fix.as_deref().is_some_and(|f| f.contains("hostPID: true")));
+    }
+
+    #[test]
+    fn a_time_namespace_offset_is_said_with_its_sign() {
+        use crate::export::clock::TimeOffsets;
+        let host = time_namespace_check(TimeOffsets::default());
+        assert_eq!(host.status, Status::Ok);
+        assert!(
+            host.detail.contains("no time-namespace offset"),
+            "{}",
+            host.detail
+        );
+        let behind = time_namespace_check(TimeOffsets {
+            monotonic_ns: -300_000_000_000,
+            boottime_ns: 0,
+        });
+        assert_eq!(behind.status, Status::Ok);
+        assert!(
+            behind.detail.contains("offset -300.000s")
+                && behind.detail.contains("takes the offset out"),
+            "{}",
+            behind.detail
+        );
     }
 
     #[test]

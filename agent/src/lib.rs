@@ -8,9 +8,10 @@
 //! [`gate`] links the costly progress probes only near a stall;
 //! [`state`] keeps what outlives an agent (pinned maps and links) for the
 //! next one, in directories [`trusted_dir`] keeps out of other users'
-//! reach; [`config`] reads its settings from a file, [`doctor`] checks
-//! the host; [`logging`] sets up the agent's own logs, [`build_info`]
-//! says which build this is; [`text`] makes what a target wrote safe to print; [`warned`]
+//! reach; [`config`] reads its settings from a file ([`files`] bounds
+//! what is read), [`doctor`] checks the host; [`logging`] sets up the
+//! agent's own logs, [`build_info`] says which build this is; [`text`]
+//! makes what a target wrote safe to print; [`warned`]
 //! keeps warnings about bad input to one a period.
 pub mod build_info;
 pub mod config;
@@ -18,6 +19,7 @@ pub mod doctor;
 pub mod discovery;
 pub mod events;
 pub mod export;
+pub mod files;
 pub mod gate;
 pub mod lifecycle;
 pub mod logging;

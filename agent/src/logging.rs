@@ -71,7 +71,11 @@ pub fn init(filter: &str, format: LogFormat) {
     let filter = EnvFilter::builder().with_regex(false).parse_lossy(filter);
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // A stderr gone (its reader exited, a closed fd) loses the logs,
+        // not the agent: tracing's own report of a failed write is an
+        // `eprintln!`, which panics on that same stderr.
+        .log_internal_errors(false);
     match format {
         LogFormat::Text => builder
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

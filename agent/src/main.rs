@@ -161,7 +161,8 @@ fn main() -> ExitCode {
     match dispatch(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("stallwatch: error: {}", text::escaped(&format!("{err:#}")));
+            // Never `eprintln!`: it panics when stderr is gone.
+            let _ = writeln!(std::io::stderr(), "stallwatch: error: {}", text::escaped(&format!("{err:#}")));
             ExitCode::FAILURE
         }
     }
@@ -199,7 +200,7 @@ fn dispatch(cli: Cli) -> Result<()> {
                 bpf_dir,
                 on_exit,
             };
-            runtime.block_on(run::run(options, std::io::stdout().lock()))
+            runtime.block_on(run::run(options, std::io::stdout()))
         }
         Command::Doctor { json, bpf_dir, socket } => {
             let report = doctor::run(&bpf_dir, &socket);
@@ -293,14 +294,14 @@ fn print(write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()
 fn points_report(points: &[probes::resolve::ProbePoint], out: &mut dyn Write) -> std::io::Result<()> {
     writeln!(out, "in the process:")?;
     for point in points {
-        let symbol = text::value(&point.symbol);
+        let symbol = text::escaped(&point.symbol);
         match &point.found {
             Ok((path, resolved)) => writeln!(
                 out,
                 "  line {:>3}: {} at {}+{:#x}{}: {}",
                 point.line,
                 symbol,
-                text::value(&path.display().to_string()),
+                text::escaped(&path.display().to_string()),
                 resolved.file_offset,
                 if resolved.skipped > 0 { " (after its endbr64)" } else { "" },
                 resolved.first_insn
@@ -311,14 +312,18 @@ fn points_report(points: &[probes::resolve::ProbePoint], out: &mut dyn Write) ->
     Ok(())
 }
 
-/// `stallwatch profile check`: what each probe of a valid profile attaches to.
+/// `stallwatch profile check`: what each probe of a valid profile attaches
+/// to. Names, symbols and paths come from a file anyone may have written:
+/// printed escaped, so none can break a line or reach the terminal as a
+/// control sequence.
 fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
-    writeln!(out, "profile {}: ok", profile.name)?;
+    use text::escaped;
+    writeln!(out, "profile {}: ok", escaped(&profile.name))?;
     if let Some(base) = &profile.extends {
-        writeln!(out, "  extends {base}")?;
+        writeln!(out, "  extends {}", escaped(base))?;
     }
     // What a profile inherits names the file it comes from.
-    let from = |origin: &str| if origin == profile.origin { String::new() } else { format!(" (from {origin})") };
+    let from = |origin: &str| if origin == profile.origin { String::new() } else { format!(" (from {})", escaped(origin)) };
     for probe in &profile.probes {
         let events = match &probe.action {
             profile::Action::Always(stage) => stage.to_string(),
@@ -331,8 +336,8 @@ fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
             "  line {:>3}: {events:<30} {:?} of `{}` in {}{}",
             probe.line,
             probe.at,
-            probe.symbol,
-            probe.object.as_deref().unwrap_or("the executable"),
+            escaped(&probe.symbol),
+            escaped(probe.object.as_deref().unwrap_or("the executable")),
             from(&probe.origin)
         )?;
     }
@@ -352,11 +357,11 @@ fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
             out,
             "  line {:>3}: {:<30} {:?} of `{}` in {}{}{}",
             signal.line,
-            format!("signal {}", signal.name),
+            format!("signal {}", escaped(&signal.name)),
             signal.at,
-            signal.symbol,
-            signal.object.as_deref().unwrap_or("the executable"),
-            signal.msgpack.as_ref().map(|m| format!(", msgpack element {} of `{}`", m.element, m.tag)).unwrap_or_default(),
+            escaped(&signal.symbol),
+            escaped(signal.object.as_deref().unwrap_or("the executable")),
+            signal.msgpack.as_ref().map(|m| format!(", msgpack element {} of `{}`", m.element, escaped(&m.tag))).unwrap_or_default(),
             from(&signal.origin)
         )?;
     }
@@ -366,8 +371,8 @@ fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
             "  line {:>3}: {:<30} Entry of `{}` in {}{}{}",
             activity.line,
             format!("transport {}", activity.kind.as_str()),
-            activity.symbol,
-            activity.object.as_deref().unwrap_or("the executable"),
+            escaped(&activity.symbol),
+            escaped(activity.object.as_deref().unwrap_or("the executable")),
             if activity.optional { " (optional)" } else { "" },
             from(&activity.origin)
         )?;

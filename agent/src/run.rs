@@ -3,7 +3,7 @@
 //! until told to stop (or, with `--pid`, until that process exits or execs
 //! a program the profile does not attach to).
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     io::Write,
     os::fd::{FromRawFd as _, OwnedFd},
     path::PathBuf,
@@ -28,11 +28,15 @@ use crate::{
     export::{
         alert::{AlertWriter, Format},
         clock::{Clock, monotonic_ns, process_start_ns},
+        queue::{self, LineQueue},
         telemetry::{Telemetry, TelemetryOptions},
     },
     gate::{Change, Failures, Gate},
-    lifecycle::{Engine, EngineConfig, Observation, Report, Side, Silent, Withheld},
-    probes::{KernelCounters, Probes, Profile, Releasing},
+    lifecycle::{Engine, EngineConfig, Observation, Report, Restored, Side, Silent, Withheld},
+    probes::{
+        KernelCounters, Probes, Profile, Releasing,
+        resolve::{ElfFile, ProcessImage},
+    },
     query::{QueryServer, SocketPlace},
     reactor,
     state::{BpfDir, KernelState},
@@ -83,11 +87,14 @@ pub enum OnExit {
 /// How often the kernel's loss counters and transport counts are sampled.
 const COUNTER_PERIOD: Duration = Duration::from_secs(1);
 
-pub async fn run(options: Options, out: impl Write) -> Result<()> {
+pub async fn run(options: Options, out: impl Write + Send + 'static) -> Result<()> {
     let Options { target, profile, timeout, tick, max_tracked, format, telemetry, socket, bpf_dir, on_exit } = options;
     if timeout < tick {
         bail!("--timeout {timeout:?} is shorter than --tick {tick:?}: raise the timeout or lower the tick");
     }
+    // Before anything is created (the bpf and socket directories would
+    // then belong to an unprivileged user, and root agents refuse them).
+    crate::doctor::require_privileges()?;
     // First: a stop asked for during start-up is taken at the first turn
     // of the loop, never the default death that leaves no summary.
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
@@ -112,7 +119,13 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
         transport: Tracker::new(duration_ns(timeout)),
         gate: Gate::new(duration_ns(timeout), duration_ns(tick)),
         gate_failures: Failures::default(),
-        alerts: AlertWriter::new(out, format, clock).with_workloads(workloads),
+        alerts: AlertWriter::new(
+            LineQueue::start(out).context("starting the thread that writes alerts to stdout")?,
+            format,
+            clock,
+        )
+        .with_workloads(workloads),
+        alert_drops: Warned::default(),
         telemetry,
         probes,
         state,
@@ -124,6 +137,8 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
         reports: Vec::new(),
         ingest: Ingest::default(),
         signals: Signals::new(duration_ns(timeout)),
+        synced: Synced::default(),
+        foreign_builds: HashSet::new(),
     };
 
     let (mut execs, selector) = match target {
@@ -151,7 +166,10 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
     };
     // Ours are attached: what a previous agent's probes recorded is ours to
     // follow, taken over first (its stalls may be near due), then its
-    // probes can go.
+    // probes can go. Before the take-over reads the table: a loss from
+    // here on is after its view, and brings a resynchronisation.
+    let counters = session.probes.counters()?;
+    session.synced = Synced { ringbuf_full: counters.ringbuf_full, state_full: counters.state_full };
     session.restore()?;
     let mut releasing = session.probes.release_old_links()?;
     // After attaching, so a bad profile or pid is reported as such even
@@ -183,7 +201,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 // The clock first: every event submitted before it is read
                 // before the timers judge silence at it.
                 let now = monotonic_ns();
-                session.drain();
+                session.sync();
                 session.gate(now);
                 session.advance(now, status::READS_PER_TICK);
             }
@@ -192,6 +210,7 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                 session.ingest.warn_undecodable();
                 session.signals.warn();
                 session.state.warn();
+                session.warn_alert_drops();
                 if let Some(status) = &mut session.status {
                     status.warn();
                 }
@@ -271,12 +290,13 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
                     &session.probes,
                     session.ingest.undecodable,
                     session.status.as_ref().map(StatusReader::reads),
+                    session.alerts.output().dropped(),
                 );
             }
             query = queries.next() => {
                 // Up to date to the moment asked, not to the last tick, and
                 // to what the kernel holds of requests not yet due.
-                session.drain();
+                session.sync();
                 session.engine.catch_up(None, &mut withheld_in(&session.state));
                 queries.answer(query, &session.engine, &session.transport, &session.signals, monotonic_ns());
             }
@@ -287,10 +307,13 @@ pub async fn run(options: Options, out: impl Write) -> Result<()> {
             _ = interrupt.recv() => break,
             _ = terminate.recv() => break,
         }
-        if let Err(err) = session.emit() {
-            if !session.alerts.is_closed() {
-                return Err(err);
-            }
+        let closed = match session.emit() {
+            Err(err) if !session.alerts.is_closed() => return Err(err),
+            Err(_) => true,
+            // The writer thread may have found it closed since.
+            Ok(()) => session.alerts.output().is_closed(),
+        };
+        if closed {
             // As a pipeline's writer does at SIGPIPE, but leaving the
             // state for the next agent as a SIGTERM would.
             info!("stdout was closed (its reader went away): stopping");
@@ -347,13 +370,16 @@ enum Gone {
 }
 
 /// Everything one run holds, with the steps the loop takes on it.
-struct Session<W> {
+struct Session {
     engine: Engine,
     transport: Tracker,
     /// When each process's progress probes are linked.
     gate: Gate,
     gate_failures: Failures,
-    alerts: AlertWriter<W>,
+    /// Alert lines, handed to stdout's writer thread ([`LineQueue`]).
+    alerts: AlertWriter<LineQueue>,
+    /// Dropped alert lines the last warning covered.
+    alert_drops: Warned,
     telemetry: Telemetry,
     probes: Probes,
     /// The kernel's in-flight table, kept in step with the reports.
@@ -370,9 +396,25 @@ struct Session<W> {
     ingest: Ingest,
     /// Where the profile's `[[signal]]` hits go.
     signals: Signals,
+    /// The kernel's loss counts the engine was last brought in step with.
+    synced: Synced,
+    /// Library files (and builds) already warned about as foreign builds.
+    foreign_builds: HashSet<(PathBuf, String)>,
 }
 
-impl<W: Write> Session<W> {
+/// The kernel counts that say whether the engine is in step with the
+/// kernel's in-flight table ([`Session::sync`]).
+#[derive(Debug, Default, Clone, Copy)]
+struct Synced {
+    /// `ringbuf_full` when the engine was last in step (or at start).
+    ringbuf_full: u64,
+    /// `state_full` at start: once it grows, the table may lack a request
+    /// the probes saw begin, so one it does not hold is not known to have
+    /// ended.
+    state_full: u64,
+}
+
+impl Session {
     /// Attach the profile to `pid` and learn when it exits.
     fn watch(&mut self, pid: u32) -> Result<()> {
         if self.watched.contains_key(&pid) {
@@ -381,7 +423,15 @@ impl<W: Write> Session<W> {
         // Open the pidfd first: if the pid is reused after an exit, the
         // pidfd still refers to the process we attached to.
         let exited = pidfd(pid)?;
-        let probes = self.probes.attach(pid, &self.profile)?;
+        let probes = if self.foreign_build(pid) {
+            let probes = self.probes.attach(pid, &self.profile.without_offsets())?;
+            if let Some(status) = &mut self.status {
+                status.turn_off(pid);
+            }
+            probes
+        } else {
+            self.probes.attach(pid, &self.profile)?
+        };
         let name = process_name(pid);
         self.alerts.name_process(pid, &name);
         self.telemetry.name_process(pid);
@@ -404,6 +454,41 @@ impl<W: Write> Session<W> {
             "watching"
         );
         Ok(())
+    }
+
+    /// Whether `pid` maps a build of the profile's `[layout]` library that
+    /// the profile's offsets were not checked against (another build id,
+    /// or none): then nothing is read at those offsets in it, since the
+    /// bytes there may be anything (a never-posted handle read as
+    /// `release_lost`). Warned about once per library file and build. A
+    /// process that does not map the library is not judged here: its
+    /// probes on it fail to attach, saying so.
+    fn foreign_build(&mut self, pid: u32) -> bool {
+        let Some(layout) = &self.profile.layout else { return false };
+        let Ok(object) = ProcessImage::read(pid).and_then(|image| image.find(Some(&layout.object))) else { return false };
+        let build = match ElfFile::open(&object.host_path).and_then(|elf| elf.build_id()) {
+            Ok(Some(id)) if layout.knows(&id) => return false,
+            Ok(Some(id)) => format!("build id {id}"),
+            Ok(None) => "no build id".to_owned(),
+            Err(err) => format!("a build id that could not be read ({err:#})"),
+        };
+        if self.foreign_builds.insert((object.path.clone(), build.clone())) {
+            warn!(
+                pid,
+                library = %crate::text::value(&object.path.display().to_string()),
+                "{} has {build}, not a build profile {} (line {} of {}) was checked against ({}): its status reads, \
+                 read_status and external ids are off for processes mapping it, their stalls classified by the probes \
+                 alone. To use them, check that the build lays its structs out as the profile's offsets say (see the \
+                 README, \"A library build the profile does not know\"), then add its build id (`readelf -n`) to \
+                 `build_ids` in the [layout] of a profile that extends this one",
+                layout.object,
+                self.profile.name,
+                layout.line,
+                layout.origin,
+                layout.checked
+            );
+        }
+        true
     }
 
     /// [`Self::watch`] for discovered processes: one that cannot be
@@ -490,6 +575,74 @@ impl<W: Write> Session<W> {
         // read as a new lifecycle and end it twice).
         self.drain();
         self.emit()
+    }
+
+    /// Read the ring buffer, and if events were lost since the engine was
+    /// last in step with the kernel, resynchronise with the kernel's
+    /// in-flight table (see **Resynchronising** in the lifecycle docs)
+    /// before anything is judged: a request whose end was lost would read
+    /// as stalled, and one whose every event was lost would never be seen.
+    /// One read of the loss counters a call; the table only after a loss.
+    fn sync(&mut self) {
+        self.drain();
+        let counters = match self.probes.counters() {
+            Ok(counters) => counters,
+            Err(err) => {
+                warn!(
+                    "reading the kernel's loss counters (lost events cannot be resynchronised): {err:#}"
+                );
+                return;
+            }
+        };
+        if counters.ringbuf_full <= self.synced.ringbuf_full {
+            return;
+        }
+        // Before the table is read: what the probes do from here on is
+        // newer than its view.
+        let since = monotonic_ns();
+        let table = match self.state.snapshot() {
+            Ok(table) => table,
+            Err(err) => {
+                warn!(
+                    "reading the kernel's in-flight table to resynchronise after lost events (retried at the next wake): {err:#}"
+                );
+                return;
+            }
+        };
+        // Ends submitted while the table was read come through the ring.
+        self.drain();
+        let table: Vec<Restored> = table
+            .into_iter()
+            .filter(|request| self.watched.contains_key(&request.pid))
+            .collect();
+        if self.profile.follows_rooms() {
+            for request in table
+                .iter()
+                .filter(|request| self.engine.get(request.pid, request.key).is_none())
+            {
+                self.signals.adopt(request);
+            }
+        }
+        let complete = counters.state_full <= self.synced.state_full && self.state.unheld() == 0;
+        let before = self.engine.stats();
+        let state = &self.state;
+        self.engine.resync(
+            since,
+            complete,
+            &mut |pid, key| state.entry(pid, key).map_err(|_| ()),
+            table,
+            &mut self.reports,
+        );
+        let after = self.engine.stats();
+        info!(
+            lost = counters.ringbuf_full - self.synced.ringbuf_full,
+            ended_unseen = after.end_unseen - before.end_unseen,
+            taken_over = after.restored - before.restored,
+            caught_up = after.caught_up - before.caught_up,
+            table_complete = complete,
+            "events were lost (the ring buffer was full): resynchronised with the kernel's in-flight table"
+        );
+        self.synced.ringbuf_full = counters.ringbuf_full;
     }
 
     /// Read every event the ring buffer holds, each signal to its consumer
@@ -665,6 +818,9 @@ impl<W: Write> Session<W> {
         self.transport.forget(pid);
         self.signals.forget(pid);
         self.gate_failures.forget(pid);
+        if let Some(status) = &mut self.status {
+            status.forget(pid);
+        }
         if let Some(watched) = self.watched.remove(&pid) {
             watched.exit_waiter.abort();
         }
@@ -693,7 +849,7 @@ impl<W: Write> Session<W> {
 
     fn finish(mut self, on_exit: OnExit) -> Result<()> {
         self.alerts.stopping();
-        self.drain();
+        self.sync();
         // Every stall due by now, however many: the loop's latency no
         // longer matters, and this agent's alerts should be complete.
         self.advance(monotonic_ns(), usize::MAX);
@@ -704,12 +860,15 @@ impl<W: Write> Session<W> {
         let losses = Losses { kernel: self.probes.counters()?, undecodable: self.ingest.undecodable };
         self.ingest.warn_undecodable();
         self.signals.finish();
+        self.warn_alert_drops();
         let export = self.telemetry.finish();
+        let alert_drops = self.alerts.output().dropped();
         self.alerts
             .summary(
                 &self.engine.stats(),
                 &losses,
                 export.dropped(),
+                alert_drops,
                 &self.probes.probe_hits()?,
                 self.status.as_ref().map(StatusReader::reads).as_ref(),
             )
@@ -720,7 +879,29 @@ impl<W: Write> Session<W> {
                 "probes left attached and in-flight state pinned for the next agent; `stallwatch state clear` removes them"
             );
         }
+        // Last: the hand-over above never waits on a stdout that does not drain.
+        let output = self.alerts.output();
+        if !output.finish(queue::STOP_GRACE) {
+            warn!(
+                lines = output.waiting(),
+                "stdout did not take the last alert lines (the summary among them) within {:?}: they are not written",
+                queue::STOP_GRACE
+            );
+        }
         Ok(())
+    }
+
+    /// One warning a counter period for the alert lines dropped since the
+    /// last one, because stdout did not drain.
+    fn warn_alert_drops(&mut self) {
+        if let Some(new) = self.alert_drops.news(self.alerts.output().dropped()) {
+            warn!(
+                new,
+                total = self.alerts.output().dropped(),
+                "stdout is not draining: the oldest alert lines were dropped (detections still go to the metrics, spans, \
+                 `stallwatch inflight` and the summary); check what reads the agent's stdout"
+            );
+        }
     }
 }
 
@@ -781,9 +962,9 @@ impl Ingest {
         match events::decode(bytes) {
             Ok(event) => {
                 for earlier in events::withheld(&event) {
-                    self.event(&earlier, transport, engine, reports, route);
+                    self.event(&earlier, true, transport, engine, reports, route);
                 }
-                self.event(&event, transport, engine, reports, route);
+                self.event(&event, false, transport, engine, reports, route);
             }
             Err(err) => {
                 self.undecodable += 1;
@@ -792,9 +973,12 @@ impl Ingest {
         }
     }
 
+    /// `carried`: a stage time the record carried besides its own event
+    /// (see [`Engine::observe_carried`]).
     fn event(
         &mut self,
         event: &Event,
+        carried: bool,
         transport: &mut Tracker,
         engine: &mut Engine,
         reports: &mut Vec<Report>,
@@ -812,7 +996,11 @@ impl Ingest {
                     engine.set_side(observation.pid, side);
                 }
                 transport.observe(&observation);
-                engine.observe(observation, reports);
+                if carried {
+                    engine.observe_carried(observation, reports);
+                } else {
+                    engine.observe(observation, reports);
+                }
             }
             Err(err) => {
                 self.undecodable += 1;
@@ -973,7 +1161,7 @@ mod tests {
         let mut out = Vec::new();
         let losses = Losses { kernel: KernelCounters { ringbuf_full: 2, ..KernelCounters::default() }, undecodable: ingest.undecodable };
         AlertWriter::new(&mut out, Format::Json, Clock::new())
-            .summary(&EngineStats::default(), &losses, 0, &[], None)
+            .summary(&EngineStats::default(), &losses, 0, 0, &[], None)
             .expect("summary");
         let summary: Value = serde_json::from_slice(&out).expect("JSON summary");
         assert_eq!((summary["lost_events"].as_u64(), summary["undecodable"].as_u64()), (Some(1003), Some(1001)), "{summary}");

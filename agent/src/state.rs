@@ -411,6 +411,25 @@ impl<T: Tables> KernelState<T> {
         Ok(restored)
     }
 
+    /// The kernel's entry of (`pid`, `key`) now, as the engine takes it
+    /// (for a resynchronisation, [`crate::lifecycle::Engine::resync`]);
+    /// `None` when it holds none (or one of a stage this agent does not
+    /// know).
+    pub fn entry(&self, pid: u32, key: u64) -> Result<Option<Restored>> {
+        let key = RequestKey { key, pid, _pad: 0 };
+        let Some(entry) = self.tables.inflight(&key)? else {
+            return Ok(None);
+        };
+        Ok(restored_from(key, &entry, self.tables.alerted(&key)?))
+    }
+
+    /// Lifecycles the agent made that the table could not hold
+    /// ([`Self::hold`]): while any, a request it does not hold may still
+    /// be live.
+    pub fn unheld(&self) -> u64 {
+        self.unheld
+    }
+
     /// Keep the kernel's tables in step with a report: mark a stall as
     /// reported, unmark it when it recovers, collect an ended entry the
     /// kernel kept for a mark, drop what the kernel cannot know has ended
@@ -456,6 +475,9 @@ impl<T: Tables> KernelState<T> {
                     }
                     Outcome::Released | Outcome::Completed | Outcome::Aborted | Outcome::Failed => {}
                     Outcome::Evicted => self.tables.forget_inflight(&key)?,
+                    // The kernel holds none of it (or a later lifecycle of
+                    // the key, which is not this one's to drop).
+                    Outcome::EndUnseen => {}
                     // Its own entry only: a reused pid's new process may
                     // hold others (`forget_process` drops the rest of an
                     // exited one).

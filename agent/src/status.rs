@@ -52,11 +52,14 @@ pub struct StatusReads {
     /// The memory could not be read (unmapped, no permission), or the
     /// kernel's table could not be asked.
     pub unreadable: u64,
+    /// Not read: the process maps a build of the library whose layout the
+    /// profile does not know (its `[layout]`).
+    pub off: u64,
 }
 
 impl StatusReads {
     pub fn total(&self) -> u64 {
-        self.answered + self.unrecognised + self.not_held + self.process_gone + self.unreadable
+        self.answered + self.unrecognised + self.not_held + self.process_gone + self.unreadable + self.off
     }
 }
 
@@ -70,11 +73,33 @@ pub struct StatusReader {
     warned: Warned,
     /// What the latest of those was.
     last_problem: Option<String>,
+    /// Processes whose memory is not read: they map a library build whose
+    /// layout the profile does not know.
+    off: std::collections::HashSet<u32>,
 }
 
 impl StatusReader {
     pub fn new(spec: StatusSpec, complete_at: CompleteAt) -> Self {
-        Self { spec, complete_at, reads: StatusReads::default(), warned: Warned::default(), last_problem: None }
+        Self {
+            spec,
+            complete_at,
+            reads: StatusReads::default(),
+            warned: Warned::default(),
+            last_problem: None,
+            off: std::collections::HashSet::new(),
+        }
+    }
+
+    /// Read nothing of `pid` until [`Self::forget`]: its library's build
+    /// is not one the `[status]` offsets were checked against, and what
+    /// lies there could read as any stage.
+    pub fn turn_off(&mut self, pid: u32) {
+        self.off.insert(pid);
+    }
+
+    /// `pid` is gone (or exec'd): a new process of the pid is judged anew.
+    pub fn forget(&mut self, pid: u32) {
+        self.off.remove(&pid);
     }
 
     pub fn reads(&self) -> StatusReads {
@@ -93,6 +118,10 @@ impl StatusReader {
         let mut held = Vec::with_capacity(silents.len());
         for (n, silent) in silents.iter().enumerate() {
             let (pid, key) = (silent.pid, silent.key);
+            if self.off.contains(&pid) {
+                self.reads.off += 1;
+                continue;
+            }
             match holds(silent) {
                 Ok(true) => held.push(n),
                 Ok(false) => {

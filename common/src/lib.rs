@@ -138,6 +138,14 @@ pub mod slot_flags {
     /// element of the msgpack array there ([`SlotConfig::msgpack`]); a hit
     /// whose data is no such array is no event.
     pub const EXT_MSGPACK: u32 = 1 << 11;
+    /// An entry slot whose rules compare the value read through
+    /// [`SlotConfig::value`] (a profile's `read_status`: the request's
+    /// status at its release), not a return value: the first rule that
+    /// holds picks the event, and a value no rule takes, or one that cannot
+    /// be read, is the slot's own [`SlotConfig::stage`]. One user read per
+    /// hit, so a transfer that failed and was released before any stall
+    /// came due is reported failed, not completed.
+    pub const ENTRY_VALUE: u32 = 1 << 12;
     /// The slot is live. The agent writes a process's slots without it,
     /// attaches every probe, then sets it on all of them: a request that
     /// began while only some probes were attached would be seen at one
@@ -171,6 +179,10 @@ pub struct SlotConfig {
     /// agent's timeout, so an event after a silence the agent may have
     /// reported (a stall's recovery) is always sent.
     pub quiet_ns: u64,
+    /// With [`slot_flags::ENTRY_VALUE`]: where the value the rules compare
+    /// lies (read as a `u64`, sign-extended from 32 bits with
+    /// [`slot_flags::RET_I32`]); it may start at the key.
+    pub value: ValueSource,
     /// With [`slot_flags::EXT_MSGPACK`]: which element to capture.
     pub msgpack: MsgpackElement,
 }
@@ -442,7 +454,9 @@ pub const NOT_EMITTED: u32 = u32::MAX;
 /// says `ended` (a lifecycle can end at a live stage, [`slot_flags::ENDS`]).
 /// 6: [`InflightEntry::withheld`], [`event_flags::WITHHELD`], [`SlotConfig::quiet_ns`]
 /// ([`slot_flags::QUIET`]), `COUNTERS` gained `WITHHELD`. 7: [`SavedArgs`]
-/// carry their call's `frame` in place of `live`. 8: [`SlotConfig::msgpack`].
+/// carry their call's `frame` in place of `live`. 8: [`SlotConfig::value`]
+/// ([`slot_flags::ENTRY_VALUE`]) and [`SlotConfig::msgpack`]
+/// ([`slot_flags::EXT_MSGPACK`]).
 pub const STATE_LAYOUT: u32 = 8;
 
 /// Indices of the per-CPU `COUNTERS` array: what the kernel side could not do.

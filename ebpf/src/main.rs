@@ -128,8 +128,46 @@ pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
         return 0;
     }
     count_hit(slot);
-    emit(slot, cfg, &args, 0, Matched { rules: 0, stage: cfg.stage });
+    if cfg.flags & slot_flags::ENTRY_VALUE != 0 {
+        let (value, matched) = entry_value(cfg, &args);
+        emit(slot, cfg, &args, value, matched);
+    } else {
+        emit(
+            slot,
+            cfg,
+            &args,
+            0,
+            Matched {
+                rules: 0,
+                stage: cfg.stage,
+            },
+        );
+    }
     0
+}
+
+/// The value an [`slot_flags::ENTRY_VALUE`] slot reads at entry (carried
+/// in the event's `ret`), and the event it picks: the first rule that
+/// holds, else the slot's own stage (also when nothing could be read: the
+/// event itself is never lost to the read).
+#[inline(always)]
+fn entry_value(cfg: &SlotConfig, args: &Args) -> (i64, Matched) {
+    let own = Matched {
+        rules: 0,
+        stage: cfg.stage,
+    };
+    let Some(key) = resolve(&cfg.key, args, 0, 0) else {
+        return (0, own);
+    };
+    let Some(raw) = resolve(&cfg.value, args, 0, key) else {
+        return (0, own);
+    };
+    let value = if cfg.flags & slot_flags::RET_I32 != 0 {
+        i64::from(raw as i32)
+    } else {
+        raw as i64
+    };
+    (value, match_rules(cfg, value).unwrap_or(own))
 }
 
 #[uretprobe]

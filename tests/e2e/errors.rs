@@ -273,3 +273,224 @@ fn an_external_id_read_at_the_key_itself_is_refused() {
     assert!(stderr.contains("line 1 ([[probe]] for `prefill_enqueue`)"), "{stderr}");
     assert!(stderr.contains("`external_id = { from = \"key\" }` would read at the address the key holds"), "{stderr}");
 }
+
+/// An agent whose stdout is a pipe nobody reads: its alerts fill the pipe,
+/// yet it goes on answering `stallwatch inflight` and /metrics, drops the
+/// oldest alert lines (counted, never the detections) and stops cleanly.
+#[test]
+fn an_agent_whose_stdout_nobody_reads_keeps_answering_and_counts_what_it_drops() {
+    require_root();
+    let mut demo = Demo::start(&[
+        "--duration",
+        "60s",
+        "--inject-after",
+        "100ms",
+        "--waiting-for-peer",
+        "3000",
+    ]);
+    let socket = test_socket();
+    let mut agent = Command::new(agent_bin())
+        .args([
+            "run",
+            "--pid",
+            &demo.proc.pid().to_string(),
+            "--profile",
+            "demo",
+            "--timeout",
+            "1s",
+            "--ephemeral",
+        ])
+        .args(["--metrics-addr", "127.0.0.1:0", "--socket"])
+        .arg(&socket)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting stallwatch");
+    // Held open, never read: a log shipper that stopped draining.
+    let _stdout = agent.stdout.take();
+    let mut log = BufReader::new(agent.stderr.take().expect("piped stderr"));
+    let mut stderr = String::new();
+    while !stderr.contains("serving `stallwatch inflight`") {
+        assert!(
+            log.read_line(&mut stderr)
+                .expect("reading the agent's stderr")
+                > 0,
+            "the agent exited:\n{stderr}"
+        );
+    }
+    let port: u16 = stderr
+        .lines()
+        .find_map(|line| {
+            line.split("addr=127.0.0.1:")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no metrics address:\n{stderr}"));
+    let stderr_lines = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = log.read_to_string(&mut rest);
+        rest
+    });
+    demo.go();
+    // 3000 stall alerts: far more than the pipe and the queue hold.
+    let dropped = stallwatch_tests::wait_for(
+        "alert lines dropped",
+        std::time::Duration::from_secs(30),
+        || {
+            let (_, body) = stallwatch_tests::otlp::http_get(port, "/metrics", None);
+            Some(stallwatch_tests::metric(
+                &body,
+                "stallwatch_alert_lines_dropped_total",
+            ))
+            .filter(|&n| n > 0)
+        },
+    );
+    let stalled = || {
+        let (ok, stdout, stderr) = run_to_end(
+            Command::new(agent_bin())
+                .args(["inflight", "--json", "--socket"])
+                .arg(&socket),
+        );
+        assert!(
+            ok,
+            "inflight against an agent whose stdout is full: {stderr}"
+        );
+        let value: serde_json::Value = serde_json::from_str(&stdout).expect("inflight JSON");
+        value["requests"]
+            .as_array()
+            .expect("requests")
+            .iter()
+            .filter(|r| r["class"] == "waiting_for_peer")
+            .count()
+    };
+    stallwatch_tests::wait_for(
+        "3000 stalls in `stallwatch inflight`",
+        std::time::Duration::from_secs(20),
+        || Some(stalled()).filter(|&n| n == 3000),
+    );
+    let (_, body) = stallwatch_tests::otlp::http_get(port, "/metrics", None);
+    assert_eq!(
+        stallwatch_tests::metric(&body, "stallwatch_stalls_total{class=\"waiting_for_peer\"}"),
+        3000,
+        "every detection kept"
+    );
+    assert!(dropped > 0);
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGINT) };
+    let status = agent.wait().expect("waiting for stallwatch");
+    let rest = stderr_lines.join().expect("stderr thread");
+    assert!(status.success(), "{status}; stderr:\n{stderr}{rest}");
+    assert!(
+        rest.contains("stdout is not draining: the oldest alert lines were dropped"),
+        "{rest}"
+    );
+    assert!(
+        rest.contains("stdout did not take the last alert lines"),
+        "{rest}"
+    );
+    assert!(!rest.contains("panicked"), "{rest}");
+}
+
+/// stderr's reader gone (a closed pipe) loses the logs, not the agent: it
+/// watches, alerts on stdout and stops with its summary, exit 0.
+#[test]
+fn an_agent_whose_stderr_is_gone_runs_and_stops_cleanly() {
+    require_root();
+    let mut demo = Demo::start(&[
+        "--duration",
+        "30s",
+        "--inject-after",
+        "1s",
+        "--waiting-for-peer",
+        "1",
+    ]);
+    let mut agent = Command::new(agent_bin())
+        .args([
+            "run",
+            "--pid",
+            &demo.proc.pid().to_string(),
+            "--profile",
+            "demo",
+            "--timeout",
+            "500ms",
+            "--ephemeral",
+        ])
+        .args(["--output", "json", "--socket"])
+        .arg(test_socket())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting stallwatch");
+    drop(agent.stderr.take());
+    let mut out = BufReader::new(agent.stdout.take().expect("piped stdout"));
+    // Give it time to attach (its "watching" line goes nowhere).
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    demo.go();
+    let mut line = String::new();
+    assert!(
+        out.read_line(&mut line).expect("reading stdout") > 0,
+        "the agent exited: {:?}",
+        agent.wait()
+    );
+    assert!(line.contains("\"alert\":\"stalled\""), "{line}");
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGINT) };
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).expect("reading stdout");
+    let status = agent.wait().expect("waiting for stallwatch");
+    assert!(status.success(), "{status}: {rest}");
+    assert!(rest.contains("\"alert\":\"summary\""), "{rest}");
+}
+
+/// Something endless given as a profile or config file is refused after
+/// reading a bounded amount, with an error that says what and why.
+#[test]
+fn an_endless_config_or_profile_file_is_refused_quickly() {
+    for args in [
+        ["config", "check", "/dev/zero"].as_slice(),
+        &["profile", "check", "/dev/zero"],
+        &["run", "--pid", "1", "--profile", "/dev/zero"],
+    ] {
+        // A read of /dev/zero to its end never returns: that it returns at
+        // all is the test (no wall-clock bound).
+        let stderr = fails(args);
+        assert!(
+            stderr.contains("/dev/zero holds more than 4096 KiB")
+                && stderr.contains("check the path"),
+            "{args:?}: {stderr}"
+        );
+    }
+}
+
+/// An unprivileged `run` fails before it creates anything: a bpf or
+/// socket directory it made would be its user's, and every root agent on
+/// the node would then refuse it.
+#[test]
+fn an_unprivileged_run_fails_before_creating_anything() {
+    require_root();
+    let demo = Demo::start(&["--duration", "20s"]);
+    let tag = format!("stallwatch-unprivileged-{}", std::process::id());
+    let bpf_dir = std::path::Path::new("/sys/fs/bpf").join(&tag);
+    let socket_dir = std::env::temp_dir().join(&tag);
+    let (ok, _, stderr) = run_to_end(
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"])
+            .arg(agent_bin())
+            .args(["run", "--pid", &demo.proc.pid().to_string(), "--profile", "demo", "--bpf-dir"])
+            .arg(&bpf_dir)
+            .arg("--socket")
+            .arg(socket_dir.join("s.sock")),
+    );
+    let created = (bpf_dir.exists(), socket_dir.exists());
+    let _ = std::fs::remove_dir_all(&bpf_dir);
+    let _ = std::fs::remove_dir_all(&socket_dir);
+    assert!(!ok, "{stderr}");
+    assert!(stderr.contains("not enough privileges") && stderr.contains("nothing was created"), "{stderr}");
+    assert_eq!(created, (false, false), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -240,6 +240,87 @@ fn a_transfer_to_a_killed_peer_is_failed_not_hung() {
     assert_status_read(&lines, 3);
 }
 
+/// As above, but the initiator releases each failed handle as soon as its
+/// poll answers the error, long before its stall is due: the status read
+/// at the release's entry says the transfer failed, so each ends `failed`
+/// (seen by a probe, not inferred), never `completed`.
+#[test]
+fn a_failed_transfer_released_at_once_is_failed_not_completed() {
+    let mut driver = Driver::start("fail-release", 3, &[]);
+    // A timeout well past the failure (about 1 s after the target dies):
+    // nothing here may come from a stall's status read.
+    let agent = Agent::watch(driver.initiator, "nixl", "10s", &[]);
+    driver.proc.write_line("go");
+    driver.until("holding", Duration::from_secs(20));
+    let released = driver.requests("released");
+    assert_eq!(released.len(), 3, "{:?}", driver.lines);
+    let mut seen = Vec::new();
+    let ends = agent.wait_alerts("failed", 3, Duration::from_secs(5), &mut seen);
+    for (_, alert) in &ends {
+        let key = alert["key"].as_str().expect("key");
+        let (room, _) = released
+            .get(key)
+            .unwrap_or_else(|| panic!("failure of an unknown request: {alert}"));
+        assert_eq!(
+            (&alert["external_id"], &alert["stage"]),
+            (&Value::from(room.as_str()), &Value::from("failed")),
+            "{alert}"
+        );
+        assert_eq!(
+            alert["inferred"],
+            serde_json::json!([]),
+            "seen at the release, not read at a stall: {alert}"
+        );
+    }
+    let lines = agent.stop();
+    seen.extend(lines.iter().cloned());
+    assert_eq!(alerts(&seen, "stalled").count(), 0, "{seen:?}");
+    let summary_value = summary(&lines);
+    assert_eq!(
+        (
+            &summary_value["failed"],
+            &summary_value["completed"],
+            &summary_value["in_flight"]
+        ),
+        (&Value::from(3), &Value::from(0), &Value::from(0)),
+        "{summary_value}"
+    );
+}
+
+/// The initiator maps a libnixl.so of a build the profile was not checked
+/// against (here: a profile extending `nixl` whose `[layout]` knows only
+/// another build id). Nothing is read at the layout's offsets in it: no
+/// status read, no external id; the stalls are classified by the probes
+/// alone, and one warning names the library, its build id and the fix.
+#[test]
+fn a_library_build_the_profile_does_not_know_is_read_at_no_offset() {
+    let mut profile = tempfile::Builder::new().suffix(".toml").tempfile().expect("temp profile");
+    std::io::Write::write_all(
+        &mut profile,
+        b"extends = \"nixl\"\n[layout]\nobject = \"libnixl.so\"\nbuild_ids = [\"0011223344\"]\nchecked = \"a build this host does not have\"\n",
+    )
+    .expect("writing the profile");
+    let mut driver = Driver::start("never-post", 3, &[]);
+    let agent = Agent::watch(driver.initiator, profile.path().to_str().expect("utf-8 path"), "2s", &[]);
+    driver.proc.write_line("go");
+    driver.until("holding", Duration::from_secs(20));
+    let mut seen = Vec::new();
+    let stalls = agent.wait_alerts("stalled", 3, TIMEOUT + Duration::from_secs(5), &mut seen);
+    let created = driver.requests("created");
+    for (_, alert) in &stalls {
+        assert!(created.contains_key(alert["key"].as_str().expect("key")), "{alert}");
+        assert_eq!(alert["class"], "waiting_for_peer", "{alert}");
+        assert_eq!(alert["external_id"], Value::Null, "the id lies at an offset of the layout: not read: {alert}");
+        assert_eq!(alert["inferred"], serde_json::json!([]), "{alert}");
+    }
+    let stderr = agent.proc.stderr();
+    let lines = agent.stop();
+    let status = &summary(&lines)["status_reads"];
+    assert_eq!((&status["off"], &status["answered"]), (&Value::from(3), &Value::from(0)), "{status}");
+    assert_eq!(stderr.matches("has build id").count(), 1, "one warning: {stderr}");
+    assert!(stderr.contains("libnixl.so has build id") && stderr.contains("build_ids") && stderr.contains("[layout]"), "{stderr}");
+}
+
 #[test]
 fn a_killed_initiator_ends_its_requests_process_exited() {
     let (mut driver, agent) = Driver::watched("inflight-kill", 3);

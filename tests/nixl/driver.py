@@ -49,6 +49,9 @@ Modes:
                  polls each transfer until it fails (a "failed" line each,
                  status NIXL_ERR_REMOTE_DISCONNECT), then holds the failed
                  handles without releasing them.
+  fail-release   as target-kill, but releases each failed handle as soon as
+                 its poll answers the error (a "released" line each), as a
+                 prefill side dropping a failed transfer does; then holds.
 
 Holding modes run until stdin reaches EOF (or a line "quit"), SIGTERM/SIGINT/
 SIGHUP, or --max-seconds. stdin EOF ends a healthy run too, so a harness keeps
@@ -89,7 +92,7 @@ import sys
 import tempfile
 import time
 
-MODES = ("healthy", "never-post", "hang", "no-release", "inflight-kill", "target-kill")
+MODES = ("healthy", "never-post", "hang", "no-release", "inflight-kill", "target-kill", "fail-release")
 DEFAULT_TLS = {"hang": "tcp,self", "inflight-kill": "tcp,self", "target-kill": "tcp,self"}
 INITIATOR_NAME = "prefill"
 TARGET_NAME = "decode"
@@ -559,7 +562,7 @@ class Initiator:
                 last_report = now
             self.check_stop(a.poll_interval)
 
-    def run_target_kill(self):
+    def run_target_kill(self, release=False):
         pending = self.post_to_stopped()
         os.kill(self.target.pid, signal.SIGKILL)
         self.target.wait(timeout=10)
@@ -578,8 +581,12 @@ class Initiator:
                 if st == "ERR":
                     failed.add(n)
                     emit("failed", n=n, room=self.room(n), handle=hex(h._handle), error=err)
+                    if release:
+                        self.agent.release_xfer_handle(h)
+                        self.held.remove(h)
+                        emit("released", n=n, room=self.room(n), handle=hex(h._handle))
             self.check_stop(0.001)
-        self.hold("target-kill", failed=len(failed))
+        self.hold(self.args.mode, failed=len(failed))
 
     def hold_started(self, **fields):
         emit("holding", mode=self.args.mode, initiator_pid=os.getpid(),
@@ -644,7 +651,8 @@ def run_initiator(args):
         ini.ready()
         {"healthy": ini.run_healthy, "never-post": ini.run_never_post, "hang": ini.run_hang,
          "no-release": ini.run_no_release, "inflight-kill": ini.run_inflight_kill,
-         "target-kill": ini.run_target_kill}[args.mode]()
+         "target-kill": ini.run_target_kill,
+         "fail-release": lambda: ini.run_target_kill(release=True)}[args.mode]()
     except Stop as e:
         reason, code = e.reason, e.code
     except Failure as e:

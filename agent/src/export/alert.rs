@@ -94,6 +94,11 @@ impl<W: Write> AlertWriter<W> {
         written
     }
 
+    /// Where the lines go.
+    pub fn output(&self) -> &W {
+        &self.out
+    }
+
     pub fn name_process(&mut self, pid: u32, name: &str) {
         self.names.insert(pid, name.into());
     }
@@ -114,7 +119,8 @@ impl<W: Write> AlertWriter<W> {
     }
 
     /// The end-of-run summary. `export_drops`: spans (or the reports they
-    /// came from) that never reached the OTLP collector, 0 without OTLP.
+    /// came from) that never reached the OTLP collector, 0 without OTLP;
+    /// `alert_drops`: alert lines dropped because stdout did not drain.
     /// Every attached probe's hit count follows (a `PROBE` line each, or a
     /// `probes` array in JSON): a probe that never fired is visible.
     /// `status`: how the reads of the profile's `[status]` went, if it has one.
@@ -123,6 +129,7 @@ impl<W: Write> AlertWriter<W> {
         stats: &EngineStats,
         losses: &Losses,
         export_drops: u64,
+        alert_drops: u64,
         probes: &[ProbeHits],
         status: Option<&StatusReads>,
     ) -> std::io::Result<()> {
@@ -130,8 +137,8 @@ impl<W: Write> AlertWriter<W> {
         let line = match self.format {
             Format::Human => format!(
                 "SUMMARY seen={} restored={} completed={} (unreleased={}) stalled={} recovered={} failed={} aborted={} process_exited={} \
-                 evicted={} in_flight={} lost_events={} (ringbuf_full={} key_unreadable={} args_missing={} no_slot={} undecodable={}) \
-                 ext_unreadable={} stale_events={} duplicate_events={} export_drops={} state_full={} withheld={} caught_up={}",
+                 evicted={} end_unseen={} resyncs={} in_flight={} lost_events={} (ringbuf_full={} key_unreadable={} args_missing={} no_slot={} undecodable={}) \
+                 ext_unreadable={} stale_events={} duplicate_events={} caught_up_repeats={} export_drops={} alert_lines_dropped={} state_full={} withheld={} caught_up={}",
                 stats.seen,
                 stats.restored,
                 stats.completed,
@@ -142,6 +149,8 @@ impl<W: Write> AlertWriter<W> {
                 stats.aborted,
                 stats.process_exited,
                 stats.evicted,
+                stats.end_unseen,
+                stats.resyncs,
                 stats.in_flight,
                 losses.lost(),
                 kernel.ringbuf_full,
@@ -152,20 +161,23 @@ impl<W: Write> AlertWriter<W> {
                 kernel.ext_unreadable,
                 stats.stale_events,
                 stats.duplicate_events,
+                stats.caught_up_repeats,
                 export_drops,
+                alert_drops,
                 kernel.state_full,
                 kernel.withheld,
                 stats.caught_up,
             ) + &status
                 .map(|r| {
                     format!(
-                        " status_reads={} (answered={} not_held={} process_gone={} unreadable={} unrecognised={})",
+                        " status_reads={} (answered={} not_held={} process_gone={} unreadable={} unrecognised={} off={})",
                         r.total(),
                         r.answered,
                         r.not_held,
                         r.process_gone,
                         r.unreadable,
-                        r.unrecognised
+                        r.unrecognised,
+                        r.off
                     )
                 })
                 .unwrap_or_default()
@@ -194,6 +206,8 @@ impl<W: Write> AlertWriter<W> {
                 "aborted": stats.aborted,
                 "process_exited": stats.process_exited,
                 "evicted": stats.evicted,
+                "end_unseen": stats.end_unseen,
+                "resyncs": stats.resyncs,
                 "in_flight": stats.in_flight,
                 "lost_events": losses.lost(),
                 "ringbuf_full": kernel.ringbuf_full,
@@ -204,7 +218,9 @@ impl<W: Write> AlertWriter<W> {
                 "ext_unreadable": kernel.ext_unreadable,
                 "stale_events": stats.stale_events,
                 "duplicate_events": stats.duplicate_events,
+                "caught_up_repeats": stats.caught_up_repeats,
                 "export_drops": export_drops,
+                "alert_lines_dropped": alert_drops,
                 "state_full": kernel.state_full,
                 "withheld": kernel.withheld,
                 "caught_up": stats.caught_up,
@@ -215,6 +231,7 @@ impl<W: Write> AlertWriter<W> {
                     "process_gone": r.process_gone,
                     "unreadable": r.unreadable,
                     "unrecognised": r.unrecognised,
+                    "off": r.off,
                 })),
                 "probes": probes
                     .iter()
@@ -352,6 +369,10 @@ impl<'a> Alert<'a> {
                     Outcome::Failed => "failed",
                     Outcome::ProcessExited => "process_exited",
                     Outcome::Evicted => "evicted",
+                    // Only a reported stall's end is news: the others
+                    // are counted (a pause can lose thousands of ends).
+                    Outcome::EndUnseen if request.stalled.is_some() => "end_unseen",
+                    Outcome::EndUnseen => return None,
                     Outcome::Released | Outcome::Completed | Outcome::Aborted => return None,
                 };
                 Some(Self {
@@ -509,7 +530,7 @@ mod tests {
         let mut stopping = AlertWriter::new(Closed, Format::Json, Clock::new());
         stopping.stopping();
         stopping.report(&report, None, &[]).expect("at the stop a closed stdout is no error");
-        stopping.summary(&EngineStats::default(), &Losses::default(), 0, &[], None).expect("nor for the summary");
+        stopping.summary(&EngineStats::default(), &Losses::default(), 0, 0, &[], None).expect("nor for the summary");
         assert!(stopping.is_closed());
     }
 }

@@ -1,9 +1,77 @@
 //! Kernel timestamps are CLOCK_MONOTONIC; people read wall-clock time.
-use std::time::{Duration, SystemTime};
+//!
+//! `bpf_ktime_get_ns()` reads the host's CLOCK_MONOTONIC, whatever time
+//! namespace the probed process or the agent runs in. An agent in a time
+//! namespace (`unshare --time`, a container runtime that makes one) reads
+//! its own clock shifted by the namespace's offset: behind, no stall would
+//! ever be due; ahead, every time printed would be wrong. So every clock
+//! read here is brought back to the host's by the offsets the namespace
+//! declares ([`TimeOffsets`], `/proc/self/timens_offsets`).
+use std::{
+    sync::OnceLock,
+    time::{Duration, SystemTime},
+};
 
-/// Now on CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns()`.
+/// Now on the host's CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns()`.
 pub fn monotonic_ns() -> u64 {
-    clock_ns(libc::CLOCK_MONOTONIC)
+    host_clock_ns(libc::CLOCK_MONOTONIC, time_offsets().monotonic_ns)
+}
+
+/// How far this process's time namespace shifts CLOCK_MONOTONIC and
+/// CLOCK_BOOTTIME from the host's (both 0 outside one).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TimeOffsets {
+    pub monotonic_ns: i64,
+    pub boottime_ns: i64,
+}
+
+impl TimeOffsets {
+    /// `/proc/self/timens_offsets`: `monotonic <secs> <nanos>` and
+    /// `boottime <secs> <nanos>` lines (secs may be negative). A line
+    /// that does not parse counts as no offset.
+    pub fn parse(text: &str) -> Self {
+        let mut offsets = Self::default();
+        for line in text.lines() {
+            let mut fields = line.split_whitespace();
+            let (Some(clock), Some(secs), Some(nanos)) =
+                (fields.next(), fields.next(), fields.next())
+            else {
+                continue;
+            };
+            let (Ok(secs), Ok(nanos)) = (secs.parse::<i64>(), nanos.parse::<i64>()) else {
+                continue;
+            };
+            let ns = secs.saturating_mul(1_000_000_000).saturating_add(nanos);
+            match clock {
+                "monotonic" => offsets.monotonic_ns = ns,
+                "boottime" => offsets.boottime_ns = ns,
+                _ => {}
+            }
+        }
+        offsets
+    }
+
+    pub fn is_zero(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// This process's time-namespace offsets, read once (they cannot change
+/// once a process is in the namespace). No file (a kernel before 5.6, or
+/// no /proc): no namespace, no offset.
+pub fn time_offsets() -> TimeOffsets {
+    static OFFSETS: OnceLock<TimeOffsets> = OnceLock::new();
+    *OFFSETS.get_or_init(|| {
+        std::fs::read_to_string("/proc/self/timens_offsets")
+            .map(|text| TimeOffsets::parse(&text))
+            .unwrap_or_default()
+    })
+}
+
+/// `clock` as the host reads it: this namespace's reading less its offset.
+fn host_clock_ns(clock: libc::clockid_t, offset_ns: i64) -> u64 {
+    let ns = i128::from(clock_ns(clock)) - i128::from(offset_ns);
+    u64::try_from(ns.max(0)).unwrap_or(u64::MAX)
 }
 
 /// When process `pid` started, on CLOCK_MONOTONIC (to the kernel's clock
@@ -18,8 +86,11 @@ pub fn process_start_ns(pid: u32) -> Option<u64> {
     let ticks: u64 = stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()?;
     // SAFETY: sysconf has no preconditions.
     let hz = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).ok().filter(|&hz| hz > 0)?;
-    let boot_ns = u64::try_from(u128::from(ticks) * 1_000_000_000 / u128::from(hz)).ok()?;
-    let ahead = clock_ns(libc::CLOCK_BOOTTIME).saturating_sub(monotonic_ns());
+    // `/proc` shows it shifted by this namespace's boottime offset.
+    let offsets = time_offsets();
+    let boot_ns = i128::from(ticks) * 1_000_000_000 / i128::from(hz) - i128::from(offsets.boottime_ns);
+    let boot_ns = u64::try_from(boot_ns.max(0)).ok()?;
+    let ahead = host_clock_ns(libc::CLOCK_BOOTTIME, offsets.boottime_ns).saturating_sub(monotonic_ns());
     Some(boot_ns.saturating_sub(ahead))
 }
 
@@ -65,6 +136,25 @@ impl Default for Clock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn time_namespace_offsets_parse_with_negative_seconds() {
+        let offsets = TimeOffsets::parse(
+            "monotonic        -300         0\nboottime          5   500000000\n",
+        );
+        assert_eq!(
+            offsets,
+            TimeOffsets {
+                monotonic_ns: -300_000_000_000,
+                boottime_ns: 5_500_000_000
+            }
+        );
+        assert!(TimeOffsets::parse("monotonic 0 0\nboottime 0 0\n").is_zero());
+        assert!(TimeOffsets::parse("garbage\nmonotonic x 1\n").is_zero());
+        // Back on the host's clock: a namespace behind reads earlier.
+        let host = host_clock_ns(libc::CLOCK_MONOTONIC, 0);
+        assert!(host_clock_ns(libc::CLOCK_MONOTONIC, -1_000_000_000) >= host + 1_000_000_000);
+    }
 
     #[test]
     fn monotonic_now_maps_to_wall_now() {

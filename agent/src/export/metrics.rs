@@ -179,6 +179,7 @@ impl Metrics {
             histograms: self.histograms.clone(),
             process: ProcessStats::read(),
             workload_stalled: Vec::new(),
+            alert_lines_dropped: 0,
         }
     }
 }
@@ -207,6 +208,9 @@ pub struct Snapshot {
     /// Requests stalled right now by workload and class: one series per
     /// (pod, container, class) with a stall now, none otherwise.
     pub workload_stalled: Vec<WorkloadStalled>,
+    /// Alert lines dropped because stdout did not drain (the detections
+    /// are all here and in the spans; only their human lines are lost).
+    pub alert_lines_dropped: u64,
 }
 
 /// Requests of one workload stalled at one class right now.
@@ -318,6 +322,7 @@ impl Collector for Snapshot {
                     Outcome::Failed => e.failed,
                     Outcome::ProcessExited => e.process_exited,
                     Outcome::Evicted => e.evicted,
+                    Outcome::EndUnseen => e.end_unseen,
                 };
                 (outcome.as_str(), n)
             })
@@ -332,7 +337,11 @@ impl Collector for Snapshot {
             "stallwatch_ignored_events",
             "Lifecycle events the engine ignored, by reason",
             "reason",
-            &[("stale", e.stale_events), ("duplicate", e.duplicate_events)],
+            &[
+                ("stale", e.stale_events),
+                ("duplicate", e.duplicate_events),
+                ("caught_up_repeat", e.caught_up_repeats),
+            ],
         )?;
         if let Some(losses) = &self.losses {
             let k = &losses.kernel;
@@ -369,6 +378,12 @@ impl Collector for Snapshot {
                 k.withheld,
             )?;
         }
+        counter(
+            &mut encoder,
+            "stallwatch_alert_lines_dropped",
+            "Alert lines dropped, oldest first, because stdout did not drain (the detections are not lost)",
+            self.alert_lines_dropped,
+        )?;
         if let Some([attached, detached]) = self.progress_probes {
             gauges(
                 &mut encoder,
@@ -390,6 +405,7 @@ impl Collector for Snapshot {
                     ("process_gone", r.process_gone),
                     ("unreadable", r.unreadable),
                     ("unrecognised", r.unrecognised),
+                    ("off", r.off),
                 ],
             )?;
         }

@@ -5,4 +5,5 @@ pub mod alert;
 pub mod clock;
 pub mod metrics;
 pub mod otlp;
+pub mod queue;
 pub mod telemetry;

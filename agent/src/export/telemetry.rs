@@ -129,6 +129,7 @@ impl Telemetry {
     /// Answer a scrape with the current values; `undecodable`: the
     /// ring-buffer records that did not become events so far; `status`:
     /// how the `[status]` reads went, when the profile has one.
+    /// `alert_drops`: alert lines dropped because stdout did not drain.
     pub fn answer(
         &self,
         scrape: Scrape,
@@ -136,6 +137,7 @@ impl Telemetry {
         probes: &Probes,
         undecodable: u64,
         status: Option<StatusReads>,
+        alert_drops: u64,
     ) {
         let format = match scrape.ask {
             Ask::Metrics(format) => format,
@@ -153,6 +155,7 @@ impl Telemetry {
         let mut snapshot = self.metrics.snapshot(engine, losses, export);
         snapshot.workload_stalled = metrics::workload_stalled(engine, &self.workloads);
         snapshot.status_reads = status;
+        snapshot.alert_lines_dropped = alert_drops;
         let mut gates = probes.gates().peekable();
         if gates.peek().is_some() {
             snapshot.progress_probes = Some(gates.fold([0, 0], |[on, off], (_, open)| if open { [on + 1, off] } else { [on, off + 1] }));

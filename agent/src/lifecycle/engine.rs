@@ -90,6 +90,8 @@ pub struct Engine {
     /// Processes that serve the decode side ([`Engine::set_side`]); every
     /// other is a prefill. A handful at most.
     decodes: HashSet<u32>,
+    /// Set while [`Engine::observe_carried`] applies a carried time.
+    carrying: bool,
 }
 
 /// A record the wheel found due, and whose it was.
@@ -129,6 +131,7 @@ impl Engine {
             silents: Vec::new(),
             answers: Vec::new(),
             decodes: HashSet::new(),
+            carrying: false,
         }
     }
 
@@ -158,6 +161,19 @@ impl Engine {
             Some(i) => self.observe_tracked(i, obs, out),
             None => self.observe_new(obs, out),
         }
+    }
+
+    /// [`Engine::observe`] for a stage time a record carried besides its
+    /// own event (what `quiet` probes withheld before it, see **Withheld
+    /// events**): the kernel never sent it, so if the engine has that
+    /// exact time already, it took it from the kernel's table (a catch-up,
+    /// a take-over), and the repeat is expected: counted in
+    /// `caught_up_repeats`, never in `duplicate_events`, which stays the
+    /// sign of an event really delivered twice.
+    pub fn observe_carried(&mut self, obs: Observation, out: &mut Vec<Report>) {
+        self.carrying = true;
+        self.observe(obs, out);
+        self.carrying = false;
     }
 
     /// Take over a request from the kernel's in-flight table (see
@@ -423,6 +439,112 @@ impl Engine {
         }
     }
 
+    /// Bring the engine back in step with the kernel's in-flight table
+    /// after events were lost (the ring buffer was full): see
+    /// **Resynchronising** in the module docs. `held` answers, for a
+    /// tracked request, the kernel's entry of its key now (`Err`: the
+    /// table could not be asked, the request is left as it is); `table`
+    /// is every entry the kernel held when the caller began to read it, at
+    /// `since_ns` or later; `complete`: the table refused no lifecycle
+    /// (never full), so one it does not hold has ended. Requests with an
+    /// event at or after `since_ns` are newer than the table's view and
+    /// left as they are.
+    pub fn resync(
+        &mut self,
+        since_ns: u64,
+        complete: bool,
+        held: &mut dyn FnMut(u32, u64) -> Result<Option<Restored>, ()>,
+        table: Vec<Restored>,
+        out: &mut Vec<Report>,
+    ) {
+        self.stats.resyncs += 1;
+        for i in 0..self.slab.records().len() as u32 {
+            let r = self.slab.get(i);
+            if r.place() == Place::Free || r.last_ns >= since_ns {
+                continue;
+            }
+            let (pid, key, last_ns, stalled) = (r.pid, r.key, r.last_ns, r.stalled().is_some());
+            let Ok(entry) = held(pid, key) else { continue };
+            match entry {
+                // This lifecycle, still live: what the kernel saw since.
+                Some(k) if !k.ended && k.first_ns <= last_ns => {
+                    if k.last_ns <= last_ns {
+                        continue;
+                    }
+                    if stalled {
+                        // Life after a reported silence: its events, in
+                        // order, recover it as they would have.
+                        let mut seen: Vec<(u64, Stage)> = Stage::LIVE
+                            .into_iter()
+                            .filter_map(|stage| {
+                                k.stage_ns[stage as usize]
+                                    .filter(|&ns| ns > last_ns)
+                                    .map(|ns| (ns, stage))
+                            })
+                            .collect();
+                        if seen.iter().all(|&(ns, _)| ns < k.last_ns) {
+                            seen.push((k.last_ns, k.stage));
+                        }
+                        seen.sort_unstable();
+                        for (ts_ns, stage) in seen {
+                            let observation = Observation {
+                                pid,
+                                key,
+                                stage,
+                                ts_ns,
+                                external_id: None,
+                                ends: false,
+                            };
+                            self.observe_tracked(i, observation, out);
+                        }
+                    } else {
+                        let seen = Withheld {
+                            stage: k.stage,
+                            last_ns: k.last_ns,
+                            stage_ns: k.stage_ns,
+                        };
+                        self.slab.get_mut(i).catch_up(&seen);
+                        self.stats.caught_up += 1;
+                    }
+                }
+                // This lifecycle, ended (kept for a stall alert): its end.
+                Some(k) if k.first_ns <= last_ns => {
+                    let ts_ns = k.last_ns.max(last_ns);
+                    self.observe_tracked(
+                        i,
+                        Observation {
+                            pid,
+                            key,
+                            stage: k.stage,
+                            ts_ns,
+                            external_id: None,
+                            ends: true,
+                        },
+                        out,
+                    );
+                }
+                // A later lifecycle of the key began: this one ended.
+                Some(_) => self.end(i, Outcome::EndUnseen, last_ns, last_ns, out),
+                None if complete => self.end(i, Outcome::EndUnseen, last_ns, last_ns, out),
+                // It may never have had an entry (a full table): left.
+                None => {}
+            }
+        }
+        // What the kernel holds that the engine never heard of (its events
+        // lost): taken over as at a restart. An entry it ended itself since
+        // (released, read, evicted) is a lifecycle already over.
+        for request in table {
+            let (pid, key) = (request.pid, request.key);
+            if request.ended
+                || self.index.find(self.slab.records(), pid, key).is_some()
+                || self.ended_after(pid, key, request.last_ns)
+            {
+                continue;
+            }
+            self.restore(request, out);
+        }
+    }
+
     /// Every tracked request (any order); the query layer sorts.
     pub fn inflight(&self) -> impl Iterator<Item = RequestSnapshot> + '_ {
         self.slab.live().map(|(_, r)| r.snapshot())
@@ -528,7 +650,11 @@ impl Engine {
             return;
         }
         if r.stage_ts(stage) == Some(ts_ns) || (stage == r.stage() && ts_ns == r.last_ns) {
-            self.stats.duplicate_events += 1;
+            if self.carrying {
+                self.stats.caught_up_repeats += 1;
+            } else {
+                self.stats.duplicate_events += 1;
+            }
             return;
         }
 
@@ -622,6 +748,7 @@ impl Engine {
             Outcome::Failed => &mut self.stats.failed,
             Outcome::ProcessExited => &mut self.stats.process_exited,
             Outcome::Evicted => &mut self.stats.evicted,
+            Outcome::EndUnseen => &mut self.stats.end_unseen,
         };
         *counter += 1;
         out.push(Report::Ended {

@@ -34,6 +34,11 @@
 //! **Duplicates.** An event whose stage already has exactly that timestamp,
 //! or that repeats the current stage at exactly `last_ns`, is an exact
 //! duplicate: counted in `duplicate_events`, ignored (it is not activity).
+//! A stage time a record carries for a `quiet` probe (see **Withheld
+//! events**) that the engine already took from the kernel's table is the
+//! same repeat, but expected: counted in `caught_up_repeats` instead
+//! ([`Engine::observe_carried`]), so `duplicate_events` keeps meaning an
+//! event delivered twice.
 //!
 //! **Silence and stalls.** Silence is the time since `last_ns`. A request
 //! silent for `timeout_ns` or more is stalled, classified by its stage:
@@ -119,6 +124,20 @@
 //! stage (ended while the alert was out) gives the `Recovered` if it moved,
 //! then its `Ended` at `last_ns`.
 //!
+//! **Resynchronising.** Lost events (a full ring buffer: an agent paused,
+//! throttled or blocked) leave the engine behind the kernel, whose
+//! in-flight table saw every event. Before anything is judged after a loss,
+//! [`Engine::resync`] brings the engine back in step with that table, the
+//! same table a restarted agent takes over: a tracked request the kernel
+//! no longer holds (or whose key holds a later lifecycle) ended unseen
+//! ([`Outcome::EndUnseen`], counted in `end_unseen`; alerted only if its
+//! stall was), never stalled; one the kernel saw end (kept for a stall
+//! alert) ends as it did; one the kernel saw move on is caught up (a
+//! stalled one recovers); one the kernel holds and the engine never saw is
+//! taken over as by **Restoring**. A request with an event newer than the
+//! table's view is left as it is, and so is one the kernel holds nothing
+//! of while the table has refused entries (full): it may never have had one.
+//!
 //! **State reads.** Some targets keep a request's state where the agent
 //! can read it (NIXL's handle holds its transfer status), which spares a
 //! probe on a hot polling function. [`Engine::advance_reading`] asks its
@@ -153,7 +172,7 @@
 //!
 //! **Counters.** `seen` counts lifecycles started, and
 //! `seen = completed + failed + aborted + process_exited + evicted +
-//! in_flight` always holds; `in_flight` is the number tracked.
+//! end_unseen + in_flight` always holds; `in_flight` is the number tracked.
 //!
 //! # Data structures
 //!

@@ -195,7 +195,8 @@ impl Report {
 /// Counters since the engine was created (plus the `in_flight` gauge).
 ///
 /// Lifecycle counters count requests: `seen` = `completed` + `failed` +
-/// `aborted` + `process_exited` + `evicted` + `in_flight` always holds.
+/// `aborted` + `process_exited` + `evicted` + `end_unseen` + `in_flight`
+/// always holds.
 /// `stalled` and `recovered` count episodes (a request can stall and recover
 /// several times). The `_events` counters count observations the engine
 /// dropped.
@@ -220,13 +221,24 @@ pub struct EngineStats {
     pub process_exited: u64,
     /// Lifecycles dropped to stay within `max_tracked`.
     pub evicted: u64,
+    /// Lifecycles a resynchronisation found ended in the kernel, their end
+    /// event lost ([`Outcome::EndUnseen`]).
+    pub end_unseen: u64,
+    /// Resynchronisations with the kernel's in-flight table after events
+    /// were lost ([`Engine::resync`](super::Engine::resync)).
+    pub resyncs: u64,
     /// Observations ignored as belonging to a lifecycle already over (or
     /// never seen: a terminal event for an unknown request).
     pub stale_events: u64,
-    /// Observations ignored as exact repeats (same request, stage and ts).
+    /// Observations ignored as exact repeats (same request, stage and ts):
+    /// an event delivered twice.
     pub duplicate_events: u64,
-    /// Lifecycles taken over from the kernel's in-flight table at start
-    /// (also counted in `seen`).
+    /// Stage times a record carried that the engine already had from the
+    /// kernel's table ([`Engine::observe_carried`](super::Engine::observe_carried)):
+    /// expected after a catch-up, ignored, not duplicates.
+    pub caught_up_repeats: u64,
+    /// Lifecycles taken over from the kernel's in-flight table at start,
+    /// or at a resynchronisation after lost events (also counted in `seen`).
     pub restored: u64,
     /// Times the kernel's in-flight entry of a request showed it further
     /// along than the engine knew (events of `quiet` probes): read when its

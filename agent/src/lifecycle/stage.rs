@@ -274,17 +274,23 @@ pub enum Outcome {
     ProcessExited,
     /// The engine dropped it to stay within `max_tracked`.
     Evicted,
+    /// Its end was never seen: events were lost (the ring buffer was
+    /// full), and the kernel's in-flight table, read to resynchronise, no
+    /// longer holds it (or holds a later lifecycle of its key). It ended;
+    /// how is not known, so it is neither completed nor failed.
+    EndUnseen,
 }
 
 impl Outcome {
     /// Every outcome.
-    pub const ALL: [Outcome; 6] = [
+    pub const ALL: [Outcome; 7] = [
         Outcome::Released,
         Outcome::Completed,
         Outcome::Aborted,
         Outcome::Failed,
         Outcome::ProcessExited,
         Outcome::Evicted,
+        Outcome::EndUnseen,
     ];
 
     /// The stable name used in reports and metrics.
@@ -296,6 +302,7 @@ impl Outcome {
             Outcome::Failed => "failed",
             Outcome::ProcessExited => "process_exited",
             Outcome::Evicted => "evicted",
+            Outcome::EndUnseen => "end_unseen",
         }
     }
 

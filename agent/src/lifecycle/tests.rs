@@ -211,7 +211,15 @@ fn class_and_outcome_names() {
     );
     assert_eq!(
         Outcome::ALL.map(|o| o.to_string()),
-        ["released", "completed", "aborted", "failed", "process_exited", "evicted"]
+        [
+            "released",
+            "completed",
+            "aborted",
+            "failed",
+            "process_exited",
+            "evicted",
+            "end_unseen"
+        ]
     );
     assert_eq!(
         Stage::ALL.map(StallClass::for_stage),
@@ -1500,6 +1508,7 @@ impl Model {
             Outcome::Failed => self.stats.failed += 1,
             Outcome::ProcessExited => self.stats.process_exited += 1,
             Outcome::Evicted => self.stats.evicted += 1,
+            Outcome::EndUnseen => self.stats.end_unseen += 1,
         }
         out.push(ended(request, outcome, at_ns));
     }
@@ -1793,7 +1802,17 @@ fn held(alerted_ns: Option<u64>) -> Restored {
 }
 
 fn assert_balanced(s: EngineStats) {
-    assert_eq!(s.seen, s.completed + s.failed + s.aborted + s.process_exited + s.evicted + s.in_flight, "{s:?}");
+    assert_eq!(
+        s.seen,
+        s.completed
+            + s.failed
+            + s.aborted
+            + s.process_exited
+            + s.evicted
+            + s.end_unseen
+            + s.in_flight,
+        "{s:?}"
+    );
 }
 
 #[test]
@@ -2281,4 +2300,238 @@ fn catching_up_brings_the_requests_asked_for_up_to_the_kernel_but_not_a_stalled_
     assert!(matches!(&h.adv(2250)[..], [Report::Stalled { class: WFP, request, .. }] if request.key == 11));
     assert_eq!(h.adv(2299), vec![]);
     assert!(matches!(&h.adv(2300)[..], [Report::Stalled { class: LOST, request, silent_ns: 1000, .. }] if request.key == 10));
+}
+
+// ---------------------------------------------------------- resynchronising
+
+impl H {
+    /// A resynchronisation with the kernel holding `table` (also what a
+    /// lookup of a tracked key finds), read from `since_ns`.
+    fn resync(&mut self, since_ns: u64, complete: bool, table: &[Restored]) -> Vec<Report> {
+        let mut out = Vec::new();
+        let mut held =
+            |pid: u32, key: u64| Ok(table.iter().find(|r| (r.pid, r.key) == (pid, key)).cloned());
+        self.e
+            .resync(since_ns, complete, &mut held, table.to_vec(), &mut out);
+        out
+    }
+}
+
+/// What a pause of the agent that filled the ring buffer leaves: a healthy
+/// request whose release was lost, one whose every event was lost while it
+/// pinned, one the kernel saw move on, a stalled one that recovered and
+/// then ended, a key reused by a later lifecycle. After the resync each is
+/// what the kernel says, and only the pinned one ever stalls.
+#[test]
+fn a_resync_after_lost_events_ends_what_the_kernel_ended_and_takes_over_what_it_holds() {
+    let mut h = H::new();
+    h.obs(1, 1, ENQ, 100); // released, release lost
+    h.obs(1, 2, ENQ, 100); // moved on to posted at 900, event lost
+    h.obs(1, 3, POST, 100); // stalls, then done and released (kept ended for the alert)
+    h.obs(1, 4, ENQ, 100); // released; key 4 began again at 950
+    h.obs(1, 5, ENQ, 2500); // newer than the table's view
+    assert!(matches!(
+        h.adv(1100)[..],
+        [
+            Report::Stalled { .. },
+            Report::Stalled { .. },
+            Report::Stalled { .. },
+            Report::Stalled { .. }
+        ]
+    ));
+    // All four stalled: what the resync finds of each says how it ends.
+    let table = [
+        Restored {
+            key: 2,
+            stage: POST,
+            stage_ns: [Some(100), Some(1900), None],
+            first_ns: 100,
+            last_ns: 1900,
+            external_id: None,
+            ..held(None)
+        },
+        Restored {
+            key: 3,
+            stage: REL,
+            ended: true,
+            stage_ns: [None, Some(100), Some(1500)],
+            first_ns: 100,
+            last_ns: 1600,
+            external_id: None,
+            alerted_ns: Some(100),
+            ..held(None)
+        },
+        Restored {
+            key: 4,
+            stage: ENQ,
+            stage_ns: [Some(1950), None, None],
+            first_ns: 1950,
+            last_ns: 1950,
+            external_id: None,
+            ..held(None)
+        },
+        // Never seen: every event lost while it pinned.
+        Restored {
+            key: 6,
+            stage: POST,
+            stage_ns: [Some(300), Some(400), None],
+            first_ns: 300,
+            last_ns: 400,
+            external_id: None,
+            ..held(None)
+        },
+    ];
+    let reports = h.resync(2000, true, &table);
+    let ends: Vec<(u64, Outcome)> = reports
+        .iter()
+        .filter_map(|r| {
+            if let Report::Ended {
+                request, outcome, ..
+            } = r
+            {
+                Some((request.key, *outcome))
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert_eq!(
+        ends,
+        [
+            (1, Outcome::EndUnseen),
+            (3, Outcome::Released),
+            (4, Outcome::EndUnseen)
+        ],
+        "{reports:?}"
+    );
+    let recovered: Vec<u64> = reports
+        .iter()
+        .filter(|&r| matches!(r, Report::Recovered { .. })).map(|r| r.request().key)
+        .collect();
+    assert_eq!(
+        recovered,
+        [2, 3],
+        "life after a reported silence is a recovery: {reports:?}"
+    );
+    assert_eq!(
+        h.get(1, 2).map(|r| (r.stage, r.last_ns, r.stalled)),
+        Some((POST, 1900, None))
+    );
+    assert_eq!(
+        h.get(1, 4).map(|r| (r.first_ns, r.stage)),
+        Some((1950, ENQ)),
+        "the key's later lifecycle is taken over"
+    );
+    assert_eq!(
+        h.get(1, 6).map(|r| (r.first_ns, r.last_ns, r.stage)),
+        Some((300, 400, POST)),
+        "the pinned request is taken over"
+    );
+    assert_eq!(
+        h.get(1, 5).map(|r| r.last_ns),
+        Some(2500),
+        "newer than the table: left as it is"
+    );
+    // The pinned request stalls at once, silent since its own last event;
+    // nothing else is judged stalled.
+    let reports = h.adv(2010);
+    assert!(
+        matches!(&reports[..], [Report::Stalled { request, class: HUNG, silent_ns: 1610, .. }] if request.key == 6),
+        "{reports:?}"
+    );
+    let s = h.stats();
+    assert_eq!((s.end_unseen, s.restored, s.resyncs), (2, 2, 1), "{s:?}");
+    assert_balanced(s);
+    // A second resync with the same view changes nothing.
+    assert!(h.resync(2020, true, &table).is_empty());
+}
+
+/// While the kernel's table has refused entries, a request it holds
+/// nothing of may never have had one: it is not ended; one whose key holds
+/// a later lifecycle still is. A lookup that fails leaves it as it is.
+#[test]
+fn a_resync_ends_nothing_the_kernel_may_never_have_held() {
+    let mut h = H::new();
+    h.obs(1, 1, ENQ, 100);
+    h.obs(1, 2, ENQ, 100);
+    h.obs(1, 3, ENQ, 100);
+    let later = Restored {
+        key: 2,
+        stage: ENQ,
+        stage_ns: [Some(500), None, None],
+        first_ns: 500,
+        last_ns: 500,
+        external_id: None,
+        ..held(None)
+    };
+    let reports = h.resync(600, false, std::slice::from_ref(&later));
+    assert!(
+        matches!(&reports[..], [Report::Ended { request, outcome: Outcome::EndUnseen, .. }] if request.key == 2),
+        "{reports:?}"
+    );
+    assert!(h.get(1, 1).is_some());
+    let mut out = Vec::new();
+    h.e.resync(
+        700,
+        true,
+        &mut |_, key| if key == 3 { Err(()) } else { Ok(None) },
+        Vec::new(),
+        &mut out,
+    );
+    assert_eq!(
+        out.iter().map(|r| r.request().key).collect::<Vec<_>>(),
+        [1, 2],
+        "{out:?}"
+    );
+    assert_eq!(
+        h.get(1, 3).map(|r| r.first_ns),
+        Some(100),
+        "a failed lookup ends nothing"
+    );
+    assert_balanced(h.stats());
+}
+
+/// A stage time a record carries for a quiet probe, which the engine
+/// already took from the kernel's table, is an expected repeat; the same
+/// event delivered twice is a duplicate.
+#[test]
+fn a_carried_time_already_caught_up_is_no_duplicate() {
+    let mut h = H::new();
+    h.obs(1, 7, ENQ, 100);
+    // Due: the kernel's table shows the withheld post.
+    let mut out = Vec::new();
+    let seen = Withheld {
+        stage: POST,
+        last_ns: 600,
+        stage_ns: [Some(100), Some(600), None],
+    };
+    h.e.advance_checking(
+        1100,
+        usize::MAX,
+        &mut |_| Some(seen),
+        &mut |s, a| a.extend(s.iter().map(|_| None)),
+        &mut out,
+    );
+    assert!(out.is_empty(), "active within the timeout: {out:?}");
+    // The release record carries the post's time again.
+    let post = Observation {
+        pid: 1,
+        key: 7,
+        stage: POST,
+        ts_ns: 600,
+        external_id: None,
+        ends: false,
+    };
+    h.e.observe_carried(post.clone(), &mut out);
+    assert_eq!(
+        (h.stats().caught_up_repeats, h.stats().duplicate_events),
+        (1, 0)
+    );
+    // Delivered twice as an event of its own: a duplicate.
+    h.e.observe(post, &mut out);
+    assert_eq!(
+        (h.stats().caught_up_repeats, h.stats().duplicate_events),
+        (1, 1)
+    );
+    assert!(out.is_empty(), "{out:?}");
 }

@@ -62,6 +62,34 @@ pub struct Profile {
     pub status: Option<StatusSpec>,
     /// Where a lifecycle is complete (`complete_at`).
     pub complete_at: CompleteAt,
+    /// The builds of a library whose memory layout the profile's offsets
+    /// were checked against (`[layout]`).
+    pub layout: Option<Layout>,
+}
+
+/// The `[layout]` table: the offsets a profile reads in a library's
+/// objects (a string behind the key, a status field) are that library's
+/// build's, not its API's: another build may lay its structs out
+/// otherwise, and the bytes there would read as ids and stages. So a
+/// profile names the builds it was checked against, by their GNU build
+/// id, and a process that maps another build is watched without what
+/// those offsets give ([`Profile::without_offsets`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    pub origin: Arc<str>,
+    pub line: usize,
+    /// The library, as a probe's `object` names it.
+    pub object: String,
+    /// Lowercase hex GNU build ids.
+    pub build_ids: Vec<String>,
+    /// What the builds are (a version, a package), for the warning.
+    pub checked: String,
+}
+
+impl Layout {
+    pub fn knows(&self, build_id: &str) -> bool {
+        self.build_ids.iter().any(|known| known.eq_ignore_ascii_case(build_id))
+    }
 }
 
 /// Where a profile's lifecycles are complete (`complete_at`, a top-level
@@ -194,6 +222,10 @@ pub struct SignalSpec {
     pub capture: Option<Capture>,
     /// The `bytes` are read at this element of the msgpack array there.
     pub msgpack: Option<Msgpack>,
+    /// `layout = true`: what it reads is laid out by the library's own
+    /// classes (its `[layout]` build ids vouch for it), so a process with
+    /// a build the profile does not know goes without it.
+    pub layout: bool,
 }
 
 /// A signal's `msgpack = { element = N, tag = "..." }`: its `bytes` are
@@ -345,6 +377,86 @@ pub struct ProbeSpec {
     /// Its events end the lifecycle at a live stage: it emits only the
     /// stage its profile completes at (`complete_at`), or terminal ones.
     pub ends: bool,
+    /// `read_status = true`: read the profile's `[status]` at this entry.
+    pub read_status: bool,
+    /// What `read_status` lowers to, once the profile's `[status]` is known.
+    pub entry_status: Option<EntryStatus>,
+}
+
+/// The profile's `[status]`, read by the kernel at an entry probe (its
+/// `read_status`): where the value lies and the terminal rules of the
+/// table (a value they do not take is the probe's own event). The release
+/// of a transfer that failed is then the failure: the handle's memory is
+/// no longer readable once released, and a failure released before its
+/// stall came due would otherwise end `completed`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryStatus {
+    pub at: Source,
+    pub value: RetType,
+    pub rules: Vec<(RetRule, Stage)>,
+}
+
+impl EntryStatus {
+    /// From the profile's `status`: refused when the kernel could not
+    /// pick what the table picks (too many terminal
+    /// rules, one an earlier live rule overlaps, a pointer chain too long).
+    fn of(status: &StatusSpec) -> Result<Self> {
+        let mut earlier = Values::none();
+        let mut rules = Vec::new();
+        for (rule, stage) in &status.rules {
+            let held = Values::held_by(rule, status.value);
+            if stage.is_terminal() {
+                if held.intersects(&earlier) {
+                    bail!(
+                        "`read_status`: the [status] rule for {stage} (profile {}, line {}) takes values an earlier rule \
+                         takes first, which the kernel cannot tell apart at the probe: make the {stage} rules come \
+                         first or not overlap",
+                        status.origin,
+                        status.line
+                    );
+                }
+                rules.push((*rule, *stage));
+            }
+            earlier = earlier.union(held);
+        }
+        if rules.is_empty() || rules.len() > MAX_RET_RULES {
+            bail!(
+                "`read_status`: the [status] of profile {}, line {} has {} rules for a terminal event (failed, aborted); \
+                 the kernel takes 1 to {MAX_RET_RULES}: merge them (e.g. `when = \"< -1\"`) or drop `read_status`",
+                status.origin,
+                status.line,
+                rules.len()
+            );
+        }
+        if status.at.deref.len() >= MAX_DEREF {
+            bail!(
+                "`read_status`: the [status] `at` of profile {}, line {} follows {} pointers; read at a probe it may \
+                 follow at most {}",
+                status.origin,
+                status.line,
+                status.at.deref.len(),
+                MAX_DEREF - 1
+            );
+        }
+        Ok(Self {
+            at: status.at.clone(),
+            value: status.value,
+            rules,
+        })
+    }
+
+    /// The value's source for the kernel: the table's pointer chain, then
+    /// one more read at its `add` (the value itself).
+    fn lower(&self) -> ValueSource {
+        let mut deref = self.at.deref.clone();
+        deref.push(self.at.add);
+        Source {
+            from: From::Key,
+            deref,
+            add: 0,
+        }
+        .lower()
+    }
 }
 
 impl Profile {
@@ -378,8 +490,7 @@ impl Profile {
                 builtin_names().collect::<Vec<_>>().join(", ")
             );
         }
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("reading profile file {}", path.display()))?;
+        let text = crate::files::read_text(&path, "profile file")?;
         let dir = path.parent().map(Path::to_path_buf);
         Self::parse_in(&text, &path.display().to_string(), dir.as_deref(), chain)
     }
@@ -468,7 +579,33 @@ impl Profile {
                 CompleteAt::parse(spanned.get_ref()).map(|at| (at, line)).map_err(|err| anyhow!("profile {origin}, line {line}: {err}"))
             })
             .transpose()?;
-        let (mut probes, activity, signals, status, extends, complete_at) = match base {
+        let own_layout = raw
+            .layout
+            .map(|spanned| {
+                let line = line_of(text, spanned.span().start);
+                let raw = spanned.into_inner();
+                let bad = |why: String| anyhow!("profile {origin}, line {line} ([layout]): {why}");
+                if raw.object.trim().is_empty() {
+                    return Err(bad("`object` is empty: name the library whose layout the offsets are (e.g. \"libnixl.so\")".into()));
+                }
+                if raw.build_ids.is_empty() {
+                    return Err(bad("`build_ids` is empty: list the GNU build ids (`readelf -n LIB`) the offsets were checked against".into()));
+                }
+                for id in &raw.build_ids {
+                    if id.is_empty() || id.len() % 2 != 0 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+                        return Err(bad(format!("build id {id:?} is not hex bytes: copy it from `readelf -n LIB` (\"Build ID: ...\")")));
+                    }
+                }
+                Ok(Layout {
+                    origin: here.clone(),
+                    line,
+                    object: raw.object,
+                    build_ids: raw.build_ids.into_iter().map(|id| id.to_ascii_lowercase()).collect(),
+                    checked: raw.checked,
+                })
+            })
+            .transpose()?;
+        let (mut probes, activity, signals, status, extends, complete_at, layout) = match base {
             Some(base) => {
                 let mut probes: Vec<ProbeSpec> = base
                     .probes
@@ -486,14 +623,38 @@ impl Profile {
                     base.signals.into_iter().filter(|spec| !own_signals.iter().any(|own| own.name == spec.name)).collect();
                 signals.extend(own_signals);
                 let complete_at = own_complete_at.map(|(at, _)| at).unwrap_or(base.complete_at);
-                (probes, activity, signals, own_status.or(base.status), Some(base.origin), complete_at)
+                (probes, activity, signals, own_status.or(base.status), Some(base.origin), complete_at, own_layout.or(base.layout))
             }
-            None => (own_probes, own_activity, own_signals, own_status, None, own_complete_at.map(|(at, _)| at).unwrap_or_default()),
+            None => (
+                own_probes,
+                own_activity,
+                own_signals,
+                own_status,
+                None,
+                own_complete_at.map(|(at, _)| at).unwrap_or_default(),
+                own_layout,
+            ),
         };
         for probe in &mut probes {
             probe.ends = probe.ends_under(complete_at, origin).map_err(|err| {
                 anyhow!("profile {}, line {} ([[probe]] for `{}`): {err}", probe.origin, probe.line, probe.symbol)
             })?;
+            if probe.read_status {
+                let entry = match &status {
+                    Some(status) => EntryStatus::of(status),
+                    None => Err(anyhow!(
+                        "`read_status` reads the profile's [status], and profile {origin} has none: add one"
+                    )),
+                };
+                probe.entry_status = Some(entry.map_err(|err| {
+                    anyhow!(
+                        "profile {}, line {} ([[probe]] for `{}`): {err}",
+                        probe.origin,
+                        probe.line,
+                        probe.symbol
+                    )
+                })?);
+            }
         }
         if probes.is_empty() {
             bail!("profile {origin}: no [[probe]] tables; a profile needs at least one lifecycle point");
@@ -536,7 +697,30 @@ impl Profile {
             signals,
             status,
             complete_at,
+            layout,
         })
+    }
+
+    /// This profile without what its `[layout]` offsets give, for a process
+    /// that maps a build of the library the profile does not know: no
+    /// external id read through the key of a probe on that library, no
+    /// signal on it that reads its classes (`layout = true`), no
+    /// `read_status` (the `[status]` reads are turned off per process by
+    /// [`crate::status::StatusReader::turn_off`]). Lifecycle events, keys
+    /// (function arguments: the API) and transport counts stay.
+    pub fn without_offsets(&self) -> Self {
+        let mut profile = self.clone();
+        let Some(layout) = &self.layout else { return profile };
+        for probe in &mut profile.probes {
+            if probe.object.as_deref().is_some_and(|object| object == layout.object) {
+                if probe.external_id.as_ref().is_some_and(|ext| ext.at.from == From::Key) {
+                    probe.external_id = None;
+                }
+                probe.entry_status = None;
+            }
+        }
+        profile.signals.retain(|signal| !(signal.layout && signal.object.as_deref() == Some(layout.object.as_str())));
+        profile
     }
 }
 
@@ -613,6 +797,19 @@ impl ProbeSpec {
         }
         if self.ends {
             flags |= slot_flags::ENDS;
+        }
+        if let Some(status) = &self.entry_status {
+            flags |= slot_flags::ENTRY_VALUE;
+            if status.value == RetType::I32 {
+                flags |= slot_flags::RET_I32;
+            }
+            cfg.value = status.lower();
+            for (slot, (rule, stage)) in cfg.rules.iter_mut().zip(&status.rules) {
+                *slot = RetRule {
+                    stage: *stage as u8,
+                    ..*rule
+                };
+            }
         }
         // A zero flags word means "no slot" to the kernel side.
         cfg.flags = flags | slot_flags::CONFIGURED;
@@ -745,6 +942,15 @@ struct RawProfile {
     signal: Vec<Spanned<RawSignal>>,
     status: Option<Spanned<RawStatus>>,
     complete_at: Option<Spanned<String>>,
+    layout: Option<Spanned<RawLayout>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLayout {
+    object: String,
+    build_ids: Vec<String>,
+    checked: String,
 }
 
 #[derive(Deserialize)]
@@ -759,6 +965,8 @@ struct RawSignal {
     text: Option<RawSource>,
     bytes: Option<RawSource>,
     msgpack: Option<RawMsgpack>,
+    #[serde(default)]
+    layout: bool,
 }
 
 #[derive(Deserialize)]
@@ -801,6 +1009,7 @@ impl RawSignal {
             value,
             capture,
             msgpack,
+            layout: self.layout,
         })
     }
 }
@@ -862,6 +1071,8 @@ struct RawProbe {
     only_on_change: bool,
     #[serde(default)]
     quiet: bool,
+    #[serde(default)]
+    read_status: bool,
 }
 
 #[derive(Deserialize)]
@@ -919,6 +1130,12 @@ impl RawProbe {
         if self.at == At::Entry && self.ret.is_some() {
             bail!("`ret` describes a return value: it needs `at = \"return\"`");
         }
+        if self.read_status && (self.at != At::Entry || !matches!(action, Action::Always(_))) {
+            bail!(
+                "`read_status` reads the request's [status] at the function's entry, where its memory is still its \
+                 own: it needs `at = \"entry\"` and one `event`"
+            );
+        }
         if self.at == At::Entry && self.only_on_change {
             bail!("`only_on_change` compares return values: it needs `at = \"return\"`");
         }
@@ -950,6 +1167,8 @@ impl RawProbe {
             only_on_change: self.only_on_change,
             quiet: self.quiet,
             ends: false,
+            read_status: self.read_status,
+            entry_status: None,
         })
     }
 }
@@ -1258,6 +1477,142 @@ mod tests {
         for (value, stage) in [(1, Some(Stage::TransferPosted)), (0, Some(Stage::TransferDone)), (-1, Some(Stage::Enqueued)), (-10, Some(Stage::Failed)), (-3, Some(Stage::Failed)), (2, None)] {
             assert_eq!(status.stage_of(value), stage, "status {value}");
         }
+    }
+
+    /// The release reads the handle's status at its entry: an error there
+    /// is the failure, anything else (or nothing readable) the release.
+    #[test]
+    fn the_nixl_release_reads_the_status_at_its_entry_and_an_error_is_failed() {
+        let profile = Profile::load("nixl").unwrap();
+        let release = profile
+            .probes
+            .iter()
+            .find(|p| p.symbol.contains("releaseXferReq"))
+            .unwrap();
+        let cfg = release.slot_config();
+        assert_eq!(
+            cfg.flags & (slot_flags::ENTRY_VALUE | slot_flags::RET_I32 | slot_flags::RETURN),
+            slot_flags::ENTRY_VALUE | slot_flags::RET_I32
+        );
+        assert_eq!(cfg.stage, stallwatch_common::stage::RELEASED);
+        // One read: the i32 at handle + 184.
+        assert_eq!(
+            (
+                cfg.value.base,
+                cfg.value.depth,
+                cfg.value.offsets[0],
+                cfg.value.add
+            ),
+            (base::KEY, 1, 184, 0)
+        );
+        assert_eq!(
+            (cfg.rules[0].op, cfg.rules[0].value, cfg.rules[0].stage),
+            (cmp::LT, -1, stallwatch_common::stage::FAILED)
+        );
+        assert_eq!(cfg.rules[1].op, cmp::NONE, "only the terminal rule");
+        // No other nixl probe reads it.
+        assert_eq!(
+            profile
+                .probes
+                .iter()
+                .filter(|p| p.slot_config().flags & slot_flags::ENTRY_VALUE != 0)
+                .count(),
+            1
+        );
+        // Behind a pointer: the chain, then the value's own offset.
+        let text = "[[probe]]\nsymbol = \"rel\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg0\" }\nread_status = true\n\n\
+                    [status]\nat = { from = \"key\", deref = [8], add = 4 }\ntype = \"i64\"\nvalues = [\n  { when = \"== 1\", event = \"transfer_posted\" },\n  \
+                    { when = \"< 0\", event = \"failed\" },\n  { when = \"== 9\", event = \"aborted\" },\n]\n";
+        let cfg = Profile::parse(text, "p.toml").unwrap().probes[0].slot_config();
+        assert_eq!(
+            (
+                cfg.value.depth,
+                &cfg.value.offsets[..2],
+                cfg.flags & slot_flags::RET_I32
+            ),
+            (2, &[8, 4][..], 0)
+        );
+        assert_eq!(
+            (cfg.rules[0].stage, cfg.rules[1].stage),
+            (
+                stallwatch_common::stage::FAILED,
+                stallwatch_common::stage::ABORTED
+            )
+        );
+    }
+
+    /// nixl names the build its offsets were checked against; a profile
+    /// extending it inherits that, or gives its own; without the offsets,
+    /// a probe on the library reads neither its external id nor its status.
+    #[test]
+    fn a_layout_names_the_builds_and_without_it_nothing_is_read_at_its_offsets() {
+        let nixl = Profile::load("nixl").unwrap();
+        let layout = nixl.layout.as_ref().expect("[layout]");
+        assert_eq!(layout.object, "libnixl.so");
+        assert!(layout.knows("C60AC851FDD67A4D9738B5B2F53BD4849505F241") && !layout.knows("00"));
+        assert_eq!(Profile::load("sglang").unwrap().layout.as_ref(), Some(layout), "inherited");
+        let off = nixl.without_offsets();
+        assert!(off.probes.iter().all(|p| p.external_id.is_none() && p.entry_status.is_none()));
+        assert!(off.probes.iter().all(|p| p.slot_config().flags & (slot_flags::HAS_EXT | slot_flags::ENTRY_VALUE) == 0));
+        assert_eq!(off.probes.len(), nixl.probes.len(), "every lifecycle point stays");
+        // sglang's dlist signal reads NIXL's own class: gone; the others stay.
+        let sglang = Profile::load("sglang").unwrap();
+        let names = |p: &Profile| p.signals.iter().map(|s| s.name.clone()).collect::<Vec<_>>();
+        assert!(names(&sglang).contains(&"nixl_dlist_remote_agent".to_owned()));
+        let mut kept = names(&sglang);
+        kept.retain(|name| name != "nixl_dlist_remote_agent");
+        assert_eq!(names(&sglang.without_offsets()), kept);
+        let text = |layout: &str| format!("extends = \"nixl\"\n[layout]\n{layout}");
+        let own = Profile::parse(&text("object = \"libnixl.so\"\nbuild_ids = [\"AB01\"]\nchecked = \"x\"\n"), "p.toml").unwrap();
+        assert_eq!(own.layout.expect("own").build_ids, ["ab01"]);
+        let err = error_of(&text("object = \"libnixl.so\"\nbuild_ids = [\"xyz\"]\nchecked = \"x\"\n"));
+        assert!(err.contains("([layout]): build id \"xyz\" is not hex bytes") && err.contains("readelf -n"), "{err}");
+        let err = error_of(&text("object = \"libnixl.so\"\nbuild_ids = []\nchecked = \"x\"\n"));
+        assert!(err.contains("`build_ids` is empty"), "{err}");
+    }
+
+    #[test]
+    fn read_status_the_kernel_cannot_follow_is_refused_with_the_fix() {
+        let probe = |at: &str, extra: &str| {
+            format!(
+                "[[probe]]\nsymbol = \"rel\"\nat = \"{at}\"\n{extra}key = {{ from = \"arg0\" }}\nread_status = true\n\n"
+            )
+        };
+        let status = |values: &str| {
+            format!(
+                "[status]\nat = {{ from = \"key\", add = 8 }}\ntype = \"i32\"\nvalues = [\n{values}]\n"
+            )
+        };
+        let failed = "  { when = \"< 0\", event = \"failed\" },\n";
+        let released = "event = \"released\"\n";
+        let err = error_of(&probe("entry", released));
+        assert!(err.contains("has none: add one"), "{err}");
+        let err = error_of(&format!(
+            "{}{}",
+            probe(
+                "return",
+                "on_return = [{ when = \"== 0\", event = \"released\" }]\n"
+            ),
+            status(failed)
+        ));
+        assert!(err.contains("needs `at = \"entry\"`"), "{err}");
+        let err = error_of(&format!(
+            "{}{}",
+            probe("entry", released),
+            status("  { when = \"== 0\", event = \"transfer_done\" },\n")
+        ));
+        assert!(err.contains("has 0 rules for a terminal event"), "{err}");
+        let overlap = "  { when = \"== -1\", event = \"enqueued\" },\n  { when = \"< 0\", event = \"failed\" },\n";
+        let err = error_of(&format!("{}{}", probe("entry", released), status(overlap)));
+        assert!(
+            err.contains("takes values an earlier rule takes first"),
+            "{err}"
+        );
+        Profile::parse(
+            &format!("{}{}", probe("entry", released), status(failed)),
+            "p.toml",
+        )
+        .expect("valid");
     }
 
     #[test]

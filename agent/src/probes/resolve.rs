@@ -28,6 +28,13 @@ pub struct ProcessImage {
     pub mapped: Vec<PathBuf>,
 }
 
+/// The one-letter state in `/proc/PID/stat` (`Z` for a zombie): the field
+/// after the last `)`, since the name before it may hold anything.
+fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
 impl ProcessImage {
     pub fn read(pid: u32) -> Result<Self> {
         let proc_dir = PathBuf::from(format!("/proc/{pid}"));
@@ -38,8 +45,14 @@ impl ProcessImage {
         // Bytes: a path need not be UTF-8 (and must be opened as it is).
         let maps = std::fs::read(&maps_path)
             .with_context(|| format!("reading {} (the agent needs root or CAP_SYS_PTRACE)", maps_path.display()))?;
-        let exe = std::fs::read_link(proc_dir.join("exe"))
-            .with_context(|| format!("reading /proc/{pid}/exe (is pid {pid} a kernel thread?)"))?;
+        let exe = std::fs::read_link(proc_dir.join("exe")).map_err(|err| {
+            // A zombie has no image either: say which it is.
+            if process_state(pid) == Some('Z') {
+                anyhow!("pid {pid} is a zombie (it exited and its parent has not reaped it): there is nothing to watch")
+            } else {
+                anyhow!(err).context(format!("reading /proc/{pid}/exe (is pid {pid} a kernel thread?)"))
+            }
+        })?;
         Ok(Self { pid, exe, mapped: parse_maps(&maps) })
     }
 
@@ -258,6 +271,13 @@ impl ElfFile {
         Ok(Self { path: path.to_owned(), data })
     }
 
+    /// The file's GNU build id, lowercase hex (`None`: it has none).
+    pub fn build_id(&self) -> Result<Option<String>> {
+        let file = object::File::parse(&*self.data).with_context(|| format!("parsing {}", self.path.display()))?;
+        let id = file.build_id().with_context(|| format!("reading the build id of {}", self.path.display()))?;
+        Ok(id.map(|bytes| bytes.iter().map(|b| format!("{b:02x}")).collect()))
+    }
+
     /// Look `symbol` up in `.symtab` and `.dynsym` (mangled names as they
     /// are in the file).
     pub fn resolve(&self, symbol: &str) -> Result<ResolvedSymbol> {
@@ -386,6 +406,39 @@ fn shortened(name: &str) -> std::borrow::Cow<'_, str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_build_id_is_read_as_readelf_prints_it() {
+        // The C library every process here maps carries one.
+        let libc = ProcessImage::read(std::process::id()).expect("own image").find(Some("libc.so")).expect("libc mapped");
+        let id = ElfFile::open(&libc.host_path).expect("libc").build_id().expect("parsed").expect("a build id");
+        assert!(id.len() >= 16 && id.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()), "{id}");
+    }
+
+    /// A child that exited and was not reaped is named a zombie, not a
+    /// kernel thread.
+    #[test]
+    fn a_zombie_is_named_as_such() {
+        let mut child = std::process::Command::new("true")
+            .spawn()
+            .expect("spawning true");
+        let pid = child.id();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while process_state(pid) != Some('Z') {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the child never became a zombie"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let err = format!("{:#}", ProcessImage::read(pid).expect_err("no image"));
+        let _ = child.wait();
+        assert!(
+            err.contains(&format!("pid {pid} is a zombie")) && !err.contains("kernel thread"),
+            "{err}"
+        );
+        assert!(process_state(std::process::id()).is_some_and(|state| state != 'Z'));
+    }
 
     #[test]
     fn maps_paths_are_distinct_and_keep_spaces() {

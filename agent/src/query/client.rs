@@ -28,9 +28,17 @@ pub fn inflight(path: &Path, timeout: Duration) -> Result<(Inflight, Vec<u8>)> {
     let mut stream = UnixStream::connect(path).map_err(|err| connect_error(path, err))?;
     stream.set_read_timeout(Some(timeout)).context("setting the socket's read timeout")?;
     stream.set_write_timeout(Some(timeout)).context("setting the socket's write timeout")?;
-    stream
-        .write_all(&wire::encode(&Query { version: wire::VERSION, query: QueryKind::Inflight }))
-        .with_context(|| format!("sending the query to the agent at {shown}"))?;
+    let sent = stream.write_all(&wire::encode(&Query { version: wire::VERSION, query: QueryKind::Inflight }));
+    // A busy agent answers and closes before reading the query: its
+    // answer, not the broken pipe, says why.
+    if let Err(err) = sent {
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer);
+        if answer.is_empty() {
+            return Err(anyhow!(err).context(format!("sending the query to the agent at {shown}")));
+        }
+        return decode(&answer, &shown.to_string()).map(|inflight| (inflight, answer));
+    }
     let mut answer = Vec::new();
     if let Err(err) = stream.read_to_end(&mut answer) {
         return Err(match err.kind() {
@@ -43,13 +51,17 @@ pub fn inflight(path: &Path, timeout: Duration) -> Result<(Inflight, Vec<u8>)> {
     if answer.is_empty() {
         return Err(anyhow!("the agent at {shown} closed the connection without answering (is it shutting down?)"));
     }
-    let inflight = wire::decode_inflight(&answer).map_err(|err| match err {
+    let inflight = decode(&answer, &shown.to_string())?;
+    Ok((inflight, answer))
+}
+
+fn decode(answer: &[u8], shown: &str) -> Result<Inflight> {
+    wire::decode_inflight(answer).map_err(|err| match err {
         wire::AnswerError::Garbled(_) => {
             anyhow!("{err} from {shown} ({} bytes); is the agent there a different stallwatch build?", answer.len())
         }
         _ => anyhow!("{err} (agent at {shown})"),
-    })?;
-    Ok((inflight, answer))
+    })
 }
 
 fn connect_error(path: &Path, err: std::io::Error) -> anyhow::Error {

@@ -216,8 +216,28 @@ impl SocketPlace {
         let Some(name) = path.file_name() else { bail!("--socket {} does not name a file", path.display()) };
         let dir = socket_dir(path);
         let dir = TrustedDir::create(dir).with_context(|| format!("the query socket's directory {}", dir.display()))?;
+        // Checked here, before anything is attached, not at the bind at
+        // the end of the start-up: the socket and its staging name (the
+        // longest pid) must both fit a unix socket address.
+        let longest = [dir.path().join(name), dir.path().join(staging_name(u32::MAX))].map(|p| p.as_os_str().len()).into_iter().max();
+        let longest = longest.unwrap_or_default();
+        if longest > MAX_SOCKET_PATH {
+            bail!(
+                "--socket {}: the socket's path would be {longest} bytes, and unix socket paths are limited to \
+                 {MAX_SOCKET_PATH}: pick a shorter --socket (a shorter directory or name)",
+                path.display()
+            );
+        }
         Ok(Self { path: dir.path().join(name), dir, shown: path.to_owned() })
     }
+}
+
+/// Longest path a unix socket can be bound at (`sun_path` less its NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
+/// The private name a socket is bound under before it is moved into place.
+fn staging_name(pid: u32) -> String {
+    format!(".stallwatch-{pid}.tmp")
 }
 
 fn bind_socket(place: &SocketPlace) -> Result<(std::os::unix::net::UnixListener, SocketFile)> {
@@ -242,7 +262,7 @@ fn bind_socket(place: &SocketPlace) -> Result<(std::os::unix::net::UnixListener,
     // Bind under a private name, make it root-only, then move it into place:
     // the socket is never reachable at `path` with a wider mode, and a stale
     // file there is replaced in one step.
-    let staging = dir.path().join(format!(".stallwatch-{}.tmp", std::process::id()));
+    let staging = dir.path().join(staging_name(std::process::id()));
     match std::fs::remove_file(&staging) {
         Ok(()) => {}
         Err(err) if err.kind() == ErrorKind::NotFound => {}
@@ -348,6 +368,19 @@ mod tests {
             }
         });
         client.join().expect("client thread")
+    }
+
+    #[test]
+    fn a_socket_path_too_long_to_bind_is_refused_before_anything_is_attached() {
+        let dir = TempDir::new();
+        let long = dir.0.join("s".repeat(120));
+        let err = format!("{:#}", SocketPlace::check(&long).err().expect("too long"));
+        assert!(
+            err.contains("unix socket paths are limited to 107")
+                && err.contains("pick a shorter --socket"),
+            "{err}"
+        );
+        assert!(SocketPlace::check(&dir.0.join("ok.sock")).is_ok());
     }
 
     #[test]
