@@ -149,8 +149,8 @@ enum ProfileCommand {
         path: PathBuf,
         /// Also resolve every probe in this running process and say what
         /// the kernel does with the instruction it lands on (emulated, or
-        /// single-stepped: ~30 us a hit).
-        #[arg(long, value_name = "PID")]
+        /// single-stepped: ~30 us a hit). The same variable as `run --pid`.
+        #[arg(long, value_name = "PID", env = "STALLWATCH_PID")]
         pid: Option<u32>,
     },
 }
