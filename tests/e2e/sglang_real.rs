@@ -161,9 +161,9 @@ fn timed_from(alert: &Value, at: Instant, since: Instant, early: Duration) {
     assert!(latency + early >= TIMEOUT && latency <= TIMEOUT + LATENESS, "{alert} after {latency:?}");
 }
 
-/// A decode rank SIGSTOPped with its room's first chunk in flight: the
-/// room is `transfer_hung` on that chunk (its handle, `transfer=1`, the
-/// stopped decode as peer), timed from the chunk; the other decode's rooms
+/// A decode rank SIGSTOPped as its room's chunks go: the room is
+/// `transfer_hung` on the chunk that hangs (its handle, `transfer=N`, the
+/// stopped decode as peer), timed from that chunk; the other decode's rooms
 /// queued behind it on the same worker (SGLang shards rooms by the sum of
 /// their destination ports) are `waiting_for_peer`, `behind` it, waiting
 /// on the worker; the stopped decode's later rooms, which the scheduler
@@ -193,10 +193,19 @@ fn a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so()
     };
     let (at, hung) = stall(room);
     assert_eq!((hung["class"].as_str(), hung["external_id"].as_str()), (Some("transfer_hung"), Some(room.to_string().as_str())), "{hung}");
-    assert_eq!((hung["transfer"].as_str(), hung["transport"]["peer"].as_str()), (Some("1"), Some(peer.as_str())), "{hung}");
+    assert_eq!(hung["transport"]["peer"].as_str(), Some(peer.as_str()), "{hung}");
     assert!(hung["handle"].as_str().is_some_and(|h| h.starts_with("0x")), "{hung}");
     assert_ne!(hung["transport"]["verdict"], "others_completing", "{hung}");
-    timed_from(&hung, at, target.at("chunk", room), Duration::ZERO);
+    // The stop lands before the room's first chunk or between its chunks
+    // (one transfer per chunk to a TP1 decode): the one that hangs is
+    // named, and timed from its own post.
+    let transfer: u64 = hung["transfer"].as_str().and_then(|t| t.parse().ok()).unwrap_or_else(|| panic!("{hung}"));
+    let chunk = target
+        .lines
+        .iter()
+        .find(|line| line.json().is_some_and(|v| v["event"] == "chunk" && v["room"] == room && v["chunk"] == transfer - 1))
+        .unwrap_or_else(|| panic!("transfer {transfer} is no chunk of room {room}: {hung}"));
+    timed_from(&hung, at, chunk.at, Duration::ZERO);
     for r in &behind {
         let (at, alert) = stall(*r);
         let waits = (alert["class"].as_str(), alert["answered"].as_str(), alert["behind"].as_str(), alert["waiting_on"].as_str());
@@ -316,4 +325,34 @@ fn both_sides_of_a_hung_room_are_alerted_in_one_trace() {
     let classes: Vec<_> = stall_spans.iter().filter_map(|s| s.attr("stallwatch.stall.class")).collect();
     assert!(classes.contains(&"transfer_hung") && classes.contains(&"waiting_for_kv"), "{stall_spans:#?}");
     let _ = collector.stop();
+}
+
+/// A room the scheduler has and no decode answers, its agent SIGKILLed
+/// before the room's timeout: the next agent takes it over from the
+/// kernel's in-flight table and reports it once, timed from the request
+/// (before either agent's restart), not from the take-over.
+#[test]
+fn a_room_held_across_an_agent_restart_is_reported_once_on_time() {
+    const LONGER: Duration = Duration::from_secs(6);
+    let mut target = Target::start("no-answer", &[]);
+    let mut first = Agent::watch(target.prefill(), "sglang", "6s", &[]);
+    target.proc.write_line("go");
+    target.until("holding", Duration::from_secs(60));
+    let room = target.fault_room();
+    let since = target.at("request", room);
+    assert!(since.elapsed() < LONGER - Duration::from_secs(2), "the room is still short of its timeout: {:?}", since.elapsed());
+    let dir = first.bpf_dir.take().expect("its own bpf directory");
+    first.proc.signal(libc::SIGKILL);
+    let _ = first.proc.wait(Duration::from_secs(5));
+    let mut second = Agent::watch(target.prefill(), "sglang", "6s", &["--bpf-dir", dir.to_str().expect("utf-8 bpf dir")]);
+    second.bpf_dir = Some(dir);
+    let mut seen = Vec::new();
+    second.wait_until("the room's stall", LONGER + Duration::from_secs(5), &mut seen, |seen| alerts(seen, "stalled").next().is_some());
+    std::thread::sleep(Duration::from_secs(1));
+    seen.extend(second.stop());
+    let stalls: Vec<(Instant, Value)> = alerts(&seen, "stalled").collect();
+    let [(at, alert)] = &stalls[..] else { panic!("one stall, the room's: {seen:?}") };
+    assert_eq!((alert["key"].as_str(), alert["class"].as_str()), (Some(format!("{room:#x}").as_str()), Some("waiting_for_peer")), "{alert}");
+    let latency = at.saturating_duration_since(since);
+    assert!(latency + Duration::from_millis(200) >= LONGER && latency <= LONGER + LATENESS, "{alert} after {latency:?}");
 }
