@@ -338,19 +338,15 @@ impl Rooms {
             // The one room with that page at that decode rank; else the
             // thread's room (its next transfer after a chunk is that room's
             // aux); else the one room awaiting that rank.
-            let one = |mut rooms: Box<dyn Iterator<Item = u64> + '_>| match (rooms.next(), rooms.next()) {
-                (Some(room), None) => Some(room),
-                _ => None,
-            };
             let by_page = page.and_then(|page| {
-                one(Box::new(self.live.iter().filter_map(move |(&(p, room), r)| {
+                only(self.live.iter().filter_map(|(&(p, room), r)| {
                     let writes = r.agents.iter().zip(&r.pages).any(|(a, pages)| a == agent && pages.contains(&page));
                     (p == pid && writes).then_some(room)
-                })))
+                }))
             });
             let owner = by_page
                 .or_else(|| self.current.get(&(pid, tid)).copied().filter(|room| awaits(room)))
-                .or_else(|| one(Box::new(self.live.keys().filter(|(p, room)| *p == pid && awaits(room)).map(|(_, room)| *room))));
+                .or_else(|| only(self.live.keys().filter(|(p, room)| *p == pid && awaits(room)).map(|(_, room)| *room)));
             let Some(room) = owner else {
                 self.unattributed += 1;
                 return Some(observation);
@@ -479,6 +475,14 @@ impl Rooms {
         self.current.retain(|(p, _), _| *p != pid);
         self.decodes.remove(&pid);
         self.rids.retain(|(p, _), _| *p != pid);
+    }
+}
+
+/// The one item of `items`, if there is exactly one.
+fn only<T>(mut items: impl Iterator<Item = T>) -> Option<T> {
+    match (items.next(), items.next()) {
+        (Some(item), None) => Some(item),
+        _ => None,
     }
 }
 
