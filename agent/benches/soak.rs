@@ -137,6 +137,12 @@ fn main() -> Result<()> {
         collector = Some(Collector::start(&rotel, otlp_port)?);
     }
     rss.push((start.elapsed().as_secs(), rss_kib(agent_pid).unwrap_or(0)));
+    // An agent that died on its own is the finding, not what it then missed.
+    if let Some(status) = agent.0.try_wait().context("waiting for the agent")? {
+        let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+        let tail: Vec<&str> = log_text.lines().rev().take(20).collect();
+        bail!("the agent exited on its own ({status}) before the soak ended; the end of its log ({}):\n{}", log.display(), tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+    }
     signal(agent_pid, libc::SIGINT);
     let exited = wait_exit(&mut agent.0, Duration::from_secs(30));
     drop(collector);

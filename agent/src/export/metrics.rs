@@ -81,11 +81,11 @@ pub struct Histograms {
     /// the event that revived it, or to its end while still stalled.
     stall: [Histogram; CLASSES],
     /// Request lifetimes (first event to end), by outcome.
-    request: [Histogram; 6],
+    request: [Histogram; Outcome::ALL.len()],
     /// Time from a live stage's first event to the next stage's, by the
     /// stage waited in (enqueued: waiting for the peer; transfer_posted:
     /// the transfer; transfer_done: the release), for requests that went on.
-    stage: [Histogram; 3],
+    stage: [Histogram; Stage::LIVE.len()],
 }
 
 impl Default for Histograms {
@@ -1041,6 +1041,17 @@ mod tests {
             _ => None,
         });
         let request = request.expect("the lifecycle ended");
+        // Every outcome has its series (one added to `Outcome` once had
+        // none, and its first end panicked the agent).
+        let mut outcomes = Metrics::default();
+        for outcome in Outcome::ALL {
+            outcomes.report(&Report::Ended { request: request.clone(), outcome, at_ns: request.first_ns + 5 * ms });
+        }
+        let text = render(outcomes.snapshot(&engine, None, None), Format::OpenMetrics);
+        for outcome in Outcome::ALL {
+            let line = format!("stallwatch_request_duration_seconds_count{{outcome=\"{}\"}} 1", outcome.as_str());
+            assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
+        }
         metrics.report(&Report::Recovered {
             request,
             class: StallClass::ReleaseLost,
