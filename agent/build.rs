@@ -18,14 +18,9 @@ fn main() -> anyhow::Result<()> {
         .context("recording the build info (vergen)")?;
     // The target triple cargo gives every build script (vergen's `cargo`
     // feature would bring cargo_metadata for this one value).
-    println!(
-        "cargo:rustc-env=STALLWATCH_TARGET={}",
-        std::env::var("TARGET").context("TARGET not set")?
-    );
+    println!("cargo:rustc-env=STALLWATCH_TARGET={}", std::env::var("TARGET").context("TARGET not set")?);
     let manifest_dir = std::env::var("CARGO_MANIFEST_DIR").context("CARGO_MANIFEST_DIR not set")?;
-    let root = std::path::Path::new(&manifest_dir)
-        .parent()
-        .ok_or_else(|| anyhow!("agent/ has no parent directory"))?;
+    let root = std::path::Path::new(&manifest_dir).parent().ok_or_else(|| anyhow!("agent/ has no parent directory"))?;
     let ebpf_dir = root.join("ebpf");
     let ebpf_dir = ebpf_dir.to_str().ok_or_else(|| anyhow!("non-UTF-8 path {}", ebpf_dir.display()))?;
     println!("cargo:rerun-if-changed={}", root.join("common").display());

@@ -142,14 +142,7 @@ fn pid_of(slot: usize) -> u32 {
 impl Workload {
     fn new(slots: usize, with_ids: bool) -> Workload {
         Workload {
-            slots: vec![
-                Slot {
-                    next: 1,
-                    generation: 0,
-                    resume_ns: 0,
-                };
-                slots
-            ],
+            slots: vec![Slot { next: 1, generation: 0, resume_ns: 0 }; slots],
             pos: 0,
             now_ns: START_NS,
             next_tick_ns: START_NS + TICK_NS,
@@ -256,11 +249,7 @@ fn feed(engine: &mut Engine, inputs: &mut Vec<Input>, out: &mut Vec<Report>) -> 
 }
 
 fn config() -> EngineConfig {
-    EngineConfig {
-        timeout_ns: TIMEOUT_NS,
-        max_tracked: 1_000_000,
-        tick_ns: TICK_NS,
-    }
+    EngineConfig { timeout_ns: TIMEOUT_NS, max_tracked: 1_000_000, tick_ns: TICK_NS }
 }
 
 struct Run {
@@ -277,13 +266,7 @@ struct Run {
 /// timed part, so the workload's own bookkeeping is not counted.
 fn throughput(slots: usize, events: u64, reps: usize) -> Run {
     const BATCH: usize = 1 << 16;
-    let mut best = Run {
-        in_flight: slots,
-        events_per_s: 0.0,
-        events: 0,
-        sim_s: 0.0,
-        kinds: [0; 3],
-    };
+    let mut best = Run { in_flight: slots, events_per_s: 0.0, events: 0, sim_s: 0.0, kinds: [0; 3] };
     for _ in 0..reps {
         let mut engine = Engine::new(config());
         let mut out = Vec::with_capacity(1024);
@@ -338,31 +321,19 @@ fn footprint(n: usize, with_ids: bool) -> (f64, f64, f64) {
     assert_eq!(engine.stats().in_flight as usize, n);
     // The external ids were allocated by the generator, before `base`, and
     // moved into the engine: count them as the engine's.
-    let ids = if with_ids {
-        n * "room-00000000000".len()
-    } else {
-        0
-    };
+    let ids = if with_ids { n * "room-00000000000".len() } else { 0 };
     let held = LIVE.load(Ordering::Relaxed) + ids - base;
     let peak = PEAK.load(Ordering::Relaxed) + ids - base;
     black_box(&engine);
     println!(
         "  {n} in flight{}: {:.1} MB held ({:.1} MB of it fixed), peak {:.1} MB, filled at {:.2} M events/s",
-        if with_ids {
-            ", 16-byte external ids"
-        } else {
-            ""
-        },
+        if with_ids { ", 16-byte external ids" } else { "" },
         held as f64 / 1e6,
         empty as f64 / 1e6,
         peak as f64 / 1e6,
         fill_rate / 1e6
     );
-    (
-        (held - empty) as f64 / n as f64,
-        held as f64 / n as f64,
-        peak as f64 / n as f64,
-    )
+    ((held - empty) as f64 / n as f64, held as f64 / n as f64, peak as f64 / n as f64)
 }
 
 /// A NIXL transfer handle as far as the `nixl` profile's `[status]` reads
@@ -461,9 +432,7 @@ fn main() {
     println!();
     println!("(2) memory");
     let (per, per_all, peak) = footprint(1_000_000, false);
-    println!(
-        "  bytes per tracked request: {per:.1} (incl. fixed parts {per_all:.1}, peak {peak:.1})"
-    );
+    println!("  bytes per tracked request: {per:.1} (incl. fixed parts {per_all:.1}, peak {peak:.1})");
     let (per_ids, _, _) = footprint(1_000_000, true);
     println!("  bytes per tracked request with external ids: {per_ids:.1}");
     println!();

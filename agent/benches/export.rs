@@ -66,7 +66,9 @@ fn main() {
         assert!(full || dropped == 0, "{}: rotel did not acknowledge {dropped} of {spans} spans", protocol.as_str());
     }
 
-    println!("event-path cost per request (4 events, engine + alerts + metrics [+ export queue]), {requests} requests:");
+    println!(
+        "event-path cost per request (4 events, engine + alerts + metrics [+ export queue]), {requests} requests:"
+    );
     let off = event_path(None, requests);
     let grpc = format!("http://127.0.0.1:{}", collector.grpc);
     let on = event_path(Some(&grpc), requests);
@@ -148,7 +150,8 @@ fn throughput(protocol: Protocol, endpoint: &str, n: u64) -> (f64, u64) {
 /// Mean ns per request of the event loop's work, with export on or off.
 fn event_path(endpoint: Option<&str>, n: u64) -> Cost {
     let exporter = endpoint.map(|endpoint| exporter(Protocol::Grpc, endpoint));
-    let mut engine = Engine::new(EngineConfig { timeout_ns: 60_000_000_000, max_tracked: 1_000_000, tick_ns: 10_000_000 });
+    let mut engine =
+        Engine::new(EngineConfig { timeout_ns: 60_000_000_000, max_tracked: 1_000_000, tick_ns: 10_000_000 });
     let mut alerts = AlertWriter::new(io::sink(), Format::Json, Clock::new());
     let mut metrics = Metrics::default();
     let mut reports = Vec::new();
@@ -160,9 +163,14 @@ fn event_path(endpoint: Option<&str>, n: u64) -> Cost {
         for _ in 0..chunk {
             *id += 1;
             let ts = 1_000_000 + *id * 4_000;
-            for (i, stage) in [Stage::Enqueued, Stage::TransferPosted, Stage::TransferDone, Stage::Released].into_iter().enumerate() {
+            for (i, stage) in
+                [Stage::Enqueued, Stage::TransferPosted, Stage::TransferDone, Stage::Released].into_iter().enumerate()
+            {
                 let external_id = (stage == Stage::Enqueued).then(|| format!("room-{id}").into_boxed_str());
-                engine.observe(Observation { pid: 4242, key: *id, stage, ts_ns: ts + i as u64 * 1_000, external_id, ends: false }, &mut reports);
+                engine.observe(
+                    Observation { pid: 4242, key: *id, stage, ts_ns: ts + i as u64 * 1_000, external_id, ends: false },
+                    &mut reports,
+                );
             }
             for report in reports.drain(..) {
                 alerts.report(&report, None, &[]).expect("sink");
@@ -199,7 +207,8 @@ fn event_path(endpoint: Option<&str>, n: u64) -> Cost {
 
 fn exporter(protocol: Protocol, endpoint: &str) -> OtlpExporter {
     let target = OtlpTarget { endpoint: endpoint.to_owned(), protocol, source: "bench" };
-    let exporter = OtlpExporter::start(target, "bench-host".into(), Clock::new(), ExportSettings::default()).expect("starting the exporter");
+    let exporter = OtlpExporter::start(target, "bench-host".into(), Clock::new(), ExportSettings::default())
+        .expect("starting the exporter");
     exporter.name_process(4242, "demo-prefill");
     exporter
 }
@@ -249,7 +258,12 @@ impl Rotel {
         let child = Command::new(bin)
             .arg("start")
             .args(["--exporter", "blackhole"])
-            .args(["--otlp-grpc-endpoint", &format!("127.0.0.1:{grpc}"), "--otlp-http-endpoint", &format!("127.0.0.1:{http}")])
+            .args([
+                "--otlp-grpc-endpoint",
+                &format!("127.0.0.1:{grpc}"),
+                "--otlp-http-endpoint",
+                &format!("127.0.0.1:{http}"),
+            ])
             .arg("--pid-file")
             .arg(dir.path().join("pid"))
             .arg("--log-file")

@@ -38,8 +38,10 @@ fn main() -> Result<()> {
     let smoke = support::smoke();
     let (pinned, runs) = if smoke { (SMOKE_PINNED, SMOKE_RUNS) } else { (PINNED, RUNS) };
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let demo_path = root.join(std::env::var("STALLWATCH_DEMO").unwrap_or_else(|_| "target/demo/release/demo-prefill".into()));
-    let agent_path = std::env::var_os("STALLWATCH_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_stallwatch")), PathBuf::from);
+    let demo_path =
+        root.join(std::env::var("STALLWATCH_DEMO").unwrap_or_else(|_| "target/demo/release/demo-prefill".into()));
+    let agent_path = std::env::var_os("STALLWATCH_BIN")
+        .map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_stallwatch")), PathBuf::from);
     let dir = std::env::temp_dir().join(format!("stallwatch-bench-inflight-{}", std::process::id()));
     let socket = dir.join("agent.sock");
     let bpf_dir = PathBuf::from(format!("/sys/fs/bpf/stallwatch-bench-inflight-{}", std::process::id()));
@@ -53,7 +55,9 @@ fn main() -> Result<()> {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .with_context(|| format!("starting {} (build it with `cargo run --release -p xtask -- build`)", demo_path.display()))?,
+            .with_context(|| {
+                format!("starting {} (build it with `cargo run --release -p xtask -- build`)", demo_path.display())
+            })?,
     );
     let mut demo_out = BufReader::new(demo.0.stdout.take().context("demo stdout")?).lines();
     let ready: serde_json::Value = serde_json::from_str(&demo_out.next().context("demo exited before ready")??)?;
@@ -80,13 +84,16 @@ fn main() -> Result<()> {
         writeln!(stdin, "go")?;
     }
     let started = Instant::now();
-    wait_for("the demo to pin every request", Duration::from_secs(120), || Ok(injected.load(Ordering::Relaxed) >= pinned))?;
+    wait_for("the demo to pin every request", Duration::from_secs(120), || {
+        Ok(injected.load(Ordering::Relaxed) >= pinned)
+    })?;
     let pinned_in = started.elapsed();
     // Until the agent holds all of them, every one stalled (its alerts out).
     wait_for("the agent to hold every pinned request, stalled", Duration::from_secs(120), || {
         let (out, _) = query(&agent_path, &socket, true)?;
         let answer: serde_json::Value = serde_json::from_slice(&out)?;
-        let stalled = answer["requests"].as_array().map_or(0, |rows| rows.iter().filter(|r| !r["class"].is_null()).count());
+        let stalled =
+            answer["requests"].as_array().map_or(0, |rows| rows.iter().filter(|r| !r["class"].is_null()).count());
         Ok(stalled as u64 >= pinned)
     })?;
     let logged_before = stderr.lock().map_or(0, |lines| lines.len());
@@ -129,7 +136,8 @@ fn main() -> Result<()> {
         .unwrap_or(0.0);
     let (out, _) = query(&agent_path, &socket, true)?;
     let answer: serde_json::Value = serde_json::from_slice(&out)?;
-    let still_stalled = answer["requests"].as_array().map_or(0, |rows| rows.iter().filter(|r| !r["class"].is_null()).count());
+    let still_stalled =
+        answer["requests"].as_array().map_or(0, |rows| rows.iter().filter(|r| !r["class"].is_null()).count());
     // Time for a repeated alert to show, had there been one.
     thread::sleep(Duration::from_secs(3));
     let realerted = stalled_alerts.load(Ordering::Relaxed);
@@ -139,12 +147,29 @@ fn main() -> Result<()> {
         bail!("expected at least {pinned} requests in flight, the agent answered {rows}");
     }
 
-    println!("stallwatch inflight, {rows} requests in flight ({pinned} pinned + healthy ones caught mid-flight; demo pinned them in {pinned_in:.2?})");
+    println!(
+        "stallwatch inflight, {rows} requests in flight ({pinned} pinned + healthy ones caught mid-flight; demo pinned them in {pinned_in:.2?})"
+    );
     println!("  `stallwatch inflight --json`, {runs} runs end to end (process start to exit, answer read whole):");
-    println!("    median {:>8.1} ms   p90 {:>8.1} ms   min {:>8.1} ms   max {:>8.1} ms", q(&mut json, 0.5), q(&mut json, 0.9), q(&mut json, 0.0), q(&mut json, 1.0));
-    println!("    response {:.1} MB ({bytes} bytes, {:.0} bytes a request)", bytes as f64 / 1e6, bytes as f64 / rows.max(1) as f64);
+    println!(
+        "    median {:>8.1} ms   p90 {:>8.1} ms   min {:>8.1} ms   max {:>8.1} ms",
+        q(&mut json, 0.5),
+        q(&mut json, 0.9),
+        q(&mut json, 0.0),
+        q(&mut json, 1.0)
+    );
+    println!(
+        "    response {:.1} MB ({bytes} bytes, {:.0} bytes a request)",
+        bytes as f64 / 1e6,
+        bytes as f64 / rows.max(1) as f64
+    );
     println!("  `stallwatch inflight` (table), {runs} runs:");
-    println!("    median {:>8.1} ms   p90 {:>8.1} ms   output {:.1} MB", q(&mut table, 0.5), q(&mut table, 0.9), table_bytes as f64 / 1e6);
+    println!(
+        "    median {:>8.1} ms   p90 {:>8.1} ms   output {:.1} MB",
+        q(&mut table, 0.5),
+        q(&mut table, 0.9),
+        table_bytes as f64 / 1e6
+    );
     println!(
         "  restart: a second agent, after a SIGKILL, took over {taken:.0} requests in {:.0} ms (start to ready); \
          {still_stalled} still shown stalled, {realerted} stalls reported again",
@@ -159,7 +184,9 @@ fn main() -> Result<()> {
         );
     }
     if smoke && ((taken as u64) < pinned || realerted > 0) {
-        bail!("the take-over kept {taken:.0} of {pinned} pinned requests and reported {realerted} stalls again (expected all, none)");
+        bail!(
+            "the take-over kept {taken:.0} of {pinned} pinned requests and reported {realerted} stalls again (expected all, none)"
+        );
     }
     Ok(())
 }

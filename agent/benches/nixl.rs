@@ -39,7 +39,12 @@ fn run(size: u64, count: u64, config: &Config, profile: &Profile) -> Result<Run>
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .with_context(|| format!("starting the NIXL driver with {} (run `cargo run --release -p xtask -- setup --python`)", python.display()))?;
+        .with_context(|| {
+            format!(
+                "starting the NIXL driver with {} (run `cargo run --release -p xtask -- setup --python`)",
+                python.display()
+            )
+        })?;
     let mut stdin = child.stdin.take().context("driver stdin")?;
     let mut lines = BufReader::new(child.stdout.take().context("driver stdout")?).lines();
     let ready: serde_json::Value = serde_json::from_str(&lines.next().context("driver exited before ready")??)?;
@@ -92,14 +97,20 @@ fn main() -> Result<()> {
     support::require_root("the NIXL benchmark")?;
     let full = !support::smoke();
     if !support::venv_python().exists() {
-        bail!("no NIXL venv at {}: run `cargo run --release -p xtask -- setup --python`", support::venv_python().display());
+        bail!(
+            "no NIXL venv at {}: run `cargo run --release -p xtask -- setup --python`",
+            support::venv_python().display()
+        );
     }
     let profile = Profile::load("nixl")?;
     let columns = support::columns(full)?;
     // Five: the host's run-to-run spread at 4 KiB is several tenths.
     let runs = if full { 5 } else { 1 };
-    let sizes: &[(&str, u64, u64)] =
-        if full { &[("4 KiB x 5000", 4096, 5000), ("64 MiB x 40", 64 << 20, 40)] } else { &[("4 KiB x 200", 4096, 200)] };
+    let sizes: &[(&str, u64, u64)] = if full {
+        &[("4 KiB x 5000", 4096, 5000), ("64 MiB x 40", 64 << 20, 40)]
+    } else {
+        &[("4 KiB x 200", 4096, 200)]
+    };
     let smoke = if full { "" } else { " [smoke run: too short for meaningful figures]" };
     println!(
         "NIXL healthy WRITEs, {runs} interleaved runs, each configuration against the off run beside it, median and range \

@@ -44,11 +44,15 @@ type Lines = Arc<Mutex<Vec<(Instant, std::time::SystemTime, serde_json::Value)>>
 fn main() -> Result<()> {
     support::require_root("the soak benchmark")?;
     let smoke = support::smoke();
-    let secs: u64 = if smoke { 25 } else { std::env::var("STALLWATCH_SOAK_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(600) };
+    let secs: u64 =
+        if smoke { 25 } else { std::env::var("STALLWATCH_SOAK_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(600) };
     let root = support::root();
-    let demo = root.join(std::env::var("STALLWATCH_DEMO").unwrap_or_else(|_| "target/demo/release/demo-prefill".into()));
+    let demo =
+        root.join(std::env::var("STALLWATCH_DEMO").unwrap_or_else(|_| "target/demo/release/demo-prefill".into()));
     let agent_bin = support::agent_bin();
-    let rotel = rotel_bin().context("no rotel-agent under the venv (STALLWATCH_VENV): run `cargo run --release -p xtask -- setup --python`")?;
+    let rotel = rotel_bin().context(
+        "no rotel-agent under the venv (STALLWATCH_VENV): run `cargo run --release -p xtask -- setup --python`",
+    )?;
     let mut rng = Rng(0x5eed_50a4 ^ u64::from(std::process::id()));
     let tag = format!("stallwatch-bench-soak-{}", std::process::id());
     let bpf_dir = PathBuf::from("/sys/fs/bpf").join(&tag);
@@ -63,7 +67,12 @@ fn main() -> Result<()> {
     let room = format!("soak-{}", std::process::id());
     let agent = Command::new(&agent_bin)
         .args(["run", "--exe", "demo-prefill", "--cmdline", &room, "--profile", "demo", "--output", "json"])
-        .args(["--timeout", &format!("{}s", TIMEOUT.as_secs()), "--otlp-endpoint", &format!("http://127.0.0.1:{otlp_port}")])
+        .args([
+            "--timeout",
+            &format!("{}s", TIMEOUT.as_secs()),
+            "--otlp-endpoint",
+            &format!("http://127.0.0.1:{otlp_port}"),
+        ])
         .arg("--bpf-dir")
         .arg(&bpf_dir)
         .arg("--socket")
@@ -80,7 +89,8 @@ fn main() -> Result<()> {
 
     let start = Instant::now();
     let end = start + Duration::from_secs(secs);
-    let mut healthy = Killed(spawn_demo(&demo, &room, &["--rate", &RATE.to_string(), "--duration", &format!("{}s", secs + 30)])?);
+    let mut healthy =
+        Killed(spawn_demo(&demo, &room, &["--rate", &RATE.to_string(), "--duration", &format!("{}s", secs + 30)])?);
     let _healthy_lines = read_lines(healthy.0.stdout.take().context("demo stdout")?);
     // Pinned demos: their lines (for the `injected` ones) and processes.
     let mut pinned_demos: Vec<(Killed, Lines)> = Vec::new();
@@ -141,7 +151,11 @@ fn main() -> Result<()> {
     if let Some(status) = agent.0.try_wait().context("waiting for the agent")? {
         let log_text = std::fs::read_to_string(&log).unwrap_or_default();
         let tail: Vec<&str> = log_text.lines().rev().take(20).collect();
-        bail!("the agent exited on its own ({status}) before the soak ended; the end of its log ({}):\n{}", log.display(), tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+        bail!(
+            "the agent exited on its own ({status}) before the soak ended; the end of its log ({}):\n{}",
+            log.display(),
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
     }
     signal(agent_pid, libc::SIGINT);
     let exited = wait_exit(&mut agent.0, Duration::from_secs(30));
@@ -206,14 +220,24 @@ fn main() -> Result<()> {
         .count();
     let distinct: HashSet<_> = reported.keys().collect();
 
-    println!("soak: {secs} s, healthy demo at {RATE}/s, {} pinned demos, timeout {}s", pinned_demos.len(), TIMEOUT.as_secs());
+    println!(
+        "soak: {secs} s, healthy demo at {RATE}/s, {} pinned demos, timeout {}s",
+        pinned_demos.len(),
+        TIMEOUT.as_secs()
+    );
     println!(
         "  agent pauses     {} (0.5-10 s), {:.1} s paused in all: {:?}",
         pauses.len(),
         paused_total.as_secs_f64(),
-        pauses.iter().map(|(at, d): &(Duration, Duration)| format!("{}s+{:.1}s", at.as_secs(), d.as_secs_f64())).collect::<Vec<_>>()
+        pauses
+            .iter()
+            .map(|(at, d): &(Duration, Duration)| format!("{}s+{:.1}s", at.as_secs(), d.as_secs_f64()))
+            .collect::<Vec<_>>()
     );
-    println!("  stalls injected  {} (and {before_attach} pinned before the agent had attached to their demo: no probe saw them)", injected.len());
+    println!(
+        "  stalls injected  {} (and {before_attach} pinned before the agent had attached to their demo: no probe saw them)",
+        injected.len()
+    );
     println!(
         "  reported         {} (missed {}, invented {}, late past timeout + 1 s {late}, of which {late_in_pause} came due in a pause)",
         distinct.len(),
@@ -235,7 +259,12 @@ fn main() -> Result<()> {
         }
     }
     for id in &missed {
-        println!("  missed           pid {} key {} pinned at {:.1}s", id.0, id.1, injected[*id].duration_since(start).as_secs_f64());
+        println!(
+            "  missed           pid {} key {} pinned at {:.1}s",
+            id.0,
+            id.1,
+            injected[*id].duration_since(start).as_secs_f64()
+        );
     }
     println!(
         "  events           lost {} (ringbuf_full {}), resyncs {}, taken over {}, ended unseen {}, duplicate_events {}, caught_up_repeats {}",
@@ -247,14 +276,21 @@ fn main() -> Result<()> {
         summary["duplicate_events"],
         summary["caught_up_repeats"]
     );
-    println!("  requests         seen {}, completed {}, export_drops {}", summary["seen"], summary["completed"], summary["export_drops"]);
+    println!(
+        "  requests         seen {}, completed {}, export_drops {}",
+        summary["seen"], summary["completed"], summary["export_drops"]
+    );
     println!("  agent RSS (KiB)  {}", rss.iter().map(|(t, kib)| format!("{t}s:{kib}")).collect::<Vec<_>>().join(" "));
     println!("  agent log        {}", log.display());
     if !exited {
         bail!("the agent did not exit within 30 s of SIGINT (its log: {})", log.display());
     }
     if smoke && (!missed.is_empty() || !invented.is_empty() || injected.is_empty()) {
-        bail!("soak smoke: {} injected, missed {missed:?}, invented {invented:?} (the agent's log: {})", injected.len(), log.display());
+        bail!(
+            "soak smoke: {} injected, missed {missed:?}, invented {invented:?} (the agent's log: {})",
+            injected.len(),
+            log.display()
+        );
     }
     let _ = std::fs::remove_dir_all(&bpf_dir);
     let _ = std::fs::remove_dir_all(&socket_dir);

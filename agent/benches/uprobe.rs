@@ -67,7 +67,9 @@ impl Demo {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .with_context(|| format!("starting {} (build it with `cargo run --release -p xtask -- build`)", path.display()))?;
+            .with_context(|| {
+                format!("starting {} (build it with `cargo run --release -p xtask -- build`)", path.display())
+            })?;
         let stdin = child.stdin.take().context("demo stdin")?;
         let mut stdout = BufReader::new(child.stdout.take().context("demo stdout")?).lines();
         stdout.next().context("demo exited before ready")??;
@@ -189,7 +191,9 @@ fn per_call(columns: &[(&str, Config)], rounds: usize, scale: u64) -> Result<()>
     for name in &names[2..] {
         print!(" {:>14}", format!("{name}/empty"));
     }
-    if let (Some(sw), Some(bt)) = (names.iter().position(|n| *n == "stallwatch"), names.iter().position(|n| *n == "bpftrace")) {
+    if let (Some(sw), Some(bt)) =
+        (names.iter().position(|n| *n == "stallwatch"), names.iter().position(|n| *n == "bpftrace"))
+    {
         print!(" {:>14}", format!("{}/{}", names[sw], names[bt]));
     }
     if names.contains(&"baseline") {
@@ -234,7 +238,8 @@ fn agent_cpu(columns: &[(&str, Config)], full: bool) -> Result<()> {
     );
     // `--rate` far above what one core can do: as fast as it goes.
     for (label, rate) in [("default", 2000), ("highest", 10_000_000)] {
-        for (name, config) in columns.iter().filter(|(_, config)| matches!(config, Config::Bpftrace | Config::Agent(_))) {
+        for (name, config) in columns.iter().filter(|(_, config)| matches!(config, Config::Bpftrace | Config::Agent(_)))
+        {
             let mut demo = Demo::start(&["--rate", &rate.to_string(), "--duration", &format!("{seconds}s")])?;
             let watching = Watching::start(config, demo.pid(), &profile)?;
             let watcher = watching.pid().context("a watcher has a pid")?;

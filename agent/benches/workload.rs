@@ -72,11 +72,8 @@ fn serve(body: String) -> Result<u16> {
             while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
                 line.clear();
             }
-            let _ = write!(
-                stream,
-                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
+            let _ =
+                write!(stream, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
         }
     });
     Ok(port)
@@ -91,34 +88,20 @@ fn rss_bytes() -> Result<u64> {
 
 fn main() -> Result<()> {
     let smoke = smoke();
-    let (pods, series, renders) = if smoke {
-        (SMOKE_PODS, SMOKE_SERIES, SMOKE_RENDERS)
-    } else {
-        (PODS, SERIES, RENDERS)
-    };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
+    let (pods, series, renders) =
+        if smoke { (SMOKE_PODS, SMOKE_SERIES, SMOKE_RENDERS) } else { (PODS, SERIES, RENDERS) };
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
 
     // Pods: one list, indexed; then every container found from the cache.
     let body = pod_list(pods);
     let port = serve(body.clone())?;
-    let source = Source::parse(
-        &format!("http://127.0.0.1:{port}"),
-        Some("gpu-node-1".into()),
-    )?;
+    let source = Source::parse(&format!("http://127.0.0.1:{port}"), Some("gpu-node-1".into()))?;
     let directory = Directory::new(source.clone())?;
-    let ids = |n: usize| Workload {
-        container_id: Some(container_id(n)),
-        ..Workload::default()
-    };
+    let ids = |n: usize| Workload { container_id: Some(container_id(n)), ..Workload::default() };
     let started = Instant::now();
     let first = runtime.block_on(directory.lookup(ids(0)));
     let list = started.elapsed();
-    ensure!(
-        first.pod.as_deref() == Some("prefill-7d9f8-00000"),
-        "the first container's pod: {first:?}"
-    );
+    ensure!(first.pod.as_deref() == Some("prefill-7d9f8-00000"), "the first container's pod: {first:?}");
     // Memory: the RSS growth of COPIES more directories each holding the
     // whole list, divided by COPIES (one list's transient parse reuses the
     // memory the last one freed, so one alone would show nothing).
@@ -127,10 +110,7 @@ fn main() -> Result<()> {
     let mut copies = Vec::with_capacity(COPIES);
     for _ in 0..COPIES {
         let copy = Directory::new(source.clone())?;
-        ensure!(
-            runtime.block_on(copy.lookup(ids(1))).pod.is_some(),
-            "a copy found its pod"
-        );
+        ensure!(runtime.block_on(copy.lookup(ids(1))).pod.is_some(), "a copy found its pod");
         copies.push(copy);
     }
     let after = rss_bytes()?;
@@ -141,23 +121,11 @@ fn main() -> Result<()> {
         found += usize::from(runtime.block_on(directory.lookup(ids(n))).pod.is_some());
     }
     let lookups = started.elapsed();
-    ensure!(
-        found == 2 * pods,
-        "{found} of {} containers found",
-        2 * pods
-    );
-    ensure!(
-        directory.lists() == 1,
-        "one list for every lookup, not {}",
-        directory.lists()
-    );
+    ensure!(found == 2 * pods, "{found} of {} containers found", 2 * pods);
+    ensure!(directory.lists() == 1, "one list for every lookup, not {}", directory.lists());
 
     // A scrape with `series` per-workload series.
-    let engine = Engine::new(EngineConfig {
-        timeout_ns: 1_000_000_000,
-        max_tracked: 16,
-        tick_ns: 10_000_000,
-    });
+    let engine = Engine::new(EngineConfig { timeout_ns: 1_000_000_000, max_tracked: 16, tick_ns: 10_000_000 });
     let workloads: Vec<metrics::WorkloadStalled> = (0..series)
         .map(|n| {
             let w = Workload {
@@ -180,10 +148,7 @@ fn main() -> Result<()> {
         times.push(started.elapsed());
         bytes = text.len();
         ensure!(
-            text.lines()
-                .filter(|l| l.starts_with("stallwatch_workload_requests_stalled{"))
-                .count()
-                == series,
+            text.lines().filter(|l| l.starts_with("stallwatch_workload_requests_stalled{")).count() == series,
             "every per-workload series rendered"
         );
     }
@@ -191,22 +156,14 @@ fn main() -> Result<()> {
     let median = times[times.len() / 2];
 
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    println!(
-        "workload identity ({pods} pods, {} containers, PodList {} KiB):",
-        2 * pods,
-        body.len() / 1024
-    );
+    println!("workload identity ({pods} pods, {} containers, PodList {} KiB):", 2 * pods, body.len() / 1024);
     println!("  list + index over loopback HTTP: {:.1} ms", ms(list));
     println!(
         "  resident memory of the cached metadata: {:.2} MiB ({} bytes per pod; RSS growth of {COPIES} copies / {COPIES})",
         cached as f64 / (1 << 20) as f64,
         cached / pods as u64
     );
-    println!(
-        "  cached lookup: {:.2} us each ({} lookups)",
-        lookups.as_secs_f64() * 1e6 / (2 * pods) as f64,
-        2 * pods
-    );
+    println!("  cached lookup: {:.2} us each ({} lookups)", lookups.as_secs_f64() * 1e6 / (2 * pods) as f64, 2 * pods);
     println!(
         "/metrics render with {series} per-workload series: median {:.2} ms of {renders} ({} KiB)",
         ms(median),

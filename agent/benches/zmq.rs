@@ -38,7 +38,12 @@ fn run(rounds: u64, profile: Option<&str>) -> Result<f64> {
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .with_context(|| format!("starting the ZMQ driver with {} (run `cargo run --release -p xtask -- setup --python`)", python.display()))?;
+        .with_context(|| {
+            format!(
+                "starting the ZMQ driver with {} (run `cargo run --release -p xtask -- setup --python`)",
+                python.display()
+            )
+        })?;
     let mut stdin = child.stdin.take().context("driver stdin")?;
     let mut lines = BufReader::new(child.stdout.take().context("driver stdout")?).lines();
     let ready: serde_json::Value = serde_json::from_str(&lines.next().context("driver exited before ready")??)?;

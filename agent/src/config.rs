@@ -21,13 +21,13 @@ use serde::{Deserialize, Deserializer, de};
 use toml::Spanned;
 
 use crate::{
+    discovery::Selector,
     export::{
         alert::Format,
         metrics,
         otlp::{OtlpOptions, Protocol},
         telemetry::TelemetryOptions,
     },
-    discovery::Selector,
     probes::{Profile, profile},
     query,
     run::{OnExit, Target},
@@ -92,12 +92,7 @@ pub struct RunSettings {
     #[arg(long, value_name = "URL", env = "STALLWATCH_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
     /// OTLP transport (default: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else http).
-    #[arg(
-        long,
-        value_enum,
-        value_name = "PROTOCOL",
-        env = "STALLWATCH_OTLP_PROTOCOL"
-    )]
+    #[arg(long, value_enum, value_name = "PROTOCOL", env = "STALLWATCH_OTLP_PROTOCOL")]
     pub otlp_protocol: Option<Protocol>,
     /// Serve Prometheus metrics at /metrics on PORT (127.0.0.1) or
     /// ADDRESS:PORT.
@@ -264,7 +259,8 @@ impl ConfigFile {
 
         for (name, duration) in [("timeout", &raw.timeout), ("tick", &raw.tick)] {
             if let Some(duration) = duration {
-                check_duration(duration.get_ref().0).map_err(|err| anyhow!("{}: {name}: {err}", at(duration.span())))?;
+                check_duration(duration.get_ref().0)
+                    .map_err(|err| anyhow!("{}: {name}: {err}", at(duration.span())))?;
             }
         }
         if let Some(timeout) = &raw.timeout {
@@ -294,18 +290,23 @@ impl ConfigFile {
             Some(dir) if Path::new(&name).is_relative() => dir.join(&name).display().to_string(),
             _ => name,
         };
-        let profile = raw.profile.map(Spanned::into_inner).map(|name| {
-            if profile::builtin_text(&name).is_some() { name } else { beside(name) }
-        });
+        let profile = raw
+            .profile
+            .map(Spanned::into_inner)
+            .map(|name| if profile::builtin_text(&name).is_some() { name } else { beside(name) });
         let socket = raw.socket.map(Spanned::into_inner).map(|socket| PathBuf::from(beside(socket)));
         let bpf_dir = raw.bpf_dir.map(Spanned::into_inner).map(PathBuf::from);
         if let (Some(true), Some(dir)) = (raw.ephemeral.as_ref().map(|e| *e.get_ref()), &bpf_dir) {
-            bail!("config file {origin}: both `bpf_dir = {:?}` and `ephemeral = true`: give one", dir.display().to_string());
+            bail!(
+                "config file {origin}: both `bpf_dir = {:?}` and `ephemeral = true`: give one",
+                dir.display().to_string()
+            );
         }
         let select = raw.select.unwrap_or_default();
         if let Some(pattern) = &select.cmdline {
-            regex::Regex::new(pattern.get_ref())
-                .map_err(|err| anyhow!("{}: [select] cmdline is not a valid regular expression: {err}", at(pattern.span())))?;
+            regex::Regex::new(pattern.get_ref()).map_err(|err| {
+                anyhow!("{}: [select] cmdline is not a valid regular expression: {err}", at(pattern.span()))
+            })?;
         }
         if let Some(kubernetes) = &raw.kubernetes {
             workload::Source::parse(kubernetes.get_ref(), None)
@@ -347,10 +348,7 @@ impl ConfigFile {
         };
         let s = &flags.over(file.map(|file| file.settings).unwrap_or_default());
         if s.ephemeral && s.bpf_dir.is_some() {
-            bail!(
-                "{}",
-                from("both a bpf_dir and ephemeral: pin the state in one directory, or nowhere")
-            );
+            bail!("{}", from("both a bpf_dir and ephemeral: pin the state in one directory, or nowhere"));
         }
         let tick = s.tick.unwrap_or(DEFAULT_TICK);
         if let Some(timeout) = s.timeout.filter(|&timeout| timeout < tick) {
@@ -366,12 +364,7 @@ impl ConfigFile {
         let profile = match &s.profile {
             Some(spec) => {
                 let loaded = Profile::load(spec).with_context(|| from("profile"))?;
-                format!(
-                    "{} ({}, {} probes)",
-                    spec,
-                    loaded.origin,
-                    loaded.probes.len()
-                )
+                format!("{} ({}, {} probes)", spec, loaded.origin, loaded.probes.len())
             }
             None => "not set: pass --profile at run time".to_owned(),
         };
@@ -381,23 +374,14 @@ impl ConfigFile {
             .collect::<Vec<_>>();
         let pid = match (s.pid, selector.is_empty()) {
             (Some(pid), true) => pid.to_string(),
-            (Some(_), false) => bail!(
-                "{}",
-                from("both a pid and a process selector: give one or the other")
-            ),
+            (Some(_), false) => bail!("{}", from("both a pid and a process selector: give one or the other")),
             (None, false) => format!("every process matching {}", selector.join(" ")),
             (None, true) => "not set: pass --pid or a selector at run time".to_owned(),
         };
-        let or_default = |value: Option<String>, default: String| {
-            value.unwrap_or_else(|| format!("{default} (default)"))
-        };
+        let or_default =
+            |value: Option<String>, default: String| value.unwrap_or_else(|| format!("{default} (default)"));
         // The environment too, as `run` reads it.
-        let otlp = match (OtlpOptions {
-            endpoint: s.otlp_endpoint.clone(),
-            protocol: s.otlp_protocol,
-        })
-        .resolve()
-        {
+        let otlp = match (OtlpOptions { endpoint: s.otlp_endpoint.clone(), protocol: s.otlp_protocol }).resolve() {
             Ok(Some(t)) => format!("{} ({}, from {})", t.endpoint, t.protocol, t.source),
             Ok(None) => match crate::export::otlp::sampling::disabled_by(&|name: &str| std::env::var(name).ok()) {
                 Ok(Some(why)) => format!("off ({why})"),
@@ -425,13 +409,8 @@ impl ConfigFile {
                 )
                 .map_err(|err| anyhow!("{}", from(&format!("{err:#}"))))?
                 {
-                    workload::Source::Off => {
-                        "off (a process in a container is named by its container id)".to_owned()
-                    }
-                    workload::Source::Api {
-                        base,
-                        node: Some(node),
-                    } => format!("{base} (pods of node {node})"),
+                    workload::Source::Off => "off (a process in a container is named by its container id)".to_owned(),
+                    workload::Source::Api { base, node: Some(node) } => format!("{base} (pods of node {node})"),
                     workload::Source::Api { base, node: None } => {
                         format!("{base} (every pod: K8S_NODE_NAME is not set)")
                     }
@@ -532,10 +511,14 @@ impl<'de> Deserialize<'de> for Dur {
                 })
             }
             fn visit_i64<E: de::Error>(self, n: i64) -> Result<Dur, E> {
-                Err(E::custom(format!("a bare number ({n}) has no unit: write the duration as a string, e.g. \"{n}s\"")))
+                Err(E::custom(format!(
+                    "a bare number ({n}) has no unit: write the duration as a string, e.g. \"{n}s\""
+                )))
             }
             fn visit_f64<E: de::Error>(self, n: f64) -> Result<Dur, E> {
-                Err(E::custom(format!("a bare number ({n}) has no unit: write the duration as a string, e.g. \"{n}s\"")))
+                Err(E::custom(format!(
+                    "a bare number ({n}) has no unit: write the duration as a string, e.g. \"{n}s\""
+                )))
             }
         }
         deserializer.deserialize_any(Visitor)
@@ -549,7 +532,8 @@ const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 /// `--timeout` and `--tick`: a duration the timers can run on. Zero would
 /// stop them (a zero period is a panic in the timer, after attaching).
 fn parse_duration(text: &str) -> Result<Duration, String> {
-    let duration = humantime::parse_duration(text.trim()).map_err(|err| format!("{text:?} is not a duration ({err}): write it like 60s, 500ms or 2m"))?;
+    let duration = humantime::parse_duration(text.trim())
+        .map_err(|err| format!("{text:?} is not a duration ({err}): write it like 60s, 500ms or 2m"))?;
     check_duration(duration)?;
     Ok(duration)
 }
@@ -557,17 +541,27 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 /// A duration is more than zero and at most [`MAX_DURATION`].
 fn check_duration(duration: Duration) -> Result<(), String> {
     if duration.is_zero() {
-        return Err("a zero duration would stop the timers: give a positive one (e.g. 10ms for the tick, 60s for the timeout)".to_owned());
+        return Err(
+            "a zero duration would stop the timers: give a positive one (e.g. 10ms for the tick, 60s for the timeout)"
+                .to_owned(),
+        );
     }
     if duration > MAX_DURATION {
-        return Err(format!("{} is longer than the longest taken, {}", humantime::format_duration(duration), humantime::format_duration(MAX_DURATION)));
+        return Err(format!(
+            "{} is longer than the longest taken, {}",
+            humantime::format_duration(duration),
+            humantime::format_duration(MAX_DURATION)
+        ));
     }
     Ok(())
 }
 
 /// `--pid`: a process id, as the kernel gives them (1 and up).
 fn parse_pid(text: &str) -> Result<u32, String> {
-    let n = text.trim().parse::<i64>().map_err(|_| format!("{text:?} is not a process id: give the number `ps` or `pgrep` shows"))?;
+    let n = text
+        .trim()
+        .parse::<i64>()
+        .map_err(|_| format!("{text:?} is not a process id: give the number `ps` or `pgrep` shows"))?;
     check_pid(n)
 }
 
@@ -778,14 +772,16 @@ addr = "0.0.0.0:9464"
 
     #[test]
     fn a_select_table_watches_every_matching_process() {
-        let settings = parse("profile = \"nixl\"\n[select]\nlib = \"libnixl.so\"\ncmdline = \"sglang\"\n").expect("valid");
+        let settings =
+            parse("profile = \"nixl\"\n[select]\nlib = \"libnixl.so\"\ncmdline = \"sglang\"\n").expect("valid");
         assert_eq!(settings.lib.as_deref(), Some("libnixl.so"));
         let config = settings.finish().expect("complete");
         let Target::Select(selector) = config.target else { panic!("a selector") };
         assert_eq!(selector.describe(), "lib=libnixl.so cmdline=/sglang/");
         let err = error("profile = \"nixl\"\n\n[select]\ncmdline = \"(\"\n");
         assert!(err.contains("line 4") && err.contains("not a valid regular expression"), "{err}");
-        let both = RunSettings { pid: Some(1), exe: Some("x".into()), profile: Some("demo".into()), ..Default::default() };
+        let both =
+            RunSettings { pid: Some(1), exe: Some("x".into()), profile: Some("demo".into()), ..Default::default() };
         assert!(format!("{:#}", both.finish().expect_err("both")).contains("not both"));
         // A --pid flag replaces the file's [select]: on call, one process.
         let file = parse("profile = \"nixl\"\n[select]\nlib = \"libnixl.so\"\n").expect("valid");
@@ -795,7 +791,10 @@ addr = "0.0.0.0:9464"
 
     #[test]
     fn pid_and_profile_must_come_from_somewhere() {
-        let err = format!("{:#}", RunSettings { profile: Some("demo".into()), ..Default::default() }.finish().expect_err("no pid"));
+        let err = format!(
+            "{:#}",
+            RunSettings { profile: Some("demo".into()), ..Default::default() }.finish().expect_err("no pid")
+        );
         assert!(err.contains("pass --pid PID, or a selector"), "{err}");
         let err = format!("{:#}", RunSettings { pid: Some(1), ..Default::default() }.finish().expect_err("no profile"));
         assert!(err.contains("pass --profile"), "{err}");
@@ -882,7 +881,10 @@ addr = "0.0.0.0:9464"
 
     #[test]
     fn relative_paths_are_beside_the_config_file() {
-        assert_eq!(parse("profile = \"custom.toml\"").expect("valid").profile.as_deref(), Some("/etc/stallwatch/custom.toml"));
+        assert_eq!(
+            parse("profile = \"custom.toml\"").expect("valid").profile.as_deref(),
+            Some("/etc/stallwatch/custom.toml")
+        );
         assert_eq!(parse("profile = \"/opt/p.toml\"").expect("valid").profile.as_deref(), Some("/opt/p.toml"));
         assert_eq!(parse("profile = \"nixl\"").expect("valid").profile.as_deref(), Some("nixl"));
         let bare = ConfigFile::parse("profile = \"p.toml\"", Path::new("config.toml")).expect("valid");
@@ -903,25 +905,17 @@ addr = "0.0.0.0:9464"
         assert!(out.contains("timeout      2s\n"), "{out}");
         assert!(out.contains("tick         10ms (default)"), "{out}");
         std::fs::write(&path, "profile = \"missing.toml\"\n").expect("write");
-        let err = format!(
-            "{:#}",
-            ConfigFile::check(Some(&path), RunSettings::default()).expect_err("no such profile")
-        );
-        assert!(
-            err.contains("config file") && err.contains("missing.toml"),
-            "{err}"
-        );
+        let err = format!("{:#}", ConfigFile::check(Some(&path), RunSettings::default()).expect_err("no such profile"));
+        assert!(err.contains("config file") && err.contains("missing.toml"), "{err}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn the_shipped_example_config_is_valid() {
-        let settings = ConfigFile::parse(
-            include_str!("../deploy/base/config.toml"),
-            Path::new("/etc/stallwatch/config.toml"),
-        )
-        .expect("agent/deploy/base/config.toml parses")
-        .settings;
+        let settings =
+            ConfigFile::parse(include_str!("../deploy/base/config.toml"), Path::new("/etc/stallwatch/config.toml"))
+                .expect("agent/deploy/base/config.toml parses")
+                .settings;
         assert!(settings.profile.is_some(), "the example names a profile");
     }
 
@@ -929,7 +923,10 @@ addr = "0.0.0.0:9464"
     fn the_daemonset_sets_every_variable_the_otlp_resource_reads() {
         let manifest = include_str!("../deploy/base/daemonset.yaml");
         for (attribute, var) in crate::export::otlp::config::K8S_ENV {
-            assert!(manifest.contains(&format!("name: {var}\n")), "daemonset.yaml does not set {var} (for {attribute})");
+            assert!(
+                manifest.contains(&format!("name: {var}\n")),
+                "daemonset.yaml does not set {var} (for {attribute})"
+            );
         }
     }
 }

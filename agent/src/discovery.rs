@@ -32,9 +32,16 @@ pub struct Selector {
 }
 
 impl Selector {
-    pub fn new(exe: Option<String>, lib: Option<String>, cmdline: Option<&str>, cgroup: Option<String>) -> Result<Self> {
+    pub fn new(
+        exe: Option<String>,
+        lib: Option<String>,
+        cmdline: Option<&str>,
+        cgroup: Option<String>,
+    ) -> Result<Self> {
         let cmdline = cmdline
-            .map(|pattern| Regex::new(pattern).with_context(|| format!("--cmdline `{pattern}` is not a valid regular expression")))
+            .map(|pattern| {
+                Regex::new(pattern).with_context(|| format!("--cmdline `{pattern}` is not a valid regular expression"))
+            })
             .transpose()?;
         let selector = Self { exe, lib, cmdline, cgroup };
         if selector.is_empty() {
@@ -110,11 +117,7 @@ impl Selector {
 
 fn exe_matches(path: &Path, exe: &str) -> bool {
     let path = PathBuf::from(path.to_string_lossy().trim_end_matches(" (deleted)"));
-    if exe.contains('/') {
-        path == Path::new(exe)
-    } else {
-        path.file_name().is_some_and(|name| name == exe)
-    }
+    if exe.contains('/') { path == Path::new(exe) } else { path.file_name().is_some_and(|name| name == exe) }
 }
 
 fn join_cmdline(raw: &[u8]) -> String {

@@ -117,7 +117,14 @@ pub struct Report {
 impl Report {
     fn new(kernel: String, arch: String, checks: Vec<Check>) -> Self {
         let failed_required: Vec<_> = checks.iter().filter(|c| c.failed()).map(|c| c.name).collect();
-        Self { ok: failed_required.is_empty(), kernel, arch, version: env!("CARGO_PKG_VERSION"), failed_required, checks }
+        Self {
+            ok: failed_required.is_empty(),
+            kernel,
+            arch,
+            version: env!("CARGO_PKG_VERSION"),
+            failed_required,
+            checks,
+        }
     }
 
     pub fn check(&self, name: &str) -> Option<&Check> {
@@ -247,11 +254,9 @@ fn kernel_check(release: &str, version: Option<KernelVersion>) -> Check {
         "BPF ring buffers (5.8), uprobe attach cookies (5.15), non-preallocated hash maps safe in uprobe programs (6.1); the ringbuf, ebpf_load and uprobe_attach checks are the real test",
     );
     match version {
-        Some(v) if v >= MIN_KERNEL => {
-            check.ok(format!(
-                "Linux {release}: {MIN_KERNEL}+ has BPF ring buffers, uprobe attach cookies and the BPF memory allocator"
-            ))
-        }
+        Some(v) if v >= MIN_KERNEL => check.ok(format!(
+            "Linux {release}: {MIN_KERNEL}+ has BPF ring buffers, uprobe attach cookies and the BPF memory allocator"
+        )),
         Some(v) => check.warning(
             format!(
                 "Linux {v} is older than {MIN_KERNEL}: BPF ring buffers need 5.8, uprobe attach cookies 5.15, and the \
@@ -336,7 +341,8 @@ pub fn require_privileges() -> anyhow::Result<()> {
 }
 
 fn read_caps() -> Result<Caps, String> {
-    let status = std::fs::read_to_string("/proc/self/status").map_err(|err| format!("reading /proc/self/status: {err}"))?;
+    let status =
+        std::fs::read_to_string("/proc/self/status").map_err(|err| format!("reading /proc/self/status: {err}"))?;
     Caps::effective_from_status(&status).ok_or_else(|| "no CapEff line in /proc/self/status".to_owned())
 }
 
@@ -358,13 +364,11 @@ const CONTAINER_CAPS: &str = "in a container: `securityContext: {privileged: tru
                               seccomp profile (agent/deploy/components/capabilities)";
 
 pub fn privileges_check(euid: u32, caps: Option<Caps>, cap_last: Option<u32>, error: Option<&String>) -> Check {
-    let check = Check::new("privileges", true, "loading eBPF programs (bpf(2)) and attaching uprobes (perf_event_open(2))");
+    let check =
+        Check::new("privileges", true, "loading eBPF programs (bpf(2)) and attaching uprobes (perf_event_open(2))");
     let Some(caps) = caps else {
         return check.missing(
-            format!(
-                "euid {euid}; cannot read the capabilities: {}",
-                error.map_or("unknown error", String::as_str)
-            ),
+            format!("euid {euid}; cannot read the capabilities: {}", error.map_or("unknown error", String::as_str)),
             format!("run as root with CAP_BPF and CAP_SYS_ADMIN; {CONTAINER_CAPS}"),
         );
     };
@@ -485,7 +489,9 @@ pub fn memlock_check(limit: io::Result<Memlock>, kernel: Option<KernelVersion>, 
     let check = Check::new("memlock", false, "BPF map memory on kernels before 5.11 (charged to RLIMIT_MEMLOCK)");
     let limit = match limit {
         Ok(limit) => limit,
-        Err(err) => return check.warning(format!("getrlimit(RLIMIT_MEMLOCK): {err}"), "run `ulimit -l` to see the limit"),
+        Err(err) => {
+            return check.warning(format!("getrlimit(RLIMIT_MEMLOCK): {err}"), "run `ulimit -l` to see the limit");
+        }
     };
     let text = format!("RLIMIT_MEMLOCK soft {} / hard {}", bytes(limit.soft), bytes(limit.hard));
     if kernel.is_some_and(|v| v >= MEMCG_ACCOUNTING) {
@@ -536,17 +542,17 @@ pub fn uprobe_pmu_check(dir: &Path) -> Check {
     let pmu = match std::fs::read_to_string(&type_path) {
         Ok(text) => match text.trim().parse::<u32>() {
             Ok(pmu) => pmu,
-            Err(_) => return check.missing(format!("{} says {:?}, not a PMU type", type_path.display(), text.trim()), fix),
+            Err(_) => {
+                return check.missing(format!("{} says {:?}, not a PMU type", type_path.display(), text.trim()), fix);
+            }
         },
         Err(err) => return check.missing(format!("no uprobe PMU: {}: {err}", type_path.display()), fix),
     };
     let retprobe_path = dir.join("format/retprobe");
     match std::fs::read_to_string(&retprobe_path) {
         Ok(format) => check.ok(format!("uprobe PMU type {pmu}, uretprobes via {}", format.trim())),
-        Err(err) => check.missing(
-            format!("uprobe PMU type {pmu} but no uretprobe bit: {}: {err}", retprobe_path.display()),
-            fix,
-        ),
+        Err(err) => check
+            .missing(format!("uprobe PMU type {pmu} but no uretprobe bit: {}: {err}", retprobe_path.display()), fix),
     }
 }
 
@@ -570,10 +576,16 @@ struct MapCreateAttr {
 fn create_ringbuf() -> io::Result<u32> {
     // SAFETY: sysconf has no preconditions.
     let page = u32::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
-    let attr = MapCreateAttr { map_type: BPF_MAP_TYPE_RINGBUF, key_size: 0, value_size: 0, max_entries: page, map_flags: 0 };
+    let attr =
+        MapCreateAttr { map_type: BPF_MAP_TYPE_RINGBUF, key_size: 0, value_size: 0, max_entries: page, map_flags: 0 };
     // SAFETY: bpf(BPF_MAP_CREATE) reads `size` bytes of the attr we own.
     let fd = unsafe {
-        libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, &attr as *const MapCreateAttr, std::mem::size_of::<MapCreateAttr>())
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_CREATE,
+            &attr as *const MapCreateAttr,
+            std::mem::size_of::<MapCreateAttr>(),
+        )
     };
     if fd < 0 {
         return Err(io::Error::last_os_error());
@@ -584,7 +596,11 @@ fn create_ringbuf() -> io::Result<u32> {
 }
 
 pub fn ringbuf_check(result: io::Result<u32>) -> Check {
-    let check = Check::new("ringbuf", true, "every lifecycle event: the kernel side hands events to the agent through a BPF ring buffer");
+    let check = Check::new(
+        "ringbuf",
+        true,
+        "every lifecycle event: the kernel side hands events to the agent through a BPF ring buffer",
+    );
     match result {
         Ok(size) => check.ok(format!("created a {} BPF_MAP_TYPE_RINGBUF", bytes(Some(u64::from(size))))),
         Err(err) => {
@@ -598,7 +614,8 @@ pub fn ringbuf_check(result: io::Result<u32>) -> Check {
                 Some(libc::EINVAL) => ("this kernel has no BPF ring buffer", "run a 5.8 or newer kernel".to_owned()),
                 Some(libc::ENOSYS) => (
                     "no bpf(2) system call",
-                    "use a kernel with CONFIG_BPF_SYSCALL=y, and allow bpf(2) in the container's seccomp profile".to_owned(),
+                    "use a kernel with CONFIG_BPF_SYSCALL=y, and allow bpf(2) in the container's seccomp profile"
+                        .to_owned(),
                 ),
                 _ => ("failed", "see the error; run as root on a 5.8+ kernel".to_owned()),
             };
@@ -642,7 +659,11 @@ pub fn file_offset_of(maps: &str, addr: u64) -> Option<(PathBuf, u64)> {
 
 /// `ebpf_load`, `uprobe_attach` and `exec_tracepoint`, on one loaded object.
 fn ebpf_checks(no_privileges: bool) -> [Check; 3] {
-    let load = Check::new("ebpf_load", true, "everything: stallwatch's eBPF object, its maps and its two programs through the verifier");
+    let load = Check::new(
+        "ebpf_load",
+        true,
+        "everything: stallwatch's eBPF object, its maps and its two programs through the verifier",
+    );
     let attach = Check::new(
         "uprobe_attach",
         true,
@@ -654,7 +675,11 @@ fn ebpf_checks(no_privileges: bool) -> [Check; 3] {
         "process discovery: `run` without --pid hears of every exec through the sched_process_exec BTF tracepoint \
          (with --pid, of the target's exec)",
     );
-    let hint = if no_privileges { "fix the privileges check first" } else { "see the error; a kernel before 5.15 lacks uprobe attach cookies" };
+    let hint = if no_privileges {
+        "fix the privileges check first"
+    } else {
+        "see the error; a kernel before 5.15 lacks uprobe attach cookies"
+    };
     let mut probes = match Probes::load(None) {
         Ok(probes) => probes,
         Err(err) => {
@@ -719,10 +744,9 @@ fn attach_to_self(probes: &mut Probes) -> Result<String> {
     }
     // The entry program alone, then both: 1 and 2 hits.
     match hits.as_slice() {
-        [entry, both] if *entry >= 1 && *both >= 2 => Ok(format!(
-            "uprobe and uretprobe attached to this process ({} at {offset:#x}) and fired",
-            file.display()
-        )),
+        [entry, both] if *entry >= 1 && *both >= 2 => {
+            Ok(format!("uprobe and uretprobe attached to this process ({} at {offset:#x}) and fired", file.display()))
+        }
         _ => Err(anyhow!(
             "attached, but the programs did not run when the function was called (hits {hits:?}, wanted [1, 2])"
         )),
@@ -757,7 +781,11 @@ fn unescape(field: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        let escaped = if bytes[i] == b'\\' { field.get(i + 1..i + 4).and_then(|oct| u8::from_str_radix(oct, 8).ok()) } else { None };
+        let escaped = if bytes[i] == b'\\' {
+            field.get(i + 1..i + 4).and_then(|oct| u8::from_str_radix(oct, 8).ok())
+        } else {
+            None
+        };
         if let Some(code) = escaped {
             out.push(code);
             i += 4;
@@ -878,7 +906,8 @@ mod tests {
         }
         assert!(!root.has(CAP_SYS_RESOURCE), "bit 24 is clear in ...fe...");
         assert!(root.has(40) && !root.has(41) && !root.has(64), "bits 0..=40 (CAP_CHECKPOINT_RESTORE is the last)");
-        let status = "Name:\tstallwatch\nCapInh:\t0000000000000000\nCapPrm:\t000001ffffffffff\nCapEff:\t000000c000000000\n";
+        let status =
+            "Name:\tstallwatch\nCapInh:\t0000000000000000\nCapPrm:\t000001ffffffffff\nCapEff:\t000000c000000000\n";
         let bpf_perf = Caps::effective_from_status(status).expect("CapEff");
         assert_eq!(bpf_perf, Caps((1 << CAP_BPF) | (1 << CAP_PERFMON)));
         assert!(bpf_perf.can_bpf() && bpf_perf.can_perf() && !bpf_perf.has(CAP_SYS_ADMIN));
@@ -887,48 +916,29 @@ mod tests {
         assert!(!Caps(1 << CAP_BPF).can_perf());
         assert_eq!(Caps::effective_from_status("CapPrm:\t0\n"), None);
         assert_eq!(Caps::parse_hex("not hex"), None);
-        assert_eq!(describe_caps(Caps(1 << CAP_BPF)), "CapEff 0000008000000000, has CAP_BPF, lacks CAP_PERFMON CAP_SYS_PTRACE CAP_SYS_ADMIN CAP_SYS_RESOURCE");
+        assert_eq!(
+            describe_caps(Caps(1 << CAP_BPF)),
+            "CapEff 0000008000000000, has CAP_BPF, lacks CAP_PERFMON CAP_SYS_PTRACE CAP_SYS_ADMIN CAP_SYS_RESOURCE"
+        );
     }
 
     #[test]
     fn privileges_need_sys_admin_for_the_uprobes() {
+        assert_eq!(privileges_check(0, Some(Caps(0x1ff_feff_ffff)), Some(40), None).status, Status::Ok);
         assert_eq!(
-            privileges_check(0, Some(Caps(0x1ff_feff_ffff)), Some(40), None).status,
-            Status::Ok
-        );
-        assert_eq!(
-            privileges_check(
-                0,
-                Some(Caps((1 << CAP_BPF) | (1 << CAP_SYS_ADMIN))),
-                Some(40),
-                None
-            )
-            .status,
+            privileges_check(0, Some(Caps((1 << CAP_BPF) | (1 << CAP_SYS_ADMIN))), Some(40), None).status,
             Status::Ok
         );
         // BPF and PERFMON load, but cannot attach a uprobe.
-        let split = privileges_check(
-            0,
-            Some(Caps((1 << CAP_BPF) | (1 << CAP_PERFMON))),
-            Some(40),
-            None,
-        );
+        let split = privileges_check(0, Some(Caps((1 << CAP_BPF) | (1 << CAP_PERFMON))), Some(40), None);
         assert!(
-            split.failed()
-                && split
-                    .fix
-                    .as_deref()
-                    .is_some_and(|f| f.contains("CAP_PERFMON is not enough")),
+            split.failed() && split.fix.as_deref().is_some_and(|f| f.contains("CAP_PERFMON is not enough")),
             "{split:?}"
         );
         let none = privileges_check(65534, Some(Caps(0)), Some(40), None);
         assert!(none.failed());
         assert!(none.detail.starts_with("euid 65534"), "{}", none.detail);
-        assert!(
-            none.fix
-                .as_deref()
-                .is_some_and(|f| f.contains("CAP_SYS_ADMIN (attaching uprobes"))
-        );
+        assert!(none.fix.as_deref().is_some_and(|f| f.contains("CAP_SYS_ADMIN (attaching uprobes")));
         let old = privileges_check(0, Some(Caps(1 << CAP_SYS_PTRACE)), Some(37), None);
         assert!(old.fix.as_deref().is_some_and(|f| f.contains("predates CAP_BPF")), "{old:?}");
         let unreadable = privileges_check(0, None, None, Some(&"no CapEff".to_owned()));
@@ -955,19 +965,11 @@ mod tests {
         use crate::export::clock::TimeOffsets;
         let host = time_namespace_check(TimeOffsets::default());
         assert_eq!(host.status, Status::Ok);
-        assert!(
-            host.detail.contains("no time-namespace offset"),
-            "{}",
-            host.detail
-        );
-        let behind = time_namespace_check(TimeOffsets {
-            monotonic_ns: -300_000_000_000,
-            boottime_ns: 0,
-        });
+        assert!(host.detail.contains("no time-namespace offset"), "{}", host.detail);
+        let behind = time_namespace_check(TimeOffsets { monotonic_ns: -300_000_000_000, boottime_ns: 0 });
         assert_eq!(behind.status, Status::Ok);
         assert!(
-            behind.detail.contains("offset -300.000s")
-                && behind.detail.contains("takes the offset out"),
+            behind.detail.contains("offset -300.000s") && behind.detail.contains("takes the offset out"),
             "{}",
             behind.detail
         );
@@ -980,7 +982,11 @@ mod tests {
         let old = KernelVersion::parse("5.4");
         let ok = memlock_check(low(), new, false);
         assert_eq!(ok.status, Status::Ok);
-        assert!(ok.detail.contains("soft 8.0 MiB / hard 8.0 MiB") && ok.detail.contains("memory cgroup"), "{}", ok.detail);
+        assert!(
+            ok.detail.contains("soft 8.0 MiB / hard 8.0 MiB") && ok.detail.contains("memory cgroup"),
+            "{}",
+            ok.detail
+        );
         assert_eq!(memlock_check(low(), old, false).status, Status::Warning);
         assert!(memlock_check(low(), old, true).detail.contains("raises it"));
         let unlimited = memlock_check(Ok(Memlock { soft: None, hard: None }), old, false);
@@ -1027,10 +1033,7 @@ mod tests {
                     5600a0010000-5600a0200000 r-xp 00010000 fd:00 12 /usr/local/bin/stallwatch\n\
                     7f0000000000-7f0000001000 rw-p 00000000 00:00 0 \n\
                     7f1000000000-7f1000100000 r-xp 00002000 fd:00 99 /opt/my dir/stallwatch (deleted)\n";
-        assert_eq!(
-            file_offset_of(maps, 0x5600_a001_2345),
-            Some((PathBuf::from("/usr/local/bin/stallwatch"), 0x12345))
-        );
+        assert_eq!(file_offset_of(maps, 0x5600_a001_2345), Some((PathBuf::from("/usr/local/bin/stallwatch"), 0x12345)));
         assert_eq!(file_offset_of(maps, 0x7f00_0000_0010), None, "anonymous memory");
         assert_eq!(file_offset_of(maps, 0x7f10_0000_0010), Some((PathBuf::from("/proc/self/exe"), 0x2010)));
         assert_eq!(file_offset_of(maps, 0x1), None);
@@ -1048,7 +1051,11 @@ mod tests {
         assert!(text.contains("missing   tracefs"), "{text}");
         assert!(text.contains("fix: mount -t tracefs nodev /sys/kernel/tracing"), "{text}");
         assert!(text.contains("all required checks passed; not ok but not required: tracefs"), "{text}");
-        let failed = Report::new("6.1.0".into(), "x86_64".into(), vec![ringbuf_check(Err(io::Error::from_raw_os_error(libc::EPERM))), optional]);
+        let failed = Report::new(
+            "6.1.0".into(),
+            "x86_64".into(),
+            vec![ringbuf_check(Err(io::Error::from_raw_os_error(libc::EPERM))), optional],
+        );
         assert!(!failed.ok);
         assert_eq!(failed.failed_required, ["ringbuf"]);
         let json = serde_json::to_value(&failed).expect("json");
@@ -1069,7 +1076,10 @@ mod tests {
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).expect("chmod");
         let shared = trusted_dir_check("bpf_dir", &dir.path().join("new"), "x");
         assert_eq!(shared.status, Status::Missing, "{shared:?}");
-        assert!(shared.detail.contains("(mode 0777) is writable by its group or by anyone, and not sticky"), "{shared:?}");
+        assert!(
+            shared.detail.contains("(mode 0777) is writable by its group or by anyone, and not sticky"),
+            "{shared:?}"
+        );
         assert!(shared.fix.as_deref().is_some_and(|f| f.contains("chmod go-w")), "{shared:?}");
         assert!(!shared.failed(), "not required");
     }

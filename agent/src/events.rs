@@ -22,10 +22,7 @@ pub struct EventReader {
 
 impl EventReader {
     pub fn new(probes: &mut Probes) -> Result<Self> {
-        let map = probes
-            .ebpf_mut()
-            .take_map("EVENTS")
-            .ok_or_else(|| anyhow!("the eBPF object has no map `EVENTS`"))?;
+        let map = probes.ebpf_mut().take_map("EVENTS").ok_or_else(|| anyhow!("the eBPF object has no map `EVENTS`"))?;
         let ring = RingBuf::try_from(map).context("EVENTS is not a ring buffer")?;
         Ok(Self { ring: reactor::register(ring, "the EVENTS ring buffer")? })
     }
@@ -68,7 +65,11 @@ impl Losses {
 /// A record as the kernel wrote it.
 pub fn decode(bytes: &[u8]) -> Result<Event> {
     if bytes.len() < size_of::<Event>() {
-        bail!("ring-buffer record of {} bytes, expected {}: agent and eBPF object disagree", bytes.len(), size_of::<Event>());
+        bail!(
+            "ring-buffer record of {} bytes, expected {}: agent and eBPF object disagree",
+            bytes.len(),
+            size_of::<Event>()
+        );
     }
     // SAFETY: the length is checked above and Event is plain old data that
     // any bit pattern fits; the record need not be aligned.
@@ -98,9 +99,11 @@ pub fn observe(event: &Event) -> Result<Observation> {
 /// slot at that stage and time. They come before the record itself.
 pub fn withheld(event: &Event) -> impl Iterator<Item = Event> + '_ {
     let carried = event.flags & event_flags::WITHHELD != 0 && event.flags & event_flags::HAS_EXT == 0;
-    let times = event.ext.chunks_exact(8).take(stallwatch_common::stage::LIVE).map(|bytes| {
-        u64::from_ne_bytes(bytes.try_into().unwrap_or_default())
-    });
+    let times = event
+        .ext
+        .chunks_exact(8)
+        .take(stallwatch_common::stage::LIVE)
+        .map(|bytes| u64::from_ne_bytes(bytes.try_into().unwrap_or_default()));
     let flags = event.flags & !(event_flags::WITHHELD | event_flags::ENDS);
     (0u8..).zip(times).filter(move |&(_, ts_ns)| carried && ts_ns != 0).map(move |(stage, ts_ns)| Event {
         ts_ns,
@@ -135,8 +138,18 @@ mod tests {
     use super::*;
 
     fn event(flags: u32, ext: &[u8]) -> Event {
-        let mut event =
-            Event { ts_ns: 5, key: 7, ret: 0, pid: 9, tid: 9, slot: 0, flags, stage: 0, _pad: [0; 7], ext: [0; EXT_ID_LEN] };
+        let mut event = Event {
+            ts_ns: 5,
+            key: 7,
+            ret: 0,
+            pid: 9,
+            tid: 9,
+            slot: 0,
+            flags,
+            stage: 0,
+            _pad: [0; 7],
+            ext: [0; EXT_ID_LEN],
+        };
         event.ext[..ext.len()].copy_from_slice(ext);
         event
     }
@@ -189,9 +202,7 @@ mod tests {
     fn records_round_trip() {
         let original = event(event_flags::HAS_EXT, b"room-1\0");
         // SAFETY: viewing a POD value as its bytes.
-        let bytes = unsafe {
-            std::slice::from_raw_parts((&raw const original).cast::<u8>(), size_of::<Event>())
-        };
+        let bytes = unsafe { std::slice::from_raw_parts((&raw const original).cast::<u8>(), size_of::<Event>()) };
         assert_eq!(decode(bytes).unwrap(), original);
     }
 

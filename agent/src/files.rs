@@ -18,12 +18,9 @@ pub fn read_text(path: &Path, what: &str) -> Result<String> {
 }
 
 fn read_text_within(path: &Path, what: &str, max: u64) -> Result<String> {
-    let file =
-        std::fs::File::open(path).with_context(|| format!("reading {what} {}", path.display()))?;
+    let file = std::fs::File::open(path).with_context(|| format!("reading {what} {}", path.display()))?;
     let mut bytes = Vec::new();
-    file.take(max + 1)
-        .read_to_end(&mut bytes)
-        .with_context(|| format!("reading {what} {}", path.display()))?;
+    file.take(max + 1).read_to_end(&mut bytes).with_context(|| format!("reading {what} {}", path.display()))?;
     if bytes.len() as u64 > max {
         bail!(
             "{what} {} holds more than {} KiB (or never ends, as a device such as /dev/zero does): a {what} is a small \
@@ -32,12 +29,7 @@ fn read_text_within(path: &Path, what: &str, max: u64) -> Result<String> {
             max / 1024
         );
     }
-    String::from_utf8(bytes).with_context(|| {
-        format!(
-            "{what} {} is not UTF-8 text: check the path",
-            path.display()
-        )
-    })
+    String::from_utf8(bytes).with_context(|| format!("{what} {} is not UTF-8 text: check the path", path.display()))
 }
 
 #[cfg(test)]
@@ -46,35 +38,17 @@ mod tests {
 
     #[test]
     fn an_endless_or_oversized_file_is_refused_without_reading_it_all() {
-        let err = read_text(Path::new("/dev/zero"), "profile file")
-            .unwrap_err()
-            .to_string();
+        let err = read_text(Path::new("/dev/zero"), "profile file").unwrap_err().to_string();
         assert!(
-            err.contains("profile file /dev/zero holds more than 4096 KiB")
-                && err.contains("check the path"),
+            err.contains("profile file /dev/zero holds more than 4096 KiB") && err.contains("check the path"),
             "{err}"
         );
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("big.toml");
         std::fs::write(&path, "#".repeat(2048)).expect("write");
-        assert!(
-            read_text_within(&path, "config file", 1024)
-                .unwrap_err()
-                .to_string()
-                .contains("more than 1 KiB")
-        );
-        assert_eq!(
-            read_text_within(&path, "config file", 2048)
-                .expect("fits")
-                .len(),
-            2048
-        );
+        assert!(read_text_within(&path, "config file", 1024).unwrap_err().to_string().contains("more than 1 KiB"));
+        assert_eq!(read_text_within(&path, "config file", 2048).expect("fits").len(), 2048);
         std::fs::write(&path, [0xff, 0xfe]).expect("write");
-        assert!(
-            read_text(&path, "config file")
-                .unwrap_err()
-                .to_string()
-                .contains("is not UTF-8")
-        );
+        assert!(read_text(&path, "config file").unwrap_err().to_string().contains("is not UTF-8"));
     }
 }

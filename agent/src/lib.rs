@@ -15,8 +15,8 @@
 //! keeps warnings about bad input to one a period.
 pub mod build_info;
 pub mod config;
-pub mod doctor;
 pub mod discovery;
+pub mod doctor;
 pub mod events;
 pub mod export;
 pub mod files;

@@ -27,19 +27,13 @@ pub enum LogFormat {
 /// `--log` / `STALLWATCH_LOG`: checked, and returned with the blanks
 /// around its directives dropped (`info, aya=warn` is meant as written).
 pub fn parse_filter(text: &str) -> Result<String, String> {
-    let directives: Vec<&str> = text
-        .split(',')
-        .map(str::trim)
-        .filter(|d| !d.is_empty())
-        .collect();
+    let directives: Vec<&str> = text.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
     for &directive in &directives {
         // `target[span{field=value}]=level` is tracing's; a bare word
         // (no `=`, no `[`) must be a level, or it silently filters to a
         // target of that name.
         if !directive.contains(['=', '[']) && directive.parse::<LevelFilter>().is_err() {
-            let hint = if directive.eq_ignore_ascii_case("json")
-                || directive.eq_ignore_ascii_case("text")
-            {
+            let hint = if directive.eq_ignore_ascii_case("json") || directive.eq_ignore_ascii_case("text") {
                 format!(
                     "; for {directive} output set STALLWATCH_LOG_FORMAT={} (or --log-format)",
                     directive.to_ascii_lowercase()
@@ -58,11 +52,7 @@ pub fn parse_filter(text: &str) -> Result<String, String> {
         .with_regex(false)
         .parse(&text)
         .map(|_| text.clone())
-        .map_err(|err| {
-            format!(
-                "{text:?} is not a log filter ({err}): write e.g. `info` or `info,stallwatch=debug`"
-            )
-        })
+        .map_err(|err| format!("{text:?} is not a log filter ({err}): write e.g. `info` or `info,stallwatch=debug`"))
 }
 
 /// Install the global subscriber. `filter` was checked by [`parse_filter`].
@@ -92,12 +82,7 @@ pub fn init(filter: &str, format: LogFormat) {
             )
             .init(),
         // JSON strings escape every control character themselves.
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(false)
-            .with_span_list(false)
-            .init(),
+        LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).with_span_list(false).init(),
     }
 }
 
@@ -107,24 +92,12 @@ mod tests {
 
     #[test]
     fn filters_are_checked_not_guessed() {
-        for good in [
-            "info",
-            "warn,stallwatch=debug",
-            "stallwatch::run=trace",
-            "off",
-            "",
-        ] {
+        for good in ["info", "warn,stallwatch=debug", "stallwatch::run=trace", "off", ""] {
             assert_eq!(parse_filter(good).as_deref(), Ok(good), "{good}");
         }
-        assert_eq!(
-            parse_filter(" debug , aya=warn ").as_deref(),
-            Ok("debug,aya=warn")
-        );
+        assert_eq!(parse_filter(" debug , aya=warn ").as_deref(), Ok("debug,aya=warn"));
         let err = parse_filter("json").expect_err("a format is not a filter");
-        assert!(
-            err.contains("`json` is not a log level") && err.contains("STALLWATCH_LOG_FORMAT=json"),
-            "{err}"
-        );
+        assert!(err.contains("`json` is not a log level") && err.contains("STALLWATCH_LOG_FORMAT=json"), "{err}");
         let err = parse_filter("info,verbose").expect_err("a bare word");
         assert!(err.contains("`verbose` is not a log level"), "{err}");
         let err = parse_filter("stallwatch=loud").expect_err("a bad level");

@@ -33,14 +33,7 @@ struct Cli {
           value_parser = logging::parse_filter)]
     log: String,
     /// Log line format.
-    #[arg(
-        long,
-        global = true,
-        env = "STALLWATCH_LOG_FORMAT",
-        value_enum,
-        value_name = "FORMAT",
-        default_value_t
-    )]
+    #[arg(long, global = true, env = "STALLWATCH_LOG_FORMAT", value_enum, value_name = "FORMAT", default_value_t)]
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
@@ -217,9 +210,7 @@ fn dispatch(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Config {
-            command: ConfigCommand::Check { path, flags },
-        } => {
+        Command::Config { command: ConfigCommand::Check { path, flags } } => {
             let text = ConfigFile::check(path.as_deref(), flags)?;
             print(|out| out.write_all(text.as_bytes()))
         }
@@ -232,9 +223,7 @@ fn dispatch(cli: Cli) -> Result<()> {
         }
         Command::Man { dir: None } => {
             let mut page = Vec::new();
-            clap_mangen::Man::new(Cli::command())
-                .render(&mut page)
-                .context("rendering the man page")?;
+            clap_mangen::Man::new(Cli::command()).render(&mut page).context("rendering the man page")?;
             print(|out| out.write_all(&page))
         }
         Command::Man { dir: Some(dir) } => {
@@ -323,7 +312,8 @@ fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
         writeln!(out, "  extends {}", escaped(base))?;
     }
     // What a profile inherits names the file it comes from.
-    let from = |origin: &str| if origin == profile.origin { String::new() } else { format!(" (from {})", escaped(origin)) };
+    let from =
+        |origin: &str| if origin == profile.origin { String::new() } else { format!(" (from {})", escaped(origin)) };
     for probe in &profile.probes {
         let events = match &probe.action {
             profile::Action::Always(stage) => stage.to_string(),
@@ -361,7 +351,11 @@ fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
             signal.at,
             escaped(&signal.symbol),
             escaped(signal.object.as_deref().unwrap_or("the executable")),
-            signal.msgpack.as_ref().map(|m| format!(", msgpack element {} of `{}`", m.element, escaped(&m.tag))).unwrap_or_default(),
+            signal
+                .msgpack
+                .as_ref()
+                .map(|m| format!(", msgpack element {} of `{}`", m.element, escaped(&m.tag)))
+                .unwrap_or_default(),
             from(&signal.origin)
         )?;
     }
@@ -417,15 +411,9 @@ mod tests {
         for sub in command.get_subcommands() {
             walk(sub, "stallwatch", &mut missing);
         }
-        for arg in command
-            .get_arguments()
-            .filter(|a| !["help", "version"].contains(&a.get_id().as_str()))
-        {
+        for arg in command.get_arguments().filter(|a| !["help", "version"].contains(&a.get_id().as_str())) {
             assert!(arg.get_env().is_some(), "--{} has no env", arg.get_id());
         }
-        assert!(
-            missing.is_empty(),
-            "options without an environment variable: {missing:?}"
-        );
+        assert!(missing.is_empty(), "options without an environment variable: {missing:?}");
     }
 }

@@ -264,7 +264,11 @@ mod tests {
             peers.observe(21, &event(4, key, Stage::Released, 21 * S + n * 10_000));
         }
         let buckets = &peers.completions[&4];
-        assert!(buckets.values().all(|b| b.len() <= 7_001), "{:?}", buckets.values().map(VecDeque::len).collect::<Vec<_>>());
+        assert!(
+            buckets.values().all(|b| b.len() <= 7_001),
+            "{:?}",
+            buckets.values().map(VecDeque::len).collect::<Vec<_>>()
+        );
         assert!(!buckets.contains_key("decode-0"), "decode-0's only completion is older than kept");
         let (_, to_peer, to_others) = counts(&peers, 0xa1, 30 * S).expect("peer");
         assert_eq!((to_peer, to_others), (0, 100_000 - 100), "the last second, less the bucket at 30 s");

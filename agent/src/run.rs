@@ -39,8 +39,8 @@ use crate::{
     },
     query::{QueryServer, SocketPlace},
     reactor,
-    state::{BpfDir, KernelState},
     signals::{self, Signals},
+    state::{BpfDir, KernelState},
     status::{self, StatusReader},
     transport::Tracker,
     warned::Warned,
@@ -147,7 +147,10 @@ pub async fn run(options: Options, out: impl Write + Send + 'static) -> Result<(
             let execs = match session.probes.watch_execs() {
                 Ok(ring) => Some(reactor::register(ring, "the EXECS ring buffer")?),
                 Err(err) => {
-                    warn!(pid, "an exec of the target will go unnoticed (its old program's requests stay in flight): {err:#}");
+                    warn!(
+                        pid,
+                        "an exec of the target will go unnoticed (its old program's requests stay in flight): {err:#}"
+                    );
                     None
                 }
             };
@@ -465,7 +468,9 @@ impl Session {
     /// probes on it fail to attach, saying so.
     fn foreign_build(&mut self, pid: u32) -> bool {
         let Some(layout) = &self.profile.layout else { return false };
-        let Ok(object) = ProcessImage::read(pid).and_then(|image| image.find(Some(&layout.object))) else { return false };
+        let Ok(object) = ProcessImage::read(pid).and_then(|image| image.find(Some(&layout.object))) else {
+            return false;
+        };
         let build = match ElfFile::open(&object.host_path).and_then(|elf| elf.build_id()) {
             Ok(Some(id)) if layout.knows(&id) => return false,
             Ok(Some(id)) => format!("build id {id}"),
@@ -541,7 +546,8 @@ impl Session {
                 }
             }
         }
-        let (reused, gone): (Vec<_>, Vec<_>) = exits.keys().partition(|pid| started.get(pid).is_some_and(Option::is_some));
+        let (reused, gone): (Vec<_>, Vec<_>) =
+            exits.keys().partition(|pid| started.get(pid).is_some_and(Option::is_some));
         for pid in gone.iter().chain(&unwatched) {
             self.state.forget_process(*pid)?;
         }
@@ -567,7 +573,12 @@ impl Session {
         for pid in &reused {
             info!(pid, "in-flight requests of an earlier process with a reused pid end process_exited");
         }
-        info!(requests = taken_count, exited = gone.len(), reused = reused.len(), "took over the requests in flight in the kernel");
+        info!(
+            requests = taken_count,
+            exited = gone.len(),
+            reused = reused.len(),
+            "took over the requests in flight in the kernel"
+        );
         // Read what the ring buffer gathered before the take-over's reports
         // are applied: a lifecycle that ended while no agent ran leaves the
         // table only once its events are read, so an agent killed now
@@ -588,9 +599,7 @@ impl Session {
         let counters = match self.probes.counters() {
             Ok(counters) => counters,
             Err(err) => {
-                warn!(
-                    "reading the kernel's loss counters (lost events cannot be resynchronised): {err:#}"
-                );
+                warn!("reading the kernel's loss counters (lost events cannot be resynchronised): {err:#}");
                 return;
             }
         };
@@ -611,15 +620,10 @@ impl Session {
         };
         // Ends submitted while the table was read come through the ring.
         self.drain();
-        let table: Vec<Restored> = table
-            .into_iter()
-            .filter(|request| self.watched.contains_key(&request.pid))
-            .collect();
+        let table: Vec<Restored> =
+            table.into_iter().filter(|request| self.watched.contains_key(&request.pid)).collect();
         if self.profile.follows_rooms() {
-            for request in table
-                .iter()
-                .filter(|request| self.engine.get(request.pid, request.key).is_none())
-            {
+            for request in table.iter().filter(|request| self.engine.get(request.pid, request.key).is_none()) {
                 self.signals.adopt(request);
             }
         }
@@ -732,7 +736,10 @@ impl Session {
             Err(err) => {
                 let err = format!("{err:#}");
                 if self.gate_failures.is_new(pid, &err) {
-                    warn!(pid, "progress probes not attached (retried while a request is near its stall; its stalls tell no no_progress): {err}");
+                    warn!(
+                        pid,
+                        "progress probes not attached (retried while a request is near its stall; its stalls tell no no_progress): {err}"
+                    );
                 }
             }
         }
@@ -987,8 +994,11 @@ impl Ingest {
         // A signal is a lifecycle event only once its consumer makes one
         // (an SGLang room's, from its ZMQ messages); a probe's lifecycle
         // event may be another's (a NIXL handle's, its room's).
-        let decoded =
-            if signals::is_signal(event) { Ok(route(event, None)) } else { events::observe(event).map(|o| route(event, Some(o))) };
+        let decoded = if signals::is_signal(event) {
+            Ok(route(event, None))
+        } else {
+            events::observe(event).map(|o| route(event, Some(o)))
+        };
         match decoded {
             Ok(None) => {}
             Ok(Some((observation, side))) => {
@@ -1141,13 +1151,30 @@ mod tests {
         let mut engine = Engine::new(EngineConfig::default());
         let mut reports = Vec::new();
         let unknown_stage = Event {
-            ts_ns: 5, key: 7, ret: 0, pid: 9, tid: 9, slot: 3, flags: 0, stage: 200, _pad: [0; 7], ext: [0; EXT_ID_LEN],
+            ts_ns: 5,
+            key: 7,
+            ret: 0,
+            pid: 9,
+            tid: 9,
+            slot: 3,
+            flags: 0,
+            stage: 200,
+            _pad: [0; 7],
+            ext: [0; EXT_ID_LEN],
         };
         let logged = warnings(|| {
             for _ in 0..1000 {
-                ingest.record(&[0; 8], &mut transport, &mut engine, &mut reports, &mut |_, observation| observation.map(|o| (o, Side::Prefill)));
+                ingest.record(&[0; 8], &mut transport, &mut engine, &mut reports, &mut |_, observation| {
+                    observation.map(|o| (o, Side::Prefill))
+                });
             }
-            ingest.record(&bytes_of(&unknown_stage), &mut transport, &mut engine, &mut reports, &mut |_, observation| observation.map(|o| (o, Side::Prefill)));
+            ingest.record(
+                &bytes_of(&unknown_stage),
+                &mut transport,
+                &mut engine,
+                &mut reports,
+                &mut |_, observation| observation.map(|o| (o, Side::Prefill)),
+            );
             // Two counter periods: the second has nothing new.
             ingest.warn_undecodable();
             ingest.warn_undecodable();
@@ -1159,12 +1186,19 @@ mod tests {
 
         // The summary counts them as lost events.
         let mut out = Vec::new();
-        let losses = Losses { kernel: KernelCounters { ringbuf_full: 2, ..KernelCounters::default() }, undecodable: ingest.undecodable };
+        let losses = Losses {
+            kernel: KernelCounters { ringbuf_full: 2, ..KernelCounters::default() },
+            undecodable: ingest.undecodable,
+        };
         AlertWriter::new(&mut out, Format::Json, Clock::new())
             .summary(&EngineStats::default(), &losses, 0, 0, &[], None)
             .expect("summary");
         let summary: Value = serde_json::from_slice(&out).expect("JSON summary");
-        assert_eq!((summary["lost_events"].as_u64(), summary["undecodable"].as_u64()), (Some(1003), Some(1001)), "{summary}");
+        assert_eq!(
+            (summary["lost_events"].as_u64(), summary["undecodable"].as_u64()),
+            (Some(1003), Some(1001)),
+            "{summary}"
+        );
     }
 
     #[test]

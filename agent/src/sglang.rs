@@ -127,7 +127,11 @@ pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
         && let Some((tag, rid)) = scheduler_message(&frame.bytes)
     {
         // The room is read apart, from the same receive (see `Rooms::request`).
-        return Ok(Some(if tag == REQUEST_TAG { Bootstrap::Request { room: 0, rid } } else { Bootstrap::AbortRequest { rid } }));
+        return Ok(Some(if tag == REQUEST_TAG {
+            Bootstrap::Request { room: 0, rid }
+        } else {
+            Bootstrap::AbortRequest { rid }
+        }));
     }
     let Some(tag) = message.frames.first().and_then(tag_of) else {
         return Ok(None);
@@ -344,9 +348,10 @@ impl Rooms {
                     (p == pid && writes).then_some(room)
                 }))
             });
-            let owner = by_page
-                .or_else(|| self.current.get(&(pid, tid)).copied().filter(|room| awaits(room)))
-                .or_else(|| only(self.live.keys().filter(|(p, room)| *p == pid && awaits(room)).map(|(_, room)| *room)));
+            let owner =
+                by_page.or_else(|| self.current.get(&(pid, tid)).copied().filter(|room| awaits(room))).or_else(|| {
+                    only(self.live.keys().filter(|(p, room)| *p == pid && awaits(room)).map(|(_, room)| *room))
+                });
             let Some(room) = owner else {
                 self.unattributed += 1;
                 return Some(observation);
@@ -441,7 +446,11 @@ impl Rooms {
     /// status never sent, reads `transfer_done` (never complete: a room is
     /// complete at its status). A room with no transfer posted reads
     /// nothing.
-    pub fn read(&mut self, silent: &Silent, read: &mut dyn FnMut(&Silent) -> Option<StageRead>) -> Option<Option<StageRead>> {
+    pub fn read(
+        &mut self,
+        silent: &Silent,
+        read: &mut dyn FnMut(&Silent) -> Option<StageRead>,
+    ) -> Option<Option<StageRead>> {
         let room = self.live.get_mut(&(silent.pid, silent.key))?;
         if room.outstanding.is_empty() {
             return Some(None);
@@ -510,12 +519,24 @@ mod tests {
     #[test]
     fn sglangs_messages_name_their_room_and_others_are_not_sglangs() {
         use Direction::{Received, Sent};
-        let info = message(Received, &[GUARD, b"8070450532247928832", b"127.0.0.1", b"40001", b"decode-0", b"\0\0\0\0", b"3", b"2"]);
-        let destination = Bootstrap::Destination { room: 8070450532247928832, port: 40001, agent: "decode-0".into(), ranks: 2, pages: [0].into() };
+        let info = message(
+            Received,
+            &[GUARD, b"8070450532247928832", b"127.0.0.1", b"40001", b"decode-0", b"\0\0\0\0", b"3", b"2"],
+        );
+        let destination = Bootstrap::Destination {
+            room: 8070450532247928832,
+            port: 40001,
+            agent: "decode-0".into(),
+            ranks: 2,
+            pages: [0].into(),
+        };
         assert_eq!(parse(&info), Ok(Some(destination)));
         let registration = message(Received, &[GUARD, b"None", b"127.0.0.1", b"40001"]);
         assert_eq!(parse(&registration), Ok(None));
-        assert_eq!(parse(&message(Received, &[ABORT, b"17", b"127.0.0.1", b"40001", b"1"])), Ok(Some(Bootstrap::Abort { room: 17 })));
+        assert_eq!(
+            parse(&message(Received, &[ABORT, b"17", b"127.0.0.1", b"40001", b"1"])),
+            Ok(Some(Bootstrap::Abort { room: 17 }))
+        );
         let status = message(Sent, &[KV_STATUS, b"17", b"4", b"0", b""]);
         assert_eq!(parse(&status), Ok(Some(Bootstrap::Status { room: 17, status: 4 })));
         // The decode's end of the same messages: its destination sent (only
@@ -524,13 +545,28 @@ mod tests {
         asked.frames[4].complete = false;
         assert_eq!(parse(&asked), Ok(Some(Bootstrap::Asked { room: 17 })));
         assert_eq!(parse(&message(Sent, &[GUARD, b"None", b"127.0.0.1"])), Ok(None), "its registration");
-        assert_eq!(parse(&message(Sent, &[ABORT, b"17", b"127.0.0.1", b"40001", b"1"])), Ok(Some(Bootstrap::Abort { room: 17 })));
-        assert_eq!(parse(&message(Received, &[KV_STATUS, b"17", b"4"])), Ok(Some(Bootstrap::Status { room: 17, status: 4 })));
+        assert_eq!(
+            parse(&message(Sent, &[ABORT, b"17", b"127.0.0.1", b"40001", b"1"])),
+            Ok(Some(Bootstrap::Abort { room: 17 }))
+        );
+        assert_eq!(
+            parse(&message(Received, &[KV_STATUS, b"17", b"4"])),
+            Ok(Some(Bootstrap::Status { room: 17, status: 4 }))
+        );
         assert_eq!(parse(&message(Received, &[b"hello"])), Ok(None));
         // A first frame read in part (its receive began before the probes).
         let mut cut = message(Received, &[b"NixlMsgGuard\x55\x55", b"5", b"ip", b"40001", b"d", b"", b"0", b"1"]);
         cut.frames[0].complete = false;
-        assert_eq!(parse(&cut), Ok(Some(Bootstrap::Destination { room: 5, port: 40001, agent: "d".into(), ranks: 1, pages: Default::default() })));
+        assert_eq!(
+            parse(&cut),
+            Ok(Some(Bootstrap::Destination {
+                room: 5,
+                port: 40001,
+                agent: "d".into(),
+                ranks: 1,
+                pages: Default::default()
+            }))
+        );
         cut.frames[0].bytes = b"NixlMsgGuar".as_slice().into();
         assert_eq!(parse(&cut), Ok(None));
     }
@@ -555,21 +591,31 @@ mod tests {
     #[test]
     fn a_room_starts_at_its_first_destination_and_ends_once() {
         let mut rooms = Rooms::default();
-        let destination = Bootstrap::Destination { room: 9, port: 1, agent: "d".into(), ranks: 2, pages: Default::default() };
+        let destination =
+            Bootstrap::Destination { room: 9, port: 1, agent: "d".into(), ranks: 2, pages: Default::default() };
         let start = rooms.observe(4, 10, &destination).expect("enqueued");
-        assert_eq!((start.key, start.stage, start.ts_ns, start.external_id.as_deref()), (9, Stage::Enqueued, 10, Some("9")));
+        assert_eq!(
+            (start.key, start.stage, start.ts_ns, start.external_id.as_deref()),
+            (9, Stage::Enqueued, 10, Some("9"))
+        );
         // The second decode rank's destination of the same room.
         assert_eq!(rooms.observe(4, 11, &destination), None);
         // Not an end yet; then Success to each rank: released once.
         assert_eq!(rooms.observe(4, 12, &Bootstrap::Status { room: 9, status: 3 }), None);
-        assert_eq!(rooms.observe(4, 13, &Bootstrap::Status { room: 9, status: SUCCESS }).map(|o| o.stage), Some(Stage::Released));
+        assert_eq!(
+            rooms.observe(4, 13, &Bootstrap::Status { room: 9, status: SUCCESS }).map(|o| o.stage),
+            Some(Stage::Released)
+        );
         assert_eq!(rooms.observe(4, 14, &Bootstrap::Status { room: 9, status: SUCCESS }), None);
         // Aborted, then its Failed status: one end. Another pid's room 9 is another room.
         rooms.observe(5, 20, &destination).expect("enqueued");
         assert_eq!(rooms.observe(5, 21, &Bootstrap::Abort { room: 9 }).map(|o| o.stage), Some(Stage::Aborted));
         assert_eq!(rooms.observe(5, 22, &Bootstrap::Status { room: 9, status: FAILED }), None);
         rooms.observe(6, 30, &destination).expect("enqueued");
-        assert_eq!(rooms.observe(6, 31, &Bootstrap::Status { room: 9, status: FAILED }).map(|o| o.stage), Some(Stage::Failed));
+        assert_eq!(
+            rooms.observe(6, 31, &Bootstrap::Status { room: 9, status: FAILED }).map(|o| o.stage),
+            Some(Stage::Failed)
+        );
         // An end for a room never started is no event.
         assert_eq!(rooms.observe(4, 40, &Bootstrap::Abort { room: 77 }), None);
         rooms.observe(7, 50, &destination).expect("enqueued");
@@ -598,14 +644,21 @@ mod tests {
     #[test]
     fn the_schedulers_requests_and_aborts_name_their_rid() {
         let rid = b"8d5e957f297893487bd98fa830fa6413";
-        let received = |frame| Message { pid: 1, tid: 2, ts_ns: 3, direction: Direction::Received, frames: vec![frame] };
+        let received =
+            |frame| Message { pid: 1, tid: 2, ts_ns: 3, direction: Direction::Received, frames: vec![frame] };
         let kept: Rid = rid[..RID_KEPT].into();
         let request = received(scheduler_frame(31, REQUEST_TAG, rid));
         assert_eq!(parse(&request), Ok(Some(Bootstrap::Request { room: 0, rid: kept.clone() })));
-        assert_eq!(parse(&received(scheduler_frame(4, ABORT_REQUEST_TAG, rid))), Ok(Some(Bootstrap::AbortRequest { rid: kept })));
+        assert_eq!(
+            parse(&received(scheduler_frame(4, ABORT_REQUEST_TAG, rid))),
+            Ok(Some(Bootstrap::AbortRequest { rid: kept }))
+        );
         // A short rid is kept whole; other tags, other shapes, or a send are none of these.
         let short: Rid = b"r-1".as_slice().into();
-        assert_eq!(parse(&received(scheduler_frame(4, ABORT_REQUEST_TAG, b"r-1"))), Ok(Some(Bootstrap::AbortRequest { rid: short })));
+        assert_eq!(
+            parse(&received(scheduler_frame(4, ABORT_REQUEST_TAG, b"r-1"))),
+            Ok(Some(Bootstrap::AbortRequest { rid: short }))
+        );
         assert_eq!(parse(&received(scheduler_frame(4, b"FlushCacheReqInput", rid))), Ok(None));
         assert_eq!(parse(&received(Frame { bytes: b"\x93\x01\x02\x03".as_slice().into(), complete: true })), Ok(None));
         let sent = Message { direction: Direction::Sent, ..request };
@@ -618,23 +671,36 @@ mod tests {
         let rid: Rid = b"rid-7".as_slice().into();
         let start = rooms.observe(4, 10, &Bootstrap::Request { room: 7, rid: rid.clone() }).expect("enqueued");
         assert_eq!((start.key, start.stage, start.ts_ns), (7, Stage::Enqueued, 10));
-        let fields = |pairs: &[(&'static str, &str)]| pairs.iter().map(|(k, v)| (*k, (*v).to_owned())).collect::<Vec<_>>();
+        let fields =
+            |pairs: &[(&'static str, &str)]| pairs.iter().map(|(k, v)| (*k, (*v).to_owned())).collect::<Vec<_>>();
         assert_eq!(rooms.context(4, 7), fields(&[("answered", "0"), ("waiting_on", "peer")]));
         assert_eq!(rooms.observe(4, 11, &Bootstrap::Request { room: 7, rid: rid.clone() }), None, "received once");
         // Its first destination is news (what it waited on arrived); a second rank's is not.
-        let to = |agent: &str| Bootstrap::Destination { room: 7, port: 1, agent: agent.into(), ranks: 2, pages: Default::default() };
+        let to = |agent: &str| Bootstrap::Destination {
+            room: 7,
+            port: 1,
+            agent: agent.into(),
+            ranks: 2,
+            pages: Default::default(),
+        };
         assert_eq!(rooms.observe(4, 12, &to("d0")).map(|o| (o.stage, o.ts_ns)), Some((Stage::Enqueued, 12)));
         assert_eq!(rooms.context(4, 7), fields(&[("answered", "1/2"), ("waiting_on", "peer")]));
         assert_eq!(rooms.observe(4, 13, &to("d1")), None);
         // The abort names its rid; after the room ended it names nothing.
-        assert_eq!(rooms.observe(4, 14, &Bootstrap::AbortRequest { rid: rid.clone() }).map(|o| (o.key, o.stage)), Some((7, Stage::Aborted)));
+        assert_eq!(
+            rooms.observe(4, 14, &Bootstrap::AbortRequest { rid: rid.clone() }).map(|o| (o.key, o.stage)),
+            Some((7, Stage::Aborted))
+        );
         assert_eq!(rooms.observe(4, 15, &Bootstrap::AbortRequest { rid }), None);
         assert!(rooms.rids.is_empty());
         // On a decode: received, then asked (news), then its status.
         rooms.observe(5, 20, &Bootstrap::Asked { room: 1 }).expect("a decode");
         rooms.observe(5, 21, &Bootstrap::Request { room: 8, rid: b"r8".as_slice().into() }).expect("enqueued");
         assert_eq!(rooms.context(5, 8), fields(&[("side", "decode"), ("asked", "no")]));
-        assert_eq!(rooms.observe(5, 22, &Bootstrap::Asked { room: 8 }).map(|o| (o.stage, o.ts_ns)), Some((Stage::Enqueued, 22)));
+        assert_eq!(
+            rooms.observe(5, 22, &Bootstrap::Asked { room: 8 }).map(|o| (o.stage, o.ts_ns)),
+            Some((Stage::Enqueued, 22))
+        );
         assert_eq!(rooms.context(5, 8), fields(&[("side", "decode"), ("waiting_on", "prefill")]));
         assert_eq!(rooms.observe(5, 23, &Bootstrap::Asked { room: 8 }), None);
         rooms.forget(5);
@@ -646,7 +712,10 @@ mod tests {
         let mut rooms = Rooms::default();
         assert_eq!(rooms.side(4), Side::Prefill);
         let start = rooms.observe(4, 10, &Bootstrap::Asked { room: 9 }).expect("enqueued");
-        assert_eq!((start.key, start.stage, start.ts_ns, start.external_id.as_deref()), (9, Stage::Enqueued, 10, Some("9")));
+        assert_eq!(
+            (start.key, start.stage, start.ts_ns, start.external_id.as_deref()),
+            (9, Stage::Enqueued, 10, Some("9"))
+        );
         assert_eq!(rooms.side(4), Side::Decode);
         assert_eq!(rooms.observe(4, 11, &Bootstrap::Asked { room: 9 }), None, "asked again: one room");
         let fields = vec![("side", "decode".to_owned()), ("waiting_on", "prefill".to_owned())];
@@ -654,9 +723,15 @@ mod tests {
         // No handle of a decode's is a room's: it names no agent of it.
         rooms.creating(4, 20, b"prefill-0", None);
         assert!(rooms.handle(20, handle_event(4, 0xa0, Stage::Enqueued, 12)).is_some());
-        assert_eq!(rooms.observe(4, 13, &Bootstrap::Status { room: 9, status: SUCCESS }).map(|o| o.stage), Some(Stage::Released));
+        assert_eq!(
+            rooms.observe(4, 13, &Bootstrap::Status { room: 9, status: SUCCESS }).map(|o| o.stage),
+            Some(Stage::Released)
+        );
         rooms.observe(4, 14, &Bootstrap::Asked { room: 10 }).expect("room 10");
-        assert_eq!(rooms.observe(4, 15, &Bootstrap::Status { room: 10, status: FAILED }).map(|o| o.stage), Some(Stage::Failed));
+        assert_eq!(
+            rooms.observe(4, 15, &Bootstrap::Status { room: 10, status: FAILED }).map(|o| o.stage),
+            Some(Stage::Failed)
+        );
         rooms.observe(4, 16, &Bootstrap::Asked { room: 11 }).expect("room 11");
         assert_eq!(rooms.observe(4, 17, &Bootstrap::Abort { room: 11 }).map(|o| o.stage), Some(Stage::Aborted));
         rooms.forget(4);
@@ -669,15 +744,23 @@ mod tests {
         rooms.adopt(4, 9);
         assert_eq!(rooms.context(4, 9), Vec::new(), "its destinations are unknown");
         let silent = Silent { pid: 4, key: 9, stage: Stage::Enqueued, first_ns: 1, last_ns: 2 };
-        assert_eq!(rooms.read(&silent, &mut |_| panic!("no handle to read")), Some(None), "a room: its key is no handle to read");
+        assert_eq!(
+            rooms.read(&silent, &mut |_| panic!("no handle to read")),
+            Some(None),
+            "a room: its key is no handle to read"
+        );
         // A handle to any agent is not its: none is known.
         rooms.creating(4, 20, b"d", None);
         assert!(rooms.handle(20, handle_event(4, 0xa0, Stage::Enqueued, 3)).is_some());
         // A destination arriving now tells what it waits on again, and starts nothing.
-        let destination = Bootstrap::Destination { room: 9, port: 1, agent: "d".into(), ranks: 2, pages: Default::default() };
+        let destination =
+            Bootstrap::Destination { room: 9, port: 1, agent: "d".into(), ranks: 2, pages: Default::default() };
         assert_eq!(rooms.observe(4, 4, &destination), None);
         assert_eq!(rooms.context(4, 9)[0], ("answered", "1/2".to_owned()));
-        assert_eq!(rooms.observe(4, 5, &Bootstrap::Status { room: 9, status: SUCCESS }).map(|o| o.stage), Some(Stage::Released));
+        assert_eq!(
+            rooms.observe(4, 5, &Bootstrap::Status { room: 9, status: SUCCESS }).map(|o| o.stage),
+            Some(Stage::Released)
+        );
         assert_eq!(rooms.observe(4, 6, &Bootstrap::Status { room: 9, status: SUCCESS }), None);
         // Adopting a room followed already changes nothing.
         rooms.observe(4, 7, &destination).expect("enqueued");
@@ -693,7 +776,13 @@ mod tests {
     fn a_handle_to_the_one_room_awaiting_its_agent_is_the_rooms() {
         use Stage::*;
         let mut rooms = Rooms::default();
-        let to = |room, agent: &str| Bootstrap::Destination { room, port: 1, agent: agent.into(), ranks: 1, pages: Default::default() };
+        let to = |room, agent: &str| Bootstrap::Destination {
+            room,
+            port: 1,
+            agent: agent.into(),
+            ranks: 1,
+            pages: Default::default(),
+        };
         rooms.observe(4, 1, &to(7, "decode-0")).expect("room 7");
         rooms.observe(4, 2, &to(7, "decode-1"));
         rooms.observe(4, 3, &to(8, "decode-1")).expect("room 8");
@@ -701,15 +790,27 @@ mod tests {
         rooms.creating(4, 20, b"decode-0", None);
         assert_eq!(rooms.handle(20, handle_event(4, 0xa0, Enqueued, 10)), None);
         let posted = rooms.handle(21, handle_event(4, 0xa0, TransferPosted, 11)).expect("the room's");
-        assert_eq!((posted.key, posted.stage, posted.ts_ns, posted.external_id.as_deref()), (7, TransferPosted, 11, Some("7")));
+        assert_eq!(
+            (posted.key, posted.stage, posted.ts_ns, posted.external_id.as_deref()),
+            (7, TransferPosted, 11, Some("7"))
+        );
         // Done is life of the room mid-transfer; the release only ends the attribution.
-        assert_eq!(rooms.handle(20, handle_event(4, 0xa0, TransferDone, 12)).map(|o| (o.key, o.stage)), Some((7, TransferPosted)));
+        assert_eq!(
+            rooms.handle(20, handle_event(4, 0xa0, TransferDone, 12)).map(|o| (o.key, o.stage)),
+            Some((7, TransferPosted))
+        );
         assert_eq!(rooms.handle(20, handle_event(4, 0xa0, Released, 13)), None);
-        assert_eq!(rooms.handle(20, handle_event(4, 0xa0, TransferDone, 14)), Some(handle_event(4, 0xa0, TransferDone, 14)));
+        assert_eq!(
+            rooms.handle(20, handle_event(4, 0xa0, TransferDone, 14)),
+            Some(handle_event(4, 0xa0, TransferDone, 14))
+        );
         // decode-1 on a new thread: rooms 7 and 8 both await it, so the handle is its own.
         rooms.creating(4, 30, b"decode-1", None);
         assert_eq!(rooms.handle(30, handle_event(4, 0xb0, Enqueued, 20)), Some(handle_event(4, 0xb0, Enqueued, 20)));
-        assert_eq!(rooms.handle(30, handle_event(4, 0xb0, TransferPosted, 21)), Some(handle_event(4, 0xb0, TransferPosted, 21)));
+        assert_eq!(
+            rooms.handle(30, handle_event(4, 0xb0, TransferPosted, 21)),
+            Some(handle_event(4, 0xb0, TransferPosted, 21))
+        );
         // Thread 20 was on room 7: its next handle to decode-1 is room 7's, ambiguous or not.
         rooms.creating(4, 20, b"decode-1", None);
         assert_eq!(rooms.handle(20, handle_event(4, 0xb1, Enqueued, 22)), None);
@@ -739,14 +840,24 @@ mod tests {
     fn a_chunk_is_its_rooms_by_the_decode_page_it_writes_however_many_rooms_await_that_decode() {
         use Stage::*;
         let mut rooms = Rooms::default();
-        let to = |room, pages: &[u32]| Bootstrap::Destination { room, port: 1, agent: "d".into(), ranks: 1, pages: pages.into() };
+        let to = |room, pages: &[u32]| Bootstrap::Destination {
+            room,
+            port: 1,
+            agent: "d".into(),
+            ranks: 1,
+            pages: pages.into(),
+        };
         rooms.observe(4, 1, &to(7, &[10, 11, 12, 13])).expect("room 7");
         rooms.observe(4, 2, &to(8, &[20, 21, 22, 23])).expect("room 8");
         // Chunks interleaved on one worker: 7's, 8's, 7's second, 8's second.
         for (handle, page, room) in [(0xa0, 10, 7), (0xa1, 20, 8), (0xa2, 12, 7), (0xa3, 22, 8)] {
             rooms.creating(4, 30, b"d", Some(page));
             assert_eq!(rooms.handle(30, handle_event(4, handle, Enqueued, 3)), None, "{handle:#x}");
-            assert_eq!(rooms.handle(30, handle_event(4, handle, TransferPosted, 4)).map(|o| o.key), Some(room), "{handle:#x}");
+            assert_eq!(
+                rooms.handle(30, handle_event(4, handle, TransferPosted, 4)).map(|o| o.key),
+                Some(room),
+                "{handle:#x}"
+            );
         }
         // The aux transfer (createXferReq: no page) follows its room's last chunk on the thread.
         rooms.creating(4, 30, b"d", None);
@@ -764,8 +875,15 @@ mod tests {
     fn a_rooms_alert_names_its_stopped_transfer_or_what_it_waits_on() {
         use Stage::*;
         let mut rooms = Rooms::default();
-        let to = |room, port, agent: &str| Bootstrap::Destination { room, port, agent: agent.into(), ranks: 2, pages: Default::default() };
-        let fields = |pairs: &[(&'static str, &str)]| pairs.iter().map(|(k, v)| (*k, (*v).to_owned())).collect::<Vec<_>>();
+        let to = |room, port, agent: &str| Bootstrap::Destination {
+            room,
+            port,
+            agent: agent.into(),
+            ranks: 2,
+            pages: Default::default(),
+        };
+        let fields =
+            |pairs: &[(&'static str, &str)]| pairs.iter().map(|(k, v)| (*k, (*v).to_owned())).collect::<Vec<_>>();
         // Rooms 1 and 2 on worker (40001 + 40003) % 4 = 0, both ranks answered;
         // room 3: one rank of its two answered.
         rooms.observe(4, 1, &to(1, 40001, "a")).expect("room 1");
@@ -796,14 +914,24 @@ mod tests {
         let done = Observation { ends: true, ..handle_event(4, 0xa1, TransferDone, 15) };
         assert_eq!(rooms.handle(20, done).map(|o| (o.key, o.stage)), Some((1, TransferPosted)));
         assert!(!rooms.handles.contains_key(&(4, 0xa1)), "an ended handle is no room's any more");
-        assert_eq!(rooms.context(4, 2), fields(&[("answered", "2/2"), ("waiting_on", "prefill")]), "the worker moved on");
+        assert_eq!(
+            rooms.context(4, 2),
+            fields(&[("answered", "2/2"), ("waiting_on", "prefill")]),
+            "the worker moved on"
+        );
     }
 
     #[test]
     fn a_silent_rooms_state_is_read_from_its_outstanding_handles_oldest_first() {
         use Stage::*;
         let mut rooms = Rooms::default();
-        let to = |room, agent: &str| Bootstrap::Destination { room, port: 1, agent: agent.into(), ranks: 1, pages: Default::default() };
+        let to = |room, agent: &str| Bootstrap::Destination {
+            room,
+            port: 1,
+            agent: agent.into(),
+            ranks: 1,
+            pages: Default::default(),
+        };
         let silent = |key| Silent { pid: 4, key, stage: TransferPosted, first_ns: 1, last_ns: 9 };
         let posted = |rooms: &mut Rooms, tid, agent: &[u8], handle| {
             rooms.creating(4, tid, agent, None);
@@ -811,7 +939,8 @@ mod tests {
             rooms.handle(tid, handle_event(4, handle, TransferPosted, 6)).expect("the room's");
         };
         // What each handle's memory says, and which handles were read.
-        let memory: HashMap<u64, Stage> = [(0xa0, TransferDone), (0xa1, TransferPosted), (0xb0, TransferDone), (0xb1, Failed)].into();
+        let memory: HashMap<u64, Stage> =
+            [(0xa0, TransferDone), (0xa1, TransferPosted), (0xb0, TransferDone), (0xb1, Failed)].into();
         let mut asked = Vec::new();
         let mut read = |s: &Silent| {
             assert_eq!((s.pid, s.stage, s.last_ns), (4, TransferPosted, 9), "{s:?}");
@@ -827,7 +956,11 @@ mod tests {
         assert_eq!(rooms.read(&silent(7), &mut read), Some(None));
         assert_eq!(rooms.context(4, 7)[0], ("handle", "0xa1".to_owned()));
         posted(&mut rooms, 30, b"b", 0xb0);
-        assert_eq!(rooms.read(&silent(8), &mut read), Some(Some(StageRead { stage: TransferDone, ends: false })), "all done, no status");
+        assert_eq!(
+            rooms.read(&silent(8), &mut read),
+            Some(Some(StageRead { stage: TransferDone, ends: false })),
+            "all done, no status"
+        );
         posted(&mut rooms, 30, b"b", 0xb1);
         assert_eq!(rooms.read(&silent(8), &mut read), Some(Some(StageRead { stage: Failed, ends: false })));
         assert_eq!(rooms.read(&silent(8), &mut read), None, "a failed room is no live room");

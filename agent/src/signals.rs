@@ -156,7 +156,10 @@ impl Signals {
                     Some(room) => self.request(signal.pid, signal.tid, signal.ts_ns, RequestHalf::Room(room)),
                     None => {
                         self.unparsed += 1;
-                        self.last_unparsed = Some(format!("pid {} thread {}: a request's bootstrap_room is no unsigned integer", signal.pid, signal.tid));
+                        self.last_unparsed = Some(format!(
+                            "pid {} thread {}: a request's bootstrap_room is no unsigned integer",
+                            signal.pid, signal.tid
+                        ));
                         None
                     }
                 };
@@ -177,7 +180,9 @@ impl Signals {
         };
         let message = self.zmq.hit(signal.pid, signal.tid, signal.ts_ns, hit)?;
         match sglang::parse(&message) {
-            Ok(Some(sglang::Bootstrap::Request { rid, .. })) => self.request(message.pid, message.tid, message.ts_ns, RequestHalf::Rid(rid)),
+            Ok(Some(sglang::Bootstrap::Request { rid, .. })) => {
+                self.request(message.pid, message.tid, message.ts_ns, RequestHalf::Rid(rid))
+            }
             Ok(Some(bootstrap)) => self.rooms.observe(message.pid, message.ts_ns, &bootstrap),
             Ok(None) => None,
             Err(why) => {
@@ -193,9 +198,8 @@ impl Signals {
     /// waits for it (replacing a half whose other never came).
     fn request(&mut self, pid: u32, tid: u32, ts_ns: u64, half: RequestHalf) -> Option<Observation> {
         let (room, rid) = match (self.requests.remove(&(pid, tid)), half) {
-            (Some(RequestHalf::Rid(rid)), RequestHalf::Room(room)) | (Some(RequestHalf::Room(room)), RequestHalf::Rid(rid)) => {
-                (room, rid)
-            }
+            (Some(RequestHalf::Rid(rid)), RequestHalf::Room(room))
+            | (Some(RequestHalf::Room(room)), RequestHalf::Rid(rid)) => (room, rid),
             (_, half) => {
                 self.requests.insert((pid, tid), half);
                 return None;
@@ -209,7 +213,12 @@ impl Signals {
     /// (`observation`), unless it is a NIXL handle attributed to a room,
     /// which makes it the room's event ([`Rooms::handle`]); every handle's
     /// event counts for its peer first ([`Peers::observe`]).
-    pub fn consume(&mut self, event: &Event, observation: Option<Observation>, slot: Option<&Slot>) -> Option<Observation> {
+    pub fn consume(
+        &mut self,
+        event: &Event,
+        observation: Option<Observation>,
+        slot: Option<&Slot>,
+    ) -> Option<Observation> {
         match observation {
             Some(observation) => {
                 self.peers.observe(event.tid, &observation);
@@ -246,7 +255,11 @@ impl Signals {
     /// What the target's memory says of a silent request that is an SGLang
     /// room (read from its handles, see [`Rooms::read`]); `None` for one
     /// that is no room, whose own memory `read` reads.
-    pub fn read_room(&mut self, silent: &Silent, read: &mut dyn FnMut(&Silent) -> Option<StageRead>) -> Option<Option<StageRead>> {
+    pub fn read_room(
+        &mut self,
+        silent: &Silent,
+        read: &mut dyn FnMut(&Silent) -> Option<StageRead>,
+    ) -> Option<Option<StageRead>> {
         self.rooms.read(silent, read)
     }
 
@@ -302,7 +315,10 @@ impl Signals {
     pub fn finish(&mut self) {
         self.warn();
         if self.unrouted > 0 {
-            info!(unrouted = self.unrouted, "signals of probes no longer attached were dropped (their meaning is unknown)");
+            info!(
+                unrouted = self.unrouted,
+                "signals of probes no longer attached were dropped (their meaning is unknown)"
+            );
         }
         if self.rooms.unattributed > 0 {
             warn!(
@@ -369,13 +385,28 @@ mod tests {
         // Every handle event comes on thread 10 of pid 9.
         let on_thread = event(0, b"");
         let handle = |key, stage, ts_ns| Observation { pid: 9, key, stage, ts_ns, external_id: None, ends: false };
-        let consume = |signals: &mut Signals, key, stage, ts_ns| signals.consume(&on_thread, Some(handle(key, stage, ts_ns)), None);
+        let consume = |signals: &mut Signals, key, stage, ts_ns| {
+            signals.consume(&on_thread, Some(handle(key, stage, ts_ns)), None)
+        };
         // What the route of a `nixl_remote_agent` signal tells both trackers.
         let name = |signals: &mut Signals, agent: &[u8]| {
             signals.rooms.creating(9, 10, agent, None);
             signals.peers.creating(9, 10, agent);
         };
-        signals.rooms.observe(9, 1, &sglang::Bootstrap::Destination { room: 7, port: 1, agent: "decode-0".into(), ranks: 1, pages: Default::default() }).expect("room 7");
+        signals
+            .rooms
+            .observe(
+                9,
+                1,
+                &sglang::Bootstrap::Destination {
+                    room: 7,
+                    port: 1,
+                    agent: "decode-0".into(),
+                    ranks: 1,
+                    pages: Default::default(),
+                },
+            )
+            .expect("room 7");
         name(&mut signals, b"decode-0");
         assert_eq!(consume(&mut signals, 0xa0, Enqueued, 10), None, "room 7's");
         assert!(consume(&mut signals, 0xa0, TransferPosted, 20).is_some());

@@ -73,9 +73,8 @@ impl BpfDir {
         if base.starts_with(BPFFS_MOUNT) && !is_bpffs(Path::new(BPFFS_MOUNT)) {
             mount_bpffs()?;
         }
-        let dir = TrustedDir::create(base).with_context(|| {
-            format!("the bpf directory {} (or pass --ephemeral to pin nothing)", base.display())
-        })?;
+        let dir = TrustedDir::create(base)
+            .with_context(|| format!("the bpf directory {} (or pass --ephemeral to pin nothing)", base.display()))?;
         if dir.fs_type()? != BPF_FS_MAGIC {
             bail!(
                 "{} is not on a BPF filesystem: pass a --bpf-dir below a bpffs mount (`mount -t bpf bpf {BPFFS_MOUNT}`), \
@@ -400,7 +399,12 @@ impl<T: Tables> KernelState<T> {
                     }
                     restored.push(request);
                 }
-                None => warn!(pid = key.pid, key = format_args!("{:#x}", key.key), stage = entry.stage, "in-flight entry of an unknown stage skipped"),
+                None => warn!(
+                    pid = key.pid,
+                    key = format_args!("{:#x}", key.key),
+                    stage = entry.stage,
+                    "in-flight entry of an unknown stage skipped"
+                ),
             }
         }
         for key in self.tables.alerted_keys()? {
@@ -509,7 +513,8 @@ impl<T: Tables> KernelState<T> {
     /// later than the silence).
     pub fn withheld(&self, silent: &Silent) -> Result<Option<Withheld>> {
         let entry = self.tables.inflight(&RequestKey { key: silent.key, pid: silent.pid, _pad: 0 })?;
-        let Some(entry) = entry.filter(|entry| entry.ended == 0 && entry.first_ns <= silent.last_ns && entry.last_ns > silent.last_ns)
+        let Some(entry) = entry
+            .filter(|entry| entry.ended == 0 && entry.first_ns <= silent.last_ns && entry.last_ns > silent.last_ns)
         else {
             return Ok(None);
         };
@@ -616,7 +621,8 @@ mod tests {
         assert_eq!(restored_from(key, &no_ext, None).unwrap().external_id, None);
         assert!(restored_from(key, &InflightEntry { stage: 99, ..entry }, None).is_none());
         // Ended at a live stage (a slot that ends lifecycles at transfer_done).
-        let done = restored_from(key, &InflightEntry { stage: stage::TRANSFER_DONE, ended: 1, ..entry }, Some(30)).unwrap();
+        let done =
+            restored_from(key, &InflightEntry { stage: stage::TRANSFER_DONE, ended: 1, ..entry }, Some(30)).unwrap();
         assert_eq!((done.stage, done.ended, restored.ended), (Stage::TransferDone, true, false));
     }
 
@@ -641,7 +647,14 @@ mod tests {
         /// `ends`: the event's slot ends lifecycles at its stage (`ENDS`).
         fn event(&mut self, pid: u32, key: u64, stage: u8, ends: bool, ts: u64) {
             let id = (pid, key);
-            self.ring.push_back(Observation { pid, key, stage: events::stage(stage).expect("stage"), ts_ns: ts, external_id: None, ends });
+            self.ring.push_back(Observation {
+                pid,
+                key,
+                stage: events::stage(stage).expect("stage"),
+                ts_ns: ts,
+                external_id: None,
+                ends,
+            });
             if ends || stage >= stage::FIRST_TERMINAL {
                 if self.alerted.contains_key(&id) {
                     if let Some(entry) = self.inflight.get_mut(&id) {
@@ -891,10 +904,16 @@ mod tests {
             let ours = held.0.borrow().inflight.clone();
             for ((pid, key), entry) in &ours {
                 assert_eq!(entry.has_ext, 1);
-                assert_eq!(events::external_id_of(&entry.ext, true).as_deref(), Some(key.to_string().as_str()), "{pid}");
+                assert_eq!(
+                    events::external_id_of(&entry.ext, true).as_deref(),
+                    Some(key.to_string().as_str()),
+                    "{pid}"
+                );
             }
-            let normalized: BTreeMap<_, _> =
-                ours.into_iter().map(|(id, entry)| (id, InflightEntry { has_ext: 0, ext: [0; EXT_ID_LEN], ..entry })).collect();
+            let normalized: BTreeMap<_, _> = ours
+                .into_iter()
+                .map(|(id, entry)| (id, InflightEntry { has_ext: 0, ext: [0; EXT_ID_LEN], ..entry }))
+                .collect();
             assert_eq!(normalized, kernel.0.borrow().inflight, "seed {seed}");
             assert_eq!(full > 0, capacity == 2, "seed {seed}");
         }
@@ -980,7 +999,8 @@ mod tests {
                         let k = kernel.0.borrow();
                         let ended: Vec<_> = k.inflight.iter().filter(|(_, e)| e.ended != 0).collect();
                         assert!(ended.is_empty(), "{ctx}: ended entries the agent has seen end are kept: {ended:?}");
-                        let orphans: Vec<_> = k.alerted.keys().filter(|id| agent.engine.get(id.0, id.1).is_none()).collect();
+                        let orphans: Vec<_> =
+                            k.alerted.keys().filter(|id| agent.engine.get(id.0, id.1).is_none()).collect();
                         assert!(orphans.is_empty(), "{ctx}: marks of requests no agent follows: {orphans:?}");
                     }
                 }

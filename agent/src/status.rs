@@ -112,7 +112,12 @@ impl StatusReader {
     /// whether it still holds a request's lifecycle live. The requests of
     /// one process are read together, a `process_vm_readv(2)` call for up
     /// to [`IOV_MAX`] of them per step of the `[status]` pointer chain.
-    pub fn read(&mut self, silents: &[Silent], holds: impl Fn(&Silent) -> Result<bool>, answers: &mut Vec<Option<StageRead>>) {
+    pub fn read(
+        &mut self,
+        silents: &[Silent],
+        holds: impl Fn(&Silent) -> Result<bool>,
+        answers: &mut Vec<Option<StageRead>>,
+    ) {
         let start = answers.len();
         answers.resize(start + silents.len(), None);
         let mut held = Vec::with_capacity(silents.len());
@@ -125,7 +130,11 @@ impl StatusReader {
             match holds(silent) {
                 Ok(true) => held.push(n),
                 Ok(false) => {
-                    debug!(pid, key = format_args!("{key:#x}"), "status not read: the request ended or its key began another");
+                    debug!(
+                        pid,
+                        key = format_args!("{key:#x}"),
+                        "status not read: the request ended or its key began another"
+                    );
                     self.reads.not_held += 1;
                 }
                 Err(err) => {
@@ -147,7 +156,12 @@ impl StatusReader {
 
     /// What the value read for `silent` says, once the kernel says the
     /// read did not race a release (the memory may have been freed mid-read).
-    fn judge(&mut self, silent: &Silent, value: io::Result<i64>, holds: impl Fn(&Silent) -> Result<bool>) -> Option<StageRead> {
+    fn judge(
+        &mut self,
+        silent: &Silent,
+        value: io::Result<i64>,
+        holds: impl Fn(&Silent) -> Result<bool>,
+    ) -> Option<StageRead> {
         let (pid, key) = (silent.pid, silent.key);
         let value = match value {
             Ok(value) => value,
@@ -156,7 +170,10 @@ impl StatusReader {
                 return None;
             }
             Err(err) => {
-                return self.unreadable(format!("reading the status of pid {pid} key {key:#x} (profile {}, line {}): {err}", self.spec.origin, self.spec.line));
+                return self.unreadable(format!(
+                    "reading the status of pid {pid} key {key:#x} (profile {}, line {}): {err}",
+                    self.spec.origin, self.spec.line
+                ));
             }
         };
         if !matches!(holds(silent), Ok(true)) {
@@ -173,8 +190,7 @@ impl StatusReader {
                 self.reads.unrecognised += 1;
                 self.last_problem = Some(format!(
                     "pid {pid} key {key:#x}: status {value}, which no `values` rule of the [status] of profile {}, line {} takes",
-                    self.spec.origin,
-                    self.spec.line
+                    self.spec.origin, self.spec.line
                 ));
                 None
             }
@@ -220,7 +236,10 @@ fn read_values(pid: u32, keys: &[u64], spec: &StatusSpec) -> (Vec<io::Result<i64
         RetType::I32 => (4, |word| i64::from(i32::from_ne_bytes([word[0], word[1], word[2], word[3]]))),
         RetType::I64 => (8, i64::from_ne_bytes),
     };
-    let values = read_words(pid, at, width, &mut calls).into_iter().map(|word| word.map(|word| value(word.to_ne_bytes()))).collect();
+    let values = read_words(pid, at, width, &mut calls)
+        .into_iter()
+        .map(|word| word.map(|word| value(word.to_ne_bytes())))
+        .collect();
     (values, calls)
 }
 
@@ -257,7 +276,9 @@ fn read_words(pid: u32, addrs: Vec<io::Result<u64>>, width: usize, calls: &mut u
         // element of `words`, which lives, unmoved, until the call returns;
         // the remote addresses are only read by the kernel, in the other
         // process.
-        let got = unsafe { libc::process_vm_readv(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0) };
+        let got = unsafe {
+            libc::process_vm_readv(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0)
+        };
         let done = match usize::try_from(got) {
             Ok(bytes) => (bytes / width).min(chunk.len()),
             Err(_) => {
@@ -297,7 +318,10 @@ mod tests {
              [status]\nat = {at}\ntype = \"{ty}\"\nvalues = [\n  {{ when = \"== 1\", event = \"transfer_posted\" }},\n  \
              {{ when = \"== 0\", event = \"transfer_done\" }},\n  {{ when = \"< 0\", event = \"failed\" }},\n]\n"
         );
-        StatusReader::new(Profile::parse(&text, "test").expect("profile").status.expect("[status]"), CompleteAt::Released)
+        StatusReader::new(
+            Profile::parse(&text, "test").expect("profile").status.expect("[status]"),
+            CompleteAt::Released,
+        )
     }
 
     /// One request read alone.
@@ -328,9 +352,15 @@ mod tests {
         let mut handle = Handle { _pad: 0, status: 1, _more: 0, inner: &raw const deep };
         let key = (&raw const handle) as u64;
         let mut direct = reader("{ from = \"key\", add = 8 }", "i32");
-        assert_eq!(direct.read_one(&silent(key), || Ok(true)), Some(StageRead { stage: Stage::TransferPosted, ends: false }));
+        assert_eq!(
+            direct.read_one(&silent(key), || Ok(true)),
+            Some(StageRead { stage: Stage::TransferPosted, ends: false })
+        );
         handle.status = 0;
-        assert_eq!(direct.read_one(&silent(key), || Ok(true)), Some(StageRead { stage: Stage::TransferDone, ends: false }));
+        assert_eq!(
+            direct.read_one(&silent(key), || Ok(true)),
+            Some(StageRead { stage: Stage::TransferDone, ends: false })
+        );
         let mut through = reader("{ from = \"key\", deref = [16] }", "i64");
         assert_eq!(through.read_one(&silent(key), || Ok(true)), Some(StageRead { stage: Stage::Failed, ends: false }));
         handle.status = 7;
@@ -368,7 +398,11 @@ mod tests {
         assert_eq!(status.read_one(&gone, || Ok(true)), None);
         assert_eq!(status.reads(), StatusReads { unreadable: 2, process_gone: 1, ..StatusReads::default() });
         assert_eq!(through.reads().unreadable, 1);
-        assert!(status.last_problem.as_deref().is_some_and(|p| p.contains("bpf(2) failed")), "{:?}", status.last_problem);
+        assert!(
+            status.last_problem.as_deref().is_some_and(|p| p.contains("bpf(2) failed")),
+            "{:?}",
+            status.last_problem
+        );
     }
 
     #[test]
@@ -386,7 +420,13 @@ mod tests {
         let (values, calls) = read_values(pid, &keys, &spec);
         assert_eq!(calls, 1 + (2500 - 701usize).div_ceil(IOV_MAX), "one call up to it, then on from the next");
         assert_eq!(values[700].as_ref().map_err(io::Error::raw_os_error).err(), Some(Some(libc::EFAULT)));
-        assert!(values.iter().enumerate().filter(|(n, _)| *n != 700).all(|(n, value)| value.as_ref().ok() == Some(&i64::from(n as i32 % 3 - 1))));
+        assert!(
+            values
+                .iter()
+                .enumerate()
+                .filter(|(n, _)| *n != 700)
+                .all(|(n, value)| value.as_ref().ok() == Some(&i64::from(n as i32 % 3 - 1)))
+        );
         // Through a pointer: a call per step of the chain.
         let deep: Vec<i64> = (0..1500).collect();
         let handles: Vec<Handle> = deep.iter().map(|d| Handle { _pad: 0, status: 0, _more: 0, inner: d }).collect();
@@ -404,7 +444,8 @@ mod tests {
     #[test]
     fn a_batch_answers_each_request_in_order_with_processes_mixed() {
         // The third is not held: were it read, 5 would count as unrecognised.
-        let handles: Vec<Handle> = [-1, 0, 5, 1].map(|status| Handle { _pad: 0, status, _more: 0, inner: std::ptr::null() }).into();
+        let handles: Vec<Handle> =
+            [-1, 0, 5, 1].map(|status| Handle { _pad: 0, status, _more: 0, inner: std::ptr::null() }).into();
         let mut silents: Vec<Silent> = handles.iter().map(|handle| silent((&raw const *handle) as u64)).collect();
         // A gone process's request between two of ours, one not held.
         silents.insert(1, Silent { pid: 1 << 30, ..silents[0] });
@@ -413,7 +454,14 @@ mod tests {
         let read = |stage| Some(StageRead { stage, ends: false });
         let mut answers = vec![read(Stage::Enqueued)];
         status.read(&silents, |silent| Ok(silent.key != unheld || silent.pid != std::process::id()), &mut answers);
-        let expected = [read(Stage::Enqueued), read(Stage::Failed), None, read(Stage::TransferDone), None, read(Stage::TransferPosted)];
+        let expected = [
+            read(Stage::Enqueued),
+            read(Stage::Failed),
+            None,
+            read(Stage::TransferDone),
+            None,
+            read(Stage::TransferPosted),
+        ];
         assert_eq!(answers, expected, "the answer before the batch kept, then one per request in order");
         assert_eq!(status.reads(), StatusReads { answered: 3, not_held: 1, process_gone: 1, ..StatusReads::default() });
         std::hint::black_box(&handles);

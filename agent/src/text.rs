@@ -48,7 +48,8 @@ pub fn escaped(text: &str) -> Cow<'_, str> {
 /// Unicode line and paragraph separators, and the bidirectional controls
 /// that reorder what a terminal shows.
 fn is_unsafe(c: char) -> bool {
-    c.is_control() || matches!(c, '\u{2028}' | '\u{2029}' | '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    c.is_control()
+        || matches!(c, '\u{2028}' | '\u{2029}' | '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }
 
 fn push_escape(out: &mut String, c: char) {

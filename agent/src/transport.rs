@@ -96,15 +96,25 @@ impl Evidence {
         };
         let count = |n: u64| if n == 0 { "none".to_owned() } else { n.to_string() };
         let completed = match (&self.peer, self.since.get(ActivityKind::Completion).calls) {
-            (Some(peer), _) => format!("{} to {} completed, {} to other peers", count(peer.to_peer), peer.peer, count(peer.to_others)),
+            (Some(peer), _) => {
+                format!("{} to {} completed, {} to other peers", count(peer.to_peer), peer.peer, count(peer.to_others))
+            }
             (None, 0) => "none completed".to_owned(),
             (None, n) => format!("{n} completed"),
         };
         let progress = match self.progress_window_ns {
-            Some(ns) => format!("{} progress calls in the last {:.1}s", self.since.get(ActivityKind::Progress).calls, ns as f64 / 1e9),
+            Some(ns) => format!(
+                "{} progress calls in the last {:.1}s",
+                self.since.get(ActivityKind::Progress).calls,
+                ns as f64 / 1e9
+            ),
             None => "progress not watched".to_owned(),
         };
-        format!("last post {}, last completion {}, {progress}, {completed}", ago(ActivityKind::Post), ago(ActivityKind::Completion))
+        format!(
+            "last post {}, last completion {}, {progress}, {completed}",
+            ago(ActivityKind::Post),
+            ago(ActivityKind::Completion)
+        )
     }
 }
 
@@ -187,7 +197,12 @@ impl ProcessTransport {
     /// The evidence for a stalled request of this process, from the newest
     /// sample, judged per peer where `peer` is known; `None` when the
     /// process has no transport probes.
-    pub fn evidence(&self, request: &RequestSnapshot, class: StallClass, peer: Option<PeerCompletions>) -> Option<Evidence> {
+    pub fn evidence(
+        &self,
+        request: &RequestSnapshot,
+        class: StallClass,
+        peer: Option<PeerCompletions>,
+    ) -> Option<Evidence> {
         if !self.has_activity_probe {
             return None;
         }
@@ -203,7 +218,10 @@ impl ProcessTransport {
         let progress_window_ns = match self.progress_since {
             Some(attached_ns) if attached_ns > request.last_ns => {
                 let from = self.sample_at(attached_ns)?;
-                let calls = total.get(ActivityKind::Progress).calls.saturating_sub(from.totals.get(ActivityKind::Progress).calls);
+                let calls = total
+                    .get(ActivityKind::Progress)
+                    .calls
+                    .saturating_sub(from.totals.get(ActivityKind::Progress).calls);
                 since.0[ActivityKind::Progress as usize].calls = calls;
                 Some(newest.at_ns.saturating_sub(from.at_ns))
             }
@@ -229,10 +247,9 @@ impl ProcessTransport {
     /// transport probes, with how long its progress probes had been
     /// attached then (`None`: they were not).
     pub fn latest(&self) -> Option<(Totals, u64, Option<u64>)> {
-        self.history
-            .back()
-            .filter(|_| self.has_activity_probe)
-            .map(|sample| (sample.totals, sample.at_ns, self.progress_since.map(|since| sample.at_ns.saturating_sub(since))))
+        self.history.back().filter(|_| self.has_activity_probe).map(|sample| {
+            (sample.totals, sample.at_ns, self.progress_since.map(|since| sample.at_ns.saturating_sub(since)))
+        })
     }
 }
 
@@ -287,7 +304,8 @@ impl Tracker {
     /// transfers all complete read "last completion never".
     pub fn observe_end(&mut self, report: &Report) {
         let Report::Ended { request, outcome: Outcome::Released | Outcome::Completed, at_ns } = report else { return };
-        let done_seen = request.stage_at(Stage::TransferDone).is_some() && !request.inferred.contains(Stage::TransferDone);
+        let done_seen =
+            request.stage_at(Stage::TransferDone).is_some() && !request.inferred.contains(Stage::TransferDone);
         if request.stage_at(Stage::TransferPosted).is_some() && !done_seen {
             self.complete(request.pid, *at_ns);
         }
@@ -331,7 +349,12 @@ impl Tracker {
 
     /// The evidence for a stalled request, from the newest sample; `None`
     /// when its process has no transport probes.
-    pub fn evidence(&self, request: &RequestSnapshot, class: StallClass, peer: Option<PeerCompletions>) -> Option<Evidence> {
+    pub fn evidence(
+        &self,
+        request: &RequestSnapshot,
+        class: StallClass,
+        peer: Option<PeerCompletions>,
+    ) -> Option<Evidence> {
         self.processes.get(&request.pid)?.evidence(request, class, peer)
     }
 
@@ -353,7 +376,11 @@ impl Tracker {
 
     /// The evidence a report's alert carries: stalls only, judged per
     /// peer where `peer_of` knows the stalled transfer's.
-    pub fn for_report(&self, report: &Report, peer_of: impl FnOnce(&RequestSnapshot) -> Option<PeerCompletions>) -> Option<Evidence> {
+    pub fn for_report(
+        &self,
+        report: &Report,
+        peer_of: impl FnOnce(&RequestSnapshot) -> Option<PeerCompletions>,
+    ) -> Option<Evidence> {
         match report {
             Report::Stalled { request, class, .. } => self.evidence(request, *class, peer_of(request)),
             _ => None,
@@ -379,7 +406,17 @@ mod tests {
     fn stalled(pid: u32, stage: Stage, last_ns: u64) -> RequestSnapshot {
         let mut stage_ns = [None; 4];
         stage_ns[0] = Some(last_ns);
-        RequestSnapshot { pid, key: 1, external_id: None, stage, stage_ns, first_ns: last_ns, last_ns, stalled: None, inferred: Default::default() }
+        RequestSnapshot {
+            pid,
+            key: 1,
+            external_id: None,
+            stage,
+            stage_ns,
+            first_ns: last_ns,
+            last_ns,
+            stalled: None,
+            inferred: Default::default(),
+        }
     }
 
     #[test]
@@ -389,7 +426,8 @@ mod tests {
         tracker.record(7, 10 * S, totals(5, 0, 100, 10 * S));
         tracker.record(7, 11 * S, totals(6, 0, 150, 11 * S));
         tracker.record(7, 80 * S, totals(6, 0, 120_150, 79 * S));
-        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 11 * S), StallClass::TransferHung, None).unwrap();
+        let evidence =
+            tracker.evidence(&stalled(7, Stage::TransferPosted, 11 * S), StallClass::TransferHung, None).unwrap();
         assert_eq!(evidence.verdict, Verdict::PeerUnresponsive);
         assert_eq!(evidence.since.get(ActivityKind::Progress).calls, 120_000);
         assert_eq!(evidence.since.get(ActivityKind::Post).calls, 0);
@@ -405,7 +443,8 @@ mod tests {
         tracker.progress_attached(7, Some(10 * S));
         tracker.record(7, 10 * S, totals(1, 0, 10, 10 * S));
         tracker.record(7, 80 * S, totals(1, 0, 10, 10 * S));
-        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung, None).unwrap();
+        let evidence =
+            tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung, None).unwrap();
         assert_eq!(evidence.verdict, Verdict::NoProgress);
     }
 
@@ -414,10 +453,18 @@ mod tests {
         let mut tracker = Tracker::new(60 * S);
         tracker.record(7, 10 * S, totals(1, 0, 10, 10 * S));
         for n in 0..3 {
-            tracker.observe(&Observation { pid: 7, key: 100 + n, stage: Stage::TransferDone, ts_ns: 20 * S, external_id: None, ends: false });
+            tracker.observe(&Observation {
+                pid: 7,
+                key: 100 + n,
+                stage: Stage::TransferDone,
+                ts_ns: 20 * S,
+                external_id: None,
+                ends: false,
+            });
         }
         tracker.record(7, 80 * S, totals(4, 0, 40, 20 * S));
-        let evidence = tracker.evidence(&stalled(7, Stage::TransferDone, 10 * S), StallClass::ReleaseLost, None).unwrap();
+        let evidence =
+            tracker.evidence(&stalled(7, Stage::TransferDone, 10 * S), StallClass::ReleaseLost, None).unwrap();
         assert_eq!(evidence.since.get(ActivityKind::Completion).calls, 3);
         assert_eq!(evidence.verdict, Verdict::OthersCompleting);
     }
@@ -425,7 +472,8 @@ mod tests {
     /// The end of request `key` of pid 7, released at `at_ns` after the
     /// stages timed in `stage_ns`.
     fn released(key: u64, stage_ns: [Option<u64>; 4], inferred: StageSet, at_ns: u64) -> Report {
-        let request = RequestSnapshot { key, stage: Stage::Released, stage_ns, inferred, ..stalled(7, Stage::Released, at_ns) };
+        let request =
+            RequestSnapshot { key, stage: Stage::Released, stage_ns, inferred, ..stalled(7, Stage::Released, at_ns) };
         Report::Ended { request, outcome: Outcome::Released, at_ns }
     }
 
@@ -440,11 +488,19 @@ mod tests {
         // posted (no transfer to complete).
         tracker.observe_end(&released(1, [Some(S), Some(11 * S), None, Some(20 * S)], StageSet::EMPTY, 20 * S));
         tracker.observe_end(&released(2, [Some(S), Some(11 * S), Some(15 * S), Some(20 * S)], done_inferred, 20 * S));
-        tracker.observe(&Observation { pid: 7, key: 3, stage: Stage::TransferDone, ts_ns: 19 * S, external_id: None, ends: false });
+        tracker.observe(&Observation {
+            pid: 7,
+            key: 3,
+            stage: Stage::TransferDone,
+            ts_ns: 19 * S,
+            external_id: None,
+            ends: false,
+        });
         tracker.observe_end(&released(3, [Some(S), Some(11 * S), Some(19 * S), Some(20 * S)], StageSet::EMPTY, 20 * S));
         tracker.observe_end(&released(4, [Some(S), None, None, Some(20 * S)], StageSet::EMPTY, 20 * S));
         tracker.record(7, 80 * S, totals(4, 0, 40, 20 * S));
-        let evidence = tracker.evidence(&stalled(7, Stage::TransferDone, 10 * S), StallClass::ReleaseLost, None).unwrap();
+        let evidence =
+            tracker.evidence(&stalled(7, Stage::TransferDone, 10 * S), StallClass::ReleaseLost, None).unwrap();
         assert_eq!(evidence.since.get(ActivityKind::Completion).calls, 3);
         assert_eq!(evidence.total.get(ActivityKind::Completion).last_ns, Some(20 * S));
         assert_eq!(evidence.verdict, Verdict::OthersCompleting);
@@ -489,14 +545,25 @@ mod tests {
         assert_eq!(judged_with_peer(0, 500, Some((0, 0))).verdict, Verdict::PeerUnresponsive);
         assert_eq!(judged_with_peer(0, 0, Some((0, 0))).verdict, Verdict::NoProgress);
         let evidence = judged_with_peer(0, 0, Some((0, 0)));
-        assert!(evidence.summary().ends_with("none to decode-0 completed, none to other peers"), "{}", evidence.summary());
+        assert!(
+            evidence.summary().ends_with("none to decode-0 completed, none to other peers"),
+            "{}",
+            evidence.summary()
+        );
         assert_eq!(evidence.peer.as_ref().map(|p| &*p.peer), Some("decode-0"));
     }
 
     #[test]
     fn a_process_without_transport_probes_has_no_evidence() {
         let mut tracker = Tracker::new(60 * S);
-        tracker.observe(&Observation { pid: 8, key: 1, stage: Stage::TransferDone, ts_ns: S, external_id: None, ends: false });
+        tracker.observe(&Observation {
+            pid: 8,
+            key: 1,
+            stage: Stage::TransferDone,
+            ts_ns: S,
+            external_id: None,
+            ends: false,
+        });
         assert_eq!(tracker.evidence(&stalled(8, Stage::Enqueued, S), StallClass::WaitingForPeer, None), None);
     }
 
@@ -510,7 +577,10 @@ mod tests {
         let kept = tracker.processes[&7].history.len();
         assert!(kept <= 8, "{kept}");
         let evidence = tracker.evidence(&stalled(7, Stage::Enqueued, 0), StallClass::WaitingForPeer, None).unwrap();
-        assert_eq!(evidence.since.get(ActivityKind::Progress).calls, 990 - tracker.processes[&7].history[0].totals.get(ActivityKind::Progress).calls);
+        assert_eq!(
+            evidence.since.get(ActivityKind::Progress).calls,
+            990 - tracker.processes[&7].history[0].totals.get(ActivityKind::Progress).calls
+        );
         assert_eq!(evidence.verdict, Verdict::PeerUnresponsive);
     }
 
@@ -573,12 +643,17 @@ mod tests {
         tracker.progress_attached(7, Some(5 * S));
         tracker.record(7, 10 * S, totals(1, 0, 700, 10 * S));
         tracker.record(7, 70 * S, totals(1, 0, 1700, 70 * S));
-        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung, None).unwrap();
-        assert_eq!((evidence.progress_window_ns, evidence.since.get(ActivityKind::Progress).calls), (Some(60 * S), 1000));
+        let evidence =
+            tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung, None).unwrap();
+        assert_eq!(
+            (evidence.progress_window_ns, evidence.since.get(ActivityKind::Progress).calls),
+            (Some(60 * S), 1000)
+        );
 
         // Unlinked again: nothing is claimed of progress any more.
         tracker.progress_attached(7, None);
-        let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung, None).unwrap();
+        let evidence =
+            tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung, None).unwrap();
         assert_eq!((evidence.progress_window_ns, evidence.since.get(ActivityKind::Progress).calls), (None, 0));
     }
 }

@@ -213,7 +213,9 @@ fn unopened(parent: BorrowedFd<'_>, name: &CStr, path: &Path, role: Role, err: i
         let shown = path.display();
         let fix = match role {
             Role::Ancestor => format!("give the path without symlinks (the real directory {shown} points to)"),
-            Role::Own => format!("give the real directory's path, or remove the link ({shown}) and let stallwatch create the directory"),
+            Role::Own => format!(
+                "give the real directory's path, or remove the link ({shown}) and let stallwatch create the directory"
+            ),
         };
         return Untrusted {
             path: path.to_owned(),
@@ -247,7 +249,9 @@ fn judge(path: &Path, stat: &libc::stat, role: Role) -> Result<(), Untrusted> {
         );
         return match role {
             Role::Own => untrusted(reason, own_fix()),
-            Role::Ancestor => untrusted(reason, format!("`chown root {shown}`, or give a path whose every directory is root's")),
+            Role::Ancestor => {
+                untrusted(reason, format!("`chown root {shown}`, or give a path whose every directory is root's"))
+            }
         };
     }
     match role {
@@ -256,7 +260,9 @@ fn judge(path: &Path, stat: &libc::stat, role: Role) -> Result<(), Untrusted> {
                 "{shown} (mode {mode:04o}) is writable by its group or by anyone, and not sticky: another user \
                  could rename what stallwatch keeps below it"
             ),
-            format!("`chmod go-w {shown}` (or `chmod +t {shown}` for a shared directory like /tmp), or give another path"),
+            format!(
+                "`chmod go-w {shown}` (or `chmod +t {shown}` for a shared directory like /tmp), or give another path"
+            ),
         ),
         Role::Own if others_write => untrusted(
             format!(
@@ -264,7 +270,11 @@ fn judge(path: &Path, stat: &libc::stat, role: Role) -> Result<(), Untrusted> {
                  files in place of what stallwatch keeps there"
             ),
             // A shared directory (/tmp) stays shared: use one of its own.
-            if sticky { format!("give a directory of its own below {shown} (stallwatch creates it, mode 0700)") } else { own_fix() },
+            if sticky {
+                format!("give a directory of its own below {shown} (stallwatch creates it, mode 0700)")
+            } else {
+                own_fix()
+            },
         ),
         Role::Ancestor | Role::Own => Ok(()),
     }
@@ -303,7 +313,8 @@ fn fstat(fd: BorrowedFd<'_>, path: &Path) -> Result<libc::stat> {
     let mut stat: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: a descriptor we hold and a valid out pointer.
     if unsafe { libc::fstat(fd.as_raw_fd(), &mut stat) } != 0 {
-        return Err(io::Error::last_os_error()).with_context(|| format!("reading the owner and mode of {}", path.display()));
+        return Err(io::Error::last_os_error())
+            .with_context(|| format!("reading the owner and mode of {}", path.display()));
     }
     Ok(stat)
 }
@@ -318,7 +329,6 @@ fn readlinkat(parent: BorrowedFd<'_>, name: &CStr) -> io::Result<PathBuf> {
     buf.truncate(len as usize);
     Ok(PathBuf::from(OsString::from_vec(buf)))
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -399,8 +409,15 @@ mod tests {
             chmod(&sub, mode);
             let refused = refusal(TrustedDir::create(&sub));
             assert_eq!(refused.path, sub);
-            assert!(refused.reason.contains(&format!("(mode {mode:04o}) is writable by its group or by anyone")), "{refused}");
-            let fix = if mode == 0o1777 { format!("a directory of its own below {}", sub.display()) } else { format!("chmod 700 {}", sub.display()) };
+            assert!(
+                refused.reason.contains(&format!("(mode {mode:04o}) is writable by its group or by anyone")),
+                "{refused}"
+            );
+            let fix = if mode == 0o1777 {
+                format!("a directory of its own below {}", sub.display())
+            } else {
+                format!("chmod 700 {}", sub.display())
+            };
             assert!(refused.fix.contains(&fix), "{refused}");
         }
         // A directory it keeps inside is held to the same rules.

@@ -129,16 +129,10 @@ pub fn from_cgroup(text: &str) -> Workload {
 
 fn container_id(part: &str) -> Option<String> {
     let part = part.strip_suffix(".scope").unwrap_or(part);
-    let id = [
-        "cri-containerd-",
-        "crio-",
-        "docker-",
-        "cri-dockerd-",
-        "libpod-",
-    ]
-    .iter()
-    .find_map(|prefix| part.strip_prefix(prefix))
-    .unwrap_or(part);
+    let id = ["cri-containerd-", "crio-", "docker-", "cri-dockerd-", "libpod-"]
+        .iter()
+        .find_map(|prefix| part.strip_prefix(prefix))
+        .unwrap_or(part);
     (id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit())).then(|| id.to_ascii_lowercase())
 }
 
@@ -151,13 +145,7 @@ fn pod_uid(part: &str) -> Option<String> {
     }
     let uid = part[at + 3..].replace('_', "-");
     let shape = uid.len() == 36
-        && uid.char_indices().all(|(i, c)| {
-            if [8, 13, 18, 23].contains(&i) {
-                c == '-'
-            } else {
-                c.is_ascii_hexdigit()
-            }
-        });
+        && uid.char_indices().all(|(i, c)| if [8, 13, 18, 23].contains(&i) { c == '-' } else { c.is_ascii_hexdigit() });
     shape.then_some(uid)
 }
 
@@ -191,10 +179,7 @@ impl Source {
                 "--kubernetes {setting:?} is neither `off` nor an http:// URL (e.g. http://127.0.0.1:8001 for `kubectl proxy`)"
             );
         }
-        Ok(Source::Api {
-            base: setting.trim_end_matches('/').to_owned(),
-            node: node.filter(|n| !n.trim().is_empty()),
-        })
+        Ok(Source::Api { base: setting.trim_end_matches('/').to_owned(), node: node.filter(|n| !n.trim().is_empty()) })
     }
 }
 
@@ -219,9 +204,7 @@ pub struct Directory {
 
 impl fmt::Debug for Directory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Directory")
-            .field("source", &self.source)
-            .finish_non_exhaustive()
+        f.debug_struct("Directory").field("source", &self.source).finish_non_exhaustive()
     }
 }
 
@@ -236,12 +219,7 @@ impl Directory {
                     .context("building the Kubernetes API client")?,
             ),
         };
-        Ok(Self {
-            source,
-            client,
-            cache: Arc::default(),
-            by_pid: Arc::default(),
-        })
+        Ok(Self { source, client, cache: Arc::default(), by_pid: Arc::default() })
     }
 
     /// What is known of `pid` now (nothing until [`resolve`](Self::resolve) ran).
@@ -286,11 +264,8 @@ impl Directory {
         if let Some(found) = self.cached(&ids) {
             return found;
         }
-        let due = self
-            .cache
-            .lock()
-            .map(|cache| cache.listed.is_none_or(|at| at.elapsed() >= MIN_RELIST))
-            .unwrap_or(false);
+        let due =
+            self.cache.lock().map(|cache| cache.listed.is_none_or(|at| at.elapsed() >= MIN_RELIST)).unwrap_or(false);
         if due {
             match self.list(base, node.as_deref()).await {
                 Ok(n) => debug!(pods = n, "listed the node's pods"),
@@ -311,9 +286,7 @@ impl Directory {
         found.container_id = ids.container_id.clone().or(found.container_id);
         // A pod found by UID alone: which of its containers is unknown.
         if ids.container_id.is_some()
-            && !cache
-                .by_container
-                .contains_key(ids.container_id.as_deref().unwrap_or_default())
+            && !cache.by_container.contains_key(ids.container_id.as_deref().unwrap_or_default())
         {
             found.container = None;
         }
@@ -331,28 +304,23 @@ impl Directory {
             Some(node) => format!("{base}/api/v1/pods?fieldSelector=spec.nodeName%3D{node}"),
             None => format!("{base}/api/v1/pods"),
         };
-        let response =
-            client.get(&url).send().await.with_context(|| {
-                format!("listing pods at {base}: is the API (kubectl proxy) up?")
-            })?;
-        let status = response.status();
-        let body = response
-            .text()
+        let response = client
+            .get(&url)
+            .send()
             .await
-            .with_context(|| format!("reading the pod list from {base}"))?;
+            .with_context(|| format!("listing pods at {base}: is the API (kubectl proxy) up?"))?;
+        let status = response.status();
+        let body = response.text().await.with_context(|| format!("reading the pod list from {base}"))?;
         if !status.is_success() {
             let hint = if status.as_u16() == 403 {
                 ": the service account may not list pods (agent/deploy/components/workload-identity binds a ClusterRole that may)"
             } else {
                 ""
             };
-            bail!(
-                "listing pods at {base}: {status}{hint}: {}",
-                body.chars().take(200).collect::<String>()
-            );
+            bail!("listing pods at {base}: {status}{hint}: {}", body.chars().take(200).collect::<String>());
         }
-        let list: Value = serde_json::from_str(&body)
-            .with_context(|| format!("the pod list from {base} is not JSON"))?;
+        let list: Value =
+            serde_json::from_str(&body).with_context(|| format!("the pod list from {base} is not JSON"))?;
         let (by_container, by_uid) = index(&list);
         let n = by_uid.len();
         if let Ok(mut cache) = self.cache.lock() {
@@ -364,32 +332,19 @@ impl Directory {
 }
 
 /// A `PodList`'s pods by container id and by UID.
-fn index(
-    list: &Value,
-) -> (
-    HashMap<String, Arc<Workload>>,
-    HashMap<String, Arc<Workload>>,
-) {
+fn index(list: &Value) -> (HashMap<String, Arc<Workload>>, HashMap<String, Arc<Workload>>) {
     let mut by_container = HashMap::new();
     let mut by_uid = HashMap::new();
     for pod in list["items"].as_array().into_iter().flatten() {
         let text = |value: &Value| value.as_str().map(str::to_owned);
         let meta = &pod["metadata"];
-        let controller = meta["ownerReferences"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|o| o["controller"] == true);
-        let (mut owner_kind, mut owner) = (
-            controller.and_then(|o| text(&o["kind"])),
-            controller.and_then(|o| text(&o["name"])),
-        );
+        let controller = meta["ownerReferences"].as_array().into_iter().flatten().find(|o| o["controller"] == true);
+        let (mut owner_kind, mut owner) =
+            (controller.and_then(|o| text(&o["kind"])), controller.and_then(|o| text(&o["name"])));
         // A Deployment's pods are owned by its ReplicaSet `NAME-HASH`.
-        if let (Some("ReplicaSet"), Some(name), Some(hash)) = (
-            owner_kind.as_deref(),
-            owner.as_deref(),
-            meta["labels"]["pod-template-hash"].as_str(),
-        ) {
+        if let (Some("ReplicaSet"), Some(name), Some(hash)) =
+            (owner_kind.as_deref(), owner.as_deref(), meta["labels"]["pod-template-hash"].as_str())
+        {
             if let Some(deployment) = name.strip_suffix(hash).and_then(|n| n.strip_suffix('-')) {
                 owner = Some(deployment.to_owned());
                 owner_kind = Some("Deployment".to_owned());
@@ -406,11 +361,7 @@ fn index(
             node: text(&pod["spec"]["nodeName"]),
         };
         let status = &pod["status"];
-        for statuses in [
-            "containerStatuses",
-            "initContainerStatuses",
-            "ephemeralContainerStatuses",
-        ] {
+        for statuses in ["containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses"] {
             for container in status[statuses].as_array().into_iter().flatten() {
                 // `containerd://ID`, `cri-o://ID`, `docker://ID`
                 let Some(id) = container["containerID"]
@@ -420,11 +371,8 @@ fn index(
                 else {
                     continue;
                 };
-                let workload = Workload {
-                    container_id: Some(id.clone()),
-                    container: text(&container["name"]),
-                    ..base.clone()
-                };
+                let workload =
+                    Workload { container_id: Some(id.clone()), container: text(&container["name"]), ..base.clone() };
                 by_container.insert(id, Arc::new(workload));
             }
         }
@@ -452,14 +400,9 @@ mod tests {
                 ),
                 "systemd containerd",
             ),
+            (format!("0::/kubepods.slice/kubepods-pod{uid_}.slice/crio-{ID}.scope\n"), "systemd cri-o, guaranteed"),
             (
-                format!("0::/kubepods.slice/kubepods-pod{uid_}.slice/crio-{ID}.scope\n"),
-                "systemd cri-o, guaranteed",
-            ),
-            (
-                format!(
-                    "12:memory:/kubepods/besteffort/pod{UID}/{ID}\n11:cpu:/kubepods/besteffort/pod{UID}/{ID}\n"
-                ),
+                format!("12:memory:/kubepods/besteffort/pod{UID}/{ID}\n11:cpu:/kubepods/besteffort/pod{UID}/{ID}\n"),
                 "cgroupfs v1",
             ),
         ] {
@@ -473,10 +416,7 @@ mod tests {
         // A process in no container: nothing, and no error.
         assert!(from_cgroup("0::/user.slice/user-0.slice/session-3.scope\n").is_empty());
         assert!(from_cgroup("").is_empty());
-        assert!(
-            from_cgroup("0::/system.slice/podman.service\n").is_empty(),
-            "`pod` inside a word is not a pod UID"
-        );
+        assert!(from_cgroup("0::/system.slice/podman.service\n").is_empty(), "`pod` inside a word is not a pod UID");
     }
 
     #[test]
@@ -491,10 +431,7 @@ mod tests {
         let (by_container, by_uid) = index(&list);
         let w = &by_container[ID];
         assert_eq!(w.to_string(), "llm/prefill-7d9f8-abcde/sglang");
-        assert_eq!(
-            (w.owner_kind.as_deref(), w.owner.as_deref()),
-            (Some("Deployment"), Some("prefill"))
-        );
+        assert_eq!((w.owner_kind.as_deref(), w.owner.as_deref()), (Some("Deployment"), Some("prefill")));
         assert_eq!(w.node.as_deref(), Some("gpu-1"));
         assert_eq!(by_uid[UID].container, None);
         assert_eq!(w.labels()[1], ("k8s_owner_name", "prefill".to_owned()));
@@ -505,21 +442,9 @@ mod tests {
         assert_eq!(Source::parse("off", None).expect("off"), Source::Off);
         assert_eq!(
             Source::parse("http://127.0.0.1:8001/", Some("n".into())).expect("http"),
-            Source::Api {
-                base: "http://127.0.0.1:8001".into(),
-                node: Some("n".into())
-            }
+            Source::Api { base: "http://127.0.0.1:8001".into(), node: Some("n".into()) }
         );
-        assert!(
-            format!(
-                "{:#}",
-                Source::parse("https://10.0.0.1", None).expect_err("tls")
-            )
-            .contains("kubectl proxy")
-        );
-        assert!(
-            format!("{:#}", Source::parse("kubernetes", None).expect_err("what"))
-                .contains("neither `off`")
-        );
+        assert!(format!("{:#}", Source::parse("https://10.0.0.1", None).expect_err("tls")).contains("kubectl proxy"));
+        assert!(format!("{:#}", Source::parse("kubernetes", None).expect_err("what")).contains("neither `off`"));
     }
 }

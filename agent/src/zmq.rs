@@ -76,18 +76,11 @@ pub struct Message {
 pub enum Hit<'a> {
     /// `zmq_msg_recv` returned `size` (-1: nothing received) for `msg`;
     /// `tail` is the `zmq_msg_t` from +8.
-    Recv {
-        msg: u64,
-        size: i64,
-        tail: Option<&'a [u8; EXT_ID_LEN]>,
-    },
+    Recv { msg: u64, size: i64, tail: Option<&'a [u8; EXT_ID_LEN]> },
     /// `zmq_msg_data(msg)` returned, `data` its first bytes.
     Data { msg: u64, data: Option<&'a [u8]> },
     /// `zmq_msg_send` entered with `flags`, `tail` the `zmq_msg_t` from +8.
-    Send {
-        flags: u64,
-        tail: Option<&'a [u8; EXT_ID_LEN]>,
-    },
+    Send { flags: u64, tail: Option<&'a [u8; EXT_ID_LEN]> },
 }
 
 /// Per-thread frame streams, turned into messages.
@@ -129,13 +122,7 @@ impl Assembler {
             self.threads.remove(&(pid, tid));
         }
         let (direction, frames) = done.filter(|(_, frames)| !frames.is_empty())?;
-        Some(Message {
-            pid,
-            tid,
-            ts_ns,
-            direction,
-            frames,
-        })
+        Some(Message { pid, tid, ts_ns, direction, frames })
     }
 
     /// The process is gone: its half-read messages with it.
@@ -172,16 +159,10 @@ fn step(thread: &mut Thread, hit: Hit<'_>, garbled: &mut u64) -> Option<(Directi
             };
             thread.pending = None;
             let frame = match data {
-                Some(data) => Frame {
-                    bytes: data[..size.min(data.len())].into(),
-                    complete: size <= data.len(),
-                },
+                Some(data) => Frame { bytes: data[..size.min(data.len())].into(), complete: size <= data.len() },
                 None => {
                     *garbled += 1;
-                    Frame {
-                        bytes: Box::default(),
-                        complete: size == 0,
-                    }
+                    Frame { bytes: Box::default(), complete: size == 0 }
                 }
             };
             push(&mut thread.incoming, frame, garbled);
@@ -190,20 +171,13 @@ fn step(thread: &mut Thread, hit: Hit<'_>, garbled: &mut u64) -> Option<(Directi
         Hit::Send { flags, tail } => {
             thread.orphan = None;
             let frame = match tail {
-                Some(tail) if tail[TYPE_AT] == TYPE_VSM && usize::from(tail[VSM_SIZE_AT]) <= VSM_MAX => Frame {
-                    bytes: tail[..usize::from(tail[VSM_SIZE_AT])].into(),
-                    complete: true,
-                },
-                Some(_) => Frame {
-                    bytes: Box::default(),
-                    complete: false,
-                },
+                Some(tail) if tail[TYPE_AT] == TYPE_VSM && usize::from(tail[VSM_SIZE_AT]) <= VSM_MAX => {
+                    Frame { bytes: tail[..usize::from(tail[VSM_SIZE_AT])].into(), complete: true }
+                }
+                Some(_) => Frame { bytes: Box::default(), complete: false },
                 None => {
                     *garbled += 1;
-                    Frame {
-                        bytes: Box::default(),
-                        complete: false,
-                    }
+                    Frame { bytes: Box::default(), complete: false }
                 }
             };
             push(&mut thread.outgoing, frame, garbled);
@@ -241,19 +215,7 @@ mod tests {
 
     fn receive(asm: &mut Assembler, tid: u32, msg: u64, bytes: &[u8], more: bool) -> Option<Message> {
         let tail = vsm(bytes, more);
-        assert_eq!(
-            asm.hit(
-                1,
-                tid,
-                5,
-                Hit::Recv {
-                    msg,
-                    size: bytes.len() as i64,
-                    tail: Some(&tail)
-                }
-            ),
-            None
-        );
+        assert_eq!(asm.hit(1, tid, 5, Hit::Recv { msg, size: bytes.len() as i64, tail: Some(&tail) }), None);
         let mut data = [0x55; EXT_ID_LEN];
         let n = bytes.len().min(EXT_ID_LEN);
         data[..n].copy_from_slice(&bytes[..n]);
@@ -272,17 +234,11 @@ mod tests {
         let long = [b'x'; 100];
         assert_eq!(receive(&mut asm, 7, 0x100, &long, true), None);
         let message = receive(&mut asm, 7, 0x100, b"", false).expect("a message");
-        assert_eq!(
-            (message.direction, message.tid, message.ts_ns),
-            (Direction::Received, 7, 6)
-        );
+        assert_eq!((message.direction, message.tid, message.ts_ns), (Direction::Received, 7, 6));
         assert_eq!(message.frames.len(), 4);
         assert_eq!(message.frames[0].whole(), Some(b"NixlMsgGuard".as_slice()));
         assert_eq!(message.frames[1].whole(), Some(b"42".as_slice()));
-        assert_eq!(
-            (message.frames[2].bytes.len(), message.frames[2].complete),
-            (EXT_ID_LEN, false)
-        );
+        assert_eq!((message.frames[2].bytes.len(), message.frames[2].complete), (EXT_ID_LEN, false));
         assert_eq!(message.frames[3].whole(), Some(b"".as_slice()));
         assert!(asm.threads.is_empty(), "nothing held between messages");
     }
@@ -293,44 +249,10 @@ mod tests {
         assert_eq!(receive(&mut asm, 1, 0x100, b"ABORT", true), None);
         // Another thread's message in between, and a send's fill of its frame.
         assert!(receive(&mut asm, 2, 0x200, b"solo", false).is_some());
-        assert_eq!(
-            asm.hit(
-                1,
-                1,
-                7,
-                Hit::Data {
-                    msg: 0x999,
-                    data: Some(&[0; EXT_ID_LEN])
-                }
-            ),
-            None
-        );
+        assert_eq!(asm.hit(1, 1, 7, Hit::Data { msg: 0x999, data: Some(&[0; EXT_ID_LEN]) }), None);
         // A receive that failed (EAGAIN) leaves no frame behind it.
-        assert_eq!(
-            asm.hit(
-                1,
-                1,
-                7,
-                Hit::Recv {
-                    msg: 0x100,
-                    size: -1,
-                    tail: None
-                }
-            ),
-            None
-        );
-        assert_eq!(
-            asm.hit(
-                1,
-                1,
-                7,
-                Hit::Data {
-                    msg: 0x100,
-                    data: Some(&[0; EXT_ID_LEN])
-                }
-            ),
-            None
-        );
+        assert_eq!(asm.hit(1, 1, 7, Hit::Recv { msg: 0x100, size: -1, tail: None }), None);
+        assert_eq!(asm.hit(1, 1, 7, Hit::Data { msg: 0x100, data: Some(&[0; EXT_ID_LEN]) }), None);
         let message = receive(&mut asm, 1, 0x100, b"7", false).expect("a message");
         assert_eq!(texts(&message), [b"ABORT".as_slice(), b"7"]);
         assert_eq!(asm.garbled, 0);
@@ -365,15 +287,7 @@ mod tests {
         let mut asm = Assembler::default();
         let send = |asm: &mut Assembler, bytes: &[u8], more: bool| {
             let tail = vsm(bytes, false);
-            asm.hit(
-                1,
-                3,
-                9,
-                Hit::Send {
-                    flags: if more { SNDMORE } else { 0 },
-                    tail: Some(&tail),
-                },
-            )
+            asm.hit(1, 3, 9, Hit::Send { flags: if more { SNDMORE } else { 0 }, tail: Some(&tail) })
         };
         assert_eq!(send(&mut asm, b"KV_STATUS", true), None);
         assert_eq!(send(&mut asm, b"1234567890123456789", true), None);
@@ -381,24 +295,10 @@ mod tests {
         // A long frame (not inline): known to be there, its bytes not.
         let mut long = vsm(b"", false);
         long[TYPE_AT] = 102;
-        assert_eq!(
-            asm.hit(
-                1,
-                3,
-                9,
-                Hit::Send {
-                    flags: SNDMORE,
-                    tail: Some(&long)
-                }
-            ),
-            None
-        );
+        assert_eq!(asm.hit(1, 3, 9, Hit::Send { flags: SNDMORE, tail: Some(&long) }), None);
         let message = send(&mut asm, b"", false).expect("a message");
         assert_eq!(message.direction, Direction::Sent);
-        assert_eq!(
-            texts(&message),
-            [b"KV_STATUS".as_slice(), b"1234567890123456789", b"4", b"", b""]
-        );
+        assert_eq!(texts(&message), [b"KV_STATUS".as_slice(), b"1234567890123456789", b"4", b"", b""]);
         assert!(!message.frames[3].complete && message.frames[4].complete);
     }
 
@@ -407,44 +307,13 @@ mod tests {
         let mut asm = Assembler::default();
         // An unreadable zmq_msg_t, a size past the capture, an inline size
         // no inline frame has, a data read that failed.
-        assert_eq!(
-            asm.hit(
-                1,
-                1,
-                1,
-                Hit::Recv {
-                    msg: 1,
-                    size: 5,
-                    tail: None
-                }
-            ),
-            None
-        );
+        assert_eq!(asm.hit(1, 1, 1, Hit::Recv { msg: 1, size: 5, tail: None }), None);
         let mut bad = vsm(b"", false);
         bad[VSM_SIZE_AT] = 200;
-        let message = asm
-            .hit(
-                1,
-                1,
-                1,
-                Hit::Send {
-                    flags: 0,
-                    tail: Some(&bad),
-                },
-            )
-            .expect("a message");
+        let message = asm.hit(1, 1, 1, Hit::Send { flags: 0, tail: Some(&bad) }).expect("a message");
         assert!(!message.frames[0].complete);
         let tail = vsm(b"abc", false);
-        asm.hit(
-            1,
-            1,
-            1,
-            Hit::Recv {
-                msg: 2,
-                size: 3,
-                tail: Some(&tail),
-            },
-        );
+        asm.hit(1, 1, 1, Hit::Recv { msg: 2, size: 3, tail: Some(&tail) });
         let message = asm.hit(1, 1, 1, Hit::Data { msg: 2, data: None }).expect("a message");
         assert!(!message.frames[0].complete);
         assert_eq!(asm.garbled, 2);

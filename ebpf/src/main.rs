@@ -21,8 +21,8 @@ use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, pt_regs},
     helpers::{
-        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_loop, bpf_probe_read_user,
-        bpf_probe_read_user_buf, bpf_probe_read_user_str_bytes, generated::bpf_get_attach_cookie,
+        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_loop, bpf_probe_read_user, bpf_probe_read_user_buf,
+        bpf_probe_read_user_str_bytes, generated::bpf_get_attach_cookie,
     },
     macros::{btf_tracepoint, map, uprobe, uretprobe},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
@@ -31,10 +31,9 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use core::ffi::c_void;
 use stallwatch_common::{
-    EXT_ID_LEN, Event, InflightEntry, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS, MSGPACK_HEAD,
-    MSGPACK_STEPS, MSGPACK_TAG_LEN, MsgpackElement, NOT_EMITTED, RequestKey, RetRule, SAVED_ARGS, SavedArgs,
-    SavedArgsKey, SlotConfig, ValueSource, base, cmp, counter, event_flags, msgpack, slot_flags, stage,
-    withheld,
+    EXT_ID_LEN, Event, InflightEntry, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS, MSGPACK_HEAD, MSGPACK_STEPS,
+    MSGPACK_TAG_LEN, MsgpackElement, NOT_EMITTED, RequestKey, RetRule, SAVED_ARGS, SavedArgs, SavedArgsKey, SlotConfig,
+    ValueSource, base, cmp, counter, event_flags, msgpack, slot_flags, stage, withheld,
 };
 
 /// `BPF_F_NO_PREALLOC`: the in-flight tables take memory per request held,
@@ -132,16 +131,7 @@ pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
         let (value, matched) = entry_value(cfg, &args);
         emit(slot, cfg, &args, value, matched);
     } else {
-        emit(
-            slot,
-            cfg,
-            &args,
-            0,
-            Matched {
-                rules: 0,
-                stage: cfg.stage,
-            },
-        );
+        emit(slot, cfg, &args, 0, Matched { rules: 0, stage: cfg.stage });
     }
     0
 }
@@ -152,21 +142,14 @@ pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
 /// event itself is never lost to the read).
 #[inline(always)]
 fn entry_value(cfg: &SlotConfig, args: &Args) -> (i64, Matched) {
-    let own = Matched {
-        rules: 0,
-        stage: cfg.stage,
-    };
+    let own = Matched { rules: 0, stage: cfg.stage };
     let Some(key) = resolve(&cfg.key, args, 0, 0) else {
         return (0, own);
     };
     let Some(raw) = resolve(&cfg.value, args, 0, key) else {
         return (0, own);
     };
-    let value = if cfg.flags & slot_flags::RET_I32 != 0 {
-        i64::from(raw as i32)
-    } else {
-        raw as i64
-    };
+    let value = if cfg.flags & slot_flags::RET_I32 != 0 { i64::from(raw as i32) } else { raw as i64 };
     (value, match_rules(cfg, value).unwrap_or(own))
 }
 
@@ -180,11 +163,7 @@ pub fn lifecycle_return(ctx: RetProbeContext) -> u32 {
     }
     count_hit(slot);
     let raw: u64 = ctx.ret();
-    let ret = if cfg.flags & slot_flags::RET_I32 != 0 {
-        i64::from(raw as i32)
-    } else {
-        raw as i64
-    };
+    let ret = if cfg.flags & slot_flags::RET_I32 != 0 { i64::from(raw as i32) } else { raw as i64 };
     // The rules before the saved arguments: a return filtered out (a
     // status poll answering "in progress") costs no lookup of them. What
     // it leaves behind is tied to its frame, which no other return has.
@@ -246,7 +225,7 @@ enum Args {
 }
 
 impl Args {
-#[inline(always)]
+    #[inline(always)]
     fn get(&self, n: usize) -> Option<u64> {
         match self {
             Self::Live(regs) => live_arg(*regs, n),
@@ -445,7 +424,9 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         && !ends
         && !wants_ext
         && cfg.flags & slot_flags::QUIET != 0
-        && live.is_some_and(|entry| entry.withheld & withheld::UNKNOWN == 0 && ts.saturating_sub(entry.last_ns) < cfg.quiet_ns)
+        && live.is_some_and(|entry| {
+            entry.withheld & withheld::UNKNOWN == 0 && ts.saturating_sub(entry.last_ns) < cfg.quiet_ns
+        })
     {
         bump(counter::WITHHELD);
         track(&request, held, matched.stage, ends, ts, None, Delivery::Withheld(emitted));
@@ -481,7 +462,8 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         (*event).pid = request.pid;
         (*event).tid = pid_tgid as u32;
         (*event).slot = slot;
-        (*event).flags = if cfg.flags & slot_flags::ENDS != 0 { matched.rules | event_flags::ENDS } else { matched.rules };
+        (*event).flags =
+            if cfg.flags & slot_flags::ENDS != 0 { matched.rules | event_flags::ENDS } else { matched.rules };
         (*event).stage = matched.stage;
         (*event).ext[0] = 0;
         // The external id, or else the stage times withheld before this
@@ -521,11 +503,8 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
             track(&request, held, matched.stage, ends, ts, ext, Delivery::Sent { last: emitted, carried });
         }
     }
-    let wakeup = if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKEUP_AT {
-        BPF_RB_FORCE_WAKEUP
-    } else {
-        BPF_RB_NO_WAKEUP
-    };
+    let wakeup =
+        if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKEUP_AT { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP };
     entry.submit(u64::from(wakeup));
     if only_on_change && ends {
         let _ = LAST.insert(&request, &emitted, 0);

@@ -14,7 +14,9 @@ use std::{
 };
 
 use serde_json::Value;
-use stallwatch_tests::{Agent, COMPLETED, Demo, Line, METRICS, Proc, alerts, demo_bin, require_root, summary, test_bpf_dir};
+use stallwatch_tests::{
+    Agent, COMPLETED, Demo, Line, METRICS, Proc, alerts, demo_bin, require_root, summary, test_bpf_dir,
+};
 
 /// `--rate` beyond what the demo can do with its probes hit: it runs
 /// flat out, as many requests as possible in flight through the window.
@@ -114,7 +116,8 @@ fn a_restarted_busy_target_is_re_attached_without_false_stalls() {
     require_root();
     let marker = format!("demo-prefill-attach-test-{}", std::process::id());
     let first = busy_demo(&marker);
-    let agent = Agent::discover(&["--exe", "demo-prefill", "--cmdline", &format!("^{marker} ")], "demo", TIMEOUT, &METRICS);
+    let agent =
+        Agent::discover(&["--exe", "demo-prefill", "--cmdline", &format!("^{marker} ")], "demo", TIMEOUT, &METRICS);
     agent.wait_watching(first.pid());
     // The first target's requests are followed before it dies.
     agent.wait_completed(1_000);
@@ -137,8 +140,19 @@ fn a_restarted_busy_target_is_re_attached_without_false_stalls() {
 /// which stall, then execs `then` (a program and its arguments).
 fn exec_demo(then: &[&str]) -> Demo {
     let mut args = vec![
-        "--rate", "500", "--duration", "30s", "--inject-after", "100ms", "--waiting-for-peer", "1", "--transfer-hung", "1",
-        "--exec-after", "2500ms", "--",
+        "--rate",
+        "500",
+        "--duration",
+        "30s",
+        "--inject-after",
+        "100ms",
+        "--waiting-for-peer",
+        "1",
+        "--transfer-hung",
+        "1",
+        "--exec-after",
+        "2500ms",
+        "--",
     ];
     args.extend_from_slice(then);
     Demo::start(&args)
@@ -151,7 +165,11 @@ fn assert_old_requests_ended(seen: &[Line], pid: u32, old: &HashSet<String>) {
     let keys: HashSet<String> = exited.iter().map(key_of).collect();
     assert_eq!(&keys, old, "{exited:?}");
     for alert in &exited {
-        assert_eq!((alert["pid"].as_u64(), alert["process"].as_str()), (Some(u64::from(pid)), Some("demo-prefill")), "{alert}");
+        assert_eq!(
+            (alert["pid"].as_u64(), alert["process"].as_str()),
+            (Some(u64::from(pid)), Some("demo-prefill")),
+            "{alert}"
+        );
     }
 }
 
@@ -162,7 +180,8 @@ fn an_exec_under_pid_ends_the_old_programs_requests_and_follows_the_new_one() {
     let demo_path = demo_path.to_str().expect("utf-8 path");
     // The new program pins one request of its own, once the agent has had
     // time to attach to it.
-    let mut demo = exec_demo(&[demo_path, "--rate", "500", "--duration", "30s", "--inject-after", "3s", "--release-lost", "1"]);
+    let mut demo =
+        exec_demo(&[demo_path, "--rate", "500", "--duration", "30s", "--inject-after", "3s", "--release-lost", "1"]);
     let pid = demo.proc.pid();
     let agent = Agent::watch(pid, "demo", TIMEOUT, &["--ephemeral"]);
     demo.go();
@@ -202,6 +221,9 @@ fn an_exec_under_pid_into_a_program_the_profile_does_not_fit_stops_the_agent() {
     let summary = summary(&lines);
     assert_eq!((summary["stalled"].as_u64(), summary["process_exited"].as_u64()), (Some(2), Some(2)), "{summary}");
     let stderr = agent.proc.stderr();
-    assert!(stderr.contains("exec'd a new program") && stderr.contains("not watching the target's new program"), "{stderr}");
+    assert!(
+        stderr.contains("exec'd a new program") && stderr.contains("not watching the target's new program"),
+        "{stderr}"
+    );
     assert!(demo.proc.child.try_wait().expect("try_wait").is_none(), "the target lives on as /bin/sleep");
 }

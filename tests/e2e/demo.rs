@@ -1,10 +1,6 @@
 //! The agent against the real demo target: real eBPF in this kernel, real
 //! uprobes on a real process.
-use std::{
-    collections::HashMap,
-    process::Command,
-    time::Duration,
-};
+use std::{collections::HashMap, process::Command, time::Duration};
 
 use serde_json::Value;
 use stallwatch_tests::{Agent, Demo, Injected, Line, agent_bin, alerts, injected, require_root, run_to_end, summary};
@@ -35,7 +31,11 @@ fn key_of(alert: &Value) -> String {
 /// room, reported while stuck: after the timeout, within timeout + 1 s of
 /// the request's last lifecycle event (the test saw that event's `injected`
 /// line just after it happened). Returns how often each key was reported.
-fn stalls_on_time(agent_lines: &[Line], injected: &HashMap<String, Injected>, timeout: Duration) -> HashMap<String, usize> {
+fn stalls_on_time(
+    agent_lines: &[Line],
+    injected: &HashMap<String, Injected>,
+    timeout: Duration,
+) -> HashMap<String, usize> {
     let mut seen: HashMap<String, usize> = HashMap::new();
     for (at, alert) in alerts(agent_lines, "stalled") {
         let key = key_of(&alert);
@@ -55,7 +55,20 @@ fn stalls_on_time(agent_lines: &[Line], injected: &HashMap<String, Injected>, ti
 #[test]
 fn every_injected_stall_is_reported_once_with_its_class_while_stuck() {
     let (mut demo, agent) = watched(
-        &["--rate", "2000", "--duration", "7s", "--inject-after", "500ms", "--waiting-for-peer", "2", "--transfer-hung", "2", "--release-lost", "2"],
+        &[
+            "--rate",
+            "2000",
+            "--duration",
+            "7s",
+            "--inject-after",
+            "500ms",
+            "--waiting-for-peer",
+            "2",
+            "--transfer-hung",
+            "2",
+            "--release-lost",
+            "2",
+        ],
         "2s",
     );
     // The demo exits at 7 s, so the agent sees its exit and ends by itself.
@@ -87,7 +100,8 @@ fn ten_thousand_healthy_requests_raise_no_alert() {
     let done = demo_lines.iter().filter_map(Line::json).find(|v| v["event"] == "done").expect("demo done line");
     assert_eq!(done["healthy"], 12000, "{done}");
 
-    let alert_lines: Vec<&Line> = agent_lines.iter().filter(|l| l.json().is_some_and(|v| v["alert"] != "summary")).collect();
+    let alert_lines: Vec<&Line> =
+        agent_lines.iter().filter(|l| l.json().is_some_and(|v| v["alert"] != "summary")).collect();
     assert!(alert_lines.is_empty(), "healthy requests raised alerts: {alert_lines:?}");
     let summary = summary(&agent_lines);
     // Every lifecycle was seen whole: nothing lost, nothing left in flight.
@@ -137,7 +151,18 @@ fn a_stall_that_moves_on_is_reported_recovered() {
 #[test]
 fn a_nested_status_poll_never_lends_its_arguments_to_the_outer_call() {
     let (mut demo, agent) = watched(
-        &["--rate", "500", "--duration", "4s", "--inject-after", "300ms", "--transfer-hung", "1", "--nested-polls", "3"],
+        &[
+            "--rate",
+            "500",
+            "--duration",
+            "4s",
+            "--inject-after",
+            "300ms",
+            "--transfer-hung",
+            "1",
+            "--nested-polls",
+            "3",
+        ],
         "2s",
     );
     let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(30));
@@ -156,7 +181,8 @@ fn a_nested_status_poll_never_lends_its_arguments_to_the_outer_call() {
 
 #[test]
 fn failed_and_aborted_requests_end_their_lifecycles() {
-    let (mut demo, agent) = watched(&["--rate", "1000", "--requests", "500", "--fail", "3", "--abort", "2", "--duration", "10s"], "1s");
+    let (mut demo, agent) =
+        watched(&["--rate", "1000", "--requests", "500", "--fail", "3", "--abort", "2", "--duration", "10s"], "1s");
     let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(30));
     let failed: Vec<Value> = alerts(&agent_lines, "failed").map(|(_, v)| v).collect();
     assert_eq!(failed.len(), 3, "{agent_lines:?}");
@@ -177,7 +203,20 @@ fn failed_and_aborted_requests_end_their_lifecycles() {
 #[test]
 fn a_finished_status_polled_again_is_not_sent_again() {
     let (mut demo, agent) = watched(
-        &["--rate", "1000", "--requests", "400", "--fail", "100", "--repoll", "4", "--release-lost", "1", "--duration", "4s"],
+        &[
+            "--rate",
+            "1000",
+            "--requests",
+            "400",
+            "--fail",
+            "100",
+            "--repoll",
+            "4",
+            "--release-lost",
+            "1",
+            "--duration",
+            "4s",
+        ],
         "1s",
     );
     let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(30));
@@ -194,7 +233,8 @@ fn a_finished_status_polled_again_is_not_sent_again() {
 
 #[test]
 fn sigint_prints_the_summary_with_requests_still_stuck() {
-    let (_demo, agent) = watched(&["--rate", "200", "--duration", "30s", "--inject-after", "100ms", "--waiting-for-peer", "1"], "1s");
+    let (_demo, agent) =
+        watched(&["--rate", "200", "--duration", "30s", "--inject-after", "100ms", "--waiting-for-peer", "1"], "1s");
     let mut lines = Vec::new();
     agent.wait_alerts("stalled", 1, Duration::from_secs(10), &mut lines);
     lines.extend(agent.stop());
@@ -239,8 +279,18 @@ fn at_the_highest_rate_nothing_is_lost_and_stalls_are_on_time() {
     let (mut demo, agent) = watched_with(
         &[
             // More than it can do: as fast as it goes.
-            "--rate", "1000000000", "--duration", "4s", "--inject-after", "500ms",
-            "--waiting-for-peer", "1", "--transfer-hung", "1", "--release-lost", "1",
+            "--rate",
+            "1000000000",
+            "--duration",
+            "4s",
+            "--inject-after",
+            "500ms",
+            "--waiting-for-peer",
+            "1",
+            "--transfer-hung",
+            "1",
+            "--release-lost",
+            "1",
         ],
         "2s",
         &["--tick", "500ms"],

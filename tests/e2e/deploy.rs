@@ -10,7 +10,9 @@ use std::{
 };
 
 use serde_json::Value;
-use stallwatch_tests::{Demo, Proc, agent_bin, require_root, root, run_to_end, summary, test_bpf_dir, test_socket, venv_python};
+use stallwatch_tests::{
+    Demo, Proc, agent_bin, require_root, root, run_to_end, summary, test_bpf_dir, test_socket, venv_python,
+};
 
 /// A file of the kustomize base (the Dockerfile is one level up).
 fn deploy(file: &str) -> PathBuf {
@@ -75,22 +77,10 @@ fn broken_copy(from: &str, to: &str) -> tempfile::NamedTempFile {
 #[test]
 fn the_daemonset_passes_the_kubernetes_schemas() {
     let (ok, out) = validate(&deploy("daemonset.yaml"));
-    assert!(
-        ok,
-        "agent/deploy/base/daemonset.yaml does not validate:\n{out}"
-    );
-    assert!(
-        out.contains("passed for resource daemonset/stallwatch"),
-        "{out}"
-    );
-    assert!(
-        out.contains("passed for resource namespace/stallwatch"),
-        "{out}"
-    );
-    assert!(
-        !out.contains("Couldn't find schema"),
-        "every resource was checked against a schema:\n{out}"
-    );
+    assert!(ok, "agent/deploy/base/daemonset.yaml does not validate:\n{out}");
+    assert!(out.contains("passed for resource daemonset/stallwatch"), "{out}");
+    assert!(out.contains("passed for resource namespace/stallwatch"), "{out}");
+    assert!(!out.contains("Couldn't find schema"), "every resource was checked against a schema:\n{out}");
 }
 
 #[test]
@@ -153,10 +143,12 @@ fn run_takes_its_settings_from_the_config_file_and_flags_win() {
     std::fs::write(file.path(), text).expect("writing the config");
     let mut agent = Proc::spawn(
         "stallwatch",
-        Command::new(agent_bin())
-            .args(["run", "--config"])
-            .arg(file.path())
-            .args(["--pid", &demo.proc.pid().to_string(), "--output", "json"]),
+        Command::new(agent_bin()).args(["run", "--config"]).arg(file.path()).args([
+            "--pid",
+            &demo.proc.pid().to_string(),
+            "--output",
+            "json",
+        ]),
     );
     agent.wait_stderr("watching", Duration::from_secs(30));
     assert!(agent.stderr().contains("timeout=1s"), "the file's timeout: {}", agent.stderr());
@@ -168,9 +160,16 @@ fn run_takes_its_settings_from_the_config_file_and_flags_win() {
     let status = agent.wait(Duration::from_secs(5));
     let _ = std::fs::remove_dir_all(&bpf_dir);
     assert!(status.success(), "agent exited with {status}; stderr:\n{}", agent.stderr());
-    assert!(pinned.as_ref().is_ok_and(|&n| n > 0), "the agent pins its state in the file's bpf_dir {}: {pinned:?}", bpf_dir.display());
+    assert!(
+        pinned.as_ref().is_ok_and(|&n| n > 0),
+        "the agent pins its state in the file's bpf_dir {}: {pinned:?}",
+        bpf_dir.display()
+    );
     let summary = summary(&lines);
-    assert!(summary["seen"].as_u64().is_some_and(|seen| seen > 0), "the flag's JSON output, with requests seen: {summary}");
+    assert!(
+        summary["seen"].as_u64().is_some_and(|seen| seen > 0),
+        "the flag's JSON output, with requests seen: {summary}"
+    );
 }
 
 #[test]
@@ -179,16 +178,11 @@ fn the_daemonset_runs_the_agent_privileged_on_gpu_nodes_with_the_config() {
     let pod = &ds["spec"]["template"]["spec"];
     assert_eq!(pod["hostPID"], true);
     assert_eq!(pod["nodeSelector"]["nvidia.com/gpu.present"], "true");
-    assert_eq!(
-        pod["nodeSelector"]["kubernetes.io/arch"], "amd64",
-        "the kernel side is x86-64 only"
-    );
+    assert_eq!(pod["nodeSelector"]["kubernetes.io/arch"], "amd64", "the kernel side is x86-64 only");
     // Every taint tolerated (a GPU taint, a cordon, a drain), as node agents do.
     let tolerations = pod["tolerations"].as_array().expect("tolerations");
     assert!(
-        tolerations.iter().any(|t| t["operator"] == "Exists"
-            && t.get("key").is_none()
-            && t.get("effect").is_none()),
+        tolerations.iter().any(|t| t["operator"] == "Exists" && t.get("key").is_none() && t.get("effect").is_none()),
         "{pod:#}"
     );
     assert_eq!(pod["priorityClassName"], "system-node-critical");
@@ -197,7 +191,10 @@ fn the_daemonset_runs_the_agent_privileged_on_gpu_nodes_with_the_config() {
     let agent = &containers[0];
     assert_eq!(agent["securityContext"]["privileged"], true);
     for kind in ["requests", "limits"] {
-        assert!(agent["resources"][kind]["cpu"].is_string() && agent["resources"][kind]["memory"].is_string(), "{kind}: {agent:#}");
+        assert!(
+            agent["resources"][kind]["cpu"].is_string() && agent["resources"][kind]["memory"].is_string(),
+            "{kind}: {agent:#}"
+        );
     }
 
     // `run --config FILE`, FILE inside the ConfigMap's mount.
@@ -206,7 +203,8 @@ fn the_daemonset_runs_the_agent_privileged_on_gpu_nodes_with_the_config() {
     assert_eq!(args[0], "run");
     let config_path = Path::new(args[at + 1]);
     let mounts = agent["volumeMounts"].as_array().expect("volumeMounts");
-    let mount_of = |dir: &str| mounts.iter().find(|m| m["mountPath"] == dir).unwrap_or_else(|| panic!("nothing mounted at {dir}"));
+    let mount_of =
+        |dir: &str| mounts.iter().find(|m| m["mountPath"] == dir).unwrap_or_else(|| panic!("nothing mounted at {dir}"));
     let config_dir = config_path.parent().and_then(Path::to_str).expect("config dir");
     let config_volume = mount_of(config_dir)["name"].as_str().expect("volume name");
     let volumes = pod["volumes"].as_array().expect("volumes");
@@ -231,11 +229,8 @@ fn the_daemonset_runs_the_agent_privileged_on_gpu_nodes_with_the_config() {
     }
     // A bpffs the agent mounts reaches the host, so its pins outlive the pod.
     assert_eq!(mount_of("/sys/fs/bpf")["mountPropagation"], "Bidirectional");
-    let (ok, check, stderr) = run_to_end(
-        Command::new(agent_bin())
-            .args(["config", "check"])
-            .arg(deploy("config.toml")),
-    );
+    let (ok, check, stderr) =
+        run_to_end(Command::new(agent_bin()).args(["config", "check"]).arg(deploy("config.toml")));
     assert!(ok, "{stderr}");
     let socket = check.lines().find_map(|l| l.trim().strip_prefix("socket")).map(str::trim).expect("socket line");
     assert!(socket.starts_with("/run/stallwatch/"), "the agent's socket is in the mounted /run/stallwatch: {socket}");
@@ -272,10 +267,7 @@ fn probes_ask_the_agent_over_http_and_the_init_check_runs_doctor_from_the_image(
     // per probe, as `doctor` would.
     for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
         assert_eq!(agent[probe]["httpGet"]["path"], path, "{probe}: {agent:#}");
-        assert_eq!(
-            agent[probe]["httpGet"]["port"], "metrics",
-            "{probe}: {agent:#}"
-        );
+        assert_eq!(agent[probe]["httpGet"]["port"], "metrics", "{probe}: {agent:#}");
         assert!(agent[probe].get("exec").is_none(), "{probe}");
     }
     let init = &pod["initContainers"][0];
@@ -285,21 +277,10 @@ fn probes_ask_the_agent_over_http_and_the_init_check_runs_doctor_from_the_image(
     let dockerfile = read(&deploy("Dockerfile"));
     let binary = "/usr/local/bin/stallwatch";
     assert!(
-        dockerfile
-            .lines()
-            .any(|l| l.starts_with("COPY --from=build") && l.trim_end().ends_with(binary)),
+        dockerfile.lines().any(|l| l.starts_with("COPY --from=build") && l.trim_end().ends_with(binary)),
         "Dockerfile copies no {binary}"
     );
-    assert!(
-        dockerfile.contains(&format!("ENTRYPOINT [\"{binary}\"]")),
-        "the image's entrypoint is {binary}"
-    );
-    assert!(
-        dockerfile.contains("cargo run --release -p xtask -- build"),
-        "the image builds through xtask"
-    );
-    assert!(
-        dockerfile.contains("COPY agent/deploy/base/config.toml /etc/stallwatch/config.toml"),
-        "{dockerfile}"
-    );
+    assert!(dockerfile.contains(&format!("ENTRYPOINT [\"{binary}\"]")), "the image's entrypoint is {binary}");
+    assert!(dockerfile.contains("cargo run --release -p xtask -- build"), "the image builds through xtask");
+    assert!(dockerfile.contains("COPY agent/deploy/base/config.toml /etc/stallwatch/config.toml"), "{dockerfile}");
 }

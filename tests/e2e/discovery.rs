@@ -6,7 +6,9 @@
 use std::{process::Command, time::Duration};
 
 use serde_json::Value;
-use stallwatch_tests::{Agent, Demo, Line, Proc, alerts, require_root, root, run_to_end, summary, test_socket, venv_python};
+use stallwatch_tests::{
+    Agent, Demo, Line, Proc, alerts, require_root, root, run_to_end, summary, test_socket, venv_python,
+};
 
 const WAIT: Duration = Duration::from_secs(10);
 const PINNED: &[&str] = &["--rate", "200", "--duration", "30s", "--inject-after", "100ms", "--waiting-for-peer", "1"];
@@ -58,9 +60,14 @@ fn a_library_loaded_after_exec_is_found_and_watched() {
     let agent = Agent::discover(&["--lib", "libnixl.so", "--cmdline", "driver\\.py --mode"], "nixl", "2s", &[]);
     let mut driver = Proc::spawn(
         "nixl driver",
-        Command::new(venv_python())
-            .arg(root().join("tests/nixl/driver.py"))
-            .args(["--mode", "never-post", "--count", "2", "--max-seconds", "60"]),
+        Command::new(venv_python()).arg(root().join("tests/nixl/driver.py")).args([
+            "--mode",
+            "never-post",
+            "--count",
+            "2",
+            "--max-seconds",
+            "60",
+        ]),
     );
     let ready = driver.next_line(Duration::from_secs(30), "ready line").json().expect("ready JSON");
     let initiator = ready["initiator_pid"].as_u64().expect("initiator_pid") as u32;
@@ -83,10 +90,19 @@ fn selectors_that_match_nothing_yet_still_run_and_a_bad_one_is_refused() {
     let socket = socket.to_str().expect("utf-8 socket path");
     let agent = Agent::discover(&["--exe", "no-such-program-here"], "demo", "1s", &["--socket", socket]);
     // Still running after its first scan: it answers, watching nothing yet.
-    let (ok, answer, stderr) = run_to_end(Command::new(stallwatch_tests::agent_bin()).args(["inflight", "--json", "--socket", socket]));
-    assert!(ok, "the agent no longer answers after a scan that matched nothing: {stderr}\nagent:\n{}", agent.proc.stderr());
+    let (ok, answer, stderr) =
+        run_to_end(Command::new(stallwatch_tests::agent_bin()).args(["inflight", "--json", "--socket", socket]));
+    assert!(
+        ok,
+        "the agent no longer answers after a scan that matched nothing: {stderr}\nagent:\n{}",
+        agent.proc.stderr()
+    );
     let answer: Value = serde_json::from_str(&answer).expect("inflight --json");
-    assert_eq!((answer["processes"].as_array().map(Vec::len), answer["requests"].as_array().map(Vec::len)), (Some(0), Some(0)), "{answer}");
+    assert_eq!(
+        (answer["processes"].as_array().map(Vec::len), answer["requests"].as_array().map(Vec::len)),
+        (Some(0), Some(0)),
+        "{answer}"
+    );
     let lines = agent.stop();
     assert_eq!(summary(&lines)["seen"], 0);
     let out = Command::new(stallwatch_tests::agent_bin())
@@ -134,7 +150,16 @@ fn threads_killed_inside_a_return_probed_function_do_not_disable_return_probes()
     // done transfer is seen done (a lost `transfer_done` would make the
     // stall `transfer_hung`) and no event is lost.
     let mut last = Demo::start(&[
-        "--stuck-in-poll", "1", "--rate", "200", "--duration", "30s", "--inject-after", "300ms", "--release-lost", "1",
+        "--stuck-in-poll",
+        "1",
+        "--rate",
+        "200",
+        "--duration",
+        "30s",
+        "--inject-after",
+        "300ms",
+        "--release-lost",
+        "1",
     ]);
     let pid = last.proc.pid();
     agent.wait_watching(pid);

@@ -13,7 +13,8 @@ use stallwatch_tests::{agent_bin, require_root, run_to_end};
 fn doctor_json(command: &mut Command) -> (bool, Value, String) {
     let (ok, stdout, stderr) = run_to_end(command.args(["doctor", "--json"]));
     assert!(!stderr.contains("panicked"), "{stderr}");
-    let report: Value = serde_json::from_str(&stdout).unwrap_or_else(|err| panic!("doctor --json is not JSON ({err}):\n{stdout}\nstderr:\n{stderr}"));
+    let report: Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|err| panic!("doctor --json is not JSON ({err}):\n{stdout}\nstderr:\n{stderr}"));
     (ok, report, stderr)
 }
 
@@ -102,8 +103,23 @@ fn the_human_report_has_every_check_and_the_fixes() {
     require_root();
     let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).arg("doctor"));
     assert!(ok, "{stdout}\n{stderr}");
-    for name in ["kernel", "privileges", "btf", "uprobe_pmu", "ringbuf", "ebpf_load", "uprobe_attach", "exec_tracepoint", "tracefs", "bpffs", "memlock"] {
-        assert!(stdout.lines().any(|line| line.split_whitespace().any(|word| word == name)), "no `{name}` line:\n{stdout}");
+    for name in [
+        "kernel",
+        "privileges",
+        "btf",
+        "uprobe_pmu",
+        "ringbuf",
+        "ebpf_load",
+        "uprobe_attach",
+        "exec_tracepoint",
+        "tracefs",
+        "bpffs",
+        "memlock",
+    ] {
+        assert!(
+            stdout.lines().any(|line| line.split_whitespace().any(|word| word == name)),
+            "no `{name}` line:\n{stdout}"
+        );
     }
     assert!(stdout.contains("all required checks passed"), "{stdout}");
     if !tracefs_mounted() {
@@ -137,30 +153,24 @@ fn without_privileges_doctor_fails_and_says_what_to_grant() {
     let (ok, report, stderr) = doctor_json(Command::new(&copy.path).uid(65534).gid(65534).current_dir("/"));
     assert!(!ok, "doctor passed as nobody:\n{report:#}");
     assert_eq!(report["ok"], false);
-    let failed: Vec<&str> = report["failed_required"].as_array().expect("list").iter().filter_map(Value::as_str).collect();
+    let failed: Vec<&str> =
+        report["failed_required"].as_array().expect("list").iter().filter_map(Value::as_str).collect();
     for name in ["privileges", "ringbuf", "ebpf_load", "uprobe_attach"] {
         assert!(failed.contains(&name), "{name} not among the failed: {failed:?}");
         assert_eq!(check(&report, name)["status"], "missing");
     }
     let privileges = check(&report, "privileges");
     assert!(
-        privileges["detail"]
-            .as_str()
-            .is_some_and(|d| d.starts_with("euid 65534") && d.contains("lacks CAP_BPF")),
+        privileges["detail"].as_str().is_some_and(|d| d.starts_with("euid 65534") && d.contains("lacks CAP_BPF")),
         "{privileges:#}"
     );
     assert!(
         privileges["fix"]
             .as_str()
-            .is_some_and(|f| f.contains("CAP_SYS_ADMIN (attaching uprobes")
-                && f.contains("privileged: true")),
+            .is_some_and(|f| f.contains("CAP_SYS_ADMIN (attaching uprobes") && f.contains("privileged: true")),
         "{privileges:#}"
     );
-    assert!(
-        check(&report, "ringbuf")["detail"]
-            .as_str()
-            .is_some_and(|d| d.contains("not permitted"))
-    );
+    assert!(check(&report, "ringbuf")["detail"].as_str().is_some_and(|d| d.contains("not permitted")));
     // What does not need privileges is still judged as it is.
     assert_eq!(check(&report, "uprobe_pmu")["status"], "ok");
     assert!(stderr.contains("required checks missing: privileges"), "{stderr}");

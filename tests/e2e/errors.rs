@@ -45,7 +45,8 @@ fn watch_with(profile: &str) -> String {
     let socket = test_socket();
     let socket = socket.to_str().expect("utf-8 socket path");
     let pid = demo.proc.pid().to_string();
-    let stderr = fails(&["run", "--pid", &pid, "--profile", path, "--timeout", "1s", "--ephemeral", "--socket", socket]);
+    let stderr =
+        fails(&["run", "--pid", &pid, "--profile", path, "--timeout", "1s", "--ephemeral", "--socket", socket]);
     drop(demo);
     stderr
 }
@@ -75,7 +76,9 @@ fn malformed_toml_names_file_and_line() {
 
 #[test]
 fn an_unknown_event_names_the_probe_line_and_the_valid_events() {
-    let stderr = check_fails("[[probe]]\nsymbol = \"a\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n\n[[probe]]\nsymbol = \"b\"\nat = \"entry\"\nevent = \"posted\"\nkey = { from = \"arg0\" }\n");
+    let stderr = check_fails(
+        "[[probe]]\nsymbol = \"a\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n\n[[probe]]\nsymbol = \"b\"\nat = \"entry\"\nevent = \"posted\"\nkey = { from = \"arg0\" }\n",
+    );
     assert!(stderr.contains("line 7"), "{stderr}");
     assert!(stderr.contains("unknown lifecycle event \"posted\""), "{stderr}");
     assert!(stderr.contains("\"transfer_posted\""), "{stderr}");
@@ -83,7 +86,9 @@ fn an_unknown_event_names_the_probe_line_and_the_valid_events() {
 
 #[test]
 fn a_missing_symbol_is_named_with_suggestions() {
-    let stderr = watch_with("[[probe]]\nsymbol = \"prefill_enqueu\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n");
+    let stderr = watch_with(
+        "[[probe]]\nsymbol = \"prefill_enqueu\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n",
+    );
     assert!(stderr.contains("symbol `prefill_enqueu` not found"), "{stderr}");
     assert!(stderr.contains("did you mean: prefill_enqueue"), "{stderr}");
     assert!(stderr.contains("line 1"), "{stderr}");
@@ -91,7 +96,9 @@ fn a_missing_symbol_is_named_with_suggestions() {
 
 #[test]
 fn a_library_the_process_has_not_mapped_is_named() {
-    let stderr = watch_with("[[probe]]\nobject = \"libnixl.so\"\nsymbol = \"x\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n");
+    let stderr = watch_with(
+        "[[probe]]\nobject = \"libnixl.so\"\nsymbol = \"x\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n",
+    );
     assert!(stderr.contains("has no file `libnixl.so` mapped"), "{stderr}");
     assert!(stderr.contains("libc.so"), "lists what is mapped: {stderr}");
 }
@@ -104,7 +111,8 @@ fn a_zero_tick_or_timeout_is_refused_before_anything_is_attached() {
     let socket = test_socket();
     let socket = socket.to_str().expect("utf-8 socket path");
     for (flag, value) in [("--tick", "0s"), ("--timeout", "0ms")] {
-        let stderr = fails(&["run", "--pid", &pid, "--profile", "demo", "--ephemeral", "--socket", socket, flag, value]);
+        let stderr =
+            fails(&["run", "--pid", &pid, "--profile", "demo", "--ephemeral", "--socket", socket, flag, value]);
         assert!(stderr.contains(&format!("invalid value '{value}' for '{flag}")), "{stderr}");
         assert!(stderr.contains("a zero duration would stop the timers"), "{stderr}");
         assert!(!stderr.contains("watching"), "refused before attaching: {stderr}");
@@ -138,9 +146,21 @@ fn a_thread_id_names_its_process() {
         let _ = stopped.recv();
     });
     let tid = rx.recv().expect("the thread's id").to_string();
-    let stderr = fails(&["run", "--pid", &tid, "--profile", "demo", "--ephemeral", "--socket", test_socket().to_str().expect("utf-8")]);
+    let stderr = fails(&[
+        "run",
+        "--pid",
+        &tid,
+        "--profile",
+        "demo",
+        "--ephemeral",
+        "--socket",
+        test_socket().to_str().expect("utf-8"),
+    ]);
     let me = std::process::id();
-    assert!(stderr.contains(&format!("pid {tid} is a thread of process {me}, not a process: pass --pid {me}")), "{stderr}");
+    assert!(
+        stderr.contains(&format!("pid {tid} is a thread of process {me}, not a process: pass --pid {me}")),
+        "{stderr}"
+    );
     drop(stop);
     thread.join().expect("thread");
 }
@@ -201,7 +221,10 @@ impl Unread {
         let mut stderr = String::new();
         let mut log = BufReader::new(agent.stderr.take().expect("piped stderr"));
         while !stderr.contains("watching") {
-            assert!(log.read_line(&mut stderr).expect("reading the agent's stderr") > 0, "the agent exited before watching:\n{stderr}");
+            assert!(
+                log.read_line(&mut stderr).expect("reading the agent's stderr") > 0,
+                "the agent exited before watching:\n{stderr}"
+            );
         }
         Self { agent, log, stderr }
     }
@@ -235,7 +258,8 @@ fn a_stop_with_stdout_closed_before_anything_was_written_still_hands_over() {
     require_root();
     let demo = Demo::start(&["--duration", "20s"]);
     let dir = stallwatch_tests::test_bpf_dir();
-    let agent = Unread::watch(demo.proc.pid(), &["--timeout".as_ref(), "5s".as_ref(), "--bpf-dir".as_ref(), dir.as_os_str()]);
+    let agent =
+        Unread::watch(demo.proc.pid(), &["--timeout".as_ref(), "5s".as_ref(), "--bpf-dir".as_ref(), dir.as_os_str()]);
     // Nothing stalls: the summary at the stop is the first write.
     // SAFETY: kill(2) on our own child's pid.
     unsafe { libc::kill(agent.agent.id() as i32, libc::SIGTERM) };
@@ -249,7 +273,9 @@ fn a_stop_with_stdout_closed_before_anything_was_written_still_hands_over() {
 #[test]
 fn a_megabyte_symbol_gets_no_suggestions_and_a_short_error() {
     let symbol = "q".repeat(1 << 20);
-    let stderr = watch_with(&format!("[[probe]]\nsymbol = \"{symbol}\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = {{ from = \"arg0\" }}\n"));
+    let stderr = watch_with(&format!(
+        "[[probe]]\nsymbol = \"{symbol}\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = {{ from = \"arg0\" }}\n"
+    ));
     assert!(stderr.contains("no suggestions for a name of 1048576 bytes"), "{}", &stderr[..stderr.len().min(2000)]);
     assert!(stderr.len() < 8192, "the name is not printed whole: {} bytes of stderr", stderr.len());
 }
@@ -263,7 +289,12 @@ fn profile_check_refuses_rules_that_cannot_match_and_double_probes() {
 
     let twice = "[[probe]]\nsymbol = \"prefill_enqueue\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\", deref = [0] }\n\n[[probe]]\nsymbol = \"prefill_enqueue\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\", deref = [0] }\n";
     let stderr = check_fails(twice);
-    assert!(stderr.contains("line 7 ([[probe]] for `prefill_enqueue`): the [[probe]] on line 1 probes the same function's entry"), "{stderr}");
+    assert!(
+        stderr.contains(
+            "line 7 ([[probe]] for `prefill_enqueue`): the [[probe]] on line 1 probes the same function's entry"
+        ),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -280,26 +311,10 @@ fn an_external_id_read_at_the_key_itself_is_refused() {
 #[test]
 fn an_agent_whose_stdout_nobody_reads_keeps_answering_and_counts_what_it_drops() {
     require_root();
-    let mut demo = Demo::start(&[
-        "--duration",
-        "60s",
-        "--inject-after",
-        "100ms",
-        "--waiting-for-peer",
-        "3000",
-    ]);
+    let mut demo = Demo::start(&["--duration", "60s", "--inject-after", "100ms", "--waiting-for-peer", "3000"]);
     let socket = test_socket();
     let mut agent = Command::new(agent_bin())
-        .args([
-            "run",
-            "--pid",
-            &demo.proc.pid().to_string(),
-            "--profile",
-            "demo",
-            "--timeout",
-            "1s",
-            "--ephemeral",
-        ])
+        .args(["run", "--pid", &demo.proc.pid().to_string(), "--profile", "demo", "--timeout", "1s", "--ephemeral"])
         .args(["--metrics-addr", "127.0.0.1:0", "--socket"])
         .arg(&socket)
         .stdin(Stdio::null())
@@ -312,23 +327,11 @@ fn an_agent_whose_stdout_nobody_reads_keeps_answering_and_counts_what_it_drops()
     let mut log = BufReader::new(agent.stderr.take().expect("piped stderr"));
     let mut stderr = String::new();
     while !stderr.contains("serving `stallwatch inflight`") {
-        assert!(
-            log.read_line(&mut stderr)
-                .expect("reading the agent's stderr")
-                > 0,
-            "the agent exited:\n{stderr}"
-        );
+        assert!(log.read_line(&mut stderr).expect("reading the agent's stderr") > 0, "the agent exited:\n{stderr}");
     }
     let port: u16 = stderr
         .lines()
-        .find_map(|line| {
-            line.split("addr=127.0.0.1:")
-                .nth(1)?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()
-        })
+        .find_map(|line| line.split("addr=127.0.0.1:").nth(1)?.split_whitespace().next()?.parse().ok())
         .unwrap_or_else(|| panic!("no metrics address:\n{stderr}"));
     let stderr_lines = std::thread::spawn(move || {
         let mut rest = String::new();
@@ -337,41 +340,20 @@ fn an_agent_whose_stdout_nobody_reads_keeps_answering_and_counts_what_it_drops()
     });
     demo.go();
     // 3000 stall alerts: far more than the pipe and the queue hold.
-    let dropped = stallwatch_tests::wait_for(
-        "alert lines dropped",
-        std::time::Duration::from_secs(30),
-        || {
-            let (_, body) = stallwatch_tests::otlp::http_get(port, "/metrics", None);
-            Some(stallwatch_tests::metric(
-                &body,
-                "stallwatch_alert_lines_dropped_total",
-            ))
-            .filter(|&n| n > 0)
-        },
-    );
+    let dropped = stallwatch_tests::wait_for("alert lines dropped", std::time::Duration::from_secs(30), || {
+        let (_, body) = stallwatch_tests::otlp::http_get(port, "/metrics", None);
+        Some(stallwatch_tests::metric(&body, "stallwatch_alert_lines_dropped_total")).filter(|&n| n > 0)
+    });
     let stalled = || {
-        let (ok, stdout, stderr) = run_to_end(
-            Command::new(agent_bin())
-                .args(["inflight", "--json", "--socket"])
-                .arg(&socket),
-        );
-        assert!(
-            ok,
-            "inflight against an agent whose stdout is full: {stderr}"
-        );
+        let (ok, stdout, stderr) =
+            run_to_end(Command::new(agent_bin()).args(["inflight", "--json", "--socket"]).arg(&socket));
+        assert!(ok, "inflight against an agent whose stdout is full: {stderr}");
         let value: serde_json::Value = serde_json::from_str(&stdout).expect("inflight JSON");
-        value["requests"]
-            .as_array()
-            .expect("requests")
-            .iter()
-            .filter(|r| r["class"] == "waiting_for_peer")
-            .count()
+        value["requests"].as_array().expect("requests").iter().filter(|r| r["class"] == "waiting_for_peer").count()
     };
-    stallwatch_tests::wait_for(
-        "3000 stalls in `stallwatch inflight`",
-        std::time::Duration::from_secs(20),
-        || Some(stalled()).filter(|&n| n == 3000),
-    );
+    stallwatch_tests::wait_for("3000 stalls in `stallwatch inflight`", std::time::Duration::from_secs(20), || {
+        Some(stalled()).filter(|&n| n == 3000)
+    });
     let (_, body) = stallwatch_tests::otlp::http_get(port, "/metrics", None);
     assert_eq!(
         stallwatch_tests::metric(&body, "stallwatch_stalls_total{class=\"waiting_for_peer\"}"),
@@ -384,14 +366,8 @@ fn an_agent_whose_stdout_nobody_reads_keeps_answering_and_counts_what_it_drops()
     let status = agent.wait().expect("waiting for stallwatch");
     let rest = stderr_lines.join().expect("stderr thread");
     assert!(status.success(), "{status}; stderr:\n{stderr}{rest}");
-    assert!(
-        rest.contains("stdout is not draining: the oldest alert lines were dropped"),
-        "{rest}"
-    );
-    assert!(
-        rest.contains("stdout did not take the last alert lines"),
-        "{rest}"
-    );
+    assert!(rest.contains("stdout is not draining: the oldest alert lines were dropped"), "{rest}");
+    assert!(rest.contains("stdout did not take the last alert lines"), "{rest}");
     assert!(!rest.contains("panicked"), "{rest}");
 }
 
@@ -400,25 +376,9 @@ fn an_agent_whose_stdout_nobody_reads_keeps_answering_and_counts_what_it_drops()
 #[test]
 fn an_agent_whose_stderr_is_gone_runs_and_stops_cleanly() {
     require_root();
-    let mut demo = Demo::start(&[
-        "--duration",
-        "30s",
-        "--inject-after",
-        "1s",
-        "--waiting-for-peer",
-        "1",
-    ]);
+    let mut demo = Demo::start(&["--duration", "30s", "--inject-after", "1s", "--waiting-for-peer", "1"]);
     let mut agent = Command::new(agent_bin())
-        .args([
-            "run",
-            "--pid",
-            &demo.proc.pid().to_string(),
-            "--profile",
-            "demo",
-            "--timeout",
-            "500ms",
-            "--ephemeral",
-        ])
+        .args(["run", "--pid", &demo.proc.pid().to_string(), "--profile", "demo", "--timeout", "500ms", "--ephemeral"])
         .args(["--output", "json", "--socket"])
         .arg(test_socket())
         .stdin(Stdio::null())
@@ -432,11 +392,7 @@ fn an_agent_whose_stderr_is_gone_runs_and_stops_cleanly() {
     std::thread::sleep(std::time::Duration::from_secs(2));
     demo.go();
     let mut line = String::new();
-    assert!(
-        out.read_line(&mut line).expect("reading stdout") > 0,
-        "the agent exited: {:?}",
-        agent.wait()
-    );
+    assert!(out.read_line(&mut line).expect("reading stdout") > 0, "the agent exited: {:?}", agent.wait());
     assert!(line.contains("\"alert\":\"stalled\""), "{line}");
     // SAFETY: kill(2) on our own child's pid.
     unsafe { libc::kill(agent.id() as i32, libc::SIGINT) };
@@ -460,8 +416,7 @@ fn an_endless_config_or_profile_file_is_refused_quickly() {
         // all is the test (no wall-clock bound).
         let stderr = fails(args);
         assert!(
-            stderr.contains("/dev/zero holds more than 4096 KiB")
-                && stderr.contains("check the path"),
+            stderr.contains("/dev/zero holds more than 4096 KiB") && stderr.contains("check the path"),
             "{args:?}: {stderr}"
         );
     }

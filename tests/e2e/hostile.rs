@@ -2,12 +2,7 @@
 //! prints can be forged by the target (a line, a field, a terminal
 //! sequence), and nobody but root can prepare or replace the directories
 //! the agent keeps its state and its socket in.
-use std::{
-    ffi::OsStr,
-    os::unix::ffi::OsStrExt as _,
-    process::Command,
-    time::Duration,
-};
+use std::{ffi::OsStr, os::unix::ffi::OsStrExt as _, process::Command, time::Duration};
 
 use stallwatch_tests::{Proc, agent_bin, demo_bin, require_root, run_to_end, test_socket};
 
@@ -74,7 +69,17 @@ fn a_target_cannot_forge_alerts_table_rows_or_log_lines() {
     let mut demo = Proc::spawn(
         "demo-prefill",
         Command::new(&exe)
-            .args(["--wait-for-go", "--rate", "100", "--duration", "5s", "--inject-after", "100ms", "--waiting-for-peer", "1"])
+            .args([
+                "--wait-for-go",
+                "--rate",
+                "100",
+                "--duration",
+                "5s",
+                "--inject-after",
+                "100ms",
+                "--waiting-for-peer",
+                "1",
+            ])
             .arg("--pinned-room")
             .arg(OsStr::from_bytes(ROOM)),
     );

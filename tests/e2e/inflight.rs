@@ -80,8 +80,18 @@ fn pinned_requests_are_listed_with_their_stage_then_their_class_oldest_first() {
     let dir = tempfile::tempdir().expect("temp dir");
     let socket = socket_in(&dir);
     let mut demo = Demo::start(&[
-        "--rate", "1000", "--duration", "40s", "--inject-after", "300ms",
-        "--waiting-for-peer", "2", "--transfer-hung", "2", "--release-lost", "2",
+        "--rate",
+        "1000",
+        "--duration",
+        "40s",
+        "--inject-after",
+        "300ms",
+        "--waiting-for-peer",
+        "2",
+        "--transfer-hung",
+        "2",
+        "--release-lost",
+        "2",
     ]);
     let agent = Agent::watch(demo.proc.pid(), "demo", "2s", &["--socket", path_arg(&socket)]);
 
@@ -99,12 +109,17 @@ fn pinned_requests_are_listed_with_their_stage_then_their_class_oldest_first() {
 
     // Before the timeout: listed at their stage, not stalled yet.
     let answer = inflight_json(&socket);
-    assert!(injected_at.elapsed() < Duration::from_millis(TIMEOUT_MS), "the first query took too long to test anything");
+    assert!(
+        injected_at.elapsed() < Duration::from_millis(TIMEOUT_MS),
+        "the first query took too long to test anything"
+    );
     assert_eq!(answer["version"], 1, "{answer}");
     assert_eq!(answer["timeout_ms"], TIMEOUT_MS, "{answer}");
-    let by_key: HashMap<&str, &Value> = rows(&answer).iter().map(|r| (r["key"].as_str().expect("hex key"), r)).collect();
+    let by_key: HashMap<&str, &Value> =
+        rows(&answer).iter().map(|r| (r["key"].as_str().expect("hex key"), r)).collect();
     for (key, kind) in &pinned {
-        let row = by_key.get(key.as_str()).unwrap_or_else(|| panic!("pinned {kind} request {key} not listed: {answer}"));
+        let row =
+            by_key.get(key.as_str()).unwrap_or_else(|| panic!("pinned {kind} request {key} not listed: {answer}"));
         assert_eq!(row["stage"], expected_stage(kind), "{row}");
         assert_eq!(row["class"], Value::Null, "not stalled before the timeout: {row}");
         assert_eq!(row["pid"], demo.proc.pid(), "{row}");
@@ -145,7 +160,10 @@ fn pinned_requests_are_listed_with_their_stage_then_their_class_oldest_first() {
     let lines: Vec<&str> = table.lines().collect();
     assert!(lines[0].starts_with("PID") && lines[0].contains("SILENT") && lines[0].contains("CLASS"), "{table}");
     for (key, kind) in &pinned {
-        let line = lines.iter().find(|l| l.contains(key.as_str())).unwrap_or_else(|| panic!("{key} not in the table:\n{table}"));
+        let line = lines
+            .iter()
+            .find(|l| l.contains(key.as_str()))
+            .unwrap_or_else(|| panic!("{key} not in the table:\n{table}"));
         assert!(line.contains(kind.as_str()) && line.contains(expected_stage(kind)), "{line}");
     }
     assert!(table.contains(", 6 stalled (timeout 2.0s)"), "{table}");
@@ -166,12 +184,20 @@ fn a_second_agent_on_the_same_socket_fails_and_a_stale_one_is_replaced() {
     let mut first = Agent::watch(demo.proc.pid(), "demo", "2s", &["--socket", path_arg(&socket)]);
 
     let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).args([
-        "run", "--pid", &pid, "--profile", "demo", "--socket", path_arg(&socket),
+        "run",
+        "--pid",
+        &pid,
+        "--profile",
+        "demo",
+        "--socket",
+        path_arg(&socket),
     ]));
     assert!(!ok, "a second agent on a live socket must fail; stdout:\n{stdout}\nstderr:\n{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(
-        stderr.contains("another stallwatch agent is serving") && stderr.contains(path_arg(&socket)) && stderr.contains("--socket"),
+        stderr.contains("another stallwatch agent is serving")
+            && stderr.contains(path_arg(&socket))
+            && stderr.contains("--socket"),
         "{stderr}"
     );
     // The first one is unharmed.
@@ -213,9 +239,8 @@ fn a_caller_without_root_is_told_it_needs_root() {
     let socket = dir.path().join("agent.sock");
     let demo = Demo::start(&["--rate", "100", "--duration", "40s"]);
     let agent = Agent::watch(demo.proc.pid(), "demo", "2s", &["--socket", path_arg(&socket)]);
-    let (ok, stdout, stderr) = run_to_end(
-        Command::new(agent_bin()).args(["inflight", "--socket", path_arg(&socket)]).uid(65534).gid(65534),
-    );
+    let (ok, stdout, stderr) =
+        run_to_end(Command::new(agent_bin()).args(["inflight", "--socket", path_arg(&socket)]).uid(65534).gid(65534));
     assert!(!ok, "{stdout}");
     assert!(stderr.contains("permission denied") && stderr.contains("root"), "{stderr}");
     let _ = agent.stop();

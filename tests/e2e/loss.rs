@@ -44,31 +44,21 @@ fn a_paused_agent_reports_exactly_the_stalls_the_kernel_holds_after_losing_event
     std::thread::sleep(Duration::from_secs(4));
     let lines = agent.stop();
     seen.extend(lines.iter().cloned());
-    let stalled: Vec<String> = alerts(&seen, "stalled")
-        .map(|(_, alert)| alert["key"].as_str().expect("key").to_owned())
-        .collect();
+    let stalled: Vec<String> =
+        alerts(&seen, "stalled").map(|(_, alert)| alert["key"].as_str().expect("key").to_owned()).collect();
     let mut expected: Vec<&String> = pinned.keys().collect();
     expected.sort();
     let mut got: Vec<&String> = stalled.iter().collect();
     got.sort();
-    assert_eq!(
-        got, expected,
-        "exactly the pinned requests stall, once each: {stalls:?}\n{seen:?}"
-    );
+    assert_eq!(got, expected, "exactly the pinned requests stall, once each: {stalls:?}\n{seen:?}");
     for (_, alert) in alerts(&seen, "stalled") {
         let injected = &pinned[alert["key"].as_str().expect("key")];
         assert_eq!(alert["class"], injected.stall.as_str(), "{alert}");
     }
     assert_eq!(alerts(&seen, "process_exited").count(), 0, "{seen:?}");
     let summary = summary(&lines);
-    assert!(
-        summary["ringbuf_full"].as_u64().expect("ringbuf_full") > 0,
-        "the pause lost records: {summary}"
-    );
-    assert!(
-        summary["resyncs"].as_u64().expect("resyncs") >= 1,
-        "{summary}"
-    );
+    assert!(summary["ringbuf_full"].as_u64().expect("ringbuf_full") > 0, "the pause lost records: {summary}");
+    assert!(summary["resyncs"].as_u64().expect("resyncs") >= 1, "{summary}");
     assert!(
         summary["restored"].as_u64().expect("restored") >= 2,
         "the pinned were taken over from the table: {summary}"
@@ -84,7 +74,18 @@ fn a_paused_agent_reports_exactly_the_stalls_the_kernel_holds_after_losing_event
 #[test]
 fn a_caught_up_request_that_recovers_counts_no_duplicate_event() {
     require_root();
-    let mut demo = Demo::start(&["--rate", "2000", "--duration", "30s", "--inject-after", "500ms", "--recover", "1", "--recover-after", "3s"]);
+    let mut demo = Demo::start(&[
+        "--rate",
+        "2000",
+        "--duration",
+        "30s",
+        "--inject-after",
+        "500ms",
+        "--recover",
+        "1",
+        "--recover-after",
+        "3s",
+    ]);
     let agent = Agent::watch(demo.proc.pid(), "demo", "2s", &[]);
     demo.go();
     let mut seen = Vec::new();

@@ -57,16 +57,22 @@ fn marked_stages_are_lifecycles_keyed_by_room_and_unfinished_rooms_stall() {
         assert_eq!(alert["stage"], stage, "{alert}");
         assert_eq!(alert["external_id"], room.to_string().as_str(), "{alert}");
         let latency = at.duration_since(marked.at);
-        assert!(latency >= TIMEOUT - Duration::from_millis(50) && latency <= TIMEOUT + LATENESS, "{alert} after {latency:?}");
+        assert!(
+            latency >= TIMEOUT - Duration::from_millis(50) && latency <= TIMEOUT + LATENESS,
+            "{alert} after {latency:?}"
+        );
     }
-    let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).args(["inflight", "--json", "--socket", socket_arg]));
+    let (ok, stdout, stderr) =
+        run_to_end(Command::new(agent_bin()).args(["inflight", "--json", "--socket", socket_arg]));
     assert!(ok, "{stderr}");
     let inflight: Value = serde_json::from_str(&stdout).expect("inflight JSON");
     let mut held: Vec<(String, String)> = inflight["requests"]
         .as_array()
         .expect("requests")
         .iter()
-        .map(|r| (r["external_id"].as_str().expect("external_id").to_owned(), r["stage"].as_str().expect("stage").to_owned()))
+        .map(|r| {
+            (r["external_id"].as_str().expect("external_id").to_owned(), r["stage"].as_str().expect("stage").to_owned())
+        })
         .collect();
     held.sort();
     let mut expected: Vec<(String, String)> =

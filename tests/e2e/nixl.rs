@@ -8,7 +8,9 @@ use std::{
 };
 
 use serde_json::Value;
-use stallwatch_tests::{Agent, Line, Proc, agent_bin, alerts, require_root, root, run_to_end, summary, test_socket, venv_python};
+use stallwatch_tests::{
+    Agent, Line, Proc, agent_bin, alerts, require_root, root, run_to_end, summary, test_socket, venv_python,
+};
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 const LATENESS: Duration = Duration::from_secs(1);
@@ -86,7 +88,10 @@ fn assert_stalls(stalls: &[(Instant, Value)], requests: &HashMap<String, (String
         assert_eq!(alert["class"], class, "{alert}");
         assert_eq!(alert["external_id"], room.as_str(), "{alert}");
         let latency = at.duration_since(*touched);
-        assert!(latency >= TIMEOUT - Duration::from_millis(50) && latency <= TIMEOUT + LATENESS, "{alert} after {latency:?}");
+        assert!(
+            latency >= TIMEOUT - Duration::from_millis(50) && latency <= TIMEOUT + LATENESS,
+            "{alert} after {latency:?}"
+        );
     }
 }
 
@@ -132,7 +137,8 @@ fn posted_to_a_stopped_peer_is_transfer_hung() {
     }
     // The on-call view shows the same: every hung request with its verdict,
     // and the process's transport counts.
-    let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).args(["inflight", "--json", "--socket", socket_arg]));
+    let (ok, stdout, stderr) =
+        run_to_end(Command::new(agent_bin()).args(["inflight", "--json", "--socket", socket_arg]));
     assert!(ok, "{stderr}");
     let inflight: Value = serde_json::from_str(&stdout).expect("inflight JSON");
     let requests = inflight["requests"].as_array().expect("requests");
@@ -144,7 +150,10 @@ fn posted_to_a_stopped_peer_is_transfer_hung() {
     let process = &inflight["processes"][0];
     assert!(process["transport"]["progress"]["total"].as_u64().expect("progress total") > 0, "{process}");
     // The hung requests hold the progress probe on.
-    assert!(process["transport"]["progress_attached_ms"].as_u64().expect("progress probe attached") >= 500, "{process}");
+    assert!(
+        process["transport"]["progress_attached_ms"].as_u64().expect("progress probe attached") >= 500,
+        "{process}"
+    );
     assert!(process["transport"]["post"]["total"].as_u64().expect("post total") >= 3, "{process}");
     // The initiator keeps polling getXferStatus (IN_PROG) the whole time:
     // polls are not life, and nothing else is reported. Two more status
@@ -182,10 +191,19 @@ fn done_never_released_is_release_lost() {
     let socket_arg = socket.to_str().expect("utf-8 socket path");
     // tcp and 16 MiB: every post returns IN_PROG, the completion is a
     // poll's (a 4 KiB post over tcp sometimes finishes inside the call).
-    let (mut driver, agent) =
-        Driver::watched_with("no-release", 3, &["--ucx-tls", "tcp,self", "--size", "16777216"], &["--socket", socket_arg]);
+    let (mut driver, agent) = Driver::watched_with(
+        "no-release",
+        3,
+        &["--ucx-tls", "tcp,self", "--size", "16777216"],
+        &["--socket", socket_arg],
+    );
     driver.until("holding", Duration::from_secs(20));
-    assert!(driver.requests("posted").len() == 3 && driver.lines.iter().filter_map(Line::json).all(|v| v["event"] != "posted" || v["post"] == "PROC"), "{:?}", driver.lines);
+    assert!(
+        driver.requests("posted").len() == 3
+            && driver.lines.iter().filter_map(Line::json).all(|v| v["event"] != "posted" || v["post"] == "PROC"),
+        "{:?}",
+        driver.lines
+    );
     let mut seen = Vec::new();
     let stalls = agent.wait_alerts("stalled", 3, TIMEOUT + Duration::from_secs(5), &mut seen);
     // Silent since the post: the completion is a poll's, which no probe
@@ -193,18 +211,30 @@ fn done_never_released_is_release_lost() {
     // does not move the stall's due time.
     assert_stalls(&stalls, &driver.requests("posted"), "release_lost");
     for (_, alert) in &stalls {
-        assert_eq!((&alert["stage"], &alert["inferred"]), (&Value::from("transfer_done"), &serde_json::json!(["transfer_done"])), "{alert}");
+        assert_eq!(
+            (&alert["stage"], &alert["inferred"]),
+            (&Value::from("transfer_done"), &serde_json::json!(["transfer_done"])),
+            "{alert}"
+        );
         // Observed: created and posted; inferred: done, timed at the read.
         let stages = alert["stages"].as_object().expect("stages");
-        assert!(["enqueued", "transfer_posted", "transfer_done"].iter().all(|stage| stages.contains_key(*stage)), "{alert}");
+        assert!(
+            ["enqueued", "transfer_posted", "transfer_done"].iter().all(|stage| stages.contains_key(*stage)),
+            "{alert}"
+        );
     }
-    let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).args(["inflight", "--json", "--socket", socket_arg]));
+    let (ok, stdout, stderr) =
+        run_to_end(Command::new(agent_bin()).args(["inflight", "--json", "--socket", socket_arg]));
     assert!(ok, "{stderr}");
     let inflight: Value = serde_json::from_str(&stdout).expect("inflight JSON");
     let requests = inflight["requests"].as_array().expect("requests");
     assert_eq!(requests.len(), 3, "{inflight}");
     for request in requests {
-        assert_eq!((&request["class"], &request["inferred"]), (&Value::from("release_lost"), &serde_json::json!(["transfer_done"])), "{request}");
+        assert_eq!(
+            (&request["class"], &request["inferred"]),
+            (&Value::from("release_lost"), &serde_json::json!(["transfer_done"])),
+            "{request}"
+        );
     }
     let (ok, table, stderr) = run_to_end(Command::new(agent_bin()).args(["inflight", "--socket", socket_arg]));
     assert!(ok, "{stderr}");
@@ -229,14 +259,22 @@ fn a_transfer_to_a_killed_peer_is_failed_not_hung() {
     for (_, alert) in &ends {
         let key = alert["key"].as_str().expect("key");
         let (room, _) = failed.get(key).unwrap_or_else(|| panic!("failure of an unknown request: {alert}"));
-        assert_eq!((&alert["external_id"], &alert["stage"]), (&Value::from(room.as_str()), &Value::from("failed")), "{alert}");
+        assert_eq!(
+            (&alert["external_id"], &alert["stage"]),
+            (&Value::from(room.as_str()), &Value::from("failed")),
+            "{alert}"
+        );
         assert_eq!(alert["inferred"], serde_json::json!(["failed"]), "{alert}");
     }
     let lines = agent.stop();
     seen.extend(lines.iter().cloned());
     assert_eq!(alerts(&seen, "stalled").count(), 0, "a failed transfer is not a hung one: {seen:?}");
     let summary_value = summary(&lines);
-    assert_eq!((&summary_value["failed"], &summary_value["in_flight"]), (&Value::from(3), &Value::from(0)), "{summary_value}");
+    assert_eq!(
+        (&summary_value["failed"], &summary_value["in_flight"]),
+        (&Value::from(3), &Value::from(0)),
+        "{summary_value}"
+    );
     assert_status_read(&lines, 3);
 }
 
@@ -258,30 +296,20 @@ fn a_failed_transfer_released_at_once_is_failed_not_completed() {
     let ends = agent.wait_alerts("failed", 3, Duration::from_secs(5), &mut seen);
     for (_, alert) in &ends {
         let key = alert["key"].as_str().expect("key");
-        let (room, _) = released
-            .get(key)
-            .unwrap_or_else(|| panic!("failure of an unknown request: {alert}"));
+        let (room, _) = released.get(key).unwrap_or_else(|| panic!("failure of an unknown request: {alert}"));
         assert_eq!(
             (&alert["external_id"], &alert["stage"]),
             (&Value::from(room.as_str()), &Value::from("failed")),
             "{alert}"
         );
-        assert_eq!(
-            alert["inferred"],
-            serde_json::json!([]),
-            "seen at the release, not read at a stall: {alert}"
-        );
+        assert_eq!(alert["inferred"], serde_json::json!([]), "seen at the release, not read at a stall: {alert}");
     }
     let lines = agent.stop();
     seen.extend(lines.iter().cloned());
     assert_eq!(alerts(&seen, "stalled").count(), 0, "{seen:?}");
     let summary_value = summary(&lines);
     assert_eq!(
-        (
-            &summary_value["failed"],
-            &summary_value["completed"],
-            &summary_value["in_flight"]
-        ),
+        (&summary_value["failed"], &summary_value["completed"], &summary_value["in_flight"]),
         (&Value::from(3), &Value::from(0), &Value::from(0)),
         "{summary_value}"
     );
@@ -318,7 +346,10 @@ fn a_library_build_the_profile_does_not_know_is_read_at_no_offset() {
     let status = &summary(&lines)["status_reads"];
     assert_eq!((&status["off"], &status["answered"]), (&Value::from(3), &Value::from(0)), "{status}");
     assert_eq!(stderr.matches("has build id").count(), 1, "one warning: {stderr}");
-    assert!(stderr.contains("libnixl.so has build id") && stderr.contains("build_ids") && stderr.contains("[layout]"), "{stderr}");
+    assert!(
+        stderr.contains("libnixl.so has build id") && stderr.contains("build_ids") && stderr.contains("[layout]"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -369,7 +400,12 @@ fn two_thousand_healthy_transfers_raise_no_alert() {
         let on_demand = probe["symbol"] == "ucp_worker_progress";
         assert_eq!(probe["attached"], if on_demand { "on_demand_idle" } else { "always" }, "{probe}");
     }
-    for verbs in ["uct_rc_verbs_ep_put_zcopy", "uct_rc_verbs_ep_get_zcopy", "uct_rc_mlx5_base_ep_put_zcopy", "uct_rc_mlx5_base_ep_get_zcopy"] {
+    for verbs in [
+        "uct_rc_verbs_ep_put_zcopy",
+        "uct_rc_verbs_ep_get_zcopy",
+        "uct_rc_mlx5_base_ep_put_zcopy",
+        "uct_rc_mlx5_base_ep_get_zcopy",
+    ] {
         assert_eq!(hits.get(verbs), Some(&0), "{verbs} attached with no hits: {hits:?}");
     }
     // Healthy transfers end before their stall is due: none is read.

@@ -7,14 +7,13 @@ use std::{
 
 use serde_json::Value;
 use stallwatch_tests::{
-    Agent, Demo, Injected, Line,
+    Agent, Demo, Injected, Line, metric,
     otlp::{Collector, Span, expected_trace_id, http_get, watch_with_env},
-    metric, require_root, summary,
+    require_root, summary,
 };
 
 const REQUEST_SPAN: &str = "stallwatch.request";
 const STALL_SPAN: &str = "stallwatch.stall";
-
 
 fn class_of(kind: &str) -> &str {
     if kind == "recover" { "transfer_hung" } else { kind }
@@ -52,9 +51,22 @@ fn stalled_spans_arrive_while_stuck_and_lifecycles_when_they_end_grpc() {
     require_root();
     let mut collector = Collector::start();
     let mut demo = Demo::start(&[
-        "--rate", "200", "--duration", "6s", "--inject-after", "300ms",
-        "--waiting-for-peer", "1", "--transfer-hung", "1", "--release-lost", "1",
-        "--recover", "1", "--recover-after", "2500ms",
+        "--rate",
+        "200",
+        "--duration",
+        "6s",
+        "--inject-after",
+        "300ms",
+        "--waiting-for-peer",
+        "1",
+        "--transfer-hung",
+        "1",
+        "--release-lost",
+        "1",
+        "--recover",
+        "1",
+        "--recover-after",
+        "2500ms",
     ]);
     let pid = demo.proc.pid();
     let endpoint = collector.grpc_endpoint();
@@ -81,8 +93,15 @@ fn stalled_spans_arrive_while_stuck_and_lifecycles_when_they_end_grpc() {
         let silent: u64 = span.attr("stallwatch.stall.silent_ms").expect("silent_ms").parse().expect("number");
         assert!((1_000..2_000).contains(&silent), "{span:#?}");
         let latency = span.seen_at.expect("seen").duration_since(*injected_at);
-        eprintln!("stall span {} ({}) at the collector {latency:?} after its request's last event (timeout 1 s)", key_of(span), class_of(kind));
-        assert!(latency < Duration::from_millis(2_500), "stall span {latency:?} after its request's last event: {span:#?}");
+        eprintln!(
+            "stall span {} ({}) at the collector {latency:?} after its request's last event (timeout 1 s)",
+            key_of(span),
+            class_of(kind)
+        );
+        assert!(
+            latency < Duration::from_millis(2_500),
+            "stall span {latency:?} after its request's last event: {span:#?}"
+        );
         assert_eq!(span.resource.get("service.name").map(String::as_str), Some("stallwatch"));
         assert!(span.resource.get("host.name").is_some_and(|h| !h.is_empty()), "{:?}", span.resource);
     }
@@ -94,7 +113,8 @@ fn stalled_spans_arrive_while_stuck_and_lifecycles_when_they_end_grpc() {
     assert_eq!(summary["export_drops"], 0, "{summary}");
     assert_eq!(summary["stalled"], 4, "{summary}");
     let seen = summary["seen"].as_u64().expect("seen") as usize;
-    let spans = collector.wait_for(Duration::from_secs(5), "a request span per lifecycle", |spans| request_spans(spans).len() >= seen);
+    let spans = collector
+        .wait_for(Duration::from_secs(5), "a request span per lifecycle", |spans| request_spans(spans).len() >= seen);
     let requests = request_spans(&spans);
     assert_eq!(requests.len(), seen, "exactly one request span per lifecycle ({summary})");
     for span in &requests {
@@ -106,7 +126,11 @@ fn stalled_spans_arrive_while_stuck_and_lifecycles_when_they_end_grpc() {
     for (key, Injected { stall: kind, .. }) in &injected {
         let span = by_key.get(key.as_str()).unwrap_or_else(|| panic!("no request span for pinned {key}"));
         let stall = stall_of[key.as_str()];
-        assert_eq!(span.links, vec![(stall.trace_id.clone(), stall.span_id.clone())], "linked to its stall span: {span:#?}");
+        assert_eq!(
+            span.links,
+            vec![(stall.trace_id.clone(), stall.span_id.clone())],
+            "linked to its stall span: {span:#?}"
+        );
         assert_eq!(span.trace_id, stall.trace_id, "same trace as its stall span");
         assert_eq!(span.attr("stallwatch.stall.class"), Some(class_of(kind)), "{span:#?}");
         assert!(span.event_names().contains(&"stalled"), "{span:#?}");
@@ -132,7 +156,10 @@ fn stalled_spans_arrive_while_stuck_and_lifecycles_when_they_end_grpc() {
     assert_eq!(healthy.event_names(), ["enqueued", "transfer_posted", "transfer_done", "released"], "{healthy:#?}");
     assert_eq!(healthy.attr("stallwatch.request.outcome"), Some("released"));
     assert_eq!(healthy.attr("stallwatch.request.stage"), Some("released"));
-    assert!(!healthy.is_error() && healthy.links.is_empty() && healthy.attr("stallwatch.stall.class").is_none(), "{healthy:#?}");
+    assert!(
+        !healthy.is_error() && healthy.links.is_empty() && healthy.attr("stallwatch.stall.class").is_none(),
+        "{healthy:#?}"
+    );
     let _ = collector.stop();
 }
 
@@ -140,7 +167,8 @@ fn stalled_spans_arrive_while_stuck_and_lifecycles_when_they_end_grpc() {
 fn http_export_from_the_environment_with_resource_and_metrics() {
     require_root();
     let mut collector = Collector::start();
-    let mut demo = Demo::start(&["--rate", "100", "--duration", "5s", "--inject-after", "200ms", "--waiting-for-peer", "1"]);
+    let mut demo =
+        Demo::start(&["--rate", "100", "--duration", "5s", "--inject-after", "200ms", "--waiting-for-peer", "1"]);
     let pid = demo.proc.pid();
     let endpoint = collector.http_endpoint();
     let agent = watch_with_env(
@@ -162,8 +190,12 @@ fn http_export_from_the_environment_with_resource_and_metrics() {
     let injected = demo.wait_injected(1, &mut demo_lines);
     let (key, Injected { room, .. }) = injected.iter().next().expect("one injected");
 
-    let spans = collector.wait_for(Duration::from_secs(4), "the stall span over HTTP", |spans| !stall_spans(spans).is_empty());
-    assert!(demo.proc.child.try_wait().expect("try_wait").is_none(), "the stall span must arrive while the demo holds it");
+    let spans =
+        collector.wait_for(Duration::from_secs(4), "the stall span over HTTP", |spans| !stall_spans(spans).is_empty());
+    assert!(
+        demo.proc.child.try_wait().expect("try_wait").is_none(),
+        "the stall span must arrive while the demo holds it"
+    );
     let stall = stall_spans(&spans)[0].clone();
     assert_eq!(key_of(&stall), key);
     assert!(stall.is_error());
@@ -195,54 +227,27 @@ fn http_export_from_the_environment_with_resource_and_metrics() {
     assert!(classic.contains("stallwatch_requests_seen_total ") && !classic.contains("# EOF"), "{classic}");
     assert_eq!(http_get(port, "/nope", None).0, "HTTP/1.1 404 Not Found");
     // Durations in seconds, the build, the agent process; the probes' endpoints.
-    assert!(
-        metric(
-            &body,
-            "stallwatch_request_duration_seconds_count{outcome=\"released\"}"
-        ) >= 1,
-        "{body}"
-    );
-    assert!(
-        metric(
-            &body,
-            "stallwatch_stage_duration_seconds_count{stage=\"transfer_posted\"}"
-        ) >= 1,
-        "{body}"
-    );
-    assert!(
-        body.contains("# UNIT stallwatch_stall_duration_seconds seconds"),
-        "{body}"
-    );
-    assert!(
-        body.lines()
-            .any(|l| l.starts_with("stallwatch_build_info{version=\"") && l.ends_with("} 1")),
-        "{body}"
-    );
+    assert!(metric(&body, "stallwatch_request_duration_seconds_count{outcome=\"released\"}") >= 1, "{body}");
+    assert!(metric(&body, "stallwatch_stage_duration_seconds_count{stage=\"transfer_posted\"}") >= 1, "{body}");
+    assert!(body.contains("# UNIT stallwatch_stall_duration_seconds seconds"), "{body}");
+    assert!(body.lines().any(|l| l.starts_with("stallwatch_build_info{version=\"") && l.ends_with("} 1")), "{body}");
     for name in [
         "process_cpu_seconds_total ",
         "process_resident_memory_bytes ",
         "process_open_fds ",
         "process_start_time_seconds ",
     ] {
-        assert!(
-            body.lines().any(|l| l.starts_with(name)),
-            "no {name}in:\n{body}"
-        );
+        assert!(body.lines().any(|l| l.starts_with(name)), "no {name}in:\n{body}");
     }
-    assert_eq!(
-        http_get(port, "/healthz", None),
-        ("HTTP/1.1 200 OK".to_owned(), "ok\n".to_owned())
-    );
-    assert_eq!(
-        http_get(port, "/readyz", None),
-        ("HTTP/1.1 200 OK".to_owned(), "ready\n".to_owned())
-    );
+    assert_eq!(http_get(port, "/healthz", None), ("HTTP/1.1 200 OK".to_owned(), "ok\n".to_owned()));
+    assert_eq!(http_get(port, "/readyz", None), ("HTTP/1.1 200 OK".to_owned(), "ready\n".to_owned()));
 
     let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(20));
     let summary = summary(&agent_lines);
     assert_eq!(summary["export_drops"], 0, "{summary}");
     let seen = summary["seen"].as_u64().expect("seen") as usize;
-    let spans = collector.wait_for(Duration::from_secs(5), "every request span", |spans| request_spans(spans).len() >= seen);
+    let spans =
+        collector.wait_for(Duration::from_secs(5), "every request span", |spans| request_spans(spans).len() >= seen);
     let requests = request_spans(&spans);
     assert_eq!(requests.len(), seen);
     for span in &requests {
@@ -263,8 +268,18 @@ fn a_collector_restart_never_stops_alerting_and_later_spans_arrive() {
     // injected at 2 s; it comes back once both stalls were alerted, before
     // the recovering one moves on at 5.5 s.
     let mut demo = Demo::start(&[
-        "--rate", "200", "--duration", "8s", "--inject-after", "2s",
-        "--transfer-hung", "1", "--recover", "1", "--recover-after", "3500ms",
+        "--rate",
+        "200",
+        "--duration",
+        "8s",
+        "--inject-after",
+        "2s",
+        "--transfer-hung",
+        "1",
+        "--recover",
+        "1",
+        "--recover-after",
+        "3500ms",
     ]);
     let pid = demo.proc.pid();
     let endpoint = collector.grpc_endpoint();
@@ -279,15 +294,22 @@ fn a_collector_restart_never_stops_alerting_and_later_spans_arrive() {
     let mut demo_lines = Vec::new();
     let injected = demo.wait_injected(2, &mut demo_lines);
     for (key, Injected { at, .. }) in &injected {
-        assert!(*at > killed_at, "request {key} was pinned before the outage began: the collector was slow to get spans");
+        assert!(
+            *at > killed_at,
+            "request {key} was pinned before the outage began: the collector was slow to get spans"
+        );
     }
     let mut agent_lines = Vec::new();
     let stalled = agent.wait_alerts("stalled", 2, Duration::from_secs(4), &mut agent_lines);
     for (at, alert) in &stalled {
         let key = alert["key"].as_str().expect("key");
-        let Injected { at: injected_at, .. } = injected.get(key).unwrap_or_else(|| panic!("stall of a healthy request: {alert}"));
+        let Injected { at: injected_at, .. } =
+            injected.get(key).unwrap_or_else(|| panic!("stall of a healthy request: {alert}"));
         let latency = at.duration_since(*injected_at);
-        assert!(latency < Duration::from_secs(2), "alert {latency:?} after the request went silent, collector down: {alert}");
+        assert!(
+            latency < Duration::from_secs(2),
+            "alert {latency:?} after the request went silent, collector down: {alert}"
+        );
     }
 
     // Up again on the same ports, now that both stalls fired while it was down.
@@ -303,7 +325,8 @@ fn a_collector_restart_never_stops_alerting_and_later_spans_arrive() {
     let spans = collector.wait_for(Duration::from_secs(8), "the recovered request's span", |spans| {
         request_spans(spans).iter().any(|s| key_of(s) == recovered_key)
     });
-    let recovered_span = request_spans(&spans).into_iter().find(|s| key_of(s) == recovered_key).expect("recovered span").clone();
+    let recovered_span =
+        request_spans(&spans).into_iter().find(|s| key_of(s) == recovered_key).expect("recovered span").clone();
     assert_eq!(recovered_span.attr("stallwatch.request.outcome"), Some("released"));
     assert_eq!(recovered_span.links.len(), 1, "{recovered_span:#?}");
     assert!(recovered_span.event_names().contains(&"recovered"));
@@ -320,7 +343,8 @@ fn a_collector_restart_never_stops_alerting_and_later_spans_arrive() {
     assert_eq!(summary["stalled"], 2, "{summary}");
     assert_eq!(summary["recovered"], 1, "{summary}");
     let seen = summary["seen"].as_u64().expect("seen");
-    let done = demo.proc.lines_until_exit(Duration::from_secs(5)).iter().filter_map(Line::json).find(|v| v["event"] == "done");
+    let done =
+        demo.proc.lines_until_exit(Duration::from_secs(5)).iter().filter_map(Line::json).find(|v| v["event"] == "done");
     let healthy = done.as_ref().and_then(|d| d["healthy"].as_u64()).expect("demo done line");
     assert_eq!(seen, healthy + 2, "{summary}");
     let spans = collector.wait_for(Duration::from_secs(5), "the last spans", |spans| {
@@ -334,7 +358,10 @@ fn a_collector_restart_never_stops_alerting_and_later_spans_arrive() {
         request_spans(&spans).len(),
         seen
     );
-    assert!(delivered + drops >= seen, "every lifecycle is exported or counted as dropped ({delivered} + {drops} < {seen})");
+    assert!(
+        delivered + drops >= seen,
+        "every lifecycle is exported or counted as dropped ({delivered} + {drops} < {seen})"
+    );
     let _ = collector.stop();
 }
 
@@ -351,7 +378,8 @@ fn a_dead_collector_costs_counted_drops_not_alerts_http() {
     // Nobody listens there; a short export timeout makes every batch give
     // up quickly.
     let port = stallwatch_tests::otlp::free_port();
-    let mut demo = Demo::start(&["--rate", "200", "--duration", "4s", "--inject-after", "300ms", "--release-lost", "1"]);
+    let mut demo =
+        Demo::start(&["--rate", "200", "--duration", "4s", "--inject-after", "300ms", "--release-lost", "1"]);
     let endpoint = format!("http://127.0.0.1:{port}");
     let agent = watch_with_env(
         demo.proc.pid(),
@@ -366,7 +394,10 @@ fn a_dead_collector_costs_counted_drops_not_alerts_http() {
     let stalled = agent.wait_alerts("stalled", 1, Duration::from_secs(3), &mut agent_lines);
     let (at, alert) = &stalled[0];
     let Injected { at: injected_at, .. } = &injected[alert["key"].as_str().expect("key")];
-    assert!(at.duration_since(*injected_at) < Duration::from_secs(2), "the alert is on time with the collector gone: {alert}");
+    assert!(
+        at.duration_since(*injected_at) < Duration::from_secs(2),
+        "the alert is on time with the collector gone: {alert}"
+    );
     let (_, body) = http_get(agent.metrics_port(), "/metrics", None);
     assert!(metric(&body, "stallwatch_export_drops_total{reason=\"export_failed\"}") > 0, "{body}");
     assert_eq!(metric(&body, "stallwatch_export_spans_total"), 0, "{body}");
@@ -394,7 +425,8 @@ fn scrapes_are_answered_with_hundreds_of_idle_connections_open() {
     // Half-sent requests, held open: a slowloris, or clients that hang.
     let idle: Vec<std::net::TcpStream> = (0..300)
         .map(|n| {
-            let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap_or_else(|err| panic!("idle connection {n}: {err}"));
+            let mut stream = std::net::TcpStream::connect(("127.0.0.1", port))
+                .unwrap_or_else(|err| panic!("idle connection {n}: {err}"));
             stream.write_all(b"GET /metr").expect("half a request");
             stream
         })
@@ -412,8 +444,10 @@ fn the_standard_switches_turn_span_export_off() {
     let mut collector = Collector::start();
     let endpoint = collector.http_endpoint();
     for (name, value) in [("OTEL_SDK_DISABLED", "true"), ("OTEL_TRACES_EXPORTER", "none")] {
-        let mut demo = Demo::start(&["--rate", "200", "--duration", "2s", "--inject-after", "100ms", "--waiting-for-peer", "1"]);
-        let agent = watch_with_env(demo.proc.pid(), "1s", &[], &[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), (name, value)]);
+        let mut demo =
+            Demo::start(&["--rate", "200", "--duration", "2s", "--inject-after", "100ms", "--waiting-for-peer", "1"]);
+        let agent =
+            watch_with_env(demo.proc.pid(), "1s", &[], &[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), (name, value)]);
         demo.go();
         let lines = agent.proc.lines_until_exit(Duration::from_secs(20));
         let summary = summary(&lines);
@@ -436,8 +470,18 @@ fn stalls_only_sends_every_stalled_request_and_none_of_the_healthy() {
     let mut collector = Collector::start();
     let endpoint = collector.http_endpoint();
     let mut demo = Demo::start(&[
-        "--rate", "200", "--duration", "4s", "--inject-after", "200ms",
-        "--waiting-for-peer", "1", "--recover", "1", "--recover-after", "1500ms",
+        "--rate",
+        "200",
+        "--duration",
+        "4s",
+        "--inject-after",
+        "200ms",
+        "--waiting-for-peer",
+        "1",
+        "--recover",
+        "1",
+        "--recover-after",
+        "1500ms",
     ]);
     let agent = watch_with_env(
         demo.proc.pid(),

@@ -31,17 +31,11 @@ fn tool(var: &str, what: &str) -> PathBuf {
 }
 
 fn kubectl() -> PathBuf {
-    tool(
-        "STALLWATCH_KUBECTL",
-        "a kubectl whose kustomize knows components",
-    )
+    tool("STALLWATCH_KUBECTL", "a kubectl whose kustomize knows components")
 }
 
 fn promtool() -> PathBuf {
-    tool(
-        "STALLWATCH_PROMTOOL",
-        "promtool from Debian's prometheus package",
-    )
+    tool("STALLWATCH_PROMTOOL", "promtool from Debian's prometheus package")
 }
 
 fn deploy(path: &str) -> PathBuf {
@@ -52,15 +46,8 @@ fn deploy(path: &str) -> PathBuf {
 /// the test venv reads the YAML).
 fn render_with(kubectl: &Path, dir: &str) -> Vec<Value> {
     let (ok, yaml, stderr) = run_to_end(Command::new(kubectl).arg("kustomize").arg(deploy(dir)));
-    assert!(
-        ok,
-        "{} kustomize agent/deploy/{dir} failed:\n{stderr}",
-        kubectl.display()
-    );
-    let file = tempfile::Builder::new()
-        .suffix(".yaml")
-        .tempfile()
-        .expect("temp file");
+    assert!(ok, "{} kustomize agent/deploy/{dir} failed:\n{stderr}", kubectl.display());
+    let file = tempfile::Builder::new().suffix(".yaml").tempfile().expect("temp file");
     std::fs::write(file.path(), &yaml).expect("writing the rendered manifests");
     yaml_documents(file.path())
 }
@@ -70,10 +57,8 @@ fn render(dir: &str) -> Vec<Value> {
 }
 
 fn yaml_documents(file: &Path) -> Vec<Value> {
-    let script =
-        "import json, sys, yaml\nprint(json.dumps(list(yaml.safe_load_all(open(sys.argv[1])))))";
-    let (ok, stdout, stderr) =
-        run_to_end(Command::new(venv_python()).args(["-c", script]).arg(file));
+    let script = "import json, sys, yaml\nprint(json.dumps(list(yaml.safe_load_all(open(sys.argv[1])))))";
+    let (ok, stdout, stderr) = run_to_end(Command::new(venv_python()).args(["-c", script]).arg(file));
     assert!(ok, "parsing {} as YAML: {stderr}", file.display());
     match serde_json::from_str(&stdout) {
         Ok(Value::Array(docs)) => docs.into_iter().filter(|doc| !doc.is_null()).collect(),
@@ -82,9 +67,7 @@ fn yaml_documents(file: &Path) -> Vec<Value> {
 }
 
 fn of_kind<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
-    docs.iter()
-        .find(|d| d["kind"] == kind)
-        .unwrap_or_else(|| panic!("no {kind} in {docs:#?}"))
+    docs.iter().find(|d| d["kind"] == kind).unwrap_or_else(|| panic!("no {kind} in {docs:#?}"))
 }
 
 /// kubernetes-validate --strict on the documents of core Kubernetes kinds
@@ -93,50 +76,22 @@ fn of_kind<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
 fn validate_core(docs: &[Value]) {
     let core: Vec<&Value> = docs
         .iter()
-        .filter(|d| {
-            !d["apiVersion"]
-                .as_str()
-                .unwrap_or_default()
-                .starts_with("monitoring.coreos.com")
-        })
+        .filter(|d| !d["apiVersion"].as_str().unwrap_or_default().starts_with("monitoring.coreos.com"))
         .collect();
-    let file = tempfile::Builder::new()
-        .suffix(".yaml")
-        .tempfile()
-        .expect("temp file");
+    let file = tempfile::Builder::new().suffix(".yaml").tempfile().expect("temp file");
     // JSON documents are YAML; one per `---`.
-    let text = core
-        .iter()
-        .map(|d| d.to_string())
-        .collect::<Vec<_>>()
-        .join("\n---\n");
+    let text = core.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("\n---\n");
     std::fs::write(file.path(), text).expect("writing");
-    let (ok, stdout, stderr) = run_to_end(
-        Command::new(venv_python())
-            .args(["-m", "kubernetes_validate", "--strict"])
-            .arg(file.path()),
-    );
+    let (ok, stdout, stderr) =
+        run_to_end(Command::new(venv_python()).args(["-m", "kubernetes_validate", "--strict"]).arg(file.path()));
     let out = format!("{stdout}{stderr}");
-    assert!(
-        ok && !out.contains("Couldn't find schema"),
-        "the rendered manifests do not validate:\n{out}"
-    );
-    assert_eq!(
-        out.matches("passed for resource").count(),
-        core.len(),
-        "{out}"
-    );
+    assert!(ok && !out.contains("Couldn't find schema"), "the rendered manifests do not validate:\n{out}");
+    assert_eq!(out.matches("passed for resource").count(), core.len(), "{out}");
 }
 
 #[test]
 fn the_base_and_every_overlay_render_and_pass_the_kubernetes_schemas() {
-    for dir in [
-        "",
-        "base",
-        "overlays/prometheus-operator",
-        "overlays/capabilities",
-        "overlays/full",
-    ] {
+    for dir in ["", "base", "overlays/prometheus-operator", "overlays/capabilities", "overlays/full"] {
         let docs = render(dir);
         validate_core(&docs);
         let ds = of_kind(&docs, "DaemonSet");
@@ -145,20 +100,11 @@ fn the_base_and_every_overlay_render_and_pass_the_kubernetes_schemas() {
             .iter()
             .find(|d| {
                 d["kind"] == "ConfigMap"
-                    && d["metadata"]["name"]
-                        .as_str()
-                        .is_some_and(|n| n.starts_with("stallwatch-config-"))
+                    && d["metadata"]["name"].as_str().is_some_and(|n| n.starts_with("stallwatch-config-"))
             })
             .expect("config map");
-        let volumes = ds["spec"]["template"]["spec"]["volumes"]
-            .as_array()
-            .expect("volumes");
-        assert!(
-            volumes
-                .iter()
-                .any(|v| v["configMap"]["name"] == config["metadata"]["name"]),
-            "{dir}: {volumes:?}"
-        );
+        let volumes = ds["spec"]["template"]["spec"]["volumes"].as_array().expect("volumes");
+        assert!(volumes.iter().any(|v| v["configMap"]["name"] == config["metadata"]["name"]), "{dir}: {volumes:?}");
     }
 }
 
@@ -171,34 +117,23 @@ fn debians_kubectl_renders_the_base() {
     assert!(ok && version.contains("v1.20"), "{version}");
     let docs = render_with(&debian, "base");
     assert_eq!(
-        docs.iter()
-            .map(|d| d["kind"].as_str().unwrap_or_default())
-            .collect::<Vec<_>>(),
+        docs.iter().map(|d| d["kind"].as_str().unwrap_or_default()).collect::<Vec<_>>(),
         ["Namespace", "ConfigMap", "DaemonSet"]
     );
     // The same DaemonSet, but for the ConfigMap's name: each kustomize
     // version hashes the contents its own way.
     let unhashed = |docs: &[Value]| {
         let mut ds = of_kind(docs, "DaemonSet").clone();
-        for volume in ds["spec"]["template"]["spec"]["volumes"]
-            .as_array_mut()
-            .expect("volumes")
-        {
-            if let Some(name) = volume["configMap"]["name"]
-                .as_str()
-                .and_then(|n| n.rsplit_once('-'))
-                .map(|(base, _)| base.to_owned())
+        for volume in ds["spec"]["template"]["spec"]["volumes"].as_array_mut().expect("volumes") {
+            if let Some(name) =
+                volume["configMap"]["name"].as_str().and_then(|n| n.rsplit_once('-')).map(|(base, _)| base.to_owned())
             {
                 volume["configMap"]["name"] = Value::String(name);
             }
         }
         ds
     };
-    assert_eq!(
-        unhashed(&docs),
-        unhashed(&render("base")),
-        "both kustomizes make the same DaemonSet"
-    );
+    assert_eq!(unhashed(&docs), unhashed(&render("base")), "both kustomizes make the same DaemonSet");
 }
 
 #[test]
@@ -208,41 +143,23 @@ fn the_prometheus_operator_overlay_scrapes_the_agents_and_loads_the_dashboard() 
     let pod_labels = &ds["spec"]["template"]["metadata"]["labels"];
     let service = of_kind(&docs, "Service");
     for (key, value) in service["spec"]["selector"].as_object().expect("selector") {
-        assert_eq!(
-            &pod_labels[key], value,
-            "the Service selects the agent pods"
-        );
+        assert_eq!(&pod_labels[key], value, "the Service selects the agent pods");
     }
-    assert_eq!(
-        service["spec"]["clusterIP"], "None",
-        "headless: one endpoint per agent"
-    );
+    assert_eq!(service["spec"]["clusterIP"], "None", "headless: one endpoint per agent");
     let port = &service["spec"]["ports"][0];
     assert_eq!(port["targetPort"], "metrics");
     let monitor = of_kind(&docs, "ServiceMonitor");
-    for (key, value) in monitor["spec"]["selector"]["matchLabels"]
-        .as_object()
-        .expect("matchLabels")
-    {
-        assert_eq!(
-            &service["metadata"]["labels"][key], value,
-            "the ServiceMonitor selects the Service"
-        );
+    for (key, value) in monitor["spec"]["selector"]["matchLabels"].as_object().expect("matchLabels") {
+        assert_eq!(&service["metadata"]["labels"][key], value, "the ServiceMonitor selects the Service");
     }
     assert_eq!(monitor["spec"]["endpoints"][0]["port"], port["name"]);
     assert_eq!(monitor["spec"]["endpoints"][0]["path"], "/metrics");
-    assert_eq!(
-        monitor["spec"]["namespaceSelector"]["matchNames"][0],
-        ds["metadata"]["namespace"]
-    );
+    assert_eq!(monitor["spec"]["namespaceSelector"]["matchNames"][0], ds["metadata"]["namespace"]);
     // The job label Prometheus gives the targets (the Service's name) is the
     // one the AgentDown alert watches.
     let rule = of_kind(&docs, "PrometheusRule").to_string();
     assert!(
-        rule.contains(&format!(
-            "up{{job=\\\"{}\\\"}}",
-            service["metadata"]["name"].as_str().expect("name")
-        )),
+        rule.contains(&format!("up{{job=\\\"{}\\\"}}", service["metadata"]["name"].as_str().expect("name"))),
         "{rule}"
     );
     let dashboard = docs
@@ -250,8 +167,7 @@ fn the_prometheus_operator_overlay_scrapes_the_agents_and_loads_the_dashboard() 
         .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["labels"]["grafana_dashboard"] == "1")
         .expect("the dashboard ConfigMap, labelled for Grafana's sidecar");
     let json: Value =
-        serde_json::from_str(dashboard["data"]["stallwatch.json"].as_str().expect("json"))
-            .expect("dashboard JSON");
+        serde_json::from_str(dashboard["data"]["stallwatch.json"].as_str().expect("json")).expect("dashboard JSON");
     assert_eq!(json["uid"], "stallwatch");
 }
 
@@ -263,19 +179,11 @@ fn the_capabilities_overlay_drops_privileged_for_its_capabilities() {
         let sc = &container["securityContext"];
         assert_eq!(sc["privileged"], false, "{container:#}");
         assert_eq!(sc["capabilities"]["drop"][0], "ALL");
-        assert_eq!(
-            capabilities(sc),
-            capabilities(&pod["containers"][0]["securityContext"])
-        );
+        assert_eq!(capabilities(sc), capabilities(&pod["containers"][0]["securityContext"]));
     }
     // Bidirectional needs privileged: the variant takes the host's mounts only.
-    let mounts = pod["containers"][0]["volumeMounts"]
-        .as_array()
-        .expect("mounts");
-    let bpffs = mounts
-        .iter()
-        .find(|m| m["mountPath"] == "/sys/fs/bpf")
-        .expect("bpffs");
+    let mounts = pod["containers"][0]["volumeMounts"].as_array().expect("mounts");
+    let bpffs = mounts.iter().find(|m| m["mountPath"] == "/sys/fs/bpf").expect("bpffs");
     assert_eq!(bpffs["mountPropagation"], "HostToContainer");
 }
 
@@ -292,10 +200,7 @@ fn workload_identity_may_only_list_pods_through_its_proxy() {
     let account = of_kind(&docs, "ServiceAccount");
     assert_eq!(binding["roleRef"]["name"], role["metadata"]["name"]);
     assert_eq!(binding["subjects"][0]["name"], account["metadata"]["name"]);
-    assert_eq!(
-        binding["subjects"][0]["namespace"],
-        account["metadata"]["namespace"]
-    );
+    assert_eq!(binding["subjects"][0]["namespace"], account["metadata"]["namespace"]);
     let pod = &of_kind(&docs, "DaemonSet")["spec"]["template"]["spec"];
     assert_eq!(pod["serviceAccountName"], account["metadata"]["name"]);
     assert_eq!(pod["automountServiceAccountToken"], true);
@@ -312,18 +217,10 @@ fn workload_identity_may_only_list_pods_through_its_proxy() {
         .iter()
         .find(|c| c["name"] == "kube-api-proxy")
         .expect("the proxy sidecar");
-    let args: Vec<&str> = proxy["args"]
-        .as_array()
-        .expect("args")
-        .iter()
-        .filter_map(Value::as_str)
-        .collect();
+    let args: Vec<&str> = proxy["args"].as_array().expect("args").iter().filter_map(Value::as_str).collect();
     assert_eq!(args[0], "proxy");
     assert!(args.contains(&"--address=127.0.0.1"), "{args:?}");
-    let port = args
-        .iter()
-        .find_map(|a| a.strip_prefix("--port="))
-        .expect("--port");
+    let port = args.iter().find_map(|a| a.strip_prefix("--port=")).expect("--port");
     assert_eq!(url, format!("http://127.0.0.1:{port}"));
     assert_eq!(proxy["securityContext"]["capabilities"]["drop"][0], "ALL");
 }
@@ -349,25 +246,18 @@ fn rules_dir(test_file: &str) -> tempfile::TempDir {
 }
 
 fn rules_test() -> String {
-    std::fs::read_to_string(deploy("components/prometheusrule/rules.test.yaml"))
-        .expect("rules.test.yaml")
+    std::fs::read_to_string(deploy("components/prometheusrule/rules.test.yaml")).expect("rules.test.yaml")
 }
 
 #[test]
 fn the_alert_rules_pass_promtool_check_and_their_unit_tests() {
     let dir = rules_dir(&rules_test());
-    let (ok, stdout, stderr) = run_to_end(
-        Command::new(promtool())
-            .args(["check", "rules"])
-            .arg(dir.path().join("rules.yaml")),
-    );
+    let (ok, stdout, stderr) =
+        run_to_end(Command::new(promtool()).args(["check", "rules"]).arg(dir.path().join("rules.yaml")));
     assert!(ok, "promtool check rules:\n{stdout}{stderr}");
     assert!(stdout.contains("SUCCESS: 5 rules found"), "{stdout}");
-    let (ok, stdout, stderr) = run_to_end(
-        Command::new(promtool())
-            .args(["test", "rules"])
-            .arg(dir.path().join("rules.test.yaml")),
-    );
+    let (ok, stdout, stderr) =
+        run_to_end(Command::new(promtool()).args(["test", "rules"]).arg(dir.path().join("rules.test.yaml")));
     assert!(ok, "promtool test rules:\n{stdout}{stderr}");
     assert!(stdout.contains("SUCCESS"), "{stdout}");
 }
@@ -376,69 +266,41 @@ fn the_alert_rules_pass_promtool_check_and_their_unit_tests() {
 fn a_wrong_expectation_fails_the_rule_tests() {
     // The rule tests can fail: one expected alert's class changed.
     let text = rules_test();
-    let broken = text.replacen(
-        "              class: transfer_hung\n",
-        "              class: release_lost\n",
-        1,
-    );
+    let broken = text.replacen("              class: transfer_hung\n", "              class: release_lost\n", 1);
     assert_ne!(text, broken);
     let dir = rules_dir(&broken);
-    let (ok, stdout, stderr) = run_to_end(
-        Command::new(promtool())
-            .args(["test", "rules"])
-            .arg(dir.path().join("rules.test.yaml")),
-    );
+    let (ok, stdout, stderr) =
+        run_to_end(Command::new(promtool()).args(["test", "rules"]).arg(dir.path().join("rules.test.yaml")));
     assert!(!ok, "a wrong expectation passed:\n{stdout}{stderr}");
-    assert!(
-        format!("{stdout}{stderr}").contains("StallwatchRequestsStalled"),
-        "{stdout}{stderr}"
-    );
+    assert!(format!("{stdout}{stderr}").contains("StallwatchRequestsStalled"), "{stdout}{stderr}");
 }
 
 #[test]
 fn every_alert_has_a_runbook_section() {
-    let runbook = std::fs::read_to_string(deploy("components/prometheusrule/RUNBOOK.md"))
-        .expect("RUNBOOK.md");
+    let runbook = std::fs::read_to_string(deploy("components/prometheusrule/RUNBOOK.md")).expect("RUNBOOK.md");
     let anchors: BTreeSet<String> = runbook
         .lines()
         .filter_map(|l| l.strip_prefix("## "))
         .map(|h| h.trim().to_lowercase().replace(' ', "-"))
         .collect();
     let docs = render("overlays/prometheus-operator");
-    let groups = of_kind(&docs, "PrometheusRule")["spec"]["groups"]
-        .as_array()
-        .expect("groups")
-        .clone();
+    let groups = of_kind(&docs, "PrometheusRule")["spec"]["groups"].as_array().expect("groups").clone();
     let mut alerts = 0;
-    for rule in groups
-        .iter()
-        .flat_map(|g| g["rules"].as_array().expect("rules").clone())
-    {
+    for rule in groups.iter().flat_map(|g| g["rules"].as_array().expect("rules").clone()) {
         let name = rule["alert"].as_str().expect("an alert");
-        let url = rule["annotations"]["runbook_url"]
-            .as_str()
-            .unwrap_or_else(|| panic!("{name} has no runbook_url"));
-        let anchor = url
-            .split_once('#')
-            .map(|(_, a)| a)
-            .unwrap_or_else(|| panic!("{name}: {url} has no anchor"));
+        let url = rule["annotations"]["runbook_url"].as_str().unwrap_or_else(|| panic!("{name} has no runbook_url"));
+        let anchor = url.split_once('#').map(|(_, a)| a).unwrap_or_else(|| panic!("{name}: {url} has no anchor"));
         assert_eq!(anchor, name.to_lowercase(), "{name}'s runbook anchor");
-        assert!(
-            anchors.contains(anchor),
-            "RUNBOOK.md has no section `## {name}`"
-        );
-        assert!(
-            rule["labels"]["severity"].is_string() && rule["annotations"]["summary"].is_string(),
-            "{rule:#}"
-        );
+        assert!(anchors.contains(anchor), "RUNBOOK.md has no section `## {name}`");
+        assert!(rule["labels"]["severity"].is_string() && rule["annotations"]["summary"].is_string(), "{rule:#}");
         alerts += 1;
     }
     assert_eq!(alerts, anchors.len(), "one section per alert: {anchors:?}");
 }
 
 fn dashboard() -> Value {
-    let text = std::fs::read_to_string(deploy("components/grafana-dashboard/stallwatch.json"))
-        .expect("stallwatch.json");
+    let text =
+        std::fs::read_to_string(deploy("components/grafana-dashboard/stallwatch.json")).expect("stallwatch.json");
     serde_json::from_str(&text).expect("the dashboard is JSON")
 }
 
@@ -465,10 +327,7 @@ fn dashboard_queries() -> Vec<String> {
 fn the_dashboard_is_well_formed_and_its_queries_parse() {
     let dashboard = dashboard();
     assert_eq!(dashboard["uid"], "stallwatch");
-    assert!(
-        dashboard["schemaVersion"].as_u64().is_some_and(|v| v >= 36),
-        "a current dashboard schema"
-    );
+    assert!(dashboard["schemaVersion"].as_u64().is_some_and(|v| v >= 36), "a current dashboard schema");
     let variables: Vec<&str> = dashboard["templating"]["list"]
         .as_array()
         .expect("templating")
@@ -481,33 +340,17 @@ fn the_dashboard_is_well_formed_and_its_queries_parse() {
     // Panels on Grafana's 24-column grid, none overlapping.
     let mut cells = BTreeSet::new();
     for panel in panels {
-        assert!(
-            ids.insert(panel["id"].as_u64().expect("id")),
-            "duplicate panel id: {panel:#}"
-        );
-        assert!(
-            ["timeseries", "table", "stat"].contains(&panel["type"].as_str().expect("type")),
-            "{panel:#}"
-        );
-        assert_eq!(
-            panel["datasource"]["uid"], "${datasource}",
-            "every panel uses the data source variable"
-        );
+        assert!(ids.insert(panel["id"].as_u64().expect("id")), "duplicate panel id: {panel:#}");
+        assert!(["timeseries", "table", "stat"].contains(&panel["type"].as_str().expect("type")), "{panel:#}");
+        assert_eq!(panel["datasource"]["uid"], "${datasource}", "every panel uses the data source variable");
         let g = &panel["gridPos"];
         let [x, y, w, h] = ["x", "y", "w", "h"].map(|k| g[k].as_u64().expect("gridPos"));
         assert!(x + w <= 24 && w > 0 && h > 0, "{panel:#}");
         for cell in (x..x + w).flat_map(|cx| (y..y + h).map(move |cy| (cx, cy))) {
-            assert!(
-                cells.insert(cell),
-                "panel {} overlaps another at {cell:?}",
-                panel["title"]
-            );
+            assert!(cells.insert(cell), "panel {} overlaps another at {cell:?}", panel["title"]);
         }
         for target in panel["targets"].as_array().expect("targets") {
-            assert!(
-                target["refId"].is_string() && target["expr"].is_string(),
-                "{target:#}"
-            );
+            assert!(target["refId"].is_string() && target["expr"].is_string(), "{target:#}");
         }
     }
     // Every query parses: promtool checks them as recording rules.
@@ -516,29 +359,19 @@ fn the_dashboard_is_well_formed_and_its_queries_parse() {
         .enumerate()
         .map(|(n, expr)| serde_json::json!({ "record": format!("dashboard:query{n}"), "expr": expr }))
         .collect();
-    let file = tempfile::Builder::new()
-        .suffix(".yaml")
-        .tempfile()
-        .expect("temp file");
-    std::fs::write(
-        file.path(),
-        serde_json::json!({ "groups": [{ "name": "dashboard", "rules": rules }] }).to_string(),
-    )
-    .expect("write");
-    let (ok, stdout, stderr) = run_to_end(
-        Command::new(promtool())
-            .args(["check", "rules"])
-            .arg(file.path()),
-    );
+    let file = tempfile::Builder::new().suffix(".yaml").tempfile().expect("temp file");
+    std::fs::write(file.path(), serde_json::json!({ "groups": [{ "name": "dashboard", "rules": rules }] }).to_string())
+        .expect("write");
+    let (ok, stdout, stderr) = run_to_end(Command::new(promtool()).args(["check", "rules"]).arg(file.path()));
     assert!(ok, "a dashboard query does not parse:\n{stdout}{stderr}");
 
     // And a broken one would not.
-    std::fs::write(file.path(), r#"{"groups":[{"name":"d","rules":[{"record":"x:y","expr":"sum by (class (stallwatch_requests_stalled)"}]}]}"#).expect("write");
-    let (ok, _, _) = run_to_end(
-        Command::new(promtool())
-            .args(["check", "rules"])
-            .arg(file.path()),
-    );
+    std::fs::write(
+        file.path(),
+        r#"{"groups":[{"name":"d","rules":[{"record":"x:y","expr":"sum by (class (stallwatch_requests_stalled)"}]}]}"#,
+    )
+    .expect("write");
+    let (ok, _, _) = run_to_end(Command::new(promtool()).args(["check", "rules"]).arg(file.path()));
     assert!(!ok, "promtool accepted a broken query");
 }
 
@@ -547,9 +380,7 @@ fn the_dashboard_is_well_formed_and_its_queries_parse() {
 /// and `up`.
 fn metric_names(expr: &str) -> BTreeSet<String> {
     expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
-        .filter(|word| {
-            word.starts_with("stallwatch_") || word.starts_with("process_") || *word == "up"
-        })
+        .filter(|word| word.starts_with("stallwatch_") || word.starts_with("process_") || *word == "up")
         .map(str::to_owned)
         .collect()
 }
@@ -558,16 +389,8 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
 fn the_rules_and_the_dashboard_name_only_metrics_the_agent_serves() {
     require_root();
     // With a stall, so the per-workload series exist too.
-    let mut demo = Demo::start(&[
-        "--rate",
-        "100",
-        "--duration",
-        "4s",
-        "--inject-after",
-        "100ms",
-        "--waiting-for-peer",
-        "1",
-    ]);
+    let mut demo =
+        Demo::start(&["--rate", "100", "--duration", "4s", "--inject-after", "100ms", "--waiting-for-peer", "1"]);
     let socket = test_socket();
     let bpf_dir = test_bpf_dir();
     // And a collector, so the export series exist.
@@ -575,16 +398,7 @@ fn the_rules_and_the_dashboard_name_only_metrics_the_agent_serves() {
     let mut agent = Proc::spawn(
         "stallwatch",
         Command::new(agent_bin())
-            .args([
-                "run",
-                "--profile",
-                "demo",
-                "--timeout",
-                "1s",
-                "--metrics-addr",
-                "127.0.0.1:0",
-                "--pid",
-            ])
+            .args(["run", "--profile", "demo", "--timeout", "1s", "--metrics-addr", "127.0.0.1:0", "--pid"])
             .arg(demo.proc.pid().to_string())
             .arg("--socket")
             .arg(&socket)
@@ -598,19 +412,11 @@ fn the_rules_and_the_dashboard_name_only_metrics_the_agent_serves() {
         .stderr()
         .lines()
         .filter(|l| l.contains("serving metrics"))
-        .find_map(|l| {
-            l.split("addr=127.0.0.1:")
-                .nth(1)?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()
-        })
+        .find_map(|l| l.split("addr=127.0.0.1:").nth(1)?.split_whitespace().next()?.parse().ok())
         .expect("metrics port");
     let body = wait_for("the stall on /metrics", Duration::from_secs(10), || {
         let (status, body) = http_get(port, "/metrics", None);
-        (status == "HTTP/1.1 200 OK" && body.contains("stallwatch_workload_requests_stalled{"))
-            .then_some(body)
+        (status == "HTTP/1.1 200 OK" && body.contains("stallwatch_workload_requests_stalled{")).then_some(body)
     });
     let served: BTreeSet<String> = body
         .lines()
@@ -620,10 +426,7 @@ fn the_rules_and_the_dashboard_name_only_metrics_the_agent_serves() {
         .collect();
     let mut exprs = dashboard_queries();
     let docs = render("overlays/prometheus-operator");
-    for group in of_kind(&docs, "PrometheusRule")["spec"]["groups"]
-        .as_array()
-        .expect("groups")
-    {
+    for group in of_kind(&docs, "PrometheusRule")["spec"]["groups"].as_array().expect("groups") {
         for rule in group["rules"].as_array().expect("rules") {
             exprs.push(rule["expr"].as_str().expect("expr").to_owned());
         }
@@ -635,10 +438,7 @@ fn the_rules_and_the_dashboard_name_only_metrics_the_agent_serves() {
     // `up` is Prometheus's own.
     named.remove("up");
     assert!(named.len() >= 10, "{named:?}");
-    let missing: Vec<&String> = named
-        .iter()
-        .filter(|name| !served.contains(*name))
-        .collect();
+    let missing: Vec<&String> = named.iter().filter(|name| !served.contains(*name)).collect();
     assert!(
         missing.is_empty(),
         "rules or dashboard name metrics the agent does not serve: {missing:?}\nserved: {served:?}"
@@ -657,9 +457,7 @@ fn with_only(caps: &[String]) -> Command {
         .collect::<Vec<_>>()
         .join(",");
     let mut command = Command::new("setpriv");
-    command
-        .args(["--inh-caps", "-all", "--bounding-set", &bounding, "--"])
-        .arg(agent_bin());
+    command.args(["--inh-caps", "-all", "--bounding-set", &bounding, "--"]).arg(agent_bin());
     command
 }
 
@@ -667,35 +465,17 @@ fn with_only(caps: &[String]) -> Command {
 fn the_capabilities_variant_really_runs_with_only_its_capabilities() {
     require_root();
     let docs = render("overlays/capabilities");
-    let caps = capabilities(
-        &of_kind(&docs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["securityContext"],
-    );
+    let caps =
+        capabilities(&of_kind(&docs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["securityContext"]);
 
     // With exactly the listed capabilities: attached, and a stall reported.
-    let mut demo = Demo::start(&[
-        "--rate",
-        "100",
-        "--duration",
-        "4s",
-        "--inject-after",
-        "200ms",
-        "--transfer-hung",
-        "1",
-    ]);
+    let mut demo =
+        Demo::start(&["--rate", "100", "--duration", "4s", "--inject-after", "200ms", "--transfer-hung", "1"]);
     let bpf_dir = test_bpf_dir();
     let mut agent = Proc::spawn(
         "stallwatch",
         with_only(&caps)
-            .args([
-                "run",
-                "--profile",
-                "demo",
-                "--timeout",
-                "1s",
-                "--output",
-                "json",
-                "--pid",
-            ])
+            .args(["run", "--profile", "demo", "--timeout", "1s", "--output", "json", "--pid"])
             .arg(demo.proc.pid().to_string())
             .arg("--socket")
             .arg(test_socket())
@@ -703,32 +483,16 @@ fn the_capabilities_variant_really_runs_with_only_its_capabilities() {
             .arg(&bpf_dir),
     );
     agent.wait_stderr("watching", Duration::from_secs(30));
-    let status =
-        std::fs::read_to_string(format!("/proc/{}/status", agent.pid())).expect("agent status");
-    let eff = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .map(str::trim)
-        .expect("CapEff");
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.pid())).expect("agent status");
+    let eff = status.lines().find_map(|l| l.strip_prefix("CapEff:")).map(str::trim).expect("CapEff");
     demo.go();
     let lines = agent.lines_until_exit(Duration::from_secs(30));
     let exit = agent.wait(Duration::from_secs(5));
     let _ = std::fs::remove_dir_all(&bpf_dir);
     assert!(exit.success(), "{exit}: {}", agent.stderr());
-    assert_ne!(
-        eff, "000001ffffffffff",
-        "the agent ran with every capability: setpriv did not bound it"
-    );
-    let stalls = lines
-        .iter()
-        .filter_map(|l| l.json())
-        .filter(|v| v["alert"] == "stalled")
-        .count();
-    assert!(
-        stalls >= 1,
-        "no stall reported with the capabilities {caps:?} (CapEff {eff}):\n{}",
-        agent.stderr()
-    );
+    assert_ne!(eff, "000001ffffffffff", "the agent ran with every capability: setpriv did not bound it");
+    let stalls = lines.iter().filter_map(|l| l.json()).filter(|v| v["alert"] == "stalled").count();
+    assert!(stalls >= 1, "no stall reported with the capabilities {caps:?} (CapEff {eff}):\n{}", agent.stderr());
 
     // Without CAP_SYS_ADMIN the attach fails, saying so: the docs' claim
     // that it is needed holds on this kernel.
@@ -736,24 +500,13 @@ fn the_capabilities_variant_really_runs_with_only_its_capabilities() {
     let mut demo = Demo::start(&["--rate", "100", "--duration", "3s"]);
     let (ok, _, stderr) = run_to_end(
         with_only(&without)
-            .args([
-                "run",
-                "--profile",
-                "demo",
-                "--timeout",
-                "1s",
-                "--ephemeral",
-                "--pid",
-            ])
+            .args(["run", "--profile", "demo", "--timeout", "1s", "--ephemeral", "--pid"])
             .arg(demo.proc.pid().to_string())
             .arg("--socket")
             .arg(test_socket()),
     );
     demo.go();
-    assert!(
-        !ok,
-        "the agent ran without CAP_SYS_ADMIN: the capability list could drop it\n{stderr}"
-    );
+    assert!(!ok, "the agent ran without CAP_SYS_ADMIN: the capability list could drop it\n{stderr}");
     assert!(
         stderr.contains("perf_event_open") && stderr.contains("lacks CAP_SYS_ADMIN"),
         "the error names the missing capability:\n{stderr}"

@@ -16,7 +16,8 @@ use std::{
 
 use serde_json::Value;
 use stallwatch_tests::{
-    Agent, Demo, Line, METRICS, agent_bin, alerts, require_root, run_to_end, summary, test_bpf_dir, test_socket, wait_for,
+    Agent, Demo, Line, METRICS, agent_bin, alerts, require_root, run_to_end, summary, test_bpf_dir, test_socket,
+    wait_for,
 };
 
 const TIMEOUT: &str = "1s";
@@ -68,8 +69,22 @@ fn a_stall_reported_before_a_crash_is_not_reported_again_and_its_recovery_is() {
     let dir = test_bpf_dir();
     let _cleanup = Cleanup(&dir);
     let mut demo = Demo::start(&[
-        "--rate", "500", "--duration", "30s", "--inject-after", "300ms", "--waiting-for-peer", "1", "--transfer-hung", "1",
-        "--release-lost", "1", "--recover", "1", "--recover-after", "5s",
+        "--rate",
+        "500",
+        "--duration",
+        "30s",
+        "--inject-after",
+        "300ms",
+        "--waiting-for-peer",
+        "1",
+        "--transfer-hung",
+        "1",
+        "--release-lost",
+        "1",
+        "--recover",
+        "1",
+        "--recover-after",
+        "5s",
     ]);
     let pid = demo.proc.pid();
     let (socket, socket_arg) = new_socket();
@@ -95,12 +110,16 @@ fn a_stall_reported_before_a_crash_is_not_reported_again_and_its_recovery_is() {
     second.wait_alerts("recovered", 1, Duration::from_secs(10), &mut after);
     // Each stall still held has been silent through a whole further
     // timeout in this agent: a stall alert it would repeat is out.
-    let held: Vec<String> = injected.iter().filter(|(_, pinned)| pinned.stall != "recover").map(|(key, _)| key.clone()).collect();
+    let held: Vec<String> =
+        injected.iter().filter(|(_, pinned)| pinned.stall != "recover").map(|(key, _)| key.clone()).collect();
     held_through_a_timeout(&socket, &held, Duration::from_secs(1));
     let after: Vec<Line> = after.into_iter().chain(second.stop()).collect();
 
     let restalled = counted(&after, "stalled");
-    assert!(restalled.is_empty(), "stalls already reported were reported again (or healthy requests stalled): {restalled:?}");
+    assert!(
+        restalled.is_empty(),
+        "stalls already reported were reported again (or healthy requests stalled): {restalled:?}"
+    );
     let recovered: Vec<Value> = alerts(&after, "recovered").map(|(_, alert)| alert).collect();
     assert_eq!(recovered.len(), 1, "{recovered:?}");
     let key = key_of(&recovered[0]);
@@ -124,7 +143,16 @@ fn a_stall_that_begins_while_no_agent_runs_is_reported_by_the_next_once() {
     let dir = test_bpf_dir();
     let _cleanup = Cleanup(&dir);
     let mut demo = Demo::start(&[
-        "--rate", "500", "--duration", "30s", "--inject-after", "1500ms", "--waiting-for-peer", "1", "--transfer-hung", "1",
+        "--rate",
+        "500",
+        "--duration",
+        "30s",
+        "--inject-after",
+        "1500ms",
+        "--waiting-for-peer",
+        "1",
+        "--transfer-hung",
+        "1",
     ]);
     let pid = demo.proc.pid();
     let first = Agent::watch_on(pid, &dir, "2s", &[]);
@@ -168,8 +196,18 @@ fn sigterm_hands_over_a_second_agent_is_refused_and_state_clear_detaches() {
     require_root();
     let dir = test_bpf_dir();
     let _cleanup = Cleanup(&dir);
-    let mut demo =
-        Demo::start(&["--rate", "200", "--duration", "30s", "--inject-after", "300ms", "--waiting-for-peer", "1", "--transfer-hung", "1"]);
+    let mut demo = Demo::start(&[
+        "--rate",
+        "200",
+        "--duration",
+        "30s",
+        "--inject-after",
+        "300ms",
+        "--waiting-for-peer",
+        "1",
+        "--transfer-hung",
+        "1",
+    ]);
     let pid = demo.proc.pid();
     let mut first = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
     demo.go();
@@ -180,12 +218,20 @@ fn sigterm_hands_over_a_second_agent_is_refused_and_state_clear_detaches() {
     // One agent per bpf directory.
     let dir_arg = dir.to_str().expect("utf-8 dir");
     let (ok, _, stderr) = run_to_end(
-        Command::new(agent_bin()).args(["run", "--pid", &pid.to_string(), "--profile", "demo", "--bpf-dir", dir_arg, "--socket"]).arg(test_socket()),
+        Command::new(agent_bin())
+            .args(["run", "--pid", &pid.to_string(), "--profile", "demo", "--bpf-dir", dir_arg, "--socket"])
+            .arg(test_socket()),
     );
     assert!(!ok, "a second agent on the same bpf directory must fail");
-    assert!(stderr.contains("another stallwatch agent is using the bpf directory") && stderr.contains(dir_arg), "{stderr}");
+    assert!(
+        stderr.contains("another stallwatch agent is using the bpf directory") && stderr.contains(dir_arg),
+        "{stderr}"
+    );
     let (ok, _, stderr) = run_to_end(Command::new(agent_bin()).args(["state", "clear", "--bpf-dir", dir_arg]));
-    assert!(!ok && stderr.contains("another stallwatch agent"), "state clear must refuse while an agent runs: {stderr}");
+    assert!(
+        !ok && stderr.contains("another stallwatch agent"),
+        "state clear must refuse while an agent runs: {stderr}"
+    );
 
     // SIGTERM (a rolling update): the probes stay for the next agent...
     first.bpf_dir = None;
@@ -201,11 +247,18 @@ fn sigterm_hands_over_a_second_agent_is_refused_and_state_clear_detaches() {
     let since: HashMap<&String, Duration> = injected.iter().map(|(key, pinned)| (key, pinned.at.elapsed())).collect();
     let rows = inflight(&socket);
     for (key, pinned) in &injected {
-        let row = rows.iter().find(|row| row["key"] == key.as_str()).unwrap_or_else(|| panic!("{key} was not taken over: {rows:?}"));
+        let row = rows
+            .iter()
+            .find(|row| row["key"] == key.as_str())
+            .unwrap_or_else(|| panic!("{key} was not taken over: {rows:?}"));
         assert_eq!(row["class"], pinned.stall.as_str(), "{row}");
         // Its last event came before the demo said it was pinned.
         let silent = Duration::from_millis(row["silent_ms"].as_u64().expect("silent_ms"));
-        assert!(silent + Duration::from_millis(5) >= since[key], "silent since before the hand-over: {row} vs {:?}", since[key]);
+        assert!(
+            silent + Duration::from_millis(5) >= since[key],
+            "silent since before the hand-over: {row} vs {:?}",
+            since[key]
+        );
     }
     held_through_a_timeout(&socket, &injected.keys().cloned().collect::<Vec<_>>(), Duration::from_secs(1));
     next.bpf_dir = None;
@@ -279,7 +332,10 @@ fn state_of_another_layout_is_discarded_with_a_warning() {
 fn bpf_objects_of(pid: u32) -> HashSet<(String, u64)> {
     let dir = format!("/proc/{pid}/fdinfo");
     let fds = std::fs::read_dir(&dir).unwrap_or_else(|err| panic!("listing {dir}: {err}"));
-    fds.filter_map(Result::ok).filter_map(|fd| std::fs::read_to_string(fd.path()).ok()).flat_map(|info| bpf_ids(&info)).collect()
+    fds.filter_map(Result::ok)
+        .filter_map(|fd| std::fs::read_to_string(fd.path()).ok())
+        .flat_map(|info| bpf_ids(&info))
+        .collect()
 }
 
 fn bpf_ids(fdinfo: &str) -> Vec<(String, u64)> {
@@ -339,7 +395,9 @@ fn pinned_object(path: &Path) -> Vec<(String, u64)> {
     }
     // SAFETY: a new descriptor bpf(2) just returned, owned here alone.
     let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).map(|info| bpf_ids(&info)).unwrap_or_default()
+    std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd()))
+        .map(|info| bpf_ids(&info))
+        .unwrap_or_default()
 }
 
 /// A fresh query socket, and it as an argument.
@@ -353,7 +411,8 @@ fn new_socket() -> (PathBuf, String) {
 /// `socket`. The agent answers from its event loop, so every alert it
 /// printed before it has also been marked in `ALERTED`.
 fn inflight(socket: &Path) -> Vec<Value> {
-    let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).arg("inflight").arg("--socket").arg(socket).arg("--json"));
+    let (ok, stdout, stderr) =
+        run_to_end(Command::new(agent_bin()).arg("inflight").arg("--socket").arg(socket).arg("--json"));
     assert!(ok, "inflight failed: {stderr}");
     let answer: Value = serde_json::from_str(&stdout).unwrap_or_else(|err| panic!("inflight --json ({err}): {stdout}"));
     answer["requests"].as_array().expect("requests").clone()
@@ -373,7 +432,8 @@ fn settle(socket: &Path) {
 /// it would repeat has come out by then.
 fn held_through_a_timeout(socket: &Path, keys: &[String], timeout: Duration) {
     let silent = |rows: &[Value], key: &String| {
-        let row = rows.iter().find(|row| row["key"] == key.as_str()).unwrap_or_else(|| panic!("{key} is not held: {rows:?}"));
+        let row =
+            rows.iter().find(|row| row["key"] == key.as_str()).unwrap_or_else(|| panic!("{key} is not held: {rows:?}"));
         Duration::from_millis(row["silent_ms"].as_u64().expect("silent_ms"))
     };
     let rows = inflight(socket);
@@ -392,8 +452,24 @@ fn a_stall_taken_over_and_ended_is_not_ended_again_by_a_third_agent() {
     // Healthy requests stop early, so the third agent finds only what is
     // still pinned.
     let mut demo = Demo::start(&[
-        "--rate", "1000", "--requests", "200", "--duration", "30s", "--inject-after", "300ms", "--waiting-for-peer", "1",
-        "--transfer-hung", "1", "--release-lost", "1", "--recover", "1", "--recover-after", "4s",
+        "--rate",
+        "1000",
+        "--requests",
+        "200",
+        "--duration",
+        "30s",
+        "--inject-after",
+        "300ms",
+        "--waiting-for-peer",
+        "1",
+        "--transfer-hung",
+        "1",
+        "--release-lost",
+        "1",
+        "--recover",
+        "1",
+        "--recover-after",
+        "4s",
     ]);
     let pid = demo.proc.pid();
     let (socket, socket_arg) = new_socket();
@@ -450,7 +526,8 @@ fn requests_of_a_pid_reused_while_no_agent_ran_end_process_exited() {
     require_root();
     let dir = test_bpf_dir();
     let _cleanup = Cleanup(&dir);
-    let mut old = Demo::start(&["--rate", "200", "--duration", "30s", "--inject-after", "200ms", "--waiting-for-peer", "2"]);
+    let mut old =
+        Demo::start(&["--rate", "200", "--duration", "30s", "--inject-after", "200ms", "--waiting-for-peer", "2"]);
     let pid = old.proc.pid();
     let first = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
     old.go();

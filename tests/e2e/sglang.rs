@@ -20,9 +20,9 @@ use std::{
 
 use serde_json::Value;
 use stallwatch_tests::{
-    Agent, Line, Proc, alerts, marker_lib,
+    Agent, Line, Proc, agent_bin, alerts, marker_lib,
     otlp::{Collector, Span, expected_trace_id},
-    agent_bin, require_root, root, run_to_end, summary, test_socket, venv_python, wait_for,
+    require_root, root, run_to_end, summary, test_socket, venv_python, wait_for,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(2);
@@ -133,14 +133,18 @@ fn a_transfer_hung_on_a_stopped_decode_is_transfer_hung() {
     agent.wait_until("a transfer_hung alert", TIMEOUT + Duration::from_secs(5), &mut seen, |seen| {
         alerts(seen, "stalled").any(|(_, a)| a["class"] == "transfer_hung")
     });
-    let stalls: Vec<(Instant, Value)> = alerts(&seen, "stalled").filter(|(_, a)| a["class"] == "transfer_hung").collect();
+    let stalls: Vec<(Instant, Value)> =
+        alerts(&seen, "stalled").filter(|(_, a)| a["class"] == "transfer_hung").collect();
     assert_eq!(stalls.len(), 1, "{seen:?}");
     let (at, alert) = &stalls[0];
     let key = alert["key"].as_str().expect("key");
     let posted = hung.get(key).unwrap_or_else(|| panic!("hung transfer not one of room {room}'s: {alert}"));
     assert_eq!(alert["stage"], "transfer_posted", "{alert}");
     let latency = at.duration_since(*posted);
-    assert!(latency >= TIMEOUT - Duration::from_millis(50) && latency <= TIMEOUT + LATENESS, "{alert} after {latency:?}");
+    assert!(
+        latency >= TIMEOUT - Duration::from_millis(50) && latency <= TIMEOUT + LATENESS,
+        "{alert} after {latency:?}"
+    );
 }
 
 /// The `decode-dies` seed under `profile`, run until the target holds (its
@@ -161,7 +165,9 @@ fn a_transfer_to_a_decode_that_died_is_failed() {
     let room = target.fault_room;
     let transfers = target.transfers(room);
     let mut seen = Vec::new();
-    agent.wait_until("a failed alert", Duration::from_secs(5), &mut seen, |seen| alerts(seen, "failed").next().is_some());
+    agent.wait_until("a failed alert", Duration::from_secs(5), &mut seen, |seen| {
+        alerts(seen, "failed").next().is_some()
+    });
     let failed: Vec<(Instant, Value)> = alerts(&seen, "failed").collect();
     assert_eq!(failed.len(), 1, "{seen:?}");
     let (at, alert) = &failed[0];
@@ -201,12 +207,17 @@ fn assert_marked_stalls(target: &Target, agent: Agent, expected: &[(u64, &str)])
     let mut seen = Vec::new();
     let stalls = agent.wait_alerts("stalled", expected.len(), MARKED_TIMEOUT + Duration::from_secs(5), &mut seen);
     for (at, alert) in &stalls {
-        let room = alert["external_id"].as_str().expect("every marked stall has its room").parse::<u64>().expect("room");
-        let (_, class) = expected.iter().find(|(r, _)| *r == room).unwrap_or_else(|| panic!("unexpected stall: {alert}"));
+        let room =
+            alert["external_id"].as_str().expect("every marked stall has its room").parse::<u64>().expect("room");
+        let (_, class) =
+            expected.iter().find(|(r, _)| *r == room).unwrap_or_else(|| panic!("unexpected stall: {alert}"));
         assert_eq!(alert["class"], *class, "{alert}");
         assert_eq!(alert["key"], format!("{room:#x}").as_str(), "{alert}");
         let latency = at.duration_since(target.last_mark(room));
-        assert!(latency >= MARKED_TIMEOUT - Duration::from_millis(50) && latency <= MARKED_TIMEOUT + LATENESS, "{alert} after {latency:?}");
+        assert!(
+            latency >= MARKED_TIMEOUT - Duration::from_millis(50) && latency <= MARKED_TIMEOUT + LATENESS,
+            "{alert} after {latency:?}"
+        );
     }
     // A second timeout later, still only these.
     std::thread::sleep(MARKED_TIMEOUT);
@@ -301,7 +312,9 @@ fn marked_abort_racing_a_chunk_ends_the_room_aborted() {
 /// A room's request span: keyed by the room, `bootstrap_room` and the
 /// room's trace id (as the decode side's agent derives it).
 fn room_span(spans: &[Span], room: u64) -> Option<&Span> {
-    spans.iter().find(|span| span.name == "stallwatch.request" && span.attr("stallwatch.request.key") == Some(&format!("{room:#x}")))
+    spans.iter().find(|span| {
+        span.name == "stallwatch.request" && span.attr("stallwatch.request.key") == Some(&format!("{room:#x}"))
+    })
 }
 
 fn assert_room_span(span: &Span, room: u64) {
@@ -325,7 +338,10 @@ fn assert_room_stalls(seen: &[Line], expected: &[(u64, &str)], since: impl Fn(u6
         assert_eq!(alert["external_id"], room.to_string().as_str(), "{alert}");
         assert_eq!(alert["class"], *class, "{alert}");
         let latency = at.duration_since(since(*room));
-        assert!(latency >= TIMEOUT - Duration::from_millis(50) && latency <= TIMEOUT + LATENESS, "{alert} after {latency:?}");
+        assert!(
+            latency >= TIMEOUT - Duration::from_millis(50) && latency <= TIMEOUT + LATENESS,
+            "{alert} after {latency:?}"
+        );
         found.push(alert.clone());
     }
     found
@@ -348,7 +364,9 @@ fn sglang_profile_healthy_run_with_idle_workers_raises_nothing_and_spans_every_r
     assert!(raised.is_empty(), "a healthy run raised alerts: {raised:?}");
     let summary = summary(&lines);
     assert_eq!((summary["in_flight"].as_u64(), summary["lost_events"].as_u64()), (Some(0), Some(0)), "{summary}");
-    let spans = collector.wait_for(Duration::from_secs(5), "a span per room", |spans| rooms.iter().all(|r| room_span(spans, *r).is_some()));
+    let spans = collector.wait_for(Duration::from_secs(5), "a span per room", |spans| {
+        rooms.iter().all(|r| room_span(spans, *r).is_some())
+    });
     for room in &rooms {
         let span = room_span(&spans, *room).expect("room span");
         assert_room_span(span, *room);
@@ -372,7 +390,8 @@ fn sglang_profile_ends_an_aborted_room_aborted_and_raises_nothing() {
     let raised = alert_lines(&lines);
     assert!(raised.is_empty(), "{raised:?}");
     assert_eq!(summary(&lines)["aborted"], 1, "{lines:?}");
-    let spans = collector.wait_for(Duration::from_secs(5), "the aborted room's span", |spans| room_span(spans, room).is_some());
+    let spans =
+        collector.wait_for(Duration::from_secs(5), "the aborted room's span", |spans| room_span(spans, room).is_some());
     let span = room_span(&spans, room).expect("room span");
     assert_room_span(span, room);
     assert_eq!(span.attr("stallwatch.request.outcome"), Some("aborted"), "{span:?}");
@@ -386,23 +405,38 @@ fn sglang_profile_ends_an_aborted_room_aborted_and_raises_nothing() {
 fn sglang_profile_reports_a_room_whose_decode_rank_never_answers_waiting_for_peer() {
     let mut collector = Collector::start();
     let endpoint = collector.http_endpoint();
-    let (mut target, agent) = Target::watched("no-answer", "sglang", &["--peers", "2"], &["--otlp-endpoint", &endpoint]);
+    let (mut target, agent) =
+        Target::watched("no-answer", "sglang", &["--peers", "2"], &["--otlp-endpoint", &endpoint]);
     let holding = target.until("holding", Duration::from_secs(30));
     let room = target.fault_room;
     assert_eq!(holding["rooms"][room.to_string()], "bootstrapping", "{holding}");
     let mut seen = Vec::new();
-    agent.wait_until("a stall", TIMEOUT + Duration::from_secs(5), &mut seen, |seen| alerts(seen, "stalled").next().is_some());
+    agent.wait_until("a stall", TIMEOUT + Duration::from_secs(5), &mut seen, |seen| {
+        alerts(seen, "stalled").next().is_some()
+    });
     std::thread::sleep(TIMEOUT);
     seen.extend(agent.stop());
-    let [alert] = &assert_room_stalls(&seen, &[(room, "waiting_for_peer")], |r| target.last_mark(r))[..] else { unreachable!() };
-    assert_eq!((alert["stage"].as_str(), alert["answered"].as_str(), alert["waiting_on"].as_str()), (Some("enqueued"), Some("1/2"), Some("peer")), "{alert}");
+    let [alert] = &assert_room_stalls(&seen, &[(room, "waiting_for_peer")], |r| target.last_mark(r))[..] else {
+        unreachable!()
+    };
+    assert_eq!(
+        (alert["stage"].as_str(), alert["answered"].as_str(), alert["waiting_on"].as_str()),
+        (Some("enqueued"), Some("1/2"), Some("peer")),
+        "{alert}"
+    );
     assert_eq!(alert_lines(&seen).len(), 1, "{seen:?}");
     // Its stall span says so too.
     let spans = collector.wait_for(Duration::from_secs(5), "the room's stall span", |spans| {
-        spans.iter().any(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&format!("{room:#x}")))
+        spans
+            .iter()
+            .any(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&format!("{room:#x}")))
     });
     let stall = spans.iter().find(|s| s.name == "stallwatch.stall").expect("stall span");
-    assert_eq!((stall.attr("stallwatch.sglang.answered"), stall.attr("stallwatch.sglang.waiting_on")), (Some("1/2"), Some("peer")), "{stall:?}");
+    assert_eq!(
+        (stall.attr("stallwatch.sglang.answered"), stall.attr("stallwatch.sglang.waiting_on")),
+        (Some("1/2"), Some("peer")),
+        "{stall:?}"
+    );
     assert_eq!(stall.attr("bootstrap_room"), Some(room.to_string().as_str()), "{stall:?}");
     let _ = collector.stop();
 }
@@ -421,7 +455,11 @@ fn sglang_profile_rooms_in_flight_survive_an_agent_restart() {
     target.until("holding", Duration::from_secs(30));
     let room = target.fault_room;
     let since = target.last_mark(room);
-    assert!(since.elapsed() < LONGER - Duration::from_secs(1), "the room is still short of its timeout: {:?}", since.elapsed());
+    assert!(
+        since.elapsed() < LONGER - Duration::from_secs(1),
+        "the room is still short of its timeout: {:?}",
+        since.elapsed()
+    );
     let before = first.proc.lines_now();
     assert_eq!(alert_lines(&before).len(), 0, "{before:?}");
     // Killed as a crash would; the next agent takes its bpf directory over.
@@ -432,13 +470,23 @@ fn sglang_profile_rooms_in_flight_survive_an_agent_restart() {
     second.bpf_dir = Some(dir);
     second.proc.wait_stderr("took over the requests in flight", Duration::from_secs(10));
     let mut seen = Vec::new();
-    second.wait_until("the room's stall", LONGER + Duration::from_secs(5), &mut seen, |seen| alerts(seen, "stalled").next().is_some());
+    second.wait_until("the room's stall", LONGER + Duration::from_secs(5), &mut seen, |seen| {
+        alerts(seen, "stalled").next().is_some()
+    });
     std::thread::sleep(Duration::from_secs(1));
     seen.extend(second.stop());
     let stalls: Vec<(Instant, Value)> = alerts(&seen, "stalled").collect();
     let [(at, alert)] = &stalls[..] else { panic!("one stall, the room's: {seen:?}") };
-    assert_eq!((alert["key"].as_str(), alert["external_id"].as_str()), (Some(format!("{room:#x}").as_str()), Some(room.to_string().as_str())), "{alert}");
-    assert_eq!((alert["class"].as_str(), alert["stage"].as_str()), (Some("waiting_for_peer"), Some("enqueued")), "{alert}");
+    assert_eq!(
+        (alert["key"].as_str(), alert["external_id"].as_str()),
+        (Some(format!("{room:#x}").as_str()), Some(room.to_string().as_str())),
+        "{alert}"
+    );
+    assert_eq!(
+        (alert["class"].as_str(), alert["stage"].as_str()),
+        (Some("waiting_for_peer"), Some("enqueued")),
+        "{alert}"
+    );
     // What it waits on died with the first agent.
     assert!(alert["answered"].is_null() && alert["waiting_on"].is_null(), "{alert}");
     let latency = at.duration_since(since);
@@ -450,7 +498,9 @@ fn sglang_profile_fails_the_room_of_a_decode_that_died() {
     let (target, agent, killed_at) = decode_died("sglang");
     let room = target.fault_room;
     let mut seen = Vec::new();
-    agent.wait_until("a failed alert", TIMEOUT + Duration::from_secs(5), &mut seen, |seen| alerts(seen, "failed").next().is_some());
+    agent.wait_until("a failed alert", TIMEOUT + Duration::from_secs(5), &mut seen, |seen| {
+        alerts(seen, "failed").next().is_some()
+    });
     std::thread::sleep(TIMEOUT);
     seen.extend(agent.stop());
     let failed: Vec<(Instant, Value)> = alerts(&seen, "failed").collect();
@@ -487,14 +537,19 @@ fn sglang_profile_alerts_a_hung_transfer_on_its_room_and_the_rooms_queued_behind
         .collect();
     assert!(queued.len() >= 3, "{holding}");
     let mut seen = Vec::new();
-    agent.wait_until("the stalls", TIMEOUT + Duration::from_secs(5), &mut seen, |seen| alerts(seen, "stalled").count() > queued.len());
+    agent.wait_until("the stalls", TIMEOUT + Duration::from_secs(5), &mut seen, |seen| {
+        alerts(seen, "stalled").count() > queued.len()
+    });
     // `stallwatch inflight` says where each stands, as the alerts do.
     let (ok, answer, stderr) = run_to_end(Command::new(agent_bin()).args(["inflight", "--json", "--socket", socket]));
     assert!(ok, "{stderr}");
     let answer: Value = serde_json::from_str(&answer).expect("inflight --json");
     let row = |r: u64| -> Value {
         let rows = answer["requests"].as_array().expect("requests");
-        rows.iter().find(|row| row["key"] == format!("{r:#x}").as_str()).cloned().unwrap_or_else(|| panic!("room {r} not in flight: {answer}"))
+        rows.iter()
+            .find(|row| row["key"] == format!("{r:#x}").as_str())
+            .cloned()
+            .unwrap_or_else(|| panic!("room {r} not in flight: {answer}"))
     };
     assert_eq!(row(room)["context"], serde_json::json!({"handle": handle.as_str(), "transfer": "1"}), "{answer}");
     for r in &queued {
@@ -508,7 +563,11 @@ fn sglang_profile_alerts_a_hung_transfer_on_its_room_and_the_rooms_queued_behind
     let found = assert_room_stalls(&seen, &expected, |r| if r == room { *posted } else { target.last_mark(r) });
     let hung_alert = &found[0];
     assert_eq!(hung_alert["stage"], "transfer_posted", "{hung_alert}");
-    assert_eq!((hung_alert["handle"].as_str(), hung_alert["transfer"].as_str()), (Some(handle.as_str()), Some("1")), "{hung_alert}");
+    assert_eq!(
+        (hung_alert["handle"].as_str(), hung_alert["transfer"].as_str()),
+        (Some(handle.as_str()), Some("1")),
+        "{hung_alert}"
+    );
     for alert in &found[1..] {
         assert_eq!(alert["stage"], "enqueued", "{alert}");
         let waits = (alert["answered"].as_str(), alert["behind"].as_str(), alert["waiting_on"].as_str());
@@ -528,7 +587,11 @@ fn one_peer_stopped(target: &mut Target) -> (String, Value) {
     let index = stopped["decode"].as_u64().expect("decode index");
     let ready = target.lines[0].json().expect("the ready line");
     let decodes = ready["decodes"].as_array().expect("decodes");
-    let agent = decodes.iter().find(|d| d["index"] == index).and_then(|d| d["agent"].as_str()).expect("the stopped decode's agent");
+    let agent = decodes
+        .iter()
+        .find(|d| d["index"] == index)
+        .and_then(|d| d["agent"].as_str())
+        .expect("the stopped decode's agent");
     let holding = target.until("holding", Duration::from_secs(30));
     let room = target.fault_room;
     assert_eq!(holding["rooms"][room.to_string()], "transferring", "{holding}");
@@ -567,7 +630,10 @@ fn sglang_profile_blames_the_stopped_peer_while_the_other_peer_completes() {
     assert_eq!(transport["peer"], stopped.as_str(), "{alert}");
     assert_eq!(transport["verdict"], "peer_unresponsive", "{alert}");
     assert_eq!(transport["completion"]["to_peer"], 0, "{alert}");
-    assert!(transport["completion"]["to_other_peers"].as_u64() > Some(0), "the other decode's transfers complete: {alert}");
+    assert!(
+        transport["completion"]["to_other_peers"].as_u64() > Some(0),
+        "the other decode's transfers complete: {alert}"
+    );
     let summary = transport["summary"].as_str().expect("summary");
     assert!(summary.contains(&format!("none to {stopped} completed")), "{alert}");
 }
@@ -603,11 +669,20 @@ fn every_sglang_probe_lands_on_an_emulated_instruction_and_a_single_stepped_one_
         ]),
     );
     // NIXL logs to stdout too.
-    wait_for("the ready line", Duration::from_secs(30), || loaded.lines_now().iter().any(|line| line.text == "ready").then_some(()));
+    wait_for("the ready line", Duration::from_secs(30), || {
+        loaded.lines_now().iter().any(|line| line.text == "ready").then_some(())
+    });
     let check = |profile: &str| {
-        let (ok, out, err) = run_to_end(Command::new(agent_bin()).args(["profile", "check", profile, "--pid", &loaded.pid().to_string()]));
+        let (ok, out, err) = run_to_end(Command::new(agent_bin()).args([
+            "profile",
+            "check",
+            profile,
+            "--pid",
+            &loaded.pid().to_string(),
+        ]));
         assert!(ok, "profile check {profile}: {err}");
-        let points: Vec<String> = out.lines().skip_while(|line| *line != "in the process:").skip(1).map(str::to_owned).collect();
+        let points: Vec<String> =
+            out.lines().skip_while(|line| *line != "in the process:").skip(1).map(str::to_owned).collect();
         assert!(!points.is_empty(), "{out}");
         points
     };
@@ -617,7 +692,10 @@ fn every_sglang_probe_lands_on_an_emulated_instruction_and_a_single_stepped_one_
     for point in &points {
         assert!(point.contains("(emulated") && !point.contains("single-stepped"), "{point}");
     }
-    assert!(points.iter().any(|p| p.contains("zmq_msg_data at ") && p.contains("relative branch (emulated")), "{points:#?}");
+    assert!(
+        points.iter().any(|p| p.contains("zmq_msg_data at ") && p.contains("relative branch (emulated")),
+        "{points:#?}"
+    );
     let dir = tempfile::tempdir().expect("tempdir");
     let profile = dir.path().join("usleep.toml");
     std::fs::write(&profile, "name = \"usleep\"\n[[probe]]\nobject = \"libc.so.6\"\nsymbol = \"usleep\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n")

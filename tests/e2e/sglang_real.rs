@@ -75,7 +75,8 @@ impl Target {
     /// Decode rank `index`'s pid and NIXL agent name.
     fn decode(&self, index: u64) -> (u32, String) {
         let decodes = self.ready["decodes"].as_array().expect("decodes");
-        let decode = decodes.iter().find(|d| d["index"] == index).unwrap_or_else(|| panic!("no decode {index}: {}", self.ready));
+        let decode =
+            decodes.iter().find(|d| d["index"] == index).unwrap_or_else(|| panic!("no decode {index}: {}", self.ready));
         (decode["pid"].as_u64().expect("pid") as u32, decode["agent"].as_str().expect("agent").to_owned())
     }
 
@@ -148,7 +149,9 @@ fn healthy_tp1_rooms_on_nixl_cu12_with_pickled_requests_raise_nothing_and_are_on
 /// else, then the agent's every line.
 fn stalls_then_quiet(agent: Agent, n: usize) -> Vec<Line> {
     let mut seen = Vec::new();
-    agent.wait_until(&format!("{n} stalls"), TIMEOUT + Duration::from_secs(5), &mut seen, |seen| alerts(seen, "stalled").count() >= n);
+    agent.wait_until(&format!("{n} stalls"), TIMEOUT + Duration::from_secs(5), &mut seen, |seen| {
+        alerts(seen, "stalled").count() >= n
+    });
     std::thread::sleep(TIMEOUT);
     seen.extend(agent.stop());
     seen
@@ -192,7 +195,11 @@ fn a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so()
             .unwrap_or_else(|| panic!("room {r} not alerted: {raised:#?}"))
     };
     let (at, hung) = stall(room);
-    assert_eq!((hung["class"].as_str(), hung["external_id"].as_str()), (Some("transfer_hung"), Some(room.to_string().as_str())), "{hung}");
+    assert_eq!(
+        (hung["class"].as_str(), hung["external_id"].as_str()),
+        (Some("transfer_hung"), Some(room.to_string().as_str())),
+        "{hung}"
+    );
     assert_eq!(hung["transport"]["peer"].as_str(), Some(peer.as_str()), "{hung}");
     assert!(hung["handle"].as_str().is_some_and(|h| h.starts_with("0x")), "{hung}");
     assert_ne!(hung["transport"]["verdict"], "others_completing", "{hung}");
@@ -203,13 +210,24 @@ fn a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so()
     let chunk = target
         .lines
         .iter()
-        .find(|line| line.json().is_some_and(|v| v["event"] == "chunk" && v["room"] == room && v["chunk"] == transfer - 1))
+        .find(|line| {
+            line.json().is_some_and(|v| v["event"] == "chunk" && v["room"] == room && v["chunk"] == transfer - 1)
+        })
         .unwrap_or_else(|| panic!("transfer {transfer} is no chunk of room {room}: {hung}"));
     timed_from(&hung, at, chunk.at, Duration::ZERO);
     for r in &behind {
         let (at, alert) = stall(*r);
-        let waits = (alert["class"].as_str(), alert["answered"].as_str(), alert["behind"].as_str(), alert["waiting_on"].as_str());
-        assert_eq!(waits, (Some("waiting_for_peer"), Some("1/1"), Some(room.to_string().as_str()), Some("worker")), "{alert}");
+        let waits = (
+            alert["class"].as_str(),
+            alert["answered"].as_str(),
+            alert["behind"].as_str(),
+            alert["waiting_on"].as_str(),
+        );
+        assert_eq!(
+            waits,
+            (Some("waiting_for_peer"), Some("1/1"), Some(room.to_string().as_str()), Some("worker")),
+            "{alert}"
+        );
         timed_from(&alert, at, target.at("bootstrapped", *r), Duration::from_millis(500));
     }
     for r in &unanswered {
@@ -232,15 +250,24 @@ fn a_decode_killed_after_answering_fails_its_room_once() {
     let holding = target.until("holding", Duration::from_secs(60));
     let room = target.fault_room();
     assert_eq!(holding["rooms"][room.to_string()], "failed", "{holding}");
-    let unanswered: Vec<u64> = target.rooms().into_iter().filter(|r| holding["rooms"][r.to_string()] == "bootstrapping").collect();
+    let unanswered: Vec<u64> =
+        target.rooms().into_iter().filter(|r| holding["rooms"][r.to_string()] == "bootstrapping").collect();
     let seen = stalls_then_quiet(agent, unanswered.len());
     let failed: Vec<(Instant, Value)> = alerts(&seen, "failed").collect();
     let [(at, alert)] = &failed[..] else { panic!("one failed alert: {seen:?}") };
-    assert_eq!((alert["key"].as_str(), alert["external_id"].as_str()), (Some(format!("{room:#x}").as_str()), Some(room.to_string().as_str())), "{alert}");
+    assert_eq!(
+        (alert["key"].as_str(), alert["external_id"].as_str()),
+        (Some(format!("{room:#x}").as_str()), Some(room.to_string().as_str())),
+        "{alert}"
+    );
     assert!(at.duration_since(killed) <= TIMEOUT + LATENESS, "{alert}");
     for (_, stall) in alerts(&seen, "stalled") {
         assert!(unanswered.iter().any(|r| stall["key"] == format!("{r:#x}").as_str()), "{stall}");
-        assert_eq!((stall["class"].as_str(), stall["answered"].as_str()), (Some("waiting_for_peer"), Some("0")), "{stall}");
+        assert_eq!(
+            (stall["class"].as_str(), stall["answered"].as_str()),
+            (Some("waiting_for_peer"), Some("0")),
+            "{stall}"
+        );
     }
     assert_eq!(alert_lines(&seen).len(), 1 + unanswered.len(), "{seen:?}");
     assert_eq!(summary(&seen)["failed"], 1, "{seen:?}");
@@ -273,7 +300,11 @@ fn a_room_whose_tp1_decode_never_answers_waits_for_its_peer() {
     let seen = stalls_then_quiet(agent, 1);
     let stalls: Vec<(Instant, Value)> = alerts(&seen, "stalled").collect();
     let [(at, alert)] = &stalls[..] else { panic!("one stall: {seen:?}") };
-    assert_eq!((alert["key"].as_str(), alert["class"].as_str()), (Some(format!("{room:#x}").as_str()), Some("waiting_for_peer")), "{alert}");
+    assert_eq!(
+        (alert["key"].as_str(), alert["class"].as_str()),
+        (Some(format!("{room:#x}").as_str()), Some("waiting_for_peer")),
+        "{alert}"
+    );
     assert_eq!((alert["answered"].as_str(), alert["waiting_on"].as_str()), (Some("0"), Some("peer")), "{alert}");
     timed_from(alert, *at, target.at("request", room), Duration::from_millis(200));
     assert_eq!(alert_lines(&seen).len(), 1, "{seen:?}");
@@ -299,7 +330,10 @@ fn both_sides_of_a_hung_room_are_alerted_in_one_trace() {
     let room = target.fault_room();
     let key = format!("{room:#x}");
     let prefill_seen = stalls_then_quiet(prefill, 1);
-    let hung = alerts(&prefill_seen, "stalled").map(|(_, a)| a).find(|a| a["key"] == key.as_str()).expect("the prefill's stall");
+    let hung = alerts(&prefill_seen, "stalled")
+        .map(|(_, a)| a)
+        .find(|a| a["key"] == key.as_str())
+        .expect("the prefill's stall");
     assert_eq!(hung["class"], "transfer_hung", "{hung}");
     let mut decode_alerts = Vec::new();
     for agent in decode_agents {
@@ -315,10 +349,14 @@ fn both_sides_of_a_hung_room_are_alerted_in_one_trace() {
     let side = (waiting["class"].as_str(), waiting["side"].as_str(), waiting["waiting_on"].as_str());
     assert_eq!(side, (Some("waiting_for_kv"), Some("decode"), Some("prefill")), "{waiting}");
     let spans = collector.wait_for(Duration::from_secs(5), "both sides' stall spans", |spans| {
-        spans.iter().filter(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&key)).count() >= 2
+        spans.iter().filter(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&key)).count()
+            >= 2
     });
     let trace = expected_trace_id(&room.to_string());
-    let stall_spans: Vec<_> = spans.iter().filter(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&key)).collect();
+    let stall_spans: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&key))
+        .collect();
     for span in &stall_spans {
         assert_eq!(span.trace_id, trace, "{span:?}");
     }
@@ -340,19 +378,33 @@ fn a_room_held_across_an_agent_restart_is_reported_once_on_time() {
     target.until("holding", Duration::from_secs(60));
     let room = target.fault_room();
     let since = target.at("request", room);
-    assert!(since.elapsed() < LONGER - Duration::from_secs(2), "the room is still short of its timeout: {:?}", since.elapsed());
+    assert!(
+        since.elapsed() < LONGER - Duration::from_secs(2),
+        "the room is still short of its timeout: {:?}",
+        since.elapsed()
+    );
     let dir = first.bpf_dir.take().expect("its own bpf directory");
     first.proc.signal(libc::SIGKILL);
     let _ = first.proc.wait(Duration::from_secs(5));
-    let mut second = Agent::watch(target.prefill(), "sglang", "6s", &["--bpf-dir", dir.to_str().expect("utf-8 bpf dir")]);
+    let mut second =
+        Agent::watch(target.prefill(), "sglang", "6s", &["--bpf-dir", dir.to_str().expect("utf-8 bpf dir")]);
     second.bpf_dir = Some(dir);
     let mut seen = Vec::new();
-    second.wait_until("the room's stall", LONGER + Duration::from_secs(5), &mut seen, |seen| alerts(seen, "stalled").next().is_some());
+    second.wait_until("the room's stall", LONGER + Duration::from_secs(5), &mut seen, |seen| {
+        alerts(seen, "stalled").next().is_some()
+    });
     std::thread::sleep(Duration::from_secs(1));
     seen.extend(second.stop());
     let stalls: Vec<(Instant, Value)> = alerts(&seen, "stalled").collect();
     let [(at, alert)] = &stalls[..] else { panic!("one stall, the room's: {seen:?}") };
-    assert_eq!((alert["key"].as_str(), alert["class"].as_str()), (Some(format!("{room:#x}").as_str()), Some("waiting_for_peer")), "{alert}");
+    assert_eq!(
+        (alert["key"].as_str(), alert["class"].as_str()),
+        (Some(format!("{room:#x}").as_str()), Some("waiting_for_peer")),
+        "{alert}"
+    );
     let latency = at.saturating_duration_since(since);
-    assert!(latency + Duration::from_millis(200) >= LONGER && latency <= LONGER + LATENESS, "{alert} after {latency:?}");
+    assert!(
+        latency + Duration::from_millis(200) >= LONGER && latency <= LONGER + LATENESS,
+        "{alert} after {latency:?}"
+    );
 }

@@ -41,7 +41,8 @@ fn mkdir(path: &Path) -> PathBuf {
 }
 
 fn symlink(target: &Path, link: &Path) {
-    std::os::unix::fs::symlink(target, link).unwrap_or_else(|err| panic!("ln -s {} {}: {err}", target.display(), link.display()));
+    std::os::unix::fs::symlink(target, link)
+        .unwrap_or_else(|err| panic!("ln -s {} {}: {err}", target.display(), link.display()));
 }
 
 fn entries(dir: &Path) -> Vec<PathBuf> {
@@ -64,10 +65,13 @@ impl BpfScratch {
         // SAFETY: statfs writes into the zeroed struct we own.
         let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
         // SAFETY: a NUL-terminated path and a valid out pointer.
-        let on_bpffs = unsafe { libc::statfs(c"/sys/fs/bpf".as_ptr(), &mut stat) } == 0 && stat.f_type as i64 == BPF_FS_MAGIC;
+        let on_bpffs =
+            unsafe { libc::statfs(c"/sys/fs/bpf".as_ptr(), &mut stat) } == 0 && stat.f_type as i64 == BPF_FS_MAGIC;
         if !on_bpffs {
             // SAFETY: NUL-terminated strings and no data argument.
-            let mounted = unsafe { libc::mount(c"bpf".as_ptr(), c"/sys/fs/bpf".as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null()) } == 0;
+            let mounted =
+                unsafe { libc::mount(c"bpf".as_ptr(), c"/sys/fs/bpf".as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null()) }
+                    == 0;
             assert!(mounted, "these tests need bpffs at {}: {}", bpffs.display(), std::io::Error::last_os_error());
         }
         let parent = bpffs.join("stallwatch-tests");
@@ -124,7 +128,15 @@ fn a_bpf_dir_another_user_owns_is_refused_and_nothing_is_pinned_in_it() {
     let demo = Demo::start(&[]);
     let stderr = refused(&demo, &["--bpf-dir", arg(&dir), "--socket", arg(&test_socket())]);
     let shown = dir.display().to_string();
-    assert_says(&stderr, &[&format!("the bpf directory {shown}"), &format!("{shown} is owned by uid 65534"), "not by root", &format!("chown root {shown}")]);
+    assert_says(
+        &stderr,
+        &[
+            &format!("the bpf directory {shown}"),
+            &format!("{shown} is owned by uid 65534"),
+            "not by root",
+            &format!("chown root {shown}"),
+        ],
+    );
     assert_eq!(entries(&dir), Vec::<PathBuf>::new(), "pinned into it anyway");
 }
 
@@ -137,7 +149,10 @@ fn a_bpf_dir_anyone_can_write_to_is_refused_and_nothing_is_pinned_in_it() {
     let demo = Demo::start(&[]);
     let stderr = refused(&demo, &["--bpf-dir", arg(&dir), "--socket", arg(&test_socket())]);
     let shown = dir.display().to_string();
-    assert_says(&stderr, &[&format!("{shown} (mode 0777) is writable by its group or by anyone"), &format!("chmod 700 {shown}")]);
+    assert_says(
+        &stderr,
+        &[&format!("{shown} (mode 0777) is writable by its group or by anyone"), &format!("chmod 700 {shown}")],
+    );
     assert_eq!(entries(&dir), Vec::<PathBuf>::new(), "pinned into it anyway");
 }
 
@@ -272,7 +287,10 @@ fn inflight_does_not_ask_a_socket_in_a_directory_another_user_owns() {
     chown_nobody(&socket);
     let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).args(["inflight", "--socket", arg(&socket)]));
     assert!(!ok, "{stdout}");
-    assert_says(&stderr, &[&format!("not asking {}", socket.display()), &format!("{} is owned by uid 65534", dir.display())]);
+    assert_says(
+        &stderr,
+        &[&format!("not asking {}", socket.display()), &format!("{} is owned by uid 65534", dir.display())],
+    );
     assert!(listener.accept().is_err(), "it connected to the socket");
 }
 
@@ -297,14 +315,23 @@ fn doctor_says_why_a_directory_run_would_refuse() {
     chmod(&shared, 0o777);
     let fresh = tmp.path().join("fresh/state");
     let doctor = |bpf_dir: &Path, socket: &Path| -> Value {
-        let (ok, stdout, stderr) = run_to_end(
-            Command::new(agent_bin()).args(["doctor", "--json", "--bpf-dir", arg(bpf_dir), "--socket", arg(socket)]),
-        );
+        let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).args([
+            "doctor",
+            "--json",
+            "--bpf-dir",
+            arg(bpf_dir),
+            "--socket",
+            arg(socket),
+        ]));
         assert!(ok, "neither check is required:\n{stdout}\n{stderr}");
         serde_json::from_str(&stdout).unwrap_or_else(|err| panic!("{err}: {stdout}"))
     };
     let check = |report: &Value, name: &str| -> Value {
-        report["checks"].as_array().and_then(|c| c.iter().find(|c| c["name"] == name)).cloned().unwrap_or_else(|| panic!("no {name}: {report:#}"))
+        report["checks"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["name"] == name))
+            .cloned()
+            .unwrap_or_else(|| panic!("no {name}: {report:#}"))
     };
     let report = doctor(&shared, &shared.join("sub/agent.sock"));
     for name in ["bpf_dir", "socket_dir"] {
@@ -312,7 +339,12 @@ fn doctor_says_why_a_directory_run_would_refuse() {
         assert_eq!((&c["status"], &c["required"]), (&Value::from("missing"), &Value::from(false)), "{c:#}");
         let detail = c["detail"].as_str().unwrap_or_default();
         assert!(detail.contains(&format!("{} (mode 0777) is writable", shared.display())), "{c:#}");
-        assert!(c["fix"].as_str().is_some_and(|f| f.contains(&format!("chmod 700 {}", shared.display())) || f.contains("chmod go-w")), "{c:#}");
+        assert!(
+            c["fix"]
+                .as_str()
+                .is_some_and(|f| f.contains(&format!("chmod 700 {}", shared.display())) || f.contains("chmod go-w")),
+            "{c:#}"
+        );
     }
     let report = doctor(&fresh, &fresh.join("agent.sock"));
     for name in ["bpf_dir", "socket_dir"] {

@@ -28,11 +28,7 @@ const NODE: &str = "gpu-node-7";
 fn ids(salt: u32) -> (String, String) {
     let seed = u64::from(std::process::id()) << 16 | u64::from(salt);
     let id = format!("{:016x}", seed).repeat(4);
-    let uid = format!(
-        "{:08x}-1d2f-4a3b-9c8d-{:012x}",
-        salt,
-        seed & 0xffff_ffff_ffff
-    );
+    let uid = format!("{:08x}-1d2f-4a3b-9c8d-{:012x}", salt, seed & 0xffff_ffff_ffff);
     (id, uid)
 }
 
@@ -52,18 +48,11 @@ impl PodCgroup {
         );
         let pod = root.join("kubepods/burstable").join(format!("pod{uid}"));
         let container = pod.join(id);
-        std::fs::create_dir_all(&container)
-            .unwrap_or_else(|err| panic!("creating {}: {err}", container.display()));
-        std::fs::write(container.join("cgroup.procs"), pid.to_string())
-            .expect("moving the demo into the pod's cgroup");
+        std::fs::create_dir_all(&container).unwrap_or_else(|err| panic!("creating {}: {err}", container.display()));
+        std::fs::write(container.join("cgroup.procs"), pid.to_string()).expect("moving the demo into the pod's cgroup");
         let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("cgroup");
-        assert!(
-            cgroup.contains(&format!("/kubepods/burstable/pod{uid}/{id}")),
-            "{cgroup}"
-        );
-        Self {
-            dirs: vec![container, pod],
-        }
+        assert!(cgroup.contains(&format!("/kubepods/burstable/pod{uid}/{id}")), "{cgroup}");
+        Self { dirs: vec![container, pod] }
     }
 }
 
@@ -148,16 +137,7 @@ fn pod_list(id: &str, uid: &str) -> String {
 }
 
 fn stalled_demo() -> Demo {
-    Demo::start(&[
-        "--rate",
-        "100",
-        "--duration",
-        "5s",
-        "--inject-after",
-        "200ms",
-        "--waiting-for-peer",
-        "1",
-    ])
+    Demo::start(&["--rate", "100", "--duration", "5s", "--inject-after", "200ms", "--waiting-for-peer", "1"])
 }
 
 #[test]
@@ -174,31 +154,17 @@ fn alerts_spans_and_metrics_name_the_pod_from_the_api() {
         pid,
         "demo",
         "1s",
-        &[
-            "--kubernetes",
-            &api.url(),
-            "--metrics-addr",
-            "127.0.0.1:0",
-            "--otlp-endpoint",
-            &endpoint,
-        ],
+        &["--kubernetes", &api.url(), "--metrics-addr", "127.0.0.1:0", "--otlp-endpoint", &endpoint],
         &[("K8S_NODE_NAME", NODE)],
     );
     demo.go();
     let mut seen = Vec::new();
     let stalled = agent.wait_alerts("stalled", 1, Duration::from_secs(10), &mut seen);
     let workload = &stalled[0].1["workload"];
-    assert_eq!(
-        workload["k8s.namespace.name"], NAMESPACE,
-        "{}",
-        stalled[0].1
-    );
+    assert_eq!(workload["k8s.namespace.name"], NAMESPACE, "{}", stalled[0].1);
     assert_eq!(workload["k8s.pod.name"], POD);
     assert_eq!(workload["k8s.container.name"], "sglang");
-    assert_eq!(
-        workload["k8s.owner.name"], "prefill",
-        "the Deployment, not its ReplicaSet"
-    );
+    assert_eq!(workload["k8s.owner.name"], "prefill", "the Deployment, not its ReplicaSet");
     assert_eq!(workload["k8s.owner.kind"], "Deployment");
     assert_eq!(workload["k8s.node.name"], NODE);
     assert_eq!(workload["container.id"], Value::String(id.clone()));
@@ -212,26 +178,16 @@ fn alerts_spans_and_metrics_name_the_pod_from_the_api() {
     assert_eq!(metric(&body, &series), 1, "{body}");
 
     // So does the stall span.
-    let spans = collector.wait_for(Duration::from_secs(5), "the stall span", |spans| {
-        spans.iter().any(|s| s.name == "stallwatch.stall")
-    });
-    let span = spans
-        .iter()
-        .find(|s| s.name == "stallwatch.stall")
-        .expect("stall span");
+    let spans = collector
+        .wait_for(Duration::from_secs(5), "the stall span", |spans| spans.iter().any(|s| s.name == "stallwatch.stall"));
+    let span = spans.iter().find(|s| s.name == "stallwatch.stall").expect("stall span");
     assert_eq!(span.attr("k8s.pod.name"), Some(POD), "{span:#?}");
     assert_eq!(span.attr("k8s.namespace.name"), Some(NAMESPACE));
     assert_eq!(span.attr("container.id"), Some(id.as_str()));
 
     // One list, of this node's pods only.
     let requests = api.requests();
-    assert_eq!(
-        requests,
-        [format!(
-            "GET /api/v1/pods?fieldSelector=spec.nodeName%3D{NODE} HTTP/1.1"
-        )],
-        "{requests:?}"
-    );
+    assert_eq!(requests, [format!("GET /api/v1/pods?fieldSelector=spec.nodeName%3D{NODE} HTTP/1.1")], "{requests:?}");
     drop(agent);
     let _ = collector.stop();
 }
@@ -247,10 +203,7 @@ fn without_the_api_the_container_id_and_on_its_error_a_warning() {
     demo.go();
     let mut seen = Vec::new();
     let stalled = agent.wait_alerts("stalled", 1, Duration::from_secs(10), &mut seen);
-    let workload = stalled[0].1["workload"]
-        .as_object()
-        .expect("a workload")
-        .clone();
+    let workload = stalled[0].1["workload"].as_object().expect("a workload").clone();
     assert_eq!(
         workload.keys().map(String::as_str).collect::<Vec<_>>(),
         ["container.id", "k8s.pod.uid"],
@@ -264,10 +217,7 @@ fn without_the_api_the_container_id_and_on_its_error_a_warning() {
     let (id, uid) = ids(3);
     let mut demo = stalled_demo();
     let _cgroup = PodCgroup::enter(demo.proc.pid(), &uid, &id);
-    let api = ApiServer::start(
-        "403 Forbidden",
-        json!({"kind": "Status", "reason": "Forbidden"}).to_string(),
-    );
+    let api = ApiServer::start("403 Forbidden", json!({"kind": "Status", "reason": "Forbidden"}).to_string());
     let agent = Agent::watch(demo.proc.pid(), "demo", "1s", &["--kubernetes", &api.url()]);
     demo.go();
     let mut seen = Vec::new();
@@ -275,17 +225,13 @@ fn without_the_api_the_container_id_and_on_its_error_a_warning() {
     assert_eq!(stalled[0].1["workload"]["container.id"], Value::String(id));
     assert!(stalled[0].1["workload"].get("k8s.pod.name").is_none());
     let stderr = agent.proc.stderr();
-    assert!(
-        stderr.contains("403 Forbidden") && stderr.contains("ClusterRole"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("403 Forbidden") && stderr.contains("ClusterRole"), "{stderr}");
 
     // A process in no container: no workload, and no error. (If this test
     // itself runs in a container, the demo is in it too: then its id.)
     let own = std::fs::read_to_string("/proc/self/cgroup").expect("own cgroup");
-    let in_container = own
-        .split(['/', '\n', ':', '-', '.'])
-        .any(|w| w.len() == 64 && w.bytes().all(|b| b.is_ascii_hexdigit()));
+    let in_container =
+        own.split(['/', '\n', ':', '-', '.']).any(|w| w.len() == 64 && w.bytes().all(|b| b.is_ascii_hexdigit()));
     let mut demo = stalled_demo();
     let agent = Agent::watch(demo.proc.pid(), "demo", "1s", &["--kubernetes", &api.url()]);
     demo.go();
@@ -293,9 +239,6 @@ fn without_the_api_the_container_id_and_on_its_error_a_warning() {
     let stalls: Vec<Value> = alerts(&lines, "stalled").map(|(_, v)| v).collect();
     assert!(!stalls.is_empty(), "no stall reported");
     if !in_container {
-        assert!(
-            stalls.iter().all(|s| s.get("workload").is_none()),
-            "{stalls:?}"
-        );
+        assert!(stalls.iter().all(|s| s.get("workload").is_none()), "{stalls:?}");
     }
 }

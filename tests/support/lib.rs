@@ -54,7 +54,8 @@ pub fn marker_lib() -> PathBuf {
 /// The test venv's Python (NIXL, the OTLP collector), made by
 /// `cargo run --release -p xtask -- setup --python`.
 pub fn venv_python() -> PathBuf {
-    let venv = root().join(std::env::var_os("STALLWATCH_VENV").map_or_else(|| PathBuf::from("target/venv"), PathBuf::from));
+    let venv =
+        root().join(std::env::var_os("STALLWATCH_VENV").map_or_else(|| PathBuf::from("target/venv"), PathBuf::from));
     let python = venv.join("bin/python");
     assert!(
         python.exists(),
@@ -72,11 +73,14 @@ pub fn sglang_python() -> PathBuf {
     let venv = std::env::var_os("STALLWATCH_SGLANG_VENV").map_or_else(
         || {
             let read = |name: &str| {
-                std::fs::read_to_string(root().join("tests/sglang").join(name)).unwrap_or_else(|e| panic!("reading tests/sglang/{name}: {e}"))
+                std::fs::read_to_string(root().join("tests/sglang").join(name))
+                    .unwrap_or_else(|e| panic!("reading tests/sglang/{name}: {e}"))
             };
             let wanted = format!("{}\n--\n{}", read("requirements-nodeps.txt"), read("requirements.txt"));
             // FNV-1a 64, as xtask's sglang_venv_hash.
-            let hash = wanted.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
+            let hash = wanted
+                .bytes()
+                .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
             let home = std::env::var_os("HOME").expect("HOME is not set");
             PathBuf::from(home).join(format!(".cache/stallwatch/venv-sglang-{:012x}", hash >> 16))
         },
@@ -169,8 +173,12 @@ impl Proc {
     pub fn next_line(&self, within: Duration, awaiting: &str) -> Line {
         match self.stdout.recv_timeout(within) {
             Ok(line) => line,
-            Err(RecvTimeoutError::Timeout) => panic!("{}: no {awaiting} within {within:?}; stderr:\n{}", self.name, self.stderr()),
-            Err(RecvTimeoutError::Disconnected) => panic!("{}: exited before {awaiting}; stderr:\n{}", self.name, self.stderr()),
+            Err(RecvTimeoutError::Timeout) => {
+                panic!("{}: no {awaiting} within {within:?}; stderr:\n{}", self.name, self.stderr())
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                panic!("{}: exited before {awaiting}; stderr:\n{}", self.name, self.stderr())
+            }
         }
     }
 
@@ -450,7 +458,9 @@ impl Agent {
             .and_then(|l| l.split("addr=127.0.0.1:").nth(1))
             .and_then(|p| p.split_whitespace().next())
             .and_then(|p| p.parse().ok())
-            .unwrap_or_else(|| panic!("no metrics address in stderr (was it started with --metrics-addr 127.0.0.1:0?):\n{stderr}"))
+            .unwrap_or_else(|| {
+                panic!("no metrics address in stderr (was it started with --metrics-addr 127.0.0.1:0?):\n{stderr}")
+            })
     }
 
     /// The value of the sample `series` on its metrics endpoint now.
@@ -498,7 +508,11 @@ impl Drop for Agent {
 /// `/sys/fs/bpf/stallwatch-tests/` (the agent mounts bpffs if need be).
 pub fn test_bpf_dir() -> PathBuf {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    PathBuf::from("/sys/fs/bpf/stallwatch-tests").join(format!("{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)))
+    PathBuf::from("/sys/fs/bpf/stallwatch-tests").join(format!(
+        "{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
 }
 
 /// A query socket path no other agent uses: one per call, under
@@ -506,15 +520,21 @@ pub fn test_bpf_dir() -> PathBuf {
 /// the socket when it exits).
 pub fn test_socket() -> PathBuf {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    std::env::temp_dir()
-        .join("stallwatch-tests")
-        .join(format!("{}-{}.sock", std::process::id(), N.fetch_add(1, Ordering::Relaxed)))
+    std::env::temp_dir().join("stallwatch-tests").join(format!(
+        "{}-{}.sock",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
 }
 
 /// Run a command to completion, returning (success, stdout, stderr).
 pub fn run_to_end(command: &mut Command) -> (bool, String, String) {
     let out = command.output().unwrap_or_else(|err| panic!("running {command:?}: {err}"));
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 /// The JSON alert lines of a given kind.

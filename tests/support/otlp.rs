@@ -22,7 +22,8 @@ pub fn rotel_bin() -> PathBuf {
     if let Some(path) = std::env::var_os("STALLWATCH_ROTEL") {
         return PathBuf::from(path);
     }
-    let venv = root().join(std::env::var_os("STALLWATCH_VENV").map_or_else(|| PathBuf::from("target/venv"), PathBuf::from));
+    let venv =
+        root().join(std::env::var_os("STALLWATCH_VENV").map_or_else(|| PathBuf::from("target/venv"), PathBuf::from));
     let found = std::fs::read_dir(venv.join("lib"))
         .into_iter()
         .flatten()
@@ -47,7 +48,8 @@ pub fn free_port() -> u16 {
 /// The trace id stallwatch derives from an external id, computed here on
 /// its own from the README's definition.
 pub fn expected_trace_id(external_id: &str) -> String {
-    let digest = Sha256::new().chain_update(b"stallwatch/v1/external\0").chain_update(external_id.as_bytes()).finalize();
+    let digest =
+        Sha256::new().chain_update(b"stallwatch/v1/external\0").chain_update(external_id.as_bytes()).finalize();
     digest[..16].iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -129,7 +131,9 @@ impl Parser {
         } else if text == "Links:" {
             self.section = Some(Section::Links);
         } else if let Some(span) = self.current.as_mut() {
-            let field = |prefix: &str| trimmed.strip_prefix(prefix).map(|rest| rest.trim_start_matches([' ', ':']).trim().to_owned());
+            let field = |prefix: &str| {
+                trimmed.strip_prefix(prefix).map(|rest| rest.trim_start_matches([' ', ':']).trim().to_owned())
+            };
             match self.section {
                 Some(Section::None) => {
                     if let Some(v) = field("Trace ID") {
@@ -252,7 +256,11 @@ impl Collector {
         for port in [self.grpc_port, self.http_port] {
             let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
             while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
-                assert!(Instant::now() < deadline, "rotel is not listening on {addr} after {within:?}; stderr:\n{}", self.proc.stderr());
+                assert!(
+                    Instant::now() < deadline,
+                    "rotel is not listening on {addr} after {within:?}; stderr:\n{}",
+                    self.proc.stderr()
+                );
                 thread::sleep(Duration::from_millis(20));
             }
         }
@@ -299,8 +307,15 @@ impl Collector {
                 return spans.to_vec();
             }
             if Instant::now() > deadline {
-                let names: Vec<String> = spans.iter().map(|s| format!("{} {} {:?}", s.name, s.status_code, s.attributes.get("stallwatch.request.key"))).collect();
-                panic!("collector: {what} not seen within {within:?}; {} spans so far: {names:#?}\nrotel stderr:\n{}", spans.len(), self.proc.stderr());
+                let names: Vec<String> = spans
+                    .iter()
+                    .map(|s| format!("{} {} {:?}", s.name, s.status_code, s.attributes.get("stallwatch.request.key")))
+                    .collect();
+                panic!(
+                    "collector: {what} not seen within {within:?}; {} spans so far: {names:#?}\nrotel stderr:\n{}",
+                    spans.len(),
+                    self.proc.stderr()
+                );
             }
             thread::sleep(Duration::from_millis(50));
         }
@@ -312,7 +327,11 @@ impl Collector {
     pub fn stop(mut self) -> Vec<Span> {
         self.proc.signal(libc::SIGTERM);
         let status = self.proc.wait(Duration::from_secs(10));
-        assert!(status.success() || status.code().is_none(), "rotel exited with {status}; stderr:\n{}", self.proc.stderr());
+        assert!(
+            status.success() || status.code().is_none(),
+            "rotel exited with {status}; stderr:\n{}",
+            self.proc.stderr()
+        );
         let spans = self.spans().to_vec();
         drop(self.dir);
         spans
@@ -328,10 +347,12 @@ pub fn watch_with_env(pid: u32, timeout: &str, extra: &[&str], env: &[(&str, &st
 /// A plain HTTP GET on loopback: (status line, body).
 pub fn http_get(port: u16, path: &str, accept: Option<&str>) -> (String, String) {
     use std::io::{Read as _, Write as _};
-    let mut stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).unwrap_or_else(|err| panic!("connecting to 127.0.0.1:{port}: {err}"));
+    let mut stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port))
+        .unwrap_or_else(|err| panic!("connecting to 127.0.0.1:{port}: {err}"));
     stream.set_read_timeout(Some(Duration::from_secs(5))).expect("read timeout");
     let accept = accept.map(|a| format!("Accept: {a}\r\n")).unwrap_or_default();
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{accept}Connection: close\r\n\r\n").expect("writing the request");
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{accept}Connection: close\r\n\r\n")
+        .expect("writing the request");
     let mut response = String::new();
     stream.read_to_string(&mut response).expect("reading the response");
     let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));

@@ -45,7 +45,9 @@ fn bpf_linker() -> Result<()> {
         .with_context(|| format!("reading {}", lib_dir.display()))?
         .filter_map(|entry| entry.ok().map(|e| e.path()))
         .find(|path| path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libLLVM.so.")))
-        .with_context(|| format!("no libLLVM.so.* in {}: the nightly toolchain lacks its LLVM library", lib_dir.display()))?;
+        .with_context(|| {
+            format!("no libLLVM.so.* in {}: the nightly toolchain lacks its LLVM library", lib_dir.display())
+        })?;
     let soname = libllvm.file_name().and_then(|n| n.to_str()).context("libLLVM file name is not UTF-8")?;
     // "libLLVM.so.22.1-rust-1.97.0-nightly" -> 22
     let major = soname
@@ -150,7 +152,8 @@ fn sglang_venv() -> Result<()> {
 /// FNV-1a 64 of the two requirement files (as `sglang_venv` joins them), 12
 /// hex digits. `sglang_python` in tests/support/lib.rs computes the same.
 fn sglang_venv_hash(text: &str) -> String {
-    let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
+    let hash =
+        text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
     format!("{:012x}", hash >> 16)
 }
 

@@ -125,7 +125,17 @@ pub fn test(built: &Built, tools: &crate::tools::Tools) -> Result<()> {
     let root = root()?;
     run(Command::new("cargo")
         .current_dir(&root)
-        .args(["test", "--release", "--workspace", "--exclude", "stallwatch-ebpf", "--all-targets", "--no-fail-fast", "--", "--test-threads=1"])
+        .args([
+            "test",
+            "--release",
+            "--workspace",
+            "--exclude",
+            "stallwatch-ebpf",
+            "--all-targets",
+            "--no-fail-fast",
+            "--",
+            "--test-threads=1",
+        ])
         .env("STALLWATCH_BIN", &built.agent)
         .env("STALLWATCH_DEMO", &built.demo)
         .env("STALLWATCH_MARKER", &built.marker)
@@ -156,7 +166,8 @@ fn install_bpftrace() -> Result<()> {
         return Ok(());
     }
     eprintln!("xtask: bpftrace is missing; installing it with apt-get (the benchmarks compare against it)");
-    let installed = run(Command::new("apt-get").args(["install", "-y", "bpftrace"]).env("DEBIAN_FRONTEND", "noninteractive"));
+    let installed =
+        run(Command::new("apt-get").args(["install", "-y", "bpftrace"]).env("DEBIAN_FRONTEND", "noninteractive"));
     if let Err(err) = installed {
         bail!(
             "could not install bpftrace ({err:#}): run `apt-get update && apt-get install -y bpftrace` \

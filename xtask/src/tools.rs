@@ -37,18 +37,12 @@ pub fn ensure() -> Result<Tools> {
     };
     let debian_kubectl = debian_binary("kubernetes-client", "kubectl", &["version", "--client"])?;
     let kubectl = components_kubectl()?;
-    Ok(Tools {
-        promtool,
-        kubectl,
-        debian_kubectl,
-    })
+    Ok(Tools { promtool, kubectl, debian_kubectl })
 }
 
 fn runs(program: &Path, args: &[&str]) -> Option<String> {
     let out = Command::new(program).args(args).output().ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 fn on_path(name: &str, args: &[&str]) -> Option<PathBuf> {
@@ -66,15 +60,9 @@ fn debian_binary(package: &str, binary: &str, check: &[&str]) -> Result<PathBuf>
     let debs = dir.join("debs");
     let _ = fs::remove_dir_all(&debs);
     fs::create_dir_all(&debs).with_context(|| format!("creating {}", debs.display()))?;
-    let download = |debs: &Path| {
-        run(Command::new("apt-get")
-            .args(["download", package])
-            .current_dir(debs))
-    };
+    let download = |debs: &Path| run(Command::new("apt-get").args(["download", package]).current_dir(debs));
     if download(&debs).is_err() {
-        eprintln!(
-            "xtask: `apt-get download {package}` failed; updating the package lists and trying again"
-        );
+        eprintln!("xtask: `apt-get download {package}` failed; updating the package lists and trying again");
         run(Command::new("apt-get").arg("update"))?;
         download(&debs).with_context(|| {
             format!("downloading Debian's {package} (for {binary}): check that apt reaches the Debian archive")
@@ -83,20 +71,10 @@ fn debian_binary(package: &str, binary: &str, check: &[&str]) -> Result<PathBuf>
     let deb = fs::read_dir(&debs)?
         .filter_map(|entry| entry.ok().map(|e| e.path()))
         .find(|p| p.extension().is_some_and(|e| e == "deb"))
-        .with_context(|| {
-            format!(
-                "apt-get download {package} left no .deb in {}",
-                debs.display()
-            )
-        })?;
+        .with_context(|| format!("apt-get download {package} left no .deb in {}", debs.display()))?;
     run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&dir))?;
     if runs(&path, check).is_none() {
-        bail!(
-            "{} from Debian's {package} does not run (`{} {}`)",
-            path.display(),
-            path.display(),
-            check.join(" ")
-        );
+        bail!("{} from Debian's {package} does not run (`{} {}`)", path.display(), path.display(), check.join(" "));
     }
     Ok(path)
 }
@@ -111,15 +89,8 @@ fn components_kubectl() -> Result<PathBuf> {
         );
     };
     // "Kustomize Version: v5.5.0"
-    let kustomize = version
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("Kustomize Version: v"))
-        .unwrap_or("0");
-    let major: u32 = kustomize
-        .split('.')
-        .next()
-        .and_then(|m| m.parse().ok())
-        .unwrap_or(0);
+    let kustomize = version.lines().find_map(|l| l.trim().strip_prefix("Kustomize Version: v")).unwrap_or("0");
+    let major: u32 = kustomize.split('.').next().and_then(|m| m.parse().ok()).unwrap_or(0);
     if major < 4 {
         bail!(
             "`kubectl` on PATH has kustomize {kustomize:?}, which cannot render components (they need kustomize 3.7, \

@@ -11,8 +11,8 @@
 use std::{
     fs,
     io::{BufRead as _, BufReader, Read as _},
-    os::unix::fs::DirBuilderExt as _,
     num::NonZeroU32,
+    os::unix::fs::DirBuilderExt as _,
     path::{Path, PathBuf},
     process::{Child, ChildStdout, Command, Stdio},
     sync::mpsc,
@@ -120,7 +120,9 @@ impl Agent {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .with_context(|| format!("starting {} (build it with `cargo run --release -p xtask -- build`)", bin.display()))?;
+            .with_context(|| {
+                format!("starting {} (build it with `cargo run --release -p xtask -- build`)", bin.display())
+            })?;
         let mut stderr = BufReader::new(child.stderr.take().context("agent stderr")?);
         let mut log = String::new();
         loop {
@@ -207,9 +209,8 @@ impl Floor {
         let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).context("pid 0")?);
         let mut attachments = 0;
         for (object, symbol, program, optional) in points {
-            let resolved = image
-                .find(object)
-                .and_then(|mapped| Ok((ElfFile::open(&mapped.host_path)?.resolve(symbol)?, mapped)));
+            let resolved =
+                image.find(object).and_then(|mapped| Ok((ElfFile::open(&mapped.host_path)?.resolve(symbol)?, mapped)));
             let (resolved, mapped) = match resolved {
                 Ok(found) => found,
                 // As the agent does: an optional probe that is not there is skipped.
@@ -244,7 +245,9 @@ pub fn columns(full: bool) -> Result<Vec<(&'static str, Config)>> {
     let mut columns = vec![("off", Config::Off), ("empty", Config::Empty)];
     if full {
         if !bpftrace_available() {
-            bail!("no `bpftrace` on PATH: `apt-get install -y bpftrace` (`cargo run --release -p xtask -- bench` does)");
+            bail!(
+                "no `bpftrace` on PATH: `apt-get install -y bpftrace` (`cargo run --release -p xtask -- bench` does)"
+            );
         }
         columns.push(("bpftrace", Config::Bpftrace));
     }

@@ -44,15 +44,7 @@ pub struct AlertWriter<W> {
 
 impl<W: Write> AlertWriter<W> {
     pub fn new(out: W, format: Format, clock: Clock) -> Self {
-        Self {
-            out,
-            format,
-            clock,
-            names: HashMap::new(),
-            workloads: None,
-            closed: false,
-            stopping: false,
-        }
+        Self { out, format, clock, names: HashMap::new(), workloads: None, closed: false, stopping: false }
     }
 
     /// Alerts name the workload (namespace/pod/container, or the container
@@ -105,7 +97,12 @@ impl<W: Write> AlertWriter<W> {
 
     /// Write the alert line a report calls for, if any, with the transport
     /// evidence of its process where there is some.
-    pub fn report(&mut self, report: &Report, evidence: Option<&Evidence>, fields: &[(&'static str, String)]) -> std::io::Result<()> {
+    pub fn report(
+        &mut self,
+        report: &Report,
+        evidence: Option<&Evidence>,
+        fields: &[(&'static str, String)],
+    ) -> std::io::Result<()> {
         let Some(mut alert) = Alert::of(report) else {
             return Ok(());
         };
@@ -270,7 +267,10 @@ impl<W: Write> AlertWriter<W> {
             line.push_str(&format!(" {stage}={}", self.clock.rfc3339(ns)));
         }
         if !request.inferred.is_empty() {
-            line.push_str(&format!(" inferred={}", request.inferred.iter().map(Stage::as_str).collect::<Vec<_>>().join(",")));
+            line.push_str(&format!(
+                " inferred={}",
+                request.inferred.iter().map(Stage::as_str).collect::<Vec<_>>().join(",")
+            ));
         }
         for (name, value) in alert.fields {
             line.push_str(&format!(" {name}={}", text::value(value)));
@@ -287,9 +287,8 @@ impl<W: Write> AlertWriter<W> {
 
     fn json(&self, alert: &Alert<'_>) -> Value {
         let request = alert.request;
-        let stages: Map<String, Value> = stages(request)
-            .map(|(stage, ns)| (stage.to_string(), Value::String(self.clock.rfc3339(ns))))
-            .collect();
+        let stages: Map<String, Value> =
+            stages(request).map(|(stage, ns)| (stage.to_string(), Value::String(self.clock.rfc3339(ns)))).collect();
         let mut value = json!({
             "ts": self.clock.rfc3339(alert.at_ns),
             "alert": alert.kind,
@@ -313,11 +312,8 @@ impl<W: Write> AlertWriter<W> {
                 object.insert((*name).to_owned(), json!(value));
             }
             if let Some(workload) = self.workload(request.pid) {
-                let attributes: Map<String, Value> = workload
-                    .attributes()
-                    .into_iter()
-                    .map(|(k, v)| (k.to_owned(), Value::String(v)))
-                    .collect();
+                let attributes: Map<String, Value> =
+                    workload.attributes().into_iter().map(|(k, v)| (k.to_owned(), Value::String(v))).collect();
                 object.insert("workload".to_owned(), Value::Object(attributes));
             }
         }
@@ -411,7 +407,9 @@ fn evidence_json(evidence: &Evidence) -> Value {
         progress.insert("window_ms".to_owned(), json!(evidence.progress_window_ns.map(|ns| ns / 1_000_000)));
     }
     object.insert("peer".to_owned(), json!(evidence.peer.as_ref().map(|peer| &*peer.peer)));
-    if let (Some(peer), Some(Value::Object(completion))) = (&evidence.peer, object.get_mut(ActivityKind::Completion.as_str())) {
+    if let (Some(peer), Some(Value::Object(completion))) =
+        (&evidence.peer, object.get_mut(ActivityKind::Completion.as_str()))
+    {
         completion.insert("to_peer".to_owned(), json!(peer.to_peer));
         completion.insert("to_other_peers".to_owned(), json!(peer.to_others));
     }
@@ -456,11 +454,15 @@ mod tests {
     fn alerts_carry_their_trackers_fields() {
         let fields = [("handle", "0x7f00".to_owned()), ("behind", "17".to_owned())];
         let mut out = Vec::new();
-        AlertWriter::new(&mut out, Format::Json, Clock::new()).report(&release_lost(StageSet::EMPTY), None, &fields).expect("write");
+        AlertWriter::new(&mut out, Format::Json, Clock::new())
+            .report(&release_lost(StageSet::EMPTY), None, &fields)
+            .expect("write");
         let json: Value = serde_json::from_slice(&out).expect("JSON");
         assert_eq!((&json["handle"], &json["behind"]), (&json!("0x7f00"), &json!("17")), "{json}");
         let mut out = Vec::new();
-        AlertWriter::new(&mut out, Format::Human, Clock::new()).report(&release_lost(StageSet::EMPTY), None, &fields).expect("write");
+        AlertWriter::new(&mut out, Format::Human, Clock::new())
+            .report(&release_lost(StageSet::EMPTY), None, &fields)
+            .expect("write");
         assert!(String::from_utf8(out).expect("UTF-8").contains(" handle=0x7f00 behind=17"));
     }
 
@@ -477,22 +479,38 @@ mod tests {
         };
         let write = |format| {
             let mut out = Vec::new();
-            AlertWriter::new(&mut out, format, Clock::new()).report(&release_lost(StageSet::EMPTY), Some(&evidence), &[]).expect("write");
+            AlertWriter::new(&mut out, format, Clock::new())
+                .report(&release_lost(StageSet::EMPTY), Some(&evidence), &[])
+                .expect("write");
             String::from_utf8(out).expect("UTF-8")
         };
         let json: Value = serde_json::from_str(&write(Format::Json)).expect("JSON");
         assert_eq!(json["transport"]["peer"], "decode-0", "{json}");
         assert_eq!(json["transport"]["verdict"], "peer_unresponsive", "{json}");
-        assert_eq!((&json["transport"]["completion"]["to_peer"], &json["transport"]["completion"]["to_other_peers"]), (&json!(0), &json!(14)), "{json}");
-        assert!(json["transport"]["summary"].as_str().is_some_and(|s| s.ends_with("none to decode-0 completed, 14 to other peers")), "{json}");
+        assert_eq!(
+            (&json["transport"]["completion"]["to_peer"], &json["transport"]["completion"]["to_other_peers"]),
+            (&json!(0), &json!(14)),
+            "{json}"
+        );
+        assert!(
+            json["transport"]["summary"]
+                .as_str()
+                .is_some_and(|s| s.ends_with("none to decode-0 completed, 14 to other peers")),
+            "{json}"
+        );
         let human = write(Format::Human);
         assert!(human.contains(" verdict=peer_unresponsive peer=decode-0 transport="), "{human}");
         // Unknown: null, and no per-peer counts.
         let evidence = Evidence { peer: None, ..evidence.clone() };
         let mut out = Vec::new();
-        AlertWriter::new(&mut out, Format::Json, Clock::new()).report(&release_lost(StageSet::EMPTY), Some(&evidence), &[]).expect("write");
+        AlertWriter::new(&mut out, Format::Json, Clock::new())
+            .report(&release_lost(StageSet::EMPTY), Some(&evidence), &[])
+            .expect("write");
         let json: Value = serde_json::from_slice(&out).expect("JSON");
-        assert!(json["transport"]["peer"].is_null() && json["transport"]["completion"].get("to_peer").is_none(), "{json}");
+        assert!(
+            json["transport"]["peer"].is_null() && json["transport"]["completion"].get("to_peer").is_none(),
+            "{json}"
+        );
     }
 
     #[test]
@@ -525,7 +543,10 @@ mod tests {
     fn a_closed_stdout_stops_the_agent_but_not_its_stop() {
         let report = release_lost(StageSet::EMPTY);
         let mut running = AlertWriter::new(Closed, Format::Json, Clock::new());
-        assert!(running.report(&report, None, &[]).is_err(), "the write that finds stdout closed fails, so the agent stops");
+        assert!(
+            running.report(&report, None, &[]).is_err(),
+            "the write that finds stdout closed fails, so the agent stops"
+        );
         assert!(running.is_closed());
         let mut stopping = AlertWriter::new(Closed, Format::Json, Clock::new());
         stopping.stopping();

@@ -33,9 +33,7 @@ impl TimeOffsets {
         let mut offsets = Self::default();
         for line in text.lines() {
             let mut fields = line.split_whitespace();
-            let (Some(clock), Some(secs), Some(nanos)) =
-                (fields.next(), fields.next(), fields.next())
-            else {
+            let (Some(clock), Some(secs), Some(nanos)) = (fields.next(), fields.next(), fields.next()) else {
                 continue;
             };
             let (Ok(secs), Ok(nanos)) = (secs.parse::<i64>(), nanos.parse::<i64>()) else {
@@ -62,9 +60,7 @@ impl TimeOffsets {
 pub fn time_offsets() -> TimeOffsets {
     static OFFSETS: OnceLock<TimeOffsets> = OnceLock::new();
     *OFFSETS.get_or_init(|| {
-        std::fs::read_to_string("/proc/self/timens_offsets")
-            .map(|text| TimeOffsets::parse(&text))
-            .unwrap_or_default()
+        std::fs::read_to_string("/proc/self/timens_offsets").map(|text| TimeOffsets::parse(&text)).unwrap_or_default()
     })
 }
 
@@ -139,16 +135,8 @@ mod tests {
 
     #[test]
     fn time_namespace_offsets_parse_with_negative_seconds() {
-        let offsets = TimeOffsets::parse(
-            "monotonic        -300         0\nboottime          5   500000000\n",
-        );
-        assert_eq!(
-            offsets,
-            TimeOffsets {
-                monotonic_ns: -300_000_000_000,
-                boottime_ns: 5_500_000_000
-            }
-        );
+        let offsets = TimeOffsets::parse("monotonic        -300         0\nboottime          5   500000000\n");
+        assert_eq!(offsets, TimeOffsets { monotonic_ns: -300_000_000_000, boottime_ns: 5_500_000_000 });
         assert!(TimeOffsets::parse("monotonic 0 0\nboottime 0 0\n").is_zero());
         assert!(TimeOffsets::parse("garbage\nmonotonic x 1\n").is_zero());
         // Back on the host's clock: a namespace behind reads earlier.

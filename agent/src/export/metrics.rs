@@ -38,10 +38,7 @@ use anyhow::{Context as _, Result};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric as _},
-    metrics::{
-        MetricType, TypedMetric as _, counter::ConstCounter, gauge::ConstGauge,
-        histogram::Histogram,
-    },
+    metrics::{MetricType, TypedMetric as _, counter::ConstCounter, gauge::ConstGauge, histogram::Histogram},
     registry::{Registry, Unit},
 };
 use tokio::{
@@ -62,15 +59,11 @@ use crate::{
 
 /// Buckets of `stallwatch_stall_duration_seconds`: a stall lasts at least
 /// the timeout (60 s by default, seconds in tests), and up to hours.
-const STALL_BUCKETS: [f64; 13] = [
-    0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 10800.0,
-];
+const STALL_BUCKETS: [f64; 13] = [0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 10800.0];
 /// Buckets of the request and stage durations: a KV hand-over takes
 /// milliseconds, a whole request seconds to minutes.
-const REQUEST_BUCKETS: [f64; 17] = [
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-    600.0,
-];
+const REQUEST_BUCKETS: [f64; 17] =
+    [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0];
 
 /// The duration histograms, by their label's value. A clone shares the
 /// counts (prometheus-client's histograms are reference counted), so a
@@ -118,33 +111,21 @@ impl Metrics {
     pub fn report(&mut self, report: &Report) {
         match report {
             Report::Stalled { class, .. } => self.stalls[*class as usize] += 1,
-            Report::Recovered {
-                class, stuck_ns, ..
-            } => {
+            Report::Recovered { class, stuck_ns, .. } => {
                 self.recoveries[*class as usize] += 1;
                 self.histograms.stall[*class as usize].observe(seconds(*stuck_ns));
             }
-            Report::Ended {
-                request,
-                outcome,
-                at_ns,
-            } => {
+            Report::Ended { request, outcome, at_ns } => {
                 // Still stalled at its end (evicted, its process gone): the
                 // stall lasted until then. A revived one was counted above.
                 if let Some(class) = request.stalled {
-                    self.histograms.stall[class as usize]
-                        .observe(seconds(at_ns.saturating_sub(request.last_ns)));
+                    self.histograms.stall[class as usize].observe(seconds(at_ns.saturating_sub(request.last_ns)));
                 }
                 if let Some(at) = Outcome::ALL.iter().position(|o| o == outcome) {
-                    self.histograms.request[at]
-                        .observe(seconds(at_ns.saturating_sub(request.first_ns)));
+                    self.histograms.request[at].observe(seconds(at_ns.saturating_sub(request.first_ns)));
                 }
                 // Each live stage whose next stage was seen: its time.
-                let next = [
-                    request.stage_ns[1],
-                    request.stage_ns[2],
-                    request.stage_ns[3].or(Some(*at_ns)),
-                ];
+                let next = [request.stage_ns[1], request.stage_ns[2], request.stage_ns[3].or(Some(*at_ns))];
                 for (slot, (from, to)) in request.stage_ns.iter().take(3).zip(next).enumerate() {
                     if let (Some(from), Some(to)) = (from, to) {
                         self.histograms.stage[slot].observe(seconds(to.saturating_sub(*from)));
@@ -220,8 +201,7 @@ pub type WorkloadStalled = ([(&'static str, String); 4], StallClass, u64);
 /// with no known workload count under empty labels).
 pub fn workload_stalled(engine: &Engine, workloads: &Directory) -> Vec<WorkloadStalled> {
     type Key = ([(&'static str, String); 4], usize);
-    let mut counts: std::collections::BTreeMap<Key, u64> =
-        std::collections::BTreeMap::new();
+    let mut counts: std::collections::BTreeMap<Key, u64> = std::collections::BTreeMap::new();
     for request in engine.inflight() {
         if let Some(class) = request.stalled {
             let labels = workloads
@@ -231,10 +211,7 @@ pub fn workload_stalled(engine: &Engine, workloads: &Directory) -> Vec<WorkloadS
             *counts.entry((labels, class as usize)).or_default() += 1;
         }
     }
-    counts
-        .into_iter()
-        .map(|((labels, class), n)| (labels, StallClass::ALL[class], n))
-        .collect()
+    counts.into_iter().map(|((labels, class), n)| (labels, StallClass::ALL[class], n)).collect()
 }
 
 /// The agent process's own resource use, under the names every Prometheus
@@ -273,9 +250,7 @@ impl ProcessStats {
                 threads: u64::try_from(stat.num_threads).unwrap_or(0),
             })
         };
-        read()
-            .map_err(|err| debug!("metrics: reading /proc/self: {err}"))
-            .ok()
+        read().map_err(|err| debug!("metrics: reading /proc/self: {err}")).ok()
     }
 }
 
@@ -289,18 +264,25 @@ impl Collector for Snapshot {
             Ok::<(), fmt::Error>(())
         };
         let in_flight: Vec<(&str, u64)> = Stage::LIVE.iter().map(|s| s.as_str()).zip(self.in_flight).collect();
-        gauges(&mut encoder, "stallwatch_requests_in_flight", "Requests tracked right now, by furthest stage", "stage", &in_flight)?;
+        gauges(
+            &mut encoder,
+            "stallwatch_requests_in_flight",
+            "Requests tracked right now, by furthest stage",
+            "stage",
+            &in_flight,
+        )?;
         let classes = || StallClass::ALL.iter().map(|c| c.as_str());
         let stalled: Vec<(&str, u64)> = classes().zip(self.stalled).collect();
         gauges(&mut encoder, "stallwatch_requests_stalled", "Requests stalled right now, by class", "class", &stalled)?;
 
-        let counters = |encoder: &mut DescriptorEncoder, name: &str, help: &str, label: &str, values: &[(&str, u64)]| {
-            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
-            for (value_label, value) in values {
-                ConstCounter::new(*value).encode(family.encode_family(&[(label, *value_label)])?)?;
-            }
-            Ok::<(), fmt::Error>(())
-        };
+        let counters =
+            |encoder: &mut DescriptorEncoder, name: &str, help: &str, label: &str, values: &[(&str, u64)]| {
+                let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+                for (value_label, value) in values {
+                    ConstCounter::new(*value).encode(family.encode_family(&[(label, *value_label)])?)?;
+                }
+                Ok::<(), fmt::Error>(())
+            };
         let counter = |encoder: &mut DescriptorEncoder, name: &str, help: &str, value: u64| {
             ConstCounter::new(value).encode(encoder.encode_descriptor(name, help, None, MetricType::Counter)?)
         };
@@ -329,19 +311,27 @@ impl Collector for Snapshot {
             .collect();
         counters(&mut encoder, "stallwatch_requests_ended", "Request lifecycles ended, by outcome", "outcome", &ended)?;
         let stalls: Vec<(&str, u64)> = classes().zip(self.stalls).collect();
-        counters(&mut encoder, "stallwatch_stalls", "Stalls reported (silence episodes past the timeout), by class", "class", &stalls)?;
+        counters(
+            &mut encoder,
+            "stallwatch_stalls",
+            "Stalls reported (silence episodes past the timeout), by class",
+            "class",
+            &stalls,
+        )?;
         let recoveries: Vec<(&str, u64)> = classes().zip(self.recoveries).collect();
-        counters(&mut encoder, "stallwatch_recoveries", "Stalled requests that moved on, by the class they had", "class", &recoveries)?;
+        counters(
+            &mut encoder,
+            "stallwatch_recoveries",
+            "Stalled requests that moved on, by the class they had",
+            "class",
+            &recoveries,
+        )?;
         counters(
             &mut encoder,
             "stallwatch_ignored_events",
             "Lifecycle events the engine ignored, by reason",
             "reason",
-            &[
-                ("stale", e.stale_events),
-                ("duplicate", e.duplicate_events),
-                ("caught_up_repeat", e.caught_up_repeats),
-            ],
+            &[("stale", e.stale_events), ("duplicate", e.duplicate_events), ("caught_up_repeat", e.caught_up_repeats)],
         )?;
         if let Some(losses) = &self.losses {
             let k = &losses.kernel;
@@ -424,7 +414,12 @@ impl Collector for Snapshot {
                 "reason",
                 &[("queue_full", x.dropped_queue_full), ("export_failed", x.dropped_export_failed)],
             )?;
-            counter(&mut encoder, "stallwatch_export_failed_requests", "OTLP export requests that failed after retries", x.failed_batches)?;
+            counter(
+                &mut encoder,
+                "stallwatch_export_failed_requests",
+                "OTLP export requests that failed after retries",
+                x.failed_batches,
+            )?;
             ConstGauge::new(x.queued).encode(encoder.encode_descriptor(
                 "stallwatch_export_queue_length",
                 "Reports waiting in the export queue",
@@ -438,18 +433,14 @@ impl Collector for Snapshot {
                 MetricType::Gauge,
             )?)?;
         }
-        let histograms = |encoder: &mut DescriptorEncoder,
-                          name: &str,
-                          help: &str,
-                          label: &str,
-                          values: &[(&str, &Histogram)]| {
-            let mut family =
-                encoder.encode_descriptor(name, help, Some(&Unit::Seconds), Histogram::TYPE)?;
-            for (value_label, histogram) in values {
-                histogram.encode(family.encode_family(&[(label, *value_label)])?)?;
-            }
-            Ok::<(), fmt::Error>(())
-        };
+        let histograms =
+            |encoder: &mut DescriptorEncoder, name: &str, help: &str, label: &str, values: &[(&str, &Histogram)]| {
+                let mut family = encoder.encode_descriptor(name, help, Some(&Unit::Seconds), Histogram::TYPE)?;
+                for (value_label, histogram) in values {
+                    histogram.encode(family.encode_family(&[(label, *value_label)])?)?;
+                }
+                Ok::<(), fmt::Error>(())
+            };
         let h = &self.histograms;
         let stall: Vec<(&str, &Histogram)> = classes().zip(&h.stall).collect();
         histograms(
@@ -459,11 +450,7 @@ impl Collector for Snapshot {
             "class",
             &stall,
         )?;
-        let request: Vec<(&str, &Histogram)> = Outcome::ALL
-            .iter()
-            .map(|o| o.as_str())
-            .zip(&h.request)
-            .collect();
+        let request: Vec<(&str, &Histogram)> = Outcome::ALL.iter().map(|o| o.as_str()).zip(&h.request).collect();
         histograms(
             &mut encoder,
             "stallwatch_request_duration",
@@ -471,11 +458,7 @@ impl Collector for Snapshot {
             "outcome",
             &request,
         )?;
-        let stage: Vec<(&str, &Histogram)> = Stage::LIVE
-            .iter()
-            .map(|s| s.as_str())
-            .zip(&h.stage)
-            .collect();
+        let stage: Vec<(&str, &Histogram)> = Stage::LIVE.iter().map(|s| s.as_str()).zip(&h.stage).collect();
         histograms(
             &mut encoder,
             "stallwatch_stage_duration",
@@ -512,17 +495,8 @@ impl Collector for Snapshot {
             ("target", build_info::TARGET),
         ])?)?;
         if let Some(p) = &self.process {
-            let plain = |encoder: &mut DescriptorEncoder,
-                         name: &str,
-                         help: &str,
-                         unit: Option<&Unit>,
-                         value: f64| {
-                ConstGauge::new(value).encode(encoder.encode_descriptor(
-                    name,
-                    help,
-                    unit,
-                    MetricType::Gauge,
-                )?)
+            let plain = |encoder: &mut DescriptorEncoder, name: &str, help: &str, unit: Option<&Unit>, value: f64| {
+                ConstGauge::new(value).encode(encoder.encode_descriptor(name, help, unit, MetricType::Gauge)?)
             };
             ConstCounter::new(p.cpu_seconds).encode(encoder.encode_descriptor(
                 "process_cpu",
@@ -544,21 +518,9 @@ impl Collector for Snapshot {
                 Some(&Unit::Bytes),
                 p.virtual_bytes as f64,
             )?;
-            plain(
-                &mut encoder,
-                "process_open_fds",
-                "Open file descriptors",
-                None,
-                p.open_fds as f64,
-            )?;
+            plain(&mut encoder, "process_open_fds", "Open file descriptors", None, p.open_fds as f64)?;
             if let Some(max) = p.max_fds {
-                plain(
-                    &mut encoder,
-                    "process_max_fds",
-                    "Most open file descriptors allowed",
-                    None,
-                    max as f64,
-                )?;
+                plain(&mut encoder, "process_max_fds", "Most open file descriptors allowed", None, max as f64)?;
             }
             plain(
                 &mut encoder,
@@ -567,13 +529,7 @@ impl Collector for Snapshot {
                 Some(&Unit::Seconds),
                 p.start_time_seconds,
             )?;
-            plain(
-                &mut encoder,
-                "process_threads",
-                "Threads",
-                None,
-                p.threads as f64,
-            )?;
+            plain(&mut encoder, "process_threads", "Threads", None, p.threads as f64)?;
         }
         Ok(())
     }
@@ -686,11 +642,7 @@ impl MetricsServer {
         let (tx, scrapes) = mpsc::channel(MAX_CONNECTIONS);
         let ready = Arc::new(AtomicBool::new(false));
         tokio::spawn(accept(listener, tx, Arc::clone(&ready)));
-        Ok(Self {
-            addr,
-            scrapes,
-            ready,
-        })
+        Ok(Self { addr, scrapes, ready })
     }
 
     /// `/readyz` answers 200 from now on: the probes are attached and a
@@ -735,11 +687,7 @@ async fn accept(listener: TcpListener, scrapes: mpsc::Sender<Scrape>, ready: Arc
     }
 }
 
-async fn serve(
-    mut stream: TcpStream,
-    scrapes: mpsc::Sender<Scrape>,
-    ready: &AtomicBool,
-) -> Result<()> {
+async fn serve(mut stream: TcpStream, scrapes: mpsc::Sender<Scrape>, ready: &AtomicBool) -> Result<()> {
     let mut request = Vec::with_capacity(1024);
     let head = tokio::time::timeout(REQUEST_TIMEOUT, async {
         let mut buf = [0; 1024];
@@ -768,52 +716,24 @@ async fn serve(
         .map_or("", |(_, value)| value.trim());
     let head_only = method == "HEAD";
     if method != "GET" && !head_only {
-        return respond(
-            &mut stream,
-            "405 Method Not Allowed",
-            "text/plain",
-            "only GET (or HEAD)\n",
-            false,
-        )
-        .await;
+        return respond(&mut stream, "405 Method Not Allowed", "text/plain", "only GET (or HEAD)\n", false).await;
     }
     match path.split('?').next() {
         Some("/metrics") => {
             let format = Format::from_accept(accept);
             let (reply, answer) = oneshot::channel();
-            scrapes
-                .send(Scrape {
-                    ask: Ask::Metrics(format),
-                    reply,
-                })
-                .await
-                .context("the agent is shutting down")?;
+            scrapes.send(Scrape { ask: Ask::Metrics(format), reply }).await.context("the agent is shutting down")?;
             let body = answer.await.context("the agent is shutting down")?;
-            respond(
-                &mut stream,
-                "200 OK",
-                format.content_type(),
-                &body,
-                head_only,
-            )
-            .await
+            respond(&mut stream, "200 OK", format.content_type(), &body, head_only).await
         }
         Some("/healthz") => {
             let (reply, answer) = oneshot::channel();
             let asked = async {
-                scrapes
-                    .send(Scrape {
-                        ask: Ask::Health,
-                        reply,
-                    })
-                    .await
-                    .ok()?;
+                scrapes.send(Scrape { ask: Ask::Health, reply }).await.ok()?;
                 answer.await.ok()
             };
             match tokio::time::timeout(HEALTH_TIMEOUT, asked).await {
-                Ok(Some(body)) => {
-                    respond(&mut stream, "200 OK", "text/plain", &body, head_only).await
-                }
+                Ok(Some(body)) => respond(&mut stream, "200 OK", "text/plain", &body, head_only).await,
                 Ok(None) => {
                     respond(
                         &mut stream,
@@ -825,18 +745,8 @@ async fn serve(
                     .await
                 }
                 Err(_) => {
-                    let body = format!(
-                        "the event loop did not answer within {}s\n",
-                        HEALTH_TIMEOUT.as_secs()
-                    );
-                    respond(
-                        &mut stream,
-                        "503 Service Unavailable",
-                        "text/plain",
-                        &body,
-                        head_only,
-                    )
-                    .await
+                    let body = format!("the event loop did not answer within {}s\n", HEALTH_TIMEOUT.as_secs());
+                    respond(&mut stream, "503 Service Unavailable", "text/plain", &body, head_only).await
                 }
             }
         }
@@ -845,24 +755,10 @@ async fn serve(
         }
         Some("/readyz") => {
             let body = "not ready: attaching the probes and taking over the previous agent's pinned state\n";
-            respond(
-                &mut stream,
-                "503 Service Unavailable",
-                "text/plain",
-                body,
-                head_only,
-            )
-            .await
+            respond(&mut stream, "503 Service Unavailable", "text/plain", body, head_only).await
         }
         Some("/") => {
-            respond(
-                &mut stream,
-                "200 OK",
-                "text/plain",
-                "stallwatch: /metrics, /healthz, /readyz\n",
-                head_only,
-            )
-            .await
+            respond(&mut stream, "200 OK", "text/plain", "stallwatch: /metrics, /healthz, /readyz\n", head_only).await
         }
         _ => {
             respond(
@@ -900,7 +796,8 @@ mod tests {
         let mut engine = Engine::new(EngineConfig { timeout_ns: 1_000, max_tracked: 100, tick_ns: 10 });
         let mut reports = Vec::new();
         for (key, stage) in [(1, Stage::Enqueued), (2, Stage::TransferPosted), (3, Stage::TransferPosted)] {
-            engine.observe(Observation { pid: 1, key, stage, ts_ns: 100, external_id: None, ends: false }, &mut reports);
+            engine
+                .observe(Observation { pid: 1, key, stage, ts_ns: 100, external_id: None, ends: false }, &mut reports);
         }
         engine.advance(5_000, &mut reports);
         engine
@@ -922,7 +819,8 @@ mod tests {
         metrics.report(&Report::Stalled { request, class: StallClass::WaitingForKv, silent_ns, at_ns });
         let kernel = KernelCounters { ringbuf_full: 4, ext_unreadable: 3, ..KernelCounters::default() };
         let losses = Losses { kernel, undecodable: 5 };
-        let export = ExportCounts { exported: 10, dropped_queue_full: 2, queue_capacity: 16, ..ExportCounts::default() };
+        let export =
+            ExportCounts { exported: 10, dropped_queue_full: 2, queue_capacity: 16, ..ExportCounts::default() };
         let mut snapshot = metrics.snapshot(&engine, Some(losses), Some(export));
         snapshot.status_reads = Some(StatusReads { answered: 6, unreadable: 1, ..StatusReads::default() });
         snapshot.progress_probes = Some([1, 2]);
@@ -955,7 +853,14 @@ mod tests {
         }
         let classic = render(metrics.snapshot(&engine, None, None), Format::Prometheus);
         assert!(classic.contains("stallwatch_stalls_total{class=\"transfer_hung\"} 1"), "{classic}");
-        assert!(!classic.contains("# EOF") && !classic.contains("lost_events") && !classic.contains("export") && !classic.contains("status_reads") && !classic.contains("progress_probes"), "{classic}");
+        assert!(
+            !classic.contains("# EOF")
+                && !classic.contains("lost_events")
+                && !classic.contains("export")
+                && !classic.contains("status_reads")
+                && !classic.contains("progress_probes"),
+            "{classic}"
+        );
     }
 
     #[test]
@@ -970,10 +875,7 @@ mod tests {
 
     async fn get(addr: SocketAddr, path: &str) -> String {
         let mut stream = TcpStream::connect(addr).await.expect("connect");
-        stream
-            .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
-            .await
-            .expect("write");
+        stream.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes()).await.expect("write");
         let mut response = String::new();
         stream.read_to_string(&mut response).await.expect("read");
         response
@@ -981,16 +883,10 @@ mod tests {
 
     #[tokio::test]
     async fn ready_only_once_told_and_live_while_the_loop_answers() {
-        let mut server = MetricsServer::bind("127.0.0.1:0".parse().expect("addr"))
-            .await
-            .expect("bind");
+        let mut server = MetricsServer::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
         let addr = server.local_addr();
         let before = get(addr, "/readyz").await;
-        assert!(
-            before.starts_with("HTTP/1.1 503 Service Unavailable\r\n")
-                && before.contains("not ready"),
-            "{before}"
-        );
+        assert!(before.starts_with("HTTP/1.1 503 Service Unavailable\r\n") && before.contains("not ready"), "{before}");
         server.set_ready();
         assert!(get(addr, "/readyz").await.ends_with("\r\n\r\nready\n"));
         // /healthz is answered by the loop (here, this test).
@@ -999,19 +895,12 @@ mod tests {
         assert_eq!(ask.ask, Ask::Health);
         ask.answer("ok\n".into());
         let health = health.await.expect("client");
-        assert!(
-            health.starts_with("HTTP/1.1 200 OK\r\n") && health.ends_with("ok\n"),
-            "{health}"
-        );
+        assert!(health.starts_with("HTTP/1.1 200 OK\r\n") && health.ends_with("ok\n"), "{health}");
     }
 
     #[test]
     fn durations_are_histograms_in_seconds_by_bounded_labels() {
-        let mut engine = Engine::new(EngineConfig {
-            timeout_ns: 1_000_000_000,
-            max_tracked: 100,
-            tick_ns: 10,
-        });
+        let mut engine = Engine::new(EngineConfig { timeout_ns: 1_000_000_000, max_tracked: 100, tick_ns: 10 });
         let mut reports = Vec::new();
         let ms = 1_000_000;
         for (stage, at) in [
@@ -1021,14 +910,7 @@ mod tests {
             (Stage::Released, 12 * ms),
         ] {
             engine.observe(
-                Observation {
-                    pid: 1,
-                    key: 1,
-                    stage,
-                    ts_ns: at,
-                    external_id: None,
-                    ends: false,
-                },
+                Observation { pid: 1, key: 1, stage, ts_ns: at, external_id: None, ends: false },
                 &mut reports,
             );
         }
@@ -1052,11 +934,7 @@ mod tests {
             let line = format!("stallwatch_request_duration_seconds_count{{outcome=\"{}\"}} 1", outcome.as_str());
             assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
         }
-        metrics.report(&Report::Recovered {
-            request,
-            class: StallClass::ReleaseLost,
-            stuck_ns: 90_000 * ms,
-        });
+        metrics.report(&Report::Recovered { request, class: StallClass::ReleaseLost, stuck_ns: 90_000 * ms });
         let text = render(metrics.snapshot(&engine, None, None), Format::OpenMetrics);
         for line in [
             "# TYPE stallwatch_request_duration_seconds histogram",
@@ -1074,15 +952,10 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
         }
         assert!(
-            text.lines()
-                .any(|l| l.starts_with("stallwatch_build_info{version=\"") && l.ends_with("} 1")),
+            text.lines().any(|l| l.starts_with("stallwatch_build_info{version=\"") && l.ends_with("} 1")),
             "{text}"
         );
-        assert!(
-            text.lines()
-                .any(|l| l.starts_with("process_resident_memory_bytes ")),
-            "{text}"
-        );
+        assert!(text.lines().any(|l| l.starts_with("process_resident_memory_bytes ")), "{text}");
     }
 
     #[tokio::test]
@@ -1091,7 +964,10 @@ mod tests {
         let addr = server.local_addr();
         let client = tokio::spawn(async move {
             let mut stream = TcpStream::connect(addr).await.expect("connect");
-            stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: application/openmetrics-text\r\n\r\n").await.expect("write");
+            stream
+                .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: application/openmetrics-text\r\n\r\n")
+                .await
+                .expect("write");
             let mut response = String::new();
             stream.read_to_string(&mut response).await.expect("read");
             response

@@ -50,9 +50,7 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A writer thread that panicked leaves the state usable.
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -72,57 +70,42 @@ impl LineQueue {
         Self::with_capacity(out, CAPACITY)
     }
 
-    pub fn with_capacity(
-        mut out: impl Write + Send + 'static,
-        capacity: usize,
-    ) -> io::Result<Self> {
-        let shared = Arc::new(Shared {
-            state: Mutex::new(State::default()),
-            queued: Condvar::new(),
-            idle: Condvar::new(),
-        });
+    pub fn with_capacity(mut out: impl Write + Send + 'static, capacity: usize) -> io::Result<Self> {
+        let shared =
+            Arc::new(Shared { state: Mutex::new(State::default()), queued: Condvar::new(), idle: Condvar::new() });
         let writer = shared.clone();
-        thread::Builder::new()
-            .name("stallwatch-stdout".into())
-            .spawn(move || {
-                loop {
-                    let line = {
-                        let mut state = writer.lock();
-                        loop {
-                            if let Some(line) = state.lines.pop_front() {
-                                state.writing = true;
-                                break line;
-                            }
-                            state.writing = false;
-                            writer.idle.notify_all();
-                            if state.finished || state.closed {
-                                return;
-                            }
-                            state = writer
-                                .queued
-                                .wait(state)
-                                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        thread::Builder::new().name("stallwatch-stdout".into()).spawn(move || {
+            loop {
+                let line = {
+                    let mut state = writer.lock();
+                    loop {
+                        if let Some(line) = state.lines.pop_front() {
+                            state.writing = true;
+                            break line;
                         }
-                    };
-                    let written = out.write_all(&line).and_then(|()| out.flush());
-                    if let Err(err) = written {
-                        let mut state = writer.lock();
-                        if err.kind() != io::ErrorKind::BrokenPipe {
-                            state.error = Some(err.to_string());
-                        }
-                        state.closed = true;
-                        state.lines.clear();
                         state.writing = false;
                         writer.idle.notify_all();
-                        return;
+                        if state.finished || state.closed {
+                            return;
+                        }
+                        state = writer.queued.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner);
                     }
+                };
+                let written = out.write_all(&line).and_then(|()| out.flush());
+                if let Err(err) = written {
+                    let mut state = writer.lock();
+                    if err.kind() != io::ErrorKind::BrokenPipe {
+                        state.error = Some(err.to_string());
+                    }
+                    state.closed = true;
+                    state.lines.clear();
+                    state.writing = false;
+                    writer.idle.notify_all();
+                    return;
                 }
-            })?;
-        Ok(Self {
-            shared,
-            pending: Vec::new(),
-            capacity: capacity.max(1),
-        })
+            }
+        })?;
+        Ok(Self { shared, pending: Vec::new(), capacity: capacity.max(1) })
     }
 
     /// Lines dropped so far because stdout did not drain.
@@ -142,12 +125,7 @@ impl LineQueue {
             if left.is_zero() {
                 return false;
             }
-            state = self
-                .shared
-                .idle
-                .wait_timeout(state, left)
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .0;
+            state = self.shared.idle.wait_timeout(state, left).unwrap_or_else(std::sync::PoisonError::into_inner).0;
         }
         !state.closed || state.lines.is_empty()
     }
@@ -221,45 +199,25 @@ mod tests {
     fn a_blocked_output_never_blocks_the_writer_and_the_oldest_lines_give_way() {
         let (go, gate) = mpsc::channel();
         let out = Arc::new(Mutex::new(Vec::new()));
-        let mut queue = LineQueue::with_capacity(
-            Gate {
-                go: gate,
-                out: out.clone(),
-            },
-            3,
-        )
-        .expect("queue");
-        writeln!(queue, "line 0")
-            .and_then(|()| queue.flush())
-            .expect("queued");
+        let mut queue = LineQueue::with_capacity(Gate { go: gate, out: out.clone() }, 3).expect("queue");
+        writeln!(queue, "line 0").and_then(|()| queue.flush()).expect("queued");
         // The writer took it and is stuck writing it.
         wait(|| queue.waiting() == 0);
         let started = Instant::now();
         for n in 1..10 {
-            writeln!(queue, "line {n}")
-                .and_then(|()| queue.flush())
-                .expect("queued");
+            writeln!(queue, "line {n}").and_then(|()| queue.flush()).expect("queued");
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(1),
-            "writes never wait for the output"
-        );
+        assert!(started.elapsed() < Duration::from_secs(1), "writes never wait for the output");
         // One line taken by the blocked writer, three held; six dropped.
         wait(|| queue.waiting() == 3);
         assert_eq!(queue.dropped(), 6);
-        assert!(
-            !queue.finish(Duration::from_millis(50)),
-            "the output still does not drain"
-        );
+        assert!(!queue.finish(Duration::from_millis(50)), "the output still does not drain");
         for _ in 0..4 {
             go.send(()).expect("go");
         }
         assert!(queue.finish(Duration::from_secs(5)));
         let written = String::from_utf8(out.lock().expect("out").clone()).expect("utf-8");
-        assert_eq!(
-            written, "line 0\nline 7\nline 8\nline 9\n",
-            "the newest kept, in order"
-        );
+        assert_eq!(written, "line 0\nline 7\nline 8\nline 9\n", "the newest kept, in order");
     }
 
     #[test]
@@ -274,13 +232,9 @@ mod tests {
             }
         }
         let mut queue = LineQueue::start(Gone).expect("queue");
-        writeln!(queue, "first")
-            .and_then(|()| queue.flush())
-            .expect("queued");
+        writeln!(queue, "first").and_then(|()| queue.flush()).expect("queued");
         wait(|| queue.flush().is_err());
-        let err = writeln!(queue, "second")
-            .and_then(|()| queue.flush())
-            .unwrap_err();
+        let err = writeln!(queue, "second").and_then(|()| queue.flush()).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::BrokenPipe);
         assert!(queue.finish(Duration::from_secs(1)));
     }

@@ -55,9 +55,9 @@ impl Telemetry {
                 }
                 let sampler = otlp::sampling::SpanSampler::from_env(&|name: &str| std::env::var(name).ok())?;
                 info!(sampler = %sampler.name, "span sampler (OTEL_TRACES_SAMPLER)");
-                let settings = ExportSettings { workloads: Some(workloads.clone()), sampler, ..ExportSettings::default() };
-                let exporter =
-                    OtlpExporter::start(target, otlp::config::host_name(), clock, settings)?;
+                let settings =
+                    ExportSettings { workloads: Some(workloads.clone()), sampler, ..ExportSettings::default() };
+                let exporter = OtlpExporter::start(target, otlp::config::host_name(), clock, settings)?;
                 let target = exporter.target();
                 info!(endpoint = %target.endpoint, protocol = %target.protocol, from = target.source, "exporting spans over OTLP");
                 Some(exporter)
@@ -72,12 +72,7 @@ impl Telemetry {
             }
             None => None,
         };
-        Ok(Self {
-            otlp,
-            metrics: Metrics::default(),
-            server,
-            workloads,
-        })
+        Ok(Self { otlp, metrics: Metrics::default(), server, workloads })
     }
 
     /// The watched processes' workloads (alerts name them too).
@@ -147,10 +142,7 @@ impl Telemetry {
             .counters()
             .map_err(|err| warn!("metrics: {err:#}"))
             .ok()
-            .map(|kernel| Losses {
-                kernel,
-                undecodable,
-            });
+            .map(|kernel| Losses { kernel, undecodable });
         let export = self.otlp.as_ref().map(OtlpExporter::counts);
         let mut snapshot = self.metrics.snapshot(engine, losses, export);
         snapshot.workload_stalled = metrics::workload_stalled(engine, &self.workloads);
@@ -158,7 +150,8 @@ impl Telemetry {
         snapshot.alert_lines_dropped = alert_drops;
         let mut gates = probes.gates().peekable();
         if gates.peek().is_some() {
-            snapshot.progress_probes = Some(gates.fold([0, 0], |[on, off], (_, open)| if open { [on + 1, off] } else { [on, off + 1] }));
+            snapshot.progress_probes =
+                Some(gates.fold([0, 0], |[on, off], (_, open)| if open { [on + 1, off] } else { [on, off + 1] }));
         }
         scrape.answer(metrics::render(snapshot, format));
     }

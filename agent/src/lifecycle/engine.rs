@@ -51,11 +51,7 @@ pub struct EngineConfig {
 impl Default for EngineConfig {
     /// 60 s timeout, a million requests, 10 ms ticks.
     fn default() -> Self {
-        EngineConfig {
-            timeout_ns: 60_000_000_000,
-            max_tracked: 1_000_000,
-            tick_ns: 10_000_000,
-        }
+        EngineConfig { timeout_ns: 60_000_000_000, max_tracked: 1_000_000, tick_ns: 10_000_000 }
     }
 }
 
@@ -120,10 +116,7 @@ impl Engine {
             wheel: Wheel::new(config.tick_ns, config.timeout_ns),
             stalled: List::new(),
             pids: PidCounts::new(mixer),
-            ends: RecentLog::new(
-                config.max_tracked.clamp(RECENT_ENDS_MIN, RECENT_ENDS),
-                mixer,
-            ),
+            ends: RecentLog::new(config.max_tracked.clamp(RECENT_ENDS_MIN, RECENT_ENDS), mixer),
             exits: RecentLog::new(RECENT_EXITS, mixer),
             stats: EngineStats::default(),
             due: VecDeque::new(),
@@ -252,13 +245,7 @@ impl Engine {
     /// an answer per request, in order: the stage the target's memory shows,
     /// `None` when it cannot tell (nothing to read, unreadable, no rule
     /// matched, no longer the same request).
-    pub fn advance_reading(
-        &mut self,
-        now_ns: u64,
-        budget: usize,
-        read: &mut ReadBatch<'_>,
-        out: &mut Vec<Report>,
-    ) {
+    pub fn advance_reading(&mut self, now_ns: u64, budget: usize, read: &mut ReadBatch<'_>, out: &mut Vec<Report>) {
         self.advance_checking(now_ns, budget, &mut |_| None, read, out);
     }
 
@@ -383,12 +370,7 @@ impl Engine {
         let request = r.snapshot();
         self.stalled.push_back(self.slab.records_mut(), i);
         self.stats.stalled += 1;
-        out.push(Report::Stalled {
-            request,
-            class,
-            silent_ns,
-            at_ns: now_ns,
-        });
+        out.push(Report::Stalled { request, class, silent_ns, at_ns: now_ns });
     }
 
     /// The process is gone: every request it still held ends with
@@ -477,9 +459,7 @@ impl Engine {
                         let mut seen: Vec<(u64, Stage)> = Stage::LIVE
                             .into_iter()
                             .filter_map(|stage| {
-                                k.stage_ns[stage as usize]
-                                    .filter(|&ns| ns > last_ns)
-                                    .map(|ns| (ns, stage))
+                                k.stage_ns[stage as usize].filter(|&ns| ns > last_ns).map(|ns| (ns, stage))
                             })
                             .collect();
                         if seen.iter().all(|&(ns, _)| ns < k.last_ns) {
@@ -487,22 +467,11 @@ impl Engine {
                         }
                         seen.sort_unstable();
                         for (ts_ns, stage) in seen {
-                            let observation = Observation {
-                                pid,
-                                key,
-                                stage,
-                                ts_ns,
-                                external_id: None,
-                                ends: false,
-                            };
+                            let observation = Observation { pid, key, stage, ts_ns, external_id: None, ends: false };
                             self.observe_tracked(i, observation, out);
                         }
                     } else {
-                        let seen = Withheld {
-                            stage: k.stage,
-                            last_ns: k.last_ns,
-                            stage_ns: k.stage_ns,
-                        };
+                        let seen = Withheld { stage: k.stage, last_ns: k.last_ns, stage_ns: k.stage_ns };
                         self.slab.get_mut(i).catch_up(&seen);
                         self.stats.caught_up += 1;
                     }
@@ -512,14 +481,7 @@ impl Engine {
                     let ts_ns = k.last_ns.max(last_ns);
                     self.observe_tracked(
                         i,
-                        Observation {
-                            pid,
-                            key,
-                            stage: k.stage,
-                            ts_ns,
-                            external_id: None,
-                            ends: true,
-                        },
+                        Observation { pid, key, stage: k.stage, ts_ns, external_id: None, ends: true },
                         out,
                     );
                 }
@@ -567,27 +529,18 @@ impl Engine {
     /// stalled or not (for the progress-probe gate). A scan of the record
     /// store: the gate runs it a few times a second, not per event.
     pub fn pids_silent_since(&self, cutoff_ns: u64) -> std::collections::HashSet<u32> {
-        self.slab
-            .live()
-            .filter(|(_, r)| r.last_ns <= cutoff_ns)
-            .map(|(_, r)| r.pid)
-            .collect()
+        self.slab.live().filter(|(_, r)| r.last_ns <= cutoff_ns).map(|(_, r)| r.pid).collect()
     }
 
     /// Counters, and the number of requests tracked now.
     pub fn stats(&self) -> EngineStats {
         debug_assert_eq!(self.index.len(), self.slab.len());
-        EngineStats {
-            in_flight: self.slab.len() as u64,
-            ..self.stats
-        }
+        EngineStats { in_flight: self.slab.len() as u64, ..self.stats }
     }
 
     /// The tracked request (pid, key), if any.
     pub fn get(&self, pid: u32, key: u64) -> Option<RequestSnapshot> {
-        self.index
-            .find(self.slab.records(), pid, key)
-            .map(|i| self.slab.get(i).snapshot())
+        self.index.find(self.slab.records(), pid, key).map(|i| self.slab.get(i).snapshot())
     }
 
     /// Requests tracked now (the same as `stats().in_flight`).
@@ -621,10 +574,7 @@ impl Engine {
                 return;
             }
         }
-        let Some(i) = self
-            .slab
-            .alloc(Record::new(pid, key, stage, ts_ns, external_id))
-        else {
+        let Some(i) = self.slab.alloc(Record::new(pid, key, stage, ts_ns, external_id)) else {
             // Unreachable with max_tracked capped below MAX_RECORDS; if it
             // ever happens the event is dropped, never a panic.
             self.stats.stale_events += 1;
@@ -677,11 +627,7 @@ impl Engine {
                 self.stalled.unlink(self.slab.records_mut(), i);
                 self.slab.get_mut(i).set_place(Place::Detached);
                 self.stats.recovered += 1;
-                out.push(Report::Recovered {
-                    request: self.slab.get(i).snapshot(),
-                    class,
-                    stuck_ns: ts_ns - before,
-                });
+                out.push(Report::Recovered { request: self.slab.get(i).snapshot(), class, stuck_ns: ts_ns - before });
                 if outcome.is_none() {
                     self.arm(i, ts_ns);
                 }
@@ -730,10 +676,7 @@ impl Engine {
         self.index.remove(self.slab.records(), i);
         let r = self.slab.get_mut(i);
         let (pid, key) = (r.pid, r.key);
-        let request = RequestSnapshot {
-            external_id: r.external_id.take(),
-            ..r.snapshot()
-        };
+        let request = RequestSnapshot { external_id: r.external_id.take(), ..r.snapshot() };
         r.set_place(Place::Detached);
         self.slab.free(i);
         self.pids.decrement(pid);
@@ -751,10 +694,6 @@ impl Engine {
             Outcome::EndUnseen => &mut self.stats.end_unseen,
         };
         *counter += 1;
-        out.push(Report::Ended {
-            request,
-            outcome,
-            at_ns,
-        });
+        out.push(Report::Ended { request, outcome, at_ns });
     }
 }

@@ -45,10 +45,7 @@ impl Mixer {
             h.write_u64(n);
             h.finish()
         };
-        Mixer {
-            s0: draw(0),
-            s1: draw(1),
-        }
+        Mixer { s0: draw(0), s1: draw(1) }
     }
 
     #[inline]
@@ -68,10 +65,7 @@ pub(crate) struct Index {
 
 impl Index {
     pub(crate) fn new(mixer: Mixer) -> Index {
-        Index {
-            table: HashTable::new(),
-            mixer,
-        }
+        Index { table: HashTable::new(), mixer }
     }
 
     pub(crate) fn find(&self, recs: &[Record], pid: u32, key: u64) -> Option<u32> {
@@ -97,10 +91,7 @@ impl Index {
     /// Forget record `i`.
     pub(crate) fn remove(&mut self, recs: &[Record], i: u32) {
         let r = &recs[i as usize];
-        if let Ok(entry) = self
-            .table
-            .find_entry(self.mixer.hash(r.pid, r.key), |&j| j == i)
-        {
+        if let Ok(entry) = self.table.find_entry(self.mixer.hash(r.pid, r.key), |&j| j == i) {
             entry.remove();
         }
     }
@@ -122,16 +113,11 @@ pub(crate) struct PidCounts {
 
 impl PidCounts {
     pub(crate) fn new(mixer: Mixer) -> PidCounts {
-        PidCounts {
-            table: HashTable::new(),
-            mixer,
-        }
+        PidCounts { table: HashTable::new(), mixer }
     }
 
     pub(crate) fn get(&self, pid: u32) -> u32 {
-        self.table
-            .find(self.mixer.hash(pid, 0), |e| e.0 == pid)
-            .map_or(0, |e| e.1)
+        self.table.find(self.mixer.hash(pid, 0), |e| e.0 == pid).map_or(0, |e| e.1)
     }
 
     pub(crate) fn increment(&mut self, pid: u32) {
@@ -140,17 +126,13 @@ impl PidCounts {
         match self.table.find_mut(hash, |e| e.0 == pid) {
             Some(e) => e.1 += 1,
             None => {
-                self.table
-                    .insert_unique(hash, (pid, 1), |e| mixer.hash(e.0, 0));
+                self.table.insert_unique(hash, (pid, 1), |e| mixer.hash(e.0, 0));
             }
         }
     }
 
     pub(crate) fn decrement(&mut self, pid: u32) {
-        if let Ok(mut entry) = self
-            .table
-            .find_entry(self.mixer.hash(pid, 0), |e| e.0 == pid)
-        {
+        if let Ok(mut entry) = self.table.find_entry(self.mixer.hash(pid, 0), |e| e.0 == pid) {
             let e = entry.get_mut();
             e.1 = e.1.saturating_sub(1);
             if e.1 == 0 {

@@ -74,9 +74,7 @@ impl<K: LogKey> RecentLog<K> {
             return None;
         }
         let ring = &self.ring;
-        self.index
-            .find(key.hash(self.mixer), |&i| ring[i as usize].key == key)
-            .map(|&i| ring[i as usize].at_ns)
+        self.index.find(key.hash(self.mixer), |&i| ring[i as usize].key == key).map(|&i| ring[i as usize].at_ns)
     }
 
     /// Remember that `key` ended at `at_ns`. A key recorded again moves to
@@ -87,10 +85,7 @@ impl<K: LogKey> RecentLog<K> {
         let hash = key.hash(mixer);
         let mut at_ns = at_ns;
         let ring = &mut self.ring;
-        if let Ok(entry) = self
-            .index
-            .find_entry(hash, |&i| ring[i as usize].key == key)
-        {
+        if let Ok(entry) = self.index.find_entry(hash, |&i| ring[i as usize].key == key) {
             let (i, _) = entry.remove();
             let old = &mut ring[i as usize];
             old.live = false;
@@ -98,27 +93,19 @@ impl<K: LogKey> RecentLog<K> {
         }
         let pos = self.next;
         self.next = (pos + 1) % self.capacity;
-        let fresh = Entry {
-            key,
-            at_ns,
-            live: true,
-        };
+        let fresh = Entry { key, at_ns, live: true };
         if pos == ring.len() {
             ring.push(fresh);
         } else {
             let old = std::mem::replace(&mut ring[pos], fresh);
             if old.live {
-                if let Ok(entry) = self
-                    .index
-                    .find_entry(old.key.hash(mixer), |&i| i as usize == pos)
-                {
+                if let Ok(entry) = self.index.find_entry(old.key.hash(mixer), |&i| i as usize == pos) {
                     entry.remove();
                 }
             }
         }
         let ring = &self.ring;
-        self.index
-            .insert_unique(hash, pos as u32, |&i| ring[i as usize].key.hash(mixer));
+        self.index.insert_unique(hash, pos as u32, |&i| ring[i as usize].key.hash(mixer));
     }
 
     /// Keys remembered right now.

@@ -125,14 +125,9 @@ impl RequestSnapshot {
     /// The furthest main-path stage that has a timestamp: where a request
     /// that was aborted, failed, evicted or orphaned had got to.
     pub fn progress(&self) -> Option<Stage> {
-        [
-            Stage::Released,
-            Stage::TransferDone,
-            Stage::TransferPosted,
-            Stage::Enqueued,
-        ]
-        .into_iter()
-        .find(|s| self.stage_at(*s).is_some())
+        [Stage::Released, Stage::TransferDone, Stage::TransferPosted, Stage::Enqueued]
+            .into_iter()
+            .find(|s| self.stage_at(*s).is_some())
     }
 
     /// Time since the last event, as of `now_ns` (0 if the clock is behind).
@@ -185,9 +180,9 @@ impl Report {
     /// The request this report is about.
     pub fn request(&self) -> &RequestSnapshot {
         match self {
-            Report::Stalled { request, .. }
-            | Report::Recovered { request, .. }
-            | Report::Ended { request, .. } => request,
+            Report::Stalled { request, .. } | Report::Recovered { request, .. } | Report::Ended { request, .. } => {
+                request
+            }
         }
     }
 }

@@ -81,13 +81,7 @@ pub(crate) struct Record {
 
 impl Record {
     /// A new lifecycle whose first event is `stage` at `ts_ns`.
-    pub(crate) fn new(
-        pid: u32,
-        key: u64,
-        stage: Stage,
-        ts_ns: u64,
-        external_id: Option<Box<str>>,
-    ) -> Record {
+    pub(crate) fn new(pid: u32, key: u64, stage: Stage, ts_ns: u64, external_id: Option<Box<str>>) -> Record {
         let mut rec = Record {
             key,
             first_ns: ts_ns,
@@ -258,11 +252,7 @@ pub(crate) struct Slab {
 
 impl Slab {
     pub(crate) fn new() -> Slab {
-        Slab {
-            slots: Vec::new(),
-            free_head: NIL,
-            live: 0,
-        }
+        Slab { slots: Vec::new(), free_head: NIL, live: 0 }
     }
 
     /// Tracked records.
@@ -321,11 +311,7 @@ impl Slab {
 
     /// Every tracked record with its index.
     pub(crate) fn live(&self) -> impl Iterator<Item = (u32, &Record)> + '_ {
-        self.slots
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.place() != Place::Free)
-            .map(|(i, r)| (i as u32, r))
+        self.slots.iter().enumerate().filter(|(_, r)| r.place() != Place::Free).map(|(i, r)| (i as u32, r))
     }
 }
 

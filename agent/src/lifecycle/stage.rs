@@ -36,14 +36,8 @@ pub enum Stage {
 
 impl Stage {
     /// Every stage, in order of progress.
-    pub const ALL: [Stage; 6] = [
-        Stage::Enqueued,
-        Stage::TransferPosted,
-        Stage::TransferDone,
-        Stage::Released,
-        Stage::Aborted,
-        Stage::Failed,
-    ];
+    pub const ALL: [Stage; 6] =
+        [Stage::Enqueued, Stage::TransferPosted, Stage::TransferDone, Stage::Released, Stage::Aborted, Stage::Failed];
 
     /// The live stages, in order: those a request in flight is at.
     pub const LIVE: [Stage; 3] = [Stage::Enqueued, Stage::TransferPosted, Stage::TransferDone];
@@ -70,9 +64,7 @@ impl Stage {
     /// for the side exits.
     pub fn timestamp_slot(self) -> Option<usize> {
         match self {
-            Stage::Enqueued | Stage::TransferPosted | Stage::TransferDone | Stage::Released => {
-                Some(self as usize)
-            }
+            Stage::Enqueued | Stage::TransferPosted | Stage::TransferDone | Stage::Released => Some(self as usize),
             Stage::Aborted | Stage::Failed => None,
         }
     }
@@ -103,10 +95,7 @@ impl FromStr for Stage {
     type Err = UnknownStage;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Stage::ALL
-            .into_iter()
-            .find(|stage| stage.as_str() == s)
-            .ok_or_else(|| UnknownStage(s.into()))
+        Stage::ALL.into_iter().find(|stage| stage.as_str() == s).ok_or_else(|| UnknownStage(s.into()))
     }
 }
 
@@ -179,12 +168,8 @@ impl Side {
 
 impl StallClass {
     /// Every class, in order of the stage it stops at.
-    pub const ALL: [StallClass; 4] = [
-        StallClass::WaitingForPeer,
-        StallClass::TransferHung,
-        StallClass::ReleaseLost,
-        StallClass::WaitingForKv,
-    ];
+    pub const ALL: [StallClass; 4] =
+        [StallClass::WaitingForPeer, StallClass::TransferHung, StallClass::ReleaseLost, StallClass::WaitingForKv];
 
     /// The stable name used in reports, configuration and the CLI.
     pub fn as_str(self) -> &'static str {
@@ -249,10 +234,7 @@ impl FromStr for StallClass {
     type Err = UnknownStallClass;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        StallClass::ALL
-            .into_iter()
-            .find(|class| class.as_str() == s)
-            .ok_or_else(|| UnknownStallClass(s.into()))
+        StallClass::ALL.into_iter().find(|class| class.as_str() == s).ok_or_else(|| UnknownStallClass(s.into()))
     }
 }
 
@@ -330,10 +312,7 @@ impl fmt::Display for Outcome {
     }
 }
 
-fn write_names<'a>(
-    f: &mut fmt::Formatter<'_>,
-    names: impl Iterator<Item = &'a str>,
-) -> fmt::Result {
+fn write_names<'a>(f: &mut fmt::Formatter<'_>, names: impl Iterator<Item = &'a str>) -> fmt::Result {
     for (i, name) in names.enumerate() {
         if i > 0 {
             f.write_str(", ")?;

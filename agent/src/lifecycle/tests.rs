@@ -33,39 +33,16 @@ impl H {
     }
 
     fn with(timeout_ns: u64, tick_ns: u64, max_tracked: usize) -> H {
-        H {
-            e: Engine::new(EngineConfig {
-                timeout_ns,
-                max_tracked,
-                tick_ns,
-            }),
-        }
+        H { e: Engine::new(EngineConfig { timeout_ns, max_tracked, tick_ns }) }
     }
 
     fn obs(&mut self, pid: u32, key: u64, stage: Stage, ts_ns: u64) -> Vec<Report> {
         self.obs_ext(pid, key, stage, ts_ns, None)
     }
 
-    fn obs_ext(
-        &mut self,
-        pid: u32,
-        key: u64,
-        stage: Stage,
-        ts_ns: u64,
-        ext: Option<&str>,
-    ) -> Vec<Report> {
+    fn obs_ext(&mut self, pid: u32, key: u64, stage: Stage, ts_ns: u64, ext: Option<&str>) -> Vec<Report> {
         let mut out = Vec::new();
-        self.e.observe(
-            Observation {
-                pid,
-                key,
-                stage,
-                ts_ns,
-                external_id: ext.map(Into::into),
-                ends: false,
-            },
-            &mut out,
-        );
+        self.e.observe(Observation { pid, key, stage, ts_ns, external_id: ext.map(Into::into), ends: false }, &mut out);
         out
     }
 
@@ -120,28 +97,15 @@ fn snap(
 }
 
 fn stalled(request: RequestSnapshot, class: StallClass, silent_ns: u64, at_ns: u64) -> Report {
-    Report::Stalled {
-        request,
-        class,
-        silent_ns,
-        at_ns,
-    }
+    Report::Stalled { request, class, silent_ns, at_ns }
 }
 
 fn recovered(request: RequestSnapshot, class: StallClass, stuck_ns: u64) -> Report {
-    Report::Recovered {
-        request,
-        class,
-        stuck_ns,
-    }
+    Report::Recovered { request, class, stuck_ns }
 }
 
 fn ended(request: RequestSnapshot, outcome: Outcome, at_ns: u64) -> Report {
-    Report::Ended {
-        request,
-        outcome,
-        at_ns,
-    }
+    Report::Ended { request, outcome, at_ns }
 }
 
 fn by_key(mut reports: Vec<Report>) -> Vec<Report> {
@@ -159,23 +123,13 @@ fn stats(f: impl FnOnce(&mut EngineStats)) -> EngineStats {
 
 #[test]
 fn stage_names_round_trip() {
-    let names = [
-        "enqueued",
-        "transfer_posted",
-        "transfer_done",
-        "released",
-        "aborted",
-        "failed",
-    ];
+    let names = ["enqueued", "transfer_posted", "transfer_done", "released", "aborted", "failed"];
     for (stage, name) in Stage::ALL.into_iter().zip(names) {
         assert_eq!(stage.as_str(), name);
         assert_eq!(stage.to_string(), name);
         assert_eq!(name.parse::<Stage>(), Ok(stage));
     }
-    assert_eq!(
-        Stage::ALL.map(Stage::is_terminal),
-        [false, false, false, true, true, true]
-    );
+    assert_eq!(Stage::ALL.map(Stage::is_terminal), [false, false, false, true, true, true]);
     let mut sorted = Stage::ALL;
     sorted.sort();
     assert_eq!(sorted, Stage::ALL, "ALL is in order of progress");
@@ -211,30 +165,12 @@ fn class_and_outcome_names() {
     );
     assert_eq!(
         Outcome::ALL.map(|o| o.to_string()),
-        [
-            "released",
-            "completed",
-            "aborted",
-            "failed",
-            "process_exited",
-            "evicted",
-            "end_unseen"
-        ]
+        ["released", "completed", "aborted", "failed", "process_exited", "evicted", "end_unseen"]
     );
-    assert_eq!(
-        Stage::ALL.map(StallClass::for_stage),
-        [Some(WFP), Some(HUNG), Some(LOST), None, None, None]
-    );
+    assert_eq!(Stage::ALL.map(StallClass::for_stage), [Some(WFP), Some(HUNG), Some(LOST), None, None, None]);
     assert_eq!(
         Stage::ALL.map(Outcome::for_stage),
-        [
-            None,
-            None,
-            None,
-            Some(Outcome::Released),
-            Some(Outcome::Aborted),
-            Some(Outcome::Failed)
-        ]
+        [None, None, None, Some(Outcome::Released), Some(Outcome::Aborted), Some(Outcome::Failed)]
     );
 }
 
@@ -255,25 +191,10 @@ fn snapshot_helpers() {
 fn default_config() {
     assert_eq!(
         EngineConfig::default(),
-        EngineConfig {
-            timeout_ns: 60_000_000_000,
-            max_tracked: 1_000_000,
-            tick_ns: 10_000_000
-        }
+        EngineConfig { timeout_ns: 60_000_000_000, max_tracked: 1_000_000, tick_ns: 10_000_000 }
     );
-    let e = Engine::new(EngineConfig {
-        timeout_ns: 5,
-        max_tracked: 0,
-        tick_ns: 0,
-    });
-    assert_eq!(
-        *e.config(),
-        EngineConfig {
-            timeout_ns: 5,
-            max_tracked: 1,
-            tick_ns: 1
-        }
-    );
+    let e = Engine::new(EngineConfig { timeout_ns: 5, max_tracked: 0, tick_ns: 0 });
+    assert_eq!(*e.config(), EngineConfig { timeout_ns: 5, max_tracked: 1, tick_ns: 1 });
 }
 
 #[cfg(target_pointer_width = "64")]
@@ -288,44 +209,14 @@ fn record_stays_88_bytes() {
 fn full_lifecycle_ends_released() {
     let mut h = H::new();
     assert_eq!(h.obs(1, 0xA, ENQ, 100), vec![]);
-    assert_eq!(
-        h.get(1, 0xA),
-        Some(snap(
-            1,
-            0xA,
-            ENQ,
-            [Some(100), None, None, None],
-            100,
-            100,
-            None
-        ))
-    );
+    assert_eq!(h.get(1, 0xA), Some(snap(1, 0xA, ENQ, [Some(100), None, None, None], 100, 100, None)));
     assert_eq!(h.obs(1, 0xA, POST, 200), vec![]);
     assert_eq!(h.obs(1, 0xA, DONE, 300), vec![]);
-    assert_eq!(
-        h.get(1, 0xA),
-        Some(snap(
-            1,
-            0xA,
-            DONE,
-            [Some(100), Some(200), Some(300), None],
-            100,
-            300,
-            None
-        ))
-    );
+    assert_eq!(h.get(1, 0xA), Some(snap(1, 0xA, DONE, [Some(100), Some(200), Some(300), None], 100, 300, None)));
     assert_eq!(
         h.obs(1, 0xA, REL, 400),
         vec![ended(
-            snap(
-                1,
-                0xA,
-                REL,
-                [Some(100), Some(200), Some(300), Some(400)],
-                100,
-                400,
-                None
-            ),
+            snap(1, 0xA, REL, [Some(100), Some(200), Some(300), Some(400)], 100, 400, None),
             Outcome::Released,
             400
         )]
@@ -357,11 +248,7 @@ fn aborted_and_failed_from_every_live_stage() {
             }
             assert_eq!(
                 h.obs(7, key, terminal, 50),
-                vec![ended(
-                    snap(7, key, terminal, stage_ns, 0, 50, None),
-                    outcome,
-                    50
-                )]
+                vec![ended(snap(7, key, terminal, stage_ns, 0, 50, None), outcome, 50)]
             );
         }
         assert_eq!(h.stats().in_flight, 0);
@@ -378,11 +265,7 @@ fn stages_may_be_skipped() {
     h.obs(1, 1, DONE, 20);
     assert_eq!(
         h.obs(1, 1, REL, 30),
-        vec![ended(
-            snap(1, 1, REL, [Some(0), None, Some(20), Some(30)], 0, 30, None),
-            Outcome::Released,
-            30
-        )]
+        vec![ended(snap(1, 1, REL, [Some(0), None, Some(20), Some(30)], 0, 30, None), Outcome::Released, 30)]
     );
 }
 
@@ -390,34 +273,10 @@ fn stages_may_be_skipped() {
 fn mid_flight_start_at_a_later_stage() {
     let mut h = H::new();
     assert_eq!(h.obs(1, 9, POST, 500), vec![]);
-    assert_eq!(
-        h.get(1, 9),
-        Some(snap(
-            1,
-            9,
-            POST,
-            [None, Some(500), None, None],
-            500,
-            500,
-            None
-        ))
-    );
+    assert_eq!(h.get(1, 9), Some(snap(1, 9, POST, [None, Some(500), None, None], 500, 500, None)));
     assert_eq!(
         h.adv(1500),
-        vec![stalled(
-            snap(
-                1,
-                9,
-                POST,
-                [None, Some(500), None, None],
-                500,
-                500,
-                Some(HUNG)
-            ),
-            HUNG,
-            1000,
-            1500
-        )]
+        vec![stalled(snap(1, 9, POST, [None, Some(500), None, None], 500, 500, Some(HUNG)), HUNG, 1000, 1500)]
     );
     assert_eq!(h.stats().seen, 1);
 }
@@ -428,11 +287,7 @@ fn terminal_event_for_an_unknown_request_is_stale() {
     for stage in [REL, ABORT, FAIL] {
         assert_eq!(h.obs(1, 5, stage, 10), vec![]);
     }
-    assert_eq!(
-        h.stats(),
-        stats(|s| s.stale_events = 3),
-        "nothing started, nothing tracked"
-    );
+    assert_eq!(h.stats(), stats(|s| s.stale_events = 3), "nothing started, nothing tracked");
 }
 
 #[test]
@@ -441,20 +296,9 @@ fn external_id_is_the_first_one_seen() {
     h.obs_ext(1, 1, ENQ, 0, None);
     h.obs_ext(1, 1, POST, 10, Some("room-1"));
     h.obs_ext(1, 1, DONE, 20, Some("room-2"));
-    let mut want = snap(
-        1,
-        1,
-        REL,
-        [Some(0), Some(10), Some(20), Some(30)],
-        0,
-        30,
-        None,
-    );
+    let mut want = snap(1, 1, REL, [Some(0), Some(10), Some(20), Some(30)], 0, 30, None);
     want.external_id = Some("room-1".into());
-    assert_eq!(
-        h.obs_ext(1, 1, REL, 30, Some("room-3")),
-        vec![ended(want, Outcome::Released, 30)]
-    );
+    assert_eq!(h.obs_ext(1, 1, REL, 30, Some("room-3")), vec![ended(want, Outcome::Released, 30)]);
 }
 
 // ------------------------------------------------------ timeout exactness
@@ -468,20 +312,7 @@ fn stall_not_before_the_timeout_and_at_it_exactly() {
     assert_eq!(h.adv(1104), vec![], "999 ns of silence is not a stall");
     assert_eq!(
         h.adv(1105),
-        vec![stalled(
-            snap(
-                1,
-                1,
-                ENQ,
-                [Some(105), None, None, None],
-                105,
-                105,
-                Some(WFP)
-            ),
-            WFP,
-            1000,
-            1105
-        )]
+        vec![stalled(snap(1, 1, ENQ, [Some(105), None, None, None], 105, 105, Some(WFP)), WFP, 1000, 1105)]
     );
     assert_eq!(h.get(1, 1).and_then(|s| s.stalled), Some(WFP));
 }
@@ -491,24 +322,8 @@ fn two_deadlines_inside_one_tick_each_fire_on_time() {
     let mut h = H::new();
     h.obs(1, 1, ENQ, 100); // deadline 1100
     h.obs(1, 2, ENQ, 104); // deadline 1104, same 10 ns tick
-    let s1 = snap(
-        1,
-        1,
-        ENQ,
-        [Some(100), None, None, None],
-        100,
-        100,
-        Some(WFP),
-    );
-    let s2 = snap(
-        1,
-        2,
-        ENQ,
-        [Some(104), None, None, None],
-        104,
-        104,
-        Some(WFP),
-    );
+    let s1 = snap(1, 1, ENQ, [Some(100), None, None, None], 100, 100, Some(WFP));
+    let s2 = snap(1, 2, ENQ, [Some(104), None, None, None], 104, 104, Some(WFP));
     assert_eq!(h.adv(1100), vec![stalled(s1, WFP, 1000, 1100)]);
     assert_eq!(h.adv(1102), vec![]);
     assert_eq!(h.adv(1103), vec![]);
@@ -543,15 +358,7 @@ fn stall_within_timeout_plus_tick_for_any_phase() {
             assert_eq!(
                 out,
                 vec![stalled(
-                    snap(
-                        3,
-                        3,
-                        POST,
-                        [None, Some(event_ts), None, None],
-                        event_ts,
-                        event_ts,
-                        Some(HUNG)
-                    ),
+                    snap(3, 3, POST, [None, Some(event_ts), None, None], event_ts, event_ts, Some(HUNG)),
                     HUNG,
                     at - event_ts,
                     at
@@ -568,20 +375,7 @@ fn zero_timeout_stalls_at_the_first_advance_at_or_after_the_event() {
     assert_eq!(h.adv(99), vec![]);
     assert_eq!(
         h.adv(100),
-        vec![stalled(
-            snap(
-                1,
-                1,
-                ENQ,
-                [Some(100), None, None, None],
-                100,
-                100,
-                Some(WFP)
-            ),
-            WFP,
-            0,
-            100
-        )]
+        vec![stalled(snap(1, 1, ENQ, [Some(100), None, None, None], 100, 100, Some(WFP)), WFP, 0, 100)]
     );
 }
 
@@ -605,27 +399,11 @@ fn timeout_longer_than_one_wheel_lap_is_still_exact() {
     assert_eq!(
         got,
         vec![
-            (
-                at1,
-                stalled(
-                    snap(1, 1, ENQ, [Some(7), None, None, None], 7, 7, Some(WFP)),
-                    WFP,
-                    at1 - 7,
-                    at1
-                )
-            ),
+            (at1, stalled(snap(1, 1, ENQ, [Some(7), None, None, None], 7, 7, Some(WFP)), WFP, at1 - 7, at1)),
             (
                 at2,
                 stalled(
-                    snap(
-                        1,
-                        2,
-                        ENQ,
-                        [Some(300_000), None, None, None],
-                        300_000,
-                        300_000,
-                        Some(WFP)
-                    ),
+                    snap(1, 2, ENQ, [Some(300_000), None, None, None], 300_000, 300_000, Some(WFP)),
                     WFP,
                     at2 - 300_000,
                     at2
@@ -658,24 +436,9 @@ fn each_stage_is_classified() {
     assert_eq!(
         by_key(h.adv(1000)),
         vec![
-            stalled(
-                snap(1, 1, ENQ, [z, None, None, None], 0, 0, Some(WFP)),
-                WFP,
-                1000,
-                1000
-            ),
-            stalled(
-                snap(1, 2, POST, [z, z, None, None], 0, 0, Some(HUNG)),
-                HUNG,
-                1000,
-                1000
-            ),
-            stalled(
-                snap(1, 3, DONE, [z, z, z, None], 0, 0, Some(LOST)),
-                LOST,
-                1000,
-                1000
-            ),
+            stalled(snap(1, 1, ENQ, [z, None, None, None], 0, 0, Some(WFP)), WFP, 1000, 1000),
+            stalled(snap(1, 2, POST, [z, z, None, None], 0, 0, Some(HUNG)), HUNG, 1000, 1000),
+            stalled(snap(1, 3, DONE, [z, z, z, None], 0, 0, Some(LOST)), LOST, 1000, 1000),
         ]
     );
     assert_eq!(h.stats().stalled, 3);
@@ -704,7 +467,10 @@ fn a_decode_silent_at_enqueued_waits_for_its_kv_until_it_exits() {
     // A new process with the same pid is a prefill until told otherwise.
     h.exit(2, 2000);
     h.obs(2, 9, ENQ, 3000);
-    assert_eq!(h.adv(4000)[0], stalled(snap(2, 9, ENQ, [Some(3000), None, None, None], 3000, 3000, Some(WFP)), WFP, 1000, 4000));
+    assert_eq!(
+        h.adv(4000)[0],
+        stalled(snap(2, 9, ENQ, [Some(3000), None, None, None], 3000, 3000, Some(WFP)), WFP, 1000, 4000)
+    );
 }
 
 // --------------------------------------------------- episodes, recovery
@@ -728,47 +494,21 @@ fn recovered_then_stalled_again() {
     h.obs(1, 1, ENQ, 0);
     assert_eq!(
         h.adv(1000),
-        vec![stalled(
-            snap(1, 1, ENQ, [Some(0), None, None, None], 0, 0, Some(WFP)),
-            WFP,
-            1000,
-            1000
-        )]
+        vec![stalled(snap(1, 1, ENQ, [Some(0), None, None, None], 0, 0, Some(WFP)), WFP, 1000, 1000)]
     );
     assert_eq!(
         h.obs(1, 1, POST, 1500),
-        vec![recovered(
-            snap(1, 1, POST, [Some(0), Some(1500), None, None], 0, 1500, None),
-            WFP,
-            1500
-        )]
+        vec![recovered(snap(1, 1, POST, [Some(0), Some(1500), None, None], 0, 1500, None), WFP, 1500)]
     );
     assert_eq!(h.adv(2499), vec![]);
     assert_eq!(
         h.adv(2500),
-        vec![stalled(
-            snap(
-                1,
-                1,
-                POST,
-                [Some(0), Some(1500), None, None],
-                0,
-                1500,
-                Some(HUNG)
-            ),
-            HUNG,
-            1000,
-            2500
-        )]
+        vec![stalled(snap(1, 1, POST, [Some(0), Some(1500), None, None], 0, 1500, Some(HUNG)), HUNG, 1000, 2500)]
     );
     // A repeat of the current stage is life too.
     assert_eq!(
         h.obs(1, 1, POST, 4000),
-        vec![recovered(
-            snap(1, 1, POST, [Some(0), Some(1500), None, None], 0, 4000, None),
-            HUNG,
-            2500
-        )]
+        vec![recovered(snap(1, 1, POST, [Some(0), Some(1500), None, None], 0, 4000, None), HUNG, 2500)]
     );
     assert_eq!(h.adv(4999), vec![]);
     assert_eq!(h.adv(5000).len(), 1);
@@ -789,22 +529,8 @@ fn terminal_event_after_a_stall_recovers_then_ends() {
     h.obs(1, 1, ENQ, 0);
     h.obs(1, 1, POST, 10);
     assert_eq!(h.adv(1010).len(), 1);
-    let s = snap(
-        1,
-        1,
-        REL,
-        [Some(0), Some(10), None, Some(1200)],
-        0,
-        1200,
-        None,
-    );
-    assert_eq!(
-        h.obs(1, 1, REL, 1200),
-        vec![
-            recovered(s.clone(), HUNG, 1190),
-            ended(s, Outcome::Released, 1200)
-        ]
-    );
+    let s = snap(1, 1, REL, [Some(0), Some(10), None, Some(1200)], 0, 1200, None);
+    assert_eq!(h.obs(1, 1, REL, 1200), vec![recovered(s.clone(), HUNG, 1190), ended(s, Outcome::Released, 1200)]);
     assert_eq!(h.adv(10_000), vec![]);
     assert_eq!(
         h.stats(),
@@ -826,35 +552,12 @@ fn late_news_does_not_end_a_silence() {
     // Dated inside the silence: recorded, but no recovery.
     assert_eq!(h.obs(1, 1, DONE, 50), vec![]);
     assert_eq!(h.obs(1, 1, POST, 100), vec![], "exact duplicate");
-    assert_eq!(
-        h.get(1, 1),
-        Some(snap(
-            1,
-            1,
-            DONE,
-            [Some(0), Some(100), Some(50), None],
-            0,
-            100,
-            Some(HUNG)
-        ))
-    );
+    assert_eq!(h.get(1, 1), Some(snap(1, 1, DONE, [Some(0), Some(100), Some(50), None], 0, 100, Some(HUNG))));
     assert_eq!(h.adv(5000), vec![], "still the same episode");
     // A terminal event that is late news ends it while still stuck.
     assert_eq!(
         h.obs(1, 1, ABORT, 60),
-        vec![ended(
-            snap(
-                1,
-                1,
-                ABORT,
-                [Some(0), Some(100), Some(50), None],
-                0,
-                100,
-                Some(HUNG)
-            ),
-            Outcome::Aborted,
-            60
-        )]
+        vec![ended(snap(1, 1, ABORT, [Some(0), Some(100), Some(50), None], 0, 100, Some(HUNG)), Outcome::Aborted, 60)]
     );
     assert_eq!(h.stats().recovered, 0);
     assert_eq!(h.stats().duplicate_events, 1);
@@ -871,20 +574,7 @@ fn activity_moves_the_deadline() {
     }
     assert_eq!(
         h.adv(1900),
-        vec![stalled(
-            snap(
-                1,
-                1,
-                POST,
-                [Some(0), Some(400), None, None],
-                0,
-                900,
-                Some(HUNG)
-            ),
-            HUNG,
-            1000,
-            1900
-        )]
+        vec![stalled(snap(1, 1, POST, [Some(0), Some(400), None, None], 0, 900, Some(HUNG)), HUNG, 1000, 1900)]
     );
 }
 
@@ -904,18 +594,7 @@ fn exact_duplicates_are_counted_and_ignored() {
     assert_eq!(h.obs(1, 1, POST, 10), vec![]);
     assert_eq!(h.stats().duplicate_events, 4);
     assert_eq!(h.stats().recovered, 0);
-    assert_eq!(
-        h.get(1, 1),
-        Some(snap(
-            1,
-            1,
-            POST,
-            [Some(0), Some(10), None, None],
-            0,
-            10,
-            Some(HUNG)
-        ))
-    );
+    assert_eq!(h.get(1, 1), Some(snap(1, 1, POST, [Some(0), Some(10), None, None], 0, 10, Some(HUNG))));
 }
 
 #[test]
@@ -923,34 +602,12 @@ fn out_of_order_events_fill_gaps_without_moving_back() {
     let mut h = H::new();
     h.obs(1, 1, POST, 200);
     h.obs(1, 1, ENQ, 100);
-    assert_eq!(
-        h.get(1, 1),
-        Some(snap(
-            1,
-            1,
-            POST,
-            [Some(100), Some(200), None, None],
-            100,
-            200,
-            None
-        ))
-    );
+    assert_eq!(h.get(1, 1), Some(snap(1, 1, POST, [Some(100), Some(200), None, None], 100, 200, None)));
     // An earlier stage that already has a time keeps it.
     h.obs(1, 1, ENQ, 150);
     // A later stage dated before the last event still advances the stage.
     h.obs(1, 1, DONE, 180);
-    assert_eq!(
-        h.get(1, 1),
-        Some(snap(
-            1,
-            1,
-            DONE,
-            [Some(100), Some(200), Some(180), None],
-            100,
-            200,
-            None
-        ))
-    );
+    assert_eq!(h.get(1, 1), Some(snap(1, 1, DONE, [Some(100), Some(200), Some(180), None], 100, 200, None)));
     assert_eq!(h.stats().duplicate_events, 0);
     // Silence counts from the latest timestamp, not the latest arrival.
     assert_eq!(h.adv(1199), vec![]);
@@ -972,29 +629,12 @@ fn timestamps_going_backwards_never_underflow() {
     h.obs(1, 2, ENQ, 100);
     assert_eq!(
         h.adv(6000),
-        vec![stalled(
-            snap(
-                1,
-                2,
-                ENQ,
-                [Some(100), None, None, None],
-                100,
-                100,
-                Some(WFP)
-            ),
-            WFP,
-            5900,
-            6000
-        )]
+        vec![stalled(snap(1, 2, ENQ, [Some(100), None, None, None], 100, 100, Some(WFP)), WFP, 5900, 6000)]
     );
     // Extremes.
     h.obs(1, 3, ENQ, u64::MAX - 5);
     assert_eq!(h.adv(u64::MAX - 1), vec![]);
-    assert_eq!(
-        h.adv(u64::MAX),
-        vec![],
-        "only 5 ns of silence, never 'stalled'"
-    );
+    assert_eq!(h.adv(u64::MAX), vec![], "only 5 ns of silence, never 'stalled'");
     h.obs(1, 4, ENQ, 0);
     assert_eq!(h.adv(u64::MAX).len(), 1);
     assert_eq!(h.exit(1, 0).len(), 4);
@@ -1021,18 +661,10 @@ fn late_events_after_an_end_are_stale() {
     h.obs(1, 1, ENQ, 100);
     h.obs(1, 1, POST, 200);
     assert_eq!(h.obs(1, 1, REL, 400).len(), 1);
-    assert_eq!(
-        h.obs(1, 1, DONE, 300),
-        vec![],
-        "reordered behind the release"
-    );
+    assert_eq!(h.obs(1, 1, DONE, 300), vec![], "reordered behind the release");
     assert_eq!(h.obs(1, 1, DONE, 400), vec![], "same instant as the end");
     assert_eq!(h.obs(1, 1, REL, 400), vec![], "duplicate release");
-    assert_eq!(
-        h.obs(1, 1, ABORT, 900),
-        vec![],
-        "terminal for an unknown key"
-    );
+    assert_eq!(h.obs(1, 1, ABORT, 900), vec![], "terminal for an unknown key");
     assert_eq!(
         h.stats(),
         stats(|s| {
@@ -1063,18 +695,7 @@ fn key_reuse_after_release_starts_a_fresh_lifecycle() {
     assert_eq!(h.obs(1, 0xBEEF, REL, 30).len(), 1);
     // The allocator hands the same handle to the next request.
     assert_eq!(h.obs(1, 0xBEEF, ENQ, 31), vec![]);
-    assert_eq!(
-        h.get(1, 0xBEEF),
-        Some(snap(
-            1,
-            0xBEEF,
-            ENQ,
-            [Some(31), None, None, None],
-            31,
-            31,
-            None
-        ))
-    );
+    assert_eq!(h.get(1, 0xBEEF), Some(snap(1, 0xBEEF, ENQ, [Some(31), None, None, None], 31, 31, None)));
     // A straggler of the previous lifecycle, read after the new one began.
     assert_eq!(h.obs(1, 0xBEEF, DONE, 25), vec![]);
     assert_eq!(h.stats().stale_events, 1);
@@ -1082,19 +703,7 @@ fn key_reuse_after_release_starts_a_fresh_lifecycle() {
     assert_eq!(h.obs(1, 0xBEEF, POST, 45), vec![]);
     assert_eq!(
         h.obs(1, 0xBEEF, REL, 50),
-        vec![ended(
-            snap(
-                1,
-                0xBEEF,
-                REL,
-                [Some(31), Some(45), None, Some(50)],
-                31,
-                50,
-                None
-            ),
-            Outcome::Released,
-            50
-        )]
+        vec![ended(snap(1, 0xBEEF, REL, [Some(31), Some(45), None, Some(50)], 31, 50, None), Outcome::Released, 50)]
     );
     assert_eq!(h.stats().seen, 2);
     assert_eq!(h.stats().completed, 2);
@@ -1118,24 +727,14 @@ fn generation_safety() {
     }
     assert_eq!(
         h.adv(1006),
-        vec![stalled(
-            snap(1, 9, ENQ, [Some(6), None, None, None], 6, 6, Some(WFP)),
-            WFP,
-            1000,
-            1006
-        )]
+        vec![stalled(snap(1, 9, ENQ, [Some(6), None, None, None], 6, 6, Some(WFP)), WFP, 1000, 1006)]
     );
     for now in 1007..1020 {
         assert_eq!(h.adv(now), vec![], "at {now}");
     }
     assert_eq!(
         h.adv(1020),
-        vec![stalled(
-            snap(1, 7, ENQ, [Some(20), None, None, None], 20, 20, Some(WFP)),
-            WFP,
-            1000,
-            1020
-        )]
+        vec![stalled(snap(1, 7, ENQ, [Some(20), None, None, None], 20, 20, Some(WFP)), WFP, 1000, 1020)]
     );
     // A stalled request that ends leaves the stalled list: its successor
     // is neither stalled nor evicted in its place.
@@ -1197,21 +796,9 @@ fn process_exit_with_several_pids() {
     assert_eq!(
         by_key(h.exit(1, 100)),
         vec![
-            ended(
-                snap(1, 1, ENQ, [Some(10), None, None, None], 10, 10, None),
-                Outcome::ProcessExited,
-                100
-            ),
-            ended(
-                snap(1, 2, POST, [Some(20), Some(40), None, None], 20, 40, None),
-                Outcome::ProcessExited,
-                100
-            ),
-            ended(
-                snap(1, 3, ENQ, [Some(30), None, None, None], 30, 30, None),
-                Outcome::ProcessExited,
-                100
-            ),
+            ended(snap(1, 1, ENQ, [Some(10), None, None, None], 10, 10, None), Outcome::ProcessExited, 100),
+            ended(snap(1, 2, POST, [Some(20), Some(40), None, None], 20, 40, None), Outcome::ProcessExited, 100),
+            ended(snap(1, 3, ENQ, [Some(30), None, None, None], 30, 30, None), Outcome::ProcessExited, 100),
         ]
     );
     assert_eq!(h.exit(1, 100), vec![], "already gone");
@@ -1233,27 +820,14 @@ fn process_exit_with_several_pids() {
     // The other pid is untouched and stalls on its own schedule.
     assert_eq!(
         h.adv(1015),
-        vec![stalled(
-            snap(2, 1, ENQ, [Some(15), None, None, None], 15, 15, Some(WFP)),
-            WFP,
-            1000,
-            1015
-        )]
+        vec![stalled(snap(2, 1, ENQ, [Some(15), None, None, None], 15, 15, Some(WFP)), WFP, 1000, 1015)]
     );
     // A stalled request whose process exits ends still stalled.
     assert_eq!(
         by_key(h.exit(2, 1020)),
         vec![
-            ended(
-                snap(2, 1, ENQ, [Some(15), None, None, None], 15, 15, Some(WFP)),
-                Outcome::ProcessExited,
-                1020
-            ),
-            ended(
-                snap(2, 2, ENQ, [Some(25), None, None, None], 25, 25, None),
-                Outcome::ProcessExited,
-                1020
-            ),
+            ended(snap(2, 1, ENQ, [Some(15), None, None, None], 15, 15, Some(WFP)), Outcome::ProcessExited, 1020),
+            ended(snap(2, 2, ENQ, [Some(25), None, None, None], 25, 25, None), Outcome::ProcessExited, 1020),
         ]
     );
     assert_eq!(h.exit(2, 1030), vec![]);
@@ -1274,27 +848,15 @@ fn eviction_prefers_the_oldest_stall() {
     // Key 3 is the most silent un-stalled one, but stalls go first.
     assert_eq!(
         h.obs(1, 4, ENQ, 1006),
-        vec![ended(
-            snap(1, 1, ENQ, [Some(0), None, None, None], 0, 0, Some(WFP)),
-            Outcome::Evicted,
-            1006
-        )]
+        vec![ended(snap(1, 1, ENQ, [Some(0), None, None, None], 0, 0, Some(WFP)), Outcome::Evicted, 1006)]
     );
     assert_eq!(
         h.obs(1, 5, ENQ, 1007),
-        vec![ended(
-            snap(1, 2, ENQ, [Some(5), None, None, None], 5, 5, Some(WFP)),
-            Outcome::Evicted,
-            1007
-        )]
+        vec![ended(snap(1, 2, ENQ, [Some(5), None, None, None], 5, 5, Some(WFP)), Outcome::Evicted, 1007)]
     );
     assert_eq!(
         h.obs(1, 6, ENQ, 1008),
-        vec![ended(
-            snap(1, 3, ENQ, [Some(10), None, None, None], 10, 10, None),
-            Outcome::Evicted,
-            1008
-        )]
+        vec![ended(snap(1, 3, ENQ, [Some(10), None, None, None], 10, 10, None), Outcome::Evicted, 1008)]
     );
     assert_eq!(h.stats().evicted, 3);
     assert_eq!(h.stats().in_flight, 3);
@@ -1309,27 +871,15 @@ fn eviction_takes_the_request_silent_longest() {
     h.obs(1, 1, POST, 30); // key 1 is the oldest but not the most silent
     assert_eq!(
         h.obs(1, 4, ENQ, 40),
-        vec![ended(
-            snap(1, 2, ENQ, [Some(10), None, None, None], 10, 10, None),
-            Outcome::Evicted,
-            40
-        )]
+        vec![ended(snap(1, 2, ENQ, [Some(10), None, None, None], 10, 10, None), Outcome::Evicted, 40)]
     );
     assert_eq!(
         h.obs(1, 5, ENQ, 50),
-        vec![ended(
-            snap(1, 3, ENQ, [Some(20), None, None, None], 20, 20, None),
-            Outcome::Evicted,
-            50
-        )]
+        vec![ended(snap(1, 3, ENQ, [Some(20), None, None, None], 20, 20, None), Outcome::Evicted, 50)]
     );
     assert_eq!(
         h.obs(1, 6, ENQ, 60),
-        vec![ended(
-            snap(1, 1, POST, [Some(0), Some(30), None, None], 0, 30, None),
-            Outcome::Evicted,
-            60
-        )]
+        vec![ended(snap(1, 1, POST, [Some(0), Some(30), None, None], 0, 30, None), Outcome::Evicted, 60)]
     );
     assert_eq!(
         h.stats(),
@@ -1340,13 +890,7 @@ fn eviction_takes_the_request_silent_longest() {
         })
     );
     // The survivors are the three newest, and their timers still work.
-    assert_eq!(
-        by_key(h.adv(1060))
-            .iter()
-            .map(|r| r.request().key)
-            .collect::<Vec<_>>(),
-        vec![4, 5, 6]
-    );
+    assert_eq!(by_key(h.adv(1060)).iter().map(|r| r.request().key).collect::<Vec<_>>(), vec![4, 5, 6]);
     // Events of an evicted request older than what was known are stale;
     // newer ones are life again and start tracking anew.
     assert_eq!(h.obs(1, 2, POST, 10), vec![]);
@@ -1364,15 +908,7 @@ fn eviction_when_every_deadline_is_laps_away() {
     assert_eq!(
         h.obs(1, 3, ENQ, 1_000_000),
         vec![ended(
-            snap(
-                1,
-                2,
-                ENQ,
-                [Some(500_000), None, None, None],
-                500_000,
-                500_000,
-                None
-            ),
+            snap(1, 2, ENQ, [Some(500_000), None, None, None], 500_000, 500_000, None),
             Outcome::Evicted,
             1_000_000
         )]
@@ -1384,14 +920,7 @@ fn a_cap_of_one() {
     let mut h = H::with(TIMEOUT, TICK, 1);
     h.obs(1, 1, ENQ, 0);
     let out = h.obs(1, 2, ENQ, 1);
-    assert_eq!(
-        out,
-        vec![ended(
-            snap(1, 1, ENQ, [Some(0), None, None, None], 0, 0, None),
-            Outcome::Evicted,
-            1
-        )]
-    );
+    assert_eq!(out, vec![ended(snap(1, 1, ENQ, [Some(0), None, None, None], 0, 0, None), Outcome::Evicted, 1)]);
     assert_eq!(h.stats().in_flight, 1);
 }
 
@@ -1481,18 +1010,10 @@ struct Model {
 
 impl Model {
     fn ended_after(&self, pid: u32, key: u64, ts: u64) -> bool {
-        self.ends.get(&(pid, key)).is_some_and(|&e| ts <= e)
-            || self.exits.get(&pid).is_some_and(|&e| ts <= e)
+        self.ends.get(&(pid, key)).is_some_and(|&e| ts <= e) || self.exits.get(&pid).is_some_and(|&e| ts <= e)
     }
 
-    fn end(
-        &mut self,
-        k: (u32, u64),
-        outcome: Outcome,
-        at_ns: u64,
-        end_ns: u64,
-        out: &mut Vec<Report>,
-    ) {
+    fn end(&mut self, k: (u32, u64), outcome: Outcome, at_ns: u64, end_ns: u64, out: &mut Vec<Report>) {
         let Some(request) = self.reqs.remove(&k) else {
             return;
         };
@@ -1523,9 +1044,7 @@ impl Model {
                     self.stats.stale_events += 1;
                     return;
                 }
-                if slot.is_some_and(|i| r.stage_ns[i] == Some(ts))
-                    || (o.stage == r.stage && ts == r.last_ns)
-                {
+                if slot.is_some_and(|i| r.stage_ns[i] == Some(ts)) || (o.stage == r.stage && ts == r.last_ns) {
                     self.stats.duplicate_events += 1;
                     return;
                 }
@@ -1585,11 +1104,7 @@ impl Model {
 
     fn advance(&mut self, now: u64, out: &mut Vec<Report>) {
         for r in self.reqs.values_mut() {
-            if r.stalled.is_none()
-                && now
-                    .checked_sub(r.last_ns)
-                    .is_some_and(|s| s >= self.timeout)
-            {
+            if r.stalled.is_none() && now.checked_sub(r.last_ns).is_some_and(|s| s >= self.timeout) {
                 let class = StallClass::for_stage(r.stage).unwrap_or_else(|| unreachable!());
                 r.stalled = Some(class);
                 self.stats.stalled += 1;
@@ -1601,11 +1116,7 @@ impl Model {
     fn exit(&mut self, pid: u32, now: u64, out: &mut Vec<Report>) {
         let e = self.exits.entry(pid).or_insert(now);
         *e = (*e).max(now);
-        let keys: Vec<_> = self
-            .reqs
-            .range((pid, 0)..=(pid, u64::MAX))
-            .map(|(k, _)| *k)
-            .collect();
+        let keys: Vec<_> = self.reqs.range((pid, 0)..=(pid, u64::MAX)).map(|(k, _)| *k).collect();
         for k in keys {
             let end_ns = self.reqs[&k].last_ns.max(now);
             self.end(k, Outcome::ProcessExited, now, end_ns, out);
@@ -1638,27 +1149,14 @@ fn inflight_sorted(e: &Engine) -> Vec<RequestSnapshot> {
 /// several wheel laps away.
 #[test]
 fn engine_matches_the_naive_model() {
-    let configs = [
-        (1000, 10, 60),
-        (1000, 1, 60),
-        (1000, 7, 60),
-        (0, 10, 20),
-        (50, 100, 60),
-        (200_000, 1, 4000),
-    ];
+    let configs = [(1000, 10, 60), (1000, 1, 60), (1000, 7, 60), (0, 10, 20), (50, 100, 60), (200_000, 1, 4000)];
     for (timeout, tick, step) in configs {
         for seed in 1..=4u64 {
             let mut h = H::with(timeout, tick, 100_000);
-            let mut m = Model {
-                timeout,
-                ..Model::default()
-            };
+            let mut m = Model { timeout, ..Model::default() };
             let mut total = EngineStats::default();
             let (mut last_now, mut ahead) = (0, 0);
-            for (n, op) in random_ops(seed * 7919 + timeout + tick, 6000, step)
-                .into_iter()
-                .enumerate()
-            {
+            for (n, op) in random_ops(seed * 7919 + timeout + tick, 6000, step).into_iter().enumerate() {
                 let (mut got, mut want) = (Vec::new(), Vec::new());
                 match op {
                     Op::Observe(o) => {
@@ -1669,11 +1167,19 @@ fn engine_matches_the_naive_model() {
                         // A loop sleeping until `next_due_ns` misses no
                         // stall: it wakes by the end of the earliest
                         // deadline's tick (or at once, for one already past).
-                        let earliest = m.reqs.values().filter(|r| r.stalled.is_none()).map(|r| r.last_ns.saturating_add(timeout)).min();
+                        let earliest = m
+                            .reqs
+                            .values()
+                            .filter(|r| r.stalled.is_none())
+                            .map(|r| r.last_ns.saturating_add(timeout))
+                            .min();
                         let due = h.e.next_due_ns(last_now);
                         if let Some(earliest) = earliest {
                             let by = earliest.div_ceil(tick).saturating_mul(tick).max(last_now);
-                            assert!(due.is_some_and(|due| due <= by), "config {timeout}/{tick} seed {seed} op {n}: due {due:?}, a deadline at {earliest}");
+                            assert!(
+                                due.is_some_and(|due| due <= by),
+                                "config {timeout}/{tick} seed {seed} op {n}: due {due:?}, a deadline at {earliest}"
+                            );
                         }
                         ahead += usize::from(due.is_some_and(|due| due > last_now));
                         last_now = last_now.max(now);
@@ -1718,8 +1224,7 @@ fn cap_is_never_exceeded_and_invariants_hold() {
         let mut h = H::with(TIMEOUT, TICK, cap);
         let mut ended_total = 0u64;
         for op in random_ops(seed, 20_000, 60) {
-            let before: BTreeMap<(u32, u64), RequestSnapshot> =
-                h.e.inflight().map(|s| ((s.pid, s.key), s)).collect();
+            let before: BTreeMap<(u32, u64), RequestSnapshot> = h.e.inflight().map(|s| ((s.pid, s.key), s)).collect();
             let mut out = Vec::new();
             let observed = match op {
                 Op::Observe(o) => {
@@ -1736,8 +1241,7 @@ fn cap_is_never_exceeded_and_invariants_hold() {
                     None
                 }
             };
-            let after: BTreeMap<(u32, u64), RequestSnapshot> =
-                h.e.inflight().map(|s| ((s.pid, s.key), s)).collect();
+            let after: BTreeMap<(u32, u64), RequestSnapshot> = h.e.inflight().map(|s| ((s.pid, s.key), s)).collect();
             assert!(after.len() <= cap);
             let st = h.stats();
             assert_eq!(st.in_flight as usize, after.len());
@@ -1769,15 +1273,7 @@ fn cap_is_never_exceeded_and_invariants_hold() {
             for k in after.keys() {
                 assert!(before.contains_key(k) || Some(*k) == observed);
             }
-            assert_eq!(
-                st.seen,
-                st.completed
-                    + st.failed
-                    + st.aborted
-                    + st.process_exited
-                    + st.evicted
-                    + st.in_flight
-            );
+            assert_eq!(st.seen, st.completed + st.failed + st.aborted + st.process_exited + st.evicted + st.in_flight);
             assert_eq!(ended_total, st.seen - st.in_flight);
         }
         assert!(h.stats().evicted > 100, "{:?}", h.stats());
@@ -1804,13 +1300,7 @@ fn held(alerted_ns: Option<u64>) -> Restored {
 fn assert_balanced(s: EngineStats) {
     assert_eq!(
         s.seen,
-        s.completed
-            + s.failed
-            + s.aborted
-            + s.process_exited
-            + s.evicted
-            + s.end_unseen
-            + s.in_flight,
+        s.completed + s.failed + s.aborted + s.process_exited + s.evicted + s.end_unseen + s.in_flight,
         "{s:?}"
     );
 }
@@ -1873,7 +1363,10 @@ fn restored_requests_that_ended_report_their_recovery_and_end() {
     // Failed within the reported silence: it ended stuck.
     let failed = Restored { key: 8, stage: Stage::Failed, alerted_ns: Some(200), ..held(None) };
     let reports = h.restore(failed);
-    assert!(matches!(&reports[..], [Report::Ended { outcome: Outcome::Failed, request, .. }] if request.stalled == Some(HUNG)), "{reports:?}");
+    assert!(
+        matches!(&reports[..], [Report::Ended { outcome: Outcome::Failed, request, .. }] if request.stalled == Some(HUNG)),
+        "{reports:?}"
+    );
     let s = h.stats();
     assert_eq!((s.seen, s.completed, s.failed, s.recovered, s.in_flight), (2, 1, 1, 1, 0));
     assert_balanced(s);
@@ -1917,7 +1410,10 @@ fn restoring_respects_the_cap_and_ignores_a_tracked_key() {
     assert!(h.restore(Restored { key: 9, ..held(None) }).is_empty());
     assert_eq!(h.stats().duplicate_events, 1);
     let reports = h.restore(held(None));
-    assert!(matches!(&reports[..], [Report::Ended { outcome: Outcome::Evicted, request, .. }] if request.key == 9), "{reports:?}");
+    assert!(
+        matches!(&reports[..], [Report::Ended { outcome: Outcome::Evicted, request, .. }] if request.key == 9),
+        "{reports:?}"
+    );
     assert_eq!(h.e.len(), 1);
     assert_balanced(h.stats());
 }
@@ -1974,16 +1470,24 @@ fn a_read_at_the_report_tells_a_done_transfer_from_a_hung_one() {
         usize::MAX,
         &mut |silents, answers| {
             asked.extend_from_slice(silents);
-            answers.extend(silents.iter().map(|silent| (silent.key == 7).then_some(StageRead { stage: DONE, ends: false })));
+            answers.extend(
+                silents.iter().map(|silent| (silent.key == 7).then_some(StageRead { stage: DONE, ends: false })),
+            );
         },
         &mut out,
     );
     // What the reader needs to find the memory and check it is this lifecycle's.
     asked.sort_by_key(|silent| silent.key);
-    assert_eq!(asked, [7, 8].map(|key| Silent { pid: 1, key, stage: POST, first_ns: 100, last_ns: 100 }), "a request that ended is never read");
+    assert_eq!(
+        asked,
+        [7, 8].map(|key| Silent { pid: 1, key, stage: POST, first_ns: 100, last_ns: 100 }),
+        "a request that ended is never read"
+    );
     let out = by_key(out);
-    let [Report::Stalled { request: done, class: LOST, silent_ns: 1000, at_ns: 1100 }, Report::Stalled { request: hung, class: HUNG, .. }] =
-        &out[..]
+    let [
+        Report::Stalled { request: done, class: LOST, silent_ns: 1000, at_ns: 1100 },
+        Report::Stalled { request: hung, class: HUNG, .. },
+    ] = &out[..]
     else {
         panic!("{out:?}")
     };
@@ -2012,7 +1516,10 @@ fn a_mass_stall_is_read_a_budget_per_call_oldest_due_first() {
     assert_eq!(h.obs(1, 3, REL, 1250).len(), 1);
     let (out, asked) = h.adv_read_some(1300, 2, Some(DONE));
     assert_eq!(keys(&asked), [1, 0], "{out:?}");
-    assert!(out.iter().all(|report| matches!(report, Report::Stalled { class: LOST, silent_ns, .. } if *silent_ns > TIMEOUT)));
+    assert!(
+        out.iter()
+            .all(|report| matches!(report, Report::Stalled { class: LOST, silent_ns, .. } if *silent_ns > TIMEOUT))
+    );
     assert_eq!(h.adv_read_some(1400, 2, Some(DONE)), (vec![], vec![]));
     // 4, from its own last event.
     let (out, asked) = h.adv_read_some(2250, 2, None);
@@ -2066,9 +1573,15 @@ fn a_request_waiting_for_its_read_is_evicted_before_a_live_one() {
     assert_eq!((asked.len(), asked[0].key, out.len()), (1, 0, 1));
     // Key 0 is stalled: evicted first, its alert already out.
     let out = h.obs(1, 10, ENQ, 5001);
-    assert!(matches!(&out[..], [Report::Ended { request, outcome: Outcome::Evicted, .. }] if request.key == 0), "{out:?}");
+    assert!(
+        matches!(&out[..], [Report::Ended { request, outcome: Outcome::Evicted, .. }] if request.key == 0),
+        "{out:?}"
+    );
     let out = h.obs(1, 11, ENQ, 5002);
-    assert!(matches!(&out[..], [Report::Ended { request, outcome: Outcome::Evicted, .. }] if request.key == 1), "{out:?}");
+    assert!(
+        matches!(&out[..], [Report::Ended { request, outcome: Outcome::Evicted, .. }] if request.key == 1),
+        "{out:?}"
+    );
     assert!(h.e.get(1, 10).is_some() && h.e.get(1, 11).is_some() && h.e.get(1, 2).is_some());
     // The one left waiting is still read and stalled; the evicted one is not.
     let (out, asked) = h.adv_read_some(5010, 1, None);
@@ -2099,7 +1612,10 @@ fn an_unreadable_request_is_kept_and_classified_by_its_probes() {
     h.obs(1, 7, POST, 100);
     let (out, asked) = h.adv_read(1100, None);
     assert_eq!(asked.len(), 1);
-    assert!(matches!(&out[..], [Report::Stalled { class: HUNG, request, .. }] if request.inferred.is_empty()), "{out:?}");
+    assert!(
+        matches!(&out[..], [Report::Stalled { class: HUNG, request, .. }] if request.inferred.is_empty()),
+        "{out:?}"
+    );
     assert_eq!(h.stats().in_flight, 1);
 }
 
@@ -2108,13 +1624,22 @@ fn a_read_never_moves_a_request_back_and_a_probe_replaces_an_inferred_time() {
     let mut h = H::new();
     h.obs(1, 7, DONE, 100);
     let (out, _) = h.adv_read(1100, Some(POST));
-    assert!(matches!(&out[..], [Report::Stalled { class: LOST, request, .. }] if request.inferred.is_empty()), "{out:?}");
+    assert!(
+        matches!(&out[..], [Report::Stalled { class: LOST, request, .. }] if request.inferred.is_empty()),
+        "{out:?}"
+    );
     h.obs(1, 8, POST, 2000);
     h.adv_read(3000, Some(DONE));
-    assert_eq!(h.get(1, 8).map(|r| (r.stage, r.stage_ns[2], r.inferred.contains(DONE))), Some((DONE, Some(3000), true)));
+    assert_eq!(
+        h.get(1, 8).map(|r| (r.stage, r.stage_ns[2], r.inferred.contains(DONE))),
+        Some((DONE, Some(3000), true))
+    );
     // The probe's news of the real completion: its time replaces the read's.
     let out = h.obs(1, 8, DONE, 2500);
-    assert!(matches!(&out[..], [Report::Recovered { class: LOST, request, .. }] if request.inferred.is_empty() && request.stage_ns[2] == Some(2500)), "{out:?}");
+    assert!(
+        matches!(&out[..], [Report::Recovered { class: LOST, request, .. }] if request.inferred.is_empty() && request.stage_ns[2] == Some(2500)),
+        "{out:?}"
+    );
 }
 
 // ------------------------------------------- completing at transfer_done
@@ -2140,7 +1665,10 @@ fn a_done_that_ends_the_lifecycle_completes_it_and_its_later_release_is_stale() 
     assert!(h.adv(10_000).is_empty());
     assert!(h.obs(1, 7, REL, 20_000).is_empty());
     let s = h.stats();
-    assert_eq!((s.seen, s.completed, s.completed_unreleased, s.stale_events, s.stalled, s.in_flight), (1, 1, 1, 1, 0, 0));
+    assert_eq!(
+        (s.seen, s.completed, s.completed_unreleased, s.stale_events, s.stalled, s.in_flight),
+        (1, 1, 1, 1, 0, 0)
+    );
     assert_balanced(s);
     // The key's next lifecycle is a new one, and a release still ends it.
     assert!(h.obs(1, 7, ENQ, 20_100).is_empty());
@@ -2157,7 +1685,16 @@ fn a_stalled_request_whose_done_ends_it_recovers_then_completes() {
     h.obs(1, 7, POST, 100);
     assert_eq!(h.adv(1100).len(), 1);
     let out = h.obs_ending(1, 7, DONE, 1500);
-    assert!(matches!(&out[..], [Report::Recovered { class: HUNG, stuck_ns: 1400, .. }, Report::Ended { outcome: Outcome::Completed, at_ns: 1500, .. }]), "{out:?}");
+    assert!(
+        matches!(
+            &out[..],
+            [
+                Report::Recovered { class: HUNG, stuck_ns: 1400, .. },
+                Report::Ended { outcome: Outcome::Completed, at_ns: 1500, .. }
+            ]
+        ),
+        "{out:?}"
+    );
     assert!(h.adv(5000).is_empty());
 }
 
@@ -2169,7 +1706,12 @@ fn a_done_read_where_done_is_complete_ends_the_lifecycle_inferred_never_release_
     let mut out = Vec::new();
     // Both memories say done, past what the probes saw (posted, enqueued):
     // complete, not release_lost.
-    h.e.advance_reading(1100, usize::MAX, &mut |silents, answers| answers.extend(silents.iter().map(|_| Some(StageRead { stage: DONE, ends: true }))), &mut out);
+    h.e.advance_reading(
+        1100,
+        usize::MAX,
+        &mut |silents, answers| answers.extend(silents.iter().map(|_| Some(StageRead { stage: DONE, ends: true }))),
+        &mut out,
+    );
     assert_eq!(out.len(), 2, "{out:?}");
     for report in &out {
         let Report::Ended { request, outcome: Outcome::Completed, at_ns: 1100 } = report else { panic!("{report:?}") };
@@ -2178,7 +1720,12 @@ fn a_done_read_where_done_is_complete_ends_the_lifecycle_inferred_never_release_
     }
     assert_eq!((h.stats().stalled, h.stats().completed_unreleased, h.stats().in_flight), (0, 2, 0));
     h.obs(1, 9, POST, 2000);
-    h.e.advance_reading(3000, usize::MAX, &mut |silents, answers| answers.extend(silents.iter().map(|_| Some(StageRead { stage: ENQ, ends: false }))), &mut out);
+    h.e.advance_reading(
+        3000,
+        usize::MAX,
+        &mut |silents, answers| answers.extend(silents.iter().map(|_| Some(StageRead { stage: ENQ, ends: false }))),
+        &mut out,
+    );
     assert!(matches!(out.last(), Some(Report::Stalled { class: HUNG, .. })), "{out:?}");
 }
 
@@ -2195,7 +1742,13 @@ fn a_request_taken_over_ended_at_done_recovers_and_completes_once() {
     };
     let out = h.restore(request);
     assert!(
-        matches!(&out[..], [Report::Recovered { class: HUNG, stuck_ns: 700, .. }, Report::Ended { outcome: Outcome::Completed, at_ns: 900, .. }]),
+        matches!(
+            &out[..],
+            [
+                Report::Recovered { class: HUNG, stuck_ns: 700, .. },
+                Report::Ended { outcome: Outcome::Completed, at_ns: 900, .. }
+            ]
+        ),
         "{out:?}"
     );
     assert_eq!((h.stats().completed_unreleased, h.stats().in_flight), (1, 0));
@@ -2268,7 +1821,10 @@ fn withheld_events_that_leave_a_request_silent_stall_it_at_once_at_their_stage()
     asked.sort_unstable();
     assert_eq!(asked, [7, 8]);
     let out = by_key(out);
-    let [Report::Stalled { request: lost, class: LOST, silent_ns: 1100, .. }, Report::Stalled { request: waiting, class: WFP, .. }] = &out[..]
+    let [
+        Report::Stalled { request: lost, class: LOST, silent_ns: 1100, .. },
+        Report::Stalled { request: waiting, class: WFP, .. },
+    ] = &out[..]
     else {
         panic!("{out:?}")
     };
@@ -2293,13 +1849,18 @@ fn catching_up_brings_the_requests_asked_for_up_to_the_kernel_but_not_a_stalled_
     assert_eq!(asked, [10], "pid 1's live request only: a stalled one's later events are all sent");
     assert_eq!(h.stats().caught_up, 1);
     let caught = h.get(1, 10).expect("tracked");
-    assert_eq!((caught.stage, caught.stage_at(POST), caught.stage_at(DONE), caught.last_ns), (DONE, Some(1250), Some(1300), 1300));
+    assert_eq!(
+        (caught.stage, caught.stage_at(POST), caught.stage_at(DONE), caught.last_ns),
+        (DONE, Some(1250), Some(1300), 1300)
+    );
     assert_eq!(h.get(2, 11).map(|r| r.stage), Some(ENQ), "another process's request is not asked about");
     // Its timer counts from the kernel's latest event: release_lost at 2300,
     // not 2200 with the other process's request.
     assert!(matches!(&h.adv(2250)[..], [Report::Stalled { class: WFP, request, .. }] if request.key == 11));
     assert_eq!(h.adv(2299), vec![]);
-    assert!(matches!(&h.adv(2300)[..], [Report::Stalled { class: LOST, request, silent_ns: 1000, .. }] if request.key == 10));
+    assert!(
+        matches!(&h.adv(2300)[..], [Report::Stalled { class: LOST, request, silent_ns: 1000, .. }] if request.key == 10)
+    );
 }
 
 // ---------------------------------------------------------- resynchronising
@@ -2309,10 +1870,8 @@ impl H {
     /// lookup of a tracked key finds), read from `since_ns`.
     fn resync(&mut self, since_ns: u64, complete: bool, table: &[Restored]) -> Vec<Report> {
         let mut out = Vec::new();
-        let mut held =
-            |pid: u32, key: u64| Ok(table.iter().find(|r| (r.pid, r.key) == (pid, key)).cloned());
-        self.e
-            .resync(since_ns, complete, &mut held, table.to_vec(), &mut out);
+        let mut held = |pid: u32, key: u64| Ok(table.iter().find(|r| (r.pid, r.key) == (pid, key)).cloned());
+        self.e.resync(since_ns, complete, &mut held, table.to_vec(), &mut out);
         out
     }
 }
@@ -2332,12 +1891,7 @@ fn a_resync_after_lost_events_ends_what_the_kernel_ended_and_takes_over_what_it_
     h.obs(1, 5, ENQ, 2500); // newer than the table's view
     assert!(matches!(
         h.adv(1100)[..],
-        [
-            Report::Stalled { .. },
-            Report::Stalled { .. },
-            Report::Stalled { .. },
-            Report::Stalled { .. }
-        ]
+        [Report::Stalled { .. }, Report::Stalled { .. }, Report::Stalled { .. }, Report::Stalled { .. }]
     ));
     // All four stalled: what the resync finds of each says how it ends.
     let table = [
@@ -2382,41 +1936,18 @@ fn a_resync_after_lost_events_ends_what_the_kernel_ended_and_takes_over_what_it_
         },
     ];
     let reports = h.resync(2000, true, &table);
-    let ends: Vec<(u64, Outcome)> = reports
-        .iter()
-        .filter_map(|r| {
-            if let Report::Ended {
-                request, outcome, ..
-            } = r
-            {
-                Some((request.key, *outcome))
-            } else {
-                None
-            }
-        })
-        .collect();
-    assert_eq!(
-        ends,
-        [
-            (1, Outcome::EndUnseen),
-            (3, Outcome::Released),
-            (4, Outcome::EndUnseen)
-        ],
-        "{reports:?}"
-    );
-    let recovered: Vec<u64> = reports
-        .iter()
-        .filter(|&r| matches!(r, Report::Recovered { .. })).map(|r| r.request().key)
-        .collect();
-    assert_eq!(
-        recovered,
-        [2, 3],
-        "life after a reported silence is a recovery: {reports:?}"
-    );
-    assert_eq!(
-        h.get(1, 2).map(|r| (r.stage, r.last_ns, r.stalled)),
-        Some((POST, 1900, None))
-    );
+    let ends: Vec<(u64, Outcome)> =
+        reports
+            .iter()
+            .filter_map(|r| {
+                if let Report::Ended { request, outcome, .. } = r { Some((request.key, *outcome)) } else { None }
+            })
+            .collect();
+    assert_eq!(ends, [(1, Outcome::EndUnseen), (3, Outcome::Released), (4, Outcome::EndUnseen)], "{reports:?}");
+    let recovered: Vec<u64> =
+        reports.iter().filter(|&r| matches!(r, Report::Recovered { .. })).map(|r| r.request().key).collect();
+    assert_eq!(recovered, [2, 3], "life after a reported silence is a recovery: {reports:?}");
+    assert_eq!(h.get(1, 2).map(|r| (r.stage, r.last_ns, r.stalled)), Some((POST, 1900, None)));
     assert_eq!(
         h.get(1, 4).map(|r| (r.first_ns, r.stage)),
         Some((1950, ENQ)),
@@ -2427,11 +1958,7 @@ fn a_resync_after_lost_events_ends_what_the_kernel_ended_and_takes_over_what_it_
         Some((300, 400, POST)),
         "the pinned request is taken over"
     );
-    assert_eq!(
-        h.get(1, 5).map(|r| r.last_ns),
-        Some(2500),
-        "newer than the table: left as it is"
-    );
+    assert_eq!(h.get(1, 5).map(|r| r.last_ns), Some(2500), "newer than the table: left as it is");
     // The pinned request stalls at once, silent since its own last event;
     // nothing else is judged stalled.
     let reports = h.adv(2010);
@@ -2471,23 +1998,9 @@ fn a_resync_ends_nothing_the_kernel_may_never_have_held() {
     );
     assert!(h.get(1, 1).is_some());
     let mut out = Vec::new();
-    h.e.resync(
-        700,
-        true,
-        &mut |_, key| if key == 3 { Err(()) } else { Ok(None) },
-        Vec::new(),
-        &mut out,
-    );
-    assert_eq!(
-        out.iter().map(|r| r.request().key).collect::<Vec<_>>(),
-        [1, 2],
-        "{out:?}"
-    );
-    assert_eq!(
-        h.get(1, 3).map(|r| r.first_ns),
-        Some(100),
-        "a failed lookup ends nothing"
-    );
+    h.e.resync(700, true, &mut |_, key| if key == 3 { Err(()) } else { Ok(None) }, Vec::new(), &mut out);
+    assert_eq!(out.iter().map(|r| r.request().key).collect::<Vec<_>>(), [1, 2], "{out:?}");
+    assert_eq!(h.get(1, 3).map(|r| r.first_ns), Some(100), "a failed lookup ends nothing");
     assert_balanced(h.stats());
 }
 
@@ -2500,38 +2013,15 @@ fn a_carried_time_already_caught_up_is_no_duplicate() {
     h.obs(1, 7, ENQ, 100);
     // Due: the kernel's table shows the withheld post.
     let mut out = Vec::new();
-    let seen = Withheld {
-        stage: POST,
-        last_ns: 600,
-        stage_ns: [Some(100), Some(600), None],
-    };
-    h.e.advance_checking(
-        1100,
-        usize::MAX,
-        &mut |_| Some(seen),
-        &mut |s, a| a.extend(s.iter().map(|_| None)),
-        &mut out,
-    );
+    let seen = Withheld { stage: POST, last_ns: 600, stage_ns: [Some(100), Some(600), None] };
+    h.e.advance_checking(1100, usize::MAX, &mut |_| Some(seen), &mut |s, a| a.extend(s.iter().map(|_| None)), &mut out);
     assert!(out.is_empty(), "active within the timeout: {out:?}");
     // The release record carries the post's time again.
-    let post = Observation {
-        pid: 1,
-        key: 7,
-        stage: POST,
-        ts_ns: 600,
-        external_id: None,
-        ends: false,
-    };
+    let post = Observation { pid: 1, key: 7, stage: POST, ts_ns: 600, external_id: None, ends: false };
     h.e.observe_carried(post.clone(), &mut out);
-    assert_eq!(
-        (h.stats().caught_up_repeats, h.stats().duplicate_events),
-        (1, 0)
-    );
+    assert_eq!((h.stats().caught_up_repeats, h.stats().duplicate_events), (1, 0));
     // Delivered twice as an event of its own: a duplicate.
     h.e.observe(post, &mut out);
-    assert_eq!(
-        (h.stats().caught_up_repeats, h.stats().duplicate_events),
-        (1, 1)
-    );
+    assert_eq!((h.stats().caught_up_repeats, h.stats().duplicate_events), (1, 1));
     assert!(out.is_empty(), "{out:?}");
 }

@@ -61,10 +61,7 @@ impl Wheel {
         // One lap covers the whole timeout (plus the partly elapsed current
         // tick and one more), so normally no entry waits more than a lap.
         let ticks = (timeout_ns / tick_ns).saturating_add(2);
-        let size = usize::try_from(ticks)
-            .unwrap_or(MAX_BUCKETS)
-            .clamp(MIN_BUCKETS, MAX_BUCKETS)
-            .next_power_of_two();
+        let size = usize::try_from(ticks).unwrap_or(MAX_BUCKETS).clamp(MIN_BUCKETS, MAX_BUCKETS).next_power_of_two();
         Wheel {
             tick_ns,
             timeout_ns,
@@ -146,12 +143,7 @@ impl Wheel {
 
     /// Fire every entry whose deadline is `<= now_ns`: `fire` gets each one
     /// detached (on no list) and must put it somewhere.
-    pub(crate) fn advance(
-        &mut self,
-        recs: &mut [Record],
-        now_ns: u64,
-        mut fire: impl FnMut(&mut [Record], u32),
-    ) {
+    pub(crate) fn advance(&mut self, recs: &mut [Record], now_ns: u64, mut fire: impl FnMut(&mut [Record], u32)) {
         self.start(now_ns);
         let old = self.cursor;
         let target = now_ns / self.tick_ns;
@@ -160,9 +152,7 @@ impl Wheel {
         let crossed = target.saturating_sub(old);
         self.cursor = old.max(target);
         let size = self.size();
-        let visits = usize::try_from(crossed)
-            .map_or(size, |c| c.saturating_add(1))
-            .min(size);
+        let visits = usize::try_from(crossed).map_or(size, |c| c.saturating_add(1)).min(size);
         let start = (old & self.mask) as usize;
         let mut off = 0;
         while let Some(found) = self.next_occupied(start, off, visits) {
@@ -203,13 +193,7 @@ impl Wheel {
 
     /// Walk bucket `b`: fire what is due, re-link the rest at their real
     /// deadline (possibly back into `b` itself, for a later lap).
-    fn process(
-        &mut self,
-        recs: &mut [Record],
-        b: usize,
-        now_ns: u64,
-        fire: &mut impl FnMut(&mut [Record], u32),
-    ) {
+    fn process(&mut self, recs: &mut [Record], b: usize, now_ns: u64, fire: &mut impl FnMut(&mut [Record], u32)) {
         let head = std::mem::replace(&mut self.heads[b], NIL);
         self.occupied[b / 64] &= !(1 << (b % 64));
         self.min_deadline[b] = u64::MAX;
@@ -230,9 +214,7 @@ impl Wheel {
             // then fire early at now == u64::MAX. And not a saturating
             // difference: with a zero timeout a clock behind the event
             // would count as silence.)
-            let due = now_ns
-                .checked_sub(rec.last_ns)
-                .is_some_and(|silent| silent >= self.timeout_ns);
+            let due = now_ns.checked_sub(rec.last_ns).is_some_and(|silent| silent >= self.timeout_ns);
             rec.set_place(Place::Detached);
             if due {
                 fire(recs, cur);

@@ -43,7 +43,7 @@ use aya::{
 use stallwatch_common::{MAX_SLOTS, SlotConfig, cmp, counter, slot_flags};
 use tracing::{info, warn};
 
-pub use self::profile::{ActivityKind, ActivitySpec, At, Capture, Profile, ProbeSpec, RetType, SignalSpec, StatusSpec};
+pub use self::profile::{ActivityKind, ActivitySpec, At, Capture, ProbeSpec, Profile, RetType, SignalSpec, StatusSpec};
 use self::resolve::{ElfFile, FirstInsn, ProcessImage};
 use crate::state::{BpfDir, BpfTables, KernelState, OldLink, PINNED_MAPS};
 
@@ -162,10 +162,8 @@ impl Probes {
             )
         })?;
         for name in [ENTRY_PROGRAM, RETURN_PROGRAM] {
-            let program: &mut UProbe = ebpf
-                .program_mut(name)
-                .ok_or_else(|| anyhow!("the eBPF object has no program `{name}`"))?
-                .try_into()?;
+            let program: &mut UProbe =
+                ebpf.program_mut(name).ok_or_else(|| anyhow!("the eBPF object has no program `{name}`"))?.try_into()?;
             program.load().with_context(|| format!("the kernel verifier rejected `{name}`"))?;
         }
         let slots_map = Array::try_from(take_map(&mut ebpf, "SLOTS")?)?;
@@ -228,8 +226,10 @@ impl Probes {
         let slots: HashSet<u32> = old_links.iter().map(|old| old.slot).collect();
         // Return halves first: a call entering between the two finds its
         // return probe gone, not its arguments unsaved (`args_missing`).
-        let (returns, entries): (Vec<_>, Vec<_>) =
-            old_links.into_iter().map(|old| old.path).partition(|path| path.to_string_lossy().ends_with(RETURN_PROGRAM));
+        let (returns, entries): (Vec<_>, Vec<_>) = old_links
+            .into_iter()
+            .map(|old| old.path)
+            .partition(|path| path.to_string_lossy().ends_with(RETURN_PROGRAM));
         let (tx, done) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()
             .name("release-links".into())
@@ -253,7 +253,8 @@ impl Probes {
 
     /// The kernel's in-flight table (a previous agent's, when taken over).
     pub fn kernel_state(&mut self) -> Result<KernelState> {
-        let tables = BpfTables::new(take_map_data(&mut self.ebpf, "INFLIGHT")?, take_map_data(&mut self.ebpf, "ALERTED")?)?;
+        let tables =
+            BpfTables::new(take_map_data(&mut self.ebpf, "INFLIGHT")?, take_map_data(&mut self.ebpf, "ALERTED")?)?;
         Ok(KernelState::new(tables))
     }
 
@@ -370,11 +371,13 @@ impl Probes {
             if cfg.flags & slot_flags::QUIET != 0 {
                 cfg.quiet_ns = self.quiet_ns;
             }
-            let target = Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
+            let target =
+                Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
             self.attach_slot(image, &mut files, &target, cfg, Role::Lifecycle(Arc::new(spec.clone())))?;
         }
         for spec in &profile.activity {
-            let target = Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
+            let target =
+                Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
             let attached =
                 self.attach_slot(image, &mut files, &target, ActivitySpec::slot_config(), Role::Activity(spec.kind));
             match attached {
@@ -385,7 +388,8 @@ impl Probes {
             }
         }
         for spec in &profile.signals {
-            let target = Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
+            let target =
+                Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
             self.attach_slot(image, &mut files, &target, spec.slot_config(), Role::Signal(Arc::new(spec.clone())))?;
         }
         Ok(())
@@ -421,8 +425,12 @@ impl Probes {
             file_offset: resolved.file_offset,
             first_insn: resolved.first_insn,
         });
-        if matches!(self.slots[index as usize].as_ref().map(|slot| &slot.role), Some(Role::Activity(ActivityKind::Progress))) {
-            let gated = Gated { index, host_path: object.host_path.clone(), file_offset: resolved.file_offset, link: None };
+        if matches!(
+            self.slots[index as usize].as_ref().map(|slot| &slot.role),
+            Some(Role::Activity(ActivityKind::Progress))
+        ) {
+            let gated =
+                Gated { index, host_path: object.host_path.clone(), file_offset: resolved.file_offset, link: None };
             self.gated.entry(pid).or_default().push(gated);
             info!(
                 pid,
@@ -491,12 +499,24 @@ impl Probes {
 
     /// Attach program `name` at `file_offset` of `host_path` for `pid`, its
     /// hits on slot `index` (the cookie).
-    fn link(&mut self, name: &str, index: u32, pid: u32, host_path: &std::path::Path, file_offset: u64) -> Result<UProbeLink> {
+    fn link(
+        &mut self,
+        name: &str,
+        index: u32,
+        pid: u32,
+        host_path: &std::path::Path,
+        file_offset: u64,
+    ) -> Result<UProbeLink> {
         let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).ok_or_else(|| anyhow!("pid 0 is not a process"))?);
-        let program: &mut UProbe =
-            self.ebpf.program_mut(name).ok_or_else(|| anyhow!("the eBPF object has no program `{name}`"))?.try_into()?;
-        let point =
-            UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(file_offset), cookie: Some(u64::from(index)) };
+        let program: &mut UProbe = self
+            .ebpf
+            .program_mut(name)
+            .ok_or_else(|| anyhow!("the eBPF object has no program `{name}`"))?
+            .try_into()?;
+        let point = UProbeAttachPoint {
+            location: UProbeAttachLocation::AbsoluteOffset(file_offset),
+            cookie: Some(u64::from(index)),
+        };
         let id = program.attach(point, host_path, scope)?;
         program.take_link(id).context("taking the uprobe link")
     }
@@ -508,7 +528,10 @@ impl Probes {
 
     /// The pids with gated progress probes, and whether their gate is open.
     pub fn gates(&self) -> impl Iterator<Item = (u32, bool)> + '_ {
-        self.gated.iter().filter(|(_, gated)| !gated.is_empty()).map(|(&pid, gated)| (pid, gated.iter().all(|g| g.link.is_some())))
+        self.gated
+            .iter()
+            .filter(|(_, gated)| !gated.is_empty())
+            .map(|(&pid, gated)| (pid, gated.iter().all(|g| g.link.is_some())))
     }
 
     /// Link every progress probe of `pid` (its slots are configured and
@@ -524,7 +547,11 @@ impl Probes {
                 Ok(link) => probe.link = Some(link),
                 Err(err) => {
                     result = Err(err).with_context(|| {
-                        format!("attaching the progress probe at {:#x} in {} for pid {pid}", probe.file_offset, probe.host_path.display())
+                        format!(
+                            "attaching the progress probe at {:#x} in {} for pid {pid}",
+                            probe.file_offset,
+                            probe.host_path.display()
+                        )
                     });
                     break;
                 }
@@ -545,7 +572,9 @@ impl Probes {
     /// the kernel tens of ms, so the caller may drop them off the event
     /// loop.
     pub fn close_gate(&mut self, pid: u32) -> Vec<UProbeLink> {
-        self.gated.get_mut(&pid).map_or_else(Vec::new, |gated| gated.iter_mut().filter_map(|probe| probe.link.take()).collect())
+        self.gated
+            .get_mut(&pid)
+            .map_or_else(Vec::new, |gated| gated.iter_mut().filter_map(|probe| probe.link.take()).collect())
     }
 
     /// Start hearing of every exec on the host (process discovery): loads
@@ -575,8 +604,11 @@ impl Probes {
             link.detach();
         }
         // Their final counts say whether the progress probes were on.
-        let finals: Vec<ProbeHits> =
-            self.slots().filter(|(_, slot)| slot.pid == pid).filter_map(|(index, slot)| self.probe_hit(index, slot).ok()).collect();
+        let finals: Vec<ProbeHits> = self
+            .slots()
+            .filter(|(_, slot)| slot.pid == pid)
+            .filter_map(|(index, slot)| self.probe_hit(index, slot).ok())
+            .collect();
         // Now, not off the loop: the slots are freed below, and a link
         // still live would count its hits on a successor's slot.
         drop(self.gated.remove(&pid));
@@ -811,9 +843,8 @@ fn take_map_data(ebpf: &mut Ebpf, name: &str) -> Result<MapData> {
 
 /// Pin `link` at `path`; it then stays attached after the agent exits.
 fn pin(link: UProbeLink, path: &std::path::Path) -> Result<PinnedLink> {
-    let link = FdLink::try_from(link).context(
-        "this kernel attached the uprobe without a BPF link, which cannot be pinned; pass --ephemeral",
-    )?;
+    let link = FdLink::try_from(link)
+        .context("this kernel attached the uprobe without a BPF link, which cannot be pinned; pass --ephemeral")?;
     link.pin(path).with_context(|| format!("pinning a probe link at {}", path.display()))
 }
 
@@ -836,7 +867,9 @@ pub struct Releasing {
 impl Releasing {
     /// Until every link is released (or one failed to be).
     pub async fn done(&mut self) -> Result<()> {
-        (&mut self.done).await.unwrap_or_else(|_| Err(anyhow!("the thread releasing the previous agent's links ended without a word")))
+        (&mut self.done)
+            .await
+            .unwrap_or_else(|_| Err(anyhow!("the thread releasing the previous agent's links ended without a word")))
     }
 }
 
@@ -845,7 +878,8 @@ impl Releasing {
 /// at once, while an unpinned link nobody holds is released later by a
 /// kernel worker, and would fire on a slot config cleared after (`no_slot`).
 fn release(path: &Path) -> Result<()> {
-    let link = PinnedLink::from_pin(path).with_context(|| format!("opening the previous agent's probe link {}", path.display()))?;
+    let link = PinnedLink::from_pin(path)
+        .with_context(|| format!("opening the previous agent's probe link {}", path.display()))?;
     drop(link.unpin().with_context(|| format!("unpinning {}", path.display()))?);
     Ok(())
 }
@@ -874,8 +908,10 @@ mod tests {
     /// [`Probes::arm`] makes them live.
     fn armed_in_order(profile: &str) -> Vec<(String, SlotConfig)> {
         let profile = Profile::load(profile).unwrap();
-        let lifecycle = profile.probes.iter().map(|spec| (format!("{}@{:?}", spec.symbol, spec.at), spec.slot_config()));
-        let activity = profile.activity.iter().map(|spec| (format!("activity:{}", spec.symbol), ActivitySpec::slot_config()));
+        let lifecycle =
+            profile.probes.iter().map(|spec| (format!("{}@{:?}", spec.symbol, spec.at), spec.slot_config()));
+        let activity =
+            profile.activity.iter().map(|spec| (format!("activity:{}", spec.symbol), ActivitySpec::slot_config()));
         let mut slots: Vec<_> = lifecycle.chain(activity).collect();
         sort_for_arming(&mut slots);
         slots
@@ -886,15 +922,27 @@ mod tests {
         let demo: Vec<String> = armed_in_order("demo").into_iter().map(|(name, _)| name).collect();
         assert_eq!(
             demo,
-            ["prefill_abort@Entry", "prefill_release@Entry", "kv_transfer_poll@Return", "kv_transfer_post@Entry", "prefill_enqueue@Entry"]
+            [
+                "prefill_abort@Entry",
+                "prefill_release@Entry",
+                "kv_transfer_poll@Return",
+                "kv_transfer_post@Entry",
+                "prefill_enqueue@Entry"
+            ]
         );
         for name in profile::builtin_names() {
             let slots = armed_in_order(name);
             let last_ending = slots.iter().rposition(|(_, cfg)| arming_rank(cfg) >= stage::FIRST_TERMINAL);
             let first_starting = slots.iter().position(|(_, cfg)| arming_rank(cfg) == stage::ENQUEUED);
-            assert!(last_ending < first_starting, "{name}: {:?}", slots.iter().map(|(name, _)| name).collect::<Vec<_>>());
-            assert!(slots[0].1.flags & slot_flags::COUNT_ONLY != 0 || !slots.iter().any(|(_, cfg)| cfg.flags & slot_flags::COUNT_ONLY != 0));
+            assert!(
+                last_ending < first_starting,
+                "{name}: {:?}",
+                slots.iter().map(|(name, _)| name).collect::<Vec<_>>()
+            );
+            assert!(
+                slots[0].1.flags & slot_flags::COUNT_ONLY != 0
+                    || !slots.iter().any(|(_, cfg)| cfg.flags & slot_flags::COUNT_ONLY != 0)
+            );
         }
     }
 }
-

@@ -256,7 +256,12 @@ impl SignalSpec {
             Some(Capture::Bytes(at)) => Some((at, slot_flags::EXT_BYTES)),
             None => None,
         };
-        let mut flags = return_flags(self.at, self.ret, args_read(std::iter::once(&self.value).chain(capture.map(|(at, _)| at))), &mut cfg);
+        let mut flags = return_flags(
+            self.at,
+            self.ret,
+            args_read(std::iter::once(&self.value).chain(capture.map(|(at, _)| at))),
+            &mut cfg,
+        );
         if let Some((at, bytes)) = capture {
             flags |= slot_flags::HAS_EXT | bytes;
             cfg.ext = at.lower();
@@ -438,11 +443,7 @@ impl EntryStatus {
                 MAX_DEREF - 1
             );
         }
-        Ok(Self {
-            at: status.at.clone(),
-            value: status.value,
-            rules,
-        })
+        Ok(Self { at: status.at.clone(), value: status.value, rules })
     }
 
     /// The value's source for the kernel: the table's pointer chain, then
@@ -450,12 +451,7 @@ impl EntryStatus {
     fn lower(&self) -> ValueSource {
         let mut deref = self.at.deref.clone();
         deref.push(self.at.add);
-        Source {
-            from: From::Key,
-            deref,
-            add: 0,
-        }
-        .lower()
+        Source { from: From::Key, deref, add: 0 }.lower()
     }
 }
 
@@ -499,8 +495,7 @@ impl Profile {
         if chain.iter().any(|earlier| earlier == origin) {
             bail!("profiles extend one another in a loop: {} -> {origin}", chain.join(" -> "));
         }
-        let raw: RawProfile =
-            toml::from_str(text).map_err(|err| anyhow!("profile {origin}: {err}"))?;
+        let raw: RawProfile = toml::from_str(text).map_err(|err| anyhow!("profile {origin}: {err}"))?;
         let here: Arc<str> = origin.into();
         let base = match raw.extends {
             Some(spanned) => {
@@ -509,7 +504,10 @@ impl Profile {
                 let at = format!("profile {origin}, line {line} (`extends = \"{spec}\"`)");
                 chain.push(origin.to_owned());
                 if chain.len() > MAX_EXTENDS {
-                    bail!("{at}: more than {MAX_EXTENDS} profiles extend one another ({}): shorten the chain", chain.join(" -> "));
+                    bail!(
+                        "{at}: more than {MAX_EXTENDS} profiles extend one another ({}): shorten the chain",
+                        chain.join(" -> ")
+                    );
                 }
                 let base = Self::load_in(&spec, dir, chain).with_context(|| at.clone())?;
                 chain.pop();
@@ -524,9 +522,8 @@ impl Profile {
                 let line = line_of(text, spanned.span().start);
                 let raw = spanned.into_inner();
                 let symbol = raw.symbol.clone();
-                raw.validate(here.clone(), line, |span| line_of(text, span.start)).map_err(|err| {
-                    anyhow!("profile {origin}, line {line} ([[probe]] for `{symbol}`): {err}")
-                })
+                raw.validate(here.clone(), line, |span| line_of(text, span.start))
+                    .map_err(|err| anyhow!("profile {origin}, line {line} ([[probe]] for `{symbol}`): {err}"))
             })
             .collect::<Result<Vec<_>>>()?;
         let own_activity = raw
@@ -565,7 +562,8 @@ impl Profile {
                 let line = line_of(text, spanned.span().start);
                 let raw = spanned.into_inner();
                 let name = raw.name.clone();
-                raw.validate(here.clone(), line).map_err(|err| anyhow!("profile {origin}, line {line} ([[signal]] `{name}`): {err}"))
+                raw.validate(here.clone(), line)
+                    .map_err(|err| anyhow!("profile {origin}, line {line} ([[signal]] `{name}`): {err}"))
             })
             .collect::<Result<Vec<SignalSpec>>>()?;
         // What this file probes replaces what the base probes on the same
@@ -576,7 +574,9 @@ impl Profile {
             .complete_at
             .map(|spanned| {
                 let line = line_of(text, spanned.span().start);
-                CompleteAt::parse(spanned.get_ref()).map(|at| (at, line)).map_err(|err| anyhow!("profile {origin}, line {line}: {err}"))
+                CompleteAt::parse(spanned.get_ref())
+                    .map(|at| (at, line))
+                    .map_err(|err| anyhow!("profile {origin}, line {line}: {err}"))
             })
             .transpose()?;
         let own_layout = raw
@@ -619,11 +619,22 @@ impl Profile {
                     .filter(|spec| !own_activity.iter().any(|own| own.function() == spec.function()))
                     .collect();
                 activity.extend(own_activity);
-                let mut signals: Vec<SignalSpec> =
-                    base.signals.into_iter().filter(|spec| !own_signals.iter().any(|own| own.name == spec.name)).collect();
+                let mut signals: Vec<SignalSpec> = base
+                    .signals
+                    .into_iter()
+                    .filter(|spec| !own_signals.iter().any(|own| own.name == spec.name))
+                    .collect();
                 signals.extend(own_signals);
                 let complete_at = own_complete_at.map(|(at, _)| at).unwrap_or(base.complete_at);
-                (probes, activity, signals, own_status.or(base.status), Some(base.origin), complete_at, own_layout.or(base.layout))
+                (
+                    probes,
+                    activity,
+                    signals,
+                    own_status.or(base.status),
+                    Some(base.origin),
+                    complete_at,
+                    own_layout.or(base.layout),
+                )
             }
             None => (
                 own_probes,
@@ -647,12 +658,7 @@ impl Profile {
                     )),
                 };
                 probe.entry_status = Some(entry.map_err(|err| {
-                    anyhow!(
-                        "profile {}, line {} ([[probe]] for `{}`): {err}",
-                        probe.origin,
-                        probe.line,
-                        probe.symbol
-                    )
+                    anyhow!("profile {}, line {} ([[probe]] for `{}`): {err}", probe.origin, probe.line, probe.symbol)
                 })?);
             }
         }
@@ -805,10 +811,7 @@ impl ProbeSpec {
             }
             cfg.value = status.lower();
             for (slot, (rule, stage)) in cfg.rules.iter_mut().zip(&status.rules) {
-                *slot = RetRule {
-                    stage: *stage as u8,
-                    ..*rule
-                };
+                *slot = RetRule { stage: *stage as u8, ..*rule };
             }
         }
         // A zero flags word means "no slot" to the kernel side.
@@ -820,9 +823,9 @@ impl ProbeSpec {
     fn emits_for(&self) -> Values {
         match &self.action {
             Action::Always(_) => Values::all(self.ret),
-            Action::OnReturn(rules) => rules
-                .iter()
-                .fold(Values::none(), |values, (rule, _)| values.union(Values::held_by(rule, self.ret))),
+            Action::OnReturn(rules) => {
+                rules.iter().fold(Values::none(), |values, (rule, _)| values.union(Values::held_by(rule, self.ret)))
+            }
         }
     }
 
@@ -832,7 +835,9 @@ impl ProbeSpec {
     /// one type. Probes of one call with different keys, or return rules
     /// split over two probes (more than [`MAX_RET_RULES`] outcomes), may.
     fn conflict_with(&self, earlier: &ProbeSpec) -> Option<String> {
-        if (&self.object, &self.symbol, self.at) != (&earlier.object, &earlier.symbol, earlier.at) || self.key != earlier.key {
+        if (&self.object, &self.symbol, self.at) != (&earlier.object, &earlier.symbol, earlier.at)
+            || self.key != earlier.key
+        {
             return None;
         }
         let end = match self.at {
@@ -872,14 +877,7 @@ impl Source {
             From::Ret => (base::RET, 0),
             From::Key => (base::KEY, 0),
         };
-        ValueSource {
-            base,
-            index,
-            depth: self.deref.len() as u8,
-            _pad: [0; 5],
-            offsets,
-            add: self.add,
-        }
+        ValueSource { base, index, depth: self.deref.len() as u8, _pad: [0; 5], offsets, add: self.add }
     }
 }
 
@@ -1017,7 +1015,9 @@ impl RawSignal {
 impl RawMsgpack {
     fn validate(self, bytes: bool) -> Result<Msgpack> {
         if !bytes {
-            bail!("`msgpack` says where in a msgpack array to read `bytes`: give `bytes` too (its address is the array's)");
+            bail!(
+                "`msgpack` says where in a msgpack array to read `bytes`: give `bytes` too (its address is the array's)"
+            );
         }
         if self.tag.len() > MSGPACK_TAG_LEN {
             bail!("`msgpack.tag` is {} bytes; at most {MSGPACK_TAG_LEN} are matched: shorten it", self.tag.len());
@@ -1105,7 +1105,12 @@ struct RawString {
 
 impl RawProbe {
     /// `line_at` turns a span of the file into its line.
-    fn validate(self, origin: Arc<str>, line: usize, line_at: impl Fn(std::ops::Range<usize>) -> usize) -> Result<ProbeSpec> {
+    fn validate(
+        self,
+        origin: Arc<str>,
+        line: usize,
+        line_at: impl Fn(std::ops::Range<usize>) -> usize,
+    ) -> Result<ProbeSpec> {
         if self.symbol.trim().is_empty() {
             bail!("`symbol` is empty: name the function to probe (mangled C++ names are fine)");
         }
@@ -1145,10 +1150,15 @@ impl RawProbe {
         let external_id = self
             .external_id
             .map(|ext| -> Result<StringSource> {
-                let at = RawSource { from: ext.from, deref: ext.deref, add: ext.add }
-                    .validate("external_id", self.at, true)?;
+                let at = RawSource { from: ext.from, deref: ext.deref, add: ext.add }.validate(
+                    "external_id",
+                    self.at,
+                    true,
+                )?;
                 let guard = ext.guard.map(|g| g.validate("external_id.guard", self.at, true)).transpose()?;
-                for (field, source) in std::iter::once(("external_id", &at)).chain(guard.iter().map(|g| ("external_id.guard", g))) {
+                for (field, source) in
+                    std::iter::once(("external_id", &at)).chain(guard.iter().map(|g| ("external_id.guard", g)))
+                {
                     source.check_from_key(field, int_key)?;
                 }
                 Ok(StringSource { at, guard })
@@ -1212,7 +1222,12 @@ fn parse_rules(
 }
 
 impl RawStatus {
-    fn validate(self, origin: Arc<str>, line: usize, line_at: impl Fn(std::ops::Range<usize>) -> usize) -> Result<StatusSpec> {
+    fn validate(
+        self,
+        origin: Arc<str>,
+        line: usize,
+        line_at: impl Fn(std::ops::Range<usize>) -> usize,
+    ) -> Result<StatusSpec> {
         if self.at.from != "key" {
             bail!(
                 "`at.from = \"{}\"`: a status is read long after any probe fired, when only the request key is \
@@ -1270,17 +1285,17 @@ fn stage_names() -> String {
 }
 
 fn parse_stage(name: &str) -> Result<Stage> {
-    name.parse::<Stage>()
-        .map_err(|_| anyhow!("unknown lifecycle event \"{name}\": expected one of {}", stage_names()))
+    name.parse::<Stage>().map_err(|_| anyhow!("unknown lifecycle event \"{name}\": expected one of {}", stage_names()))
 }
 
 /// `"== 0"`, `"< 0"`, `">= -3"`, `"!= 1"`...
 fn parse_rule(text: &str) -> Result<RetRule> {
     let text = text.trim();
-    let (op, rest) = [("==", cmp::EQ), ("!=", cmp::NE), ("<=", cmp::LE), (">=", cmp::GE), ("<", cmp::LT), (">", cmp::GT)]
-        .into_iter()
-        .find_map(|(token, op)| text.strip_prefix(token).map(|rest| (op, rest)))
-        .ok_or_else(|| anyhow!("`when = \"{text}\"`: expected a comparison such as \"== 0\", \"< 0\", \"!= 1\""))?;
+    let (op, rest) =
+        [("==", cmp::EQ), ("!=", cmp::NE), ("<=", cmp::LE), (">=", cmp::GE), ("<", cmp::LT), (">", cmp::GT)]
+            .into_iter()
+            .find_map(|(token, op)| text.strip_prefix(token).map(|rest| (op, rest)))
+            .ok_or_else(|| anyhow!("`when = \"{text}\"`: expected a comparison such as \"== 0\", \"< 0\", \"!= 1\""))?;
     let value = rest
         .trim()
         .parse::<i64>()
@@ -1311,12 +1326,18 @@ mod tests {
         assert_eq!((cfg.key.base, cfg.key.index, cfg.key.depth), (base::ARG, 5, 1));
         assert_eq!((cfg.ext.base, cfg.ext.depth, cfg.ext.offsets[0]), (base::KEY, 1, 144));
         assert_eq!((cfg.guard.base, cfg.guard.add), (base::KEY, 176));
-        assert_eq!(cfg.flags & (slot_flags::HAS_EXT | slot_flags::HAS_GUARD | slot_flags::RET_I32), slot_flags::HAS_EXT | slot_flags::HAS_GUARD | slot_flags::RET_I32);
+        assert_eq!(
+            cfg.flags & (slot_flags::HAS_EXT | slot_flags::HAS_GUARD | slot_flags::RET_I32),
+            slot_flags::HAS_EXT | slot_flags::HAS_GUARD | slot_flags::RET_I32
+        );
         // The post's return says done or failed when the post finished it;
         // the kernel picks the stage of the first rule that holds.
         let post = profile.probes.iter().find(|p| p.symbol.contains("postXferReq") && p.at == At::Return).unwrap();
         let rules = post.slot_config().rules;
-        assert_eq!((rules[0].op, rules[0].value, rules[0].stage), (cmp::EQ, 0, stallwatch_common::stage::TRANSFER_DONE));
+        assert_eq!(
+            (rules[0].op, rules[0].value, rules[0].stage),
+            (cmp::EQ, 0, stallwatch_common::stage::TRANSFER_DONE)
+        );
         assert_eq!((rules[1].op, rules[1].value, rules[1].stage), (cmp::LT, 0, stallwatch_common::stage::FAILED));
     }
 
@@ -1325,11 +1346,17 @@ mod tests {
         let nixl = Profile::load("nixl").unwrap();
         let sglang = Profile::load("sglang").unwrap();
         assert_eq!((sglang.name.as_str(), sglang.extends.as_deref()), ("sglang", Some("built-in profile `nixl`")));
-        let of = |p: &Profile, name: &str| -> Vec<ProbeSpec> { p.probes.iter().filter(|p| p.symbol.contains(name)).cloned().collect() };
+        let of = |p: &Profile, name: &str| -> Vec<ProbeSpec> {
+            p.probes.iter().filter(|p| p.symbol.contains(name)).cloned().collect()
+        };
         let releases = |p: &Profile| of(p, "releaseXferReq");
         // Every other probe is nixl's own, from nixl's file.
         let others = |p: &Profile| -> Vec<ProbeSpec> {
-            p.probes.iter().filter(|p| !p.symbol.contains("releaseXferReq") && !p.symbol.contains("postXferReq")).cloned().collect()
+            p.probes
+                .iter()
+                .filter(|p| !p.symbol.contains("releaseXferReq") && !p.symbol.contains("postXferReq"))
+                .cloned()
+                .collect()
         };
         assert_eq!(others(&sglang), others(&nixl));
         assert!(others(&sglang).iter().all(|p| &*p.origin == "built-in profile `nixl`"));
@@ -1340,7 +1367,9 @@ mod tests {
             .into_iter()
             .map(|p| ProbeSpec { quiet: false, ends: p.at == At::Return, ..p })
             .collect();
-        let without_place = |p: Vec<ProbeSpec>| -> Vec<ProbeSpec> { p.into_iter().map(|p| ProbeSpec { origin: "".into(), line: 0, ..p }).collect() };
+        let without_place = |p: Vec<ProbeSpec>| -> Vec<ProbeSpec> {
+            p.into_iter().map(|p| ProbeSpec { origin: "".into(), line: 0, ..p }).collect()
+        };
         assert!(of(&nixl, "postXferReq").iter().all(|p| p.quiet), "nixl's posts are quiet");
         assert_eq!(without_place(of(&sglang, "postXferReq")), without_place(posts));
         assert_eq!((sglang.complete_at, nixl.complete_at), (CompleteAt::TransferDone, CompleteAt::Released));
@@ -1351,9 +1380,15 @@ mod tests {
         assert_eq!((release.at, &*release.origin), (At::Return, "built-in profile `sglang`"));
         // Only NIXL_SUCCESS is a release; the handle is the argument saved at entry.
         let cfg = release.slot_config();
-        assert_eq!(cfg.flags & (slot_flags::RETURN | slot_flags::NEEDS_ARGS | slot_flags::RET_I32), slot_flags::RETURN | slot_flags::NEEDS_ARGS | slot_flags::RET_I32);
+        assert_eq!(
+            cfg.flags & (slot_flags::RETURN | slot_flags::NEEDS_ARGS | slot_flags::RET_I32),
+            slot_flags::RETURN | slot_flags::NEEDS_ARGS | slot_flags::RET_I32
+        );
         assert_eq!((cfg.key.base, cfg.key.index, cfg.nargs), (base::ARG, 1, 2));
-        assert_eq!((cfg.rules[0].op, cfg.rules[0].value, cfg.rules[0].stage), (cmp::EQ, 0, stallwatch_common::stage::RELEASED));
+        assert_eq!(
+            (cfg.rules[0].op, cfg.rules[0].value, cfg.rules[0].stage),
+            (cmp::EQ, 0, stallwatch_common::stage::RELEASED)
+        );
         assert_eq!(cfg.rules[1].op, cmp::NONE, "a failed release (e.g. -7) emits nothing");
         assert_eq!(releases(&nixl)[0].at, At::Entry);
     }
@@ -1373,14 +1408,19 @@ mod tests {
         dir
     }
 
-    const ENTRY_F: &str = "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n\n";
-    const RETURN_F: &str = "[[probe]]\nsymbol = \"f\"\nat = \"return\"\nkey = { from = \"arg0\" }\nevent = \"transfer_done\"\n\n";
-    const ENTRY_G: &str = "[[probe]]\nsymbol = \"g\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg0\" }\n\n";
+    const ENTRY_F: &str =
+        "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n\n";
+    const RETURN_F: &str =
+        "[[probe]]\nsymbol = \"f\"\nat = \"return\"\nkey = { from = \"arg0\" }\nevent = \"transfer_done\"\n\n";
+    const ENTRY_G: &str =
+        "[[probe]]\nsymbol = \"g\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg0\" }\n\n";
     const ACTIVITY_P: &str = "[[activity]]\nsymbol = \"p\"\nkind = \"progress\"\n\n";
 
     #[test]
     fn a_profile_extending_another_replaces_the_functions_it_probes_and_adds_the_rest() {
-        let base = format!("name = \"base\"\n{ENTRY_F}{RETURN_F}{ENTRY_G}{ACTIVITY_P}[status]\nat = {{ from = \"key\", add = 8 }}\ntype = \"i32\"\nvalues = [{{ when = \"== 0\", event = \"transfer_done\" }}]\n");
+        let base = format!(
+            "name = \"base\"\n{ENTRY_F}{RETURN_F}{ENTRY_G}{ACTIVITY_P}[status]\nat = {{ from = \"key\", add = 8 }}\ntype = \"i32\"\nvalues = [{{ when = \"== 0\", event = \"transfer_done\" }}]\n"
+        );
         let child = "extends = \"base.toml\"\nname = \"child\"\n\n[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"transfer_posted\"\nkey = { from = \"arg1\" }\n\n[[probe]]\nsymbol = \"h\"\nat = \"entry\"\nevent = \"aborted\"\nkey = { from = \"arg0\" }\n\n[[activity]]\nsymbol = \"p\"\nkind = \"post\"\n";
         let dir = profile_dir(&[("base.toml", &base), ("child.toml", child)]);
         let path = dir.join("child.toml");
@@ -1391,9 +1431,26 @@ mod tests {
         let probes: Vec<(&str, Stage, usize, bool)> = profile
             .probes
             .iter()
-            .map(|p| (p.symbol.as_str(), match p.action { Action::Always(stage) => stage, Action::OnReturn(_) => unreachable!() }, p.line, *p.origin == *base_origin))
+            .map(|p| {
+                (
+                    p.symbol.as_str(),
+                    match p.action {
+                        Action::Always(stage) => stage,
+                        Action::OnReturn(_) => unreachable!(),
+                    },
+                    p.line,
+                    *p.origin == *base_origin,
+                )
+            })
             .collect();
-        assert_eq!(probes, [("g", Stage::Released, 14, true), ("f", Stage::TransferPosted, 4, false), ("h", Stage::Aborted, 10, false)]);
+        assert_eq!(
+            probes,
+            [
+                ("g", Stage::Released, 14, true),
+                ("f", Stage::TransferPosted, 4, false),
+                ("h", Stage::Aborted, 10, false)
+            ]
+        );
         assert_eq!(profile.activity.iter().map(|a| (a.kind, a.line)).collect::<Vec<_>>(), [(ActivityKind::Post, 16)]);
         assert_eq!(profile.status.as_ref().map(|s| (&*s.origin, s.line)), Some((base_origin.as_str(), 24)));
         // A profile of nothing but `extends` is its base.
@@ -1411,18 +1468,29 @@ mod tests {
 
     #[test]
     fn complete_at_ends_lifecycles_at_transfer_done_per_probe_and_is_inherited() {
-        let profile = |top: &str, body: &str| format!("{top}{ENTRY_F}[[probe]]\nsymbol = \"g\"\nat = \"return\"\nret = \"i32\"\nkey = {{ from = \"arg0\" }}\non_return = [\n{body}]\n");
-        let done_or_failed = "  { when = \"== 0\", event = \"transfer_done\" },\n  { when = \"< 0\", event = \"failed\" },\n";
-        let lazy = Profile::parse(&profile("complete_at = \"transfer_done\"\n", done_or_failed), "p.toml").expect("valid");
+        let profile = |top: &str, body: &str| {
+            format!(
+                "{top}{ENTRY_F}[[probe]]\nsymbol = \"g\"\nat = \"return\"\nret = \"i32\"\nkey = {{ from = \"arg0\" }}\non_return = [\n{body}]\n"
+            )
+        };
+        let done_or_failed =
+            "  { when = \"== 0\", event = \"transfer_done\" },\n  { when = \"< 0\", event = \"failed\" },\n";
+        let lazy =
+            Profile::parse(&profile("complete_at = \"transfer_done\"\n", done_or_failed), "p.toml").expect("valid");
         let flags: Vec<bool> = lazy.probes.iter().map(|p| p.slot_config().flags & slot_flags::ENDS != 0).collect();
         assert_eq!((lazy.complete_at, flags), (CompleteAt::TransferDone, vec![false, true]));
         let eager = Profile::parse(&profile("complete_at = \"released\"\n", done_or_failed), "p.toml").expect("valid");
         assert!(eager.probes.iter().all(|p| p.slot_config().flags & slot_flags::ENDS == 0));
         assert_eq!(Profile::parse(&profile("", done_or_failed), "p.toml").unwrap().complete_at, CompleteAt::Released);
         // Rules that pick done and another live stage cannot end per probe.
-        let mixed = "  { when = \"== 0\", event = \"transfer_done\" },\n  { when = \"== 1\", event = \"transfer_posted\" },\n";
+        let mixed =
+            "  { when = \"== 0\", event = \"transfer_done\" },\n  { when = \"== 1\", event = \"transfer_posted\" },\n";
         let err = error_of(&profile("complete_at = \"transfer_done\"\n", mixed));
-        assert!(err.contains("line 8 ([[probe]] for `g`): its rules pick both transfer_done") && err.contains("split the rules"), "{err}");
+        assert!(
+            err.contains("line 8 ([[probe]] for `g`): its rules pick both transfer_done")
+                && err.contains("split the rules"),
+            "{err}"
+        );
         Profile::parse(&profile("", mixed), "p.toml").expect("fine where done is not complete");
         let err = error_of(&profile("\ncomplete_at = \"done\"\n", done_or_failed));
         assert!(err.contains("p.toml, line 2: `complete_at = \"done\"`: expected \"released\""), "{err}");
@@ -1451,12 +1519,26 @@ mod tests {
         ]);
         let err = |name: &str| format!("{:#}", Profile::load(dir.join(name).to_str().unwrap()).unwrap_err());
         let missing = err("missing.toml");
-        assert!(missing.contains("missing.toml, line 3 (`extends = \"nowhere.toml\"`)") && missing.contains("no built-in profile named `nowhere.toml`") && missing.contains("built-ins are demo, nixl"), "{missing}");
+        assert!(
+            missing.contains("missing.toml, line 3 (`extends = \"nowhere.toml\"`)")
+                && missing.contains("no built-in profile named `nowhere.toml`")
+                && missing.contains("built-ins are demo, nixl"),
+            "{missing}"
+        );
         let looped = err("a.toml");
-        assert!(looped.contains("extend one another in a loop") && looped.contains("a.toml -> ") && looped.contains("b.toml -> "), "{looped}");
+        assert!(
+            looped.contains("extend one another in a loop")
+                && looped.contains("a.toml -> ")
+                && looped.contains("b.toml -> "),
+            "{looped}"
+        );
         // An error in the base names the base's own line, under the line that extends it.
         let broken = err("on-broken.toml");
-        assert!(broken.contains("on-broken.toml, line 1 (`extends = \"broken.toml\"`)") && broken.contains("broken.toml, line 1 ([[probe]] for `f`): no lifecycle event"), "{broken}");
+        assert!(
+            broken.contains("on-broken.toml, line 1 (`extends = \"broken.toml\"`)")
+                && broken.contains("broken.toml, line 1 ([[probe]] for `f`): no lifecycle event"),
+            "{broken}"
+        );
         // Probes of one file still may not both emit for one call.
         let twice = err("twice.toml");
         assert!(twice.contains("twice.toml, line 8 ([[probe]] for `f`): the [[probe]] on line 2"), "{twice}");
@@ -1472,9 +1554,19 @@ mod tests {
         // No probe suppresses repeats: the polled function is not probed.
         assert!(profile.probes.iter().all(|p| !p.only_on_change));
         let status = profile.status.as_ref().expect("[status]");
-        assert_eq!((status.at.from, &status.at.deref[..], status.at.add, status.value), (From::Key, &[][..], 184, RetType::I32));
+        assert_eq!(
+            (status.at.from, &status.at.deref[..], status.at.add, status.value),
+            (From::Key, &[][..], 184, RetType::I32)
+        );
         // NIXL's status codes, as 1.5.1 keeps them in the handle.
-        for (value, stage) in [(1, Some(Stage::TransferPosted)), (0, Some(Stage::TransferDone)), (-1, Some(Stage::Enqueued)), (-10, Some(Stage::Failed)), (-3, Some(Stage::Failed)), (2, None)] {
+        for (value, stage) in [
+            (1, Some(Stage::TransferPosted)),
+            (0, Some(Stage::TransferDone)),
+            (-1, Some(Stage::Enqueued)),
+            (-10, Some(Stage::Failed)),
+            (-3, Some(Stage::Failed)),
+            (2, None),
+        ] {
             assert_eq!(status.stage_of(value), stage, "status {value}");
         }
     }
@@ -1484,11 +1576,7 @@ mod tests {
     #[test]
     fn the_nixl_release_reads_the_status_at_its_entry_and_an_error_is_failed() {
         let profile = Profile::load("nixl").unwrap();
-        let release = profile
-            .probes
-            .iter()
-            .find(|p| p.symbol.contains("releaseXferReq"))
-            .unwrap();
+        let release = profile.probes.iter().find(|p| p.symbol.contains("releaseXferReq")).unwrap();
         let cfg = release.slot_config();
         assert_eq!(
             cfg.flags & (slot_flags::ENTRY_VALUE | slot_flags::RET_I32 | slot_flags::RETURN),
@@ -1496,48 +1584,23 @@ mod tests {
         );
         assert_eq!(cfg.stage, stallwatch_common::stage::RELEASED);
         // One read: the i32 at handle + 184.
-        assert_eq!(
-            (
-                cfg.value.base,
-                cfg.value.depth,
-                cfg.value.offsets[0],
-                cfg.value.add
-            ),
-            (base::KEY, 1, 184, 0)
-        );
+        assert_eq!((cfg.value.base, cfg.value.depth, cfg.value.offsets[0], cfg.value.add), (base::KEY, 1, 184, 0));
         assert_eq!(
             (cfg.rules[0].op, cfg.rules[0].value, cfg.rules[0].stage),
             (cmp::LT, -1, stallwatch_common::stage::FAILED)
         );
         assert_eq!(cfg.rules[1].op, cmp::NONE, "only the terminal rule");
         // No other nixl probe reads it.
-        assert_eq!(
-            profile
-                .probes
-                .iter()
-                .filter(|p| p.slot_config().flags & slot_flags::ENTRY_VALUE != 0)
-                .count(),
-            1
-        );
+        assert_eq!(profile.probes.iter().filter(|p| p.slot_config().flags & slot_flags::ENTRY_VALUE != 0).count(), 1);
         // Behind a pointer: the chain, then the value's own offset.
         let text = "[[probe]]\nsymbol = \"rel\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg0\" }\nread_status = true\n\n\
                     [status]\nat = { from = \"key\", deref = [8], add = 4 }\ntype = \"i64\"\nvalues = [\n  { when = \"== 1\", event = \"transfer_posted\" },\n  \
                     { when = \"< 0\", event = \"failed\" },\n  { when = \"== 9\", event = \"aborted\" },\n]\n";
         let cfg = Profile::parse(text, "p.toml").unwrap().probes[0].slot_config();
-        assert_eq!(
-            (
-                cfg.value.depth,
-                &cfg.value.offsets[..2],
-                cfg.flags & slot_flags::RET_I32
-            ),
-            (2, &[8, 4][..], 0)
-        );
+        assert_eq!((cfg.value.depth, &cfg.value.offsets[..2], cfg.flags & slot_flags::RET_I32), (2, &[8, 4][..], 0));
         assert_eq!(
             (cfg.rules[0].stage, cfg.rules[1].stage),
-            (
-                stallwatch_common::stage::FAILED,
-                stallwatch_common::stage::ABORTED
-            )
+            (stallwatch_common::stage::FAILED, stallwatch_common::stage::ABORTED)
         );
     }
 
@@ -1553,7 +1616,9 @@ mod tests {
         assert_eq!(Profile::load("sglang").unwrap().layout.as_ref(), Some(layout), "inherited");
         let off = nixl.without_offsets();
         assert!(off.probes.iter().all(|p| p.external_id.is_none() && p.entry_status.is_none()));
-        assert!(off.probes.iter().all(|p| p.slot_config().flags & (slot_flags::HAS_EXT | slot_flags::ENTRY_VALUE) == 0));
+        assert!(
+            off.probes.iter().all(|p| p.slot_config().flags & (slot_flags::HAS_EXT | slot_flags::ENTRY_VALUE) == 0)
+        );
         assert_eq!(off.probes.len(), nixl.probes.len(), "every lifecycle point stays");
         // sglang's dlist signal reads NIXL's own class: gone; the others stay.
         let sglang = Profile::load("sglang").unwrap();
@@ -1563,7 +1628,8 @@ mod tests {
         kept.retain(|name| name != "nixl_dlist_remote_agent");
         assert_eq!(names(&sglang.without_offsets()), kept);
         let text = |layout: &str| format!("extends = \"nixl\"\n[layout]\n{layout}");
-        let own = Profile::parse(&text("object = \"libnixl.so\"\nbuild_ids = [\"AB01\"]\nchecked = \"x\"\n"), "p.toml").unwrap();
+        let own = Profile::parse(&text("object = \"libnixl.so\"\nbuild_ids = [\"AB01\"]\nchecked = \"x\"\n"), "p.toml")
+            .unwrap();
         assert_eq!(own.layout.expect("own").build_ids, ["ab01"]);
         let err = error_of(&text("object = \"libnixl.so\"\nbuild_ids = [\"xyz\"]\nchecked = \"x\"\n"));
         assert!(err.contains("([layout]): build id \"xyz\" is not hex bytes") && err.contains("readelf -n"), "{err}");
@@ -1579,9 +1645,7 @@ mod tests {
             )
         };
         let status = |values: &str| {
-            format!(
-                "[status]\nat = {{ from = \"key\", add = 8 }}\ntype = \"i32\"\nvalues = [\n{values}]\n"
-            )
+            format!("[status]\nat = {{ from = \"key\", add = 8 }}\ntype = \"i32\"\nvalues = [\n{values}]\n")
         };
         let failed = "  { when = \"< 0\", event = \"failed\" },\n";
         let released = "event = \"released\"\n";
@@ -1589,10 +1653,7 @@ mod tests {
         assert!(err.contains("has none: add one"), "{err}");
         let err = error_of(&format!(
             "{}{}",
-            probe(
-                "return",
-                "on_return = [{ when = \"== 0\", event = \"released\" }]\n"
-            ),
+            probe("return", "on_return = [{ when = \"== 0\", event = \"released\" }]\n"),
             status(failed)
         ));
         assert!(err.contains("needs `at = \"entry\"`"), "{err}");
@@ -1604,21 +1665,16 @@ mod tests {
         assert!(err.contains("has 0 rules for a terminal event"), "{err}");
         let overlap = "  { when = \"== -1\", event = \"enqueued\" },\n  { when = \"< 0\", event = \"failed\" },\n";
         let err = error_of(&format!("{}{}", probe("entry", released), status(overlap)));
-        assert!(
-            err.contains("takes values an earlier rule takes first"),
-            "{err}"
-        );
-        Profile::parse(
-            &format!("{}{}", probe("entry", released), status(failed)),
-            "p.toml",
-        )
-        .expect("valid");
+        assert!(err.contains("takes values an earlier rule takes first"), "{err}");
+        Profile::parse(&format!("{}{}", probe("entry", released), status(failed)), "p.toml").expect("valid");
     }
 
     #[test]
     fn invalid_status_tables_name_their_line_and_the_fix() {
         let probe = "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n\n";
-        let status = |at: &str, ty: &str, values: &str| format!("{probe}[status]\nat = {at}\ntype = \"{ty}\"\nvalues = [\n{values}]\n");
+        let status = |at: &str, ty: &str, values: &str| {
+            format!("{probe}[status]\nat = {at}\ntype = \"{ty}\"\nvalues = [\n{values}]\n")
+        };
         let done = "  { when = \"== 0\", event = \"transfer_done\" },\n";
         Profile::parse(&status("{ from = \"key\", add = 184 }", "i32", done), "p.toml").expect("valid");
         Profile::parse(&status("{ from = \"key\", deref = [8], add = 4 }", "i64", done), "p.toml").expect("valid");
@@ -1630,13 +1686,26 @@ mod tests {
         assert!(err.contains("u7"), "{err}");
         let err = error_of(&status("{ from = \"key\", add = 8 }", "i32", ""));
         assert!(err.contains("line 7 ([status]): `values` takes 1 to 16 rules, found 0"), "{err}");
-        let err = error_of(&status("{ from = \"key\", add = 8 }", "i32", "  { when = \"== 5000000000\", event = \"failed\" },\n"));
+        let err = error_of(&status(
+            "{ from = \"key\", add = 8 }",
+            "i32",
+            "  { when = \"== 5000000000\", event = \"failed\" },\n",
+        ));
         assert!(err.contains("line 7 ([status]): `when = \"== 5000000000\"` (line 11) never holds"), "{err}");
-        let err = error_of(&status("{ from = \"key\", add = 8 }", "i32", "  { when = \"< 0\", event = \"failed\" },\n  { when = \"== -1\", event = \"enqueued\" },\n"));
+        let err = error_of(&status(
+            "{ from = \"key\", add = 8 }",
+            "i32",
+            "  { when = \"< 0\", event = \"failed\" },\n  { when = \"== -1\", event = \"enqueued\" },\n",
+        ));
         assert!(err.contains("`when = \"== -1\"` (line 12) never picks its event"), "{err}");
-        let err = error_of(&status("{ from = \"key\", add = 8 }", "i32", "  { when = \"== 2\", event = \"released\" },\n"));
-        assert!(err.contains("line 7 ([status]): `event = \"released\"`") && err.contains("no longer its own"), "{err}");
-        let err = error_of(&status("{ from = \"key\", add = 8 }", "i32", "  { when = \"== 2\", event = \"finished\" },\n"));
+        let err =
+            error_of(&status("{ from = \"key\", add = 8 }", "i32", "  { when = \"== 2\", event = \"released\" },\n"));
+        assert!(
+            err.contains("line 7 ([status]): `event = \"released\"`") && err.contains("no longer its own"),
+            "{err}"
+        );
+        let err =
+            error_of(&status("{ from = \"key\", add = 8 }", "i32", "  { when = \"== 2\", event = \"finished\" },\n"));
         assert!(err.contains("unknown lifecycle event \"finished\""), "{err}");
         let err = error_of(&format!("{}colour = 1\n", status("{ from = \"key\", add = 8 }", "i32", done)));
         assert!(err.contains("colour"), "{err}");
@@ -1656,7 +1725,8 @@ mod tests {
         assert_eq!(cfg.stage, stallwatch_common::stage::RELEASED);
     }
 
-    const ONE_PROBE: &str = "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg0\" }\n";
+    const ONE_PROBE: &str =
+        "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg0\" }\n";
 
     #[test]
     fn signals_lower_to_untracked_slots_reading_their_value_and_capture() {
@@ -1670,7 +1740,11 @@ mod tests {
         assert_eq!((frame.name.as_str(), frame.line, frame.object.as_deref()), ("frame", 7, Some("libzmq.so")));
         let cfg = frame.slot_config();
         assert_eq!(cfg.stage, stage::SIGNAL);
-        let want = slot_flags::RETURN | slot_flags::NEEDS_ARGS | slot_flags::HAS_EXT | slot_flags::EXT_BYTES | slot_flags::CONFIGURED;
+        let want = slot_flags::RETURN
+            | slot_flags::NEEDS_ARGS
+            | slot_flags::HAS_EXT
+            | slot_flags::EXT_BYTES
+            | slot_flags::CONFIGURED;
         assert_eq!((cfg.flags, cfg.nargs), (want, 1));
         assert_eq!((cfg.key.base, cfg.ext.base), (base::ARG, base::RET));
         let cfg = peer.slot_config();
@@ -1683,13 +1757,17 @@ mod tests {
         let signal = |body: &str| format!("{ONE_PROBE}[[signal]]\nname = \"s\"\nsymbol = \"g\"\n{body}");
         let err = error_of(&signal("at = \"entry\"\nvalue = { from = \"ret\" }\n"));
         assert!(err.contains("line 6 ([[signal]] `s`): `value.from = \"ret\"` needs `at = \"return\"`"), "{err}");
-        let err = error_of(&signal("at = \"return\"\nvalue = { from = \"ret\" }\ntext = { from = \"ret\" }\nbytes = { from = \"ret\" }\n"));
+        let err = error_of(&signal(
+            "at = \"return\"\nvalue = { from = \"ret\" }\ntext = { from = \"ret\" }\nbytes = { from = \"ret\" }\n",
+        ));
         assert!(err.contains("either `text`") && err.contains("line 6"), "{err}");
         let err = error_of(&signal("at = \"entry\"\nret = \"i32\"\nvalue = { from = \"arg0\" }\n"));
         assert!(err.contains("`ret` describes a return value"), "{err}");
         let err = error_of(&signal("at = \"entry\"\n"));
         assert!(err.contains("value"), "{err}");
-        let err = error_of(&format!("{ONE_PROBE}[[signal]]\nname = \" \"\nsymbol = \"g\"\nat = \"entry\"\nvalue = {{ from = \"arg0\" }}\n"));
+        let err = error_of(&format!(
+            "{ONE_PROBE}[[signal]]\nname = \" \"\nsymbol = \"g\"\nat = \"entry\"\nvalue = {{ from = \"arg0\" }}\n"
+        ));
         assert!(err.contains("`name` is empty"), "{err}");
         let twice = signal("at = \"entry\"\nvalue = { from = \"arg0\" }\n");
         let err = error_of(&format!("{twice}{}", twice.trim_start_matches(ONE_PROBE)));
@@ -1705,8 +1783,11 @@ mod tests {
                  value = {{ from = \"arg0\" }}\n{extra}\n"
             )
         };
-        let profile = Profile::parse(&signal("bytes = { from = \"ret\" }\nmsgpack = { element = 27, tag = \"TokenizedGenerateReqInput\" }"), "p.toml")
-            .expect("valid");
+        let profile = Profile::parse(
+            &signal("bytes = { from = \"ret\" }\nmsgpack = { element = 27, tag = \"TokenizedGenerateReqInput\" }"),
+            "p.toml",
+        )
+        .expect("valid");
         let cfg = profile.signals[0].slot_config();
         assert_ne!(cfg.flags & slot_flags::EXT_MSGPACK, 0);
         assert_eq!((cfg.msgpack.element, cfg.msgpack.tag_len), (27, 25));
@@ -1714,7 +1795,10 @@ mod tests {
         let error_of = |text: &str| Profile::parse(text, "p.toml").unwrap_err().to_string();
         let err = error_of(&signal("text = { from = \"ret\" }\nmsgpack = { element = 1 }"));
         assert!(err.contains("line 6 ([[signal]] `room`)") && err.contains("give `bytes` too"), "{err}");
-        let err = error_of(&signal(&format!("bytes = {{ from = \"ret\" }}\nmsgpack = {{ element = 1, tag = \"{}\" }}", "t".repeat(33))));
+        let err = error_of(&signal(&format!(
+            "bytes = {{ from = \"ret\" }}\nmsgpack = {{ element = 1, tag = \"{}\" }}",
+            "t".repeat(33)
+        )));
         assert!(err.contains("`msgpack.tag` is 33 bytes; at most 32"), "{err}");
         let err = error_of(&signal("bytes = { from = \"ret\" }\nmsgpack = { element = 512 }"));
         assert!(err.contains("`msgpack.element = 512` is past what the kernel walks"), "{err}");
@@ -1734,77 +1818,135 @@ mod tests {
 
     #[test]
     fn invalid_probes_name_the_line_and_the_fix() {
-        let err = error_of("[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"ret\" }\nevent = \"enqueued\"\n");
+        let err =
+            error_of("[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"ret\" }\nevent = \"enqueued\"\n");
         assert!(err.contains("line 1") && err.contains("needs `at = \"return\"`"), "{err}");
-        let err = error_of("[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\" }\non_return = [{ when = \"== 0\", event = \"released\" }]\n");
+        let err = error_of(
+            "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\" }\non_return = [{ when = \"== 0\", event = \"released\" }]\n",
+        );
         assert!(err.contains("`on_return` needs `at = \"return\"`"), "{err}");
-        let err = error_of("[[probe]]\nsymbol = \"f\"\nat = \"return\"\nkey = { from = \"arg10\" }\nevent = \"released\"\n");
+        let err =
+            error_of("[[probe]]\nsymbol = \"f\"\nat = \"return\"\nkey = { from = \"arg10\" }\nevent = \"released\"\n");
         assert!(err.contains("expected \"arg0\" .. \"arg9\""), "{err}");
-        let err = error_of("[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\", deref = [1, 2, 3, 4, 5] }\nevent = \"released\"\n");
+        let err = error_of(
+            "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\", deref = [1, 2, 3, 4, 5] }\nevent = \"released\"\n",
+        );
         assert!(err.contains("at most 4"), "{err}");
         let err = error_of("[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\" }\n");
         assert!(err.contains("no lifecycle event"), "{err}");
         let err = error_of("name = \"x\"\n");
         assert!(err.contains("no [[probe]] tables"), "{err}");
-        let err = error_of("[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\" }\nevent = \"released\"\ncolour = 1\n");
+        let err = error_of(
+            "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\" }\nevent = \"released\"\ncolour = 1\n",
+        );
         assert!(err.contains("colour"), "{err}");
     }
 
     #[test]
     fn rules_that_can_never_pick_their_event_are_refused_with_their_line() {
         let probe = |ret: &str, rules: &str| {
-            format!("[[probe]]\nsymbol = \"f\"\nat = \"return\"\nret = \"{ret}\"\nkey = {{ from = \"arg0\" }}\non_return = [\n{rules}]\n")
+            format!(
+                "[[probe]]\nsymbol = \"f\"\nat = \"return\"\nret = \"{ret}\"\nkey = {{ from = \"arg0\" }}\non_return = [\n{rules}]\n"
+            )
         };
         let err = error_of(&probe("i32", "  { when = \"== 99999999999999\", event = \"transfer_done\" },\n"));
-        assert!(err.contains("line 1 ([[probe]] for `f`)") && err.contains("`when = \"== 99999999999999\"` (line 7) never holds"), "{err}");
+        assert!(
+            err.contains("line 1 ([[probe]] for `f`)")
+                && err.contains("`when = \"== 99999999999999\"` (line 7) never holds"),
+            "{err}"
+        );
         assert!(err.contains("between -2147483648 and 2147483647"), "{err}");
         // The same value is a fine 64-bit return.
-        Profile::parse(&probe("i64", "  { when = \"== 99999999999999\", event = \"transfer_done\" },\n"), "p.toml").expect("valid");
-        let err = error_of(&probe("i32", "  { when = \"< 0\", event = \"failed\" },\n  { when = \"== -3\", event = \"aborted\" },\n"));
+        Profile::parse(&probe("i64", "  { when = \"== 99999999999999\", event = \"transfer_done\" },\n"), "p.toml")
+            .expect("valid");
+        let err = error_of(&probe(
+            "i32",
+            "  { when = \"< 0\", event = \"failed\" },\n  { when = \"== -3\", event = \"aborted\" },\n",
+        ));
         assert!(err.contains("`when = \"== -3\"` (line 8) never picks its event"), "{err}");
-        let err = error_of(&probe("i64", "  { when = \"!= 7\", event = \"failed\" },\n  { when = \"== 3\", event = \"transfer_done\" },\n"));
+        let err = error_of(&probe(
+            "i64",
+            "  { when = \"!= 7\", event = \"failed\" },\n  { when = \"== 3\", event = \"transfer_done\" },\n",
+        ));
         assert!(err.contains("`when = \"== 3\"` (line 8) never picks its event"), "{err}");
-        Profile::parse(&probe("i32", "  { when = \"== 0\", event = \"transfer_done\" },\n  { when = \"< 0\", event = \"failed\" },\n"), "p.toml").expect("valid");
+        Profile::parse(
+            &probe(
+                "i32",
+                "  { when = \"== 0\", event = \"transfer_done\" },\n  { when = \"< 0\", event = \"failed\" },\n",
+            ),
+            "p.toml",
+        )
+        .expect("valid");
     }
 
     #[test]
     fn two_probes_emitting_for_one_call_are_refused_naming_both_lines() {
         let entry = |symbol: &str, event: &str, key: &str| {
-            format!("[[probe]]\nsymbol = \"{symbol}\"\nat = \"entry\"\nevent = \"{event}\"\nkey = {{ from = \"{key}\" }}\n\n")
+            format!(
+                "[[probe]]\nsymbol = \"{symbol}\"\nat = \"entry\"\nevent = \"{event}\"\nkey = {{ from = \"{key}\" }}\n\n"
+            )
         };
-        let err = error_of(&(entry("f", "enqueued", "arg0") + &entry("g", "released", "arg0") + &entry("f", "released", "arg0")));
-        assert!(err.contains("line 13 ([[probe]] for `f`): the [[probe]] on line 1 probes the same function's entry"), "{err}");
+        let err = error_of(
+            &(entry("f", "enqueued", "arg0") + &entry("g", "released", "arg0") + &entry("f", "released", "arg0")),
+        );
+        assert!(
+            err.contains("line 13 ([[probe]] for `f`): the [[probe]] on line 1 probes the same function's entry"),
+            "{err}"
+        );
         // Another key, or another end of the function, is another lifecycle point.
         Profile::parse(&(entry("f", "enqueued", "arg0") + &entry("f", "released", "arg1")), "p.toml").expect("valid");
         let ret = |rules: &str, ret: &str| {
-            format!("[[probe]]\nsymbol = \"f\"\nat = \"return\"\nret = \"{ret}\"\nkey = {{ from = \"arg0\" }}\non_return = [{rules}]\n\n")
+            format!(
+                "[[probe]]\nsymbol = \"f\"\nat = \"return\"\nret = \"{ret}\"\nkey = {{ from = \"arg0\" }}\non_return = [{rules}]\n\n"
+            )
         };
-        let split = ret("{ when = \"== 0\", event = \"transfer_done\" }, { when = \"== 1\", event = \"aborted\" }", "i32")
-            + &ret("{ when = \"< 0\", event = \"failed\" }", "i32");
+        let split =
+            ret("{ when = \"== 0\", event = \"transfer_done\" }, { when = \"== 1\", event = \"aborted\" }", "i32")
+                + &ret("{ when = \"< 0\", event = \"failed\" }", "i32");
         Profile::parse(&(entry("f", "enqueued", "arg0") + &split), "p.toml").expect("rules split over two probes");
-        let overlap = ret("{ when = \"<= 0\", event = \"transfer_done\" }", "i32") + &ret("{ when = \"< 0\", event = \"failed\" }", "i32");
+        let overlap = ret("{ when = \"<= 0\", event = \"transfer_done\" }", "i32")
+            + &ret("{ when = \"< 0\", event = \"failed\" }", "i32");
         assert!(error_of(&overlap).contains("both would emit for one call"));
-        let types = ret("{ when = \"== 0\", event = \"transfer_done\" }", "i32") + &ret("{ when = \"< 0\", event = \"failed\" }", "i64");
+        let types = ret("{ when = \"== 0\", event = \"transfer_done\" }", "i32")
+            + &ret("{ when = \"< 0\", event = \"failed\" }", "i64");
         assert!(error_of(&types).contains("one function returns one type"), "{}", error_of(&types));
-        let activity = "[[activity]]\nsymbol = \"p\"\nkind = \"progress\"\n\n[[activity]]\nsymbol = \"p\"\nkind = \"post\"\n";
+        let activity =
+            "[[activity]]\nsymbol = \"p\"\nkind = \"progress\"\n\n[[activity]]\nsymbol = \"p\"\nkind = \"post\"\n";
         let err = error_of(&(entry("f", "enqueued", "arg0") + activity));
-        assert!(err.contains("line 11 ([[activity]] for `p`): the [[activity]] on line 7 counts the same function"), "{err}");
+        assert!(
+            err.contains("line 11 ([[activity]] for `p`): the [[activity]] on line 7 counts the same function"),
+            "{err}"
+        );
     }
 
     #[test]
     fn an_external_id_at_the_key_itself_is_refused() {
         let with_ext = |key: &str, ret: &str, ext: &str| {
-            format!("[[probe]]\nsymbol = \"f\"\nat = \"return\"\nret = \"{ret}\"\nkey = {key}\nevent = \"enqueued\"\nexternal_id = {ext}\n")
+            format!(
+                "[[probe]]\nsymbol = \"f\"\nat = \"return\"\nret = \"{ret}\"\nkey = {key}\nevent = \"enqueued\"\nexternal_id = {ext}\n"
+            )
         };
         let err = error_of(&with_ext("{ from = \"arg0\", deref = [0] }", "i64", "{ from = \"key\" }"));
-        assert!(err.contains("line 1 ([[probe]] for `f`): `external_id = { from = \"key\" }` would read at the address the key holds"), "{err}");
+        assert!(
+            err.contains(
+                "line 1 ([[probe]] for `f`): `external_id = { from = \"key\" }` would read at the address the key holds"
+            ),
+            "{err}"
+        );
         let err = error_of(&with_ext("{ from = \"arg0\" }", "i64", "{ from = \"arg1\", guard = { from = \"key\" } }"));
         assert!(err.contains("`external_id.guard = { from = \"key\" }`"), "{err}");
         let err = error_of(&with_ext("{ from = \"ret\" }", "i32", "{ from = \"key\", deref = [8] }"));
         assert!(err.contains("the key is a 32-bit return value"), "{err}");
         // Through the key, as the nixl profile reads its notification message.
-        Profile::parse(&with_ext("{ from = \"arg0\", deref = [0] }", "i64", "{ from = \"key\", deref = [144], guard = { from = \"key\", add = 176 } }"), "p.toml")
-            .expect("valid");
+        Profile::parse(
+            &with_ext(
+                "{ from = \"arg0\", deref = [0] }",
+                "i64",
+                "{ from = \"key\", deref = [144], guard = { from = \"key\", add = 176 } }",
+            ),
+            "p.toml",
+        )
+        .expect("valid");
     }
 
     #[test]

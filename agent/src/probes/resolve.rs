@@ -39,7 +39,9 @@ impl ProcessImage {
     pub fn read(pid: u32) -> Result<Self> {
         let proc_dir = PathBuf::from(format!("/proc/{pid}"));
         if !proc_dir.exists() {
-            bail!("no process with pid {pid} (check `ps -p {pid}`; with containers, run the agent in the host pid namespace)");
+            bail!(
+                "no process with pid {pid} (check `ps -p {pid}`; with containers, run the agent in the host pid namespace)"
+            );
         }
         let maps_path = proc_dir.join("maps");
         // Bytes: a path need not be UTF-8 (and must be opened as it is).
@@ -88,12 +90,8 @@ impl ProcessImage {
     }
 
     fn not_mapped(&self, name: &str) -> anyhow::Error {
-        let mut libs: Vec<_> = self
-            .mapped
-            .iter()
-            .filter_map(|p| p.file_name()?.to_str())
-            .filter(|n| n.contains(".so"))
-            .collect();
+        let mut libs: Vec<_> =
+            self.mapped.iter().filter_map(|p| p.file_name()?.to_str()).filter(|n| n.contains(".so")).collect();
         libs.sort_unstable();
         libs.dedup();
         anyhow!(
@@ -281,8 +279,7 @@ impl ElfFile {
     /// Look `symbol` up in `.symtab` and `.dynsym` (mangled names as they
     /// are in the file).
     pub fn resolve(&self, symbol: &str) -> Result<ResolvedSymbol> {
-        let file = object::File::parse(&*self.data)
-            .with_context(|| format!("parsing {}", self.path.display()))?;
+        let file = object::File::parse(&*self.data).with_context(|| format!("parsing {}", self.path.display()))?;
         let found = file
             .symbols()
             .chain(file.dynamic_symbols())
@@ -293,9 +290,8 @@ impl ElfFile {
         if sym.kind() != SymbolKind::Text {
             bail!("`{symbol}` in {} is a {:?} symbol, not a function", self.path.display(), sym.kind());
         }
-        let section_index = sym
-            .section_index()
-            .ok_or_else(|| anyhow!("`{symbol}` in {} has no section", self.path.display()))?;
+        let section_index =
+            sym.section_index().ok_or_else(|| anyhow!("`{symbol}` in {} has no section", self.path.display()))?;
         let section = file.section_by_index(section_index)?;
         let (section_offset, section_size) = section
             .file_range()
@@ -410,7 +406,8 @@ mod tests {
     #[test]
     fn a_build_id_is_read_as_readelf_prints_it() {
         // The C library every process here maps carries one.
-        let libc = ProcessImage::read(std::process::id()).expect("own image").find(Some("libc.so")).expect("libc mapped");
+        let libc =
+            ProcessImage::read(std::process::id()).expect("own image").find(Some("libc.so")).expect("libc mapped");
         let id = ElfFile::open(&libc.host_path).expect("libc").build_id().expect("parsed").expect("a build id");
         assert!(id.len() >= 16 && id.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()), "{id}");
     }
@@ -419,24 +416,16 @@ mod tests {
     /// kernel thread.
     #[test]
     fn a_zombie_is_named_as_such() {
-        let mut child = std::process::Command::new("true")
-            .spawn()
-            .expect("spawning true");
+        let mut child = std::process::Command::new("true").spawn().expect("spawning true");
         let pid = child.id();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while process_state(pid) != Some('Z') {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the child never became a zombie"
-            );
+            assert!(std::time::Instant::now() < deadline, "the child never became a zombie");
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         let err = format!("{:#}", ProcessImage::read(pid).expect_err("no image"));
         let _ = child.wait();
-        assert!(
-            err.contains(&format!("pid {pid} is a zombie")) && !err.contains("kernel thread"),
-            "{err}"
-        );
+        assert!(err.contains(&format!("pid {pid} is a zombie")) && !err.contains("kernel thread"), "{err}");
         assert!(process_state(std::process::id()).is_some_and(|state| state != 'Z'));
     }
 
@@ -470,7 +459,10 @@ mod tests {
         assert_eq!(image.find(Some("libnixl.so")).unwrap().path, PathBuf::from("/a/libnixl.so.0"));
         assert_eq!(image.find(None).unwrap().host_path, PathBuf::from("/proc/1/root/bin/x"));
         let wheel = ProcessImage { mapped: vec!["/w/nixl_cu12.libs/libucp-b39b3ed9.so.0.0.0".into()], ..image.clone() };
-        assert_eq!(wheel.find(Some("libucp.so")).unwrap().path, PathBuf::from("/w/nixl_cu12.libs/libucp-b39b3ed9.so.0.0.0"));
+        assert_eq!(
+            wheel.find(Some("libucp.so")).unwrap().path,
+            PathBuf::from("/w/nixl_cu12.libs/libucp-b39b3ed9.so.0.0.0")
+        );
         assert!(wheel.find(Some("libucp-b39b3ed9.so")).is_err(), "profiles name the library, not one build of it");
         let err = image.find(Some("libucx.so")).unwrap_err().to_string();
         assert!(err.contains("has no file `libucx.so` mapped"), "{err}");
@@ -505,7 +497,10 @@ mod tests {
     #[test]
     fn suggestions_are_bounded_work() {
         let names = ["prefill_enqueue", "prefill_release", "kv_transfer_post"];
-        assert_eq!(suggestions("prefill_enqueu", &names), Suggestions::Close(vec!["prefill_enqueue", "prefill_release"]));
+        assert_eq!(
+            suggestions("prefill_enqueu", &names),
+            Suggestions::Close(vec!["prefill_enqueue", "prefill_release"])
+        );
         assert_eq!(suggestions("transfer_post", &names), Suggestions::Close(vec!["kv_transfer_post"]));
         assert_eq!(suggestions(&"x".repeat(MAX_SUGGESTED_LEN + 1), &names), Suggestions::TooLong);
         // Only the first MAX_CANDIDATES names are looked at.

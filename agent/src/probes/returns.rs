@@ -109,6 +109,11 @@ mod tests {
         assert!(!left.intersects(&Values::held_by(&rule(cmp::EQ, -3), RetType::I32)));
         assert!(left.intersects(&Values::held_by(&rule(cmp::EQ, 0), RetType::I32)));
         let zero = Values::held_by(&rule(cmp::EQ, 0), RetType::I32);
-        assert!(!Values::held_by(&rule(cmp::GE, 0), RetType::I32).minus(&zero).minus(&Values::held_by(&rule(cmp::GT, 0), RetType::I32)).intersects(&Values::all(RetType::I32)));
+        assert!(
+            !Values::held_by(&rule(cmp::GE, 0), RetType::I32)
+                .minus(&zero)
+                .minus(&Values::held_by(&rule(cmp::GT, 0), RetType::I32))
+                .intersects(&Values::all(RetType::I32))
+        );
     }
 }

@@ -24,7 +24,8 @@ pub fn inflight(path: &Path, timeout: Duration) -> Result<(Inflight, Vec<u8>)> {
     let shown = path.display();
     let dir = server::socket_dir(path);
     // Missing: connecting says so.
-    TrustedDir::open(dir).with_context(|| format!("not asking {shown}: the query socket's directory {}", dir.display()))?;
+    TrustedDir::open(dir)
+        .with_context(|| format!("not asking {shown}: the query socket's directory {}", dir.display()))?;
     let mut stream = UnixStream::connect(path).map_err(|err| connect_error(path, err))?;
     stream.set_read_timeout(Some(timeout)).context("setting the socket's read timeout")?;
     stream.set_write_timeout(Some(timeout)).context("setting the socket's write timeout")?;
@@ -122,7 +123,9 @@ pub fn write_table(inflight: &Inflight, mut out: impl Write) -> std::io::Result<
                     let context = r.context.iter().map(|(name, value)| format!(" {name}={value}")).collect::<String>();
                     let context = if context.is_empty() { context } else { format!(" [{}]", &context[1..]) };
                     let cell = match (&r.class, &r.transport) {
-                        (Some(class), Some(transport)) => format!("{class}{context} ({}: {})", transport.verdict, transport.summary),
+                        (Some(class), Some(transport)) => {
+                            format!("{class}{context} ({}: {})", transport.verdict, transport.summary)
+                        }
                         (Some(class), None) => format!("{class}{context}"),
                         (None, _) => format!("-{context}"),
                     };
@@ -345,7 +348,10 @@ mod tests {
         let (_dir, path) = socket_path();
         let err = inflight(&path, Duration::from_secs(1)).expect_err("missing");
         let message = format!("{err:#}");
-        assert!(message.contains(&*path.to_string_lossy()) && message.contains("`stallwatch run` must be running"), "{message}");
+        assert!(
+            message.contains(&*path.to_string_lossy()) && message.contains("`stallwatch run` must be running"),
+            "{message}"
+        );
 
         drop(UnixListener::bind(&path).expect("bind"));
         let err = inflight(&path, Duration::from_secs(1)).expect_err("stale");
@@ -387,7 +393,17 @@ mod tests {
 
     #[test]
     fn durations_read_at_a_glance() {
-        let cases = [(0, "0ms"), (999, "999ms"), (1_000, "1.0s"), (12_340, "12.3s"), (59_999, "59.9s"), (60_000, "1m00s"), (3_599_000, "59m59s"), (3_600_000, "1h00m"), (90_061_000, "1d01h")];
+        let cases = [
+            (0, "0ms"),
+            (999, "999ms"),
+            (1_000, "1.0s"),
+            (12_340, "12.3s"),
+            (59_999, "59.9s"),
+            (60_000, "1m00s"),
+            (3_599_000, "59m59s"),
+            (3_600_000, "1h00m"),
+            (90_061_000, "1d01h"),
+        ];
         for (ms, text) in cases {
             assert_eq!(duration(ms), text, "{ms}");
         }

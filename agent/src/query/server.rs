@@ -60,8 +60,8 @@ impl QueryServer {
     pub fn bind(place: SocketPlace, clock: Clock) -> Result<Self> {
         let (listener, socket) = bind_socket(&place)?;
         let shown = place.shown.display();
-        let listener =
-            UnixListener::from_std(listener).with_context(|| format!("registering the query socket {shown} with the reactor"))?;
+        let listener = UnixListener::from_std(listener)
+            .with_context(|| format!("registering the query socket {shown} with the reactor"))?;
         let (tx, queries) = mpsc::channel(MAX_CONNECTIONS);
         tokio::spawn(accept(listener, tx));
         info!(socket = %shown, "serving `stallwatch inflight`");
@@ -116,7 +116,11 @@ impl QueryServer {
         let requests = snapshot.requests.len();
         // The client may have gone away meanwhile; nothing to do then.
         let _ = pending.reply.send(snapshot);
-        debug!(requests, loop_us = started.elapsed().as_micros() as u64, "inflight query: snapshot taken on the event loop");
+        debug!(
+            requests,
+            loop_us = started.elapsed().as_micros() as u64,
+            "inflight query: snapshot taken on the event loop"
+        );
     }
 }
 
@@ -151,7 +155,8 @@ async fn accept(listener: UnixListener, queries: mpsc::Sender<Pending>) {
 async fn serve(stream: UnixStream, queries: mpsc::Sender<Pending>) -> Result<()> {
     let (read, mut write) = stream.into_split();
     let mut line = Vec::new();
-    let read = tokio::time::timeout(QUERY_TIMEOUT, BufReader::new(read.take(MAX_QUERY)).read_until(b'\n', &mut line)).await;
+    let read =
+        tokio::time::timeout(QUERY_TIMEOUT, BufReader::new(read.take(MAX_QUERY)).read_until(b'\n', &mut line)).await;
     let answer = match read {
         Err(_) => wire::encode_error(&format!("no query within {QUERY_TIMEOUT:?}")),
         Ok(Err(err)) => return Err(err).context("reading the query"),
@@ -166,7 +171,11 @@ async fn serve(stream: UnixStream, queries: mpsc::Sender<Pending>) -> Result<()>
                     let answer = tokio::task::spawn_blocking(move || wire::encode(&snapshot.into_answer()))
                         .await
                         .context("encoding the answer")?;
-                    debug!(bytes = answer.len(), encode_us = started.elapsed().as_micros() as u64, "inflight query: answer encoded");
+                    debug!(
+                        bytes = answer.len(),
+                        encode_us = started.elapsed().as_micros() as u64,
+                        "inflight query: answer encoded"
+                    );
                     answer
                 }
             },
@@ -190,7 +199,8 @@ struct SocketFile {
 
 impl Drop for SocketFile {
     fn drop(&mut self) {
-        let ours = std::fs::symlink_metadata(&self.path).is_ok_and(|meta| meta.dev() == self.dev && meta.ino() == self.ino);
+        let ours =
+            std::fs::symlink_metadata(&self.path).is_ok_and(|meta| meta.dev() == self.dev && meta.ino() == self.ino);
         if ours {
             if let Err(err) = std::fs::remove_file(&self.path) {
                 warn!("removing the query socket {}: {err}", self.path.display());
@@ -219,7 +229,10 @@ impl SocketPlace {
         // Checked here, before anything is attached, not at the bind at
         // the end of the start-up: the socket and its staging name (the
         // longest pid) must both fit a unix socket address.
-        let longest = [dir.path().join(name), dir.path().join(staging_name(u32::MAX))].map(|p| p.as_os_str().len()).into_iter().max();
+        let longest = [dir.path().join(name), dir.path().join(staging_name(u32::MAX))]
+            .map(|p| p.as_os_str().len())
+            .into_iter()
+            .max();
         let longest = longest.unwrap_or_default();
         if longest > MAX_SOCKET_PATH {
             bail!(
@@ -313,8 +326,11 @@ mod tests {
     impl TempDir {
         fn new() -> Self {
             static N: AtomicUsize = AtomicUsize::new(0);
-            let dir = std::env::temp_dir()
-                .join(format!("stallwatch-query-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+            let dir = std::env::temp_dir().join(format!(
+                "stallwatch-query-{}-{}",
+                std::process::id(),
+                N.fetch_add(1, Ordering::Relaxed)
+            ));
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir).expect("temp dir");
             Self(dir)
@@ -338,7 +354,11 @@ mod tests {
     fn engine() -> Engine {
         let mut engine = Engine::new(EngineConfig { timeout_ns: 1_000_000_000, max_tracked: 100, tick_ns: 1_000_000 });
         let mut reports = Vec::new();
-        for (key, stage, ts_ns) in [(1, Stage::Enqueued, 3_000_000_000), (2, Stage::TransferPosted, 1_000_000_000), (3, Stage::Enqueued, 2_000_000_000)] {
+        for (key, stage, ts_ns) in [
+            (1, Stage::Enqueued, 3_000_000_000),
+            (2, Stage::TransferPosted, 1_000_000_000),
+            (3, Stage::Enqueued, 2_000_000_000),
+        ] {
             engine.observe(Observation { pid: 42, key, stage, ts_ns, external_id: None, ends: false }, &mut reports);
         }
         engine.advance(3_500_000_000, &mut reports);
@@ -376,8 +396,7 @@ mod tests {
         let long = dir.0.join("s".repeat(120));
         let err = format!("{:#}", SocketPlace::check(&long).err().expect("too long"));
         assert!(
-            err.contains("unix socket paths are limited to 107")
-                && err.contains("pick a shorter --socket"),
+            err.contains("unix socket paths are limited to 107") && err.contains("pick a shorter --socket"),
             "{err}"
         );
         assert!(SocketPlace::check(&dir.0.join("ok.sock")).is_ok());
@@ -411,7 +430,10 @@ mod tests {
         let first = bind(&path).expect("stale socket replaced");
         let err = bind(&path).err().expect("live socket refused");
         let message = format!("{err:#}");
-        assert!(message.contains("another stallwatch agent is serving") && message.contains(&*path.to_string_lossy()), "{message}");
+        assert!(
+            message.contains("another stallwatch agent is serving") && message.contains(&*path.to_string_lossy()),
+            "{message}"
+        );
         assert!(path.exists(), "the live agent's socket is untouched");
         drop(first);
         assert!(!path.exists());

@@ -108,7 +108,10 @@ impl TransportEvidence {
     fn of(totals: &Totals, at_ns: u64, progress_attached_ns: Option<u64>) -> Self {
         let count = |kind| {
             let activity = totals.get(kind);
-            ActivityCount { total: activity.calls, last_ago_ms: activity.last_ns.map(|ns| ms(at_ns.saturating_sub(ns))) }
+            ActivityCount {
+                total: activity.calls,
+                last_ago_ms: activity.last_ns.map(|ns| ms(at_ns.saturating_sub(ns))),
+            }
         };
         Self {
             post: count(ActivityKind::Post),
@@ -355,7 +358,8 @@ mod hex_key {
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
         let text = <std::borrow::Cow<'de, str>>::deserialize(d)?;
-        let digits = text.strip_prefix("0x").ok_or_else(|| D::Error::custom(format!("key {text:?} is not 0x-prefixed hex")))?;
+        let digits =
+            text.strip_prefix("0x").ok_or_else(|| D::Error::custom(format!("key {text:?} is not 0x-prefixed hex")))?;
         u64::from_str_radix(digits, 16).map_err(|err| D::Error::custom(format!("key {text:?}: {err}")))
     }
 }
@@ -418,7 +422,14 @@ mod tests {
 
     use super::*;
 
-    fn request(pid: u32, key: u64, stage: Stage, first_ns: u64, last_ns: u64, stalled: Option<StallClass>) -> RequestSnapshot {
+    fn request(
+        pid: u32,
+        key: u64,
+        stage: Stage,
+        first_ns: u64,
+        last_ns: u64,
+        stalled: Option<StallClass>,
+    ) -> RequestSnapshot {
         RequestSnapshot {
             pid,
             key,
@@ -491,7 +502,10 @@ mod tests {
             request(42, 17, Stage::Enqueued, 4_000_000_000, 4_000_000_000, Some(StallClass::WaitingForPeer)),
             request(42, 18, Stage::Enqueued, 4_000_000_000, 4_000_000_000, None),
         ]);
-        answer.fields.insert((42, 17), vec![("answered", "1/1".to_owned()), ("behind", "16".to_owned()), ("waiting_on", "worker".to_owned())]);
+        answer.fields.insert(
+            (42, 17),
+            vec![("answered", "1/1".to_owned()), ("behind", "16".to_owned()), ("waiting_on", "worker".to_owned())],
+        );
         let value: Value = serde_json::from_slice(&encode(&answer.into_answer())).expect("valid JSON");
         assert_eq!(value["requests"][0]["context"], json!({"answered": "1/1", "behind": "16", "waiting_on": "worker"}));
         assert!(value["requests"][1].get("context").is_none(), "{}", value["requests"][1]);
@@ -588,9 +602,11 @@ mod tests {
 
     #[test]
     fn keys_stages_and_classes_are_checked_when_read() {
-        let answer = snapshot(vec![request(42, 1, Stage::Enqueued, 0, 0, Some(StallClass::WaitingForPeer))]).into_answer();
+        let answer =
+            snapshot(vec![request(42, 1, Stage::Enqueued, 0, 0, Some(StallClass::WaitingForPeer))]).into_answer();
         let text = String::from_utf8(encode(&answer)).expect("UTF-8");
-        for (good, bad) in [("\"0x1\"", "\"1\""), ("\"enqueued\"", "\"queued\""), ("\"waiting_for_peer\"", "\"stuck\"")] {
+        for (good, bad) in [("\"0x1\"", "\"1\""), ("\"enqueued\"", "\"queued\""), ("\"waiting_for_peer\"", "\"stuck\"")]
+        {
             let broken = text.replace(good, bad);
             assert!(matches!(decode_inflight(broken.as_bytes()), Err(AnswerError::Garbled(_))), "{broken}");
         }
@@ -598,7 +614,14 @@ mod tests {
 
     #[test]
     fn transport_evidence_is_per_process_and_per_stalled_request() {
-        let mut snapshot = snapshot(vec![request(42, 1, Stage::TransferPosted, 1_000_000_000, 2_000_000_000, Some(StallClass::TransferHung))]);
+        let mut snapshot = snapshot(vec![request(
+            42,
+            1,
+            Stage::TransferPosted,
+            1_000_000_000,
+            2_000_000_000,
+            Some(StallClass::TransferHung),
+        )]);
         let mut tracker = crate::transport::Tracker::new(2_000_000_000);
         let mut totals = Totals::default();
         totals.add_for_test(ActivityKind::Progress, 500, Some(9_000_000_000));

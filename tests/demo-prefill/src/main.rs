@@ -27,8 +27,8 @@
 use std::{
     ffi::OsString,
     hint::black_box,
-    os::unix::ffi::OsStrExt as _,
     io::{BufRead as _, Write as _},
+    os::unix::ffi::OsStrExt as _,
     sync::atomic::{AtomicU64, Ordering},
     thread,
     time::{Duration, Instant},
@@ -202,7 +202,8 @@ fn stuck() -> ! {
 fn stick_threads(n: u64) {
     for i in 0..n {
         // Small stacks: thousands of threads that only park.
-        let spawned = thread::Builder::new().stack_size(64 << 10).spawn(move || kv_transfer_poll(STUCK_BASE + i, STUCK));
+        let spawned =
+            thread::Builder::new().stack_size(64 << 10).spawn(move || kv_transfer_poll(STUCK_BASE + i, STUCK));
         if let Err(err) = spawned {
             eprintln!("demo-prefill: starting stuck thread {i}: {err}");
             std::process::exit(1);
@@ -359,9 +360,7 @@ fn main() {
             thread::sleep(wait);
         }
     }
-    say(&format!(
-        "{{\"event\":\"done\",\"healthy\":{healthy},\"failed\":{failed},\"aborted\":{aborted}}}"
-    ));
+    say(&format!("{{\"event\":\"done\",\"healthy\":{healthy},\"failed\":{failed},\"aborted\":{aborted}}}"));
     // Pinned requests stay pinned: the process exits with them in flight.
     black_box(&pinned);
 }

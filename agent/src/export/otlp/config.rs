@@ -263,7 +263,11 @@ mod tests {
         OtlpOptions { endpoint: flag.map(str::to_owned), protocol }.resolve_with(|name| env.get(name).cloned())
     }
 
-    fn endpoint(flag: Option<&str>, protocol: Option<Protocol>, env: &[(&str, &str)]) -> (String, Protocol, &'static str) {
+    fn endpoint(
+        flag: Option<&str>,
+        protocol: Option<Protocol>,
+        env: &[(&str, &str)],
+    ) -> (String, Protocol, &'static str) {
         let target = resolve(flag, protocol, env).expect("valid").expect("configured");
         (target.endpoint, target.protocol, target.source)
     }
@@ -288,7 +292,10 @@ mod tests {
     #[test]
     fn environment_endpoints_follow_the_otlp_spec() {
         // The traces variable is used as is; the generic one is a base URL.
-        assert_eq!(endpoint(None, None, &[(TRACES_ENDPOINT, "http://t:4318/in"), (ENDPOINT, "http://e:1")]).0, "http://t:4318/in");
+        assert_eq!(
+            endpoint(None, None, &[(TRACES_ENDPOINT, "http://t:4318/in"), (ENDPOINT, "http://e:1")]).0,
+            "http://t:4318/in"
+        );
         assert_eq!(endpoint(None, None, &[(ENDPOINT, "http://e:4318/otlp/")]).0, "http://e:4318/otlp/v1/traces");
         assert_eq!(endpoint(None, None, &[(ENDPOINT, "http://e:4318")]).0, "http://e:4318/v1/traces");
         assert_eq!(endpoint(None, None, &[(ENDPOINT, "http://[::1]:4317"), (PROTOCOL, "grpc")]).0, "http://[::1]:4317");
@@ -313,7 +320,10 @@ mod tests {
         assert!(err("http://c:99999").contains("not a number"));
         assert!(err("http://:4318").contains("no usable host"));
         assert!(err("http://c:4318?x=1").contains("query"));
-        let env = format!("{:#}", resolve(None, None, &[(ENDPOINT, "http://e:1"), (PROTOCOL, "http/json")]).expect_err("json"));
+        let env = format!(
+            "{:#}",
+            resolve(None, None, &[(ENDPOINT, "http://e:1"), (PROTOCOL, "http/json")]).expect_err("json")
+        );
         assert!(env.contains("OTEL_EXPORTER_OTLP_PROTOCOL=http/json is not supported"), "{env}");
         let env = format!("{:#}", resolve(None, None, &[(TRACES_ENDPOINT, "e:1")]).expect_err("no scheme"));
         assert!(env.starts_with(TRACES_ENDPOINT), "{env}");

@@ -199,15 +199,12 @@ impl OtlpExporter {
                 let _ = done_tx.send(());
             })
             .context("spawning the OTLP export thread")?;
-        ready_rx
-            .recv()
-            .map_err(|_| anyhow!("the OTLP export thread died while starting"))?
-            .with_context(|| {
-                format!(
-                    "setting up OTLP/{} export to {} (from {}): check the endpoint and the OTEL_EXPORTER_OTLP_* variables",
-                    target.protocol, target.endpoint, target.source
-                )
-            })?;
+        ready_rx.recv().map_err(|_| anyhow!("the OTLP export thread died while starting"))?.with_context(|| {
+            format!(
+                "setting up OTLP/{} export to {} (from {}): check the endpoint and the OTEL_EXPORTER_OTLP_* variables",
+                target.protocol, target.endpoint, target.source
+            )
+        })?;
         Ok(Self { tx, wake, counters, capacity, shutdown, done, thread, target })
     }
 

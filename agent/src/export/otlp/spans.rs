@@ -220,7 +220,13 @@ impl SpanMaker {
     /// event of the request span); a stall's span carries `fields`, what
     /// the request's tracker says of where it stopped. Returns whether one
     /// is a stall span, which should be sent at once.
-    pub fn push(&mut self, report: Report, evidence: Option<Evidence>, fields: &[(&'static str, String)], out: &mut Vec<SpanData>) -> bool {
+    pub fn push(
+        &mut self,
+        report: Report,
+        evidence: Option<Evidence>,
+        fields: &[(&'static str, String)],
+        out: &mut Vec<SpanData>,
+    ) -> bool {
         // Every span is made (a stall's context is remembered for its
         // request span's links either way); the sampler then says which
         // are sent.
@@ -239,14 +245,23 @@ impl SpanMaker {
         self.sampled_out
     }
 
-    fn make(&mut self, report: Report, evidence: Option<Evidence>, fields: &[(&'static str, String)], out: &mut Vec<SpanData>) -> bool {
+    fn make(
+        &mut self,
+        report: Report,
+        evidence: Option<Evidence>,
+        fields: &[(&'static str, String)],
+        out: &mut Vec<SpanData>,
+    ) -> bool {
         match report {
             Report::Stalled { request, class, silent_ns, at_ns } => {
                 let span_id = self.ids.new_span_id();
                 let detected = Event::new(
                     "stalled",
                     self.clock.wall(at_ns),
-                    vec![KeyValue::new(attr::STALL_CLASS, class.as_str()), KeyValue::new(attr::SILENT_MS, ms(silent_ns))],
+                    vec![
+                        KeyValue::new(attr::STALL_CLASS, class.as_str()),
+                        KeyValue::new(attr::SILENT_MS, ms(silent_ns)),
+                    ],
                     0,
                 );
                 let open = self.open(&request, class);
@@ -263,14 +278,24 @@ impl SpanMaker {
                 if let Some(evidence) = &evidence {
                     attributes.extend(transport_attributes(evidence));
                 }
-                attributes.extend(fields.iter().map(|(name, value)| KeyValue::new(format!("{}{name}", attr::SGLANG_PREFIX), value.clone())));
-                let status = Status::error(format!(
-                    "{class}: silent for {:.2}s at {}",
-                    silent_ns as f64 / 1e9,
-                    request.stage
-                ));
+                attributes.extend(
+                    fields
+                        .iter()
+                        .map(|(name, value)| KeyValue::new(format!("{}{name}", attr::SGLANG_PREFIX), value.clone())),
+                );
+                let status =
+                    Status::error(format!("{class}: silent for {:.2}s at {}", silent_ns as f64 / 1e9, request.stage));
                 let events = self.stage_events(&request).collect();
-                out.push(self.span(context, STALL_SPAN, request.last_ns, at_ns, attributes, events, Vec::new(), status));
+                out.push(self.span(
+                    context,
+                    STALL_SPAN,
+                    request.last_ns,
+                    at_ns,
+                    attributes,
+                    events,
+                    Vec::new(),
+                    status,
+                ));
                 true
             }
             Report::Recovered { request, class, stuck_ns } => {
@@ -286,14 +311,17 @@ impl SpanMaker {
             Report::Ended { request, outcome, at_ns } => {
                 let open = self.open.remove(&(request.pid, request.key));
                 let trace_id = open.as_ref().map_or_else(|| trace_id(&self.host, &request), |open| open.trace_id);
-                let context = SpanContext::new(trace_id, self.ids.new_span_id(), TraceFlags::SAMPLED, false, TraceState::NONE);
+                let context =
+                    SpanContext::new(trace_id, self.ids.new_span_id(), TraceFlags::SAMPLED, false, TraceState::NONE);
                 let mut attributes = self.base(&request);
                 attributes.push(KeyValue::new(attr::OUTCOME, outcome.as_str()));
                 let mut events: Vec<Event> = self.stage_events(&request).collect();
                 // A release or a completion at a live stage ends the span
                 // at its stage's own event; other ends add theirs.
                 if !matches!(outcome, Outcome::Released | Outcome::Completed) {
-                    let read = Stage::ALL.iter().any(|stage| stage.as_str() == outcome.as_str() && request.inferred.contains(*stage));
+                    let read = Stage::ALL
+                        .iter()
+                        .any(|stage| stage.as_str() == outcome.as_str() && request.inferred.contains(*stage));
                     events.push(Event::new(outcome.as_str(), self.clock.wall(at_ns), inferred_mark(read), 0));
                 }
                 let mut links = Vec::new();
@@ -309,7 +337,9 @@ impl SpanMaker {
                 }
                 let status = match (outcome, request.stalled) {
                     (Outcome::Failed, _) => Status::error(format!("failed after {}", progress(&request))),
-                    (_, Some(class)) => Status::error(format!("{outcome} while stalled ({class}) at {}", request.stage)),
+                    (_, Some(class)) => {
+                        Status::error(format!("{outcome} while stalled ({class}) at {}", request.stage))
+                    }
                     (Outcome::ProcessExited, None) => {
                         Status::error(format!("the process exited with the request at {}", request.stage))
                     }
@@ -352,25 +382,24 @@ impl SpanMaker {
         let mut attributes = Vec::with_capacity(9);
         attributes.push(KeyValue::new(attr::PROCESS_PID, i64::from(request.pid)));
         if let Some(name) = self.executables.get(&request.pid) {
-            attributes.push(KeyValue::new(attr::PROCESS_EXECUTABLE_NAME, Value::String(StringValue::from(Arc::clone(name)))));
+            attributes
+                .push(KeyValue::new(attr::PROCESS_EXECUTABLE_NAME, Value::String(StringValue::from(Arc::clone(name)))));
         }
         if let Some(workload) = self.workloads.as_ref().and_then(|w| w.get(request.pid)) {
-            attributes.extend(
-                workload
-                    .attributes()
-                    .into_iter()
-                    .map(|(key, value)| KeyValue::new(key, value)),
-            );
+            attributes.extend(workload.attributes().into_iter().map(|(key, value)| KeyValue::new(key, value)));
         }
         attributes.push(KeyValue::new(attr::KEY, format!("{:#x}", request.key)));
         if let Some(id) = &request.external_id {
             attributes.push(KeyValue::new(attr::EXTERNAL_ID, id.to_string()));
         }
-        if let Some(room) = crate::sglang::room_of(request.key, request.external_id.as_deref()).and_then(|room| i64::try_from(room).ok()) {
+        if let Some(room) = crate::sglang::room_of(request.key, request.external_id.as_deref())
+            .and_then(|room| i64::try_from(room).ok())
+        {
             attributes.push(KeyValue::new(attr::BOOTSTRAP_ROOM, room));
         }
         attributes.push(KeyValue::new(attr::STAGE, request.stage.as_str()));
-        let reached = |stage: &Stage| request.stage_at(*stage).is_some() || (stage.is_terminal() && *stage == request.stage);
+        let reached =
+            |stage: &Stage| request.stage_at(*stage).is_some() || (stage.is_terminal() && *stage == request.stage);
         let (inferred, observed): (Vec<Stage>, Vec<Stage>) =
             Stage::ALL.into_iter().filter(reached).partition(|stage| request.inferred.contains(*stage));
         attributes.push(KeyValue::new(attr::STAGES_OBSERVED, stage_names(&observed)));
@@ -525,7 +554,12 @@ mod tests {
         maker.name_process(7, "demo-prefill");
         let mut spans = Vec::new();
         let request = snapshot(Stage::Released, Some("room-9"));
-        let urgent = maker.push(Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released }, None, &[], &mut spans);
+        let urgent = maker.push(
+            Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released },
+            None,
+            &[],
+            &mut spans,
+        );
         assert!(!urgent);
         let [span] = spans.as_slice() else { panic!("{spans:?}") };
         assert_eq!(span.name, REQUEST_SPAN);
@@ -550,9 +584,18 @@ mod tests {
         let mut maker = SpanMaker::new("node-a".into(), Clock::new());
         let mut spans = Vec::new();
         let request = RequestSnapshot { key: 171, ..snapshot(Stage::Released, Some("171")) };
-        maker.push(Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released }, None, &[], &mut spans);
+        maker.push(
+            Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released },
+            None,
+            &[],
+            &mut spans,
+        );
         let [span] = spans.as_slice() else { panic!("{spans:?}") };
-        let room = span.attributes.iter().find(|kv| kv.key == Key::from_static_str(attr::BOOTSTRAP_ROOM)).expect("bootstrap_room");
+        let room = span
+            .attributes
+            .iter()
+            .find(|kv| kv.key == Key::from_static_str(attr::BOOTSTRAP_ROOM))
+            .expect("bootstrap_room");
         assert_eq!(room.value, Value::I64(171));
         assert_eq!(span.span_context.trace_id(), external_trace_id("171"));
     }
@@ -572,7 +615,12 @@ mod tests {
         let mut spans = Vec::new();
         let at_ns = request.last_ns + 2_000_000_000;
         let fields = [("handle", "0x7f00".to_owned()), ("transfer", "2".to_owned())];
-        maker.push(Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns }, evidence, &fields, &mut spans);
+        maker.push(
+            Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns },
+            evidence,
+            &fields,
+            &mut spans,
+        );
         let [stall] = spans.as_slice() else { panic!("{spans:?}") };
         // Where its tracker says it stopped.
         assert_eq!(attribute(stall, "stallwatch.sglang.handle").as_deref(), Some("0x7f00"));
@@ -581,7 +629,10 @@ mod tests {
         assert_eq!(attribute(stall, attr::TRANSPORT_PROGRESS_SINCE).as_deref(), Some("4000"));
         assert_eq!(attribute(stall, attr::TRANSPORT_COMPLETIONS_SINCE).as_deref(), Some("0"));
         assert_eq!(attribute(stall, attr::TRANSPORT_PROGRESS_WINDOW_MS).as_deref(), Some("2000"));
-        assert!(attribute(stall, attr::TRANSPORT_SUMMARY).is_some_and(|s| s.contains("4000 progress calls in the last 2.0s, none completed")));
+        assert!(
+            attribute(stall, attr::TRANSPORT_SUMMARY)
+                .is_some_and(|s| s.contains("4000 progress calls in the last 2.0s, none completed"))
+        );
         assert_eq!(attribute(stall, attr::TRANSPORT_PEER), None, "no peer known");
     }
 
@@ -596,7 +647,12 @@ mod tests {
         let mut maker = SpanMaker::new("node-a".into(), Clock::new());
         let mut spans = Vec::new();
         let at_ns = request.last_ns + 2_000_000_000;
-        maker.push(Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns }, evidence, &[], &mut spans);
+        maker.push(
+            Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns },
+            evidence,
+            &[],
+            &mut spans,
+        );
         let [stall] = spans.as_slice() else { panic!("{spans:?}") };
         assert_eq!(attribute(stall, attr::TRANSPORT_PEER).as_deref(), Some("decode-0"));
         assert_eq!(attribute(stall, attr::TRANSPORT_PEER_COMPLETIONS_SINCE).as_deref(), Some("0"));
@@ -612,11 +668,20 @@ mod tests {
         let silent_from = request.last_ns;
         request.stalled = Some(StallClass::TransferHung);
         let at_ns = silent_from + 2_000_000_000;
-        let stalled = Report::Stalled { request: request.clone(), class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns };
+        let stalled = Report::Stalled {
+            request: request.clone(),
+            class: StallClass::TransferHung,
+            silent_ns: 2_000_000_000,
+            at_ns,
+        };
         assert!(maker.push(stalled, None, &[], &mut spans), "stall spans are urgent");
         let stall = spans.pop().expect("stall span");
         assert_eq!(stall.name, STALL_SPAN);
-        assert!(matches!(&stall.status, Status::Error { description } if description.contains("transfer_hung")), "{:?}", stall.status);
+        assert!(
+            matches!(&stall.status, Status::Error { description } if description.contains("transfer_hung")),
+            "{:?}",
+            stall.status
+        );
         assert_eq!(attribute(&stall, attr::STALL_CLASS).as_deref(), Some("transfer_hung"));
         assert_eq!(attribute(&stall, attr::SILENT_MS).as_deref(), Some("2000"));
         assert_eq!(stall.span_context.trace_id(), local_trace_id("node-a", 7, 0xab, 1_000_000_000));
@@ -627,13 +692,19 @@ mod tests {
         request.last_ns = at_ns + 500_000_000;
         request.stage = Stage::TransferDone;
         request.stage_ns[2] = Some(request.last_ns);
-        let recovered = Report::Recovered { request: request.clone(), class: StallClass::TransferHung, stuck_ns: 2_500_000_000 };
+        let recovered =
+            Report::Recovered { request: request.clone(), class: StallClass::TransferHung, stuck_ns: 2_500_000_000 };
         assert!(!maker.push(recovered, None, &[], &mut spans));
         assert!(spans.is_empty(), "a recovery is an event of the request span");
         request.stage = Stage::Released;
         request.last_ns += 1_000_000;
         request.stage_ns[3] = Some(request.last_ns);
-        maker.push(Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released }, None, &[], &mut spans);
+        maker.push(
+            Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released },
+            None,
+            &[],
+            &mut spans,
+        );
         let [span] = spans.as_slice() else { panic!("{spans:?}") };
         assert_eq!(span.span_context.trace_id(), stall.span_context.trace_id());
         assert_eq!(span.links.len(), 1);
@@ -656,12 +727,25 @@ mod tests {
         request.inferred.insert(Stage::TransferDone);
         let at_ns = request.last_ns + 2_000_000_000;
         request.stalled = Some(StallClass::ReleaseLost);
-        maker.push(Report::Stalled { request: request.clone(), class: StallClass::ReleaseLost, silent_ns: 2_000_000_000, at_ns }, None, &[], &mut spans);
+        maker.push(
+            Report::Stalled {
+                request: request.clone(),
+                class: StallClass::ReleaseLost,
+                silent_ns: 2_000_000_000,
+                at_ns,
+            },
+            None,
+            &[],
+            &mut spans,
+        );
         let stall = spans.pop().expect("stall span");
         assert_eq!(attribute(&stall, attr::STAGES_OBSERVED).as_deref(), Some("[\"enqueued\",\"transfer_posted\"]"));
         assert_eq!(attribute(&stall, attr::STAGES_INFERRED).as_deref(), Some("[\"transfer_done\"]"));
-        let marked: Vec<(&str, bool)> =
-            stall.events.iter().map(|e| (e.name.as_ref(), e.attributes.iter().any(|kv| kv.key.as_str() == attr::STAGE_INFERRED))).collect();
+        let marked: Vec<(&str, bool)> = stall
+            .events
+            .iter()
+            .map(|e| (e.name.as_ref(), e.attributes.iter().any(|kv| kv.key.as_str() == attr::STAGE_INFERRED)))
+            .collect();
         assert_eq!(marked, [("enqueued", false), ("transfer_posted", false), ("transfer_done", true)]);
 
         // Another ends failed by a read: the failure is inferred.
@@ -669,7 +753,12 @@ mod tests {
         failed.key = 0xac;
         failed.stage = Stage::Failed;
         failed.inferred.insert(Stage::Failed);
-        maker.push(Report::Ended { at_ns: failed.last_ns + 2_000_000_000, request: failed, outcome: Outcome::Failed }, None, &[], &mut spans);
+        maker.push(
+            Report::Ended { at_ns: failed.last_ns + 2_000_000_000, request: failed, outcome: Outcome::Failed },
+            None,
+            &[],
+            &mut spans,
+        );
         let [span] = spans.as_slice() else { panic!("{spans:?}") };
         assert_eq!(attribute(span, attr::STAGES_OBSERVED).as_deref(), Some("[\"enqueued\",\"transfer_posted\"]"));
         assert_eq!(attribute(span, attr::STAGES_INFERRED).as_deref(), Some("[\"failed\"]"));
