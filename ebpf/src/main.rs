@@ -16,6 +16,9 @@
 //! stack pointer in r0 on return, which the verifier rejects.
 #![no_std]
 #![no_main]
+// Map keys and values go by reference: by value, each would be one more
+// copy on the 512-byte BPF stack before the helper call.
+#![allow(clippy::needless_borrows_for_generic_args)]
 
 use aya_ebpf::{
     EbpfContext,
@@ -700,8 +703,8 @@ fn msgpack_element(m: &MsgpackElement, at: u64) -> Option<u64> {
     // SAFETY: the callback has the signature `bpf_loop` calls it with, and
     // its context is `walk`, alive until the helper returns.
     unsafe {
-        let step = core::mem::transmute::<unsafe extern "C" fn(u64, *mut c_void) -> i64, *mut c_void>(msgpack_step);
-        bpf_loop(MSGPACK_STEPS, step, (&raw mut walk).cast(), 0);
+        let step: unsafe extern "C" fn(u64, *mut c_void) -> i64 = msgpack_step;
+        bpf_loop(MSGPACK_STEPS, step as *mut c_void, (&raw mut walk).cast(), 0);
     }
     (walk.skip == 0).then_some(walk.pos)
 }

@@ -39,8 +39,9 @@ enum Command {
         #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
         timeout: Duration,
     },
-    /// Run the whole test suite: unit tests and the integration tests that
-    /// load the real eBPF object into this kernel (needs root).
+    /// Run the whole test suite: rustfmt's and clippy's checks, unit tests
+    /// and the integration tests that load the real eBPF object into this
+    /// kernel (needs root).
     Test,
     /// Run the benchmarks and print their figures (needs root; installs
     /// bpftrace with apt-get when missing, to compare against).
@@ -58,6 +59,7 @@ fn main() -> Result<()> {
         }
         Command::Test => {
             setup::all(true)?;
+            steps::lint()?;
             let tools = tools::ensure()?;
             let built = steps::build()?;
             steps::test(&built, &tools)

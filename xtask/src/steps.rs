@@ -145,6 +145,23 @@ pub fn test(built: &Built, tools: &crate::tools::Tools) -> Result<()> {
         .env("STALLWATCH_DEBIAN_KUBECTL", &tools.debian_kubectl))
 }
 
+/// The habits CI holds the code to, before any test runs: rustfmt's check
+/// and clippy with warnings denied, on the host crates with the stable
+/// toolchain and on the eBPF crate with the nightly it is built with.
+pub fn lint() -> Result<()> {
+    let root = root()?;
+    let cargo = |args: &[&str]| run(Command::new("cargo").current_dir(&root).args(args));
+    cargo(&["fmt", "--all", "--check"]).context("the code is not formatted: run `cargo fmt --all`")?;
+    let deny = ["--", "-D", "warnings"];
+    let host = ["clippy", "--release", "--workspace", "--exclude", "stallwatch-ebpf", "--all-targets"];
+    cargo(&[&host[..], &deny].concat()).context("clippy found warnings in the host crates (listed above)")?;
+    // The eBPF crate's own target directory: its nightly, bpf-target
+    // metadata would otherwise rebuild the host crates' dependencies.
+    let ebpf = ["+nightly", "clippy", "-p", "stallwatch-ebpf", "--release", "--target", "bpfel-unknown-none"];
+    let ebpf = [&ebpf[..], &["-Z", "build-std=core", "--target-dir", "target/ebpf-clippy"], &deny].concat();
+    cargo(&ebpf).context("clippy found warnings in the eBPF crate (listed above)")
+}
+
 /// Every benchmark, against this build. The uprobe and NIXL benches put
 /// stallwatch beside Debian's bpftrace, installed here when missing.
 pub fn bench(built: &Built) -> Result<()> {
