@@ -10,7 +10,7 @@ mod tools;
 
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -50,24 +50,24 @@ enum Command {
 
 fn main() -> Result<()> {
     match Cli::parse().command {
-        Command::Setup { python } => setup::all(python),
-        Command::Build => setup::all(false).and_then(|()| steps::build().map(drop)),
+        Command::Setup { python } => setup::all(python).map(drop),
+        Command::Build => setup::all(false).and_then(|_| steps::build().map(drop)),
         Command::Demo { duration, timeout } => {
             setup::all(false)?;
             let built = steps::build()?;
             steps::demo(&built, duration, timeout)
         }
         Command::Test => {
-            setup::all(true)?;
+            let sglang = setup::all(true)?.context("the set-up made no SGLang venv")?;
             steps::lint()?;
             let tools = tools::ensure()?;
             let built = steps::build()?;
-            steps::test(&built, &tools)
+            steps::test(&built, &tools, &sglang)
         }
         Command::Bench => {
-            setup::all(true)?;
+            let sglang = setup::all(true)?.context("the set-up made no SGLang venv")?;
             let built = steps::build()?;
-            steps::bench(&built)
+            steps::bench(&built, &sglang)
         }
     }
 }

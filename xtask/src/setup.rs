@@ -12,14 +12,16 @@ use crate::steps::{root, run};
 /// The bpf-linker release this project is built and tested with.
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
-pub fn all(python: bool) -> Result<()> {
+/// Everything the build needs, and with `python` the two venvs; returns the
+/// SGLang venv's path then (tests and benches are told it).
+pub fn all(python: bool) -> Result<Option<PathBuf>> {
     rust_src()?;
     bpf_linker()?;
-    if python {
-        venv()?;
-        sglang_venv()?;
+    if !python {
+        return Ok(None);
     }
-    Ok(())
+    venv()?;
+    sglang_venv().map(Some)
 }
 
 /// `rust-src` for the nightly toolchain: `-Z build-std=core` needs it.
@@ -104,7 +106,7 @@ fn venv() -> Result<()> {
 /// fresh clone on the same machine finds it; made once per content of
 /// `tests/sglang/requirements{-nodeps,}.txt`. The stamp is written last, so
 /// an interrupted install is redone from scratch.
-fn sglang_venv() -> Result<()> {
+fn sglang_venv() -> Result<PathBuf> {
     let root = root()?;
     let nodeps = root.join("tests/sglang/requirements-nodeps.txt");
     let deps = root.join("tests/sglang/requirements.txt");
@@ -113,7 +115,7 @@ fn sglang_venv() -> Result<()> {
     let venv = cache.join(format!("venv-sglang-{}", sglang_venv_hash(&wanted)));
     let stamp = venv.join(".stallwatch-requirements");
     if fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
-        return Ok(());
+        return Ok(venv);
     }
     if venv.exists() {
         fs::remove_dir_all(&venv).with_context(|| format!("removing the unfinished {}", venv.display()))?;
@@ -146,7 +148,7 @@ fn sglang_venv() -> Result<()> {
     }
     fs::write(&stamp, wanted)?;
     eprintln!("xtask: SGLang venv ready in {}", venv.display());
-    Ok(())
+    Ok(venv)
 }
 
 /// FNV-1a 64 of the two requirement files (as `sglang_venv` joins them), 12

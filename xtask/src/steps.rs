@@ -1,7 +1,7 @@
 //! Building, and the commands that run what was built.
 use std::{
     io::{BufRead as _, BufReader, Write as _},
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
     time::Duration,
 };
@@ -121,7 +121,7 @@ pub fn demo(built: &Built, duration: Duration, timeout: Duration) -> Result<()> 
 /// fails here, not when someone next wants its figures.
 /// Every target runs even after one fails (`--no-fail-fast`), so a CI run
 /// reports every failure at once.
-pub fn test(built: &Built, tools: &crate::tools::Tools) -> Result<()> {
+pub fn test(built: &Built, tools: &crate::tools::Tools, sglang_venv: &Path) -> Result<()> {
     let root = root()?;
     run(Command::new("cargo")
         .current_dir(&root)
@@ -140,6 +140,7 @@ pub fn test(built: &Built, tools: &crate::tools::Tools) -> Result<()> {
         .env("STALLWATCH_DEMO", &built.demo)
         .env("STALLWATCH_MARKER", &built.marker)
         .env("STALLWATCH_VENV", root.join("target/venv"))
+        .env("STALLWATCH_SGLANG_VENV", sglang_venv)
         .env("STALLWATCH_PROMTOOL", &tools.promtool)
         .env("STALLWATCH_KUBECTL", &tools.kubectl)
         .env("STALLWATCH_DEBIAN_KUBECTL", &tools.debian_kubectl))
@@ -164,7 +165,7 @@ pub fn lint() -> Result<()> {
 
 /// Every benchmark, against this build. The uprobe and NIXL benches put
 /// stallwatch beside Debian's bpftrace, installed here when missing.
-pub fn bench(built: &Built) -> Result<()> {
+pub fn bench(built: &Built, sglang_venv: &Path) -> Result<()> {
     require_root("the uprobe benchmark")?;
     install_bpftrace()?;
     let root = root()?;
@@ -173,7 +174,8 @@ pub fn bench(built: &Built) -> Result<()> {
         .args(["bench", "-p", "stallwatch"])
         .env("STALLWATCH_BIN", &built.agent)
         .env("STALLWATCH_DEMO", &built.demo)
-        .env("STALLWATCH_VENV", root.join("target/venv")))
+        .env("STALLWATCH_VENV", root.join("target/venv"))
+        .env("STALLWATCH_SGLANG_VENV", sglang_venv))
 }
 
 /// `apt-get install -y bpftrace` unless it runs already.

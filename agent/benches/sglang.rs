@@ -1,0 +1,155 @@
+//! What watching costs SGLang's own prefill, per request, side by side in
+//! one run: tests/sglang/real/prefill.py (sglang 0.5.23's bootstrap server,
+//! NixlKVManager and NixlKVSender unchanged from the wheel, real NIXL over
+//! UCX on loopback, real ZMQ, TP1 decodes, healthy) serves the same rooms
+//! - not watched (off);
+//! - watched by `stallwatch run --profile nixl` (the NIXL probes only);
+//! - watched by `stallwatch run --profile sglang` (the NIXL probes, the ZMQ
+//!   signals and the scheduler-request signal: what an SGLang operator runs).
+//!
+//! Each run is a fresh target (its set-up is not timed); the CPU time of
+//! every thread of the prefill process (schedstat) is taken from `go` to
+//! `done`, and divided by the rooms served. The target's own loop (what it
+//! supplies instead of SGLang's scheduler) polls between rooms, in every
+//! column alike: the difference between columns is the agent's cost, the
+//! ratio is diluted by that loop. Configurations alternate run by run;
+//! medians are shown.
+//!
+//! `cargo run --release -p xtask -- bench` runs it (as root, with the SGLang
+//! venv). Without `--bench` a smoke version runs (off and sglang, one run
+//! each, a few rooms), which fails unless the agent followed every room.
+mod support;
+
+use std::{
+    io::{BufRead as _, BufReader, Lines, Write as _},
+    os::unix::process::CommandExt as _,
+    path::PathBuf,
+    process::{Child, ChildStdout, Command, Stdio},
+    time::Instant,
+};
+
+use anyhow::{Context as _, Result, bail};
+use support::{Agent, median};
+
+/// What one run measured.
+struct Run {
+    /// Prefill CPU (all threads) from `go` to `done`, per room, in us.
+    cpu_us: f64,
+    /// Wall time from `go` to `done`, per room, in ms.
+    wall_ms: f64,
+}
+
+/// The SGLang venv's Python, as the xtask passes it (it made the venv).
+fn sglang_python() -> Result<PathBuf> {
+    let venv = std::env::var_os("STALLWATCH_SGLANG_VENV").map(PathBuf::from).context(
+        "STALLWATCH_SGLANG_VENV is not set: run through `cargo run --release -p xtask -- bench` (or `-- test`), \
+         which makes the SGLang venv and passes its path",
+    )?;
+    let python = venv.join("bin/python");
+    if !python.exists() {
+        bail!("no {}: run `cargo run --release -p xtask -- setup --python`", python.display());
+    }
+    Ok(python)
+}
+
+/// The target's next JSON line whose `event` is `event` (other lines are
+/// read past); an error if the target exits first.
+fn until(lines: &mut Lines<BufReader<ChildStdout>>, event: &str) -> Result<serde_json::Value> {
+    for line in lines {
+        let line = line.context("reading the SGLang target's stdout")?;
+        if let Ok(value) = serde_json::from_str::<serde_json::Value>(&line)
+            && value["event"] == event
+        {
+            return Ok(value);
+        }
+    }
+    bail!("the SGLang target exited before `{event}` (run it by hand to see why: tests/sglang/real/prefill.py)")
+}
+
+/// The target killed when dropped, its decodes with it (its process group).
+struct Target(Child);
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        // SAFETY: signalling the process group of a child we have not reaped.
+        unsafe { libc::kill(-(self.0.id() as libc::pid_t), libc::SIGKILL) };
+        let _ = self.0.wait();
+    }
+}
+
+/// One run of `rooms` rooms under `profile` (`None`: off).
+fn run(python: &PathBuf, rooms: u64, profile: Option<&str>) -> Result<Run> {
+    let mut child = Command::new(python)
+        .arg(support::root().join("tests/sglang/real/prefill.py"))
+        .args(["--fault", "none", "--count", &rooms.to_string(), "--max-seconds", "300"])
+        // msgpack: the scheduler-request signal reads the room (SGLang's
+        // pickle default gives it nothing to read; see docs).
+        .env("SGLANG_USE_PICKLE_IPC", "0")
+        .process_group(0)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting tests/sglang/real/prefill.py with {}", python.display()))?;
+    let mut stdin = child.stdin.take().context("target stdin")?;
+    let mut lines = BufReader::new(child.stdout.take().context("target stdout")?).lines();
+    let target = Target(child);
+    let ready = until(&mut lines, "ready")?;
+    let pid = ready["prefill_pid"].as_u64().context("ready without prefill_pid")? as u32;
+    let agent = profile.map(|profile| Agent::start(&support::agent_bin(), pid, profile)).transpose()?;
+    let (cpu_before, started) = (support::cpu_ns(pid)?, Instant::now());
+    writeln!(stdin, "go")?;
+    let done = until(&mut lines, "done")?;
+    let (cpu, wall) = (support::cpu_ns(pid)? - cpu_before, started.elapsed());
+    if done["completed"].as_u64() != Some(rooms) {
+        bail!("the SGLang target completed {} of {rooms} rooms: {done}", done["completed"]);
+    }
+    if let (Some(agent), Some(profile)) = (agent, profile) {
+        let summary = agent.stop()?;
+        if summary.lost_events > 0 {
+            eprintln!("sglang bench: the agent lost {} events", summary.lost_events);
+        }
+        // The sglang profile follows rooms; nixl's lifecycles are handles.
+        if profile == "sglang" && summary.completed < rooms {
+            bail!("the sglang agent followed {} of the {rooms} rooms to their end", summary.completed);
+        }
+    }
+    drop(target);
+    Ok(Run { cpu_us: cpu as f64 / 1e3 / rooms as f64, wall_ms: wall.as_secs_f64() * 1e3 / rooms as f64 })
+}
+
+fn main() -> Result<()> {
+    support::require_root("the SGLang benchmark")?;
+    let full = !support::smoke();
+    let python = sglang_python()?;
+    let (runs, rooms) = if full { (3, 300) } else { (1, 20) };
+    let columns: &[(&str, Option<&str>)] = if full {
+        &[("off", None), ("nixl", Some("nixl")), ("sglang", Some("sglang"))]
+    } else {
+        &[("off", None), ("sglang", Some("sglang"))]
+    };
+    let mut measured: Vec<Vec<Run>> = columns.iter().map(|_| Vec::new()).collect();
+    for _ in 0..runs {
+        for (n, (_, profile)) in columns.iter().enumerate() {
+            measured[n].push(run(&python, rooms, *profile)?);
+        }
+    }
+    let smoke = if full { "" } else { " [smoke run: too short for meaningful figures]" };
+    println!(
+        "SGLang's prefill (sglang 0.5.23, NIXL cu13, TP1 decodes), {rooms} healthy rooms a run, median of {runs} \
+         interleaved runs (tests/sglang/real/prefill.py){smoke}:"
+    );
+    println!(
+        "{:<10} {:>14} {:>8} {:>12} {:>18} {:>14}",
+        "watched", "CPU us/room", "/off", "+us/room", "spread (min-max)", "wall ms/room"
+    );
+    let cpu: Vec<Vec<f64>> = measured.iter().map(|runs| runs.iter().map(|r| r.cpu_us).collect()).collect();
+    let off = median(&cpu[0]);
+    for (n, (name, _)) in columns.iter().enumerate() {
+        let (value, wall) = (median(&cpu[n]), median(&measured[n].iter().map(|r| r.wall_ms).collect::<Vec<_>>()));
+        let (min, max) = cpu[n].iter().fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(*v), hi.max(*v)));
+        let spread = format!("{min:.0}-{max:.0}");
+        println!("{name:<10} {value:>14.1} {:>7.2}x {:>12.1} {spread:>18} {wall:>14.2}", value / off, value - off);
+    }
+    Ok(())
+}
