@@ -6,14 +6,14 @@ SGLang prefill, and the `sglang` profile's NIXL probes attach) and a ZMQ
 PUSH/PULL pair over ipc. Each round, for a room of its own, it sends and
 receives, with pyzmq's copying send_multipart / recv_multipart as SGLang's
 bootstrap thread does, the two messages a prefill handles per room and
-decode rank (frames as tests/sglang/wire.py documents them):
+decode rank (frames as tests/sglang/real/prefill.py's header documents them):
   [b"NixlMsgGuard", room, ip, port, agent, page indices, aux, ranks, ...]
       (the decode's destination, received: the room is enqueued)
   [b"KV_STATUS", room, b"4", rank, b""]
       (sent: the room is released)
 so a watching agent follows one room a round, start to end.
 
-Protocol (JSON lines on stdout, wire.emit; fd 1 goes to stderr):
+Protocol (JSON lines on stdout, real/common.py's emit; fd 1 goes to stderr):
 {"event":"ready","pid":P}, then it waits for "go" on
 stdin, runs --rounds rounds and prints
   {"event":"done","rounds":N,"us_per_round":U}.
@@ -25,7 +25,8 @@ import sys
 import tempfile
 import time
 
-import wire
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "real"))
+from common import claim_stdout, emit  # noqa: E402
 
 
 def main():
@@ -33,7 +34,7 @@ def main():
     p.add_argument("--rounds", type=int, default=20000)
     p.add_argument("--room-start", type=int, default=1 << 40)
     a = p.parse_args()
-    wire.take_stdout()  # NIXL logs to fd 1: the protocol gets its own
+    claim_stdout()  # NIXL logs to fd 1: the protocol gets its own
     import zmq
     from nixl_cu12 import nixl_agent, nixl_agent_config
 
@@ -45,7 +46,7 @@ def main():
     push = ctx.socket(zmq.PUSH)
     push.connect(f"ipc://{path}")
     pages = (1).to_bytes(4, "little") * 4
-    wire.emit("ready", pid=os.getpid())
+    emit("ready", pid=os.getpid())
     if sys.stdin.readline().strip() != "go":
         return 2
     start = time.perf_counter()
@@ -56,7 +57,7 @@ def main():
         push.send_multipart([b"KV_STATUS", room, b"4", b"0", b""])
         pull.recv_multipart()
     elapsed = time.perf_counter() - start
-    wire.emit("done", rounds=a.rounds, us_per_round=elapsed / a.rounds * 1e6)
+    emit("done", rounds=a.rounds, us_per_round=elapsed / a.rounds * 1e6)
     del nixl
     return 0
 

@@ -21,6 +21,8 @@ use serde_json::Value;
 
 /// The OTLP collector (rotel) the OTLP tests send spans to.
 pub mod otlp;
+/// SGLang's own code as a test target (tests/sglang/real).
+pub mod sglang;
 
 /// The workspace root.
 pub fn root() -> PathBuf {

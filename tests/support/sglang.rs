@@ -1,0 +1,110 @@
+//! tests/sglang/real/prefill.py, SGLang 0.5.23's own disaggregation code
+//! (bootstrap server, NixlKVManager, NixlKVSender and NixlKVReceiver from
+//! the wheel, real NIXL over UCX on loopback, real ZMQ), driven as the
+//! tests drive it: started, set up (its decode processes too), watched,
+//! then told `go`; its JSON lines kept with when they were seen.
+use std::{
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+
+use crate::{Agent, Line, Proc, require_root, root, sglang_python};
+
+/// How SGLang's tokenizer hands a request to its scheduler: msgpack
+/// (`SGLANG_USE_PICKLE_IPC=0`), whose `bootstrap_room` the `sglang`
+/// profile reads as the scheduler receives it, or pickle, SGLang 0.5.23's
+/// default, from which it reads nothing (the room then starts at its
+/// destination).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Ipc {
+    Msgpack,
+    Pickle,
+}
+
+/// The prefill process (and its decodes), set up and waiting for `go`,
+/// or running.
+pub struct Target {
+    pub proc: Proc,
+    pub ready: Value,
+    pub lines: Vec<Line>,
+}
+
+impl Target {
+    /// Set up with `fault` (12 rooms; `extra` arguments appended), not yet
+    /// running.
+    pub fn start(fault: &str, extra: &[&str], ipc: Ipc) -> Self {
+        require_root();
+        let proc = Proc::spawn(
+            "sglang real prefill",
+            Command::new(sglang_python())
+                .arg(root().join("tests/sglang/real/prefill.py"))
+                .args(["--fault", fault, "--count", "12", "--max-seconds", "90"])
+                .args(extra)
+                .env("SGLANG_USE_PICKLE_IPC", if ipc == Ipc::Pickle { "1" } else { "0" }),
+        );
+        let mut lines = Vec::new();
+        let ready = proc.until_event("ready", Duration::from_secs(120), &mut lines);
+        Self { proc, ready, lines }
+    }
+
+    /// Set up, the agent attached to the prefill (`profile`, `timeout`),
+    /// then running.
+    pub fn watched(fault: &str, extra: &[&str], profile: &str, timeout: &str, agent_extra: &[&str]) -> (Self, Agent) {
+        let mut target = Self::start(fault, extra, Ipc::Msgpack);
+        let agent = Agent::watch(target.prefill(), profile, timeout, agent_extra);
+        target.proc.write_line("go");
+        (target, agent)
+    }
+
+    pub fn prefill(&self) -> u32 {
+        self.ready["prefill_pid"].as_u64().expect("prefill_pid") as u32
+    }
+
+    pub fn fault_room(&self) -> u64 {
+        self.ready["fault_room"].as_u64().expect("fault_room")
+    }
+
+    /// Decode rank `index`'s pid and NIXL agent name.
+    pub fn decode(&self, index: u64) -> (u32, String) {
+        let decodes = self.ready["decodes"].as_array().expect("decodes");
+        let decode =
+            decodes.iter().find(|d| d["index"] == index).unwrap_or_else(|| panic!("no decode {index}: {}", self.ready));
+        (decode["pid"].as_u64().expect("pid") as u32, decode["agent"].as_str().expect("agent").to_owned())
+    }
+
+    /// Read lines until one with `event`; its value.
+    pub fn until(&mut self, event: &str, within: Duration) -> Value {
+        self.proc.until_event(event, within, &mut self.lines)
+    }
+
+    /// When the target printed `event` for `room` (its first such line).
+    pub fn at(&self, event: &str, room: u64) -> Instant {
+        self.lines
+            .iter()
+            .find(|line| line.json().is_some_and(|v| v["event"] == event && v["room"] == room))
+            .map(|line| line.at)
+            .unwrap_or_else(|| panic!("no {event} of room {room}: {:?}", self.lines))
+    }
+
+    /// When the target printed chunk `chunk` (from 0) of `room`.
+    pub fn chunk_at(&self, room: u64, chunk: u64) -> Instant {
+        self.lines
+            .iter()
+            .find(|line| line.json().is_some_and(|v| v["event"] == "chunk" && v["room"] == room && v["chunk"] == chunk))
+            .map(|line| line.at)
+            .unwrap_or_else(|| panic!("no chunk {chunk} of room {room}: {:?}", self.lines))
+    }
+
+    /// Every room the router handed to the prefill.
+    pub fn rooms(&self) -> Vec<u64> {
+        let rooms = self.lines.iter().filter_map(|line| line.json()).filter(|v| v["event"] == "request");
+        rooms.map(|v| v["room"].as_u64().expect("room")).collect()
+    }
+
+    /// The rooms a `holding` line says are in `state`.
+    pub fn rooms_in(&self, holding: &Value, state: &str) -> Vec<u64> {
+        self.rooms().into_iter().filter(|r| holding["rooms"][r.to_string()] == state).collect()
+    }
+}
