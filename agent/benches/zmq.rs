@@ -3,6 +3,9 @@
 //! per round, one room's destination (11 frames) and its KV_STATUS
 //! (5 frames) as SGLang's prefill does, with the process
 //! - not watched (off);
+//! - with the eBPF object's empty programs where the `sglang` profile
+//!   attaches (empty): the kernel's own uprobe cost, the floor for any
+//!   watcher of these functions;
 //! - watched by `stallwatch run --profile nixl` (its NIXL probes, none on
 //!   libzmq: the same agent without the room tracking);
 //! - watched by `stallwatch run --profile sglang` (the `nixl` probes plus
@@ -22,14 +25,24 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use support::{Agent, median};
+use stallwatch::probes::Profile;
+use support::{Agent, Floor, median};
+
+/// Who watches the driver in one column.
+enum Watch<'a> {
+    Off,
+    /// Empty programs where this profile's probes go.
+    Empty(&'a Profile),
+    /// The agent with this profile.
+    Agent(&'a str),
+}
 
 /// Frames per round: 11 received and 11 sent (the destination), 5 and 5
 /// (the status).
 const FRAMES_PER_ROUND: f64 = 32.0;
 
-/// One run under `profile` (`None`: off): microseconds per round.
-fn run(rounds: u64, profile: Option<&str>) -> Result<f64> {
+/// One run watched so: microseconds per round.
+fn run(rounds: u64, watch: &Watch<'_>) -> Result<f64> {
     let python = support::venv_python();
     let mut child = Command::new(&python)
         .arg(support::root().join("tests/sglang/zmq_rate.py"))
@@ -48,12 +61,17 @@ fn run(rounds: u64, profile: Option<&str>) -> Result<f64> {
     let mut lines = BufReader::new(child.stdout.take().context("driver stdout")?).lines();
     let ready: serde_json::Value = serde_json::from_str(&lines.next().context("driver exited before ready")??)?;
     let pid = ready["pid"].as_u64().context("pid")? as u32;
-    let agent = profile.map(|profile| Agent::start(&support::agent_bin(), pid, profile)).transpose()?;
+    let (agent, floor) = match watch {
+        Watch::Off => (None, None),
+        Watch::Empty(profile) => (None, Some(Floor::attach(pid, profile)?)),
+        Watch::Agent(profile) => (Some((Agent::start(&support::agent_bin(), pid, profile)?, *profile)), None),
+    };
     writeln!(stdin, "go")?;
     let done: serde_json::Value = serde_json::from_str(&lines.next().context("driver exited before done")??)?;
     drop(stdin);
     let _ = child.wait();
-    if let (Some(agent), Some(profile)) = (agent, profile) {
+    drop(floor);
+    if let Some((agent, profile)) = agent {
         let summary = agent.stop()?;
         if summary.lost_events > 0 {
             eprintln!("zmq bench: the agent lost {} events", summary.lost_events);
@@ -73,25 +91,33 @@ fn main() -> Result<()> {
     }
     let (runs, rounds) = if full { (5, 20_000) } else { (1, 500) };
     let smoke = if full { "" } else { " [smoke run: too short for meaningful figures]" };
-    let columns: [(&str, Option<&str>); 3] = [("off", None), ("nixl", Some("nixl")), ("sglang", Some("sglang"))];
+    let profile = Profile::load("sglang")?;
+    let columns = [
+        ("off", Watch::Off),
+        ("empty", Watch::Empty(&profile)),
+        ("nixl", Watch::Agent("nixl")),
+        ("sglang", Watch::Agent("sglang")),
+    ];
     let mut us = vec![Vec::new(); columns.len()];
     for _ in 0..runs {
-        for (n, (_, profile)) in columns.iter().enumerate() {
-            us[n].push(run(rounds, *profile)?);
+        for (n, (_, watch)) in columns.iter().enumerate() {
+            us[n].push(run(rounds, watch)?);
         }
     }
-    let [off, nixl, sglang] = [0, 1, 2].map(|n| median(&us[n]));
+    let [off, empty, nixl, sglang] = [0, 1, 2, 3].map(|n| median(&us[n]));
     println!(
         "SGLang bootstrap messages, {rounds} rounds of a destination (11 frames) and a KV_STATUS (5), each sent and received, median of {runs} interleaved runs (tests/sglang/zmq_rate.py){smoke}:"
     );
-    println!("{:<10} {:>10} {:>8}", "watched", "us/round", "/off");
-    for (name, value) in [("off", off), ("nixl", nixl), ("sglang", sglang)] {
-        println!("{name:<10} {value:>10.1} {:>7.2}x", value / off);
+    println!("{:<10} {:>10} {:>8} {:>9}", "watched", "us/round", "/off", "/empty");
+    for (name, value) in [("off", off), ("empty", empty), ("nixl", nixl), ("sglang", sglang)] {
+        println!("{name:<10} {value:>10.1} {:>7.2}x {:>8.2}x", value / off, value / empty);
     }
     println!(
-        "the ZMQ signals (sglang - nixl): {:.1} us a round, {:.2} us a frame sent or received",
+        "the ZMQ signals (sglang - nixl): {:.1} us a round, {:.2} us a frame sent or received; \
+         the kernel's floor for the sglang profile's probes (empty - off): {:.2} us a frame",
         sglang - nixl,
-        (sglang - nixl) / FRAMES_PER_ROUND
+        (sglang - nixl) / FRAMES_PER_ROUND,
+        (empty - off) / FRAMES_PER_ROUND
     );
     Ok(())
 }

@@ -179,8 +179,8 @@ impl Drop for Agent {
 }
 
 /// The empty programs attached where a profile's probes would be: every
-/// lifecycle probe (its entry half too, for a return probe that reads
-/// arguments) and every transport-activity probe that resolves.
+/// lifecycle probe and signal (its entry half too, for a return probe that
+/// reads arguments) and every transport-activity probe that resolves.
 pub struct Floor {
     _ebpf: Ebpf,
     pub attachments: usize,
@@ -205,6 +205,14 @@ impl Floor {
         }
         for spec in &profile.activity {
             points.push((spec.object.as_deref(), spec.symbol.as_str(), "empty_entry", spec.optional));
+        }
+        for spec in &profile.signals {
+            if spec.at == At::Entry || spec.args_read() > 0 {
+                points.push((spec.object.as_deref(), spec.symbol.as_str(), "empty_entry", false));
+            }
+            if spec.at == At::Return {
+                points.push((spec.object.as_deref(), spec.symbol.as_str(), "empty_return", false));
+            }
         }
         let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).context("pid 0")?);
         let mut attachments = 0;

@@ -248,6 +248,14 @@ pub enum Capture {
 }
 
 impl SignalSpec {
+    /// How many arguments it reads (at a return, its entry saves them).
+    pub fn args_read(&self) -> u32 {
+        let capture = self.capture.as_ref().map(|capture| match capture {
+            Capture::Text(at) | Capture::Bytes(at) => at,
+        });
+        args_read(std::iter::once(&self.value).chain(capture))
+    }
+
     /// The kernel-side configuration of this signal's slot.
     pub fn slot_config(&self) -> SlotConfig {
         let mut cfg = SlotConfig { key: self.value.lower(), stage: stage::SIGNAL, ..SlotConfig::default() };
@@ -256,12 +264,7 @@ impl SignalSpec {
             Some(Capture::Bytes(at)) => Some((at, slot_flags::EXT_BYTES)),
             None => None,
         };
-        let mut flags = return_flags(
-            self.at,
-            self.ret,
-            args_read(std::iter::once(&self.value).chain(capture.map(|(at, _)| at))),
-            &mut cfg,
-        );
+        let mut flags = return_flags(self.at, self.ret, self.args_read(), &mut cfg);
         if let Some((at, bytes)) = capture {
             flags |= slot_flags::HAS_EXT | bytes;
             cfg.ext = at.lower();
