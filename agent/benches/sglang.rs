@@ -39,12 +39,15 @@ struct Run {
     wall_ms: f64,
 }
 
-/// The SGLang venv's Python, as the xtask passes it (it made the venv).
+/// The SGLang venv's Python: STALLWATCH_SGLANG_VENV (the xtask sets it),
+/// else the venv the xtask's set-up last made or found (target/sglang-venv).
 fn sglang_python() -> Result<PathBuf> {
-    let venv = std::env::var_os("STALLWATCH_SGLANG_VENV").map(PathBuf::from).context(
-        "STALLWATCH_SGLANG_VENV is not set: run through `cargo run --release -p xtask -- bench` (or `-- test`), \
-         which makes the SGLang venv and passes its path",
-    )?;
+    let venv = match std::env::var_os("STALLWATCH_SGLANG_VENV") {
+        Some(venv) => PathBuf::from(venv),
+        None => std::fs::read_to_string(support::root().join("target/sglang-venv"))
+            .map(|path| PathBuf::from(path.trim()))
+            .context("no SGLang venv: run `cargo run --release -p xtask -- setup --python` (or `-- bench`)")?,
+    };
     let python = venv.join("bin/python");
     if !python.exists() {
         bail!("no {}: run `cargo run --release -p xtask -- setup --python`", python.display());

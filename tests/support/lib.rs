@@ -68,33 +68,27 @@ pub fn venv_python() -> PathBuf {
 }
 
 /// The SGLang venv's Python (SGLang 0.5.23, torch, NIXL cu12 and cu13) for
-/// tests/sglang/real/, made by `cargo run --release -p xtask -- setup --python`
-/// in `~/.cache/stallwatch/venv-sglang-<hash>` (xtask's `sglang_venv`), or
-/// STALLWATCH_SGLANG_VENV.
+/// tests/sglang/real/: STALLWATCH_SGLANG_VENV (the xtask sets it), else the
+/// venv `cargo run --release -p xtask -- setup --python` last made or found
+/// (its path in target/sglang-venv).
 pub fn sglang_python() -> PathBuf {
-    let venv = std::env::var_os("STALLWATCH_SGLANG_VENV").map_or_else(
-        || {
-            let read = |name: &str| {
-                std::fs::read_to_string(root().join("tests/sglang").join(name))
-                    .unwrap_or_else(|e| panic!("reading tests/sglang/{name}: {e}"))
-            };
-            let wanted = format!("{}\n--\n{}", read("requirements-nodeps.txt"), read("requirements.txt"));
-            // FNV-1a 64, as xtask's sglang_venv_hash.
-            let hash = wanted
-                .bytes()
-                .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
-            let home = std::env::var_os("HOME").expect("HOME is not set");
-            PathBuf::from(home).join(format!(".cache/stallwatch/venv-sglang-{:012x}", hash >> 16))
-        },
-        PathBuf::from,
-    );
-    let python = venv.join("bin/python");
-    assert!(
-        python.exists() && venv.join(".stallwatch-requirements").exists(),
-        "{} not found or unfinished (STALLWATCH_SGLANG_VENV); create it with `cargo run --release -p xtask -- setup --python`",
-        python.display()
-    );
-    python
+    let venv = std::env::var_os("STALLWATCH_SGLANG_VENV").map(PathBuf::from).or_else(|| {
+        let pointer = std::fs::read_to_string(root().join("target/sglang-venv")).ok()?;
+        Some(PathBuf::from(pointer.trim()))
+    });
+    let python = venv.as_ref().map(|venv| venv.join("bin/python"));
+    match (&venv, &python) {
+        (Some(venv), Some(python)) if python.exists() && venv.join(".stallwatch-requirements").exists() => {
+            python.clone()
+        }
+        _ => panic!(
+            "no finished SGLang venv ({}): make it with `cargo run --release -p xtask -- setup --python`",
+            venv.map_or_else(
+                || "neither STALLWATCH_SGLANG_VENV nor target/sglang-venv".into(),
+                |v| v.display().to_string()
+            )
+        ),
+    }
 }
 
 /// Integration tests load eBPF: without root they fail, loudly.

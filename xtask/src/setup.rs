@@ -114,7 +114,11 @@ fn sglang_venv() -> Result<PathBuf> {
     let cache = cache_dir()?;
     let venv = cache.join(format!("venv-sglang-{}", sglang_venv_hash(&wanted)));
     let stamp = venv.join(".stallwatch-requirements");
+    // Where tests and benches run by hand (without the xtask's
+    // STALLWATCH_SGLANG_VENV) find it.
+    let pointer = root.join(SGLANG_VENV_POINTER);
     if fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
+        write_if_changed(&pointer, &venv.to_string_lossy())?;
         return Ok(venv);
     }
     if venv.exists() {
@@ -147,12 +151,26 @@ fn sglang_venv() -> Result<PathBuf> {
             .arg(file))?;
     }
     fs::write(&stamp, wanted)?;
+    write_if_changed(&pointer, &venv.to_string_lossy())?;
     eprintln!("xtask: SGLang venv ready in {}", venv.display());
     Ok(venv)
 }
 
+/// The file, under the workspace root, that holds the SGLang venv's path.
+pub const SGLANG_VENV_POINTER: &str = "target/sglang-venv";
+
+fn write_if_changed(path: &Path, text: &str) -> Result<()> {
+    if fs::read_to_string(path).is_ok_and(|have| have == text) {
+        return Ok(());
+    }
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir)?;
+    }
+    fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
 /// FNV-1a 64 of the two requirement files (as `sglang_venv` joins them), 12
-/// hex digits. `sglang_python` in tests/support/lib.rs computes the same.
+/// hex digits.
 fn sglang_venv_hash(text: &str) -> String {
     let hash =
         text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
