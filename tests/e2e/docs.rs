@@ -441,3 +441,79 @@ fn the_doctor_table_lists_every_check_doctor_runs() {
         assert_eq!(named[name][required], says, "{}: is `{name}` required? doctor says {says}", table.at);
     }
 }
+
+/// The README stays a front page: at most ~250 lines, with the two
+/// commands CI and a newcomer rely on, verbatim.
+#[test]
+fn the_readme_is_short_and_has_the_two_commands() {
+    let path = root().join("README.md");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|err| panic!("reading {}: {err}", path.display()));
+    let lines = text.lines().count();
+    assert!(lines <= 250, "README.md has {lines} lines: move reference material into docs/ (at most ~250)");
+    for command in ["cargo run --release -p xtask -- demo", "cargo run --release -p xtask -- test"] {
+        assert!(
+            text.lines().any(|line| line.starts_with(command)),
+            "README.md lost `{command}` at the start of a line (.ci/run and newcomers rely on it)"
+        );
+    }
+}
+
+/// Every relative link in the README and docs/ leads to a file that exists
+/// and, with a `#fragment`, to a heading of it (GitHub's anchors).
+#[test]
+fn every_link_in_the_docs_resolves() {
+    let mut pages = vec![root().join("README.md"), root().join("CHANGELOG.md")];
+    let mut dirs = vec![root().join("docs")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap_or_else(|err| panic!("reading {}: {err}", dir.display())) {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|ext| ext == "md") {
+                pages.push(path);
+            }
+        }
+    }
+    let mut broken = Vec::new();
+    for page in &pages {
+        let text = std::fs::read_to_string(page).unwrap_or_else(|err| panic!("reading {}: {err}", page.display()));
+        for target in text.split("](").skip(1).filter_map(|rest| rest.split_once(')').map(|(target, _)| target)) {
+            if target.contains("://") || target.starts_with("mailto:") {
+                continue;
+            }
+            let (file, fragment) = target.split_once('#').unwrap_or((target, ""));
+            let file = if file.is_empty() { page.clone() } else { page.parent().expect("a page's folder").join(file) };
+            if !file.exists() {
+                broken.push(format!("{}: `{target}`: no such file", page.display()));
+            } else if !fragment.is_empty() && !anchors(&file).contains(fragment) {
+                broken.push(format!(
+                    "{}: `{target}`: no heading with that anchor in {}",
+                    page.display(),
+                    file.display()
+                ));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links (fix the path, or the heading they point at):\n{}", broken.join("\n"));
+}
+
+/// The anchors GitHub gives a markdown file's headings: lower case, spaces
+/// to hyphens, punctuation but `-` and `_` dropped.
+fn anchors(file: &std::path::Path) -> BTreeSet<String> {
+    let text = std::fs::read_to_string(file).unwrap_or_default();
+    text.lines()
+        .filter(|line| line.starts_with('#'))
+        .map(|line| {
+            line.trim_start_matches('#')
+                .trim()
+                .to_lowercase()
+                .chars()
+                .filter_map(|c| match c {
+                    ' ' => Some('-'),
+                    c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect()
+}
