@@ -2,8 +2,10 @@
 //! small (4 KiB) and 64 MiB DRAM-to-DRAM WRITEs over UCX on loopback,
 //! driven by tests/nixl/driver.py, with the initiator
 //! - not watched (off);
-//! - under the eBPF object's empty programs on every function the `nixl`
-//!   profile probes (the kernel's uprobe floor);
+//! - under the eBPF object's empty programs on exactly the functions the
+//!   agent links for the whole run (the kernel's uprobe floor; not UCX's
+//!   progress function, which the agent links only near a stall: the run
+//!   checks that the agent's summary lists the same functions);
 //! - under Debian's bpftrace running the equivalent script (`bpftrace/nixl.bt`);
 //! - watched by the real agent, `stallwatch run --profile nixl` (lifecycle
 //!   and transport probes, its ring buffer read on its own tick);
@@ -13,10 +15,13 @@
 //! `cargo run --release -p xtask -- bench` runs it (as root, with the venv
 //! and bpftrace). Without `--bench` (as under `cargo test --all-targets`)
 //! it runs a short smoke version without bpftrace, which fails unless the
-//! agent saw the transfers.
+//! agent saw the transfers and attached what the floor attaches. Each size
+//! also prints the probe hits a transfer makes, as the agent's summary
+//! counts them.
 mod support;
 
 use std::{
+    collections::BTreeSet,
     io::{BufRead as _, BufReader, Write as _},
     process::{Command, Stdio},
 };
@@ -28,6 +33,18 @@ use support::{Agent, Bpftrace, Config, Floor, median};
 struct Run {
     transfers_per_s: f64,
     gb_per_s: f64,
+    /// Under the agent: what a transfer hit.
+    hits_per_transfer: Option<Hits>,
+}
+
+/// The probe hits of one transfer.
+struct Hits {
+    /// Each probe linked for the whole run, as the agent's summary counts
+    /// its hits.
+    probes: Vec<(String, f64)>,
+    /// The kernel's uprobe hits: the summary counts a return probe's entry
+    /// half (which saves its arguments) with it.
+    uprobes: f64,
 }
 
 fn run(size: u64, count: u64, config: &Config, profile: &Profile) -> Result<Run> {
@@ -61,7 +78,7 @@ fn run(size: u64, count: u64, config: &Config, profile: &Profile) -> Result<Run>
             let ucp = image.find(Some("libucp.so"))?.host_path;
             bpftrace = Some(Bpftrace::start("nixl.bt", pid, &[("LIBNIXL", &nixl), ("LIBUCP", &ucp)])?);
         }
-        Config::Agent(bin) => agent = Some(Agent::start(bin, pid, "nixl")?),
+        Config::Agent(bin) => agent = Some((Agent::start(bin, pid, "nixl")?, Floor::symbols(pid, profile)?)),
     }
     writeln!(stdin, "go")?;
     let done = loop {
@@ -78,7 +95,8 @@ fn run(size: u64, count: u64, config: &Config, profile: &Profile) -> Result<Run>
     if let Some(bpftrace) = bpftrace {
         bpftrace.stop()?;
     }
-    if let Some(agent) = agent {
+    let mut hits_per_transfer = None;
+    if let Some((agent, floor_symbols)) = agent {
         let summary = agent.stop()?;
         if summary.seen == 0 {
             bail!("the agent was attached but saw none of the {count} transfers");
@@ -86,10 +104,28 @@ fn run(size: u64, count: u64, config: &Config, profile: &Profile) -> Result<Run>
         if summary.lost_events > 0 {
             eprintln!("nixl bench: the agent lost {} events", summary.lost_events);
         }
+        let linked: BTreeSet<&str> = summary.always_attached.iter().map(|(symbol, _)| symbol.as_str()).collect();
+        let floor: BTreeSet<&str> = floor_symbols.iter().map(String::as_str).collect();
+        if linked != floor {
+            bail!(
+                "the empty-program floor would attach other functions than the agent linked for the run: the floor \
+                 alone {:?}, the agent alone {:?}; make Floor::points attach what the agent attaches",
+                floor.difference(&linked).collect::<Vec<_>>(),
+                linked.difference(&floor).collect::<Vec<_>>()
+            );
+        }
+        let probes: Vec<(String, f64)> =
+            summary.always_attached.into_iter().map(|(symbol, hits)| (symbol, hits as f64 / count as f64)).collect();
+        // Each of the floor's attachments is one uprobe of the agent's, hit
+        // once per call of its function.
+        let calls = |symbol: &str| probes.iter().filter(|(s, _)| s == symbol).map(|(_, per)| *per).fold(0.0, f64::max);
+        let uprobes = floor_symbols.iter().map(|symbol| calls(symbol)).sum();
+        hits_per_transfer = Some(Hits { probes, uprobes });
     }
     Ok(Run {
         transfers_per_s: done["transfers_per_s"].as_f64().context("transfers_per_s")?,
         gb_per_s: done["gb_per_s"].as_f64().context("gb_per_s")?,
+        hits_per_transfer,
     })
 }
 
@@ -124,6 +160,7 @@ fn main() -> Result<()> {
     for (label, size, count) in sizes {
         let mut rate = vec![Vec::new(); columns.len()];
         let mut gb = Vec::new();
+        let mut hits = None;
         for _ in 0..runs {
             for (n, (_, config)) in columns.iter().enumerate() {
                 let result = run(*size, *count, config, &profile)?;
@@ -131,6 +168,7 @@ fn main() -> Result<()> {
                 if n == 0 {
                     gb.push(result.gb_per_s);
                 }
+                hits = hits.or(result.hits_per_transfer);
             }
         }
         // Ratios per run: a run is compared with the off run of its own
@@ -148,6 +186,33 @@ fn main() -> Result<()> {
             print!(" {:>12}", format!("{low:.2}-{high:.2}"));
         }
         println!();
+        if let Some(Hits { probes: hits, uprobes }) = hits {
+            let total: f64 = hits.iter().map(|(_, per)| per).sum();
+            let each: Vec<String> = hits
+                .iter()
+                .filter(|(_, per)| *per > 0.0)
+                .map(|(symbol, per)| format!("{} {per:.2}", short(symbol)))
+                .collect();
+            println!(
+                "  per transfer: {total:.2} probe hits as the agent's summary counts them ({}); {uprobes:.2} uprobe hits, \
+                 with the entry halves that save a return probe's arguments",
+                each.join(", ")
+            );
+        }
     }
     Ok(())
+}
+
+/// A C++ function's own name out of its mangled symbol
+/// (`_ZNK9nixlAgent11postXferReqEP..` is `postXferReq`); a C name as it is.
+fn short(symbol: &str) -> &str {
+    let Some(mut rest) = symbol.strip_prefix("_ZNK").or_else(|| symbol.strip_prefix("_ZN")) else { return symbol };
+    let mut name = symbol;
+    while let Some(digits) = rest.find(|c: char| !c.is_ascii_digit()).filter(|&n| n > 0) {
+        let Ok(len) = rest[..digits].parse::<usize>() else { break };
+        let Some(part) = rest.get(digits..digits + len) else { break };
+        name = part;
+        rest = &rest[digits + len..];
+    }
+    name
 }

@@ -1,7 +1,7 @@
 //! `stallwatch run --config FILE`: the run settings as a TOML file.
 //!
 //! The file holds what the `run` flags hold, under the same names (format in
-//! the README). A flag given on the command line wins over the file, the
+//! docs/deploying.md). A flag given on the command line wins over the file, the
 //! file wins over the built-in defaults. Unknown keys are errors, and every
 //! error names the file and the line.
 //!

@@ -44,7 +44,7 @@ enum Command {
     /// Watch a process: attach a probe profile and alert on every request
     /// silent past the timeout, while it is still stuck.
     Run {
-        /// Settings from this TOML file (see the README); a flag or
+        /// Settings from this TOML file (see docs/deploying.md); a flag or
         /// variable given here wins over the file.
         #[arg(long, value_name = "FILE", env = "STALLWATCH_CONFIG")]
         config: Option<PathBuf>,

@@ -483,8 +483,8 @@ impl Session {
                 library = %crate::text::value(&object.path.display().to_string()),
                 "{} has {build}, not a build profile {} (line {} of {}) was checked against ({}): its status reads, \
                  read_status and external ids are off for processes mapping it, their stalls classified by the probes \
-                 alone. To use them, check that the build lays its structs out as the profile's offsets say (see the \
-                 README, \"A library build the profile does not know\"), then add its build id (`readelf -n`) to \
+                 alone. To use them, check that the build lays its structs out as the profile's offsets say (see \
+                 docs/frameworks/nixl.md, \"A library build the profile does not know\"), then add its build id (`readelf -n`) to \
                  `build_ids` in the [layout] of a profile that extends this one",
                 layout.object,
                 self.profile.name,

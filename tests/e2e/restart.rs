@@ -95,7 +95,7 @@ fn a_stall_reported_before_a_crash_is_not_reported_again_and_its_recovery_is() {
     assert_eq!(counted(&seen, "stalled").len(), 4, "{stalled:?}");
     let injected = demo.wait_injected(4, &mut Vec::new());
     // Killed once its stall alerts are marked (a kill between an alert and
-    // its mark repeats the alert: at-least-once, see the README).
+    // its mark repeats the alert: at-least-once, see docs/restarts.md).
     settle(&socket);
     crash(first);
     assert!(pinned_links(&dir) > 0, "a crashed agent's probes stay attached");

@@ -46,7 +46,7 @@ pub fn free_port() -> u16 {
 }
 
 /// The trace id stallwatch derives from an external id, computed here on
-/// its own from the README's definition.
+/// its own from the definition in docs/telemetry.md.
 pub fn expected_trace_id(external_id: &str) -> String {
     let digest =
         Sha256::new().chain_update(b"stallwatch/v1/external\0").chain_update(external_id.as_bytes()).finalize();

@@ -29,7 +29,7 @@ use aya::{
     },
 };
 use stallwatch::probes::{
-    At, Profile,
+    ActivityKind, At, Profile,
     resolve::{ElfFile, ProcessImage},
 };
 
@@ -90,11 +90,14 @@ pub fn cpu_ns(pid: u32) -> Result<u64> {
 }
 
 /// What an agent said when it stopped (its JSON summary line).
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 pub struct Summary {
     pub seen: u64,
     pub completed: u64,
     pub lost_events: u64,
+    /// Its probes linked for the whole run (`attached: always`), each with
+    /// its hits as the summary counts them, in the summary's order.
+    pub always_attached: Vec<(String, u64)>,
 }
 
 /// The real agent, `stallwatch run --pid PID --profile NAME`, with
@@ -164,7 +167,22 @@ impl Agent {
             .find(|value| value["alert"] == "summary")
             .with_context(|| format!("the agent ({status}) printed no summary; its log:\n{log}"))?;
         let field = |name: &str| summary[name].as_u64().with_context(|| format!("summary without {name}: {summary}"));
-        Ok(Summary { seen: field("seen")?, completed: field("completed")?, lost_events: field("lost_events")? })
+        let probes = summary["probes"].as_array().with_context(|| format!("summary without probes: {summary}"))?;
+        let always_attached = probes
+            .iter()
+            .filter(|probe| probe["attached"] == "always")
+            .map(|probe| {
+                let symbol = probe["symbol"].as_str().with_context(|| format!("a probe without symbol: {probe}"))?;
+                let hits = probe["hits"].as_u64().with_context(|| format!("a probe without hits: {probe}"))?;
+                Ok((symbol.to_owned(), hits))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Summary {
+            seen: field("seen")?,
+            completed: field("completed")?,
+            lost_events: field("lost_events")?,
+            always_attached,
+        })
     }
 }
 
@@ -178,58 +196,86 @@ impl Drop for Agent {
     }
 }
 
-/// The empty programs attached where a profile's probes would be: every
-/// lifecycle probe and signal (its entry half too, for a return probe that
-/// reads arguments) and every transport-activity probe that resolves.
+/// The empty programs attached where the agent links a profile's probes
+/// for the whole run: every lifecycle probe and signal (its entry half too,
+/// for a return probe that reads arguments) and every post and completion
+/// activity probe that resolves. Not the progress probes: the agent links
+/// those only while a request nears its stall, so a healthy run never has
+/// them, and a floor with them would be below the agent's real one.
 pub struct Floor {
     _ebpf: Ebpf,
-    pub attachments: usize,
+    /// The functions attached, one entry per attachment.
+    pub symbols: Vec<String>,
+}
+
+/// One place a floor attaches an empty program.
+struct Point {
+    symbol: String,
+    program: &'static str,
+    path: PathBuf,
+    offset: u64,
 }
 
 impl Floor {
     pub fn attach(pid: u32, profile: &Profile) -> Result<Self> {
-        let image = ProcessImage::read(pid)?;
+        let points = Self::points(pid, profile)?;
         let mut ebpf = Ebpf::load(stallwatch::probes::ebpf_object())?;
         for name in ["empty_entry", "empty_return"] {
             let program: &mut UProbe = ebpf.program_mut(name).context("empty program")?.try_into()?;
             program.load()?;
         }
-        let mut points = Vec::new();
-        for spec in &profile.probes {
-            if spec.at == At::Entry || spec.args_read() > 0 {
-                points.push((spec.object.as_deref(), spec.symbol.as_str(), "empty_entry", false));
-            }
-            if spec.at == At::Return {
-                points.push((spec.object.as_deref(), spec.symbol.as_str(), "empty_return", false));
-            }
+        let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).context("pid 0")?);
+        for point in &points {
+            let program: &mut UProbe = ebpf.program_mut(point.program).context("empty program")?.try_into()?;
+            program.attach(UProbeAttachLocation::AbsoluteOffset(point.offset), &point.path, scope)?;
         }
-        for spec in &profile.activity {
-            points.push((spec.object.as_deref(), spec.symbol.as_str(), "empty_entry", spec.optional));
+        Ok(Self { _ebpf: ebpf, symbols: points.into_iter().map(|point| point.symbol).collect() })
+    }
+
+    /// The functions a floor on `pid` attaches, without attaching them.
+    pub fn symbols(pid: u32, profile: &Profile) -> Result<Vec<String>> {
+        Ok(Self::points(pid, profile)?.into_iter().map(|point| point.symbol).collect())
+    }
+
+    fn points<'a>(pid: u32, profile: &'a Profile) -> Result<Vec<Point>> {
+        let image = ProcessImage::read(pid)?;
+        let mut wanted = Vec::new();
+        // A probe's halves: its entry (also a return probe's, when it
+        // reads arguments) and its return.
+        let mut halves = |object: Option<&'a str>, symbol: &'a str, at: At, args_read: u32| {
+            if at == At::Entry || args_read > 0 {
+                wanted.push((object, symbol, "empty_entry", false));
+            }
+            if at == At::Return {
+                wanted.push((object, symbol, "empty_return", false));
+            }
+        };
+        for spec in &profile.probes {
+            halves(spec.object.as_deref(), &spec.symbol, spec.at, spec.args_read());
         }
         for spec in &profile.signals {
-            if spec.at == At::Entry || spec.args_read() > 0 {
-                points.push((spec.object.as_deref(), spec.symbol.as_str(), "empty_entry", false));
-            }
-            if spec.at == At::Return {
-                points.push((spec.object.as_deref(), spec.symbol.as_str(), "empty_return", false));
-            }
+            halves(spec.object.as_deref(), &spec.symbol, spec.at, spec.args_read());
         }
-        let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).context("pid 0")?);
-        let mut attachments = 0;
-        for (object, symbol, program, optional) in points {
+        for spec in profile.activity.iter().filter(|spec| spec.kind != ActivityKind::Progress) {
+            wanted.push((spec.object.as_deref(), spec.symbol.as_str(), "empty_entry", spec.optional));
+        }
+        let mut points = Vec::new();
+        for (object, symbol, program, optional) in wanted {
             let resolved =
                 image.find(object).and_then(|mapped| Ok((ElfFile::open(&mapped.host_path)?.resolve(symbol)?, mapped)));
-            let (resolved, mapped) = match resolved {
-                Ok(found) => found,
+            match resolved {
+                Ok((resolved, mapped)) => points.push(Point {
+                    symbol: symbol.to_owned(),
+                    program,
+                    path: mapped.host_path,
+                    offset: resolved.file_offset,
+                }),
                 // As the agent does: an optional probe that is not there is skipped.
-                Err(_) if optional => continue,
+                Err(_) if optional => {}
                 Err(err) => return Err(err),
-            };
-            let program: &mut UProbe = ebpf.program_mut(program).context("empty program")?.try_into()?;
-            program.attach(UProbeAttachLocation::AbsoluteOffset(resolved.file_offset), &mapped.host_path, scope)?;
-            attachments += 1;
+            }
         }
-        Ok(Self { _ebpf: ebpf, attachments })
+        Ok(points)
     }
 }
 

@@ -18,7 +18,7 @@
 //! `sglang:queue_time_seconds`): how long stalls lasted, how long requests
 //! lived and how long they spent in each stage. Their labels are the
 //! bounded enums of the engine (class, outcome, stage), never a request or
-//! a process: the series count is fixed (see the README's metrics table).
+//! a process: the series count is fixed (see the metrics table in docs/telemetry.md).
 //!
 //! `/healthz` answers through the event loop (a wedged loop fails it, which
 //! is what a liveness probe should see); `/readyz` answers from a flag the

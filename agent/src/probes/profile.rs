@@ -1,7 +1,7 @@
 //! Probe profiles: which functions of a target are which lifecycle points,
 //! and where each hit's request key lives.
 //!
-//! A profile is a TOML file (format in the README) or one of the built-ins.
+//! A profile is a TOML file (format in docs/profiles.md) or one of the built-ins.
 //! Parsing checks everything the kernel side cannot: every error names the
 //! file, the line of the `[[probe]]` table and what to write instead.
 use std::{

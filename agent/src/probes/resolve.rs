@@ -149,7 +149,7 @@ fn parse_maps(maps: &[u8]) -> Vec<PathBuf> {
 
 /// What the kernel does with the instruction a uprobe replaces: it decides
 /// what each hit costs. Measured here (kernel 6.18, one bpftrace counter
-/// per hit, 200 000 calls each, `tests`-free microbenchmark in the README):
+/// per hit, 200 000 calls each, `tests`-free microbenchmark in docs/profiles.md):
 /// a 5-byte nop 0.63 us a hit, `jmp rel32` 0.86 us, `push %rbp` 1.29 us,
 /// `mov %rdi,%rax` 33.9 us, `endbr64` 32.6 us. The kernel emulates nops,
 /// pushes and relative branches; everything else, `endbr64` included, is
