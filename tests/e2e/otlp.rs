@@ -204,7 +204,9 @@ fn http_export_from_the_environment_with_resource_and_metrics() {
     let resource = &stall.resource;
     assert_eq!(resource.get("service.name").map(String::as_str), Some("prefill-watch"), "{resource:?}");
     assert_eq!(resource.get("k8s.node.name").map(String::as_str), Some("gpu-node-7"), "{resource:?}");
-    assert_eq!(resource.get("k8s.pod.name").map(String::as_str), Some("stallwatch-x1"), "{resource:?}");
+    // The resource is the watched process's: the agent's own pod is not it.
+    assert_eq!(resource.get("k8s.pod.name"), None, "{resource:?}");
+    assert_eq!(resource.get("process.pid"), Some(&pid.to_string()), "{resource:?}");
 
     // The metrics endpoint, scraped while the request is stuck.
     let port = agent.metrics_port();
