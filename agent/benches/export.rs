@@ -212,7 +212,7 @@ fn event_path(endpoint: Option<&str>, n: u64) -> Cost {
 }
 
 fn exporter(protocol: Protocol, endpoint: &str) -> OtlpExporter {
-    let target = OtlpTarget { endpoint: endpoint.to_owned(), protocol, source: "bench" };
+    let target = OtlpTarget::new(endpoint.to_owned(), protocol, "bench");
     let exporter = OtlpExporter::start(target, "bench-host".into(), Clock::new(), ExportSettings::default())
         .expect("starting the exporter");
     exporter.name_process(4242, "demo-prefill");

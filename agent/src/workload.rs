@@ -10,7 +10,8 @@
 //! whose pod is not listed yet keeps its container id and is resolved on a
 //! later process start.
 //!
-//! The API is reached over plain HTTP only (this build has no TLS): through
+//! The API is reached over plain HTTP only (the agent reads no
+//! service-account token to authenticate with): through
 //! `kubectl proxy` beside the agent (`agent/deploy/components/workload-identity`),
 //! which authenticates with the pod's service account, bound to a
 //! ClusterRole that may only `get`/`list`/`watch` pods.
@@ -183,8 +184,9 @@ impl Source {
         }
         if setting.starts_with("https://") {
             bail!(
-                "--kubernetes {setting:?}: this build has no TLS; run `kubectl proxy` beside the agent and give its \
-                 http://127.0.0.1:8001 (agent/deploy/components/workload-identity does)"
+                "--kubernetes {setting:?}: the agent does not authenticate to the API server itself (no service-account \
+                 token is read); run `kubectl proxy` beside the agent and give its http://127.0.0.1:8001 \
+                 (agent/deploy/components/workload-identity does)"
             );
         }
         if !setting.starts_with("http://") {

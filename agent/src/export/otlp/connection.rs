@@ -3,13 +3,31 @@
 //! one HTTP client pool (HTTP/protobuf).
 //!
 //! Built here rather than by `opentelemetry-otlp` so that the exporters
-//! share it.
+//! share it, and so that TLS trusts what the OpenTelemetry environment
+//! says: the system's roots and the CA file of
+//! `OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE` (the exporter reads neither).
+//! rustls runs on the `ring` provider (see the workspace's Cargo.toml).
 use std::time::Duration;
 
-use anyhow::{Result, anyhow};
+use anyhow::{Context as _, Result, anyhow};
 use opentelemetry_otlp::{RetryPolicy, WithExportConfig as _, WithHttpConfig as _, WithTonicConfig as _};
 
 use super::config::{OtlpTarget, Protocol};
+
+/// What a failed export to a TLS endpoint most often means, and its fix.
+pub const UNTRUSTED_HINT: &str = "if the collector's certificate is not trusted, set OTEL_EXPORTER_OTLP_CERTIFICATE to \
+     the PEM file of the CA that signed it (the system's roots are trusted already)";
+
+/// rustls's provider for the whole process: `ring`. reqwest is built
+/// without one and takes the process default; tonic picks ring itself.
+/// rustls 0.23.48 deprecates it for lacking post-quantum key exchange
+/// (X25519MLKEM768), which only aws-lc-rs offers, at a C/CMake build of
+/// minutes; classical ECDHE is what collectors negotiate today.
+#[allow(deprecated)]
+fn install_ring() {
+    // Err: already installed (by an earlier exporter), which is fine.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
 
 /// Retries within the export timeout: a collector restart of a few seconds
 /// loses nothing that fits in the queue meanwhile.
@@ -31,16 +49,32 @@ impl Connection {
     /// Connect lazily to `target`: nothing is sent before the first export,
     /// so a collector that is down does not keep the agent from starting.
     pub fn open(target: &OtlpTarget) -> Result<Self> {
+        install_ring();
+        let ca = target.ca.as_ref().filter(|_| target.is_tls());
         match target.protocol {
             Protocol::Grpc => {
-                let endpoint = tonic::transport::Endpoint::from_shared(target.endpoint.clone())
+                let mut endpoint = tonic::transport::Endpoint::from_shared(target.endpoint.clone())
                     .map_err(|err| anyhow!("{} {:?} is not a gRPC endpoint: {err}", target.source, target.endpoint))?;
+                if target.is_tls() {
+                    let mut tls = tonic::transport::ClientTlsConfig::new().with_native_roots();
+                    if let Some(ca) = ca {
+                        tls = tls.ca_certificate(tonic::transport::Certificate::from_pem(&ca.pem));
+                    }
+                    endpoint =
+                        endpoint.tls_config(tls).with_context(|| format!("setting up TLS for {}", target.endpoint))?;
+                }
                 Ok(Connection::Grpc(endpoint.connect_lazy()))
             }
             Protocol::HttpProtobuf => {
-                let client = reqwest::Client::builder()
-                    .build()
-                    .map_err(|err| anyhow!("building the OTLP HTTP client: {err}"))?;
+                let mut client = reqwest::Client::builder();
+                if let Some(ca) = ca {
+                    let certificates = reqwest::Certificate::from_pem_bundle(ca.pem.as_bytes())
+                        .with_context(|| format!("{}={}: reading its certificates", ca.source, ca.path.display()))?;
+                    for certificate in certificates {
+                        client = client.add_root_certificate(certificate);
+                    }
+                }
+                let client = client.build().context("building the OTLP HTTP client")?;
                 Ok(Connection::Http { client, endpoint: target.endpoint.clone() })
             }
         }

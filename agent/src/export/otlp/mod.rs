@@ -428,11 +428,13 @@ impl Pump {
                 self.counters.export_failed.fetch_add(n, Ordering::Relaxed);
                 self.counters.failed_batches.fetch_add(1, Ordering::Relaxed);
                 if !std::mem::replace(&mut self.failing, true) {
+                    let hint =
+                        if self.target.is_tls() { format!("; {}", connection::UNTRUSTED_HINT) } else { String::new() };
                     warn!(
                         endpoint = %self.target.endpoint,
                         protocol = %self.target.protocol,
                         spans = n,
-                        "OTLP export failed after retries: {err}; spans are dropped (and counted) until the collector answers"
+                        "OTLP export failed after retries: {err}{hint}; spans are dropped (and counted) until the collector answers"
                     );
                 } else {
                     debug!(spans = n, "OTLP export failed again: {err}");
