@@ -59,9 +59,9 @@ pub const BATCH_DELAY: Duration = Duration::from_millis(500);
 /// How often the export thread drains the queue when nothing is urgent.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(50);
 /// Export requests under way at once. One at a time, each request waits
-/// out the collector's acknowledgement: against rotel over gRPC that took
-/// ~43 ms a batch of 512 (its answer's last frame held back by Nagle's
-/// algorithm until the agent's delayed ACK), 12-25 k spans/s. Several in
+/// out the collector's answer: against rotel over gRPC that took ~43 ms a
+/// batch of 512 whatever the HTTP/2 window (the 40 ms of a delayed ACK
+/// meeting Nagle's algorithm, by its look), 12-25 k spans/s. Several in
 /// flight on the one HTTP/2 connection (or HTTP/1.1 pool) keep the link
 /// busy meanwhile; a collector that answers at once loses nothing by it.
 pub const MAX_IN_FLIGHT: usize = 16;
