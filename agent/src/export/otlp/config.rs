@@ -12,7 +12,7 @@
 //! system's roots (`/etc/ssl/certs`, `SSL_CERT_FILE`) and the CA file in
 //! `OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE` / `OTEL_EXPORTER_OTLP_CERTIFICATE`
 //! (PEM), which is read and checked here, at start-up.
-use std::{fmt, path::PathBuf};
+use std::{fmt, path::PathBuf, time::Duration};
 
 use anyhow::{Context as _, Result, bail};
 use opentelemetry::{Key, KeyValue};
@@ -28,6 +28,11 @@ pub const TRACES_PROTOCOL: &str = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL";
 pub const SERVICE_NAME: &str = "OTEL_SERVICE_NAME";
 pub const CERTIFICATE: &str = "OTEL_EXPORTER_OTLP_CERTIFICATE";
 pub const TRACES_CERTIFICATE: &str = "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE";
+pub const TIMEOUT: &str = "OTEL_EXPORTER_OTLP_TIMEOUT";
+pub const TRACES_TIMEOUT: &str = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT";
+
+/// The OTLP exporter spec's default export timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The service name spans carry unless `OTEL_SERVICE_NAME` (or
 /// `service.name` in `OTEL_RESOURCE_ATTRIBUTES`) says otherwise.
@@ -100,12 +105,15 @@ pub struct OtlpTarget {
     /// The CA to trust besides the system's roots, for an `https://`
     /// endpoint.
     pub ca: Option<CaFile>,
+    /// How long one export request may take (`OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT`,
+    /// in ms): a collector that accepts and never answers is given up on.
+    pub timeout: Duration,
 }
 
 impl OtlpTarget {
     /// A target over plain HTTP or with the system's roots only.
     pub fn new(endpoint: String, protocol: Protocol, source: &'static str) -> Self {
-        Self { endpoint, protocol, source, ca: None }
+        Self { endpoint, protocol, source, ca: None, timeout: DEFAULT_TIMEOUT }
     }
 
     pub fn is_tls(&self) -> bool {
@@ -185,7 +193,14 @@ impl OtlpOptions {
             Protocol::HttpProtobuf => url.with_traces_path(append_path),
         };
         let ca = CaFile::from_env(env)?;
-        Ok(Some(OtlpTarget { endpoint, protocol, source, ca }))
+        let timeout = match [TRACES_TIMEOUT, TIMEOUT].into_iter().find_map(|name| Some((name, env(name)?))) {
+            Some((name, ms)) => match ms.trim().parse::<u64>() {
+                Ok(ms) if ms > 0 => Duration::from_millis(ms),
+                _ => bail!("{name}={ms:?} is not a timeout: give milliseconds, e.g. `{name}=10000`"),
+            },
+            None => DEFAULT_TIMEOUT,
+        };
+        Ok(Some(OtlpTarget { endpoint, protocol, source, ca, timeout }))
     }
 }
 
@@ -397,6 +412,16 @@ mod tests {
             resolve(None, None, &[(ENDPOINT, "https://c"), (CERTIFICATE, "/nonexistent/ca.crt")]).expect_err("missing")
         );
         assert!(err.contains("reading CA file /nonexistent/ca.crt"), "{err}");
+    }
+
+    #[test]
+    fn the_export_timeout_follows_the_otlp_variables() {
+        let timeout = |env: &[(&str, &str)]| resolve(Some("http://c:4318"), None, env).map(|t| t.expect("set").timeout);
+        assert_eq!(timeout(&[]).expect("default"), DEFAULT_TIMEOUT);
+        assert_eq!(timeout(&[(TIMEOUT, "2500")]).expect("ms"), Duration::from_millis(2500));
+        assert_eq!(timeout(&[(TIMEOUT, "2500"), (TRACES_TIMEOUT, "700")]).expect("ms"), Duration::from_millis(700));
+        let err = format!("{:#}", timeout(&[(TIMEOUT, "10s")]).expect_err("not ms"));
+        assert!(err.contains("give milliseconds, e.g. `OTEL_EXPORTER_OTLP_TIMEOUT=10000`"), "{err}");
     }
 
     #[test]

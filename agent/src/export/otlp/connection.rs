@@ -63,10 +63,13 @@ impl Connection {
                     endpoint =
                         endpoint.tls_config(tls).with_context(|| format!("setting up TLS for {}", target.endpoint))?;
                 }
-                Ok(Connection::Grpc(endpoint.connect_lazy()))
+                // Each export request, not only the connect (the exporter's
+                // own retries stop at this timeout too, but do not bound a
+                // request that never gets an answer).
+                Ok(Connection::Grpc(endpoint.timeout(target.timeout).connect_lazy()))
             }
             Protocol::HttpProtobuf => {
-                let mut client = reqwest::Client::builder();
+                let mut client = reqwest::Client::builder().timeout(target.timeout);
                 if let Some(ca) = ca {
                     let certificates = reqwest::Certificate::from_pem_bundle(ca.pem.as_bytes())
                         .with_context(|| format!("{}={}: reading its certificates", ca.source, ca.path.display()))?;
