@@ -227,12 +227,11 @@ impl Directory {
     pub fn new(source: Source) -> Result<Self> {
         let client = match &source {
             Source::Off => None,
-            Source::Api { .. } => Some(
-                reqwest::Client::builder()
-                    .timeout(LIST_TIMEOUT)
-                    .build()
-                    .context("building the Kubernetes API client")?,
-            ),
+            Source::Api { .. } => {
+                crate::tls::install_ring();
+                let client = reqwest::Client::builder().timeout(LIST_TIMEOUT).build();
+                Some(client.context("building the Kubernetes API client")?)
+            }
         };
         Ok(Self { source, client, cache: Arc::default(), by_pid: Arc::default() })
     }

@@ -6,7 +6,7 @@
 //! share it, and so that TLS trusts what the OpenTelemetry environment
 //! says: the system's roots and the CA file of
 //! `OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE` (the exporter reads neither).
-//! rustls runs on the `ring` provider (see the workspace's Cargo.toml).
+//! rustls runs on the `ring` provider ([`crate::tls`]).
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, anyhow};
@@ -17,17 +17,6 @@ use super::config::{OtlpTarget, Protocol};
 /// What a failed export to a TLS endpoint most often means, and its fix.
 pub const UNTRUSTED_HINT: &str = "if the collector's certificate is not trusted, set OTEL_EXPORTER_OTLP_CERTIFICATE to \
      the PEM file of the CA that signed it (the system's roots are trusted already)";
-
-/// rustls's provider for the whole process: `ring`. reqwest is built
-/// without one and takes the process default; tonic picks ring itself.
-/// rustls 0.23.48 deprecates it for lacking post-quantum key exchange
-/// (X25519MLKEM768), which only aws-lc-rs offers, at a C/CMake build of
-/// minutes; classical ECDHE is what collectors negotiate today.
-#[allow(deprecated)]
-fn install_ring() {
-    // Err: already installed (by an earlier exporter), which is fine.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-}
 
 /// Retries within the export timeout: a collector restart of a few seconds
 /// loses nothing that fits in the queue meanwhile.
@@ -49,7 +38,7 @@ impl Connection {
     /// Connect lazily to `target`: nothing is sent before the first export,
     /// so a collector that is down does not keep the agent from starting.
     pub fn open(target: &OtlpTarget) -> Result<Self> {
-        install_ring();
+        crate::tls::install_ring();
         let ca = target.ca.as_ref().filter(|_| target.is_tls());
         match target.protocol {
             Protocol::Grpc => {
