@@ -36,7 +36,7 @@ use stallwatch::{
         alert::{AlertWriter, Format},
         clock::Clock,
         metrics::Metrics,
-        otlp::{ExportSettings, OtlpExporter, OtlpTarget, Protocol},
+        otlp::{ExportSettings, MAX_IN_FLIGHT, OtlpExporter, OtlpTarget, Protocol},
     },
     lifecycle::{Engine, EngineConfig, Observation, Report, Stage},
 };
@@ -54,7 +54,11 @@ fn main() {
     let requests = if full { 400_000 } else { 10_000 };
     let collector = Rotel::start(&rotel);
 
-    println!("export throughput ({spans} request spans, batches of {}):", ExportSettings::default().max_batch);
+    println!(
+        "export throughput ({spans} request spans, batches of {}, up to {MAX_IN_FLIGHT} requests in flight):",
+        ExportSettings::default().max_batch
+    );
+    let mut rates = Vec::new();
     for (protocol, endpoint) in [
         (Protocol::Grpc, format!("http://127.0.0.1:{}", collector.grpc)),
         (Protocol::HttpProtobuf, format!("http://127.0.0.1:{}/v1/traces", collector.http)),
@@ -64,7 +68,9 @@ fn main() {
         // The smoke run's few spans never fill the queue: a drop is a
         // failed export, and this run would not have measured one.
         assert!(full || dropped == 0, "{}: rotel did not acknowledge {dropped} of {spans} spans", protocol.as_str());
+        rates.push(rate);
     }
+    println!("  http/protobuf : grpc = {:.2}x", rates[1] / rates[0]);
 
     println!(
         "event-path cost per request (4 events, engine + alerts + metrics [+ export queue]), {requests} requests:"
@@ -206,7 +212,7 @@ fn event_path(endpoint: Option<&str>, n: u64) -> Cost {
 }
 
 fn exporter(protocol: Protocol, endpoint: &str) -> OtlpExporter {
-    let target = OtlpTarget { endpoint: endpoint.to_owned(), protocol, source: "bench" };
+    let target = OtlpTarget::new(endpoint.to_owned(), protocol, "bench");
     let exporter = OtlpExporter::start(target, "bench-host".into(), Clock::new(), ExportSettings::default())
         .expect("starting the exporter");
     exporter.name_process(4242, "demo-prefill");

@@ -382,7 +382,16 @@ impl ConfigFile {
             |value: Option<String>, default: String| value.unwrap_or_else(|| format!("{default} (default)"));
         // The environment too, as `run` reads it.
         let otlp = match (OtlpOptions { endpoint: s.otlp_endpoint.clone(), protocol: s.otlp_protocol }).resolve() {
-            Ok(Some(t)) => format!("{} ({}, from {})", t.endpoint, t.protocol, t.source),
+            Ok(Some(t)) => {
+                let tls = match (&t.ca, t.is_tls()) {
+                    (_, false) => String::new(),
+                    (None, true) => ", TLS trusting the system's roots".to_owned(),
+                    (Some(ca), true) => {
+                        format!(", TLS trusting the system's roots and {} (from {})", ca.path.display(), ca.source)
+                    }
+                };
+                format!("{} ({}, from {}{tls})", t.endpoint, t.protocol, t.source)
+            }
             Ok(None) => match crate::export::otlp::sampling::disabled_by(&|name: &str| std::env::var(name).ok()) {
                 Ok(Some(why)) => format!("off ({why})"),
                 _ => "off (no --otlp-endpoint, [otlp] endpoint nor OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)".to_owned(),

@@ -24,7 +24,7 @@ fn read_text_within(path: &Path, what: &str, max: u64) -> Result<String> {
     if bytes.len() as u64 > max {
         bail!(
             "{what} {} holds more than {} KiB (or never ends, as a device such as /dev/zero does): a {what} is a small \
-             TOML file; check the path",
+             text file; check the path",
             path.display(),
             max / 1024
         );

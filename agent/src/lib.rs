@@ -33,6 +33,7 @@ pub mod signals;
 pub mod state;
 pub mod status;
 pub mod text;
+pub mod tls;
 pub mod transport;
 pub mod trusted_dir;
 pub mod warned;

@@ -177,7 +177,7 @@ pub async fn run(options: Options, out: impl Write + Send + 'static) -> Result<(
     let mut releasing = session.probes.release_old_links()?;
     // After attaching, so a bad profile or pid is reported as such even
     // when another agent serves this socket (a second agent fails here).
-    let mut queries = QueryServer::bind(socket, clock)?;
+    let mut queries = QueryServer::bind(socket, clock)?.with_workloads(session.telemetry.workloads());
     for pid in session.watched.keys() {
         queries.name_process(*pid, &process_name(*pid));
     }

@@ -10,7 +10,8 @@
 //! whose pod is not listed yet keeps its container id and is resolved on a
 //! later process start.
 //!
-//! The API is reached over plain HTTP only (this build has no TLS): through
+//! The API is reached over plain HTTP only (the agent reads no
+//! service-account token to authenticate with): through
 //! `kubectl proxy` beside the agent (`agent/deploy/components/workload-identity`),
 //! which authenticates with the pod's service account, bound to a
 //! ClusterRole that may only `get`/`list`/`watch` pods.
@@ -22,6 +23,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tracing::{debug, info, warn};
 
@@ -32,19 +34,31 @@ const LIST_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What is known of a watched process's workload; every field may be
 /// missing (a process in no container has none).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+///
+/// In JSON (alert lines, `inflight` rows) it is an object keyed by the
+/// same semantic-convention names as [`attributes`](Self::attributes),
+/// unknown fields left out, so one `jq` path reads both.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Workload {
     /// The container runtime's id (64 hex digits), from the cgroup path.
+    #[serde(rename = "container.id", default, skip_serializing_if = "Option::is_none")]
     pub container_id: Option<String>,
     /// The pod's UID, from the cgroup path (kubelet's cgroup layout).
+    #[serde(rename = "k8s.pod.uid", default, skip_serializing_if = "Option::is_none")]
     pub pod_uid: Option<String>,
+    #[serde(rename = "k8s.namespace.name", default, skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
+    #[serde(rename = "k8s.pod.name", default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
+    #[serde(rename = "k8s.container.name", default, skip_serializing_if = "Option::is_none")]
     pub container: Option<String>,
     /// The pod's controller, with a ReplicaSet's Deployment named instead
     /// (as Beyla's `k8s.owner.name`): `Deployment/vllm-prefill`.
+    #[serde(rename = "k8s.owner.kind", default, skip_serializing_if = "Option::is_none")]
     pub owner_kind: Option<String>,
+    #[serde(rename = "k8s.owner.name", default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
+    #[serde(rename = "k8s.node.name", default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
 }
 
@@ -170,8 +184,9 @@ impl Source {
         }
         if setting.starts_with("https://") {
             bail!(
-                "--kubernetes {setting:?}: this build has no TLS; run `kubectl proxy` beside the agent and give its \
-                 http://127.0.0.1:8001 (agent/deploy/components/workload-identity does)"
+                "--kubernetes {setting:?}: the agent does not authenticate to the API server itself (no service-account \
+                 token is read); run `kubectl proxy` beside the agent and give its http://127.0.0.1:8001 \
+                 (agent/deploy/components/workload-identity does)"
             );
         }
         if !setting.starts_with("http://") {
@@ -212,12 +227,11 @@ impl Directory {
     pub fn new(source: Source) -> Result<Self> {
         let client = match &source {
             Source::Off => None,
-            Source::Api { .. } => Some(
-                reqwest::Client::builder()
-                    .timeout(LIST_TIMEOUT)
-                    .build()
-                    .context("building the Kubernetes API client")?,
-            ),
+            Source::Api { .. } => {
+                crate::tls::install_ring();
+                let client = reqwest::Client::builder().timeout(LIST_TIMEOUT).build();
+                Some(client.context("building the Kubernetes API client")?)
+            }
         };
         Ok(Self { source, client, cache: Arc::default(), by_pid: Arc::default() })
     }
@@ -435,6 +449,29 @@ mod tests {
         assert_eq!(w.node.as_deref(), Some("gpu-1"));
         assert_eq!(by_uid[UID].container, None);
         assert_eq!(w.labels()[1], ("k8s_owner_name", "prefill".to_owned()));
+    }
+
+    #[test]
+    fn json_keys_are_the_attribute_names() {
+        let full = Workload {
+            container_id: Some(ID.into()),
+            pod_uid: Some(UID.into()),
+            namespace: Some("llm".into()),
+            pod: Some("p".into()),
+            container: Some("c".into()),
+            owner_kind: Some("Deployment".into()),
+            owner: Some("d".into()),
+            node: Some("n".into()),
+        };
+        let json = serde_json::to_value(&full).expect("json");
+        let mut keys: Vec<&str> = json.as_object().expect("object").keys().map(String::as_str).collect();
+        let mut names: Vec<&str> = full.attributes().iter().map(|(key, _)| *key).collect();
+        keys.sort_unstable();
+        names.sort_unstable();
+        assert_eq!(keys, names);
+        assert_eq!(serde_json::from_value::<Workload>(json).expect("back"), full);
+        let partial = Workload { container_id: Some(ID.into()), ..Workload::default() };
+        assert_eq!(serde_json::to_string(&partial).expect("json"), format!("{{\"container.id\":\"{ID}\"}}"));
     }
 
     #[test]

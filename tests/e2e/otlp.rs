@@ -8,7 +8,7 @@ use std::{
 use serde_json::Value;
 use stallwatch_tests::{
     Agent, Demo, Injected, Line, metric,
-    otlp::{Collector, Span, expected_trace_id, http_get, watch_with_env},
+    otlp::{Collector, Span, TlsFront, expected_trace_id, http_get, watch_with_env},
     require_root, summary,
 };
 
@@ -204,7 +204,9 @@ fn http_export_from_the_environment_with_resource_and_metrics() {
     let resource = &stall.resource;
     assert_eq!(resource.get("service.name").map(String::as_str), Some("prefill-watch"), "{resource:?}");
     assert_eq!(resource.get("k8s.node.name").map(String::as_str), Some("gpu-node-7"), "{resource:?}");
-    assert_eq!(resource.get("k8s.pod.name").map(String::as_str), Some("stallwatch-x1"), "{resource:?}");
+    // The resource is the watched process's: the agent's own pod is not it.
+    assert_eq!(resource.get("k8s.pod.name"), None, "{resource:?}");
+    assert_eq!(resource.get("process.pid"), Some(&pid.to_string()), "{resource:?}");
 
     // The metrics endpoint, scraped while the request is stuck.
     let port = agent.metrics_port();
@@ -544,4 +546,90 @@ fn a_sampler_it_cannot_honour_stops_the_agent_and_config_check() {
             .env("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant"),
     );
     assert!(!ok && stderr.contains("`x-tenant` is not KEY=VALUE"), "{stderr}");
+}
+
+/// The demo with one request pinned at `enqueued`, stalled after 1 s.
+fn one_stall() -> Demo {
+    Demo::start(&["--rate", "100", "--duration", "5s", "--inject-after", "200ms", "--waiting-for-peer", "1"])
+}
+
+#[test]
+fn tls_export_trusts_the_ca_file_or_the_system_roots_and_sends_the_headers() {
+    require_root();
+    let mut collector = Collector::start();
+    let front = TlsFront::start(&collector);
+    let ca = front.ca();
+    // gRPC trusting OTEL_EXPORTER_OTLP_CERTIFICATE; HTTP trusting the
+    // system's roots, here the file SSL_CERT_FILE names.
+    let runs = [
+        ("grpc", front.grpc_endpoint(), ("OTEL_EXPORTER_OTLP_CERTIFICATE", ca.as_str())),
+        ("http/protobuf", front.http_endpoint(), ("SSL_CERT_FILE", ca.as_str())),
+    ];
+    for (protocol, endpoint, trust) in runs {
+        let mut demo = one_stall();
+        let pid = demo.proc.pid();
+        let agent = watch_with_env(
+            pid,
+            "1s",
+            &[],
+            &[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol),
+                ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-tenant=stallwatch-tls"),
+                trust,
+            ],
+        );
+        demo.go();
+        let spans =
+            collector.wait_for(Duration::from_secs(10), &format!("the stall span over TLS ({protocol})"), |spans| {
+                stall_spans(spans).iter().any(|s| s.resource.get("process.pid") == Some(&pid.to_string()))
+            });
+        let stall = stall_spans(&spans).into_iter().find(|s| s.resource.get("process.pid") == Some(&pid.to_string()));
+        assert_eq!(stall.and_then(|s| s.attr("stallwatch.stall.class")), Some("waiting_for_peer"));
+        let stderr = agent.proc.stderr();
+        assert!(!stderr.contains("OTLP export failed"), "{protocol}: {stderr}");
+        drop(agent);
+    }
+    // HTTP/1.1 inside TLS: the header went out on every export request.
+    let received = front.received();
+    assert!(received.contains("x-tenant: stallwatch-tls\r\n"), "{received:?}");
+    let _ = collector.stop();
+}
+
+#[test]
+fn an_untrusted_collector_certificate_is_an_error_that_names_the_fix() {
+    require_root();
+    let mut collector = Collector::start();
+    let front = TlsFront::start(&collector);
+    for (protocol, endpoint) in [("grpc", front.grpc_endpoint()), ("http/protobuf", front.http_endpoint())] {
+        let mut demo = one_stall();
+        let agent = watch_with_env(
+            demo.proc.pid(),
+            "1s",
+            &[],
+            &[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol),
+                ("OTEL_EXPORTER_OTLP_CERTIFICATE", &front.wrong_ca()),
+                ("OTEL_EXPORTER_OTLP_TIMEOUT", "1000"),
+                // Not the system's roots either.
+                ("SSL_CERT_FILE", &front.wrong_ca()),
+            ],
+        );
+        demo.go();
+        let mut seen = Vec::new();
+        agent.wait_alerts("stalled", 1, Duration::from_secs(10), &mut seen);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !agent.proc.stderr().contains("OTLP export failed") {
+            assert!(Instant::now() < deadline, "{protocol}: no export error:\n{}", agent.proc.stderr());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let stderr = agent.proc.stderr();
+        let line = stderr.lines().find(|l| l.contains("OTLP export failed")).expect("the error line");
+        assert!(line.contains("OTEL_EXPORTER_OTLP_CERTIFICATE"), "{protocol}: {line}");
+        eprintln!("{protocol}: {line}");
+        drop(agent);
+    }
+    assert!(stall_spans(collector.spans()).is_empty(), "nothing may pass an untrusted certificate");
+    let _ = collector.stop();
 }

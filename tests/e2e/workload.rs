@@ -3,21 +3,22 @@
 //! made here in the host's cgroup v1 `pids` hierarchy), and a local HTTP
 //! server answering `GET /api/v1/pods` with a PodList as the API server
 //! (behind `kubectl proxy`) does. The agent must name the pod on its alerts,
-//! spans and metrics; without the API, the container id alone; on an API
-//! error, that and a warning, never a failure.
+//! `inflight` rows, spans (their resource) and metrics; without the API, the
+//! container id alone; on an API error, that and a warning, never a failure.
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     net::TcpListener,
     path::PathBuf,
+    process::Command,
     sync::{Arc, Mutex},
     time::Duration,
 };
 
 use serde_json::{Value, json};
 use stallwatch_tests::{
-    Agent, Demo, alerts, metric,
+    Agent, Demo, agent_bin, alerts, metric,
     otlp::{Collector, http_get},
-    require_root,
+    require_root, run_to_end,
 };
 
 const NAMESPACE: &str = "llm";
@@ -150,12 +151,24 @@ fn alerts_spans_and_metrics_name_the_pod_from_the_api() {
     let api = ApiServer::start("200 OK", pod_list(&id, &uid));
     let mut collector = Collector::start();
     let endpoint = collector.http_endpoint();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("run/agent.sock");
+    let socket = socket.to_str().expect("UTF-8 temp path");
     let agent = Agent::watch_with_env(
         pid,
         "demo",
         "1s",
-        &["--kubernetes", &api.url(), "--metrics-addr", "127.0.0.1:0", "--otlp-endpoint", &endpoint],
-        &[("K8S_NODE_NAME", NODE)],
+        &[
+            "--kubernetes",
+            &api.url(),
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--otlp-endpoint",
+            &endpoint,
+            "--socket",
+            socket,
+        ],
+        &[("K8S_NODE_NAME", NODE), ("K8S_POD_NAME", "stallwatch-x2k4q"), ("K8S_NAMESPACE_NAME", "monitoring")],
     );
     demo.go();
     let mut seen = Vec::new();
@@ -177,13 +190,40 @@ fn alerts_spans_and_metrics_name_the_pod_from_the_api() {
     );
     assert_eq!(metric(&body, &series), 1, "{body}");
 
-    // So does the stall span.
+    // So does every `inflight` row, in JSON and in the table.
+    let (ok, json, stderr) = run_to_end(Command::new(agent_bin()).args(["inflight", "--json", "--socket", socket]));
+    assert!(ok, "{stderr}");
+    let answer: Value = serde_json::from_str(&json).expect("inflight --json");
+    let rows = answer["requests"].as_array().expect("rows");
+    assert!(!rows.is_empty(), "{answer}");
+    for row in rows {
+        assert_eq!(row["workload"], stalled[0].1["workload"], "{row}");
+    }
+    assert_eq!(answer["processes"][0]["workload"]["k8s.pod.name"], POD, "{answer}");
+    let (ok, table, stderr) = run_to_end(Command::new(agent_bin()).args(["inflight", "--socket", socket]));
+    assert!(ok, "{stderr}");
+    let shown = format!("{NAMESPACE}/{POD}/sglang");
+    let header = table.lines().next().expect("header");
+    assert!(header.split_whitespace().nth(2) == Some("WORKLOAD"), "{table}");
+    assert!(
+        table.lines().skip(1).take(rows.len()).all(|line| line.split_whitespace().nth(2) == Some(shown.as_str())),
+        "{table}"
+    );
+    assert!(table.contains(&format!("({}, {shown})", rows[0]["process"].as_str().expect("process"))), "{table}");
+
+    // So does the stall span, as its resource: the watched process's pod,
+    // not the agent's own (K8S_POD_NAME).
     let spans = collector
         .wait_for(Duration::from_secs(5), "the stall span", |spans| spans.iter().any(|s| s.name == "stallwatch.stall"));
     let span = spans.iter().find(|s| s.name == "stallwatch.stall").expect("stall span");
-    assert_eq!(span.attr("k8s.pod.name"), Some(POD), "{span:#?}");
-    assert_eq!(span.attr("k8s.namespace.name"), Some(NAMESPACE));
-    assert_eq!(span.attr("container.id"), Some(id.as_str()));
+    let resource = |key: &str| span.resource.get(key).map(String::as_str);
+    assert_eq!(resource("k8s.pod.name"), Some(POD), "{span:#?}");
+    assert_eq!(resource("k8s.namespace.name"), Some(NAMESPACE));
+    assert_eq!(resource("k8s.container.name"), Some("sglang"));
+    assert_eq!(resource("k8s.node.name"), Some(NODE));
+    assert_eq!(resource("container.id"), Some(id.as_str()));
+    assert_eq!(resource("process.pid"), Some(pid.to_string().as_str()));
+    assert_eq!(resource("service.name"), Some("stallwatch"));
 
     // One list, of this node's pods only.
     let requests = api.requests();

@@ -358,3 +358,95 @@ pub fn http_get(port: u16, path: &str, accept: Option<&str>) -> (String, String)
     let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
     (head.lines().next().unwrap_or_default().to_owned(), body.to_owned())
 }
+
+/// A TLS endpoint in front of a [`Collector`] (`tls_front.py`, Python's
+/// ssl), with a CA and a server certificate for 127.0.0.1 made here by the
+/// openssl CLI, and a second CA that signed nothing of it.
+pub struct TlsFront {
+    proc: Proc,
+    pub grpc_port: u16,
+    pub http_port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl TlsFront {
+    pub fn start(collector: &Collector) -> Self {
+        let dir = tempfile::tempdir().expect("a temp dir for the certificates");
+        let path = |name: &str| dir.path().join(name);
+        let openssl = |args: &[&str]| {
+            let (ok, _, stderr) = crate::run_to_end(Command::new("openssl").current_dir(dir.path()).args(args));
+            assert!(ok, "openssl {args:?}: {stderr}");
+        };
+        let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+        for ca in ["ca", "wrong-ca"] {
+            let (key, crt) = (format!("{ca}.key"), format!("{ca}.crt"));
+            let subject = format!("/CN=stallwatch test {ca}");
+            openssl(
+                &[&["req", "-x509"][..], &ec, &["-keyout", &key, "-out", &crt, "-days", "1", "-subj", &subject]]
+                    .concat(),
+            );
+        }
+        std::fs::write(path("san.ext"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").expect("writing san.ext");
+        openssl(
+            &[&["req"][..], &ec, &["-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost"]].concat(),
+        );
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            "san.ext",
+            "-out",
+            "server.crt",
+        ]);
+        let (grpc_port, http_port) = (free_port(), free_port());
+        let mut command = Command::new(crate::venv_python());
+        command
+            .arg(root().join("tests/support/tls_front.py"))
+            .args([path("server.crt"), path("server.key"), path("received.log")])
+            .arg(format!("{grpc_port}:{}", collector.grpc_port))
+            .arg(format!("{http_port}:{}", collector.http_port));
+        let proc = Proc::spawn("tls_front", &mut command);
+        let ready = proc.next_line(Duration::from_secs(10), "tls_front.py's `ready`");
+        assert_eq!(ready.text, "ready", "stderr:\n{}", proc.stderr());
+        Self { proc, grpc_port, http_port, dir }
+    }
+
+    pub fn grpc_endpoint(&self) -> String {
+        format!("https://127.0.0.1:{}", self.grpc_port)
+    }
+
+    pub fn http_endpoint(&self) -> String {
+        format!("https://127.0.0.1:{}", self.http_port)
+    }
+
+    /// The CA that signed the endpoint's certificate.
+    pub fn ca(&self) -> String {
+        self.dir.path().join("ca.crt").to_string_lossy().into_owned()
+    }
+
+    /// A CA that did not.
+    pub fn wrong_ca(&self) -> String {
+        self.dir.path().join("wrong-ca.crt").to_string_lossy().into_owned()
+    }
+
+    /// What clients sent after the handshakes (HTTP/1.1 heads in clear).
+    pub fn received(&self) -> String {
+        String::from_utf8_lossy(&std::fs::read(self.dir.path().join("received.log")).unwrap_or_default()).into_owned()
+    }
+}
+
+impl Drop for TlsFront {
+    fn drop(&mut self) {
+        let _ = self.proc.child.kill();
+        let _ = self.proc.child.wait();
+    }
+}

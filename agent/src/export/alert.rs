@@ -312,9 +312,7 @@ impl<W: Write> AlertWriter<W> {
                 object.insert((*name).to_owned(), json!(value));
             }
             if let Some(workload) = self.workload(request.pid) {
-                let attributes: Map<String, Value> =
-                    workload.attributes().into_iter().map(|(k, v)| (k.to_owned(), Value::String(v))).collect();
-                object.insert("workload".to_owned(), Value::Object(attributes));
+                object.insert("workload".to_owned(), json!(*workload));
             }
         }
         value

@@ -12,7 +12,7 @@ use super::{
     server,
     wire::{self, Inflight, Query, QueryKind},
 };
-use crate::{text, trusted_dir::TrustedDir};
+use crate::{text, trusted_dir::TrustedDir, workload::Workload};
 
 /// How long the agent may go without sending anything.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
@@ -101,18 +101,19 @@ fn write_raw(raw: &[u8], mut out: impl Write) -> std::io::Result<()> {
     out.flush()
 }
 
-const HEADER: [&str; 8] = ["PID", "PROCESS", "KEY", "EXTERNAL_ID", "STAGE", "AGE", "SILENT", "CLASS"];
+const HEADER: [&str; 9] = ["PID", "PROCESS", "WORKLOAD", "KEY", "EXTERNAL_ID", "STAGE", "AGE", "SILENT", "CLASS"];
 
 /// The human form: one row per request, oldest first, then a summary line
 /// per watched process.
 pub fn write_table(inflight: &Inflight, mut out: impl Write) -> std::io::Result<()> {
-    let rows: Vec<[String; 8]> = inflight
+    let rows: Vec<[String; 9]> = inflight
         .requests
         .iter()
         .map(|r| {
             [
                 r.pid.to_string(),
                 text::value(&r.process).into_owned(),
+                workload_cell(r.workload.as_ref()),
                 format!("{:#x}", r.key),
                 r.external_id.as_deref().map_or_else(|| "-".to_owned(), |ext| text::value(ext).into_owned()),
                 if r.inferred.contains(&r.stage) { format!("{} (inferred)", r.stage) } else { r.stage.to_string() },
@@ -159,7 +160,11 @@ pub fn write_table(inflight: &Inflight, mut out: impl Write) -> std::io::Result<
         writeln!(out, "the agent watches no process")?;
     }
     for p in &inflight.processes {
-        write!(out, "pid {} ({}): {} in flight, {} stalled", p.pid, text::value(&p.process), p.in_flight, p.stalled)?;
+        write!(out, "pid {} ({}", p.pid, text::value(&p.process))?;
+        if p.workload.is_some() {
+            write!(out, ", {}", workload_cell(p.workload.as_ref()))?;
+        }
+        write!(out, "): {} in flight, {} stalled", p.in_flight, p.stalled)?;
         match &p.transport {
             Some(t) => writeln!(
                 out,
@@ -181,7 +186,16 @@ pub fn write_table(inflight: &Inflight, mut out: impl Write) -> std::io::Result<
     out.flush()
 }
 
-fn write_row<S: AsRef<str>>(out: &mut impl Write, cells: &[S; 8], widths: &[usize; 8]) -> std::io::Result<()> {
+/// `namespace/pod/container`, `container 0123456789ab` (no Kubernetes),
+/// or `-`.
+fn workload_cell(workload: Option<&Workload>) -> String {
+    match workload.map(ToString::to_string).filter(|shown| !shown.is_empty()) {
+        Some(shown) => text::escaped(&shown).into_owned(),
+        None => "-".to_owned(),
+    }
+}
+
+fn write_row<S: AsRef<str>>(out: &mut impl Write, cells: &[S; 9], widths: &[usize; 9]) -> std::io::Result<()> {
     let mut line = String::with_capacity(widths.iter().sum::<usize>() + 16);
     for (i, (cell, width)) in cells.iter().zip(widths).enumerate() {
         let cell = cell.as_ref();
@@ -245,17 +259,34 @@ mod tests {
         (dir, path, server)
     }
 
+    fn pod() -> Workload {
+        Workload {
+            namespace: Some("llm".to_owned()),
+            pod: Some("prefill-0".to_owned()),
+            container: Some("sglang".to_owned()),
+            ..Workload::default()
+        }
+    }
+
     fn answer() -> Inflight {
         Inflight {
             version: 1,
             agent_pid: 1,
             at: "2025-01-01T00:00:00.000Z".to_owned(),
             timeout_ms: 60_000,
-            processes: vec![Process { pid: 42, process: "demo-prefill".to_owned(), in_flight: 2, stalled: 1, transport: None }],
+            processes: vec![Process {
+                pid: 42,
+                process: "demo-prefill".to_owned(),
+                workload: Some(pod()),
+                in_flight: 2,
+                stalled: 1,
+                transport: None,
+            }],
             requests: vec![
                 InflightRequest {
                     pid: 42,
                     process: "demo-prefill".to_owned(),
+                    workload: Some(pod()),
                     key: 0x10000000000,
                     external_id: Some("room-1099511627776".to_owned()),
                     stage: Stage::TransferPosted,
@@ -272,6 +303,7 @@ mod tests {
                 InflightRequest {
                     pid: 42,
                     process: "demo-prefill".to_owned(),
+                    workload: Some(Workload { container_id: Some("ab".repeat(32)), ..Workload::default() }),
                     key: 7,
                     external_id: None,
                     stage: Stage::TransferDone,
@@ -367,11 +399,11 @@ mod tests {
         assert_eq!(
             lines,
             [
-                "PID  PROCESS       KEY            EXTERNAL_ID         STAGE                     AGE    SILENT  CLASS",
-                "42   demo-prefill  0x10000000000  room-1099511627776  transfer_posted           2m05s  1m01s   transfer_hung [handle=0x7f00 transfer=2] (peer_unresponsive: last post 61.0s ago, last completion never, 900 progress calls in the last 30.0s, none completed)",
-                "42   demo-prefill  0x7            -                   transfer_done (inferred)  3ms    3ms     -",
+                "PID  PROCESS       WORKLOAD                KEY            EXTERNAL_ID         STAGE                     AGE    SILENT  CLASS",
+                "42   demo-prefill  llm/prefill-0/sglang    0x10000000000  room-1099511627776  transfer_posted           2m05s  1m01s   transfer_hung [handle=0x7f00 transfer=2] (peer_unresponsive: last post 61.0s ago, last completion never, 900 progress calls in the last 30.0s, none completed)",
+                "42   demo-prefill  container abababababab  0x7            -                   transfer_done (inferred)  3ms    3ms     -",
                 "2 requests in flight, 1 stalled (timeout 1m00s), as of 2025-01-01T00:00:00.000Z",
-                "pid 42 (demo-prefill): 2 in flight, 1 stalled",
+                "pid 42 (demo-prefill, llm/prefill-0/sglang): 2 in flight, 1 stalled",
             ]
         );
     }
@@ -387,7 +419,7 @@ mod tests {
         let text = String::from_utf8(out).expect("UTF-8");
         assert_eq!(
             text,
-            "0 requests in flight, 0 stalled (timeout 1m00s), as of 2025-01-01T00:00:00.000Z\npid 42 (demo-prefill): 0 in flight, 0 stalled\n"
+            "0 requests in flight, 0 stalled (timeout 1m00s), as of 2025-01-01T00:00:00.000Z\npid 42 (demo-prefill, llm/prefill-0/sglang): 0 in flight, 0 stalled\n"
         );
     }
 

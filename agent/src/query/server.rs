@@ -29,6 +29,7 @@ use crate::{
     signals::Signals,
     transport::Tracker,
     trusted_dir::TrustedDir,
+    workload::Directory,
 };
 
 /// Connections served at once; more get a "busy" answer.
@@ -51,6 +52,8 @@ pub struct QueryServer {
     queries: mpsc::Receiver<Pending>,
     names: HashMap<u32, String>,
     clock: Clock,
+    /// The watched processes' workloads, named on every row.
+    workloads: Option<Directory>,
 }
 
 impl QueryServer {
@@ -65,7 +68,13 @@ impl QueryServer {
         let (tx, queries) = mpsc::channel(MAX_CONNECTIONS);
         tokio::spawn(accept(listener, tx));
         info!(socket = %shown, "serving `stallwatch inflight`");
-        Ok(Self { socket, queries, names: HashMap::new(), clock })
+        Ok(Self { socket, queries, names: HashMap::new(), clock, workloads: None })
+    }
+
+    /// Rows and processes name their workload (pod, container) when known.
+    pub fn with_workloads(mut self, workloads: Directory) -> Self {
+        self.workloads = Some(workloads);
+        self
     }
 
     pub fn path(&self) -> &Path {
@@ -109,6 +118,12 @@ impl QueryServer {
             now_ns,
             timeout_ns: engine.config().timeout_ns,
             processes: self.names.iter().map(|(pid, name)| (*pid, name.clone())).collect(),
+            workloads: self
+                .workloads
+                .iter()
+                .flat_map(|workloads| self.names.keys().filter_map(|&pid| Some((pid, workloads.get(pid)?))))
+                .filter(|(_, workload)| !workload.is_empty())
+                .collect(),
             requests,
             fields,
             transport: self.names.keys().filter_map(|&pid| Some((pid, transport.process(pid)?.clone()))).collect(),

@@ -6,8 +6,10 @@
 //! -> {"version":1,"query":"inflight"}
 //! <- {"version":1,"agent_pid":4242,"at":"2025-01-01T00:00:00.000Z","timeout_ms":2000,
 //!     "processes":[{"pid":4243,"process":"demo-prefill","in_flight":3,"stalled":2,
+//!                   "workload":{"k8s.namespace.name":"llm","k8s.pod.name":"prefill-0",..},
 //!                   "transport":{"post":{"total":9,"last_ago_ms":5000},"completion":{..},"progress":{..}}}],
 //!     "requests":[{"pid":4243,"process":"demo-prefill","key":"0x10000000000",
+//!                  "workload":{"k8s.namespace.name":"llm","k8s.pod.name":"prefill-0",..},
 //!                  "external_id":"room-1099511627776","stage":"enqueued",
 //!                  "age_ms":5012,"silent_ms":5012,"class":"waiting_for_peer",
 //!                  "transport":{"verdict":"idle","summary":"last post 5.0s ago, ..."}}, ...]}
@@ -19,8 +21,13 @@
 //! durations are whole milliseconds as of `at`. Unknown fields are ignored
 //! on both sides, so fields can be added without a version bump; a change
 //! of meaning bumps [`VERSION`]. `stallwatch inflight --json` prints the
-//! answer as it came.
-use std::collections::{BTreeMap, HashMap};
+//! answer as it came. `workload` (the watched process's container and
+//! pod, keyed as in the alert lines and on spans) is left out when
+//! nothing is known of it.
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::Arc,
+};
 
 use serde::{Deserialize, Serialize};
 
@@ -28,6 +35,7 @@ use crate::{
     lifecycle::{RequestSnapshot, Stage, StallClass},
     probes::ActivityKind,
     transport::{ProcessTransport, Totals},
+    workload::Workload,
 };
 
 /// The protocol version this build speaks.
@@ -78,6 +86,9 @@ pub struct Process {
     pub in_flight: u64,
     /// Of those, the ones stalled.
     pub stalled: u64,
+    /// Its container and pod, where known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload: Option<Workload>,
     /// What the transport of this process has done (its `[[activity]]`
     /// probes and lifecycle completions); `null` when its profile has no
     /// transport probes.
@@ -137,6 +148,10 @@ pub struct RequestTransport {
 pub struct InflightRequest {
     pub pid: u32,
     pub process: String,
+    /// Its process's container and pod, where known: on every row, so a
+    /// row read alone (`jq '.requests[]'`) names the stuck workload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload: Option<Workload>,
     #[serde(with = "hex_key")]
     pub key: u64,
     pub external_id: Option<String>,
@@ -182,6 +197,8 @@ pub struct Snapshot {
     pub timeout_ns: u64,
     /// Watched processes and their names.
     pub processes: Vec<(u32, String)>,
+    /// The workloads of those whose workload is known.
+    pub workloads: HashMap<u32, Arc<Workload>>,
     /// In any order.
     pub requests: Vec<RequestSnapshot>,
     /// The transport history of the watched processes that have one: the
@@ -195,7 +212,18 @@ pub struct Snapshot {
 impl Snapshot {
     /// Sort oldest first and convert to the wire form.
     pub fn into_answer(self) -> Inflight {
-        let Snapshot { agent_pid, at, now_ns, timeout_ns, mut processes, mut requests, transport, mut fields } = self;
+        let Snapshot {
+            agent_pid,
+            at,
+            now_ns,
+            timeout_ns,
+            mut processes,
+            workloads,
+            mut requests,
+            transport,
+            mut fields,
+        } = self;
+        let workload = |pid: u32| workloads.get(&pid).map(|workload| Workload::clone(workload));
         requests.sort_unstable_by_key(oldest_first);
         processes.sort_unstable();
         processes.dedup_by_key(|(pid, _)| *pid);
@@ -205,7 +233,7 @@ impl Snapshot {
                 let transport = transport_of(&transport, pid)
                     .and_then(ProcessTransport::latest)
                     .map(|(totals, at_ns, attached_ns)| TransportEvidence::of(&totals, at_ns, attached_ns));
-                Process { pid, process, in_flight: 0, stalled: 0, transport }
+                Process { pid, workload: workload(pid), process, in_flight: 0, stalled: 0, transport }
             })
             .collect();
         let rows = requests
@@ -228,6 +256,7 @@ impl Snapshot {
                 InflightRequest {
                     pid: request.pid,
                     process,
+                    workload: workload(request.pid),
                     key: request.key,
                     age_ms: ms(request.age_ns(now_ns)),
                     silent_ms: ms(request.silent_ns(now_ns)),
@@ -450,6 +479,7 @@ mod tests {
             now_ns: 10_000_000_000,
             timeout_ns: 2_000_000_000,
             processes: vec![(42, "demo-prefill".to_owned()), (7, "other".to_owned())],
+            workloads: HashMap::new(),
             requests,
             transport: Vec::new(),
             fields: HashMap::new(),
@@ -494,6 +524,31 @@ mod tests {
                 {"pid": 42, "process": "demo-prefill", "in_flight": 1, "stalled": 1, "transport": null},
             ])
         );
+    }
+
+    #[test]
+    fn rows_and_processes_name_their_workload_where_known() {
+        let pod = Workload {
+            namespace: Some("llm".into()),
+            pod: Some("prefill-0".into()),
+            container: Some("sglang".into()),
+            node: Some("gpu-1".into()),
+            ..Workload::default()
+        };
+        let mut snapshot = snapshot(vec![
+            request(42, 1, Stage::Enqueued, 1_000_000_000, 1_000_000_000, None),
+            request(7, 2, Stage::Enqueued, 2_000_000_000, 2_000_000_000, None),
+        ]);
+        snapshot.workloads.insert(42, Arc::new(pod));
+        let value: Value = serde_json::from_slice(&encode(&snapshot.into_answer())).expect("valid JSON");
+        let named = json!({"k8s.namespace.name": "llm", "k8s.pod.name": "prefill-0",
+                           "k8s.container.name": "sglang", "k8s.node.name": "gpu-1"});
+        assert_eq!(value["requests"][0]["workload"], named);
+        assert_eq!(value["requests"][1].get("workload"), None, "unknown: left out");
+        assert_eq!(value["processes"][1]["workload"], named);
+        assert_eq!(value["processes"][0].get("workload"), None);
+        let answer = decode_inflight(&encode(&value)).expect("decodes");
+        assert_eq!(answer.requests[0].workload.as_ref().and_then(|w| w.pod.as_deref()), Some("prefill-0"));
     }
 
     #[test]

@@ -7,9 +7,14 @@
 //! off unless one of the endpoint sources is set. Headers, timeout and
 //! compression (`OTEL_EXPORTER_OTLP_[TRACES_]HEADERS`, `..._TIMEOUT`,
 //! `..._COMPRESSION`) are read by the `opentelemetry-otlp` exporter itself.
-use std::fmt;
+//!
+//! An `https://` endpoint is reached over TLS (rustls), trusting the
+//! system's roots (`/etc/ssl/certs`, `SSL_CERT_FILE`) and the CA file in
+//! `OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE` / `OTEL_EXPORTER_OTLP_CERTIFICATE`
+//! (PEM), which is read and checked here, at start-up.
+use std::{fmt, path::PathBuf, time::Duration};
 
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail};
 use opentelemetry::{Key, KeyValue};
 use opentelemetry_sdk::{
     Resource,
@@ -21,6 +26,13 @@ pub const TRACES_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT";
 pub const PROTOCOL: &str = "OTEL_EXPORTER_OTLP_PROTOCOL";
 pub const TRACES_PROTOCOL: &str = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL";
 pub const SERVICE_NAME: &str = "OTEL_SERVICE_NAME";
+pub const CERTIFICATE: &str = "OTEL_EXPORTER_OTLP_CERTIFICATE";
+pub const TRACES_CERTIFICATE: &str = "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE";
+pub const TIMEOUT: &str = "OTEL_EXPORTER_OTLP_TIMEOUT";
+pub const TRACES_TIMEOUT: &str = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT";
+
+/// The OTLP exporter spec's default export timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The service name spans carry unless `OTEL_SERVICE_NAME` (or
 /// `service.name` in `OTEL_RESOURCE_ATTRIBUTES`) says otherwise.
@@ -90,6 +102,54 @@ pub struct OtlpTarget {
     /// Where the endpoint came from (a flag or a variable name), for
     /// error messages.
     pub source: &'static str,
+    /// The CA to trust besides the system's roots, for an `https://`
+    /// endpoint.
+    pub ca: Option<CaFile>,
+    /// How long one export request may take (`OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT`,
+    /// in ms): a collector that accepts and never answers is given up on.
+    pub timeout: Duration,
+}
+
+impl OtlpTarget {
+    /// A target over plain HTTP or with the system's roots only.
+    pub fn new(endpoint: String, protocol: Protocol, source: &'static str) -> Self {
+        Self { endpoint, protocol, source, ca: None, timeout: DEFAULT_TIMEOUT }
+    }
+
+    pub fn is_tls(&self) -> bool {
+        self.endpoint.starts_with("https://")
+    }
+}
+
+/// A PEM file of CA certificates, read at start-up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CaFile {
+    pub path: PathBuf,
+    /// The variable that named it.
+    pub source: &'static str,
+    pub pem: String,
+}
+
+impl CaFile {
+    /// `OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE`, else `..._CERTIFICATE`:
+    /// read, and checked to hold a PEM certificate.
+    fn from_env(env: impl Fn(&str) -> Option<String>) -> Result<Option<Self>> {
+        let Some((source, path)) =
+            [TRACES_CERTIFICATE, CERTIFICATE].into_iter().find_map(|name| Some((name, env(name)?)))
+        else {
+            return Ok(None);
+        };
+        let path = PathBuf::from(path);
+        let pem = crate::files::read_text(&path, "CA file").with_context(|| format!("{source}={}", path.display()))?;
+        if !pem.contains("-----BEGIN CERTIFICATE-----") {
+            bail!(
+                "{source}={}: no PEM certificate in it (`-----BEGIN CERTIFICATE-----`): give the CA's certificate, \
+                 e.g. the ca.crt that signed the collector's",
+                path.display()
+            );
+        }
+        Ok(Some(Self { path, source, pem }))
+    }
 }
 
 impl OtlpOptions {
@@ -132,7 +192,15 @@ impl OtlpOptions {
             Protocol::Grpc => url.origin(),
             Protocol::HttpProtobuf => url.with_traces_path(append_path),
         };
-        Ok(Some(OtlpTarget { endpoint, protocol, source }))
+        let ca = CaFile::from_env(env)?;
+        let timeout = match [TRACES_TIMEOUT, TIMEOUT].into_iter().find_map(|name| Some((name, env(name)?))) {
+            Some((name, ms)) => match ms.trim().parse::<u64>() {
+                Ok(ms) if ms > 0 => Duration::from_millis(ms),
+                _ => bail!("{name}={ms:?} is not a timeout: give milliseconds, e.g. `{name}=10000`"),
+            },
+            None => DEFAULT_TIMEOUT,
+        };
+        Ok(Some(OtlpTarget { endpoint, protocol, source, ca, timeout }))
     }
 }
 
@@ -161,13 +229,8 @@ impl<'a> Url<'a> {
         let Some((scheme, rest)) = raw.split_once("://") else {
             bail!("{source} {raw:?} is not a URL: give the scheme, e.g. `http://{raw}`");
         };
-        match scheme {
-            "http" => {}
-            "https" => bail!(
-                "{source} {raw:?} uses https, but stallwatch is built without TLS: point it at a \
-                 collector on the node or in the cluster over `http://` and let the collector do TLS"
-            ),
-            other => bail!("{source} {raw:?} has scheme {other:?}: use `http://HOST:PORT`"),
+        if !matches!(scheme, "http" | "https") {
+            bail!("{source} {raw:?} has scheme {scheme:?}: use `http://HOST:PORT` or `https://HOST:PORT`");
         }
         let (authority, path) = rest.find(['/', '?', '#']).map_or((rest, ""), |at| rest.split_at(at));
         if path.starts_with(['?', '#']) {
@@ -315,8 +378,7 @@ mod tests {
     fn bad_configuration_says_what_to_fix() {
         let err = |flag: &str| format!("{:#}", resolve(Some(flag), None, &[]).expect_err(flag));
         assert!(err("localhost:4317").contains("give the scheme, e.g. `http://localhost:4317`"));
-        assert!(err("https://c:4318").contains("without TLS"));
-        assert!(err("ftp://c:4318").contains("use `http://HOST:PORT`"));
+        assert!(err("ftp://c:4318").contains("use `http://HOST:PORT` or `https://HOST:PORT`"));
         assert!(err("http://c:99999").contains("not a number"));
         assert!(err("http://:4318").contains("no usable host"));
         assert!(err("http://c:4318?x=1").contains("query"));
@@ -327,6 +389,39 @@ mod tests {
         assert!(env.contains("OTEL_EXPORTER_OTLP_PROTOCOL=http/json is not supported"), "{env}");
         let env = format!("{:#}", resolve(None, None, &[(TRACES_ENDPOINT, "e:1")]).expect_err("no scheme"));
         assert!(env.starts_with(TRACES_ENDPOINT), "{env}");
+    }
+
+    #[test]
+    fn https_endpoints_with_the_ca_file_the_environment_names() {
+        let target = resolve(Some("https://collector:4317"), Some(Protocol::Grpc), &[]).expect("valid").expect("set");
+        assert!(target.is_tls() && target.ca.is_none());
+        assert_eq!(target.endpoint, "https://collector:4317");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (ca, other) = (dir.path().join("ca.crt"), dir.path().join("other.crt"));
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n").expect("write");
+        std::fs::write(&other, "not a certificate").expect("write");
+        let (ca, other) = (ca.to_str().expect("UTF-8"), other.to_str().expect("UTF-8"));
+        let env = [(ENDPOINT, "https://c:4318"), (CERTIFICATE, other), (TRACES_CERTIFICATE, ca)];
+        let target = resolve(None, None, &env).expect("valid").expect("set");
+        let file = target.ca.expect("a CA file");
+        assert_eq!((file.source, file.path.to_str()), (TRACES_CERTIFICATE, Some(ca)), "the traces variable wins");
+        let err = format!("{:#}", resolve(None, None, &env[..2]).expect_err("not PEM"));
+        assert!(err.starts_with(&format!("{CERTIFICATE}={other}: no PEM certificate")), "{err}");
+        let err = format!(
+            "{:#}",
+            resolve(None, None, &[(ENDPOINT, "https://c"), (CERTIFICATE, "/nonexistent/ca.crt")]).expect_err("missing")
+        );
+        assert!(err.contains("reading CA file /nonexistent/ca.crt"), "{err}");
+    }
+
+    #[test]
+    fn the_export_timeout_follows_the_otlp_variables() {
+        let timeout = |env: &[(&str, &str)]| resolve(Some("http://c:4318"), None, env).map(|t| t.expect("set").timeout);
+        assert_eq!(timeout(&[]).expect("default"), DEFAULT_TIMEOUT);
+        assert_eq!(timeout(&[(TIMEOUT, "2500")]).expect("ms"), Duration::from_millis(2500));
+        assert_eq!(timeout(&[(TIMEOUT, "2500"), (TRACES_TIMEOUT, "700")]).expect("ms"), Duration::from_millis(700));
+        let err = format!("{:#}", timeout(&[(TIMEOUT, "10s")]).expect_err("not ms"));
+        assert!(err.contains("give milliseconds, e.g. `OTEL_EXPORTER_OTLP_TIMEOUT=10000`"), "{err}");
     }
 
     #[test]

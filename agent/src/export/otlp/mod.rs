@@ -17,7 +17,12 @@
 //! no cross-thread wake-up (no syscall on the event path). Only a stall
 //! report also rings a [`Notify`], and its span is sent at once; other
 //! spans wait up to [`BATCH_DELAY`] or until [`MAX_BATCH`] have gathered.
+//!
+//! Each span goes out under the resource of the process it is about
+//! ([`resources`]): a batch is sent as one request per process in it.
 pub mod config;
+pub mod connection;
+pub mod resources;
 pub mod sampling;
 pub mod spans;
 
@@ -32,16 +37,16 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, anyhow};
-use opentelemetry_otlp::{RetryPolicy, WithExportConfig as _, WithHttpConfig as _, WithTonicConfig as _};
 use opentelemetry_sdk::trace::{SpanData, SpanExporter as _};
 use tokio::{
     sync::{Notify, mpsc, mpsc::error::TryRecvError, watch},
+    task::JoinSet,
     time::Instant,
 };
 use tracing::{debug, info, warn};
 
 pub use self::config::{OtlpOptions, OtlpTarget, Protocol};
-use self::{sampling::SpanSampler, spans::SpanMaker};
+use self::{connection::Connection, resources::Resources, sampling::SpanSampler, spans::SpanMaker};
 use super::clock::Clock;
 use crate::{lifecycle::Report, transport::Evidence, workload::Directory};
 
@@ -53,6 +58,13 @@ pub const MAX_BATCH: usize = 512;
 pub const BATCH_DELAY: Duration = Duration::from_millis(500);
 /// How often the export thread drains the queue when nothing is urgent.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(50);
+/// Export requests under way at once. One at a time, each request waits
+/// out the collector's answer: against rotel over gRPC that took ~43 ms a
+/// batch of 512 whatever the HTTP/2 window (the 40 ms of a delayed ACK
+/// meeting Nagle's algorithm, by its look), 12-25 k spans/s. Several in
+/// flight on the one HTTP/2 connection (or HTTP/1.1 pool) keep the link
+/// busy meanwhile; a collector that answers at once loses nothing by it.
+pub const MAX_IN_FLIGHT: usize = 16;
 /// How long the agent waits at exit for queued spans to go out.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
 
@@ -62,7 +74,7 @@ pub struct ExportSettings {
     pub queue_capacity: usize,
     pub max_batch: usize,
     pub batch_delay: Duration,
-    /// The watched processes' workloads: spans carry theirs.
+    /// The watched processes' workloads: their spans' resources name them.
     pub workloads: Option<Directory>,
     /// `OTEL_TRACES_SAMPLER`: which spans are sent.
     pub sampler: SpanSampler,
@@ -175,8 +187,13 @@ impl OtlpExporter {
                     }
                 };
                 runtime.block_on(async move {
-                    let exporter = match build(&thread_target, &host) {
-                        Ok(exporter) => exporter,
+                    // Building one exporter checks the headers and the
+                    // endpoint before the agent goes on.
+                    let connection = Connection::open(&thread_target);
+                    let resources = match connection.and_then(|c| c.exporter().map(|_| c)) {
+                        Ok(connection) => {
+                            Resources::new(connection, config::resource(&host), settings.workloads.clone())
+                        }
                         Err(err) => {
                             let _ = ready_tx.send(Err(err));
                             return;
@@ -184,15 +201,15 @@ impl OtlpExporter {
                     };
                     let _ = ready_tx.send(Ok(()));
                     let pump = Pump {
-                        exporter,
-                        maker: SpanMaker::new(host, clock)
-                            .with_workloads(settings.workloads.clone())
-                            .with_sampler(settings.sampler.clone()),
+                        resources,
+                        maker: SpanMaker::new(host, clock).with_sampler(settings.sampler.clone()),
                         counters: thread_counters,
                         settings,
                         shutdown: shutdown_rx,
                         target: thread_target,
                         failing: false,
+                        in_flight: JoinSet::new(),
+                        in_flight_spans: 0,
                     };
                     pump.run(rx, thread_wake).await;
                 });
@@ -259,32 +276,9 @@ impl OtlpExporter {
     }
 }
 
-fn build(target: &OtlpTarget, host: &str) -> Result<opentelemetry_otlp::SpanExporter> {
-    // Retries within the export timeout: a collector restart of a few
-    // seconds loses nothing that fits in the queue meanwhile.
-    let retry = RetryPolicy::recommended()
-        .with_max_retries(10)
-        .with_initial_delay(Duration::from_millis(100))
-        .with_max_delay(Duration::from_secs(2));
-    let builder = opentelemetry_otlp::SpanExporter::builder();
-    let mut exporter = match target.protocol {
-        Protocol::Grpc => builder.with_tonic().with_endpoint(&target.endpoint).with_retry_policy(retry).build(),
-        Protocol::HttpProtobuf => builder
-            .with_http()
-            .with_endpoint(&target.endpoint)
-            .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
-            .with_retry_policy(retry)
-            .build(),
-    }
-    .map_err(|err| anyhow!("{err}"))
-    .context("building the OTLP span exporter")?;
-    exporter.set_resource(&config::resource(host));
-    Ok(exporter)
-}
-
 /// The export thread's loop.
 struct Pump {
-    exporter: opentelemetry_otlp::SpanExporter,
+    resources: Resources,
     maker: SpanMaker,
     counters: Arc<Counters>,
     settings: ExportSettings,
@@ -292,12 +286,16 @@ struct Pump {
     target: OtlpTarget,
     /// The last export failed (so the next success is logged).
     failing: bool,
+    /// The exports under way: each says how many spans it carries and how
+    /// it went.
+    in_flight: JoinSet<(u64, Result<(), String>)>,
+    in_flight_spans: u64,
 }
 
 impl Pump {
     async fn run(mut self, mut rx: mpsc::Receiver<Msg>, wake: Arc<Notify>) {
         let max_batch = self.settings.max_batch.max(1);
-        let mut batch: Vec<SpanData> = Vec::with_capacity(max_batch);
+        let mut batch = Batch::with_capacity(max_batch);
         let mut flush_at: Option<Instant> = None;
         loop {
             // Never await the queue (that would make every enqueue wake this
@@ -306,13 +304,20 @@ impl Pump {
                 () = tokio::time::sleep(POLL_INTERVAL) => {}
                 () = wake.notified() => {}
             }
+            self.settle_finished();
             let mut urgent = false;
             let mut closed = false;
             loop {
                 match rx.try_recv() {
-                    Ok(Msg::Process(pid, name)) => self.maker.name_process(pid, &name),
+                    Ok(Msg::Process(pid, name)) => {
+                        self.maker.name_process(pid, &name);
+                        self.resources.name_process(pid, &name);
+                    }
                     Ok(Msg::Report(report, evidence, fields)) => {
-                        urgent |= self.maker.push(report, evidence.map(|e| *e), &fields, &mut batch);
+                        let pid = report.request().pid;
+                        urgent |= self.maker.push(report, evidence.map(|e| *e), &fields, &mut batch.spans);
+                        // The spans it made are the ones past the pids.
+                        batch.pids.resize(batch.spans.len(), pid);
                         self.counters.sampled_out.store(self.maker.sampled_out(), Ordering::Relaxed);
                     }
                     Err(TryRecvError::Empty) => break,
@@ -321,15 +326,15 @@ impl Pump {
                         break;
                     }
                 }
-                if batch.len() >= max_batch {
-                    self.send(std::mem::replace(&mut batch, Vec::with_capacity(max_batch))).await;
+                if batch.spans.len() >= max_batch {
+                    self.send(std::mem::replace(&mut batch, Batch::with_capacity(max_batch))).await;
                     flush_at = None;
                 }
             }
-            if batch.is_empty() {
+            if batch.spans.is_empty() {
                 flush_at = None;
             } else if urgent || closed || flush_at.is_some_and(|at| at <= Instant::now()) {
-                self.send(std::mem::replace(&mut batch, Vec::with_capacity(max_batch))).await;
+                self.send(std::mem::replace(&mut batch, Batch::with_capacity(max_batch))).await;
                 flush_at = None;
             } else if flush_at.is_none() {
                 flush_at = Some(Instant::now() + self.settings.batch_delay);
@@ -338,26 +343,80 @@ impl Pump {
                 break;
             }
         }
-        let _ = self.exporter.shutdown();
+        while self.settle_next().await {}
     }
 
-    async fn send(&mut self, spans: Vec<SpanData>) {
+    /// Send a batch: one request per process in it, each under its
+    /// process's resource.
+    async fn send(&mut self, batch: Batch) {
+        for (pid, spans) in batch.by_process() {
+            self.send_process(pid, spans).await;
+        }
+    }
+
+    /// Start the export of `spans` of `pid`, once fewer than
+    /// [`MAX_IN_FLIGHT`] are under way.
+    async fn send_process(&mut self, pid: u32, spans: Vec<SpanData>) {
         let n = spans.len() as u64;
-        let deadline = *self.shutdown.borrow();
-        let result = match deadline {
-            Some(at) => match tokio::time::timeout_at(at, self.exporter.export(spans)).await {
-                Ok(result) => result.map_err(|err| err.to_string()),
-                Err(_) => Err("the agent is exiting and the grace period ran out".to_owned()),
-            },
-            None => {
-                let mut shutdown = self.shutdown.clone();
-                tokio::select! {
-                    result = self.exporter.export(spans) => result.map_err(|err| err.to_string()),
-                    // Exit began mid-export: give this one until the deadline.
-                    () = until_deadline(&mut shutdown) => Err("the agent is exiting and the grace period ran out".to_owned()),
-                }
+        let exporter = match self.resources.exporter(pid) {
+            Ok(exporter) => exporter,
+            Err(err) => {
+                warn!(pid, "OTLP export: {err:#}");
+                self.settled(n, Err(err.to_string()));
+                return;
             }
         };
+        while self.in_flight.len() >= MAX_IN_FLIGHT {
+            if !self.settle_next().await {
+                break;
+            }
+        }
+        self.in_flight_spans += n;
+        self.in_flight.spawn(async move { (n, exporter.export(spans).await.map_err(|err| err.to_string())) });
+    }
+
+    /// Count the exports that have finished, without waiting.
+    fn settle_finished(&mut self) {
+        while let Some(done) = self.in_flight.try_join_next() {
+            self.joined(done);
+        }
+    }
+
+    /// Wait for the next export to finish (at exit, no longer than the
+    /// grace period: then the rest are given up and counted). False when
+    /// none is under way any more.
+    async fn settle_next(&mut self) -> bool {
+        let mut shutdown = self.shutdown.clone();
+        tokio::select! {
+            done = self.in_flight.join_next() => match done {
+                Some(done) => {
+                    self.joined(done);
+                    true
+                }
+                None => false,
+            },
+            () = until_deadline(&mut shutdown) => {
+                self.in_flight.abort_all();
+                self.in_flight.detach_all();
+                let n = std::mem::take(&mut self.in_flight_spans);
+                self.settled(n, Err("the agent is exiting and the grace period ran out".to_owned()));
+                false
+            }
+        }
+    }
+
+    fn joined(&mut self, done: Result<(u64, Result<(), String>), tokio::task::JoinError>) {
+        match done {
+            Ok((n, result)) => {
+                self.in_flight_spans -= n;
+                self.settled(n, result);
+            }
+            // Export tasks are only aborted after their spans were counted.
+            Err(err) => debug!("OTLP export task ended: {err}"),
+        }
+    }
+
+    fn settled(&mut self, n: u64, result: Result<(), String>) {
         match result {
             Ok(()) => {
                 self.counters.exported.fetch_add(n, Ordering::Relaxed);
@@ -369,17 +428,44 @@ impl Pump {
                 self.counters.export_failed.fetch_add(n, Ordering::Relaxed);
                 self.counters.failed_batches.fetch_add(1, Ordering::Relaxed);
                 if !std::mem::replace(&mut self.failing, true) {
+                    let hint =
+                        if self.target.is_tls() { format!("; {}", connection::UNTRUSTED_HINT) } else { String::new() };
                     warn!(
                         endpoint = %self.target.endpoint,
                         protocol = %self.target.protocol,
                         spans = n,
-                        "OTLP export failed after retries: {err}; spans are dropped (and counted) until the collector answers"
+                        "OTLP export failed after retries: {err}{hint}; spans are dropped (and counted) until the collector answers"
                     );
                 } else {
                     debug!(spans = n, "OTLP export failed again: {err}");
                 }
             }
         }
+    }
+}
+
+/// Spans waiting to be sent, and the process each is about.
+struct Batch {
+    spans: Vec<SpanData>,
+    /// `pids[i]` is the process of `spans[i]`.
+    pids: Vec<u32>,
+}
+
+impl Batch {
+    fn with_capacity(n: usize) -> Self {
+        Self { spans: Vec::with_capacity(n), pids: Vec::with_capacity(n) }
+    }
+
+    /// The spans by process, each process's in the order they came.
+    fn by_process(self) -> Vec<(u32, Vec<SpanData>)> {
+        let mut parts: Vec<(u32, Vec<SpanData>)> = Vec::new();
+        for (pid, span) in self.pids.into_iter().zip(self.spans) {
+            match parts.iter_mut().find(|(p, _)| *p == pid) {
+                Some((_, spans)) => spans.push(span),
+                None => parts.push((pid, vec![span])),
+            }
+        }
+        parts
     }
 }
 

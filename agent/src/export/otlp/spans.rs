@@ -32,7 +32,6 @@ use crate::{
     lifecycle::{Outcome, Report, RequestSnapshot, Stage, StallClass},
     probes::ActivityKind,
     transport::Evidence,
-    workload::Directory,
 };
 
 use super::sampling::SpanSampler;
@@ -176,7 +175,6 @@ pub struct SpanMaker {
     executables: HashMap<u32, Arc<str>>,
     open: HashMap<(u32, u64), Open>,
     ids: RandomIdGenerator,
-    workloads: Option<Directory>,
     sampler: SpanSampler,
     sampled_out: u64,
 }
@@ -190,7 +188,6 @@ impl SpanMaker {
             executables: HashMap::new(),
             open: HashMap::new(),
             ids: RandomIdGenerator::default(),
-            workloads: None,
             sampler: SpanSampler::default(),
             sampled_out: 0,
         }
@@ -199,15 +196,6 @@ impl SpanMaker {
     /// Which spans are sent (`OTEL_TRACES_SAMPLER`); every one by default.
     pub fn with_sampler(mut self, sampler: SpanSampler) -> Self {
         self.sampler = sampler;
-        self
-    }
-
-    /// Spans of a process whose workload is known carry its `container.id`
-    /// and `k8s.*` attributes. On the span, not the resource: the resource
-    /// is the agent's own (one per exporter), and one agent watches many
-    /// pods.
-    pub fn with_workloads(mut self, workloads: Option<Directory>) -> Self {
-        self.workloads = workloads;
         self
     }
 
@@ -384,9 +372,6 @@ impl SpanMaker {
         if let Some(name) = self.executables.get(&request.pid) {
             attributes
                 .push(KeyValue::new(attr::PROCESS_EXECUTABLE_NAME, Value::String(StringValue::from(Arc::clone(name)))));
-        }
-        if let Some(workload) = self.workloads.as_ref().and_then(|w| w.get(request.pid)) {
-            attributes.extend(workload.attributes().into_iter().map(|(key, value)| KeyValue::new(key, value)));
         }
         attributes.push(KeyValue::new(attr::KEY, format!("{:#x}", request.key)));
         if let Some(id) = &request.external_id {
