@@ -274,11 +274,14 @@ impl Rooms {
                 (room, Stage::Enqueued)
             }
             Bootstrap::Request { room, ref rid } => {
+                // Its rid names it in an abort even when a destination came
+                // first (the router tells the decode before the tokenizer
+                // hands the request on, so either may arrive first).
+                self.rids.insert((pid, rid.clone()), room);
                 if self.live.contains_key(&(pid, room)) {
                     return None;
                 }
                 self.live.insert((pid, room), Room { received: true, ..Room::default() });
-                self.rids.insert((pid, rid.clone()), room);
                 (room, Stage::Enqueued)
             }
             Bootstrap::AbortRequest { ref rid } => match self.rids.get(&(pid, rid.clone())) {
@@ -705,6 +708,22 @@ mod tests {
         assert_eq!(rooms.observe(5, 23, &Bootstrap::Asked { room: 8 }), None);
         rooms.forget(5);
         assert!(rooms.rids.is_empty());
+    }
+
+    #[test]
+    fn a_room_whose_destination_came_before_its_request_still_ends_at_its_abort() {
+        // The router tells the decode before the tokenizer hands the request
+        // on: on the real target the destination often arrives first.
+        let mut rooms = Rooms::default();
+        let to = Bootstrap::Destination { room: 7, port: 1, agent: "d".into(), ranks: 1, pages: Default::default() };
+        rooms.observe(4, 10, &to).expect("enqueued at its destination");
+        let rid: Rid = b"req-7".as_slice().into();
+        assert_eq!(rooms.observe(4, 11, &Bootstrap::Request { room: 7, rid: rid.clone() }), None, "no second start");
+        assert_eq!(
+            rooms.observe(4, 12, &Bootstrap::AbortRequest { rid }).map(|o| (o.key, o.stage, o.ts_ns)),
+            Some((7, Stage::Aborted, 12))
+        );
+        assert!(rooms.rids.is_empty() && rooms.live.is_empty());
     }
 
     #[test]

@@ -287,13 +287,29 @@ fn a_decode_abort_racing_a_chunk_ends_its_room_aborted() {
     assert_eq!(summary(&lines)["aborted"], 1, "{lines:?}");
 }
 
-/// The room whose decode never sends its destination, with one-rank
-/// decodes: the scheduler has it (its request read from SGLang's own IPC
-/// message), so it is `waiting_for_peer` with `answered=0`, timed from
-/// the request.
-#[test]
-fn a_room_whose_tp1_decode_never_answers_waits_for_its_peer() {
-    let (mut target, agent) = Target::watched("no-answer", &[], &[]);
+/// The rooms the target held, by state (`holding`'s `rooms`): how many
+/// are in `state`.
+fn held(holding: &Value, state: &str) -> u64 {
+    let rooms = holding["rooms"].as_object().unwrap_or_else(|| panic!("no rooms: {holding}"));
+    rooms.values().filter(|s| *s == state).count() as u64
+}
+
+/// The agent's SIGINT summary of a run whose every room the scheduler
+/// received: each room one lifecycle (`seen`), and how each ended.
+fn assert_counts(lines: &[Line], rooms: usize, completed: u64, stalled: u64, failed: u64, aborted: u64) {
+    let summary = summary(lines);
+    let counts = ["seen", "completed", "stalled", "failed", "aborted", "lost_events"].map(|k| summary[k].as_u64());
+    let expected = [rooms as u64, completed, stalled, failed, aborted, 0].map(Some);
+    assert_eq!(counts, expected, "seen, completed, stalled, failed, aborted, lost: {summary}");
+}
+
+/// The room whose decode never sends its destination, with one rank of
+/// its decode instance silent: the scheduler has it (its request read
+/// from SGLang's own IPC message), so it is `waiting_for_peer` with
+/// `answered` = the destinations that came, timed from the room's last
+/// activity (`since`: the target's line for it), nothing else alerted.
+fn a_room_never_answered(shape: &str, answered: &str, since: impl Fn(&Target, u64) -> Instant) {
+    let (mut target, agent) = Target::watched("no-answer", &["--decode-shape", shape], &[]);
     let holding = target.until("holding", Duration::from_secs(60));
     let room = target.fault_room();
     assert_eq!(holding["rooms"][room.to_string()], "bootstrapping", "{holding}");
@@ -305,9 +321,46 @@ fn a_room_whose_tp1_decode_never_answers_waits_for_its_peer() {
         (Some(format!("{room:#x}").as_str()), Some("waiting_for_peer")),
         "{alert}"
     );
-    assert_eq!((alert["answered"].as_str(), alert["waiting_on"].as_str()), (Some("0"), Some("peer")), "{alert}");
-    timed_from(alert, *at, target.at("request", room), Duration::from_millis(200));
+    assert_eq!((alert["answered"].as_str(), alert["waiting_on"].as_str()), (Some(answered), Some("peer")), "{alert}");
+    timed_from(alert, *at, since(&target, room), Duration::from_millis(200));
     assert_eq!(alert_lines(&seen).len(), 1, "{seen:?}");
+    assert_counts(&seen, target.rooms().len(), held(&holding, "completed"), 1, 0, 0);
+}
+
+/// TP1 decodes: nothing came, timed from the request.
+#[test]
+fn a_room_whose_tp1_decode_never_answers_waits_for_its_peer() {
+    a_room_never_answered("tp1", "0", |target, room| target.at("request", room));
+}
+
+/// A TP2 MLA decode (`required_dst_info_num = 2`) whose rank 0 never
+/// answers while rank 1 does: `answered=1/2`, timed from rank 1's
+/// destination, the room's last activity.
+#[test]
+fn a_room_whose_tp2_decode_answers_from_one_rank_only_waits_for_the_other() {
+    a_room_never_answered("tp2", "1/2", |target, room| {
+        let answered = target.lines.iter().rev().find(|line| {
+            line.json().is_some_and(|v| v["event"] == "decode_answered" && v["room"] == room && v["decode"] == 1)
+        });
+        answered.unwrap_or_else(|| panic!("rank 1 never answered room {room}: {:?}", target.lines)).at
+    });
+}
+
+/// The prefill's own abort (an `AbortReq` from its tokenizer, taken by the
+/// scheduler as `Scheduler.abort_request` does: `sender.abort()`, which
+/// sends no ZMQ message to the decode) after the room's first chunk: the
+/// room ends `aborted`, never a stall, the others complete.
+#[test]
+fn a_prefill_abort_racing_a_chunk_ends_its_room_aborted() {
+    let (mut target, agent) = Target::watched("prefill-abort", &["--hold"], &[]);
+    let done = target.until("done", Duration::from_secs(60));
+    assert_eq!(done["failed"], 1, "{done}");
+    target.at("prefill_abort", target.fault_room());
+    std::thread::sleep(TIMEOUT * 2 + LATENESS);
+    let lines = agent.stop();
+    assert!(alert_lines(&lines).is_empty(), "{lines:?}");
+    let completed = done["completed"].as_u64().expect("completed");
+    assert_counts(&lines, target.rooms().len(), completed, 0, 0, 1);
 }
 
 /// Both sides of one hung room, each watched by its own agent: the

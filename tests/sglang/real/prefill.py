@@ -106,7 +106,9 @@ Seeded faults (--fault), on --fault-room:
   no-answer        the decode creates the receiver but never sends the room's
                    destination: the prefill's room stays Bootstrapping (no
                    NIXL call) until SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
-                   (300 s).
+                   (300 s). With a TP2 instance only its rank 0 holds the
+                   destination back; rank 1 answers (the prefill has 1 of
+                   the room's required_dst_info_num = 2 destinations).
   bootstrap-timeout  no-answer with SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT =
                    --bootstrap-timeout (3 s) in the prefill: sender.poll()
                    fails the room by itself (failure_exception).
@@ -120,8 +122,16 @@ Seeded faults (--fault), on --fault-room:
                    first byte of the room's KV lands; the router sends the
                    next chunk once the prefill's manager has the room Failed
                    (bounded 5 s), so the race always goes the abort's way.
-  prefill-abort    the prefill calls sender.abort() (what the scheduler does
-                   on an AbortReq) right after the room's first chunk is sent.
+  prefill-abort    right after the room's first chunk is sent, the tokenizer
+                   sends the scheduler an AbortReq for the room's rid
+                   (io_struct.sock_send, as SGLang's tokenizer manager does
+                   when a client disconnects or asks /abort_request); the
+                   scheduler receives it with sock_recv and calls
+                   sender.abort() on the matching room, as
+                   Scheduler.abort_request does (sglang's only callers of
+                   sender.abort() are downstream of an AbortReq). The next
+                   chunk waits until the abort is taken (bounded 5 s), so
+                   the abort always races the room's last chunk.
 Default fault room: the first room of decode instance 0 after the middle of
 the run (abort: its last room). With hang and decode-dies the requests after
 the fault room are issued once the fault is in place.
@@ -470,9 +480,11 @@ class Target:
         """The router: the room goes to its decode instance's ranks and, as a
         TokenizedGenerateReqInput, through the tokenizer -> scheduler IPC."""
         self.routed[room] = (instance, mode)
-        for index in self.instances[instance]["ranks"]:
-            self.tell(index, {"cmd": "room", "room": room, "pages": self.args.pages_per_request, "mode": mode})
-        self.to_tokenizer.put(room)
+        for rank, index in enumerate(self.instances[instance]["ranks"]):
+            # no-answer: the instance's first rank alone holds its destination back
+            rank_mode = "answer" if mode == "no-answer" and rank > 0 else mode
+            self.tell(index, {"cmd": "room", "room": room, "pages": self.args.pages_per_request, "mode": rank_mode})
+        self.to_tokenizer.put(("request", room))
         self.moved = time.monotonic()
 
     def tokenizer(self):
@@ -482,14 +494,18 @@ class Target:
         import zmq
         from array import array
 
-        from sglang.srt.managers.io_struct import TokenizedGenerateReqInput, sock_send
+        from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput, sock_send
         from sglang.srt.sampling.sampling_params import SamplingParams
 
         push = self.zmq_ctx.socket(zmq.PUSH)
         push.connect(self.ipc_name)
         tokens = self.args.pages_per_request * self.args.page_size
         while True:
-            room = self.to_tokenizer.get()
+            kind, what = self.to_tokenizer.get()
+            if kind == "abort":
+                sock_send(push, AbortReq(rid=what))
+                continue
+            room = what
             sock_send(push, TokenizedGenerateReqInput(
                 rid=f"req-{room}", input_text=None, input_ids=array("i", range(tokens)), input_embeds=None,
                 mm_inputs=None, token_type_ids=None, sampling_params=SamplingParams(max_new_tokens=1),
@@ -498,15 +514,32 @@ class Target:
 
     def recv_requests(self):
         """The scheduler's recv path: io_struct.sock_recv(NOBLOCK) on its PULL
-        socket, then PrefillBootstrapQueue.add -> create_sender."""
+        socket, then PrefillBootstrapQueue.add -> create_sender, or, for an
+        AbortReq, Scheduler.abort_request's disaggregated-prefill part:
+        sender.abort() on every unconcluded room whose rid starts with the
+        AbortReq's."""
         import zmq
+
+        from sglang.srt.managers.io_struct import AbortReq
 
         while True:
             try:
                 req = self.sock_recv(self.from_tokenizer, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.new_room(req.bootstrap_room, req.rid)
+            if isinstance(req, AbortReq):
+                self.abort_request(req.rid)
+            else:
+                self.new_room(req.bootstrap_room, req.rid)
+
+    def abort_request(self, rid):
+        for st in self.rooms.values():
+            if st["rid"].startswith(rid) and st["phase"] not in ("completed", "failed") and not st.get("aborted"):
+                st["sender"].abort()
+                st["aborted"] = True
+                self.mark(st["room"], "ABORTED")
+                self.moved = time.monotonic()
+                emit("prefill_abort", room=st["room"])
 
     def new_room(self, room, rid):
         instance, mode = self.routed.pop(room)
@@ -585,6 +618,9 @@ class Target:
                 if (a.fault == "abort" and room == self.fault_room and st["chunk"] >= 1
                         and self.mgr.request_status.get(room) != KVPoll.Failed and now < st["next"] + 5.0):
                     continue  # the next chunk once the bootstrap thread has taken the decode's ABORT
+                if (a.fault == "prefill-abort" and room == self.fault_room and st["chunk"] >= 1
+                        and not st.get("aborted") and now < st["next"] + 5.0):
+                    continue  # the next chunk once the scheduler has taken the AbortReq
                 n = a.chunks
                 k = st["chunk"]
                 per = -(-len(st["pages"]) // n)
@@ -603,9 +639,7 @@ class Target:
                 if not st["quiet"]:
                     emit("chunk", room=room, chunk=k, last=last, pages=len(chunk_pages))
                 if k == 0 and room == self.fault_room and a.fault == "prefill-abort":
-                    st["sender"].abort()
-                    self.mark(room, "ABORTED")
-                    emit("prefill_abort", room=room)
+                    self.to_tokenizer.put(("abort", st["rid"]))
                 if last or st["sender"].conclude_state == KVPoll.Failed:
                     st["phase"] = "inflight"
             elif phase == "inflight":
