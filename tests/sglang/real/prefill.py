@@ -88,7 +88,14 @@ What this target supplies instead of a server
   WaitingForInput -> sender.init(num_pages, aux_index); Failed ->
   failure_exception), "forward" (writes the room's pages, then per chunk
   sender.send(page indices)), inflight queue (poll -> Success: clear();
-  Failed: failure_exception()). No model, no forward pass, no tokenizer.
+  Failed: failure_exception()); every request that ends is streamed to
+  the "detokenizer" (a thread draining an ipc:// PULL socket) as
+  SchedulerOutputStreamer.stream_output does: a BatchTokenIDOutput of the
+  one request (FINISH_LENGTH(0) once transferred, FINISH_ABORT with the
+  failure's reason otherwise) sent by SGLang's own SenderWrapper.send_output
+  (sock_send), the fields a finished prefill request fills set as the
+  output streamer sets them for one request without logprobs. No model,
+  no forward pass, no tokenizer.
 - Decode scheduler loop (decode.py): prealloc and transfer queues as
   DecodePreallocQueue / DecodeTransferQueue drive receivers.
 Nothing on the transfer path is stubbed or wrapped.
@@ -111,7 +118,9 @@ Seeded faults (--fault), on --fault-room:
                    the room's required_dst_info_num = 2 destinations).
   bootstrap-timeout  no-answer with SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT =
                    --bootstrap-timeout (3 s) in the prefill: sender.poll()
-                   fails the room by itself (failure_exception).
+                   fails the room by itself (failure_exception), with no
+                   message to the decode; the scheduler then streams the
+                   request's end (FINISH_ABORT) to its detokenizer.
   decode-dies      once the room is bootstrapped (and the decode's earlier
                    rooms concluded) the decode (rank 0 of the instance) is
                    SIGKILLed before the chunks go.
@@ -279,6 +288,17 @@ rid at offset ~30, bootstrap_room as uint64 0xcf near the end). Native
 signal: zmq_msg_recv returning the frame length on the prefill's MAIN thread
 (it returns -1 EAGAIN on every idle scheduler iteration); the frame is a
 zero-copy message (msg_t type 105 at +42; content ptr at +8 -> data, size).
+
+Scheduler output (scheduler -> detokenizer): sock_send of a BatchTokenIDOutput
+from the MAIN thread at every request's end, through pyzmq's copying send
+(zmq_msg_init_size, memcpy, zmq_msg_send): at zmq_msg_send's entry the
+zmq_msg_t is type 102 (long message, +42), its content_t pointer at +8, the
+data pointer at content+0, the size at content+8; msgpack: array16 of 54,
+"BatchTokenIDOutput", then rids (`\\x91\\xa8req-1002`), http_worker_ipcs,
+finished_reasons. bpftrace on the bootstrap-timeout fault: 124 bytes for a
+transferred request, 243 for the timed-out one; the timed-out room's output
+is the only thing on any socket when SGLang fails it (no KV_STATUS, no NIXL
+call).
 """
 
 import argparse
@@ -381,6 +401,9 @@ class Target:
         from sglang.srt.runtime_context import get_server_args
 
         self.KVPoll, self.Sender = KVPoll, NixlKVSender
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
+
+        self.FINISH_ABORT, self.FINISH_LENGTH = FINISH_ABORT, FINISH_LENGTH
         self.server = NixlKVBootstrapServer(host="127.0.0.1", port=self.bootstrap_port)
         up = time.monotonic() + 30  # the server thread binds; the manager PUTs to it
         while time.monotonic() < up:
@@ -403,6 +426,13 @@ class Target:
         self.from_tokenizer = self.zmq_ctx.socket(zmq.PULL)
         self.from_tokenizer.bind(self.ipc_name)
         threading.Thread(target=self.tokenizer, daemon=True).start()
+        from sglang.srt.managers.scheduler_components.output_sender import SenderWrapper
+
+        self.detokenizer_ipc = f"ipc://{tempfile.gettempdir()}/stallwatch-sglang-{os.getpid()}-detokenizer"
+        to_detokenizer = self.zmq_ctx.socket(zmq.PUSH)
+        to_detokenizer.connect(self.detokenizer_ipc)
+        self.to_detokenizer = SenderWrapper(to_detokenizer)
+        threading.Thread(target=self.detokenizer, daemon=True).start()
 
         tp1 = a.decodes if a.decode_shape in ("tp1", "mixed") else 0
         shapes = [1] * tp1 + ([2] if a.decode_shape in ("tp2", "mixed") else [])
@@ -512,6 +542,42 @@ class Target:
                 return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None,
                 stream=False, bootstrap_host="127.0.0.1", bootstrap_port=self.bootstrap_port, bootstrap_room=room))
 
+    def detokenizer(self):
+        """The detokenizer's end of the scheduler's output (a process in
+        SGLang): takes every output, so the scheduler's sends never block."""
+        import zmq
+
+        pull = self.zmq_ctx.socket(zmq.PULL)
+        pull.bind(self.detokenizer_ipc)
+        while True:
+            pull.recv()
+
+    def stream_output(self, st, finished_reason):
+        """The scheduler's stream_output of a request that finished (what
+        SchedulerOutputStreamer sends to the detokenizer for it, through
+        SGLang's own SenderWrapper.send_output -> sock_send): a
+        BatchTokenIDOutput of that one request, which the disaggregated
+        prefill sends at the end of every request: transferred
+        (FINISH_LENGTH(0)), or failed or aborted (FINISH_ABORT, by
+        prepare_abort)."""
+        from array import array
+
+        from sglang.srt.managers.io_struct import BatchTokenIDOutput
+
+        none = dict.fromkeys([
+            "output_ids", "input_token_logprobs_val", "input_token_logprobs_idx", "output_token_logprobs_val",
+            "output_token_logprobs_idx", "input_top_logprobs_val", "input_top_logprobs_idx",
+            "output_top_logprobs_val", "output_top_logprobs_idx", "input_token_ids_logprobs_val",
+            "input_token_ids_logprobs_idx", "output_token_ids_logprobs_val", "output_token_ids_logprobs_idx",
+            "output_token_entropy_val", "output_token_sampling_mask", "output_hidden_states", "routed_experts",
+            "indexer_topk", "placeholder_tokens_idx", "placeholder_tokens_val"])
+        tokens = self.args.pages_per_request * self.args.page_size
+        self.to_detokenizer.send_output(BatchTokenIDOutput(
+            rids=[st["rid"]], http_worker_ipcs=[None], finished_reasons=[finished_reason.to_json()],
+            decoded_texts=[""], decode_ids=[array("i")], read_offsets=[0], skip_special_tokens=[True],
+            spaces_between_special_tokens=[True], no_stop_trim=[False], prompt_tokens=[tokens],
+            reasoning_tokens=[0], completion_tokens=[0], cached_tokens=[0], **none))
+
     def recv_requests(self):
         """The scheduler's recv path: io_struct.sock_recv(NOBLOCK) on its PULL
         socket, then PrefillBootstrapQueue.add -> create_sender, or, for an
@@ -569,6 +635,7 @@ class Target:
         except Exception as e:  # KVTransferError, as the scheduler gets it
             reason = str(e)
         self.mark(st["room"], "FAILED")
+        self.stream_output(st, self.FINISH_ABORT(reason))
         self.conclude(st, "failed", reason=reason)
 
     def earlier_rooms_done(self, st):
@@ -648,6 +715,7 @@ class Target:
                     self.mark(room, "TRANSFER_DONE")
                     st["sender"].clear()
                     self.mark(room, "RELEASED")
+                    self.stream_output(st, self.FINISH_LENGTH(length=0))
                     self.conclude(st, "completed")
                 elif poll == KVPoll.Failed:
                     self.fail(st)
@@ -752,10 +820,10 @@ def main(argv):
                 os.kill(d["proc"].pid, signal.SIGKILL)
             except OSError:
                 pass
-        if getattr(t, "ipc_name", None):
+        for ipc in (getattr(t, "ipc_name", None), getattr(t, "detokenizer_ipc", None)):
             try:
-                os.unlink(t.ipc_name[len("ipc://"):])
-            except OSError:
+                os.unlink(ipc[len("ipc://"):])
+            except (OSError, TypeError):
                 pass
         emit("exit", reason=reason, code=code)
         os._exit(code)
