@@ -12,6 +12,14 @@
 //! and its external id the room in decimal, so its trace id is the room's
 //! on every node. A registration (room `b"None"`) is no room.
 //!
+//! The scheduler's own ZMQ traffic (msgpack IPC, `SGLANG_USE_PICKLE_IPC=0`)
+//! starts and ends rooms the decode never hears of: the request it receives
+//! (`TokenizedGenerateReqInput`, its `bootstrap_room` and `rid`) starts the
+//! room before any destination, an `AbortReq` for its rid aborts it, and
+//! its output of the request to the detokenizer (`BatchTokenIDOutput`)
+//! fails a room not yet bootstrapped, which the prefill ended itself (its
+//! bootstrap timeout).
+//!
 //! A decode rank is the other end of the same messages: it sends its
 //! destination (the decode asks for the room's KV), may send the ABORT,
 //! and receives the KV_STATUS. So a process that sends destinations is a
