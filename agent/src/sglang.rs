@@ -12,6 +12,14 @@
 //! and its external id the room in decimal, so its trace id is the room's
 //! on every node. A registration (room `b"None"`) is no room.
 //!
+//! The scheduler's own ZMQ traffic (msgpack IPC, `SGLANG_USE_PICKLE_IPC=0`)
+//! starts and ends rooms the decode never hears of: the request it receives
+//! (`TokenizedGenerateReqInput`, its `bootstrap_room` and `rid`) starts the
+//! room before any destination, an `AbortReq` for its rid aborts it, and
+//! its output of the request to the detokenizer (`BatchTokenIDOutput`)
+//! fails a room not yet bootstrapped, which the prefill ended itself (its
+//! bootstrap timeout).
+//!
 //! A decode rank is the other end of the same messages: it sends its
 //! destination (the decode asks for the room's KV), may send the ABORT,
 //! and receives the KV_STATUS. So a process that sends destinations is a
@@ -68,6 +76,19 @@ pub enum Bootstrap {
     /// The scheduler was told to abort the request whose `rid` begins with
     /// `rid` (an `AbortReq`).
     AbortRequest { rid: Rid },
+    /// The scheduler streamed the output of the requests `rids` (the first
+    /// of its batch, as many as [`output_rids`] could read): it is done with
+    /// them. A disaggregated prefill streams a request only when it
+    /// finished (`disaggregation/prefill.py`: transferred, failed, aborted,
+    /// or refused). A room not yet bootstrapped (a destination missing) at
+    /// its output cannot have been transferred: the prefill ended it itself
+    /// with no message to the decode, by its bootstrap timeout
+    /// (`CommonKVSender._check_bootstrap_timeout`) or `abort()` on an
+    /// `AbortReq` this agent did not read, so it fails. A bootstrapped
+    /// room's output ends nothing: it may come before the room's KV_STATUS
+    /// Success (`conclude_transfer` sets the status the scheduler polls,
+    /// then sends it), and its status, an ABORT or its transfers end it.
+    Output { rids: Vec<Rid> },
 }
 
 /// The first bytes of a request id (`rid`), as many as fit in what is read
@@ -88,14 +109,8 @@ const ABORT_REQUEST_TAG: &[u8] = b"AbortReq";
 /// bytes: the message's tag and its `rid` (element 1), if it is one of
 /// [`REQUEST_TAG`] or [`ABORT_REQUEST_TAG`].
 fn scheduler_message(frame: &[u8]) -> Option<(&'static [u8], Rid)> {
-    use stallwatch_common::{MSGPACK_HEAD, msgpack};
-    let head = |at: usize| -> Option<[u8; MSGPACK_HEAD]> {
-        let mut head = [0; MSGPACK_HEAD];
-        let bytes = frame.get(at..)?;
-        let n = bytes.len().min(MSGPACK_HEAD);
-        head[..n].copy_from_slice(&bytes[..n]);
-        Some(head)
-    };
+    use stallwatch_common::msgpack;
+    let head = |at: usize| head(frame, at);
     let (_, header) = msgpack::array(&head(0)?)?;
     let at = usize::try_from(header).ok()?;
     let (len, header) = msgpack::str(&head(at)?)?;
@@ -107,6 +122,35 @@ fn scheduler_message(frame: &[u8]) -> Option<(&'static [u8], Rid)> {
     let from = rid_at + usize::try_from(header).ok()?;
     let kept = usize::try_from(len).ok()?.min(RID_KEPT);
     Some((tag, frame.get(from..from + kept)?.into()))
+}
+
+/// The msgpack header at `at` of `bytes` (zero-padded past their end).
+fn head(bytes: &[u8], at: usize) -> Option<[u8; stallwatch_common::MSGPACK_HEAD]> {
+    let mut head = [0; stallwatch_common::MSGPACK_HEAD];
+    let bytes = bytes.get(at..)?;
+    let n = bytes.len().min(head.len());
+    head[..n].copy_from_slice(&bytes[..n]);
+    Some(head)
+}
+
+/// The rids of a scheduler output (`BatchTokenIDOutput`'s `rids`, a
+/// msgpack array of strings, as the `sglang_output_rids` signal captures
+/// it: its first 64 bytes), each cut to [`RID_KEPT`] as a request's is;
+/// only those read far enough to tell (whole, or [`RID_KEPT`] bytes of it).
+/// With SGLang's 32-digit rids that is the batch's first.
+pub fn output_rids(bytes: &[u8]) -> Vec<Rid> {
+    use stallwatch_common::msgpack;
+    let mut rids = Vec::new();
+    let Some((len, mut at)) = head(bytes, 0).and_then(|h| msgpack::array(&h)) else { return rids };
+    for _ in 0..len {
+        let Some((len, header)) = head(bytes, at as usize).and_then(|h| msgpack::str(&h)) else { break };
+        let from = (at + header) as usize;
+        let kept = (len as usize).min(RID_KEPT);
+        let Some(rid) = bytes.get(from..from + kept) else { break };
+        rids.push(rid.into());
+        at += header + len;
+    }
+    rids
 }
 
 /// The room a message is about, if it is one of SGLang's; `Err` for one of
@@ -274,17 +318,30 @@ impl Rooms {
                 (room, Stage::Enqueued)
             }
             Bootstrap::Request { room, ref rid } => {
+                // Its rid names it in an abort even when a destination came
+                // first (the router tells the decode before the tokenizer
+                // hands the request on, so either may arrive first).
+                self.rids.insert((pid, rid.clone()), room);
                 if self.live.contains_key(&(pid, room)) {
                     return None;
                 }
                 self.live.insert((pid, room), Room { received: true, ..Room::default() });
-                self.rids.insert((pid, rid.clone()), room);
                 (room, Stage::Enqueued)
             }
             Bootstrap::AbortRequest { ref rid } => match self.rids.get(&(pid, rid.clone())) {
                 Some(&room) => (room, Stage::Aborted),
                 None => return None,
             },
+            // A decode streams its requests' tokens as they come: no end.
+            Bootstrap::Output { .. } if self.decodes.contains(&pid) => return None,
+            Bootstrap::Output { ref rids } => {
+                let unanswered = |rid: &Rid| {
+                    let room = *self.rids.get(&(pid, rid.clone()))?;
+                    let r = self.live.get(&(pid, room))?;
+                    (r.agents.is_empty() || r.agents.len() < r.ranks as usize).then_some(room)
+                };
+                (rids.iter().find_map(unanswered)?, Stage::Failed)
+            }
             Bootstrap::Abort { room } => (room, Stage::Aborted),
             Bootstrap::Status { room, status: SUCCESS } => (room, Stage::Released),
             Bootstrap::Status { room, status: FAILED } => (room, Stage::Failed),
@@ -292,8 +349,10 @@ impl Rooms {
             Bootstrap::Status { .. } => return None,
         };
         if stage.is_terminal() {
-            self.live.remove(&(pid, room))?;
+            // Its rid goes with it, even when it ended before (a failed
+            // transfer ends a room with its rid kept until its output).
             self.rids.retain(|(p, _), r| !(*p == pid && *r == room));
+            self.live.remove(&(pid, room))?;
         }
         Some(room_observation(pid, room, stage, ts_ns))
     }
@@ -705,6 +764,70 @@ mod tests {
         assert_eq!(rooms.observe(5, 23, &Bootstrap::Asked { room: 8 }), None);
         rooms.forget(5);
         assert!(rooms.rids.is_empty());
+    }
+
+    #[test]
+    fn a_room_whose_destination_came_before_its_request_still_ends_at_its_abort() {
+        // The router tells the decode before the tokenizer hands the request
+        // on: on the real target the destination often arrives first.
+        let mut rooms = Rooms::default();
+        let to = Bootstrap::Destination { room: 7, port: 1, agent: "d".into(), ranks: 1, pages: Default::default() };
+        rooms.observe(4, 10, &to).expect("enqueued at its destination");
+        let rid: Rid = b"req-7".as_slice().into();
+        assert_eq!(rooms.observe(4, 11, &Bootstrap::Request { room: 7, rid: rid.clone() }), None, "no second start");
+        assert_eq!(
+            rooms.observe(4, 12, &Bootstrap::AbortRequest { rid }).map(|o| (o.key, o.stage, o.ts_ns)),
+            Some((7, Stage::Aborted, 12))
+        );
+        assert!(rooms.rids.is_empty() && rooms.live.is_empty());
+    }
+
+    #[test]
+    fn a_scheduler_outputs_rids_are_read_as_far_as_they_were_captured() {
+        // `rids` of a BatchTokenIDOutput as captured: ["req-1002", "r2"].
+        assert_eq!(
+            output_rids(b"\x92\xa8req-1002\xa2r2\x91\xc0"),
+            [b"req-1002".as_slice().into(), b"r2".as_slice().into()]
+        );
+        // SGLang's 32-digit rids: the first whole, the second cut at the capture's end, kept to RID_KEPT.
+        let mut capture = b"\x92\xd9\x20".to_vec();
+        capture.extend_from_slice(&[b'a'; 32]);
+        capture.extend_from_slice(b"\xd9\x20");
+        capture.extend_from_slice(&[b'b'; 64 - 37]);
+        assert_eq!(output_rids(&capture), [[b'a'; RID_KEPT].as_slice().into(), [b'b'; RID_KEPT].as_slice().into()]);
+        capture.truncate(37 + RID_KEPT - 1);
+        assert_eq!(output_rids(&capture).len(), 1, "a rid read short of what is kept is none");
+        assert!(output_rids(b"\xc0").is_empty(), "no array (rids=None)");
+    }
+
+    #[test]
+    fn a_room_still_live_at_its_schedulers_output_was_ended_by_the_prefill_and_fails() {
+        let mut rooms = Rooms::default();
+        let output = |rids: &[&[u8]]| Bootstrap::Output { rids: rids.iter().map(|r| (*r).into()).collect() };
+        // Room 7: received, never answered (the prefill's bootstrap timeout fails it).
+        rooms.observe(4, 10, &Bootstrap::Request { room: 7, rid: b"req-7".as_slice().into() }).expect("room 7");
+        // Room 8: bootstrapped; its output may come before its status, which ends it.
+        rooms.observe(4, 11, &Bootstrap::Request { room: 8, rid: b"req-8".as_slice().into() }).expect("room 8");
+        let to = Bootstrap::Destination { room: 8, port: 1, agent: "d".into(), ranks: 1, pages: Default::default() };
+        rooms.observe(4, 12, &to).expect("answered");
+        assert_eq!(rooms.observe(4, 13, &output(&[b"req-8"])), None, "a bootstrapped room's output ends nothing");
+        rooms.observe(4, 13, &Bootstrap::Status { room: 8, status: SUCCESS }).expect("room 8 released");
+        assert_eq!(rooms.observe(4, 14, &output(&[b"other"])), None, "a rid no room has");
+        assert_eq!(
+            rooms.observe(4, 15, &output(&[b"req-8", b"req-7"])).map(|o| (o.key, o.stage, o.ts_ns)),
+            Some((7, Stage::Failed, 15))
+        );
+        assert_eq!(rooms.observe(4, 16, &output(&[b"req-7"])), None, "once");
+        assert!(rooms.live.is_empty() && rooms.rids.is_empty());
+        // A TP2 room with one destination of its two: not bootstrapped.
+        rooms.observe(4, 17, &Bootstrap::Request { room: 10, rid: b"req-10".as_slice().into() }).expect("room 10");
+        let half = Bootstrap::Destination { room: 10, port: 1, agent: "d".into(), ranks: 2, pages: Default::default() };
+        rooms.observe(4, 18, &half).expect("answered by one rank");
+        assert_eq!(rooms.observe(4, 19, &output(&[b"req-10"])).map(|o| (o.key, o.stage)), Some((10, Stage::Failed)));
+        // A decode streams its rooms' tokens: an output ends none of them.
+        rooms.observe(5, 20, &Bootstrap::Asked { room: 1 }).expect("a decode");
+        rooms.observe(5, 21, &Bootstrap::Request { room: 9, rid: b"req-9".as_slice().into() }).expect("room 9");
+        assert_eq!(rooms.observe(5, 22, &output(&[b"req-9"])), None);
     }
 
     #[test]

@@ -164,6 +164,14 @@ impl Signals {
                     }
                 };
             }
+            // The requests a scheduler output is about (their ends).
+            "sglang_output_rids" => {
+                let rids = match &signal.capture {
+                    Captured::Bytes(bytes) => sglang::output_rids(&bytes[..]),
+                    _ => Vec::new(),
+                };
+                return self.rooms.observe(signal.pid, signal.ts_ns, &sglang::Bootstrap::Output { rids });
+            }
             "zmq_data" => Hit::Data {
                 msg: signal.value,
                 data: match &signal.capture {

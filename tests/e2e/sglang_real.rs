@@ -117,32 +117,56 @@ fn alert_lines(lines: &[Line]) -> Vec<Value> {
     lines.iter().filter_map(Line::json).filter(|v| v.get("alert").is_some_and(|a| a != "summary")).collect()
 }
 
-/// A healthy run: every room followed as one lifecycle, none alerted, for
-/// two timeouts after the last (the workers' last handles stay with them).
-fn healthy(extra: &[&str], ipc: Ipc) {
-    let (mut target, agent) = Target::watched_with("none", extra, &[], ipc);
-    let done = target.until("done", Duration::from_secs(60));
-    assert_eq!((done["completed"].as_u64(), done["verified"].as_u64()), (Some(12), Some(12)), "{done}");
+/// The rooms the target held, by state (`holding`'s `rooms`): how many
+/// are in `state`.
+fn held(holding: &Value, state: &str) -> u64 {
+    let rooms = holding["rooms"].as_object().unwrap_or_else(|| panic!("no rooms: {holding}"));
+    rooms.values().filter(|s| *s == state).count() as u64
+}
+
+/// The agent's SIGINT summary of a run whose every room the scheduler
+/// received: each room one lifecycle (`seen`), and how each ended.
+fn assert_counts(lines: &[Line], rooms: usize, completed: u64, stalled: u64, failed: u64, aborted: u64) {
+    let summary = summary(lines);
+    let counts = ["seen", "completed", "stalled", "failed", "aborted", "lost_events"].map(|k| summary[k].as_u64());
+    let expected = [rooms as u64, completed, stalled, failed, aborted, 0].map(Some);
+    assert_eq!(counts, expected, "seen, completed, stalled, failed, aborted, lost: {summary}");
+}
+
+/// A healthy run of `rooms` rooms: every room followed as one lifecycle,
+/// none alerted, for two timeouts after the last (the workers' last
+/// handles stay with them, idle).
+fn healthy(rooms: u64, extra: &[&str], ipc: Ipc) {
+    let count = rooms.to_string();
+    let extra: Vec<&str> = ["--count", &count].into_iter().chain(extra.iter().copied()).collect();
+    let (mut target, agent) = Target::watched_with("none", &extra, &[], ipc);
+    let done = target.until("done", Duration::from_secs(120));
+    assert_eq!((done["completed"].as_u64(), done["verified"].as_u64()), (Some(rooms), Some(rooms)), "{done}");
     std::thread::sleep(TIMEOUT * 2 + LATENESS);
     let lines = agent.stop();
     let raised = alert_lines(&lines);
     assert!(raised.is_empty(), "a healthy run raised alerts: {raised:?}");
-    let summary = summary(&lines);
-    assert_eq!(summary["stalled"], 0, "{summary}");
-    assert_eq!((summary["in_flight"].as_u64(), summary["lost_events"].as_u64()), (Some(0), Some(0)), "{summary}");
     // The rooms, each one lifecycle: no handle of theirs counted apart.
-    assert_eq!(summary["completed"].as_u64(), Some(target.rooms().len() as u64), "{summary}");
-    assert_eq!(summary["seen"], summary["completed"], "{summary}");
+    assert_eq!(target.rooms().len() as u64, rooms);
+    assert_counts(&lines, target.rooms().len(), rooms, 0, 0, 0);
+    assert_eq!(summary(&lines)["in_flight"], 0, "{lines:?}");
 }
 
 #[test]
 fn healthy_tp1_and_tp2_rooms_on_nixl_cu13_raise_nothing_and_are_one_lifecycle_each() {
-    healthy(&["--decode-shape", "mixed", "--nixl", "cu13"], Ipc::Msgpack);
+    healthy(12, &["--decode-shape", "mixed", "--nixl", "cu13"], Ipc::Msgpack);
 }
 
 #[test]
 fn healthy_tp1_rooms_on_nixl_cu12_with_pickled_requests_raise_nothing_and_are_one_lifecycle_each() {
-    healthy(&["--decode-shape", "tp1", "--nixl", "cu12"], Ipc::Pickle);
+    healthy(12, &["--decode-shape", "tp1", "--nixl", "cu12"], Ipc::Pickle);
+}
+
+/// A few hundred rooms over TP1 and TP2 decodes, then the workers idle:
+/// nothing raised, every room one lifecycle.
+#[test]
+fn a_healthy_run_of_300_rooms_with_idle_workers_raises_nothing() {
+    healthy(300, &["--decode-shape", "mixed"], Ipc::Msgpack);
 }
 
 /// The stalls within timeout + 5 s, then one timeout more for anything
@@ -186,9 +210,11 @@ fn a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so()
     // Whether the other decode's rooms share the stopped one's worker is
     // up to the ports SGLang's decodes got (its shard is their sum % 4).
     assert!(!unanswered.is_empty(), "{holding}");
-    let seen = stalls_then_quiet(agent, 1 + behind.len() + unanswered.len());
+    let stalled = 1 + behind.len() + unanswered.len();
+    let seen = stalls_then_quiet(agent, stalled);
     let raised = alert_lines(&seen);
-    assert_eq!(raised.len(), 1 + behind.len() + unanswered.len(), "{raised:#?}");
+    assert_eq!(raised.len(), stalled, "{raised:#?}");
+    assert_counts(&seen, target.rooms().len(), held(&holding, "completed"), stalled as u64, 0, 0);
     let stall = |r: u64| {
         alerts(&seen, "stalled")
             .find(|(_, a)| a["key"] == format!("{r:#x}").as_str())
@@ -270,7 +296,8 @@ fn a_decode_killed_after_answering_fails_its_room_once() {
         );
     }
     assert_eq!(alert_lines(&seen).len(), 1 + unanswered.len(), "{seen:?}");
-    assert_eq!(summary(&seen)["failed"], 1, "{seen:?}");
+    let completed = held(&holding, "completed");
+    assert_counts(&seen, target.rooms().len(), completed, unanswered.len() as u64, 1, 0);
 }
 
 /// The decode aborts its room (ABORT frames) as the first chunk lands:
@@ -284,16 +311,17 @@ fn a_decode_abort_racing_a_chunk_ends_its_room_aborted() {
     std::thread::sleep(TIMEOUT * 2 + LATENESS);
     let lines = agent.stop();
     assert!(alert_lines(&lines).is_empty(), "{lines:?}");
-    assert_eq!(summary(&lines)["aborted"], 1, "{lines:?}");
+    let completed = done["completed"].as_u64().expect("completed");
+    assert_counts(&lines, target.rooms().len(), completed, 0, 0, 1);
 }
 
-/// The room whose decode never sends its destination, with one-rank
-/// decodes: the scheduler has it (its request read from SGLang's own IPC
-/// message), so it is `waiting_for_peer` with `answered=0`, timed from
-/// the request.
-#[test]
-fn a_room_whose_tp1_decode_never_answers_waits_for_its_peer() {
-    let (mut target, agent) = Target::watched("no-answer", &[], &[]);
+/// The room whose decode never sends its destination, with one rank of
+/// its decode instance silent: the scheduler has it (its request read
+/// from SGLang's own IPC message), so it is `waiting_for_peer` with
+/// `answered` = the destinations that came, timed from the room's last
+/// activity (`since`: the target's line for it), nothing else alerted.
+fn a_room_never_answered(shape: &str, answered: &str, since: impl Fn(&Target, u64) -> Instant) {
+    let (mut target, agent) = Target::watched("no-answer", &["--decode-shape", shape], &[]);
     let holding = target.until("holding", Duration::from_secs(60));
     let room = target.fault_room();
     assert_eq!(holding["rooms"][room.to_string()], "bootstrapping", "{holding}");
@@ -305,9 +333,75 @@ fn a_room_whose_tp1_decode_never_answers_waits_for_its_peer() {
         (Some(format!("{room:#x}").as_str()), Some("waiting_for_peer")),
         "{alert}"
     );
-    assert_eq!((alert["answered"].as_str(), alert["waiting_on"].as_str()), (Some("0"), Some("peer")), "{alert}");
-    timed_from(alert, *at, target.at("request", room), Duration::from_millis(200));
+    assert_eq!((alert["answered"].as_str(), alert["waiting_on"].as_str()), (Some(answered), Some("peer")), "{alert}");
+    timed_from(alert, *at, since(&target, room), Duration::from_millis(200));
     assert_eq!(alert_lines(&seen).len(), 1, "{seen:?}");
+    assert_counts(&seen, target.rooms().len(), held(&holding, "completed"), 1, 0, 0);
+}
+
+/// TP1 decodes: nothing came, timed from the request.
+#[test]
+fn a_room_whose_tp1_decode_never_answers_waits_for_its_peer() {
+    a_room_never_answered("tp1", "0", |target, room| target.at("request", room));
+}
+
+/// A TP2 MLA decode (`required_dst_info_num = 2`) whose rank 0 never
+/// answers while rank 1 does: `answered=1/2`, timed from rank 1's
+/// destination, the room's last activity.
+#[test]
+fn a_room_whose_tp2_decode_answers_from_one_rank_only_waits_for_the_other() {
+    a_room_never_answered("tp2", "1/2", |target, room| {
+        let answered = target.lines.iter().rev().find(|line| {
+            line.json().is_some_and(|v| v["event"] == "decode_answered" && v["room"] == room && v["decode"] == 1)
+        });
+        answered.unwrap_or_else(|| panic!("rank 1 never answered room {room}: {:?}", target.lines)).at
+    });
+}
+
+/// The prefill's own abort (an `AbortReq` from its tokenizer, taken by the
+/// scheduler as `Scheduler.abort_request` does: `sender.abort()`, which
+/// sends no ZMQ message to the decode) after the room's first chunk: the
+/// room ends `aborted`, never a stall, the others complete.
+#[test]
+fn a_prefill_abort_racing_a_chunk_ends_its_room_aborted() {
+    let (mut target, agent) = Target::watched("prefill-abort", &["--hold"], &[]);
+    let done = target.until("done", Duration::from_secs(60));
+    assert_eq!(done["failed"], 1, "{done}");
+    target.at("prefill_abort", target.fault_room());
+    std::thread::sleep(TIMEOUT * 2 + LATENESS);
+    let lines = agent.stop();
+    assert!(alert_lines(&lines).is_empty(), "{lines:?}");
+    let completed = done["completed"].as_u64().expect("completed");
+    assert_counts(&lines, target.rooms().len(), completed, 0, 0, 1);
+}
+
+/// The prefill's own bootstrap timeout
+/// (`SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT` = 1 s, shorter than the
+/// agent's timeout): SGLang fails the room in memory, with no message to
+/// its decode, and streams the request's end to its detokenizer; the room
+/// ends `failed` at that output, once, never a stall.
+#[test]
+fn a_room_the_prefill_times_out_itself_ends_failed_never_stalled() {
+    let (mut target, agent) = Target::watched("bootstrap-timeout", &["--bootstrap-timeout", "1", "--hold"], &[]);
+    let done = target.until("done", Duration::from_secs(60));
+    assert_eq!(done["failed"], 1, "{done}");
+    let room = target.fault_room();
+    let failed_at = target.at("failed", room);
+    std::thread::sleep(TIMEOUT * 2 + LATENESS);
+    let lines = agent.stop();
+    let failed: Vec<(Instant, Value)> = alerts(&lines, "failed").collect();
+    let [(at, alert)] = &failed[..] else { panic!("one failed alert: {lines:?}") };
+    assert_eq!(
+        (alert["key"].as_str(), alert["external_id"].as_str()),
+        (Some(format!("{room:#x}").as_str()), Some(room.to_string().as_str())),
+        "{alert}"
+    );
+    // Reported as it happens, well inside the timeout of the room's request.
+    assert!(at.saturating_duration_since(failed_at) <= LATENESS, "{alert}");
+    assert!(at.saturating_duration_since(target.at("request", room)) <= TIMEOUT + LATENESS, "{alert}");
+    assert_eq!(alert_lines(&lines).len(), 1, "{lines:?}");
+    let completed = done["completed"].as_u64().expect("completed");
+    assert_counts(&lines, target.rooms().len(), completed, 0, 1, 0);
 }
 
 /// Both sides of one hung room, each watched by its own agent: the

@@ -88,7 +88,14 @@ What this target supplies instead of a server
   WaitingForInput -> sender.init(num_pages, aux_index); Failed ->
   failure_exception), "forward" (writes the room's pages, then per chunk
   sender.send(page indices)), inflight queue (poll -> Success: clear();
-  Failed: failure_exception()). No model, no forward pass, no tokenizer.
+  Failed: failure_exception()); every request that ends is streamed to
+  the "detokenizer" (a thread draining an ipc:// PULL socket) as
+  SchedulerOutputStreamer.stream_output does: a BatchTokenIDOutput of the
+  one request (FINISH_LENGTH(0) once transferred, FINISH_ABORT with the
+  failure's reason otherwise) sent by SGLang's own SenderWrapper.send_output
+  (sock_send), the fields a finished prefill request fills set as the
+  output streamer sets them for one request without logprobs. No model,
+  no forward pass, no tokenizer.
 - Decode scheduler loop (decode.py): prealloc and transfer queues as
   DecodePreallocQueue / DecodeTransferQueue drive receivers.
 Nothing on the transfer path is stubbed or wrapped.
@@ -106,10 +113,14 @@ Seeded faults (--fault), on --fault-room:
   no-answer        the decode creates the receiver but never sends the room's
                    destination: the prefill's room stays Bootstrapping (no
                    NIXL call) until SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
-                   (300 s).
+                   (300 s). With a TP2 instance only its rank 0 holds the
+                   destination back; rank 1 answers (the prefill has 1 of
+                   the room's required_dst_info_num = 2 destinations).
   bootstrap-timeout  no-answer with SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT =
                    --bootstrap-timeout (3 s) in the prefill: sender.poll()
-                   fails the room by itself (failure_exception).
+                   fails the room by itself (failure_exception), with no
+                   message to the decode; the scheduler then streams the
+                   request's end (FINISH_ABORT) to its detokenizer.
   decode-dies      once the room is bootstrapped (and the decode's earlier
                    rooms concluded) the decode (rank 0 of the instance) is
                    SIGKILLed before the chunks go.
@@ -120,8 +131,16 @@ Seeded faults (--fault), on --fault-room:
                    first byte of the room's KV lands; the router sends the
                    next chunk once the prefill's manager has the room Failed
                    (bounded 5 s), so the race always goes the abort's way.
-  prefill-abort    the prefill calls sender.abort() (what the scheduler does
-                   on an AbortReq) right after the room's first chunk is sent.
+  prefill-abort    right after the room's first chunk is sent, the tokenizer
+                   sends the scheduler an AbortReq for the room's rid
+                   (io_struct.sock_send, as SGLang's tokenizer manager does
+                   when a client disconnects or asks /abort_request); the
+                   scheduler receives it with sock_recv and calls
+                   sender.abort() on the matching room, as
+                   Scheduler.abort_request does (sglang's only callers of
+                   sender.abort() are downstream of an AbortReq). The next
+                   chunk waits until the abort is taken (bounded 5 s), so
+                   the abort always races the room's last chunk.
 Default fault room: the first room of decode instance 0 after the middle of
 the run (abort: its last room). With hang and decode-dies the requests after
 the fault room are issued once the fault is in place.
@@ -269,6 +288,17 @@ rid at offset ~30, bootstrap_room as uint64 0xcf near the end). Native
 signal: zmq_msg_recv returning the frame length on the prefill's MAIN thread
 (it returns -1 EAGAIN on every idle scheduler iteration); the frame is a
 zero-copy message (msg_t type 105 at +42; content ptr at +8 -> data, size).
+
+Scheduler output (scheduler -> detokenizer): sock_send of a BatchTokenIDOutput
+from the MAIN thread at every request's end, through pyzmq's copying send
+(zmq_msg_init_size, memcpy, zmq_msg_send): at zmq_msg_send's entry the
+zmq_msg_t is type 102 (long message, +42), its content_t pointer at +8, the
+data pointer at content+0, the size at content+8; msgpack: array16 of 54,
+"BatchTokenIDOutput", then rids (`\\x91\\xa8req-1002`), http_worker_ipcs,
+finished_reasons. bpftrace on the bootstrap-timeout fault: 124 bytes for a
+transferred request, 243 for the timed-out one; the timed-out room's output
+is the only thing on any socket when SGLang fails it (no KV_STATUS, no NIXL
+call).
 """
 
 import argparse
@@ -371,6 +401,9 @@ class Target:
         from sglang.srt.runtime_context import get_server_args
 
         self.KVPoll, self.Sender = KVPoll, NixlKVSender
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
+
+        self.FINISH_ABORT, self.FINISH_LENGTH = FINISH_ABORT, FINISH_LENGTH
         self.server = NixlKVBootstrapServer(host="127.0.0.1", port=self.bootstrap_port)
         up = time.monotonic() + 30  # the server thread binds; the manager PUTs to it
         while time.monotonic() < up:
@@ -393,6 +426,13 @@ class Target:
         self.from_tokenizer = self.zmq_ctx.socket(zmq.PULL)
         self.from_tokenizer.bind(self.ipc_name)
         threading.Thread(target=self.tokenizer, daemon=True).start()
+        from sglang.srt.managers.scheduler_components.output_sender import SenderWrapper
+
+        self.detokenizer_ipc = f"ipc://{tempfile.gettempdir()}/stallwatch-sglang-{os.getpid()}-detokenizer"
+        to_detokenizer = self.zmq_ctx.socket(zmq.PUSH)
+        to_detokenizer.connect(self.detokenizer_ipc)
+        self.to_detokenizer = SenderWrapper(to_detokenizer)
+        threading.Thread(target=self.detokenizer, daemon=True).start()
 
         tp1 = a.decodes if a.decode_shape in ("tp1", "mixed") else 0
         shapes = [1] * tp1 + ([2] if a.decode_shape in ("tp2", "mixed") else [])
@@ -470,9 +510,11 @@ class Target:
         """The router: the room goes to its decode instance's ranks and, as a
         TokenizedGenerateReqInput, through the tokenizer -> scheduler IPC."""
         self.routed[room] = (instance, mode)
-        for index in self.instances[instance]["ranks"]:
-            self.tell(index, {"cmd": "room", "room": room, "pages": self.args.pages_per_request, "mode": mode})
-        self.to_tokenizer.put(room)
+        for rank, index in enumerate(self.instances[instance]["ranks"]):
+            # no-answer: the instance's first rank alone holds its destination back
+            rank_mode = "answer" if mode == "no-answer" and rank > 0 else mode
+            self.tell(index, {"cmd": "room", "room": room, "pages": self.args.pages_per_request, "mode": rank_mode})
+        self.to_tokenizer.put(("request", room))
         self.moved = time.monotonic()
 
     def tokenizer(self):
@@ -482,31 +524,88 @@ class Target:
         import zmq
         from array import array
 
-        from sglang.srt.managers.io_struct import TokenizedGenerateReqInput, sock_send
+        from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput, sock_send
         from sglang.srt.sampling.sampling_params import SamplingParams
 
         push = self.zmq_ctx.socket(zmq.PUSH)
         push.connect(self.ipc_name)
         tokens = self.args.pages_per_request * self.args.page_size
         while True:
-            room = self.to_tokenizer.get()
+            kind, what = self.to_tokenizer.get()
+            if kind == "abort":
+                sock_send(push, AbortReq(rid=what))
+                continue
+            room = what
             sock_send(push, TokenizedGenerateReqInput(
                 rid=f"req-{room}", input_text=None, input_ids=array("i", range(tokens)), input_embeds=None,
                 mm_inputs=None, token_type_ids=None, sampling_params=SamplingParams(max_new_tokens=1),
                 return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None,
                 stream=False, bootstrap_host="127.0.0.1", bootstrap_port=self.bootstrap_port, bootstrap_room=room))
 
+    def detokenizer(self):
+        """The detokenizer's end of the scheduler's output (a process in
+        SGLang): takes every output, so the scheduler's sends never block."""
+        import zmq
+
+        pull = self.zmq_ctx.socket(zmq.PULL)
+        pull.bind(self.detokenizer_ipc)
+        while True:
+            pull.recv()
+
+    def stream_output(self, st, finished_reason):
+        """The scheduler's stream_output of a request that finished (what
+        SchedulerOutputStreamer sends to the detokenizer for it, through
+        SGLang's own SenderWrapper.send_output -> sock_send): a
+        BatchTokenIDOutput of that one request, which the disaggregated
+        prefill sends at the end of every request: transferred
+        (FINISH_LENGTH(0)), or failed or aborted (FINISH_ABORT, by
+        prepare_abort)."""
+        from array import array
+
+        from sglang.srt.managers.io_struct import BatchTokenIDOutput
+
+        none = dict.fromkeys([
+            "output_ids", "input_token_logprobs_val", "input_token_logprobs_idx", "output_token_logprobs_val",
+            "output_token_logprobs_idx", "input_top_logprobs_val", "input_top_logprobs_idx",
+            "output_top_logprobs_val", "output_top_logprobs_idx", "input_token_ids_logprobs_val",
+            "input_token_ids_logprobs_idx", "output_token_ids_logprobs_val", "output_token_ids_logprobs_idx",
+            "output_token_entropy_val", "output_token_sampling_mask", "output_hidden_states", "routed_experts",
+            "indexer_topk", "placeholder_tokens_idx", "placeholder_tokens_val"])
+        tokens = self.args.pages_per_request * self.args.page_size
+        self.to_detokenizer.send_output(BatchTokenIDOutput(
+            rids=[st["rid"]], http_worker_ipcs=[None], finished_reasons=[finished_reason.to_json()],
+            decoded_texts=[""], decode_ids=[array("i")], read_offsets=[0], skip_special_tokens=[True],
+            spaces_between_special_tokens=[True], no_stop_trim=[False], prompt_tokens=[tokens],
+            reasoning_tokens=[0], completion_tokens=[0], cached_tokens=[0], **none))
+
     def recv_requests(self):
         """The scheduler's recv path: io_struct.sock_recv(NOBLOCK) on its PULL
-        socket, then PrefillBootstrapQueue.add -> create_sender."""
+        socket, then PrefillBootstrapQueue.add -> create_sender, or, for an
+        AbortReq, Scheduler.abort_request's disaggregated-prefill part:
+        sender.abort() on every unconcluded room whose rid starts with the
+        AbortReq's."""
         import zmq
+
+        from sglang.srt.managers.io_struct import AbortReq
 
         while True:
             try:
                 req = self.sock_recv(self.from_tokenizer, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.new_room(req.bootstrap_room, req.rid)
+            if isinstance(req, AbortReq):
+                self.abort_request(req.rid)
+            else:
+                self.new_room(req.bootstrap_room, req.rid)
+
+    def abort_request(self, rid):
+        for st in self.rooms.values():
+            if st["rid"].startswith(rid) and st["phase"] not in ("completed", "failed") and not st.get("aborted"):
+                st["sender"].abort()
+                st["aborted"] = True
+                self.mark(st["room"], "ABORTED")
+                self.moved = time.monotonic()
+                emit("prefill_abort", room=st["room"])
 
     def new_room(self, room, rid):
         instance, mode = self.routed.pop(room)
@@ -536,6 +635,7 @@ class Target:
         except Exception as e:  # KVTransferError, as the scheduler gets it
             reason = str(e)
         self.mark(st["room"], "FAILED")
+        self.stream_output(st, self.FINISH_ABORT(reason))
         self.conclude(st, "failed", reason=reason)
 
     def earlier_rooms_done(self, st):
@@ -585,6 +685,9 @@ class Target:
                 if (a.fault == "abort" and room == self.fault_room and st["chunk"] >= 1
                         and self.mgr.request_status.get(room) != KVPoll.Failed and now < st["next"] + 5.0):
                     continue  # the next chunk once the bootstrap thread has taken the decode's ABORT
+                if (a.fault == "prefill-abort" and room == self.fault_room and st["chunk"] >= 1
+                        and not st.get("aborted") and now < st["next"] + 5.0):
+                    continue  # the next chunk once the scheduler has taken the AbortReq
                 n = a.chunks
                 k = st["chunk"]
                 per = -(-len(st["pages"]) // n)
@@ -603,9 +706,7 @@ class Target:
                 if not st["quiet"]:
                     emit("chunk", room=room, chunk=k, last=last, pages=len(chunk_pages))
                 if k == 0 and room == self.fault_room and a.fault == "prefill-abort":
-                    st["sender"].abort()
-                    self.mark(room, "ABORTED")
-                    emit("prefill_abort", room=room)
+                    self.to_tokenizer.put(("abort", st["rid"]))
                 if last or st["sender"].conclude_state == KVPoll.Failed:
                     st["phase"] = "inflight"
             elif phase == "inflight":
@@ -614,6 +715,7 @@ class Target:
                     self.mark(room, "TRANSFER_DONE")
                     st["sender"].clear()
                     self.mark(room, "RELEASED")
+                    self.stream_output(st, self.FINISH_LENGTH(length=0))
                     self.conclude(st, "completed")
                 elif poll == KVPoll.Failed:
                     self.fail(st)
@@ -718,10 +820,10 @@ def main(argv):
                 os.kill(d["proc"].pid, signal.SIGKILL)
             except OSError:
                 pass
-        if getattr(t, "ipc_name", None):
+        for ipc in (getattr(t, "ipc_name", None), getattr(t, "detokenizer_ipc", None)):
             try:
-                os.unlink(t.ipc_name[len("ipc://"):])
-            except OSError:
+                os.unlink(ipc[len("ipc://"):])
+            except (OSError, TypeError):
                 pass
         emit("exit", reason=reason, code=code)
         os._exit(code)
