@@ -43,7 +43,8 @@ fn alert_lines(lines: &[Line]) -> Vec<Value> {
 /// handed to SGLang's sender; at the latest its last).
 #[test]
 fn the_nixl_profile_reports_a_transfer_to_a_stopped_decode_transfer_hung() {
-    let (mut target, agent) = Target::watched("hang", &[], "nixl", "2s", &[]);
+    let mut target = Target::start("hang", &[], Ipc::Msgpack);
+    let agent = target.watch_and_go("nixl", "2s", &[]);
     target.until("decode_stopped", RUN);
     let holding = target.until("holding", RUN);
     let room = target.fault_room();
@@ -66,7 +67,8 @@ fn the_nixl_profile_reports_a_transfer_to_a_stopped_decode_transfer_hung() {
 /// the transfer to it is `failed`, once, within timeout + 1 s of the kill.
 #[test]
 fn the_nixl_profile_reports_a_transfer_to_a_decode_that_died_failed() {
-    let (mut target, agent) = Target::watched("decode-dies", &[], "nixl", "2s", &[]);
+    let mut target = Target::start("decode-dies", &[], Ipc::Msgpack);
+    let agent = target.watch_and_go("nixl", "2s", &[]);
     target.until("decode_killed", RUN);
     let killed_at = target.lines.last().expect("the decode_killed line").at;
     let holding = target.until("holding", RUN);
@@ -85,7 +87,8 @@ fn the_nixl_profile_reports_a_transfer_to_a_decode_that_died_failed() {
 /// raises `release_lost` for them, and nothing else.
 #[test]
 fn the_nixl_profile_raises_release_lost_for_the_handles_of_idle_workers() {
-    let (mut target, agent) = Target::watched("none", &["--hold"], "nixl", "2s", &[]);
+    let mut target = Target::start("none", &["--hold"], Ipc::Msgpack);
+    let agent = target.watch_and_go("nixl", "2s", &[]);
     let done = target.until("done", RUN);
     assert_eq!(done["completed"], 12, "{done}");
     std::thread::sleep(TIMEOUT * 2 + LATENESS);
@@ -102,8 +105,7 @@ fn marked(fault: &str, extra: &[&str]) -> (Target, Agent) {
     let mut args = vec!["--marker", lib.to_str().expect("utf-8 marker path")];
     args.extend_from_slice(extra);
     let mut target = Target::start(fault, &args, Ipc::Msgpack);
-    let agent = Agent::watch(target.prefill(), "marker", "1s", &[]);
-    target.proc.write_line("go");
+    let agent = target.watch_and_go("marker", "1s", &[]);
     (target, agent)
 }
 

@@ -12,104 +12,30 @@
 //! with `required_dst_info_num = 2`) run.
 use std::{
     collections::HashMap,
-    process::Command,
     time::{Duration, Instant},
 };
 
 use serde_json::Value;
 use stallwatch_tests::{
-    Agent, Line, Proc, alerts,
+    Agent, Line, alerts,
     otlp::{Collector, expected_trace_id},
-    require_root, sglang_python, summary,
+    sglang::{Ipc, Target},
+    summary,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 const LATENESS: Duration = Duration::from_secs(1);
 
-/// tests/sglang/real/prefill.py (and its decode processes), set up and
-/// waiting for `go`.
-struct Target {
-    proc: Proc,
-    ready: Value,
-    lines: Vec<Line>,
+/// The target with the agent on its prefill (the `sglang` profile, 2 s),
+/// running; requests as msgpack.
+fn watched(fault: &str, extra: &[&str], agent_extra: &[&str]) -> (Target, Agent) {
+    watched_with(fault, extra, agent_extra, Ipc::Msgpack)
 }
 
-/// How SGLang's tokenizer hands a request to its scheduler: msgpack
-/// (`SGLANG_USE_PICKLE_IPC=0`), whose `bootstrap_room` the agent reads as
-/// the scheduler receives it, or pickle, SGLang 0.5.23's default, from
-/// which it reads nothing (the room then starts at its destination).
-#[derive(Clone, Copy, PartialEq)]
-enum Ipc {
-    Msgpack,
-    Pickle,
-}
-
-impl Target {
-    fn start(fault: &str, extra: &[&str]) -> Self {
-        Self::start_with(fault, extra, Ipc::Msgpack)
-    }
-
-    fn start_with(fault: &str, extra: &[&str], ipc: Ipc) -> Self {
-        require_root();
-        let proc = Proc::spawn(
-            "sglang real prefill",
-            Command::new(sglang_python())
-                .arg(stallwatch_tests::root().join("tests/sglang/real/prefill.py"))
-                .args(["--fault", fault, "--count", "12", "--max-seconds", "90"])
-                .args(extra)
-                .env("SGLANG_USE_PICKLE_IPC", if ipc == Ipc::Pickle { "1" } else { "0" }),
-        );
-        let mut lines = Vec::new();
-        let ready = proc.until_event("ready", Duration::from_secs(120), &mut lines);
-        Self { proc, ready, lines }
-    }
-
-    fn prefill(&self) -> u32 {
-        self.ready["prefill_pid"].as_u64().expect("prefill_pid") as u32
-    }
-
-    fn fault_room(&self) -> u64 {
-        self.ready["fault_room"].as_u64().expect("fault_room")
-    }
-
-    /// Decode rank `index`'s pid and NIXL agent name.
-    fn decode(&self, index: u64) -> (u32, String) {
-        let decodes = self.ready["decodes"].as_array().expect("decodes");
-        let decode =
-            decodes.iter().find(|d| d["index"] == index).unwrap_or_else(|| panic!("no decode {index}: {}", self.ready));
-        (decode["pid"].as_u64().expect("pid") as u32, decode["agent"].as_str().expect("agent").to_owned())
-    }
-
-    /// The agent on the prefill with the `sglang` profile (2 s), then go.
-    fn watched(fault: &str, extra: &[&str], agent_extra: &[&str]) -> (Self, Agent) {
-        Self::watched_with(fault, extra, agent_extra, Ipc::Msgpack)
-    }
-
-    fn watched_with(fault: &str, extra: &[&str], agent_extra: &[&str], ipc: Ipc) -> (Self, Agent) {
-        let mut target = Self::start_with(fault, extra, ipc);
-        let agent = Agent::watch(target.prefill(), "sglang", "2s", agent_extra);
-        target.proc.write_line("go");
-        (target, agent)
-    }
-
-    fn until(&mut self, event: &str, within: Duration) -> Value {
-        self.proc.until_event(event, within, &mut self.lines)
-    }
-
-    /// When the target printed `event` for `room` (its first such line).
-    fn at(&self, event: &str, room: u64) -> Instant {
-        self.lines
-            .iter()
-            .find(|line| line.json().is_some_and(|v| v["event"] == event && v["room"] == room))
-            .map(|line| line.at)
-            .unwrap_or_else(|| panic!("no {event} of room {room}: {:?}", self.lines))
-    }
-
-    /// Every room the router handed to the prefill.
-    fn rooms(&self) -> Vec<u64> {
-        let rooms = self.lines.iter().filter_map(|line| line.json()).filter(|v| v["event"] == "request");
-        rooms.map(|v| v["room"].as_u64().expect("room")).collect()
-    }
+fn watched_with(fault: &str, extra: &[&str], agent_extra: &[&str], ipc: Ipc) -> (Target, Agent) {
+    let mut target = Target::start(fault, extra, ipc);
+    let agent = target.watch_and_go("sglang", "2s", agent_extra);
+    (target, agent)
 }
 
 /// The lines that are alerts (not the summary).
@@ -139,7 +65,7 @@ fn assert_counts(lines: &[Line], rooms: usize, completed: u64, stalled: u64, fai
 fn healthy(rooms: u64, extra: &[&str], ipc: Ipc) {
     let count = rooms.to_string();
     let extra: Vec<&str> = ["--count", &count].into_iter().chain(extra.iter().copied()).collect();
-    let (mut target, agent) = Target::watched_with("none", &extra, &[], ipc);
+    let (mut target, agent) = watched_with("none", &extra, &[], ipc);
     let done = target.until("done", Duration::from_secs(120));
     assert_eq!((done["completed"].as_u64(), done["verified"].as_u64()), (Some(rooms), Some(rooms)), "{done}");
     std::thread::sleep(TIMEOUT * 2 + LATENESS);
@@ -197,7 +123,7 @@ fn timed_from(alert: &Value, at: Instant, since: Instant, early: Duration) {
 /// has but no decode answered, `waiting_for_peer` with `answered=0`.
 #[test]
 fn a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so() {
-    let (mut target, agent) = Target::watched("hang", &[], &[]);
+    let (mut target, agent) = watched("hang", &[], &[]);
     let stopped = target.until("decode_stopped", Duration::from_secs(60));
     let (_, peer) = target.decode(stopped["decode"].as_u64().expect("decode"));
     let holding = target.until("holding", Duration::from_secs(60));
@@ -270,7 +196,7 @@ fn a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so()
 /// wait on their peer.
 #[test]
 fn a_decode_killed_after_answering_fails_its_room_once() {
-    let (mut target, agent) = Target::watched("decode-dies", &[], &[]);
+    let (mut target, agent) = watched("decode-dies", &[], &[]);
     target.until("decode_killed", Duration::from_secs(60));
     let killed = target.lines.last().expect("decode_killed").at;
     let holding = target.until("holding", Duration::from_secs(60));
@@ -304,7 +230,7 @@ fn a_decode_killed_after_answering_fails_its_room_once() {
 /// the room ends `aborted`, no alert.
 #[test]
 fn a_decode_abort_racing_a_chunk_ends_its_room_aborted() {
-    let (mut target, agent) = Target::watched("abort", &["--hold"], &[]);
+    let (mut target, agent) = watched("abort", &["--hold"], &[]);
     let done = target.until("done", Duration::from_secs(60));
     assert_eq!(done["failed"], 1, "{done}");
     target.at("decode_abort_sent", target.fault_room());
@@ -321,7 +247,7 @@ fn a_decode_abort_racing_a_chunk_ends_its_room_aborted() {
 /// `answered` = the destinations that came, timed from the room's last
 /// activity (`since`: the target's line for it), nothing else alerted.
 fn a_room_never_answered(shape: &str, answered: &str, since: impl Fn(&Target, u64) -> Instant) {
-    let (mut target, agent) = Target::watched("no-answer", &["--decode-shape", shape], &[]);
+    let (mut target, agent) = watched("no-answer", &["--decode-shape", shape], &[]);
     let holding = target.until("holding", Duration::from_secs(60));
     let room = target.fault_room();
     assert_eq!(holding["rooms"][room.to_string()], "bootstrapping", "{holding}");
@@ -364,7 +290,7 @@ fn a_room_whose_tp2_decode_answers_from_one_rank_only_waits_for_the_other() {
 /// room ends `aborted`, never a stall, the others complete.
 #[test]
 fn a_prefill_abort_racing_a_chunk_ends_its_room_aborted() {
-    let (mut target, agent) = Target::watched("prefill-abort", &["--hold"], &[]);
+    let (mut target, agent) = watched("prefill-abort", &["--hold"], &[]);
     let done = target.until("done", Duration::from_secs(60));
     assert_eq!(done["failed"], 1, "{done}");
     target.at("prefill_abort", target.fault_room());
@@ -382,7 +308,7 @@ fn a_prefill_abort_racing_a_chunk_ends_its_room_aborted() {
 /// ends `failed` at that output, once, never a stall.
 #[test]
 fn a_room_the_prefill_times_out_itself_ends_failed_never_stalled() {
-    let (mut target, agent) = Target::watched("bootstrap-timeout", &["--bootstrap-timeout", "1", "--hold"], &[]);
+    let (mut target, agent) = watched("bootstrap-timeout", &["--bootstrap-timeout", "1", "--hold"], &[]);
     let done = target.until("done", Duration::from_secs(60));
     assert_eq!(done["failed"], 1, "{done}");
     let room = target.fault_room();
@@ -413,7 +339,7 @@ fn a_room_the_prefill_times_out_itself_ends_failed_never_stalled() {
 fn both_sides_of_a_hung_room_are_alerted_in_one_trace() {
     let mut collector = Collector::start();
     let endpoint = collector.http_endpoint();
-    let mut target = Target::start("hang", &[]);
+    let mut target = Target::start("hang", &[], Ipc::Msgpack);
     let prefill = Agent::watch(target.prefill(), "sglang", "2s", &["--otlp-endpoint", &endpoint]);
     let decodes: HashMap<u64, u32> = (0..2).map(|i| (i, target.decode(i).0)).collect();
     let decode_agents: Vec<Agent> =
@@ -466,9 +392,8 @@ fn both_sides_of_a_hung_room_are_alerted_in_one_trace() {
 #[test]
 fn a_room_held_across_an_agent_restart_is_reported_once_on_time() {
     const LONGER: Duration = Duration::from_secs(6);
-    let mut target = Target::start("no-answer", &[]);
-    let mut first = Agent::watch(target.prefill(), "sglang", "6s", &[]);
-    target.proc.write_line("go");
+    let mut target = Target::start("no-answer", &[], Ipc::Msgpack);
+    let mut first = target.watch_and_go("sglang", "6s", &[]);
     target.until("holding", Duration::from_secs(60));
     let room = target.fault_room();
     let since = target.at("request", room);

@@ -49,13 +49,11 @@ impl Target {
         Self { proc, ready, lines }
     }
 
-    /// Set up, the agent attached to the prefill (`profile`, `timeout`),
-    /// then running.
-    pub fn watched(fault: &str, extra: &[&str], profile: &str, timeout: &str, agent_extra: &[&str]) -> (Self, Agent) {
-        let mut target = Self::start(fault, extra, Ipc::Msgpack);
-        let agent = Agent::watch(target.prefill(), profile, timeout, agent_extra);
-        target.proc.write_line("go");
-        (target, agent)
+    /// The agent attached to the prefill (`profile`, `timeout`), then `go`.
+    pub fn watch_and_go(&mut self, profile: &str, timeout: &str, agent_extra: &[&str]) -> Agent {
+        let agent = Agent::watch(self.prefill(), profile, timeout, agent_extra);
+        self.proc.write_line("go");
+        agent
     }
 
     pub fn prefill(&self) -> u32 {
