@@ -145,8 +145,8 @@ Default fault room: the first room of decode instance 0 after the middle of
 the run (abort: its last room). With hang and decode-dies the requests after
 the fault room are issued once the fault is in place.
 
-Protocol: JSON lines on stdout (the logs go to stderr), as
-tests/sglang/prefill.py. After set-up and one warm-up room per decode
+Protocol: JSON lines on stdout (the logs go to stderr; tests/support/
+sglang.rs reads them). After set-up and one warm-up room per decode
 instance:
   {"event":"ready","prefill_pid","decodes":[{"index","instance","pid","port",
    "tp_size","tp_rank","agent","mla"}],"instances","fault_room","shape",
@@ -163,10 +163,10 @@ waits for "go" on stdin unless --no-wait, then prints
   for --settle s (states: bootstrapping, forward, inflight, completed,
   failed), then holds until stdin EOF / "quit", a signal or --max-seconds;
   last: exit {reason, code}.
-Differences from the imitation's protocol: no `xfer` event (the handle is
-made inside SGLang's worker; see the uprobes below), `bootstrapped` carries
-the worker from SGLang's own sharding formula, rooms are SGLang's
-bootstrap_room integers from --room-start.
+No event names a transfer handle (it is made inside SGLang's worker; see
+the uprobes below); `bootstrapped` carries the worker from SGLang's own
+sharding formula; rooms are SGLang's bootstrap_room integers from
+--room-start.
 
 Marks (--marker LIB): enqueued when the sender is created, transfer_posted
 at the first sender.send, transfer_done when poll() says Success (failed
