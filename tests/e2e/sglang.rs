@@ -113,17 +113,8 @@ fn marked(fault: &str, extra: &[&str]) -> (Target, Agent) {
 /// `enqueued` just before its `request` line and `transfer_posted` just
 /// before its first `chunk` line.
 fn last_mark(target: &Target, room: u64) -> Instant {
-    target
-        .lines
-        .iter()
-        .filter(|line| {
-            line.json().is_some_and(|v| {
-                v["room"] == room && (v["event"] == "request" || (v["event"] == "chunk" && v["chunk"] == 0))
-            })
-        })
-        .map(|line| line.at)
-        .max()
-        .unwrap_or_else(|| panic!("room {room} was never requested: {:?}", target.lines))
+    let requested = target.at("request", room);
+    target.chunk(room, 0).map_or(requested, |posted| posted.max(requested))
 }
 
 /// Waits for `expected.len()` stalls and checks each: the room as external
@@ -200,12 +191,7 @@ fn marked_hung_room_and_the_rooms_queued_behind_it_are_all_reported() {
     let holding = target.until("holding", RUN);
     let room = target.fault_room();
     assert_eq!(holding["rooms"][room.to_string()], "inflight", "{holding}");
-    let posted = |r: u64| {
-        target
-            .lines
-            .iter()
-            .any(|l| l.json().is_some_and(|v| v["event"] == "chunk" && v["room"] == r && v["chunk"] == 0))
-    };
+    let posted = |r: u64| target.chunk(r, 0).is_some();
     let live = ["bootstrapping", "forward", "inflight"].iter().flat_map(|state| target.rooms_in(&holding, state));
     let expected: Vec<(u64, &str)> =
         live.map(|r| (r, if posted(r) { "transfer_hung" } else { "waiting_for_peer" })).collect();

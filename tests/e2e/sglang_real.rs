@@ -160,13 +160,9 @@ fn a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so()
     // named, and timed from its own post.
     let transfer: u64 = hung["transfer"].as_str().and_then(|t| t.parse().ok()).unwrap_or_else(|| panic!("{hung}"));
     let chunk = target
-        .lines
-        .iter()
-        .find(|line| {
-            line.json().is_some_and(|v| v["event"] == "chunk" && v["room"] == room && v["chunk"] == transfer - 1)
-        })
+        .chunk(room, transfer - 1)
         .unwrap_or_else(|| panic!("transfer {transfer} is no chunk of room {room}: {hung}"));
-    timed_from(&hung, at, chunk.at, Duration::ZERO);
+    timed_from(&hung, at, chunk, Duration::ZERO);
     for r in &behind {
         let (at, alert) = stall(*r);
         let waits = (
@@ -202,8 +198,7 @@ fn a_decode_killed_after_answering_fails_its_room_once() {
     let holding = target.until("holding", Duration::from_secs(60));
     let room = target.fault_room();
     assert_eq!(holding["rooms"][room.to_string()], "failed", "{holding}");
-    let unanswered: Vec<u64> =
-        target.rooms().into_iter().filter(|r| holding["rooms"][r.to_string()] == "bootstrapping").collect();
+    let unanswered = target.rooms_in(&holding, "bootstrapping");
     let seen = stalls_then_quiet(agent, unanswered.len());
     let failed: Vec<(Instant, Value)> = alerts(&seen, "failed").collect();
     let [(at, alert)] = &failed[..] else { panic!("one failed alert: {seen:?}") };

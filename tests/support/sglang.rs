@@ -79,20 +79,19 @@ impl Target {
 
     /// When the target printed `event` for `room` (its first such line).
     pub fn at(&self, event: &str, room: u64) -> Instant {
-        self.lines
-            .iter()
-            .find(|line| line.json().is_some_and(|v| v["event"] == event && v["room"] == room))
-            .map(|line| line.at)
+        self.first(|v| v["event"] == event && v["room"] == room)
             .unwrap_or_else(|| panic!("no {event} of room {room}: {:?}", self.lines))
     }
 
-    /// When the target printed chunk `chunk` (from 0) of `room`.
-    pub fn chunk_at(&self, room: u64, chunk: u64) -> Instant {
-        self.lines
-            .iter()
-            .find(|line| line.json().is_some_and(|v| v["event"] == "chunk" && v["room"] == room && v["chunk"] == chunk))
-            .map(|line| line.at)
-            .unwrap_or_else(|| panic!("no chunk {chunk} of room {room}: {:?}", self.lines))
+    /// When the target handed chunk `chunk` (from 0) of `room` to SGLang's
+    /// sender, if it did.
+    pub fn chunk(&self, room: u64, chunk: u64) -> Option<Instant> {
+        self.first(|v| v["event"] == "chunk" && v["room"] == room && v["chunk"] == chunk)
+    }
+
+    /// When the target printed its first JSON line that `matches`.
+    fn first(&self, matches: impl Fn(&Value) -> bool) -> Option<Instant> {
+        self.lines.iter().find(|line| line.json().is_some_and(|v| matches(&v))).map(|line| line.at)
     }
 
     /// Every room the router handed to the prefill.
