@@ -570,6 +570,11 @@ pub fn room_of(key: u64, external_id: Option<&str>) -> Option<u64> {
 mod tests {
     use super::*;
 
+    /// A decode rank's destination for `room` on port 1, no pages read.
+    fn destination(room: u64, agent: &str, ranks: u32) -> Bootstrap {
+        Bootstrap::Destination { room, port: 1, agent: agent.into(), ranks, pages: Default::default() }
+    }
+
     fn message(direction: Direction, frames: &[&[u8]]) -> Message {
         let frames = frames.iter().map(|bytes| Frame { bytes: (*bytes).into(), complete: true }).collect();
         Message { pid: 1, tid: 2, ts_ns: 3, direction, frames }
@@ -650,8 +655,7 @@ mod tests {
     #[test]
     fn a_room_starts_at_its_first_destination_and_ends_once() {
         let mut rooms = Rooms::default();
-        let destination =
-            Bootstrap::Destination { room: 9, port: 1, agent: "d".into(), ranks: 2, pages: Default::default() };
+        let destination = destination(9, "d", 2);
         let start = rooms.observe(4, 10, &destination).expect("enqueued");
         assert_eq!(
             (start.key, start.stage, start.ts_ns, start.external_id.as_deref()),
@@ -735,13 +739,7 @@ mod tests {
         assert_eq!(rooms.context(4, 7), fields(&[("answered", "0"), ("waiting_on", "peer")]));
         assert_eq!(rooms.observe(4, 11, &Bootstrap::Request { room: 7, rid: rid.clone() }), None, "received once");
         // Its first destination is news (what it waited on arrived); a second rank's is not.
-        let to = |agent: &str| Bootstrap::Destination {
-            room: 7,
-            port: 1,
-            agent: agent.into(),
-            ranks: 2,
-            pages: Default::default(),
-        };
+        let to = |agent: &str| destination(7, agent, 2);
         assert_eq!(rooms.observe(4, 12, &to("d0")).map(|o| (o.stage, o.ts_ns)), Some((Stage::Enqueued, 12)));
         assert_eq!(rooms.context(4, 7), fields(&[("answered", "1/2"), ("waiting_on", "peer")]));
         assert_eq!(rooms.observe(4, 13, &to("d1")), None);
@@ -771,7 +769,7 @@ mod tests {
         // The router tells the decode before the tokenizer hands the request
         // on: on the real target the destination often arrives first.
         let mut rooms = Rooms::default();
-        let to = Bootstrap::Destination { room: 7, port: 1, agent: "d".into(), ranks: 1, pages: Default::default() };
+        let to = destination(7, "d", 1);
         rooms.observe(4, 10, &to).expect("enqueued at its destination");
         let rid: Rid = b"req-7".as_slice().into();
         assert_eq!(rooms.observe(4, 11, &Bootstrap::Request { room: 7, rid: rid.clone() }), None, "no second start");
@@ -808,7 +806,7 @@ mod tests {
         rooms.observe(4, 10, &Bootstrap::Request { room: 7, rid: b"req-7".as_slice().into() }).expect("room 7");
         // Room 8: bootstrapped; its output may come before its status, which ends it.
         rooms.observe(4, 11, &Bootstrap::Request { room: 8, rid: b"req-8".as_slice().into() }).expect("room 8");
-        let to = Bootstrap::Destination { room: 8, port: 1, agent: "d".into(), ranks: 1, pages: Default::default() };
+        let to = destination(8, "d", 1);
         rooms.observe(4, 12, &to).expect("answered");
         assert_eq!(rooms.observe(4, 13, &output(&[b"req-8"])), None, "a bootstrapped room's output ends nothing");
         rooms.observe(4, 13, &Bootstrap::Status { room: 8, status: SUCCESS }).expect("room 8 released");
@@ -821,7 +819,7 @@ mod tests {
         assert!(rooms.live.is_empty() && rooms.rids.is_empty());
         // A TP2 room with one destination of its two: not bootstrapped.
         rooms.observe(4, 17, &Bootstrap::Request { room: 10, rid: b"req-10".as_slice().into() }).expect("room 10");
-        let half = Bootstrap::Destination { room: 10, port: 1, agent: "d".into(), ranks: 2, pages: Default::default() };
+        let half = destination(10, "d", 2);
         rooms.observe(4, 18, &half).expect("answered by one rank");
         assert_eq!(rooms.observe(4, 19, &output(&[b"req-10"])).map(|o| (o.key, o.stage)), Some((10, Stage::Failed)));
         // A decode streams its rooms' tokens: an output ends none of them.
@@ -876,8 +874,7 @@ mod tests {
         rooms.creating(4, 20, b"d", None);
         assert!(rooms.handle(20, handle_event(4, 0xa0, Stage::Enqueued, 3)).is_some());
         // A destination arriving now tells what it waits on again, and starts nothing.
-        let destination =
-            Bootstrap::Destination { room: 9, port: 1, agent: "d".into(), ranks: 2, pages: Default::default() };
+        let destination = destination(9, "d", 2);
         assert_eq!(rooms.observe(4, 4, &destination), None);
         assert_eq!(rooms.context(4, 9)[0], ("answered", "1/2".to_owned()));
         assert_eq!(
@@ -899,13 +896,7 @@ mod tests {
     fn a_handle_to_the_one_room_awaiting_its_agent_is_the_rooms() {
         use Stage::*;
         let mut rooms = Rooms::default();
-        let to = |room, agent: &str| Bootstrap::Destination {
-            room,
-            port: 1,
-            agent: agent.into(),
-            ranks: 1,
-            pages: Default::default(),
-        };
+        let to = |room, agent: &str| destination(room, agent, 1);
         rooms.observe(4, 1, &to(7, "decode-0")).expect("room 7");
         rooms.observe(4, 2, &to(7, "decode-1"));
         rooms.observe(4, 3, &to(8, "decode-1")).expect("room 8");
@@ -1048,13 +1039,7 @@ mod tests {
     fn a_silent_rooms_state_is_read_from_its_outstanding_handles_oldest_first() {
         use Stage::*;
         let mut rooms = Rooms::default();
-        let to = |room, agent: &str| Bootstrap::Destination {
-            room,
-            port: 1,
-            agent: agent.into(),
-            ranks: 1,
-            pages: Default::default(),
-        };
+        let to = |room, agent: &str| destination(room, agent, 1);
         let silent = |key| Silent { pid: 4, key, stage: TransferPosted, first_ns: 1, last_ns: 9 };
         let posted = |rooms: &mut Rooms, tid, agent: &[u8], handle| {
             rooms.creating(4, tid, agent, None);
