@@ -151,6 +151,9 @@ fn run_takes_its_settings_from_the_config_file_and_flags_win() {
         ]),
     );
     agent.wait_stderr("watching", Duration::from_secs(30));
+    // The socket is bound after the probes are attached (and said so):
+    // wait for the agent to say it serves it.
+    agent.wait_stderr("serving `stallwatch inflight`", Duration::from_secs(30));
     assert!(agent.stderr().contains("timeout=1s"), "the file's timeout: {}", agent.stderr());
     assert!(socket.exists(), "the agent serves the file's socket {}", socket.display());
     let pinned = std::fs::read_dir(&bpf_dir).map(Iterator::count);
