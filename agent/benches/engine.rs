@@ -16,7 +16,7 @@
 //!    this process laid out as the `nixl` profile's `[status]` says), side
 //!    by side: every due request read in the one tick with a call each (the
 //!    agent before the read budget), and at most
-//!    [`READS_PER_TICK`](stallwatch::status::READS_PER_TICK) a tick in
+//!    [`READS_PER_TICK`](stallwatch::evidence::status::READS_PER_TICK) a tick in
 //!    batched calls (the agent now). Each read is asked of the kernel's
 //!    in-flight table before and after, as the agent does
 //!    (`KernelState::holds`, a `bpf(2)` lookup each, of the eBPF object
@@ -34,10 +34,10 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use stallwatch::evidence::status::{READS_PER_TICK, StatusReader};
+use stallwatch::kernel::state::KernelState;
 use stallwatch::lifecycle::{Engine, EngineConfig, Observation, Report, Silent, Stage, StageRead, StallClass};
-use stallwatch::probes::{Probes, Profile};
-use stallwatch::state::KernelState;
-use stallwatch::status::{READS_PER_TICK, StatusReader};
+use stallwatch::{kernel::Probes, profile::Profile};
 
 /// Counts the bytes the program holds (and the peak), so the engine's
 /// footprint is measured rather than estimated.

@@ -27,7 +27,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use stallwatch::probes::{Profile, resolve::ProcessImage};
+use stallwatch::profile::{Profile, resolve::ProcessImage};
 use support::{Agent, Bpftrace, Config, Floor, median};
 
 struct Run {

@@ -27,7 +27,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use stallwatch::probes::{
+use stallwatch::profile::{
     Profile,
     resolve::{ElfFile, ProcessImage},
 };

@@ -16,9 +16,11 @@ use std::{
 
 use anyhow::{Context as _, Result, ensure};
 use stallwatch::{
-    export::metrics::{self, Format, Metrics},
+    export::{
+        metrics::{self, Format, Metrics},
+        workload::{Directory, Source, Workload},
+    },
     lifecycle::{Engine, EngineConfig, StallClass},
-    workload::{Directory, Source, Workload},
 };
 
 const PODS: usize = 1_000;

@@ -25,7 +25,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use stallwatch::probes::Profile;
+use stallwatch::profile::Profile;
 use support::{Agent, Floor, median};
 
 /// Who watches the driver in one column.

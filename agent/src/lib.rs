@@ -1,41 +1,32 @@
 //! stallwatch: catches silent request stalls in disaggregated LLM serving.
 //!
-//! Data flows one way through the modules, in this order:
-//! [`probes`] (profiles, symbol resolution, attach) -> [`events`]
-//! (ring-buffer reader, decoding) -> [`lifecycle`] (per-request state
-//! machine, timer wheel, classification) -> [`export`] (alerts, summary);
-//! [`query`] answers `stallwatch inflight`. [`run`] wires them together;
-//! [`gate`] links the costly progress probes only near a stall;
-//! [`state`] keeps what outlives an agent (pinned maps and links) for the
-//! next one, in directories [`trusted_dir`] keeps out of other users'
-//! reach; [`config`] reads its settings from a file ([`files`] bounds
-//! what is read), [`doctor`] checks the host; [`logging`] sets up the
-//! agent's own logs, [`build_info`] says which build this is; [`text`]
-//! makes what a target wrote safe to print; [`warned`]
-//! keeps warnings about bad input to one a period.
-pub mod build_info;
-pub mod config;
-pub mod discovery;
-pub mod doctor;
-pub mod events;
+//! One folder per layer, in the order data moves (docs/design.md draws it);
+//! a layer uses the ones below it, never one above:
+//!
+//! - [`cli`]: the command line, the config file, `doctor`, the agent's logs.
+//! - [`run`]: `stallwatch run`: the session, the process table and the
+//!   event loop that wires every layer below together.
+//! - [`query`]: `stallwatch inflight`, answered over a unix socket.
+//! - [`export`]: what leaves the agent: alert lines, the summary, OTLP spans,
+//!   metrics, and the identity of the workload each watched process is.
+//! - [`frameworks`]: what follows a serving framework's own protocol
+//!   (signals in, room observations and context out), one folder each.
+//! - [`evidence`]: what is read when a stall comes due: the target's memory,
+//!   transport counters, each transfer's peer, and the progress-probe gate.
+//! - [`kernel`]: the eBPF object, slots and attach, the pinned tables a
+//!   restarted agent takes over, the ring-buffer reader.
+//! - [`profile`]: probe profiles: schema, validation, built-ins, symbol
+//!   resolution.
+//! - [`lifecycle`]: the pure engine: per-request state machine, timer wheel,
+//!   classification.
+//! - [`util`]: small helpers every layer may use.
+pub mod cli;
+pub mod evidence;
 pub mod export;
-pub mod files;
-pub mod gate;
+pub mod frameworks;
+pub mod kernel;
 pub mod lifecycle;
-pub mod logging;
-pub mod peers;
-pub mod probes;
+pub mod profile;
 pub mod query;
-mod reactor;
 pub mod run;
-pub mod sglang;
-pub mod signals;
-pub mod state;
-pub mod status;
-pub mod text;
-pub mod tls;
-pub mod transport;
-pub mod trusted_dir;
-pub mod warned;
-pub mod workload;
-pub mod zmq;
+pub mod util;

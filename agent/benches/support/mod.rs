@@ -28,7 +28,7 @@ use aya::{
         uprobe::{UProbeAttachLocation, UProbeScope},
     },
 };
-use stallwatch::probes::{
+use stallwatch::profile::{
     ActivityKind, At, Profile,
     resolve::{ElfFile, ProcessImage},
 };
@@ -219,7 +219,7 @@ struct Point {
 impl Floor {
     pub fn attach(pid: u32, profile: &Profile) -> Result<Self> {
         let points = Self::points(pid, profile)?;
-        let mut ebpf = Ebpf::load(stallwatch::probes::ebpf_object())?;
+        let mut ebpf = Ebpf::load(stallwatch::kernel::ebpf_object())?;
         for name in ["empty_entry", "empty_return"] {
             let program: &mut UProbe = ebpf.program_mut(name).context("empty program")?.try_into()?;
             program.load()?;

@@ -10,13 +10,13 @@ use serde_json::{Map, Value, json};
 use tracing::info;
 
 use super::clock::Clock;
-use crate::events::Losses;
+use crate::evidence::status::StatusReads;
+use crate::evidence::transport::Evidence;
+use crate::export::workload::{Directory, Workload};
+use crate::kernel::ring::Losses;
 use crate::lifecycle::{EngineStats, Outcome, Report, RequestSnapshot, Stage};
-use crate::probes::{ActivityKind, ProbeHits};
-use crate::status::StatusReads;
-use crate::text;
-use crate::transport::Evidence;
-use crate::workload::{Directory, Workload};
+use crate::util::text;
+use crate::{kernel::ProbeHits, profile::ActivityKind};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
@@ -466,14 +466,14 @@ mod tests {
 
     #[test]
     fn a_stall_whose_peer_is_known_names_it_with_the_completions_per_peer() {
-        let peer = crate::peers::PeerCompletions { peer: "decode-0".into(), to_peer: 0, to_others: 14 };
+        let peer = crate::evidence::peers::PeerCompletions { peer: "decode-0".into(), to_peer: 0, to_others: 14 };
         let evidence = Evidence {
             total: Default::default(),
             since: Default::default(),
             progress_window_ns: None,
             at_ns: 9_000,
             peer: Some(peer),
-            verdict: crate::transport::Verdict::PeerUnresponsive,
+            verdict: crate::evidence::transport::Verdict::PeerUnresponsive,
         };
         let write = |format| {
             let mut out = Vec::new();

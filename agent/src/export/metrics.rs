@@ -50,11 +50,11 @@ use tracing::{debug, warn};
 
 use super::otlp::ExportCounts;
 use crate::{
-    build_info,
-    events::Losses,
+    evidence::status::StatusReads,
+    export::workload::Directory,
+    kernel::ring::Losses,
     lifecycle::{Engine, EngineStats, Outcome, Report, Stage, StallClass},
-    status::StatusReads,
-    workload::Directory,
+    util::build_info,
 };
 
 /// Buckets of `stallwatch_stall_duration_seconds`: a stall lasts at least
@@ -207,7 +207,7 @@ pub fn workload_stalled(engine: &Engine, workloads: &Directory) -> Vec<WorkloadS
             let labels = workloads
                 .get(request.pid)
                 .map(|w| w.labels())
-                .unwrap_or_else(|| crate::workload::Workload::default().labels());
+                .unwrap_or_else(|| crate::export::workload::Workload::default().labels());
             *counts.entry((labels, class as usize)).or_default() += 1;
         }
     }
@@ -789,8 +789,8 @@ async fn respond(stream: &mut TcpStream, status: &str, content_type: &str, body:
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernel::KernelCounters;
     use crate::lifecycle::{EngineConfig, Observation};
-    use crate::probes::KernelCounters;
 
     fn engine_with_requests() -> Engine {
         let mut engine = Engine::new(EngineConfig { timeout_ns: 1_000, max_tracked: 100, tick_ns: 10 });

@@ -7,3 +7,4 @@ pub mod metrics;
 pub mod otlp;
 pub mod queue;
 pub mod telemetry;
+pub mod workload;

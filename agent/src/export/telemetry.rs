@@ -12,12 +12,12 @@ use super::{
     otlp::{self, ExportCounts, ExportSettings, OtlpExporter, OtlpOptions, Protocol},
 };
 use crate::{
-    events::Losses,
+    evidence::status::StatusReads,
+    evidence::transport::Evidence,
+    export::workload::{self, Directory},
+    kernel::Probes,
+    kernel::ring::Losses,
     lifecycle::{Engine, Report},
-    probes::Probes,
-    status::StatusReads,
-    transport::Evidence,
-    workload::{self, Directory},
 };
 
 /// The `stallwatch run` flags for spans and metrics.

@@ -12,7 +12,7 @@ use super::{
     server,
     wire::{self, Inflight, Query, QueryKind},
 };
-use crate::{text, trusted_dir::TrustedDir, workload::Workload};
+use crate::{export::workload::Workload, util::text, util::trusted_dir::TrustedDir};
 
 /// How long the agent may go without sending anything.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);

@@ -24,12 +24,12 @@ use tracing::{debug, info, warn};
 
 use super::wire::{self, QueryKind, Snapshot};
 use crate::{
+    evidence::transport::Tracker,
     export::clock::Clock,
+    export::workload::Directory,
+    frameworks::signals::Signals,
     lifecycle::{Engine, RequestSnapshot},
-    signals::Signals,
-    transport::Tracker,
-    trusted_dir::TrustedDir,
-    workload::Directory,
+    util::trusted_dir::TrustedDir,
 };
 
 /// Connections served at once; more get a "busy" answer.

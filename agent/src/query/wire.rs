@@ -32,10 +32,10 @@ use std::{
 use serde::{Deserialize, Serialize};
 
 use crate::{
+    evidence::transport::{ProcessTransport, Totals},
+    export::workload::Workload,
     lifecycle::{RequestSnapshot, Stage, StallClass},
-    probes::ActivityKind,
-    transport::{ProcessTransport, Totals},
-    workload::Workload,
+    profile::ActivityKind,
 };
 
 /// The protocol version this build speaks.
@@ -677,7 +677,7 @@ mod tests {
             2_000_000_000,
             Some(StallClass::TransferHung),
         )]);
-        let mut tracker = crate::transport::Tracker::new(2_000_000_000);
+        let mut tracker = crate::evidence::transport::Tracker::new(2_000_000_000);
         let mut totals = Totals::default();
         totals.add_for_test(ActivityKind::Progress, 500, Some(9_000_000_000));
         totals.add_for_test(ActivityKind::Post, 1, Some(2_000_000_000));

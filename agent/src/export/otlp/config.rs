@@ -140,7 +140,8 @@ impl CaFile {
             return Ok(None);
         };
         let path = PathBuf::from(path);
-        let pem = crate::files::read_text(&path, "CA file").with_context(|| format!("{source}={}", path.display()))?;
+        let pem =
+            crate::util::files::read_text(&path, "CA file").with_context(|| format!("{source}={}", path.display()))?;
         if !pem.contains("-----BEGIN CERTIFICATE-----") {
             bail!(
                 "{source}={}: no PEM certificate in it (`-----BEGIN CERTIFICATE-----`): give the CA's certificate, \

@@ -6,7 +6,7 @@
 //! share it, and so that TLS trusts what the OpenTelemetry environment
 //! says: the system's roots and the CA file of
 //! `OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE` (the exporter reads neither).
-//! rustls runs on the `ring` provider ([`crate::tls`]).
+//! rustls runs on the `ring` provider ([`crate::util::tls`]).
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, anyhow};
@@ -38,7 +38,7 @@ impl Connection {
     /// Connect lazily to `target`: nothing is sent before the first export,
     /// so a collector that is down does not keep the agent from starting.
     pub fn open(target: &OtlpTarget) -> Result<Self> {
-        crate::tls::install_ring();
+        crate::util::tls::install_ring();
         let ca = target.ca.as_ref().filter(|_| target.is_tls());
         match target.protocol {
             Protocol::Grpc => {

@@ -48,7 +48,7 @@ use tracing::{debug, info, warn};
 pub use self::config::{OtlpOptions, OtlpTarget, Protocol};
 use self::{connection::Connection, resources::Resources, sampling::SpanSampler, spans::SpanMaker};
 use super::clock::Clock;
-use crate::{lifecycle::Report, transport::Evidence, workload::Directory};
+use crate::{evidence::transport::Evidence, export::workload::Directory, lifecycle::Report};
 
 /// Reports the queue holds; beyond it they are dropped (and counted).
 pub const QUEUE_CAPACITY: usize = 16_384;

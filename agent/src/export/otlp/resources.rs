@@ -18,7 +18,7 @@ use opentelemetry::{Key, KeyValue};
 use opentelemetry_sdk::{Resource, trace::SpanExporter as _};
 
 use super::{connection::Connection, spans::attr};
-use crate::workload::{Directory, Workload};
+use crate::export::workload::{Directory, Workload};
 
 /// Exporters kept at most; past it they are dropped and rebuilt as needed
 /// (processes come and go; each exporter is a few allocations).

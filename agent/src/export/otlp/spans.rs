@@ -28,10 +28,10 @@ use opentelemetry_sdk::trace::{IdGenerator as _, RandomIdGenerator, SpanData, Sp
 use sha2::{Digest as _, Sha256};
 
 use crate::{
+    evidence::transport::Evidence,
     export::clock::Clock,
     lifecycle::{Outcome, Report, RequestSnapshot, Stage, StallClass},
-    probes::ActivityKind,
-    transport::Evidence,
+    profile::ActivityKind,
 };
 
 use super::sampling::SpanSampler;
@@ -52,7 +52,7 @@ pub mod attr {
     pub const EXTERNAL_ID: &str = "stallwatch.request.external_id";
     /// An SGLang request's room (an integer), under the name SGLang's own
     /// spans give it, so its spans and SGLang's are found by one query.
-    /// Set for a request keyed by its room ([`crate::sglang::room_of`]).
+    /// Set for a request keyed by its room ([`crate::frameworks::sglang::room_of`]).
     pub const BOOTSTRAP_ROOM: &str = "bootstrap_room";
     /// Where a stalled SGLang room stopped, on its stall span: the fields
     /// of its alert (`handle`, `transfer`, `answered`, `waiting_on`,
@@ -377,7 +377,7 @@ impl SpanMaker {
         if let Some(id) = &request.external_id {
             attributes.push(KeyValue::new(attr::EXTERNAL_ID, id.to_string()));
         }
-        if let Some(room) = crate::sglang::room_of(request.key, request.external_id.as_deref())
+        if let Some(room) = crate::frameworks::sglang::room_of(request.key, request.external_id.as_deref())
             .and_then(|room| i64::try_from(room).ok())
         {
             attributes.push(KeyValue::new(attr::BOOTSTRAP_ROOM, room));
@@ -588,10 +588,10 @@ mod tests {
     #[test]
     fn a_stall_span_carries_the_transport_evidence() {
         let request = snapshot(Stage::TransferPosted, Some("room-3"));
-        let mut tracker = crate::transport::Tracker::new(2_000_000_000);
-        let mut busy = crate::transport::Totals::default();
+        let mut tracker = crate::evidence::transport::Tracker::new(2_000_000_000);
+        let mut busy = crate::evidence::transport::Totals::default();
         busy.add_for_test(ActivityKind::Progress, 4_000, Some(request.last_ns + 1_900_000_000));
-        tracker.record_for_test(7, request.last_ns, crate::transport::Totals::default());
+        tracker.record_for_test(7, request.last_ns, crate::evidence::transport::Totals::default());
         tracker.progress_attached(7, Some(request.last_ns));
         tracker.record_for_test(7, request.last_ns + 2_000_000_000, busy);
         let evidence = tracker.evidence(&request, StallClass::TransferHung, None);
@@ -624,10 +624,10 @@ mod tests {
     #[test]
     fn a_stall_span_names_the_transfers_peer_where_known() {
         let request = snapshot(Stage::TransferPosted, Some("room-3"));
-        let mut tracker = crate::transport::Tracker::new(2_000_000_000);
-        tracker.record_for_test(7, request.last_ns, crate::transport::Totals::default());
-        tracker.record_for_test(7, request.last_ns + 2_000_000_000, crate::transport::Totals::default());
-        let peer = crate::peers::PeerCompletions { peer: "decode-0".into(), to_peer: 0, to_others: 14 };
+        let mut tracker = crate::evidence::transport::Tracker::new(2_000_000_000);
+        tracker.record_for_test(7, request.last_ns, crate::evidence::transport::Totals::default());
+        tracker.record_for_test(7, request.last_ns + 2_000_000_000, crate::evidence::transport::Totals::default());
+        let peer = crate::evidence::peers::PeerCompletions { peer: "decode-0".into(), to_peer: 0, to_others: 14 };
         let evidence = tracker.evidence(&request, StallClass::TransferHung, Some(peer));
         let mut maker = SpanMaker::new("node-a".into(), Clock::new());
         let mut spans = Vec::new();

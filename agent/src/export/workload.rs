@@ -228,7 +228,7 @@ impl Directory {
         let client = match &source {
             Source::Off => None,
             Source::Api { .. } => {
-                crate::tls::install_ring();
+                crate::util::tls::install_ring();
                 let client = reqwest::Client::builder().timeout(LIST_TIMEOUT).build();
                 Some(client.context("building the Kubernetes API client")?)
             }

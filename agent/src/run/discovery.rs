@@ -15,7 +15,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use regex::Regex;
 
-use crate::probes::resolve::ProcessImage;
+use crate::profile::resolve::ProcessImage;
 
 /// What a watched process must look like.
 #[derive(Debug, Clone, Default)]

@@ -12,7 +12,7 @@
 //! the transfer to that peer. Every handle's lifecycle events then say
 //! what that peer completed ([`Peers::observe`]): a handle's
 //! `transfer_done`, or the release of a posted handle whose done no probe
-//! saw (as [`crate::transport::Tracker::observe_end`] counts completions
+//! saw (as [`crate::evidence::transport::Tracker::observe_end`] counts completions
 //! for the process).
 //!
 //! Only profiles with that signal (`sglang`) know peers; without it no
@@ -72,7 +72,7 @@ pub struct Peers {
 
 impl Peers {
     /// Completions are kept for two timeouts and 5 s, as the transport's
-    /// samples are ([`crate::transport::Tracker::new`]).
+    /// samples are ([`crate::evidence::transport::Tracker::new`]).
     pub fn new(timeout_ns: u64) -> Self {
         Self {
             creating: HashMap::new(),

@@ -12,7 +12,7 @@
 //! a released handle is freed, and the allocator hands its address to the
 //! next request. So a read is taken only while the kernel's in-flight table
 //! holds the lifecycle live (its probes saw no end, even one whose event was
-//! lost or is not read yet; see [`crate::state::KernelState::holds`]), and
+//! lost or is not read yet; see [`crate::kernel::state::KernelState::holds`]), and
 //! checked again after the read: a release that raced the read voids it.
 //! What cannot be read (the process is gone, the address is unmapped, the
 //! agent lacks the right to read it) or reads a value no rule takes is
@@ -25,8 +25,8 @@ use tracing::{debug, warn};
 
 use crate::{
     lifecycle::{Silent, StageRead},
-    probes::{RetType, StatusSpec, profile::CompleteAt},
-    warned::Warned,
+    profile::{CompleteAt, RetType, StatusSpec},
+    util::warned::Warned,
 };
 
 /// Most requests whose stall is due read per tick (10 ms by default): a
@@ -309,7 +309,7 @@ mod tests {
     use std::cell::Cell;
 
     use super::*;
-    use crate::{lifecycle::Stage, probes::Profile};
+    use crate::{lifecycle::Stage, profile::Profile};
 
     /// A `[status]` over this very process's memory, the real syscall.
     fn reader(at: &str, ty: &str) -> StatusReader {

@@ -23,8 +23,8 @@ use serde::Serialize;
 use stallwatch_common::MAX_SLOTS;
 
 use crate::{
-    probes::Probes,
-    trusted_dir::{TrustedDir, Untrusted},
+    kernel::Probes,
+    util::trusted_dir::{TrustedDir, Untrusted},
 };
 
 /// The kernel that has everything stallwatch's programs use: BPF ring

@@ -2,6 +2,8 @@
 //! process a selector matches, now and later, and follow their requests
 //! until told to stop (or, with `--pid`, until that process exits or execs
 //! a program the profile does not attach to).
+pub mod discovery;
+
 use std::{
     collections::{HashMap, HashSet},
     io::Write,
@@ -23,27 +25,31 @@ use tokio::{
 use tracing::{error, info, warn};
 
 use crate::{
-    discovery::{Pending, Selector},
-    events::{self, EventReader, Losses},
+    evidence::gate::{Change, Failures, Gate},
+    evidence::status::{self, StatusReader},
+    evidence::transport::Tracker,
     export::{
         alert::{AlertWriter, Format},
         clock::{Clock, monotonic_ns, process_start_ns},
         queue::{self, LineQueue},
         telemetry::{Telemetry, TelemetryOptions},
     },
-    gate::{Change, Failures, Gate},
+    frameworks::signals::{self, Signals},
+    kernel::reactor,
+    kernel::state::{BpfDir, KernelState},
+    kernel::{KernelCounters, Probes, Releasing},
+    kernel::{
+        decode,
+        ring::{EventReader, Losses},
+    },
     lifecycle::{Engine, EngineConfig, Observation, Report, Restored, Side, Silent, Withheld},
-    probes::{
-        KernelCounters, Probes, Profile, Releasing,
+    profile::{
+        Profile,
         resolve::{ElfFile, ProcessImage},
     },
     query::{QueryServer, SocketPlace},
-    reactor,
-    signals::{self, Signals},
-    state::{BpfDir, KernelState},
-    status::{self, StatusReader},
-    transport::Tracker,
-    warned::Warned,
+    run::discovery::{Pending, Selector},
+    util::warned::Warned,
 };
 
 /// Which processes to watch.
@@ -94,7 +100,7 @@ pub async fn run(options: Options, out: impl Write + Send + 'static) -> Result<(
     }
     // Before anything is created (the bpf and socket directories would
     // then belong to an unprivileged user, and root agents refuse them).
-    crate::doctor::require_privileges()?;
+    crate::cli::doctor::require_privileges()?;
     // First: a stop asked for during start-up is taken at the first turn
     // of the loop, never the default death that leaves no summary.
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
@@ -450,7 +456,7 @@ impl Session {
         self.watched.insert(pid, Watched { name: name.clone(), exit_waiter: waiter });
         info!(
             pid,
-            process = %crate::text::value(&name),
+            process = %crate::util::text::value(&name),
             profile = %self.profile.name,
             probes,
             timeout = %humantime::format_duration(Duration::from_nanos(self.engine.config().timeout_ns)),
@@ -480,7 +486,7 @@ impl Session {
         if self.foreign_builds.insert((object.path.clone(), build.clone())) {
             warn!(
                 pid,
-                library = %crate::text::value(&object.path.display().to_string()),
+                library = %crate::util::text::value(&object.path.display().to_string()),
                 "{} has {build}, not a build profile {} (line {} of {}) was checked against ({}): its status reads, \
                  read_status and external ids are off for processes mapping it, their stalls classified by the probes \
                  alone. To use them, check that the build lays its structs out as the profile's offsets say (see \
@@ -690,7 +696,7 @@ impl Session {
 
     /// Link the progress probes of processes that now hold a request near
     /// its stall, unlink those of processes that hold none (see
-    /// [`crate::gate`]). Before [`Self::advance`], so a request reaching
+    /// [`crate::evidence::gate`]). Before [`Self::advance`], so a request reaching
     /// its stall in this tick is judged with its process's probe on.
     fn gate(&mut self, now: u64) {
         if !self.gate.due(now) || self.probes.gates().next().is_none() {
@@ -966,9 +972,9 @@ impl Ingest {
         reports: &mut Vec<Report>,
         route: &mut impl FnMut(&Event, Option<Observation>) -> Option<(Observation, Side)>,
     ) {
-        match events::decode(bytes) {
+        match decode::decode(bytes) {
             Ok(event) => {
-                for earlier in events::withheld(&event) {
+                for earlier in decode::withheld(&event) {
                     self.event(&earlier, true, transport, engine, reports, route);
                 }
                 self.event(&event, false, transport, engine, reports, route);
@@ -997,7 +1003,7 @@ impl Ingest {
         let decoded = if signals::is_signal(event) {
             Ok(route(event, None))
         } else {
-            events::observe(event).map(|o| route(event, Some(o)))
+            decode::observe(event).map(|o| route(event, Some(o)))
         };
         match decoded {
             Ok(None) => {}
@@ -1092,7 +1098,7 @@ fn thread_group_of(tid: u32) -> Option<u32> {
 }
 
 /// The process's name (`comm`), as the process set it: any bytes, made
-/// UTF-8 (invalid sequences replaced); printed through [`crate::text`].
+/// UTF-8 (invalid sequences replaced); printed through [`crate::util::text`].
 fn process_name(pid: u32) -> String {
     std::fs::read(format!("/proc/{pid}/comm")).map_or_else(
         |_| "?".to_owned(),
@@ -1112,7 +1118,7 @@ mod tests {
     use stallwatch_common::{EXT_ID_LEN, Event};
 
     use super::*;
-    use crate::{lifecycle::EngineStats, probes::KernelCounters};
+    use crate::{kernel::KernelCounters, lifecycle::EngineStats};
 
     /// The log lines `f` writes at warn level or above.
     fn warnings(f: impl FnOnce()) -> Vec<String> {

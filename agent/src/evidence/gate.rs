@@ -8,7 +8,7 @@
 //! half the timeout or more (stalled or not), and unlinked once it holds
 //! none. A stall due on time is then judged on progress counted over about
 //! the second half of its silence (the evidence says over how long, see
-//! [`crate::transport`]); a healthy process, whose requests end long before
+//! [`crate::evidence::transport`]); a healthy process, whose requests end long before
 //! half the timeout, never has it linked.
 //!
 //! Half: late enough that healthy requests never open the gate, early

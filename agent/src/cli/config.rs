@@ -21,17 +21,18 @@ use serde::{Deserialize, Deserializer, de};
 use toml::Spanned;
 
 use crate::{
-    discovery::Selector,
+    export::workload,
     export::{
         alert::Format,
         metrics,
         otlp::{OtlpOptions, Protocol},
         telemetry::TelemetryOptions,
     },
-    probes::{Profile, profile},
+    kernel::state,
+    profile::{self, Profile},
     query,
+    run::discovery::Selector,
     run::{OnExit, Target},
-    state, workload,
 };
 
 /// `--timeout` when neither the flag nor the file sets it.
@@ -243,7 +244,7 @@ pub struct ConfigFile {
 
 impl ConfigFile {
     pub fn load(path: &Path) -> Result<Self> {
-        let text = crate::files::read_text(path, "config file")?;
+        let text = crate::util::files::read_text(path, "config file")?;
         Self::parse(&text, path)
     }
 
@@ -922,7 +923,7 @@ addr = "0.0.0.0:9464"
     #[test]
     fn the_shipped_example_config_is_valid() {
         let settings =
-            ConfigFile::parse(include_str!("../deploy/base/config.toml"), Path::new("/etc/stallwatch/config.toml"))
+            ConfigFile::parse(include_str!("../../deploy/base/config.toml"), Path::new("/etc/stallwatch/config.toml"))
                 .expect("agent/deploy/base/config.toml parses")
                 .settings;
         assert!(settings.profile.is_some(), "the example names a profile");
@@ -930,7 +931,7 @@ addr = "0.0.0.0:9464"
 
     #[test]
     fn the_daemonset_sets_every_variable_the_otlp_resource_reads() {
-        let manifest = include_str!("../deploy/base/daemonset.yaml");
+        let manifest = include_str!("../../deploy/base/daemonset.yaml");
         for (attribute, var) in crate::export::otlp::config::K8S_ENV {
             assert!(
                 manifest.contains(&format!("name: {var}\n")),

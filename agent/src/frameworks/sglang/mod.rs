@@ -41,8 +41,8 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::{
+    frameworks::zmq::{Direction, Frame, Message},
     lifecycle::{Observation, Side, Silent, Stage, StageRead},
-    zmq::{Direction, Frame, Message},
 };
 
 const GUARD: &[u8] = b"NixlMsgGuard";
@@ -359,7 +359,7 @@ impl Rooms {
 
     /// Follow `room` again after an agent restart: the previous agent
     /// followed it and the kernel kept it (see
-    /// [`crate::state::KernelState::hold`]). What it knew of the room's
+    /// [`crate::kernel::state::KernelState::hold`]). What it knew of the room's
     /// destinations and transfers is gone, so the room's handles are not
     /// attributed to it (the kernel kept them too: they are taken over as
     /// their own lifecycles), and its alerts say nothing of what it waits

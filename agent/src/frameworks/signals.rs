@@ -3,12 +3,12 @@
 //! [`stage::SIGNAL`] without tracking them; here each one is named by its
 //! slot's spec and handed to the consumer of that name, never to the
 //! lifecycle engine. The consumers: the ZMQ frames of `zmq_recv`,
-//! `zmq_data` and `zmq_send` ([`crate::zmq`]) make messages, which the
-//! SGLang room tracker ([`crate::sglang`]) turns into the rooms'
+//! `zmq_data` and `zmq_send` ([`crate::frameworks::zmq`]) make messages, which the
+//! SGLang room tracker ([`crate::frameworks::sglang`]) turns into the rooms'
 //! lifecycle observations; `nixl_remote_agent` (createXferReq) and
 //! `nixl_dlist_remote_agent` (makeXferReq) name the peer of the NIXL
 //! transfer a thread creates, so the tracker attributes the handle to its
-//! room and [`crate::peers`] knows every handle's peer, for the verdict
+//! room and [`crate::evidence::peers`] knows every handle's peer, for the verdict
 //! per peer. A signal of any other name is only logged
 //! (`STALLWATCH_LOG=debug`), which is how a profile author checks what a
 //! signal reads.
@@ -18,13 +18,14 @@ use stallwatch_common::{EXT_ID_LEN, Event, event_flags, stage};
 use tracing::{debug, info, warn};
 
 use crate::{
+    evidence::peers::{PeerCompletions, Peers},
+    frameworks::sglang::{self, Rooms},
+    frameworks::zmq::{Assembler, Hit},
+    kernel::{Role, Slot},
     lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, StageRead},
-    peers::{PeerCompletions, Peers},
-    probes::{Role, SignalSpec, Slot},
-    sglang::{self, Rooms},
-    text,
-    warned::Warned,
-    zmq::{Assembler, Hit},
+    profile::SignalSpec,
+    util::text,
+    util::warned::Warned,
 };
 
 /// One signal hit, as its consumer sees it.
@@ -237,7 +238,7 @@ impl Signals {
     }
 
     /// Follow again a request a previous agent followed, if it is an SGLang
-    /// room (what [`crate::state::KernelState::hold`] kept of it): its
+    /// room (what [`crate::kernel::state::KernelState::hold`] kept of it): its
     /// status and abort end it as they would have ([`Rooms::adopt`]).
     pub fn adopt(&mut self, request: &Restored) {
         if let Some(room) = sglang::room_of(request.key, request.external_id.as_deref()) {

@@ -11,14 +11,14 @@
 //! a verdict.
 //!
 //! Progress probes are linked only while a request of their process nears
-//! its stall ([`crate::gate`]), so progress is counted over a *window*: from
+//! its stall ([`crate::evidence::gate`]), so progress is counted over a *window*: from
 //! the later of the request's last event and the moment the probe's current
 //! attachment began, to the newest sample. The evidence says how long that
 //! window is, and a window shorter than [`Tracker::min_window_ns`] (the
 //! probe attached just now, e.g. by an agent that took over a request near
 //! its timeout) never yields `no_progress`: zero calls in it prove nothing.
 //!
-//! Where the stalled transfer's peer is known ([`crate::peers`]), the
+//! Where the stalled transfer's peer is known ([`crate::evidence::peers`]), the
 //! verdict is judged per peer first: completions to that peer since say it
 //! is alive (`others_completing`), none to it while other peers of the
 //! process complete say it is the peer (`peer_unresponsive`); when no peer
@@ -30,9 +30,10 @@ use std::collections::{HashMap, VecDeque};
 use anyhow::Result;
 
 use crate::{
+    evidence::peers::PeerCompletions,
+    kernel::{Probes, Role},
     lifecycle::{Observation, Outcome, Report, RequestSnapshot, Stage, StallClass},
-    peers::PeerCompletions,
-    probes::{ActivityKind, Probes, Role},
+    profile::ActivityKind,
 };
 
 /// One kind of activity in one process.

@@ -2,9 +2,18 @@
 //! kernel compares them (sign-extended from 32 bits with `ret = "i32"`):
 //! enough to refuse a rule that can never pick its event, and two probes
 //! that would both emit for one call.
+use serde::Deserialize;
 use stallwatch_common::{RetRule, cmp};
 
-use super::profile::RetType;
+/// Width of the return value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RetType {
+    #[default]
+    I64,
+    /// A C `int` (a status enum): only the low 32 bits of `rax` are defined.
+    I32,
+}
 
 /// A set of return values: inclusive ranges (they may overlap).
 #[derive(Debug, Clone, PartialEq, Eq)]

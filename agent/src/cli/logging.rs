@@ -8,7 +8,7 @@
 use tracing::level_filters::LevelFilter;
 use tracing_subscriber::{EnvFilter, field::MakeExt as _, fmt::format::debug_fn};
 
-use crate::text;
+use crate::util::text;
 
 /// The filter when none is given.
 pub const DEFAULT_FILTER: &str = "info";

@@ -9,19 +9,16 @@
 //!
 //! With a [`BpfDir`], the maps are pinned there (or taken over from a
 //! previous agent) and every link is pinned as it is made, so the probes
-//! outlive the agent; see [`crate::state`].
+//! outlive the agent; see [`crate::kernel::state`].
 //!
 //! Progress probes (`[[activity]]` with `kind = "progress"`) are the
 //! exception: the target calls them thousands of times a transfer, so they
 //! get their slot at attach time but are linked only while
 //! [`Probes::open_gate`] says so (a request of the process nears its stall,
-//! see [`crate::gate`]). Their links are never pinned: they belong to this
+//! see [`crate::evidence::gate`]). Their links are never pinned: they belong to this
 //! agent alone and go with it (the kernel drops an unpinned link when its
 //! file descriptor closes, even on a crash), so a restart can neither leak
 //! nor double one; the next agent opens its own gate when it needs to.
-pub mod profile;
-pub mod resolve;
-mod returns;
 
 use std::{
     collections::{HashMap, HashSet},
@@ -43,9 +40,11 @@ use aya::{
 use stallwatch_common::{MAX_SLOTS, SlotConfig, cmp, counter, slot_flags};
 use tracing::{info, warn};
 
-pub use self::profile::{ActivityKind, ActivitySpec, At, Capture, ProbeSpec, Profile, RetType, SignalSpec, StatusSpec};
-use self::resolve::{ElfFile, FirstInsn, ProcessImage};
-use crate::state::{BpfDir, BpfTables, KernelState, OldLink, PINNED_MAPS};
+use super::state::{BpfDir, BpfTables, KernelState, OldLink, PINNED_MAPS};
+use crate::profile::{
+    ActivityKind, ActivitySpec, At, ProbeSpec, Profile, SignalSpec,
+    resolve::{ElfFile, FirstInsn, ProcessImage},
+};
 
 /// The eBPF object built by `build.rs`.
 pub fn ebpf_object() -> &'static [u8] {
@@ -895,7 +894,7 @@ fn caps_lack_sys_admin() -> bool {
                 .find_map(|l| l.strip_prefix("CapEff:"))
                 .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
         })
-        .is_some_and(|eff| eff & (1 << crate::doctor::CAP_SYS_ADMIN) == 0)
+        .is_some_and(|eff| eff & (1 << crate::cli::doctor::CAP_SYS_ADMIN) == 0)
 }
 
 #[cfg(test)]
@@ -903,6 +902,7 @@ mod tests {
     use stallwatch_common::stage;
 
     use super::*;
+    use crate::profile;
 
     /// `profile`'s slot configs with their probes' names, in the order
     /// [`Probes::arm`] makes them live.

@@ -28,11 +28,11 @@ use aya::maps::{HashMap as BpfHashMap, MapData, MapError};
 use stallwatch_common::{EXT_ID_LEN, InflightEntry, NOT_EMITTED, RequestKey, STATE_LAYOUT, stage};
 use tracing::{info, warn};
 
+use super::decode;
 use crate::{
-    events,
     lifecycle::{Observation, Outcome, Report, Restored, Silent, Withheld},
-    trusted_dir::TrustedDir,
-    warned::Warned,
+    util::trusted_dir::TrustedDir,
+    util::warned::Warned,
 };
 
 /// `--bpf-dir` when neither the flag nor the config file sets it.
@@ -518,7 +518,7 @@ impl<T: Tables> KernelState<T> {
         else {
             return Ok(None);
         };
-        let Some(stage) = events::stage(entry.stage).filter(|stage| !stage.is_terminal()) else { return Ok(None) };
+        let Some(stage) = decode::stage(entry.stage).filter(|stage| !stage.is_terminal()) else { return Ok(None) };
         Ok(Some(Withheld { stage, last_ns: entry.last_ns, stage_ns: entry.stage_ns.map(|ns| (ns != 0).then_some(ns)) }))
     }
 
@@ -564,7 +564,7 @@ fn ext_of(id: &str) -> [u8; EXT_ID_LEN] {
 /// The engine's view of one kernel entry; `None` for a stage this agent
 /// does not know.
 pub fn restored_from(key: RequestKey, entry: &InflightEntry, alerted_ns: Option<u64>) -> Option<Restored> {
-    let stage = events::stage(entry.stage)?;
+    let stage = decode::stage(entry.stage)?;
     let stage_ns = entry.stage_ns.map(|ns| (ns != 0).then_some(ns));
     Some(Restored {
         pid: key.pid,
@@ -574,7 +574,7 @@ pub fn restored_from(key: RequestKey, entry: &InflightEntry, alerted_ns: Option<
         stage_ns,
         first_ns: entry.first_ns,
         last_ns: entry.last_ns,
-        external_id: events::external_id_of(&entry.ext, entry.has_ext != 0),
+        external_id: decode::external_id_of(&entry.ext, entry.has_ext != 0),
         alerted_ns,
     })
 }
@@ -650,7 +650,7 @@ mod tests {
             self.ring.push_back(Observation {
                 pid,
                 key,
-                stage: events::stage(stage).expect("stage"),
+                stage: decode::stage(stage).expect("stage"),
                 ts_ns: ts,
                 external_id: None,
                 ends,
@@ -886,7 +886,7 @@ mod tests {
                 let observation = Observation {
                     pid,
                     key,
-                    stage: events::stage(stage).expect("stage"),
+                    stage: decode::stage(stage).expect("stage"),
                     ts_ns: ts,
                     external_id: Some(key.to_string().into()),
                     ends,
@@ -905,7 +905,7 @@ mod tests {
             for ((pid, key), entry) in &ours {
                 assert_eq!(entry.has_ext, 1);
                 assert_eq!(
-                    events::external_id_of(&entry.ext, true).as_deref(),
+                    decode::external_id_of(&entry.ext, true).as_deref(),
                     Some(key.to_string().as_str()),
                     "{pid}"
                 );

@@ -1,0 +1,103 @@
+//! `stallwatch profile check`: what each probe of a profile attaches to,
+//! and with `--pid` where it lands in the running process.
+use std::io::Write;
+
+use crate::{
+    profile::{self, Profile, resolve::ProbePoint},
+    util::text,
+};
+
+/// `stallwatch profile check --pid`: where each probe lands in the process.
+pub fn points_report(points: &[ProbePoint], out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(out, "in the process:")?;
+    for point in points {
+        let symbol = text::escaped(&point.symbol);
+        match &point.found {
+            Ok((path, resolved)) => writeln!(
+                out,
+                "  line {:>3}: {} at {}+{:#x}{}: {}",
+                point.line,
+                symbol,
+                text::escaped(&path.display().to_string()),
+                resolved.file_offset,
+                if resolved.skipped > 0 { " (after its endbr64)" } else { "" },
+                resolved.first_insn
+            )?,
+            Err(why) => writeln!(out, "  line {:>3}: {symbol}: not attachable: {}", point.line, text::escaped(why))?,
+        }
+    }
+    Ok(())
+}
+
+/// `stallwatch profile check`: what each probe of a valid profile attaches
+/// to. Names, symbols and paths come from a file anyone may have written:
+/// printed escaped, so none can break a line or reach the terminal as a
+/// control sequence.
+pub fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
+    use text::escaped;
+    writeln!(out, "profile {}: ok", escaped(&profile.name))?;
+    if let Some(base) = &profile.extends {
+        writeln!(out, "  extends {}", escaped(base))?;
+    }
+    // What a profile inherits names the file it comes from.
+    let from =
+        |origin: &str| if origin == profile.origin { String::new() } else { format!(" (from {})", escaped(origin)) };
+    for probe in &profile.probes {
+        let events = match &probe.action {
+            profile::Action::Always(stage) => stage.to_string(),
+            profile::Action::OnReturn(rules) => {
+                rules.iter().map(|(_, stage)| stage.to_string()).collect::<Vec<_>>().join(" | ")
+            }
+        };
+        writeln!(
+            out,
+            "  line {:>3}: {events:<30} {:?} of `{}` in {}{}",
+            probe.line,
+            probe.at,
+            escaped(&probe.symbol),
+            escaped(probe.object.as_deref().unwrap_or("the executable")),
+            from(&probe.origin)
+        )?;
+    }
+    if let Some(status) = &profile.status {
+        let stages = status.rules.iter().map(|(_, stage)| stage.to_string()).collect::<Vec<_>>().join(" | ");
+        writeln!(
+            out,
+            "  line {:>3}: {stages:<30} read from the target's memory, key {}{:+}, when a stall is due{}",
+            status.line,
+            status.at.deref.iter().map(|offset| format!("->[{offset:+}]")).collect::<String>(),
+            status.at.add,
+            from(&status.origin)
+        )?;
+    }
+    for signal in &profile.signals {
+        writeln!(
+            out,
+            "  line {:>3}: {:<30} {:?} of `{}` in {}{}{}",
+            signal.line,
+            format!("signal {}", escaped(&signal.name)),
+            signal.at,
+            escaped(&signal.symbol),
+            escaped(signal.object.as_deref().unwrap_or("the executable")),
+            signal
+                .msgpack
+                .as_ref()
+                .map(|m| format!(", msgpack element {} of `{}`", m.element, escaped(&m.tag)))
+                .unwrap_or_default(),
+            from(&signal.origin)
+        )?;
+    }
+    for activity in &profile.activity {
+        writeln!(
+            out,
+            "  line {:>3}: {:<30} Entry of `{}` in {}{}{}",
+            activity.line,
+            format!("transport {}", activity.kind.as_str()),
+            escaped(&activity.symbol),
+            escaped(activity.object.as_deref().unwrap_or("the executable")),
+            if activity.optional { " (optional)" } else { "" },
+            from(&activity.origin)
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,10 @@
+//! The evidence read when a stall comes due, so an alert says where the
+//! request stopped and who it waits on: the target's own memory
+//! ([`status`]), what its transports did since the request's last event
+//! ([`transport`], with the costly progress probes linked only near a stall
+//! by [`gate`]), and what each transfer's peer completed meanwhile
+//! ([`peers`]).
+pub mod gate;
+pub mod peers;
+pub mod status;
+pub mod transport;

@@ -1,0 +1,14 @@
+//! The kernel interface: the eBPF object and its slots ([`probes`]), what
+//! outlives an agent for the next one ([`state`]), the ring-buffer reader
+//! ([`ring`]) and how a kernel record reads as an observation ([`decode`]).
+//!
+//! Inside, each module uses only the ones listed before it: `decode` <-
+//! `state` <- `probes` <- `ring`; [`reactor`] registers kernel file
+//! descriptors with tokio.
+pub mod decode;
+pub mod probes;
+pub mod reactor;
+pub mod ring;
+pub mod state;
+
+pub use probes::{Attached, KernelCounters, ProbeHits, Probes, Releasing, Role, Slot, ebpf_object};

@@ -1,0 +1,681 @@
+//! Reading a profile: a built-in or a TOML file, its `extends` chain, and
+//! every check the kernel side cannot make, each error naming the file, the
+//! line and what to write instead.
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use serde::Deserialize;
+use stallwatch_common::{MAX_DEREF, MAX_RET_RULES, MSGPACK_STEPS, MSGPACK_TAG_LEN, RetRule, SAVED_ARGS, cmp};
+use toml::Spanned;
+
+use super::{
+    builtin_names, builtin_text,
+    returns::{RetType, Values},
+    schema::*,
+};
+use crate::lifecycle::Stage;
+
+/// Deepest chain of `extends` a profile may have (a longer one is a loop
+/// or a mistake).
+const MAX_EXTENDS: usize = 8;
+
+impl Profile {
+    /// `spec` is a built-in name or a path to a TOML file.
+    pub fn load(spec: &str) -> Result<Self> {
+        Self::load_in(spec, None, &mut Vec::new())
+    }
+
+    /// Parse and validate profile text; `origin` names it in errors. An
+    /// `extends` path in it is taken from the current directory.
+    pub fn parse(text: &str, origin: &str) -> Result<Self> {
+        Self::parse_in(text, origin, None, &mut Vec::new())
+    }
+
+    /// `spec` as [`Self::load`], a relative path taken from `dir` (the
+    /// directory of the profile that extends it); `chain` holds the
+    /// origins being loaded, to refuse a loop.
+    fn load_in(spec: &str, dir: Option<&Path>, chain: &mut Vec<String>) -> Result<Self> {
+        if let Some(text) = builtin_text(spec) {
+            return Self::parse_in(text, &format!("built-in profile `{spec}`"), None, chain);
+        }
+        let path = match dir {
+            Some(dir) if Path::new(spec).is_relative() => dir.join(spec),
+            _ => PathBuf::from(spec),
+        };
+        if !path.exists() {
+            bail!(
+                "no built-in profile named `{spec}` and no file `{}`: built-ins are {}; \
+                 otherwise pass the path of a profile TOML file",
+                path.display(),
+                builtin_names().collect::<Vec<_>>().join(", ")
+            );
+        }
+        let text = crate::util::files::read_text(&path, "profile file")?;
+        let dir = path.parent().map(Path::to_path_buf);
+        Self::parse_in(&text, &path.display().to_string(), dir.as_deref(), chain)
+    }
+
+    fn parse_in(text: &str, origin: &str, dir: Option<&Path>, chain: &mut Vec<String>) -> Result<Self> {
+        if chain.iter().any(|earlier| earlier == origin) {
+            bail!("profiles extend one another in a loop: {} -> {origin}", chain.join(" -> "));
+        }
+        let raw: RawProfile = toml::from_str(text).map_err(|err| anyhow!("profile {origin}: {err}"))?;
+        let here: Arc<str> = origin.into();
+        let base = match raw.extends {
+            Some(spanned) => {
+                let line = line_of(text, spanned.span().start);
+                let spec = spanned.into_inner();
+                let at = format!("profile {origin}, line {line} (`extends = \"{spec}\"`)");
+                chain.push(origin.to_owned());
+                if chain.len() > MAX_EXTENDS {
+                    bail!(
+                        "{at}: more than {MAX_EXTENDS} profiles extend one another ({}): shorten the chain",
+                        chain.join(" -> ")
+                    );
+                }
+                let base = Self::load_in(&spec, dir, chain).with_context(|| at.clone())?;
+                chain.pop();
+                Some(base)
+            }
+            None => None,
+        };
+        let own_probes = raw
+            .probe
+            .into_iter()
+            .map(|spanned| {
+                let line = line_of(text, spanned.span().start);
+                let raw = spanned.into_inner();
+                let symbol = raw.symbol.clone();
+                raw.validate(here.clone(), line, |span| line_of(text, span.start))
+                    .map_err(|err| anyhow!("profile {origin}, line {line} ([[probe]] for `{symbol}`): {err}"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let own_activity = raw
+            .activity
+            .into_iter()
+            .map(|spanned| {
+                let line = line_of(text, spanned.span().start);
+                let raw = spanned.into_inner();
+                if raw.symbol.trim().is_empty() {
+                    bail!("profile {origin}, line {line} ([[activity]]): `symbol` is empty");
+                }
+                Ok(ActivitySpec {
+                    origin: here.clone(),
+                    line,
+                    object: raw.object.filter(|object| !object.is_empty()),
+                    symbol: raw.symbol,
+                    kind: raw.kind,
+                    optional: raw.optional,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let own_status = raw
+            .status
+            .map(|spanned| {
+                let line = line_of(text, spanned.span().start);
+                spanned
+                    .into_inner()
+                    .validate(here.clone(), line, |span| line_of(text, span.start))
+                    .map_err(|err| anyhow!("profile {origin}, line {line} ([status]): {err}"))
+            })
+            .transpose()?;
+        let own_signals = raw
+            .signal
+            .into_iter()
+            .map(|spanned| {
+                let line = line_of(text, spanned.span().start);
+                let raw = spanned.into_inner();
+                let name = raw.name.clone();
+                raw.validate(here.clone(), line)
+                    .map_err(|err| anyhow!("profile {origin}, line {line} ([[signal]] `{name}`): {err}"))
+            })
+            .collect::<Result<Vec<SignalSpec>>>()?;
+        // What this file probes replaces what the base probes on the same
+        // function (both ends): a profile changes a probe by giving the
+        // function's probes anew, and adds one on a function of its own. A
+        // signal replaces the base's of the same name.
+        let own_complete_at = raw
+            .complete_at
+            .map(|spanned| {
+                let line = line_of(text, spanned.span().start);
+                CompleteAt::parse(spanned.get_ref())
+                    .map(|at| (at, line))
+                    .map_err(|err| anyhow!("profile {origin}, line {line}: {err}"))
+            })
+            .transpose()?;
+        let own_layout = raw
+            .layout
+            .map(|spanned| {
+                let line = line_of(text, spanned.span().start);
+                let raw = spanned.into_inner();
+                let bad = |why: String| anyhow!("profile {origin}, line {line} ([layout]): {why}");
+                if raw.object.trim().is_empty() {
+                    return Err(bad("`object` is empty: name the library whose layout the offsets are (e.g. \"libnixl.so\")".into()));
+                }
+                if raw.build_ids.is_empty() {
+                    return Err(bad("`build_ids` is empty: list the GNU build ids (`readelf -n LIB`) the offsets were checked against".into()));
+                }
+                for id in &raw.build_ids {
+                    if id.is_empty() || id.len() % 2 != 0 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+                        return Err(bad(format!("build id {id:?} is not hex bytes: copy it from `readelf -n LIB` (\"Build ID: ...\")")));
+                    }
+                }
+                Ok(Layout {
+                    origin: here.clone(),
+                    line,
+                    object: raw.object,
+                    build_ids: raw.build_ids.into_iter().map(|id| id.to_ascii_lowercase()).collect(),
+                    checked: raw.checked,
+                })
+            })
+            .transpose()?;
+        let (mut probes, activity, signals, status, extends, complete_at, layout) = match base {
+            Some(base) => {
+                let mut probes: Vec<ProbeSpec> = base
+                    .probes
+                    .into_iter()
+                    .filter(|probe| !own_probes.iter().any(|own| own.function() == probe.function()))
+                    .collect();
+                probes.extend(own_probes);
+                let mut activity: Vec<ActivitySpec> = base
+                    .activity
+                    .into_iter()
+                    .filter(|spec| !own_activity.iter().any(|own| own.function() == spec.function()))
+                    .collect();
+                activity.extend(own_activity);
+                let mut signals: Vec<SignalSpec> = base
+                    .signals
+                    .into_iter()
+                    .filter(|spec| !own_signals.iter().any(|own| own.name == spec.name))
+                    .collect();
+                signals.extend(own_signals);
+                let complete_at = own_complete_at.map(|(at, _)| at).unwrap_or(base.complete_at);
+                (
+                    probes,
+                    activity,
+                    signals,
+                    own_status.or(base.status),
+                    Some(base.origin),
+                    complete_at,
+                    own_layout.or(base.layout),
+                )
+            }
+            None => (
+                own_probes,
+                own_activity,
+                own_signals,
+                own_status,
+                None,
+                own_complete_at.map(|(at, _)| at).unwrap_or_default(),
+                own_layout,
+            ),
+        };
+        for probe in &mut probes {
+            probe.ends = probe.ends_under(complete_at, origin).map_err(|err| {
+                anyhow!("profile {}, line {} ([[probe]] for `{}`): {err}", probe.origin, probe.line, probe.symbol)
+            })?;
+            if probe.read_status {
+                let entry = match &status {
+                    Some(status) => EntryStatus::of(status),
+                    None => Err(anyhow!(
+                        "`read_status` reads the profile's [status], and profile {origin} has none: add one"
+                    )),
+                };
+                probe.entry_status = Some(entry.map_err(|err| {
+                    anyhow!("profile {}, line {} ([[probe]] for `{}`): {err}", probe.origin, probe.line, probe.symbol)
+                })?);
+            }
+        }
+        if probes.is_empty() {
+            bail!("profile {origin}: no [[probe]] tables; a profile needs at least one lifecycle point");
+        }
+        for (i, probe) in probes.iter().enumerate() {
+            if let Some(err) = probes[..i].iter().find_map(|earlier| probe.conflict_with(earlier)) {
+                bail!("profile {}, line {} ([[probe]] for `{}`): {err}", probe.origin, probe.line, probe.symbol);
+            }
+        }
+        for (i, spec) in activity.iter().enumerate() {
+            if let Some(earlier) = activity[..i].iter().find(|e| e.function() == spec.function()) {
+                bail!(
+                    "profile {}, line {} ([[activity]] for `{}`): the [[activity]] on line {} counts the same \
+                     function already, so every call would count twice: keep one",
+                    spec.origin,
+                    spec.line,
+                    spec.symbol,
+                    earlier.line
+                );
+            }
+        }
+        for (i, spec) in signals.iter().enumerate() {
+            if let Some(earlier) = signals[..i].iter().find(|e| e.name == spec.name) {
+                bail!(
+                    "profile {}, line {} ([[signal]] `{}`): the [[signal]] on line {} has the same name, and \
+                     consumers tell signals apart by name: rename one",
+                    spec.origin,
+                    spec.line,
+                    spec.name,
+                    earlier.line
+                );
+            }
+        }
+        Ok(Self {
+            name: raw.name.unwrap_or_else(|| origin.to_owned()),
+            origin: origin.to_owned(),
+            extends,
+            probes,
+            activity,
+            signals,
+            status,
+            complete_at,
+            layout,
+        })
+    }
+
+    /// This profile without what its `[layout]` offsets give, for a process
+    /// that maps a build of the library the profile does not know: no
+    /// external id read through the key of a probe on that library, no
+    /// signal on it that reads its classes (`layout = true`), no
+    /// `read_status` (the `[status]` reads are turned off per process by
+    /// [`crate::evidence::status::StatusReader::turn_off`]). Lifecycle events, keys
+    /// (function arguments: the API) and transport counts stay.
+    pub fn without_offsets(&self) -> Self {
+        let mut profile = self.clone();
+        let Some(layout) = &self.layout else { return profile };
+        for probe in &mut profile.probes {
+            if probe.object.as_deref().is_some_and(|object| object == layout.object) {
+                if probe.external_id.as_ref().is_some_and(|ext| ext.at.from == From::Key) {
+                    probe.external_id = None;
+                }
+                probe.entry_status = None;
+            }
+        }
+        profile.signals.retain(|signal| !(signal.layout && signal.object.as_deref() == Some(layout.object.as_str())));
+        profile
+    }
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text.as_bytes()[..offset.min(text.len())].iter().filter(|&&b| b == b'\n').count() + 1
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProfile {
+    name: Option<String>,
+    /// A profile this one starts from (a built-in name or a file).
+    extends: Option<Spanned<String>>,
+    #[serde(rename = "description")]
+    _description: Option<String>,
+    #[serde(default)]
+    probe: Vec<Spanned<RawProbe>>,
+    #[serde(default)]
+    activity: Vec<Spanned<RawActivity>>,
+    #[serde(default)]
+    signal: Vec<Spanned<RawSignal>>,
+    status: Option<Spanned<RawStatus>>,
+    complete_at: Option<Spanned<String>>,
+    layout: Option<Spanned<RawLayout>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLayout {
+    object: String,
+    build_ids: Vec<String>,
+    checked: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSignal {
+    name: String,
+    object: Option<String>,
+    symbol: String,
+    at: At,
+    ret: Option<RetType>,
+    value: RawSource,
+    text: Option<RawSource>,
+    bytes: Option<RawSource>,
+    msgpack: Option<RawMsgpack>,
+    #[serde(default)]
+    layout: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMsgpack {
+    element: u32,
+    #[serde(default)]
+    tag: String,
+}
+
+impl RawSignal {
+    fn validate(self, origin: Arc<str>, line: usize) -> Result<SignalSpec> {
+        if self.name.trim().is_empty() {
+            bail!("`name` is empty: name the signal as its consumer knows it");
+        }
+        if self.symbol.trim().is_empty() {
+            bail!("`symbol` is empty: name the function to probe (mangled C++ names are fine)");
+        }
+        if self.at == At::Entry && self.ret.is_some() {
+            bail!("`ret` describes a return value: it needs `at = \"return\"`");
+        }
+        let value = self.value.validate("value", self.at, false)?;
+        // `from = "key"` reads at the signal's value, which may well be an
+        // address (a data pointer returned).
+        let capture = match (self.text, self.bytes) {
+            (Some(text), None) => Some(Capture::Text(text.validate("text", self.at, true)?)),
+            (None, Some(bytes)) => Some(Capture::Bytes(bytes.validate("bytes", self.at, true)?)),
+            (None, None) => None,
+            (Some(_), Some(_)) => bail!("give either `text` (a string) or `bytes` (raw bytes), not both"),
+        };
+        let msgpack = self.msgpack.map(|m| m.validate(matches!(capture, Some(Capture::Bytes(_))))).transpose()?;
+        Ok(SignalSpec {
+            origin,
+            line,
+            name: self.name,
+            object: self.object.filter(|object| !object.is_empty()),
+            symbol: self.symbol,
+            at: self.at,
+            ret: self.ret.unwrap_or_default(),
+            value,
+            capture,
+            msgpack,
+            layout: self.layout,
+        })
+    }
+}
+
+impl RawMsgpack {
+    fn validate(self, bytes: bool) -> Result<Msgpack> {
+        if !bytes {
+            bail!(
+                "`msgpack` says where in a msgpack array to read `bytes`: give `bytes` too (its address is the array's)"
+            );
+        }
+        if self.tag.len() > MSGPACK_TAG_LEN {
+            bail!("`msgpack.tag` is {} bytes; at most {MSGPACK_TAG_LEN} are matched: shorten it", self.tag.len());
+        }
+        // Each element before it costs at least one header read.
+        if self.element >= MSGPACK_STEPS {
+            bail!(
+                "`msgpack.element = {}` is past what the kernel walks ({MSGPACK_STEPS} headers): no hit could reach it",
+                self.element
+            );
+        }
+        Ok(Msgpack { element: self.element, tag: self.tag })
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStatus {
+    at: RawSource,
+    #[serde(rename = "type")]
+    value: RetType,
+    values: Vec<Spanned<RawRule>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawActivity {
+    object: Option<String>,
+    symbol: String,
+    kind: ActivityKind,
+    #[serde(default = "yes")]
+    optional: bool,
+}
+
+const fn yes() -> bool {
+    true
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProbe {
+    object: Option<String>,
+    symbol: String,
+    at: At,
+    event: Option<String>,
+    on_return: Option<Vec<Spanned<RawRule>>>,
+    key: RawSource,
+    external_id: Option<RawString>,
+    ret: Option<RetType>,
+    #[serde(default)]
+    only_on_change: bool,
+    #[serde(default)]
+    quiet: bool,
+    #[serde(default)]
+    read_status: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    when: String,
+    event: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSource {
+    from: String,
+    #[serde(default)]
+    deref: Vec<i64>,
+    #[serde(default)]
+    add: i64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawString {
+    from: String,
+    #[serde(default)]
+    deref: Vec<i64>,
+    #[serde(default)]
+    add: i64,
+    guard: Option<RawSource>,
+}
+
+impl RawProbe {
+    /// `line_at` turns a span of the file into its line.
+    fn validate(
+        self,
+        origin: Arc<str>,
+        line: usize,
+        line_at: impl Fn(std::ops::Range<usize>) -> usize,
+    ) -> Result<ProbeSpec> {
+        if self.symbol.trim().is_empty() {
+            bail!("`symbol` is empty: name the function to probe (mangled C++ names are fine)");
+        }
+        let action = match (self.event, self.on_return) {
+            (Some(event), None) => Action::Always(parse_stage(&event)?),
+            (None, Some(rules)) => {
+                if self.at != At::Return {
+                    bail!("`on_return` needs `at = \"return\"`; an entry probe takes a single `event`");
+                }
+                if rules.is_empty() || rules.len() > MAX_RET_RULES {
+                    bail!("`on_return` takes 1 to {MAX_RET_RULES} rules, found {}", rules.len());
+                }
+                let parsed = parse_rules(rules, self.ret.unwrap_or_default(), &line_at)?;
+                Action::OnReturn(parsed)
+            }
+            (Some(_), Some(_)) => bail!("give either `event` or `on_return`, not both"),
+            (None, None) => bail!(
+                "no lifecycle event: add `event = \"...\"` (one of {}) or, for a return probe, `on_return = [...]`",
+                stage_names()
+            ),
+        };
+        if self.at == At::Entry && self.ret.is_some() {
+            bail!("`ret` describes a return value: it needs `at = \"return\"`");
+        }
+        if self.read_status && (self.at != At::Entry || !matches!(action, Action::Always(_))) {
+            bail!(
+                "`read_status` reads the request's [status] at the function's entry, where its memory is still its \
+                 own: it needs `at = \"entry\"` and one `event`"
+            );
+        }
+        if self.at == At::Entry && self.only_on_change {
+            bail!("`only_on_change` compares return values: it needs `at = \"return\"`");
+        }
+        let ret = self.ret.unwrap_or_default();
+        let key = self.key.validate("key", self.at, false)?;
+        let int_key = key.from == From::Ret && key.deref.is_empty() && ret == RetType::I32;
+        let external_id = self
+            .external_id
+            .map(|ext| -> Result<StringSource> {
+                let at = RawSource { from: ext.from, deref: ext.deref, add: ext.add }.validate(
+                    "external_id",
+                    self.at,
+                    true,
+                )?;
+                let guard = ext.guard.map(|g| g.validate("external_id.guard", self.at, true)).transpose()?;
+                for (field, source) in
+                    std::iter::once(("external_id", &at)).chain(guard.iter().map(|g| ("external_id.guard", g)))
+                {
+                    source.check_from_key(field, int_key)?;
+                }
+                Ok(StringSource { at, guard })
+            })
+            .transpose()?;
+        Ok(ProbeSpec {
+            origin,
+            line,
+            object: self.object.filter(|object| !object.is_empty()),
+            symbol: self.symbol,
+            at: self.at,
+            action,
+            key,
+            external_id,
+            ret,
+            only_on_change: self.only_on_change,
+            quiet: self.quiet,
+            ends: false,
+            read_status: self.read_status,
+            entry_status: None,
+        })
+    }
+}
+
+/// `on_return` / `values` rules, in order: each must hold for some value
+/// of type `ret` and pick its event for one no earlier rule takes (the
+/// first rule that holds wins). `line_at` gives a rule's line.
+fn parse_rules(
+    rules: Vec<Spanned<RawRule>>,
+    ret: RetType,
+    line_at: &impl Fn(std::ops::Range<usize>) -> usize,
+) -> Result<Vec<(RetRule, Stage)>> {
+    let mut left = Values::all(ret);
+    let mut parsed = Vec::with_capacity(rules.len());
+    for spanned in rules {
+        let rule_line = line_at(spanned.span());
+        let rule = spanned.into_inner();
+        let (when, stage) = (parse_rule(&rule.when)?, parse_stage(&rule.event)?);
+        let holds = Values::held_by(&when, ret);
+        if holds.is_empty() {
+            bail!(
+                "`when = \"{}\"` (line {rule_line}) never holds: {}",
+                rule.when.trim(),
+                match ret {
+                    RetType::I32 => "an \"i32\" value is between -2147483648 and 2147483647",
+                    RetType::I64 => "no 64-bit value satisfies it",
+                }
+            );
+        }
+        if !holds.intersects(&left) {
+            bail!(
+                "`when = \"{}\"` (line {rule_line}) never picks its event: every value it holds for is taken \
+                 by a rule before it (the first rule that holds wins); reorder or remove it",
+                rule.when.trim()
+            );
+        }
+        left = left.minus(&holds);
+        parsed.push((when, stage));
+    }
+    Ok(parsed)
+}
+
+impl RawStatus {
+    fn validate(
+        self,
+        origin: Arc<str>,
+        line: usize,
+        line_at: impl Fn(std::ops::Range<usize>) -> usize,
+    ) -> Result<StatusSpec> {
+        if self.at.from != "key" {
+            bail!(
+                "`at.from = \"{}\"`: a status is read long after any probe fired, when only the request key is \
+                 known: write `at = {{ from = \"key\", deref = [...], add = OFFSET }}`",
+                self.at.from
+            );
+        }
+        let at = self.at.validate("at", At::Entry, true)?;
+        if at.deref.is_empty() && at.add == 0 {
+            bail!(
+                "`at = {{ from = \"key\" }}` would read at the address the key holds: give the status field's \
+                 offset in the request (`add = OFFSET`, behind pointers `deref = [OFFSET, ...]`)"
+            );
+        }
+        if self.values.is_empty() || self.values.len() > MAX_STATUS_RULES {
+            bail!("`values` takes 1 to {MAX_STATUS_RULES} rules, found {}", self.values.len());
+        }
+        let rules = parse_rules(self.values, self.value, &line_at)?;
+        if let Some((_, stage)) = rules.iter().find(|(_, stage)| *stage == Stage::Released) {
+            bail!(
+                "`event = \"{stage}\"` in `values`: a released request's memory is no longer its own (freed, or \
+                 another request's), so no status it holds can say released; map the values to enqueued, \
+                 transfer_posted, transfer_done, aborted or failed"
+            );
+        }
+        Ok(StatusSpec { origin, line, at, value: self.value, rules })
+    }
+}
+
+impl RawSource {
+    fn validate(self, field: &str, at: At, key_allowed: bool) -> Result<Source> {
+        let from = match self.from.as_str() {
+            "ret" if at == At::Return => From::Ret,
+            "ret" => bail!("`{field}.from = \"ret\"` needs `at = \"return\"`"),
+            "key" if key_allowed => From::Key,
+            "key" => bail!("`{field}.from = \"key\"` is only for `external_id`: the key cannot come from itself"),
+            other => match other.strip_prefix("arg").map(str::parse::<u8>) {
+                Some(Ok(n)) if usize::from(n) < SAVED_ARGS => From::Arg(n),
+                _ => bail!(
+                    "`{field}.from = \"{other}\"`: expected \"arg0\" .. \"arg{}\", \"ret\"{}",
+                    SAVED_ARGS - 1,
+                    if key_allowed { " or \"key\"" } else { "" }
+                ),
+            },
+        };
+        if self.deref.len() > MAX_DEREF {
+            bail!("`{field}.deref` has {} steps; at most {MAX_DEREF} are supported", self.deref.len());
+        }
+        Ok(Source { from, deref: self.deref, add: self.add })
+    }
+}
+
+fn stage_names() -> String {
+    Stage::ALL.iter().map(|s| format!("\"{s}\"")).collect::<Vec<_>>().join(", ")
+}
+
+fn parse_stage(name: &str) -> Result<Stage> {
+    name.parse::<Stage>().map_err(|_| anyhow!("unknown lifecycle event \"{name}\": expected one of {}", stage_names()))
+}
+
+/// `"== 0"`, `"< 0"`, `">= -3"`, `"!= 1"`...
+pub(super) fn parse_rule(text: &str) -> Result<RetRule> {
+    let text = text.trim();
+    let (op, rest) =
+        [("==", cmp::EQ), ("!=", cmp::NE), ("<=", cmp::LE), (">=", cmp::GE), ("<", cmp::LT), (">", cmp::GT)]
+            .into_iter()
+            .find_map(|(token, op)| text.strip_prefix(token).map(|rest| (op, rest)))
+            .ok_or_else(|| anyhow!("`when = \"{text}\"`: expected a comparison such as \"== 0\", \"< 0\", \"!= 1\""))?;
+    let value = rest
+        .trim()
+        .parse::<i64>()
+        .map_err(|err| anyhow!("`when = \"{text}\"`: `{}` is not an integer ({err})", rest.trim()))?;
+    Ok(RetRule { op, stage: 0, _pad: [0; 6], value })
+}

@@ -1,0 +1,637 @@
+//! Profile parsing and validation, on the built-ins and on hand-written TOML.
+use std::path::PathBuf;
+
+use stallwatch_common::{RetRule, base, cmp, slot_flags, stage};
+
+use super::{load::parse_rule, *};
+use crate::lifecycle::Stage;
+
+#[test]
+fn every_builtin_profile_parses() {
+    for name in builtin_names() {
+        let profile = Profile::load(name).unwrap_or_else(|err| panic!("{name}: {err:#}"));
+        assert!(!profile.probes.is_empty(), "{name}");
+    }
+}
+
+#[test]
+fn the_nixl_profile_lowers_to_the_documented_slots() {
+    let profile = Profile::load("nixl").unwrap();
+    let create = &profile.probes[0];
+    let cfg = create.slot_config();
+    assert_eq!(cfg.flags & slot_flags::RETURN, slot_flags::RETURN);
+    // The out-reference is r9: six arguments saved, handle read through it.
+    assert_eq!(cfg.nargs, 6);
+    assert_eq!((cfg.key.base, cfg.key.index, cfg.key.depth), (base::ARG, 5, 1));
+    assert_eq!((cfg.ext.base, cfg.ext.depth, cfg.ext.offsets[0]), (base::KEY, 1, 144));
+    assert_eq!((cfg.guard.base, cfg.guard.add), (base::KEY, 176));
+    assert_eq!(
+        cfg.flags & (slot_flags::HAS_EXT | slot_flags::HAS_GUARD | slot_flags::RET_I32),
+        slot_flags::HAS_EXT | slot_flags::HAS_GUARD | slot_flags::RET_I32
+    );
+    // The post's return says done or failed when the post finished it;
+    // the kernel picks the stage of the first rule that holds.
+    let post = profile.probes.iter().find(|p| p.symbol.contains("postXferReq") && p.at == At::Return).unwrap();
+    let rules = post.slot_config().rules;
+    assert_eq!((rules[0].op, rules[0].value, rules[0].stage), (cmp::EQ, 0, stallwatch_common::stage::TRANSFER_DONE));
+    assert_eq!((rules[1].op, rules[1].value, rules[1].stage), (cmp::LT, 0, stallwatch_common::stage::FAILED));
+}
+
+#[test]
+fn the_sglang_profile_is_the_nixl_profile_with_its_posts_sent_and_its_release_probed_at_return() {
+    let nixl = Profile::load("nixl").unwrap();
+    let sglang = Profile::load("sglang").unwrap();
+    assert_eq!((sglang.name.as_str(), sglang.extends.as_deref()), ("sglang", Some("built-in profile `nixl`")));
+    let of = |p: &Profile, name: &str| -> Vec<ProbeSpec> {
+        p.probes.iter().filter(|p| p.symbol.contains(name)).cloned().collect()
+    };
+    let releases = |p: &Profile| of(p, "releaseXferReq");
+    // Every other probe is nixl's own, from nixl's file.
+    let others = |p: &Profile| -> Vec<ProbeSpec> {
+        p.probes
+            .iter()
+            .filter(|p| !p.symbol.contains("releaseXferReq") && !p.symbol.contains("postXferReq"))
+            .cloned()
+            .collect()
+    };
+    assert_eq!(others(&sglang), others(&nixl));
+    assert!(others(&sglang).iter().all(|p| &*p.origin == "built-in profile `nixl`"));
+    // The posts are nixl's but sent (rooms follow them as they happen),
+    // and done is complete: the post's return (done or failed) ends the
+    // lifecycle, in the kernel too.
+    let posts: Vec<ProbeSpec> = of(&nixl, "postXferReq")
+        .into_iter()
+        .map(|p| ProbeSpec { quiet: false, ends: p.at == At::Return, ..p })
+        .collect();
+    let without_place = |p: Vec<ProbeSpec>| -> Vec<ProbeSpec> {
+        p.into_iter().map(|p| ProbeSpec { origin: "".into(), line: 0, ..p }).collect()
+    };
+    assert!(of(&nixl, "postXferReq").iter().all(|p| p.quiet), "nixl's posts are quiet");
+    assert_eq!(without_place(of(&sglang, "postXferReq")), without_place(posts));
+    assert_eq!((sglang.complete_at, nixl.complete_at), (CompleteAt::TransferDone, CompleteAt::Released));
+    let ends = |p: &Profile| p.probes.iter().filter(|p| p.slot_config().flags & slot_flags::ENDS != 0).count();
+    assert_eq!((ends(&sglang), ends(&nixl)), (1, 0));
+    assert_eq!((sglang.activity.clone(), sglang.status.clone()), (nixl.activity.clone(), nixl.status.clone()));
+    let [release] = &releases(&sglang)[..] else { panic!("one release probe: {:?}", releases(&sglang)) };
+    assert_eq!((release.at, &*release.origin), (At::Return, "built-in profile `sglang`"));
+    // Only NIXL_SUCCESS is a release; the handle is the argument saved at entry.
+    let cfg = release.slot_config();
+    assert_eq!(
+        cfg.flags & (slot_flags::RETURN | slot_flags::NEEDS_ARGS | slot_flags::RET_I32),
+        slot_flags::RETURN | slot_flags::NEEDS_ARGS | slot_flags::RET_I32
+    );
+    assert_eq!((cfg.key.base, cfg.key.index, cfg.nargs), (base::ARG, 1, 2));
+    assert_eq!(
+        (cfg.rules[0].op, cfg.rules[0].value, cfg.rules[0].stage),
+        (cmp::EQ, 0, stallwatch_common::stage::RELEASED)
+    );
+    assert_eq!(cfg.rules[1].op, cmp::NONE, "a failed release (e.g. -7) emits nothing");
+    assert_eq!(releases(&nixl)[0].at, At::Entry);
+}
+
+/// A directory of profile files for one test.
+fn profile_dir(files: &[(&str, &str)]) -> PathBuf {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "stallwatch-profiles-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, text) in files {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+    dir
+}
+
+const ENTRY_F: &str = "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n\n";
+const RETURN_F: &str =
+    "[[probe]]\nsymbol = \"f\"\nat = \"return\"\nkey = { from = \"arg0\" }\nevent = \"transfer_done\"\n\n";
+const ENTRY_G: &str = "[[probe]]\nsymbol = \"g\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg0\" }\n\n";
+const ACTIVITY_P: &str = "[[activity]]\nsymbol = \"p\"\nkind = \"progress\"\n\n";
+
+#[test]
+fn a_profile_extending_another_replaces_the_functions_it_probes_and_adds_the_rest() {
+    let base = format!(
+        "name = \"base\"\n{ENTRY_F}{RETURN_F}{ENTRY_G}{ACTIVITY_P}[status]\nat = {{ from = \"key\", add = 8 }}\ntype = \"i32\"\nvalues = [{{ when = \"== 0\", event = \"transfer_done\" }}]\n"
+    );
+    let child = "extends = \"base.toml\"\nname = \"child\"\n\n[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"transfer_posted\"\nkey = { from = \"arg1\" }\n\n[[probe]]\nsymbol = \"h\"\nat = \"entry\"\nevent = \"aborted\"\nkey = { from = \"arg0\" }\n\n[[activity]]\nsymbol = \"p\"\nkind = \"post\"\n";
+    let dir = profile_dir(&[("base.toml", &base), ("child.toml", child)]);
+    let path = dir.join("child.toml");
+    let profile = Profile::load(path.to_str().unwrap()).expect("child");
+    let base_origin = dir.join("base.toml").display().to_string();
+    assert_eq!((profile.name.as_str(), profile.extends.as_deref()), ("child", Some(base_origin.as_str())));
+    // f's two probes gave way to the child's one; g stays, h is added.
+    let probes: Vec<(&str, Stage, usize, bool)> = profile
+        .probes
+        .iter()
+        .map(|p| {
+            (
+                p.symbol.as_str(),
+                match p.action {
+                    Action::Always(stage) => stage,
+                    Action::OnReturn(_) => unreachable!(),
+                },
+                p.line,
+                *p.origin == *base_origin,
+            )
+        })
+        .collect();
+    assert_eq!(
+        probes,
+        [("g", Stage::Released, 14, true), ("f", Stage::TransferPosted, 4, false), ("h", Stage::Aborted, 10, false)]
+    );
+    assert_eq!(profile.activity.iter().map(|a| (a.kind, a.line)).collect::<Vec<_>>(), [(ActivityKind::Post, 16)]);
+    assert_eq!(profile.status.as_ref().map(|s| (&*s.origin, s.line)), Some((base_origin.as_str(), 24)));
+    // A profile of nothing but `extends` is its base.
+    let same = profile_dir(&[("base.toml", &base), ("same.toml", "extends = \"base.toml\"\n")]);
+    let copy = Profile::load(same.join("same.toml").to_str().unwrap()).expect("same");
+    assert_eq!(copy.probes.len(), 3);
+    // Built-ins are found by name from any file.
+    let on_nixl = profile_dir(&[("mine.toml", &format!("extends = \"nixl\"\n{ENTRY_F}"))]);
+    let mine = Profile::load(on_nixl.join("mine.toml").to_str().unwrap()).expect("mine");
+    assert_eq!(mine.probes.len(), Profile::load("nixl").unwrap().probes.len() + 1);
+    for dir in [dir, same, on_nixl] {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+#[test]
+fn complete_at_ends_lifecycles_at_transfer_done_per_probe_and_is_inherited() {
+    let profile = |top: &str, body: &str| {
+        format!(
+            "{top}{ENTRY_F}[[probe]]\nsymbol = \"g\"\nat = \"return\"\nret = \"i32\"\nkey = {{ from = \"arg0\" }}\non_return = [\n{body}]\n"
+        )
+    };
+    let done_or_failed =
+        "  { when = \"== 0\", event = \"transfer_done\" },\n  { when = \"< 0\", event = \"failed\" },\n";
+    let lazy = Profile::parse(&profile("complete_at = \"transfer_done\"\n", done_or_failed), "p.toml").expect("valid");
+    let flags: Vec<bool> = lazy.probes.iter().map(|p| p.slot_config().flags & slot_flags::ENDS != 0).collect();
+    assert_eq!((lazy.complete_at, flags), (CompleteAt::TransferDone, vec![false, true]));
+    let eager = Profile::parse(&profile("complete_at = \"released\"\n", done_or_failed), "p.toml").expect("valid");
+    assert!(eager.probes.iter().all(|p| p.slot_config().flags & slot_flags::ENDS == 0));
+    assert_eq!(Profile::parse(&profile("", done_or_failed), "p.toml").unwrap().complete_at, CompleteAt::Released);
+    // Rules that pick done and another live stage cannot end per probe.
+    let mixed =
+        "  { when = \"== 0\", event = \"transfer_done\" },\n  { when = \"== 1\", event = \"transfer_posted\" },\n";
+    let err = error_of(&profile("complete_at = \"transfer_done\"\n", mixed));
+    assert!(
+        err.contains("line 8 ([[probe]] for `g`): its rules pick both transfer_done")
+            && err.contains("split the rules"),
+        "{err}"
+    );
+    Profile::parse(&profile("", mixed), "p.toml").expect("fine where done is not complete");
+    let err = error_of(&profile("\ncomplete_at = \"done\"\n", done_or_failed));
+    assert!(err.contains("p.toml, line 2: `complete_at = \"done\"`: expected \"released\""), "{err}");
+    // Inherited, and overridden.
+    let dir = profile_dir(&[
+        ("lazy.toml", &profile("complete_at = \"transfer_done\"\n", done_or_failed)),
+        ("child.toml", "extends = \"lazy.toml\"\n"),
+        ("eager.toml", "extends = \"lazy.toml\"\ncomplete_at = \"released\"\n"),
+    ]);
+    let load = |name: &str| Profile::load(dir.join(name).to_str().unwrap()).unwrap();
+    let (child, eager) = (load("child.toml"), load("eager.toml"));
+    assert_eq!((child.complete_at, child.probes.iter().filter(|p| p.ends).count()), (CompleteAt::TransferDone, 1));
+    assert_eq!((eager.complete_at, eager.probes.iter().filter(|p| p.ends).count()), (CompleteAt::Released, 0));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bad_extends_name_the_file_the_line_and_the_fix() {
+    let dir = profile_dir(&[
+        ("missing.toml", &format!("name = \"m\"\n\nextends = \"nowhere.toml\"\n{ENTRY_F}")),
+        ("a.toml", &format!("extends = \"b.toml\"\n{ENTRY_F}")),
+        ("b.toml", &format!("extends = \"a.toml\"\n{ENTRY_G}")),
+        ("broken.toml", "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\" }\n"),
+        ("on-broken.toml", &format!("extends = \"broken.toml\"\n{ENTRY_G}")),
+        ("twice.toml", &format!("extends = \"nixl\"\n{ENTRY_F}{ENTRY_F}")),
+    ]);
+    let err = |name: &str| format!("{:#}", Profile::load(dir.join(name).to_str().unwrap()).unwrap_err());
+    let missing = err("missing.toml");
+    assert!(
+        missing.contains("missing.toml, line 3 (`extends = \"nowhere.toml\"`)")
+            && missing.contains("no built-in profile named `nowhere.toml`")
+            && missing.contains("built-ins are demo, nixl"),
+        "{missing}"
+    );
+    let looped = err("a.toml");
+    assert!(
+        looped.contains("extend one another in a loop")
+            && looped.contains("a.toml -> ")
+            && looped.contains("b.toml -> "),
+        "{looped}"
+    );
+    // An error in the base names the base's own line, under the line that extends it.
+    let broken = err("on-broken.toml");
+    assert!(
+        broken.contains("on-broken.toml, line 1 (`extends = \"broken.toml\"`)")
+            && broken.contains("broken.toml, line 1 ([[probe]] for `f`): no lifecycle event"),
+        "{broken}"
+    );
+    // Probes of one file still may not both emit for one call.
+    let twice = err("twice.toml");
+    assert!(twice.contains("twice.toml, line 8 ([[probe]] for `f`): the [[probe]] on line 2"), "{twice}");
+    let err = error_of("extends = 3\n");
+    assert!(err.contains("extends"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn the_nixl_profile_reads_the_status_instead_of_probing_its_poll() {
+    let profile = Profile::load("nixl").unwrap();
+    assert!(profile.probes.iter().all(|p| !p.symbol.contains("getXferStatus")), "the hot poll is not probed");
+    // No probe suppresses repeats: the polled function is not probed.
+    assert!(profile.probes.iter().all(|p| !p.only_on_change));
+    let status = profile.status.as_ref().expect("[status]");
+    assert_eq!(
+        (status.at.from, &status.at.deref[..], status.at.add, status.value),
+        (From::Key, &[][..], 184, RetType::I32)
+    );
+    // NIXL's status codes, as 1.5.1 keeps them in the handle.
+    for (value, stage) in [
+        (1, Some(Stage::TransferPosted)),
+        (0, Some(Stage::TransferDone)),
+        (-1, Some(Stage::Enqueued)),
+        (-10, Some(Stage::Failed)),
+        (-3, Some(Stage::Failed)),
+        (2, None),
+    ] {
+        assert_eq!(status.stage_of(value), stage, "status {value}");
+    }
+}
+
+/// The release reads the handle's status at its entry: an error there
+/// is the failure, anything else (or nothing readable) the release.
+#[test]
+fn the_nixl_release_reads_the_status_at_its_entry_and_an_error_is_failed() {
+    let profile = Profile::load("nixl").unwrap();
+    let release = profile.probes.iter().find(|p| p.symbol.contains("releaseXferReq")).unwrap();
+    let cfg = release.slot_config();
+    assert_eq!(
+        cfg.flags & (slot_flags::ENTRY_VALUE | slot_flags::RET_I32 | slot_flags::RETURN),
+        slot_flags::ENTRY_VALUE | slot_flags::RET_I32
+    );
+    assert_eq!(cfg.stage, stallwatch_common::stage::RELEASED);
+    // One read: the i32 at handle + 184.
+    assert_eq!((cfg.value.base, cfg.value.depth, cfg.value.offsets[0], cfg.value.add), (base::KEY, 1, 184, 0));
+    assert_eq!(
+        (cfg.rules[0].op, cfg.rules[0].value, cfg.rules[0].stage),
+        (cmp::LT, -1, stallwatch_common::stage::FAILED)
+    );
+    assert_eq!(cfg.rules[1].op, cmp::NONE, "only the terminal rule");
+    // No other nixl probe reads it.
+    assert_eq!(profile.probes.iter().filter(|p| p.slot_config().flags & slot_flags::ENTRY_VALUE != 0).count(), 1);
+    // Behind a pointer: the chain, then the value's own offset.
+    let text = "[[probe]]\nsymbol = \"rel\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg0\" }\nread_status = true\n\n\
+                [status]\nat = { from = \"key\", deref = [8], add = 4 }\ntype = \"i64\"\nvalues = [\n  { when = \"== 1\", event = \"transfer_posted\" },\n  \
+                { when = \"< 0\", event = \"failed\" },\n  { when = \"== 9\", event = \"aborted\" },\n]\n";
+    let cfg = Profile::parse(text, "p.toml").unwrap().probes[0].slot_config();
+    assert_eq!((cfg.value.depth, &cfg.value.offsets[..2], cfg.flags & slot_flags::RET_I32), (2, &[8, 4][..], 0));
+    assert_eq!(
+        (cfg.rules[0].stage, cfg.rules[1].stage),
+        (stallwatch_common::stage::FAILED, stallwatch_common::stage::ABORTED)
+    );
+}
+
+/// nixl names the build its offsets were checked against; a profile
+/// extending it inherits that, or gives its own; without the offsets,
+/// a probe on the library reads neither its external id nor its status.
+#[test]
+fn a_layout_names_the_builds_and_without_it_nothing_is_read_at_its_offsets() {
+    let nixl = Profile::load("nixl").unwrap();
+    let layout = nixl.layout.as_ref().expect("[layout]");
+    assert_eq!(layout.object, "libnixl.so");
+    assert!(layout.knows("C60AC851FDD67A4D9738B5B2F53BD4849505F241") && !layout.knows("00"));
+    assert_eq!(Profile::load("sglang").unwrap().layout.as_ref(), Some(layout), "inherited");
+    let off = nixl.without_offsets();
+    assert!(off.probes.iter().all(|p| p.external_id.is_none() && p.entry_status.is_none()));
+    assert!(off.probes.iter().all(|p| p.slot_config().flags & (slot_flags::HAS_EXT | slot_flags::ENTRY_VALUE) == 0));
+    assert_eq!(off.probes.len(), nixl.probes.len(), "every lifecycle point stays");
+    // sglang's dlist signal reads NIXL's own class: gone; the others stay.
+    let sglang = Profile::load("sglang").unwrap();
+    let names = |p: &Profile| p.signals.iter().map(|s| s.name.clone()).collect::<Vec<_>>();
+    assert!(names(&sglang).contains(&"nixl_dlist_remote_agent".to_owned()));
+    let mut kept = names(&sglang);
+    kept.retain(|name| name != "nixl_dlist_remote_agent");
+    assert_eq!(names(&sglang.without_offsets()), kept);
+    let text = |layout: &str| format!("extends = \"nixl\"\n[layout]\n{layout}");
+    let own =
+        Profile::parse(&text("object = \"libnixl.so\"\nbuild_ids = [\"AB01\"]\nchecked = \"x\"\n"), "p.toml").unwrap();
+    assert_eq!(own.layout.expect("own").build_ids, ["ab01"]);
+    let err = error_of(&text("object = \"libnixl.so\"\nbuild_ids = [\"xyz\"]\nchecked = \"x\"\n"));
+    assert!(err.contains("([layout]): build id \"xyz\" is not hex bytes") && err.contains("readelf -n"), "{err}");
+    let err = error_of(&text("object = \"libnixl.so\"\nbuild_ids = []\nchecked = \"x\"\n"));
+    assert!(err.contains("`build_ids` is empty"), "{err}");
+}
+
+#[test]
+fn read_status_the_kernel_cannot_follow_is_refused_with_the_fix() {
+    let probe = |at: &str, extra: &str| {
+        format!(
+            "[[probe]]\nsymbol = \"rel\"\nat = \"{at}\"\n{extra}key = {{ from = \"arg0\" }}\nread_status = true\n\n"
+        )
+    };
+    let status =
+        |values: &str| format!("[status]\nat = {{ from = \"key\", add = 8 }}\ntype = \"i32\"\nvalues = [\n{values}]\n");
+    let failed = "  { when = \"< 0\", event = \"failed\" },\n";
+    let released = "event = \"released\"\n";
+    let err = error_of(&probe("entry", released));
+    assert!(err.contains("has none: add one"), "{err}");
+    let err = error_of(&format!(
+        "{}{}",
+        probe("return", "on_return = [{ when = \"== 0\", event = \"released\" }]\n"),
+        status(failed)
+    ));
+    assert!(err.contains("needs `at = \"entry\"`"), "{err}");
+    let err = error_of(&format!(
+        "{}{}",
+        probe("entry", released),
+        status("  { when = \"== 0\", event = \"transfer_done\" },\n")
+    ));
+    assert!(err.contains("has 0 rules for a terminal event"), "{err}");
+    let overlap = "  { when = \"== -1\", event = \"enqueued\" },\n  { when = \"< 0\", event = \"failed\" },\n";
+    let err = error_of(&format!("{}{}", probe("entry", released), status(overlap)));
+    assert!(err.contains("takes values an earlier rule takes first"), "{err}");
+    Profile::parse(&format!("{}{}", probe("entry", released), status(failed)), "p.toml").expect("valid");
+}
+
+#[test]
+fn invalid_status_tables_name_their_line_and_the_fix() {
+    let probe = "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"enqueued\"\nkey = { from = \"arg0\" }\n\n";
+    let status = |at: &str, ty: &str, values: &str| {
+        format!("{probe}[status]\nat = {at}\ntype = \"{ty}\"\nvalues = [\n{values}]\n")
+    };
+    let done = "  { when = \"== 0\", event = \"transfer_done\" },\n";
+    Profile::parse(&status("{ from = \"key\", add = 184 }", "i32", done), "p.toml").expect("valid");
+    Profile::parse(&status("{ from = \"key\", deref = [8], add = 4 }", "i64", done), "p.toml").expect("valid");
+    let err = error_of(&status("{ from = \"arg1\", add = 184 }", "i32", done));
+    assert!(err.contains("line 7 ([status]): `at.from = \"arg1\"`") && err.contains("from = \"key\""), "{err}");
+    let err = error_of(&status("{ from = \"key\" }", "i32", done));
+    assert!(err.contains("line 7 ([status])") && err.contains("the status field's offset"), "{err}");
+    let err = error_of(&status("{ from = \"key\", add = 8 }", "u7", done));
+    assert!(err.contains("u7"), "{err}");
+    let err = error_of(&status("{ from = \"key\", add = 8 }", "i32", ""));
+    assert!(err.contains("line 7 ([status]): `values` takes 1 to 16 rules, found 0"), "{err}");
+    let err = error_of(&status(
+        "{ from = \"key\", add = 8 }",
+        "i32",
+        "  { when = \"== 5000000000\", event = \"failed\" },\n",
+    ));
+    assert!(err.contains("line 7 ([status]): `when = \"== 5000000000\"` (line 11) never holds"), "{err}");
+    let err = error_of(&status(
+        "{ from = \"key\", add = 8 }",
+        "i32",
+        "  { when = \"< 0\", event = \"failed\" },\n  { when = \"== -1\", event = \"enqueued\" },\n",
+    ));
+    assert!(err.contains("`when = \"== -1\"` (line 12) never picks its event"), "{err}");
+    let err = error_of(&status("{ from = \"key\", add = 8 }", "i32", "  { when = \"== 2\", event = \"released\" },\n"));
+    assert!(err.contains("line 7 ([status]): `event = \"released\"`") && err.contains("no longer its own"), "{err}");
+    let err = error_of(&status("{ from = \"key\", add = 8 }", "i32", "  { when = \"== 2\", event = \"finished\" },\n"));
+    assert!(err.contains("unknown lifecycle event \"finished\""), "{err}");
+    let err = error_of(&format!("{}colour = 1\n", status("{ from = \"key\", add = 8 }", "i32", done)));
+    assert!(err.contains("colour"), "{err}");
+}
+
+#[test]
+fn entry_probes_emit_every_hit_and_save_nothing() {
+    let profile = Profile::parse(
+        "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg2\", deref = [8, 16], add = 4 }\n",
+        "test",
+    )
+    .unwrap();
+    let cfg = profile.probes[0].slot_config();
+    assert_eq!(cfg.flags, slot_flags::CONFIGURED);
+    assert_eq!(cfg.key.offsets[..2], [8, 16]);
+    assert_eq!(cfg.key.add, 4);
+    assert_eq!(cfg.stage, stallwatch_common::stage::RELEASED);
+}
+
+const ONE_PROBE: &str = "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg0\" }\n";
+
+#[test]
+fn signals_lower_to_untracked_slots_reading_their_value_and_capture() {
+    let text = format!(
+        "{ONE_PROBE}\n[[signal]]\nname = \"frame\"\nobject = \"libzmq.so\"\nsymbol = \"zmq_msg_data\"\nat = \"return\"\n\
+         value = {{ from = \"arg0\" }}\nbytes = {{ from = \"ret\" }}\n\n\
+         [[signal]]\nname = \"peer\"\nsymbol = \"g\"\nat = \"entry\"\nvalue = {{ from = \"arg5\" }}\ntext = {{ from = \"arg3\", deref = [0] }}\n"
+    );
+    let profile = Profile::parse(&text, "test").unwrap();
+    let [frame, peer] = profile.signals.as_slice() else { panic!("{:?}", profile.signals) };
+    assert_eq!((frame.name.as_str(), frame.line, frame.object.as_deref()), ("frame", 7, Some("libzmq.so")));
+    let cfg = frame.slot_config();
+    assert_eq!(cfg.stage, stage::SIGNAL);
+    let want = slot_flags::RETURN
+        | slot_flags::NEEDS_ARGS
+        | slot_flags::HAS_EXT
+        | slot_flags::EXT_BYTES
+        | slot_flags::CONFIGURED;
+    assert_eq!((cfg.flags, cfg.nargs), (want, 1));
+    assert_eq!((cfg.key.base, cfg.ext.base), (base::ARG, base::RET));
+    let cfg = peer.slot_config();
+    assert_eq!(cfg.flags, slot_flags::HAS_EXT | slot_flags::CONFIGURED);
+    assert_eq!((cfg.key.index, cfg.ext.index, cfg.ext.depth), (5, 3, 1));
+}
+
+#[test]
+fn invalid_signals_name_their_line_and_the_fix() {
+    let signal = |body: &str| format!("{ONE_PROBE}[[signal]]\nname = \"s\"\nsymbol = \"g\"\n{body}");
+    let err = error_of(&signal("at = \"entry\"\nvalue = { from = \"ret\" }\n"));
+    assert!(err.contains("line 6 ([[signal]] `s`): `value.from = \"ret\"` needs `at = \"return\"`"), "{err}");
+    let err = error_of(&signal(
+        "at = \"return\"\nvalue = { from = \"ret\" }\ntext = { from = \"ret\" }\nbytes = { from = \"ret\" }\n",
+    ));
+    assert!(err.contains("either `text`") && err.contains("line 6"), "{err}");
+    let err = error_of(&signal("at = \"entry\"\nret = \"i32\"\nvalue = { from = \"arg0\" }\n"));
+    assert!(err.contains("`ret` describes a return value"), "{err}");
+    let err = error_of(&signal("at = \"entry\"\n"));
+    assert!(err.contains("value"), "{err}");
+    let err = error_of(&format!(
+        "{ONE_PROBE}[[signal]]\nname = \" \"\nsymbol = \"g\"\nat = \"entry\"\nvalue = {{ from = \"arg0\" }}\n"
+    ));
+    assert!(err.contains("`name` is empty"), "{err}");
+    let twice = signal("at = \"entry\"\nvalue = { from = \"arg0\" }\n");
+    let err = error_of(&format!("{twice}{}", twice.trim_start_matches(ONE_PROBE)));
+    assert!(err.contains("line 11 ([[signal]] `s`): the [[signal]] on line 6 has the same name"), "{err}");
+}
+
+#[test]
+fn a_msgpack_capture_needs_bytes_a_short_tag_and_a_reachable_element() {
+    let signal = |extra: &str| {
+        format!(
+            "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"released\"\nkey = {{ from = \"arg0\" }}\n\
+             [[signal]]\nname = \"room\"\nobject = \"libzmq.so\"\nsymbol = \"zmq_msg_data\"\nat = \"return\"\n\
+             value = {{ from = \"arg0\" }}\n{extra}\n"
+        )
+    };
+    let profile = Profile::parse(
+        &signal("bytes = { from = \"ret\" }\nmsgpack = { element = 27, tag = \"TokenizedGenerateReqInput\" }"),
+        "p.toml",
+    )
+    .expect("valid");
+    let cfg = profile.signals[0].slot_config();
+    assert_ne!(cfg.flags & slot_flags::EXT_MSGPACK, 0);
+    assert_eq!((cfg.msgpack.element, cfg.msgpack.tag_len), (27, 25));
+    assert_eq!(&cfg.msgpack.tag[..25], b"TokenizedGenerateReqInput");
+    let error_of = |text: &str| Profile::parse(text, "p.toml").unwrap_err().to_string();
+    let err = error_of(&signal("text = { from = \"ret\" }\nmsgpack = { element = 1 }"));
+    assert!(err.contains("line 6 ([[signal]] `room`)") && err.contains("give `bytes` too"), "{err}");
+    let err = error_of(&signal(&format!(
+        "bytes = {{ from = \"ret\" }}\nmsgpack = {{ element = 1, tag = \"{}\" }}",
+        "t".repeat(33)
+    )));
+    assert!(err.contains("`msgpack.tag` is 33 bytes; at most 32"), "{err}");
+    let err = error_of(&signal("bytes = { from = \"ret\" }\nmsgpack = { element = 512 }"));
+    assert!(err.contains("`msgpack.element = 512` is past what the kernel walks"), "{err}");
+}
+
+#[test]
+fn rules_parse_and_bad_ones_say_why() {
+    assert_eq!(parse_rule(">= -3").unwrap(), RetRule { op: cmp::GE, stage: 0, _pad: [0; 6], value: -3 });
+    assert_eq!(parse_rule("!=1").unwrap().op, cmp::NE);
+    assert!(parse_rule("~ 1").unwrap_err().to_string().contains("expected a comparison"));
+    assert!(parse_rule("== x").unwrap_err().to_string().contains("not an integer"));
+}
+
+fn error_of(text: &str) -> String {
+    format!("{:#}", Profile::parse(text, "p.toml").unwrap_err())
+}
+
+#[test]
+fn invalid_probes_name_the_line_and_the_fix() {
+    let err = error_of("[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"ret\" }\nevent = \"enqueued\"\n");
+    assert!(err.contains("line 1") && err.contains("needs `at = \"return\"`"), "{err}");
+    let err = error_of(
+        "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\" }\non_return = [{ when = \"== 0\", event = \"released\" }]\n",
+    );
+    assert!(err.contains("`on_return` needs `at = \"return\"`"), "{err}");
+    let err =
+        error_of("[[probe]]\nsymbol = \"f\"\nat = \"return\"\nkey = { from = \"arg10\" }\nevent = \"released\"\n");
+    assert!(err.contains("expected \"arg0\" .. \"arg9\""), "{err}");
+    let err = error_of(
+        "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\", deref = [1, 2, 3, 4, 5] }\nevent = \"released\"\n",
+    );
+    assert!(err.contains("at most 4"), "{err}");
+    let err = error_of("[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\" }\n");
+    assert!(err.contains("no lifecycle event"), "{err}");
+    let err = error_of("name = \"x\"\n");
+    assert!(err.contains("no [[probe]] tables"), "{err}");
+    let err = error_of(
+        "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nkey = { from = \"arg0\" }\nevent = \"released\"\ncolour = 1\n",
+    );
+    assert!(err.contains("colour"), "{err}");
+}
+
+#[test]
+fn rules_that_can_never_pick_their_event_are_refused_with_their_line() {
+    let probe = |ret: &str, rules: &str| {
+        format!(
+            "[[probe]]\nsymbol = \"f\"\nat = \"return\"\nret = \"{ret}\"\nkey = {{ from = \"arg0\" }}\non_return = [\n{rules}]\n"
+        )
+    };
+    let err = error_of(&probe("i32", "  { when = \"== 99999999999999\", event = \"transfer_done\" },\n"));
+    assert!(
+        err.contains("line 1 ([[probe]] for `f`)")
+            && err.contains("`when = \"== 99999999999999\"` (line 7) never holds"),
+        "{err}"
+    );
+    assert!(err.contains("between -2147483648 and 2147483647"), "{err}");
+    // The same value is a fine 64-bit return.
+    Profile::parse(&probe("i64", "  { when = \"== 99999999999999\", event = \"transfer_done\" },\n"), "p.toml")
+        .expect("valid");
+    let err = error_of(&probe(
+        "i32",
+        "  { when = \"< 0\", event = \"failed\" },\n  { when = \"== -3\", event = \"aborted\" },\n",
+    ));
+    assert!(err.contains("`when = \"== -3\"` (line 8) never picks its event"), "{err}");
+    let err = error_of(&probe(
+        "i64",
+        "  { when = \"!= 7\", event = \"failed\" },\n  { when = \"== 3\", event = \"transfer_done\" },\n",
+    ));
+    assert!(err.contains("`when = \"== 3\"` (line 8) never picks its event"), "{err}");
+    Profile::parse(
+        &probe("i32", "  { when = \"== 0\", event = \"transfer_done\" },\n  { when = \"< 0\", event = \"failed\" },\n"),
+        "p.toml",
+    )
+    .expect("valid");
+}
+
+#[test]
+fn two_probes_emitting_for_one_call_are_refused_naming_both_lines() {
+    let entry = |symbol: &str, event: &str, key: &str| {
+        format!(
+            "[[probe]]\nsymbol = \"{symbol}\"\nat = \"entry\"\nevent = \"{event}\"\nkey = {{ from = \"{key}\" }}\n\n"
+        )
+    };
+    let err =
+        error_of(&(entry("f", "enqueued", "arg0") + &entry("g", "released", "arg0") + &entry("f", "released", "arg0")));
+    assert!(
+        err.contains("line 13 ([[probe]] for `f`): the [[probe]] on line 1 probes the same function's entry"),
+        "{err}"
+    );
+    // Another key, or another end of the function, is another lifecycle point.
+    Profile::parse(&(entry("f", "enqueued", "arg0") + &entry("f", "released", "arg1")), "p.toml").expect("valid");
+    let ret = |rules: &str, ret: &str| {
+        format!(
+            "[[probe]]\nsymbol = \"f\"\nat = \"return\"\nret = \"{ret}\"\nkey = {{ from = \"arg0\" }}\non_return = [{rules}]\n\n"
+        )
+    };
+    let split = ret("{ when = \"== 0\", event = \"transfer_done\" }, { when = \"== 1\", event = \"aborted\" }", "i32")
+        + &ret("{ when = \"< 0\", event = \"failed\" }", "i32");
+    Profile::parse(&(entry("f", "enqueued", "arg0") + &split), "p.toml").expect("rules split over two probes");
+    let overlap = ret("{ when = \"<= 0\", event = \"transfer_done\" }", "i32")
+        + &ret("{ when = \"< 0\", event = \"failed\" }", "i32");
+    assert!(error_of(&overlap).contains("both would emit for one call"));
+    let types = ret("{ when = \"== 0\", event = \"transfer_done\" }", "i32")
+        + &ret("{ when = \"< 0\", event = \"failed\" }", "i64");
+    assert!(error_of(&types).contains("one function returns one type"), "{}", error_of(&types));
+    let activity =
+        "[[activity]]\nsymbol = \"p\"\nkind = \"progress\"\n\n[[activity]]\nsymbol = \"p\"\nkind = \"post\"\n";
+    let err = error_of(&(entry("f", "enqueued", "arg0") + activity));
+    assert!(
+        err.contains("line 11 ([[activity]] for `p`): the [[activity]] on line 7 counts the same function"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_external_id_at_the_key_itself_is_refused() {
+    let with_ext = |key: &str, ret: &str, ext: &str| {
+        format!(
+            "[[probe]]\nsymbol = \"f\"\nat = \"return\"\nret = \"{ret}\"\nkey = {key}\nevent = \"enqueued\"\nexternal_id = {ext}\n"
+        )
+    };
+    let err = error_of(&with_ext("{ from = \"arg0\", deref = [0] }", "i64", "{ from = \"key\" }"));
+    assert!(
+        err.contains(
+            "line 1 ([[probe]] for `f`): `external_id = { from = \"key\" }` would read at the address the key holds"
+        ),
+        "{err}"
+    );
+    let err = error_of(&with_ext("{ from = \"arg0\" }", "i64", "{ from = \"arg1\", guard = { from = \"key\" } }"));
+    assert!(err.contains("`external_id.guard = { from = \"key\" }`"), "{err}");
+    let err = error_of(&with_ext("{ from = \"ret\" }", "i32", "{ from = \"key\", deref = [8] }"));
+    assert!(err.contains("the key is a 32-bit return value"), "{err}");
+    // Through the key, as the nixl profile reads its notification message.
+    Profile::parse(
+        &with_ext(
+            "{ from = \"arg0\", deref = [0] }",
+            "i64",
+            "{ from = \"key\", deref = [144], guard = { from = \"key\", add = 176 } }",
+        ),
+        "p.toml",
+    )
+    .expect("valid");
+}
+
+#[test]
+fn return_probes_save_as_many_arguments_as_they_read() {
+    let profile = Profile::parse(
+        "[[probe]]\nsymbol = \"f\"\nat = \"return\"\nkey = { from = \"arg1\" }\nexternal_id = { from = \"arg3\" }\nevent = \"released\"\n\n[[probe]]\nsymbol = \"g\"\nat = \"return\"\nkey = { from = \"ret\" }\nevent = \"enqueued\"\n",
+        "test",
+    )
+    .unwrap();
+    let with_args = profile.probes[0].slot_config();
+    assert_eq!((with_args.flags & slot_flags::NEEDS_ARGS, with_args.nargs), (slot_flags::NEEDS_ARGS, 4));
+    let from_ret = profile.probes[1].slot_config();
+    assert_eq!((from_ret.flags & slot_flags::NEEDS_ARGS, from_ret.nargs), (0, 0));
+}

@@ -1,0 +1,7 @@
+//! Small helpers any layer may use; none of them knows a request.
+pub mod build_info;
+pub mod files;
+pub mod text;
+pub mod tls;
+pub mod trusted_dir;
+pub mod warned;
