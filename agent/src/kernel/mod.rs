@@ -4,7 +4,9 @@
 //!
 //! Inside, each module uses only the ones listed before it: `decode` <-
 //! `state` <- `probes` <- `ring`; [`reactor`] registers kernel file
-//! descriptors with tokio.
+//! descriptors with tokio, [`caps`] says whether this process may load and
+//! attach.
+pub mod caps;
 pub mod decode;
 pub mod probes;
 pub mod reactor;

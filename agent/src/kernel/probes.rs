@@ -40,7 +40,10 @@ use aya::{
 use stallwatch_common::{MAX_SLOTS, SlotConfig, cmp, counter, slot_flags};
 use tracing::{info, warn};
 
-use super::state::{BpfDir, BpfTables, KernelState, OldLink, PINNED_MAPS};
+use super::{
+    caps::{CAP_SYS_ADMIN, Caps},
+    state::{BpfDir, BpfTables, KernelState, OldLink, PINNED_MAPS},
+};
 use crate::profile::{
     ActivityKind, ActivitySpec, At, ProbeSpec, Profile, SignalSpec,
     resolve::{ElfFile, FirstInsn, ProcessImage},
@@ -451,7 +454,7 @@ impl Probes {
             let link = self.link(name, index, pid, &object.host_path, resolved.file_offset).with_context(|| {
                 // EACCES/EPERM here is the capability, not the target: 6.x
                 // kernels want CAP_SYS_ADMIN for a uprobe perf event.
-                let hint = if caps_lack_sys_admin() {
+                let hint = if Caps::of_self().is_ok_and(|caps| !caps.has(CAP_SYS_ADMIN)) {
                     " (this process lacks CAP_SYS_ADMIN, which attaching a uprobe through perf_event_open needs: \
                      run as root, or add SYS_ADMIN to the container's capabilities; `stallwatch doctor` checks it)"
                 } else {
@@ -881,20 +884,6 @@ fn release(path: &Path) -> Result<()> {
         .with_context(|| format!("opening the previous agent's probe link {}", path.display()))?;
     drop(link.unpin().with_context(|| format!("unpinning {}", path.display()))?);
     Ok(())
-}
-
-/// Whether this process's effective capabilities lack CAP_SYS_ADMIN (read
-/// from /proc/self/status; unreadable: assumed not lacking).
-fn caps_lack_sys_admin() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix("CapEff:"))
-                .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-        })
-        .is_some_and(|eff| eff & (1 << crate::cli::doctor::CAP_SYS_ADMIN) == 0)
 }
 
 #[cfg(test)]

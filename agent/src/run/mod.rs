@@ -100,7 +100,7 @@ pub async fn run(options: Options, out: impl Write + Send + 'static) -> Result<(
     }
     // Before anything is created (the bpf and socket directories would
     // then belong to an unprivileged user, and root agents refuse them).
-    crate::cli::doctor::require_privileges()?;
+    crate::kernel::caps::require_privileges()?;
     // First: a stop asked for during start-up is taken at the first turn
     // of the loop, never the default death that leaves no summary.
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
