@@ -1,0 +1,419 @@
+//! The event loop: one `select!` over everything that can wake the agent,
+//! each arm a method of [`EventLoop`] that acts on the [`Session`].
+//!
+//! The ring buffer is read when a stall can be due or [`MAX_UNREAD`] has
+//! passed (the programs do not wake the agent per event); after every turn
+//! the reports the turn made are emitted and the next wake is set.
+use std::{pin::Pin, time::Duration};
+
+use anyhow::{Context as _, Result};
+use aya::maps::{MapData, RingBuf};
+use aya_log::EbpfLogger;
+use tokio::{
+    io::unix::{AsyncFd, AsyncFdReadyMutGuard},
+    signal::unix::{Signal, SignalKind, signal},
+    sync::mpsc,
+    time::{Interval, Sleep},
+};
+use tracing::{error, info, warn};
+
+use super::{
+    Target,
+    discovery::{Pending, Selector},
+    ingest::warn_on_loss,
+    processes::{Gone, process_name},
+    session::{Session, Synced, withheld_in},
+};
+use crate::{
+    evidence::status::{self, StatusReader},
+    export::{
+        clock::{Clock, monotonic_ns},
+        metrics::Scrape,
+    },
+    kernel::{KernelCounters, Releasing, reactor},
+    query::{QueryServer, SocketPlace, server::Pending as QueryPending},
+};
+
+/// How often the kernel's loss counters and transport counts are sampled.
+pub const COUNTER_PERIOD: Duration = Duration::from_secs(1);
+
+/// Longest the ring buffer goes unread while no stall is due: how late a
+/// finished request's span, a recovery's alert or a per-peer count can be.
+/// The programs do not wake the agent per event (that costs the target
+/// more than the event does), and waking only when something can be due
+/// spares the idle agent a wake per tick; this bounds the staleness
+/// between. `stallwatch inflight` and a metrics scrape read the ring first.
+const MAX_UNREAD: Duration = Duration::from_millis(100);
+
+/// SIGINT and SIGTERM, installed before anything else: a stop asked for
+/// during start-up is taken at the first turn of the loop, never the
+/// default death that leaves no summary.
+pub struct Stops {
+    interrupt: Signal,
+    terminate: Signal,
+}
+
+impl Stops {
+    pub fn install() -> Result<Self> {
+        Ok(Self {
+            interrupt: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+            terminate: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+        })
+    }
+
+    async fn next(&mut self) {
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.terminate.recv() => {}
+        }
+    }
+}
+
+/// Whether the loop goes on after an arm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flow {
+    Continue,
+    Stop,
+}
+
+/// What the loop waits on besides the session.
+pub struct EventLoop {
+    session: Session,
+    /// `--pid`: `None`, and the agent ends with its target.
+    selector: Option<Selector>,
+    /// The pids that exit ([`super::processes::Processes::new`]).
+    exits: mpsc::UnboundedReceiver<u32>,
+    /// Exec notifications (`None`: the target's execs go unnoticed).
+    execs: Option<AsyncFd<RingBuf<MapData>>>,
+    /// Processes that exec'd and may match the selector once they load
+    /// their libraries.
+    pending: Pending,
+    queries: QueryServer,
+    /// The previous agent's links, being released.
+    releasing: Option<Releasing>,
+    stops: Stops,
+    wake: Pin<Box<Sleep>>,
+    counter_ticks: Interval,
+    recheck: Interval,
+    /// The kernel's loss counters at the last warning.
+    reported: KernelCounters,
+    unread_ns: u64,
+}
+
+impl EventLoop {
+    /// Attach to the target (or every process the selector matches), take
+    /// over what a previous agent left, then serve queries.
+    pub fn start(
+        mut session: Session,
+        exits: mpsc::UnboundedReceiver<u32>,
+        target: Target,
+        socket: SocketPlace,
+        clock: Clock,
+        stops: Stops,
+    ) -> Result<Self> {
+        let logger = EbpfLogger::init(session.probes.ebpf_mut()).context("setting up eBPF logging")?;
+        let mut logger = reactor::register(logger, "the eBPF log buffer")?;
+        // The programs' own log lines: forwarded as they come, by a task of
+        // their own (nothing in the session is needed for them).
+        tokio::spawn(async move {
+            loop {
+                match logger.readable_mut().await {
+                    Ok(mut guard) => {
+                        guard.get_inner_mut().flush();
+                        guard.clear_ready();
+                    }
+                    Err(err) => {
+                        warn!("the eBPF programs' log lines are no longer forwarded: {err:#}");
+                        break;
+                    }
+                }
+            }
+        });
+        let (execs, selector) = match target {
+            Target::Pid(pid) => {
+                // First, so an exec during the attach is heard of too.
+                let execs = match session.probes.watch_execs() {
+                    Ok(ring) => Some(reactor::register(ring, "the EXECS ring buffer")?),
+                    Err(err) => {
+                        warn!(
+                            pid,
+                            "an exec of the target will go unnoticed (its old program's requests stay in flight): \
+                             {err:#}"
+                        );
+                        None
+                    }
+                };
+                session.watch(pid)?;
+                (execs, None)
+            }
+            Target::Select(selector) => {
+                // Hear of execs first, so nothing starting during the scan is missed.
+                let execs = reactor::register(session.probes.watch_execs()?, "the EXECS ring buffer")?;
+                info!(selector = %selector.describe(), profile = %session.profile.name, "discovering processes");
+                for pid in selector.scan()? {
+                    session.watch_or_log(pid);
+                }
+                (Some(execs), Some(selector))
+            }
+        };
+        // Ours are attached: what a previous agent's probes recorded is ours
+        // to follow, taken over first (its stalls may be near due), then its
+        // probes can go. Before the take-over reads the table: a loss from
+        // here on is after its view, and brings a resynchronisation.
+        let counters = session.probes.counters()?;
+        session.synced = Synced { ringbuf_full: counters.ringbuf_full, state_full: counters.state_full };
+        session.restore()?;
+        let releasing = session.probes.release_old_links()?;
+        // After attaching, so a bad profile or pid is reported as such even
+        // when another agent serves this socket (a second agent fails here).
+        let mut queries = QueryServer::bind(socket, clock)?.with_workloads(session.telemetry.workloads());
+        for pid in session.processes.pids() {
+            queries.name_process(pid, &process_name(pid));
+        }
+        session.transport.sample(&session.probes, monotonic_ns())?;
+        // Attached, and a previous agent's requests taken over: a rolling
+        // update may now stop the next pod.
+        session.telemetry.set_ready();
+        let config = session.engine.config();
+        let unread_ns = unread_ns(config.timeout_ns, config.tick_ns);
+        Ok(Self {
+            session,
+            selector,
+            exits,
+            execs,
+            pending: Pending::default(),
+            queries,
+            releasing,
+            stops,
+            wake: Box::pin(tokio::time::sleep(Duration::ZERO)),
+            counter_ticks: tokio::time::interval(COUNTER_PERIOD),
+            recheck: tokio::time::interval(Duration::from_nanos(Pending::RECHECK_NS)),
+            reported: KernelCounters::default(),
+            unread_ns,
+        })
+    }
+
+    /// Until stopped (a signal, stdout closed, or with `--pid` the target
+    /// gone); then the session, for [`Session::finish`].
+    pub async fn run(mut self) -> Result<Session> {
+        loop {
+            let flow = tokio::select! {
+                ready = self.session.reader.readable() => {
+                    ready?;
+                    self.session.drain();
+                    Flow::Continue
+                }
+                () = &mut self.wake => self.on_wake(),
+                _ = self.counter_ticks.tick() => self.on_counter_tick()?,
+                Some(pid) = self.exits.recv() => self.on_exit(pid),
+                pids = next_execs(&mut self.execs) => self.on_execs(pids?)?,
+                _ = self.recheck.tick(), if !self.pending.is_empty() => self.on_recheck(),
+                scrape = self.session.telemetry.scrape() => self.on_scrape(scrape),
+                query = self.queries.next() => self.on_query(query),
+                released = released(&mut self.releasing) => self.on_released(released)?,
+                () = self.stops.next() => Flow::Stop,
+            };
+            if flow == Flow::Stop || self.after_turn()? == Flow::Stop {
+                break;
+            }
+        }
+        // The previous agent's links go before this one's state is left.
+        if let Some(mut releasing) = self.releasing.take() {
+            releasing.done().await.context("releasing the previous agent's links")?;
+            self.session.probes.released(releasing)?;
+        }
+        Ok(self.session)
+    }
+
+    /// A stall can be due: the clock first, so every event submitted
+    /// before it is read before the timers judge silence at it.
+    fn on_wake(&mut self) -> Flow {
+        let now = monotonic_ns();
+        self.session.sync();
+        self.session.gate(now);
+        self.session.advance(now, status::READS_PER_TICK);
+        Flow::Continue
+    }
+
+    /// Once a [`COUNTER_PERIOD`]: the warnings that are rate-limited, and a
+    /// fresh sample of the transport counts.
+    fn on_counter_tick(&mut self) -> Result<Flow> {
+        let session = &mut self.session;
+        self.reported = warn_on_loss(&session.probes, self.reported)?;
+        session.ingest.warn_undecodable();
+        session.signals.warn();
+        session.state.warn();
+        session.warn_alert_drops();
+        if let Some(status) = &mut session.status {
+            status.warn();
+        }
+        session.transport.sample(&session.probes, monotonic_ns())?;
+        Ok(Flow::Continue)
+    }
+
+    /// A watched process exited; with `--pid` the agent ends with it
+    /// ([`Session::finish`] reports what the exit ended).
+    fn on_exit(&mut self, pid: u32) -> Flow {
+        self.session.unwatch(pid, Gone::Exited);
+        self.queries.forget_process(pid);
+        if self.selector.is_none() { Flow::Stop } else { Flow::Continue }
+    }
+
+    /// Processes exec'd: a watched one's probes and requests went with its
+    /// old image; a selected one is watched in its new program, one that
+    /// may match later waits in `pending`.
+    fn on_execs(&mut self, pids: Vec<u32>) -> Result<Flow> {
+        for pid in pids {
+            let was_watched = self.session.processes.contains(pid);
+            if was_watched {
+                self.session.unwatch(pid, Gone::Exec);
+                self.queries.forget_process(pid);
+            }
+            match &self.selector {
+                // A selected process that could not be watched is logged,
+                // not left for the pending arm.
+                Some(selector) if selector.matches(pid) => self.watch_or_log(pid),
+                Some(_) => self.pending.add(pid, monotonic_ns()),
+                // `--pid`: follow the target into its new program if the
+                // profile attaches to it; else stop, as when it exits.
+                None if was_watched => match self.session.watch(pid) {
+                    Ok(()) => self.queries.name_process(pid, &process_name(pid)),
+                    Err(err) => {
+                        error!(
+                            pid,
+                            "not watching the target's new program, stopping as when it exits (to follow a process \
+                             that loads the profile's library after an exec, select it with --exe, --lib or \
+                             --cmdline instead of --pid): {err:#}"
+                        );
+                        self.session.emit()?;
+                        return Ok(Flow::Stop);
+                    }
+                },
+                None => {}
+            }
+        }
+        Ok(Flow::Continue)
+    }
+
+    /// Exec'd processes that may have loaded what the selector looks for.
+    fn on_recheck(&mut self) -> Flow {
+        if let Some(selector) = &self.selector {
+            for pid in self.pending.recheck(selector, monotonic_ns()) {
+                self.watch_or_log(pid);
+            }
+        }
+        Flow::Continue
+    }
+
+    fn watch_or_log(&mut self, pid: u32) {
+        if self.session.watch_or_log(pid) {
+            self.queries.name_process(pid, &process_name(pid));
+        }
+    }
+
+    /// A metrics scrape: counts up to the scrape, not to the last drain.
+    fn on_scrape(&mut self, scrape: Scrape) -> Flow {
+        let session = &mut self.session;
+        session.drain();
+        session.telemetry.answer(
+            scrape,
+            &session.engine,
+            &session.probes,
+            session.ingest.undecodable,
+            session.status.as_ref().map(StatusReader::reads),
+            session.alerts.output().dropped(),
+        );
+        Flow::Continue
+    }
+
+    /// `stallwatch inflight`: up to date to the moment asked, not to the
+    /// last tick, and to what the kernel holds of requests not yet due.
+    fn on_query(&mut self, query: QueryPending) -> Flow {
+        let session = &mut self.session;
+        session.sync();
+        session.engine.catch_up(None, &mut withheld_in(&session.state));
+        self.queries.answer(query, &session.engine, &session.transport, &session.signals, monotonic_ns());
+        Flow::Continue
+    }
+
+    fn on_released(&mut self, released: Result<()>) -> Result<Flow> {
+        released.context("releasing the previous agent's links")?;
+        self.session.probes.released(self.releasing.take().expect("a release under way"))?;
+        Ok(Flow::Continue)
+    }
+
+    /// After every arm: emit the turn's reports, stop if stdout is gone,
+    /// and set the next wake.
+    fn after_turn(&mut self) -> Result<Flow> {
+        let session = &mut self.session;
+        let closed = match session.emit() {
+            Err(err) if !session.alerts.is_closed() => return Err(err),
+            Err(_) => true,
+            // The writer thread may have found it closed since.
+            Ok(()) => session.alerts.output().is_closed(),
+        };
+        if closed {
+            // As a pipeline's writer does at SIGPIPE, but leaving the state
+            // for the next agent as a SIGTERM would.
+            info!("stdout was closed (its reader went away): stopping");
+            return Ok(Flow::Stop);
+        }
+        let now = monotonic_ns();
+        let next = session.next_wake(now, self.unread_ns);
+        self.wake.as_mut().reset(tokio::time::Instant::now() + Duration::from_nanos(next.saturating_sub(now)));
+        Ok(Flow::Continue)
+    }
+}
+
+/// Until the release under way, if any, is done; never without one.
+async fn released(releasing: &mut Option<Releasing>) -> Result<()> {
+    match releasing {
+        Some(releasing) => releasing.done().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The next exec notifications, each pid once and in order; never resolves
+/// without an exec ring buffer.
+async fn next_execs(execs: &mut Option<AsyncFd<RingBuf<MapData>>>) -> Result<Vec<u32>> {
+    match execs {
+        Some(execs) => Ok(drain_execs(execs.readable_mut().await.context("waiting on the EXECS ring buffer")?)),
+        None => std::future::pending().await,
+    }
+}
+
+/// The pids in the exec ring buffer, in order, each once.
+fn drain_execs(mut guard: AsyncFdReadyMutGuard<'_, RingBuf<MapData>>) -> Vec<u32> {
+    let mut pids = Vec::new();
+    let ring = guard.get_inner_mut();
+    while let Some(item) = ring.next() {
+        if let Some(pid) = item.get(..4).and_then(|bytes| bytes.try_into().ok()).map(u32::from_ne_bytes) {
+            if !pids.contains(&pid) {
+                pids.push(pid);
+            }
+        }
+    }
+    guard.clear_ready();
+    pids
+}
+
+/// [`MAX_UNREAD`], but never longer than the timeout (a request's first
+/// event is then read before its deadline, so its stall is never late) nor
+/// shorter than a tick.
+fn unread_ns(timeout_ns: u64, tick_ns: u64) -> u64 {
+    u64::try_from(MAX_UNREAD.as_nanos()).unwrap_or(u64::MAX).min(timeout_ns).max(tick_ns)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ring_buffer_is_read_within_the_timeout_and_never_more_often_than_a_tick() {
+        const MS: u64 = 1_000_000;
+        assert_eq!(unread_ns(60_000 * MS, 10 * MS), 100 * MS);
+        // A request's first event is read before its deadline.
+        assert_eq!(unread_ns(40 * MS, 10 * MS), 40 * MS);
+        assert_eq!(unread_ns(5 * MS, 200 * MS), 200 * MS);
+    }
+}

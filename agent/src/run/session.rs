@@ -1,0 +1,578 @@
+//! The session: everything one run holds (the engine, the probes, the
+//! kernel's table, the evidence readers, the outputs) and the steps the
+//! event loop takes on it: watch and unwatch a process, take over what a
+//! previous agent left, read the ring buffer, judge silence, emit reports.
+use std::{collections::HashMap, io::Write, time::Duration};
+
+use anyhow::{Context as _, Result};
+use stallwatch_common::Event;
+use tokio::sync::mpsc;
+use tracing::{error, info, warn};
+
+use super::{
+    OnExit,
+    ingest::Ingest,
+    processes::{Gone, Processes, pidfd, process_name},
+};
+use crate::{
+    evidence::{
+        gate::{Change, Failures, Gate},
+        status::StatusReader,
+        transport::Tracker,
+    },
+    export::{
+        alert::{AlertWriter, Format},
+        clock::{Clock, monotonic_ns, process_start_ns},
+        queue::{self, LineQueue},
+        telemetry::Telemetry,
+    },
+    frameworks::signals::Signals,
+    kernel::{
+        Probes,
+        ring::{EventReader, Losses},
+        state::{BpfDir, KernelState},
+    },
+    lifecycle::{Engine, EngineConfig, Observation, Report, Restored, Side, Silent, Withheld},
+    profile::Profile,
+    util::warned::Warned,
+};
+
+/// Everything one run holds, with the steps the loop takes on it.
+pub(super) struct Session {
+    pub(super) engine: Engine,
+    pub(super) transport: Tracker,
+    /// When each process's progress probes are linked.
+    pub(super) gate: Gate,
+    pub(super) gate_failures: Failures,
+    /// Alert lines, handed to stdout's writer thread ([`LineQueue`]).
+    pub(super) alerts: AlertWriter<LineQueue>,
+    /// Dropped alert lines the last warning covered.
+    pub(super) alert_drops: Warned,
+    pub(super) telemetry: Telemetry,
+    pub(super) probes: Probes,
+    /// The kernel's in-flight table, kept in step with the reports.
+    pub(super) state: KernelState,
+    pub(super) reader: EventReader,
+    /// The profile's `[status]`, read for requests whose stall is due.
+    pub(super) status: Option<StatusReader>,
+    pub(super) profile: Profile,
+    /// Attached processes: their names and the tasks waiting on their
+    /// pidfds.
+    pub(super) processes: Processes,
+    pub(super) reports: Vec<Report>,
+    pub(super) ingest: Ingest,
+    /// Where the profile's `[[signal]]` hits go.
+    pub(super) signals: Signals,
+    /// The kernel's loss counts the engine was last brought in step with.
+    pub(super) synced: Synced,
+}
+
+/// The kernel counts that say whether the engine is in step with the
+/// kernel's in-flight table ([`Session::sync`]).
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Synced {
+    /// `ringbuf_full` when the engine was last in step (or at start).
+    pub(super) ringbuf_full: u64,
+    /// `state_full` at start: once it grows, the table may lack a request
+    /// the probes saw begin, so one it does not hold is not known to have
+    /// ended.
+    pub(super) state_full: u64,
+}
+
+impl Session {
+    /// Load the eBPF object (taking over a previous agent's pinned maps in
+    /// `bpf_dir`), and everything the steps need; no process is watched
+    /// yet. Also the stream of watched pids that exit.
+    pub(super) fn start(
+        profile: Profile,
+        limits: EngineConfig,
+        format: Format,
+        out: impl Write + Send + 'static,
+        clock: Clock,
+        telemetry: Telemetry,
+        bpf_dir: Option<BpfDir>,
+    ) -> Result<(Self, mpsc::UnboundedReceiver<u32>)> {
+        let mut probes = Probes::load(bpf_dir)?;
+        probes.set_quiet_gap(limits.timeout_ns / 2);
+        let state = probes.kernel_state()?;
+        let reader = EventReader::new(&mut probes)?;
+        let (processes, exits) = Processes::new();
+        let alerts = AlertWriter::new(
+            LineQueue::start(out).context("starting the thread that writes alerts to stdout")?,
+            format,
+            clock,
+        )
+        .with_workloads(telemetry.workloads());
+        let session = Self {
+            engine: Engine::new(limits),
+            transport: Tracker::new(limits.timeout_ns),
+            gate: Gate::new(limits.timeout_ns, limits.tick_ns),
+            gate_failures: Failures::default(),
+            alerts,
+            alert_drops: Warned::default(),
+            telemetry,
+            probes,
+            state,
+            reader,
+            status: profile.status.clone().map(|spec| StatusReader::new(spec, profile.complete_at)),
+            profile,
+            processes,
+            reports: Vec::new(),
+            ingest: Ingest::default(),
+            signals: Signals::new(limits.timeout_ns),
+            synced: Synced::default(),
+        };
+        Ok((session, exits))
+    }
+
+    /// Attach the profile to `pid` and learn when it exits.
+    pub(super) fn watch(&mut self, pid: u32) -> Result<()> {
+        if self.processes.contains(pid) {
+            return Ok(());
+        }
+        // Open the pidfd first: if the pid is reused after an exit, the
+        // pidfd still refers to the process we attached to.
+        let exited = pidfd(pid)?;
+        let probes = if self.processes.foreign_build(pid, &self.profile) {
+            let probes = self.probes.attach(pid, &self.profile.without_offsets())?;
+            if let Some(status) = &mut self.status {
+                status.turn_off(pid);
+            }
+            probes
+        } else {
+            self.probes.attach(pid, &self.profile)?
+        };
+        let name = process_name(pid);
+        self.alerts.name_process(pid, &name);
+        self.telemetry.name_process(pid);
+        self.processes.insert(pid, name.clone(), exited);
+        info!(
+            pid,
+            process = %crate::util::text::value(&name),
+            profile = %self.profile.name,
+            probes,
+            timeout = %humantime::format_duration(Duration::from_nanos(self.engine.config().timeout_ns)),
+            "watching"
+        );
+        Ok(())
+    }
+
+    /// [`Self::watch`] for discovered processes: one that cannot be
+    /// attached (it lacks a symbol, it exited meanwhile) is logged, and the
+    /// agent goes on with the others.
+    pub(super) fn watch_or_log(&mut self, pid: u32) -> bool {
+        match self.watch(pid) {
+            Ok(()) => true,
+            Err(err) => {
+                error!(pid, "not watching: {err:#}");
+                false
+            }
+        }
+    }
+
+    /// Take over the requests the kernel's in-flight table holds (a
+    /// previous agent's, or begun while none ran). Those of processes gone
+    /// meanwhile end `process_exited`, and so do those of a pid reused
+    /// since: a process that started after a request's last event is not
+    /// the one that held it. Those of live processes this agent does not
+    /// watch are dropped.
+    pub(super) fn restore(&mut self) -> Result<()> {
+        let requests = self.state.snapshot()?;
+        if requests.is_empty() {
+            return Ok(());
+        }
+        let now = monotonic_ns();
+        // pid -> when its process now started (`None`: no such process).
+        let mut started: HashMap<u32, Option<u64>> = HashMap::new();
+        let (mut taken, mut ended, mut unwatched) = (Vec::new(), Vec::new(), Vec::new());
+        // pid -> when its holder is known to have exited.
+        let mut exits: HashMap<u32, u64> = HashMap::new();
+        for request in requests {
+            let pid = request.pid;
+            match *started.entry(pid).or_insert_with(|| process_start_ns(pid)) {
+                None => {
+                    exits.insert(pid, now);
+                    ended.push(request);
+                }
+                Some(start) if request.last_ns < start => {
+                    // By the time the pid's new process started.
+                    exits.entry(pid).or_insert(start);
+                    ended.push(request);
+                }
+                Some(_) if self.processes.contains(pid) => taken.push(request),
+                Some(_) => {
+                    if !unwatched.contains(&pid) {
+                        unwatched.push(pid);
+                    }
+                }
+            }
+        }
+        let (reused, gone): (Vec<_>, Vec<_>) =
+            exits.keys().partition(|pid| started.get(pid).is_some_and(Option::is_some));
+        for pid in gone.iter().chain(&unwatched) {
+            self.state.forget_process(*pid)?;
+        }
+        // The ended first: `process_exited` ends every request the engine
+        // holds for the pid, and a reused pid's own requests come next.
+        for request in ended {
+            self.engine.restore(request, &mut self.reports);
+        }
+        for (&pid, &exit_ns) in &exits {
+            self.engine.process_exited(pid, exit_ns, &mut self.reports);
+        }
+        let taken_count = taken.len();
+        let follows_rooms = self.profile.follows_rooms();
+        for request in taken {
+            if follows_rooms {
+                self.signals.adopt(&request);
+            }
+            self.engine.restore(request, &mut self.reports);
+        }
+        for pid in unwatched {
+            info!(pid, "in-flight requests of a process this agent does not watch are dropped");
+        }
+        for pid in &reused {
+            info!(pid, "in-flight requests of an earlier process with a reused pid end process_exited");
+        }
+        info!(
+            requests = taken_count,
+            exited = gone.len(),
+            reused = reused.len(),
+            "took over the requests in flight in the kernel"
+        );
+        // Read what the ring buffer gathered before the take-over's reports
+        // are applied: a lifecycle that ended while no agent ran leaves the
+        // table only once its events are read, so an agent killed now
+        // leaves both for the next one, never its events alone (which would
+        // read as a new lifecycle and end it twice).
+        self.drain();
+        self.emit()
+    }
+
+    /// Read the ring buffer, and if events were lost since the engine was
+    /// last in step with the kernel, resynchronise with the kernel's
+    /// in-flight table (see **Resynchronising** in the lifecycle docs)
+    /// before anything is judged: a request whose end was lost would read
+    /// as stalled, and one whose every event was lost would never be seen.
+    /// One read of the loss counters a call; the table only after a loss.
+    pub(super) fn sync(&mut self) {
+        self.drain();
+        let counters = match self.probes.counters() {
+            Ok(counters) => counters,
+            Err(err) => {
+                warn!("reading the kernel's loss counters (lost events cannot be resynchronised): {err:#}");
+                return;
+            }
+        };
+        if counters.ringbuf_full <= self.synced.ringbuf_full {
+            return;
+        }
+        // Before the table is read: what the probes do from here on is
+        // newer than its view.
+        let since = monotonic_ns();
+        let table = match self.state.snapshot() {
+            Ok(table) => table,
+            Err(err) => {
+                warn!(
+                    "reading the kernel's in-flight table to resynchronise after lost events (retried at the next wake): {err:#}"
+                );
+                return;
+            }
+        };
+        // Ends submitted while the table was read come through the ring.
+        self.drain();
+        let table: Vec<Restored> = table.into_iter().filter(|request| self.processes.contains(request.pid)).collect();
+        if self.profile.follows_rooms() {
+            for request in table.iter().filter(|request| self.engine.get(request.pid, request.key).is_none()) {
+                self.signals.adopt(request);
+            }
+        }
+        let complete = counters.state_full <= self.synced.state_full && self.state.unheld() == 0;
+        let before = self.engine.stats();
+        let state = &self.state;
+        self.engine.resync(
+            since,
+            complete,
+            &mut |pid, key| state.entry(pid, key).map_err(|_| ()),
+            table,
+            &mut self.reports,
+        );
+        let after = self.engine.stats();
+        info!(
+            lost = counters.ringbuf_full - self.synced.ringbuf_full,
+            ended_unseen = after.end_unseen - before.end_unseen,
+            taken_over = after.restored - before.restored,
+            caught_up = after.caught_up - before.caught_up,
+            table_complete = complete,
+            "events were lost (the ring buffer was full): resynchronised with the kernel's in-flight table"
+        );
+        self.synced.ringbuf_full = counters.ringbuf_full;
+    }
+
+    /// Read every event the ring buffer holds, each signal to its consumer
+    /// and each lifecycle event to the engine. The programs submit without
+    /// waking the agent (it costs the target more than the event), so
+    /// this runs whenever the loop wakes (see [`Self::next_wake`]); the
+    /// kernel wakes [`EventReader::readable`] only when the buffer fills
+    /// past a quarter.
+    pub(super) fn drain(&mut self) {
+        let Session { reader, ingest, transport, engine, reports, signals, probes, state, .. } = self;
+        let mut route = |event: &Event, observation: Option<Observation>| {
+            let probed = observation.as_ref().map(|o| o.key);
+            let made = signals.consume(event, observation, probes.slot(event.slot))?;
+            // A lifecycle event no probe made (an SGLang room's): the
+            // kernel did not keep it, so the agent does; its side is what
+            // its process's traffic says.
+            if probed == Some(made.key) {
+                return Some((made, Side::Prefill));
+            }
+            state.hold(&made);
+            let side = signals.side(made.pid);
+            Some((made, side))
+        };
+        reader.drain(|bytes| ingest.record(bytes, transport, engine, reports, &mut route));
+    }
+
+    /// When the loop next drains the ring buffer and judges silence: when
+    /// the engine can next report a stall, when the gate is next checked
+    /// (while any process has gated probes), and `unread_ns` from `now` at
+    /// the latest.
+    pub(super) fn next_wake(&self, now: u64, unread_ns: u64) -> u64 {
+        let mut next = now.saturating_add(unread_ns);
+        if let Some(due) = self.engine.next_due_ns(now) {
+            next = next.min(due);
+        }
+        if self.probes.gates().next().is_some() {
+            next = next.min(self.gate.next_ns());
+        }
+        next
+    }
+
+    /// Link the progress probes of processes that now hold a request near
+    /// its stall, unlink those of processes that hold none (see
+    /// [`crate::evidence::gate`]). Before [`Self::advance`], so a request reaching
+    /// its stall in this tick is judged with its process's probe on.
+    pub(super) fn gate(&mut self, now: u64) {
+        if !self.gate.due(now) || self.probes.gates().next().is_none() {
+            return;
+        }
+        let near_stall = self.engine.pids_silent_since(self.gate.cutoff(now));
+        for change in Gate::changes(self.probes.gates(), &near_stall) {
+            match change {
+                Change::Open(pid) => self.open_gate(pid),
+                Change::Close(pid) => {
+                    let links = self.probes.close_gate(pid);
+                    self.transport.progress_attached(pid, None);
+                    // Detaching a uprobe takes the kernel tens of ms: off
+                    // the loop. The slots stay the process's meanwhile
+                    // (a closing never frees them), so a hit of a link
+                    // still going counts where it belongs.
+                    let count = links.len();
+                    tokio::task::spawn_blocking(move || drop(links));
+                    info!(pid, probes = count, "progress probes detached: no request of the process is near its stall");
+                }
+            }
+        }
+    }
+
+    pub(super) fn open_gate(&mut self, pid: u32) {
+        // The count stands still while unlinked: a sample now is the count
+        // the window starts from.
+        let since = monotonic_ns();
+        if let Err(err) = self.transport.sample(&self.probes, since) {
+            warn!(pid, "sampling transport counts before attaching the progress probes: {err:#}");
+            return;
+        }
+        match self.probes.open_gate(pid) {
+            Ok(()) => {
+                self.transport.progress_attached(pid, Some(since));
+                self.gate_failures.forget(pid);
+                info!(
+                    pid,
+                    attach_ms = format_args!("{:.1}", monotonic_ns().saturating_sub(since) as f64 / 1e6),
+                    "progress probes attached: a request of the process is near its stall"
+                );
+            }
+            Err(err) => {
+                let err = format!("{err:#}");
+                if self.gate_failures.is_new(pid, &err) {
+                    warn!(
+                        pid,
+                        "progress probes not attached (retried while a request is near its stall; its stalls tell no no_progress): {err}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Judge silence at `now`: requests whose stall is due are read first
+    /// where the profile has a `[status]`, and only while the kernel holds
+    /// them live (a released request's memory is not its own any more), at
+    /// most `budget` of them (the rest wait for the next calls).
+    pub(super) fn advance(&mut self, now: u64, budget: usize) {
+        let Session { engine, status, state, reports, signals, .. } = self;
+        // What `quiet` probes kept in the kernel's table comes first: a
+        // request they moved along is not silent.
+        let mut withheld = withheld_in(state);
+        match status {
+            Some(status) => engine.advance_checking(
+                now,
+                budget,
+                &mut withheld,
+                &mut |silents, answers| {
+                    let holds = |silent: &Silent| state.holds(silent.pid, silent.key, silent.last_ns);
+                    let start = answers.len();
+                    answers.resize(start + silents.len(), None);
+                    // A room has no memory of its own: its handles have,
+                    // read one by one (rooms are few); the rest in a batch.
+                    let (mut own, mut own_at) = (Vec::new(), Vec::new());
+                    for (n, silent) in silents.iter().enumerate() {
+                        let mut one = |handle: &Silent| {
+                            let mut answer = Vec::with_capacity(1);
+                            status.read(std::slice::from_ref(handle), holds, &mut answer);
+                            answer.pop().flatten()
+                        };
+                        match signals.read_room(silent, &mut one) {
+                            Some(answer) => answers[start + n] = answer,
+                            None => {
+                                own.push(*silent);
+                                own_at.push(start + n);
+                            }
+                        }
+                    }
+                    let mut read = Vec::with_capacity(own.len());
+                    status.read(&own, holds, &mut read);
+                    for (at, answer) in own_at.into_iter().zip(read) {
+                        answers[at] = answer;
+                    }
+                },
+                reports,
+            ),
+            None => engine.advance_checking(
+                now,
+                budget,
+                &mut withheld,
+                &mut |silents, answers| answers.extend(silents.iter().map(|_| None)),
+                reports,
+            ),
+        }
+    }
+
+    /// The process is gone, or its program is: what it did before counts
+    /// first, then every request it still held ends `process_exited`.
+    pub(super) fn unwatch(&mut self, pid: u32, gone: Gone) {
+        // Nothing more from its probes: what the ring holds is all there is.
+        if let Err(err) = self.probes.disarm(pid) {
+            warn!(pid, "silencing the probes of a process going away: {err:#}");
+        }
+        self.drain();
+        match gone {
+            Gone::Exited => info!(pid, "target process exited"),
+            Gone::Exec => info!(
+                pid,
+                process = self.processes.name(pid).unwrap_or("?"),
+                new_program = %process_name(pid),
+                "target process exec'd a new program: the old one's requests end process_exited, its probes are detached"
+            ),
+        }
+        self.engine.catch_up(Some(pid), &mut withheld_in(&self.state));
+        self.engine.process_exited(pid, monotonic_ns(), &mut self.reports);
+        if let Err(err) = self.state.forget_process(pid) {
+            warn!(pid, "dropping the kernel's in-flight entries of an exited process: {err:#}");
+        }
+        self.probes.detach(pid);
+        // Its requests' reports carry no transport evidence (only stalls do).
+        self.transport.forget(pid);
+        self.signals.forget(pid);
+        self.gate_failures.forget(pid);
+        if let Some(status) = &mut self.status {
+            status.forget(pid);
+        }
+        self.processes.remove(pid);
+    }
+
+    pub(super) fn emit(&mut self) -> Result<()> {
+        if self.reports.iter().any(|report| matches!(report, Report::Stalled { .. })) {
+            // Judge stalls on fresh counts, not the last periodic sample.
+            self.transport.sample(&self.probes, monotonic_ns())?;
+        }
+        for report in self.reports.drain(..) {
+            self.transport.observe_end(&report);
+            let evidence = self.transport.for_report(&report, |request| self.signals.peer_completions(request));
+            let fields = self.signals.context(report.request());
+            self.alerts.report(&report, evidence.as_ref(), &fields).context("writing an alert to stdout")?;
+            // After the alert: an agent that dies in between reports the
+            // stall again rather than never. A failure costs only restart
+            // safety for this request, never the alerts: logged, not fatal.
+            if let Err(err) = self.state.apply(&report) {
+                warn!(pid = report.request().pid, "recording a report in the kernel's in-flight table: {err:#}");
+            }
+            self.telemetry.report(report, evidence, fields);
+        }
+        Ok(())
+    }
+
+    pub(super) fn finish(mut self, on_exit: OnExit) -> Result<()> {
+        self.alerts.stopping();
+        self.sync();
+        // Every stall due by now, however many: the loop's latency no
+        // longer matters, and this agent's alerts should be complete.
+        self.advance(monotonic_ns(), usize::MAX);
+        self.emit()?;
+        if let Some(status) = &mut self.status {
+            status.warn();
+        }
+        let losses = Losses { kernel: self.probes.counters()?, undecodable: self.ingest.undecodable };
+        self.ingest.warn_undecodable();
+        self.signals.finish();
+        self.warn_alert_drops();
+        let export = self.telemetry.finish();
+        let alert_drops = self.alerts.output().dropped();
+        self.alerts
+            .summary(
+                &self.engine.stats(),
+                &losses,
+                export.dropped(),
+                alert_drops,
+                &self.probes.probe_hits()?,
+                self.status.as_ref().map(StatusReader::reads).as_ref(),
+            )
+            .context("writing the summary")?;
+        if let Some(dir) = self.probes.finish(on_exit == OnExit::Keep)? {
+            info!(
+                dir = %dir.display(),
+                "probes left attached and in-flight state pinned for the next agent; `stallwatch state clear` removes them"
+            );
+        }
+        // Last: the hand-over above never waits on a stdout that does not drain.
+        let output = self.alerts.output();
+        if !output.finish(queue::STOP_GRACE) {
+            warn!(
+                lines = output.waiting(),
+                "stdout did not take the last alert lines (the summary among them) within {:?}: they are not written",
+                queue::STOP_GRACE
+            );
+        }
+        Ok(())
+    }
+
+    /// One warning a counter period for the alert lines dropped since the
+    /// last one, because stdout did not drain.
+    pub(super) fn warn_alert_drops(&mut self) {
+        if let Some(new) = self.alert_drops.news(self.alerts.output().dropped()) {
+            warn!(
+                new,
+                total = self.alerts.output().dropped(),
+                "stdout is not draining: the oldest alert lines were dropped (detections still go to the metrics, spans, \
+                 `stallwatch inflight` and the summary); check what reads the agent's stdout"
+            );
+        }
+    }
+}
+
+/// What the engine asks the kernel's table of a request (the events of
+/// `quiet` probes it was not sent). A lookup that fails tells nothing, as
+/// one that finds nothing: the request is judged by what the engine has.
+pub(super) fn withheld_in(state: &KernelState) -> impl FnMut(&Silent) -> Option<Withheld> + '_ {
+    |silent| state.withheld(silent).ok().flatten()
+}
