@@ -1,31 +1,26 @@
 //! Signals: probe hits that are not lifecycle events (a profile's
 //! `[[signal]]` tables). The kernel hands them over as events of stage
 //! [`stage::SIGNAL`] without tracking them; here each one is named by its
-//! slot's spec and handed to the consumer of that name, never to the
-//! lifecycle engine. The consumers: the ZMQ frames of `zmq_recv`,
-//! `zmq_data` and `zmq_send` ([`crate::frameworks::zmq`]) make messages, which the
-//! SGLang room tracker ([`crate::frameworks::sglang`]) turns into the rooms'
-//! lifecycle observations; `nixl_remote_agent` (createXferReq) and
-//! `nixl_dlist_remote_agent` (makeXferReq) name the peer of the NIXL
-//! transfer a thread creates, so the tracker attributes the handle to its
-//! room and [`crate::evidence::peers`] knows every handle's peer, for the verdict
-//! per peer. A signal of any other name is only logged
-//! (`STALLWATCH_LOG=debug`), which is how a profile author checks what a
-//! signal reads.
-use std::{collections::HashMap, sync::Arc};
+//! slot's spec and offered to the serving frameworks ([`super::Framework`]),
+//! never to the lifecycle engine directly: a framework turns what it reads
+//! into its requests' lifecycle observations. `nixl_remote_agent`
+//! (createXferReq) and `nixl_dlist_remote_agent` (makeXferReq) also name the
+//! peer of the NIXL transfer a thread creates, so [`crate::evidence::peers`]
+//! knows every handle's peer, for the verdict per peer. A signal no one
+//! takes is only logged (`STALLWATCH_LOG=debug`), which is how a profile
+//! author checks what a signal reads.
+use std::sync::Arc;
 
 use stallwatch_common::{EXT_ID_LEN, Event, event_flags, stage};
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
+use super::Framework;
 use crate::{
     evidence::peers::{PeerCompletions, Peers},
-    frameworks::sglang::{self, Rooms},
-    frameworks::zmq::{Assembler, Hit},
     kernel::{Role, Slot},
     lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, StageRead},
     profile::SignalSpec,
     util::text,
-    util::warned::Warned,
 };
 
 /// One signal hit, as its consumer sees it.
@@ -73,48 +68,30 @@ pub fn is_signal(event: &Event) -> bool {
     event.stage == stage::SIGNAL
 }
 
-/// Hands each signal to its consumer.
+/// The signals that name the peer of the NIXL transfer a thread creates.
+const PEER_SIGNALS: [&str; 2] = ["nixl_remote_agent", "nixl_dlist_remote_agent"];
+
+/// Hands each signal to the framework it belongs to, and each handle's
+/// event to its peer's count.
 pub struct Signals {
     /// Signals whose slot is no signal of their process any more (a
     /// previous agent's probes, read after a restart, or a process gone):
     /// their meaning is unknown, so they are dropped, counted.
     pub unrouted: u64,
-    zmq: Assembler,
-    rooms: Rooms,
     peers: Peers,
-    /// SGLang messages (by their tag) that did not read as SGLang writes
-    /// them, and why the latest did not.
-    unparsed: u64,
-    last_unparsed: Option<String>,
-    /// Garbled frames and unparsed messages the last warning covered.
-    warned: Warned,
-    /// (pid, tid) -> the half of a scheduler's request receive seen first:
-    /// its room (`sglang_request_room`) and its rid (the frame, through
-    /// the ZMQ signals) come from the same `zmq_msg_data` return, as two
-    /// signals in either order ([`Signals::request`]).
-    requests: HashMap<(u32, u32), RequestHalf>,
-}
-
-/// One half of a request the scheduler received.
-enum RequestHalf {
-    Room(u64),
-    Rid(sglang::Rid),
+    frameworks: Vec<Box<dyn Framework>>,
 }
 
 impl Signals {
     /// `timeout_ns`: the stall timeout, how far back peers' completions
-    /// are needed.
+    /// are needed. Every framework stallwatch knows follows its signals.
     pub fn new(timeout_ns: u64) -> Self {
-        Self {
-            unrouted: 0,
-            zmq: Assembler::default(),
-            rooms: Rooms::default(),
-            peers: Peers::new(timeout_ns),
-            unparsed: 0,
-            last_unparsed: None,
-            warned: Warned::default(),
-            requests: HashMap::new(),
-        }
+        Self::with(timeout_ns, super::all())
+    }
+
+    /// With these frameworks only.
+    pub fn with(timeout_ns: u64, frameworks: Vec<Box<dyn Framework>>) -> Self {
+        Self { unrouted: 0, peers: Peers::new(timeout_ns), frameworks }
     }
 
     /// Route one signal event of slot `slot` (`None`: not attached now):
@@ -128,100 +105,26 @@ impl Signals {
             }
         };
         let signal = Signal::of(event);
-        let raw = match &signal.capture {
-            Captured::Bytes(bytes) => Some(&**bytes),
-            _ => None,
-        };
-        let hit = match spec.name.as_str() {
-            "zmq_recv" => Hit::Recv { msg: signal.value, size: signal.ret, tail: raw },
-            "zmq_send" => Hit::Send { flags: signal.value, tail: raw },
-            // The remote agent named at createXferReq's entry, or read from
-            // the remote dlist handle at makeXferReq's: the same news.
-            "nixl_remote_agent" | "nixl_dlist_remote_agent" => {
-                if let Captured::Text(agent) = &signal.capture {
-                    // makeXferReq's value: its first remote indices (int32s),
-                    // the first of which is the chunk's first destination page.
-                    let page = (spec.name == "nixl_dlist_remote_agent").then_some(signal.value as u32);
-                    self.rooms.creating(signal.pid, signal.tid, agent, page);
-                    self.peers.creating(signal.pid, signal.tid, agent);
-                }
-                return None;
-            }
-            // The `bootstrap_room` of a request SGLang's scheduler receives.
-            "sglang_request_room" => {
-                let room = match &signal.capture {
-                    Captured::Bytes(bytes) => stallwatch_common::msgpack::uint(&bytes[..]),
-                    _ => None,
-                };
-                return match room {
-                    Some(room) => self.request(signal.pid, signal.tid, signal.ts_ns, RequestHalf::Room(room)),
-                    None => {
-                        self.unparsed += 1;
-                        self.last_unparsed = Some(format!(
-                            "pid {} thread {}: a request's bootstrap_room is no unsigned integer",
-                            signal.pid, signal.tid
-                        ));
-                        None
-                    }
-                };
-            }
-            // The requests a scheduler output is about (their ends).
-            "sglang_output_rids" => {
-                let rids = match &signal.capture {
-                    Captured::Bytes(bytes) => sglang::output_rids(&bytes[..]),
-                    _ => Vec::new(),
-                };
-                return self.rooms.observe(signal.pid, signal.ts_ns, &sglang::Bootstrap::Output { rids });
-            }
-            "zmq_data" => Hit::Data {
-                msg: signal.value,
-                data: match &signal.capture {
-                    Captured::Bytes(bytes) => Some(&bytes[..]),
-                    // Where 64 bytes could not be read: up to the NUL.
-                    Captured::Text(text) => Some(&text[..]),
-                    Captured::None => None,
-                },
-            },
-            _ => {
-                self.log(&spec, &signal);
-                return None;
-            }
-        };
-        let message = self.zmq.hit(signal.pid, signal.tid, signal.ts_ns, hit)?;
-        match sglang::parse(&message) {
-            Ok(Some(sglang::Bootstrap::Request { rid, .. })) => {
-                self.request(message.pid, message.tid, message.ts_ns, RequestHalf::Rid(rid))
-            }
-            Ok(Some(bootstrap)) => self.rooms.observe(message.pid, message.ts_ns, &bootstrap),
-            Ok(None) => None,
-            Err(why) => {
-                self.unparsed += 1;
-                self.last_unparsed = Some(format!("pid {} thread {}: {why}", message.pid, message.tid));
-                None
+        let peer = PEER_SIGNALS.contains(&spec.name.as_str());
+        if let (true, Captured::Text(agent)) = (peer, &signal.capture) {
+            self.peers.creating(signal.pid, signal.tid, agent);
+        }
+        for framework in &mut self.frameworks {
+            if let Some(observation) = framework.signal(&spec, &signal) {
+                return observation;
             }
         }
-    }
-
-    /// One half of a request received on thread `tid`: with the other
-    /// half already seen on that thread, the room starts; else this one
-    /// waits for it (replacing a half whose other never came).
-    fn request(&mut self, pid: u32, tid: u32, ts_ns: u64, half: RequestHalf) -> Option<Observation> {
-        let (room, rid) = match (self.requests.remove(&(pid, tid)), half) {
-            (Some(RequestHalf::Rid(rid)), RequestHalf::Room(room))
-            | (Some(RequestHalf::Room(room)), RequestHalf::Rid(rid)) => (room, rid),
-            (_, half) => {
-                self.requests.insert((pid, tid), half);
-                return None;
-            }
-        };
-        self.rooms.observe(pid, ts_ns, &sglang::Bootstrap::Request { room, rid })
+        if !peer {
+            log(&spec, &signal);
+        }
+        None
     }
 
     /// What the engine gets of `event`: a signal's observation, if it
     /// completes one ([`Signals::route`]); a probe's lifecycle event
-    /// (`observation`), unless it is a NIXL handle attributed to a room,
-    /// which makes it the room's event ([`Rooms::handle`]); every handle's
-    /// event counts for its peer first ([`Peers::observe`]).
+    /// (`observation`), unless a framework makes it one of its requests'
+    /// ([`Framework::handle`]); every handle's event counts for its peer
+    /// first ([`Peers::observe`]).
     pub fn consume(
         &mut self,
         event: &Event,
@@ -231,113 +134,100 @@ impl Signals {
         match observation {
             Some(observation) => {
                 self.peers.observe(event.tid, &observation);
-                self.rooms.handle(event.tid, observation)
+                self.frameworks
+                    .iter_mut()
+                    .try_fold(observation, |observation, framework| framework.handle(event.tid, observation))
             }
             None => self.route(event, slot),
         }
     }
 
-    /// Follow again a request a previous agent followed, if it is an SGLang
-    /// room (what [`crate::kernel::state::KernelState::hold`] kept of it): its
-    /// status and abort end it as they would have ([`Rooms::adopt`]).
+    /// Follow again a request a previous agent followed (what
+    /// [`crate::kernel::state::KernelState::hold`] kept of it), if it is a
+    /// framework's.
     pub fn adopt(&mut self, request: &Restored) {
-        if let Some(room) = sglang::room_of(request.key, request.external_id.as_deref()) {
-            self.rooms.adopt(request.pid, room);
+        for framework in &mut self.frameworks {
+            framework.adopt(request);
         }
     }
 
-    /// Which side of the transfer `pid` serves, as its SGLang traffic
-    /// tells ([`Rooms::side`]).
+    /// Which side of the transfer `pid` serves, as its frameworks' traffic
+    /// tells (a prefill unless one says decode).
     pub fn side(&self, pid: u32) -> Side {
-        self.rooms.side(pid)
+        let decode = self.frameworks.iter().any(|framework| framework.side(pid) == Side::Decode);
+        if decode { Side::Decode } else { Side::Prefill }
     }
 
-    /// What an alert of `request` says besides its lifecycle, if it is an
-    /// SGLang room ([`Rooms::context`]).
+    /// What an alert of `request` says besides its lifecycle.
     pub fn context(&self, request: &RequestSnapshot) -> Vec<(&'static str, String)> {
-        match sglang::room_of(request.key, request.external_id.as_deref()) {
-            Some(room) => self.rooms.context(request.pid, room),
-            None => Vec::new(),
-        }
+        self.frameworks.iter().flat_map(|framework| framework.context(request)).collect()
     }
 
-    /// What the target's memory says of a silent request that is an SGLang
-    /// room (read from its handles, see [`Rooms::read`]); `None` for one
-    /// that is no room, whose own memory `read` reads.
+    /// What the target's memory says of a silent request a framework reads
+    /// its own way (a room, from its handles); `None` for one whose own
+    /// memory `read` reads.
     pub fn read_room(
         &mut self,
         silent: &Silent,
         read: &mut dyn FnMut(&Silent) -> Option<StageRead>,
     ) -> Option<Option<StageRead>> {
-        self.rooms.read(silent, read)
+        self.frameworks.iter_mut().find_map(|framework| framework.read(silent, read))
     }
 
     /// What the peer of `request`'s stalled transfer, and the other peers
     /// of its process, completed since its last event: the transfer is the
-    /// request's own handle, or for an SGLang room its oldest transfer
-    /// posted and not done ([`Rooms::hung_handle`]). `None` when that
-    /// transfer's peer is unknown.
+    /// request's own handle, or the one a framework says it is stalled on
+    /// ([`Framework::stalled_transfer`]). `None` when that transfer's peer
+    /// is unknown.
     pub fn peer_completions(&self, request: &RequestSnapshot) -> Option<PeerCompletions> {
-        let handle = match sglang::room_of(request.key, request.external_id.as_deref()) {
-            Some(room) => self.rooms.hung_handle(request.pid, room)?,
+        let handle = match self.frameworks.iter().find_map(|framework| framework.stalled_transfer(request)) {
+            Some(handle) => handle?,
             None => request.key,
         };
         self.peers.since(request.pid, handle, request.last_ns)
     }
 
-    /// One warning for the frames and messages that could not be read
-    /// since the last one (called once per counter period, never per
-    /// message: a stream of them must not flood the log).
+    /// One warning for what could not be read since the last one (called
+    /// once per counter period, never per message).
     pub fn warn(&mut self) {
-        if let Some(new) = self.warned.news(self.zmq.garbled + self.unparsed) {
-            warn!(
-                new,
-                garbled_frames = self.zmq.garbled,
-                unparsed_messages = self.unparsed,
-                latest = self.last_unparsed.as_deref().unwrap_or_default(),
-                "ZMQ frames or SGLang bootstrap messages that could not be read (their rooms may be missed)"
-            );
+        for framework in &mut self.frameworks {
+            framework.warn();
         }
     }
 
     /// The process is gone: what it was in the middle of goes with it.
     pub fn forget(&mut self, pid: u32) {
-        self.requests.retain(|(p, _), _| *p != pid);
-        self.zmq.forget(pid);
-        self.rooms.forget(pid);
         self.peers.forget(pid);
-    }
-
-    fn log(&self, spec: &SignalSpec, signal: &Signal) {
-        debug!(
-            name = %spec.name,
-            pid = signal.pid,
-            tid = signal.tid,
-            value = format_args!("{:#x}", signal.value),
-            ret = signal.ret,
-            capture = %Shown(&signal.capture),
-            "signal"
-        );
+        for framework in &mut self.frameworks {
+            framework.forget(pid);
+        }
     }
 
     /// At exit: what could not be routed or read, if anything.
     pub fn finish(&mut self) {
-        self.warn();
+        for framework in &mut self.frameworks {
+            framework.finish();
+        }
         if self.unrouted > 0 {
             info!(
                 unrouted = self.unrouted,
                 "signals of probes no longer attached were dropped (their meaning is unknown)"
             );
         }
-        if self.rooms.unattributed > 0 {
-            warn!(
-                unattributed = self.rooms.unattributed,
-                "NIXL transfers no SGLang room could be told theirs (several live rooms awaited their decode rank, and the \
-                 page written was none of the first 16 of any room's destination): each was followed, and counted in \
-                 `seen`, as a request of its own, keyed by its handle"
-            );
-        }
     }
+}
+
+/// A signal no framework took, for the profile's author.
+fn log(spec: &SignalSpec, signal: &Signal) {
+    debug!(
+        name = %spec.name,
+        pid = signal.pid,
+        tid = signal.tid,
+        value = format_args!("{:#x}", signal.value),
+        ret = signal.ret,
+        capture = %Shown(&signal.capture),
+        "signal"
+    );
 }
 
 /// A capture for a log line: text quoted, bytes in hex.
@@ -356,6 +246,10 @@ impl std::fmt::Display for Shown<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{
+        frameworks::sglang::{Bootstrap, Sglang},
+        profile::{Profile, resolve::FirstInsn},
+    };
 
     fn event(flags: u32, ext: &[u8]) -> Event {
         let mut event = Event {
@@ -390,24 +284,14 @@ mod tests {
     #[test]
     fn a_stalled_rooms_peer_is_its_hung_handles_and_a_handles_is_its_own() {
         use crate::lifecycle::Stage::{self, *};
-        let mut signals = Signals::new(1_000_000_000);
-        // Every handle event comes on thread 10 of pid 9.
-        let on_thread = event(0, b"");
-        let handle = |key, stage, ts_ns| Observation { pid: 9, key, stage, ts_ns, external_id: None, ends: false };
-        let consume = |signals: &mut Signals, key, stage, ts_ns| {
-            signals.consume(&on_thread, Some(handle(key, stage, ts_ns)), None)
-        };
-        // What the route of a `nixl_remote_agent` signal tells both trackers.
-        let name = |signals: &mut Signals, agent: &[u8]| {
-            signals.rooms.creating(9, 10, agent, None);
-            signals.peers.creating(9, 10, agent);
-        };
-        signals
-            .rooms
+        // Room 7 awaits its KV at decode-0.
+        let mut sglang = Sglang::default();
+        sglang
+            .rooms_mut()
             .observe(
                 9,
                 1,
-                &sglang::Bootstrap::Destination {
+                &Bootstrap::Destination {
                     room: 7,
                     port: 1,
                     agent: "decode-0".into(),
@@ -416,6 +300,32 @@ mod tests {
                 },
             )
             .expect("room 7");
+        let mut signals = Signals::with(1_000_000_000, vec![Box::new(sglang)]);
+        // Every handle event comes on thread 10 of pid 9.
+        let on_thread = event(0, b"");
+        let handle = |key, stage, ts_ns| Observation { pid: 9, key, stage, ts_ns, external_id: None, ends: false };
+        let consume = |signals: &mut Signals, key, stage, ts_ns| {
+            signals.consume(&on_thread, Some(handle(key, stage, ts_ns)), None)
+        };
+        // The built-in profile's `nixl_remote_agent` signal, as its slot
+        // delivers it: both the room tracker and the peers hear of it.
+        let spec = Profile::load("sglang")
+            .expect("the sglang profile")
+            .signals
+            .into_iter()
+            .find(|spec| spec.name == "nixl_remote_agent")
+            .expect("its nixl_remote_agent signal");
+        let slot = Slot {
+            pid: 9,
+            role: Role::Signal(Arc::new(spec)),
+            symbol: String::new(),
+            object: std::path::PathBuf::new(),
+            file_offset: 0,
+            first_insn: FirstInsn::Push,
+        };
+        let name = |signals: &mut Signals, agent: &[u8]| {
+            assert_eq!(signals.route(&event(event_flags::HAS_EXT, agent), Some(&slot)), None);
+        };
         name(&mut signals, b"decode-0");
         assert_eq!(consume(&mut signals, 0xa0, Enqueued, 10), None, "room 7's");
         assert!(consume(&mut signals, 0xa0, TransferPosted, 20).is_some());
@@ -443,27 +353,6 @@ mod tests {
         assert_eq!(of(stalled(0xc0, None, 25)), Some(("decode-1".into(), 1, 0)), "the handle's own");
         assert_eq!(of(stalled(0xd0, None, 25)), None, "a handle whose peer no thread named");
         assert_eq!(of(stalled(8, Some("8"), 25)), None, "a room with no transfer");
-    }
-
-    #[test]
-    fn a_requests_room_and_rid_pair_up_per_thread_in_either_order() {
-        use crate::lifecycle::Stage;
-        let mut signals = Signals::new(1_000_000_000);
-        let rid = |r: &[u8]| RequestHalf::Rid(r.into());
-        assert_eq!(signals.request(9, 10, 1, RequestHalf::Room(7)), None, "waits for its rid");
-        assert_eq!(signals.request(9, 11, 2, rid(b"a")), None, "another thread's");
-        let started = signals.request(9, 10, 3, rid(b"b")).expect("room 7 starts");
-        assert_eq!((started.key, started.stage, started.ts_ns), (7, Stage::Enqueued, 3));
-        let started = signals.request(9, 11, 4, RequestHalf::Room(8)).expect("room 8 starts");
-        assert_eq!(started.key, 8);
-        // A half whose other never came is replaced by the next receive's.
-        assert_eq!(signals.request(9, 10, 5, RequestHalf::Room(20)), None);
-        assert_eq!(signals.request(9, 10, 6, RequestHalf::Room(21)), None);
-        assert_eq!(signals.request(9, 10, 7, rid(b"c")).map(|o| o.key), Some(21));
-        assert!(signals.requests.is_empty());
-        signals.request(9, 12, 8, RequestHalf::Room(30));
-        signals.forget(9);
-        assert!(signals.requests.is_empty());
     }
 
     #[test]

@@ -38,1049 +38,243 @@
 //! from its first posted transfer on, and a hung transfer stalls the room
 //! `transfer_hung`), and the handle raises no lifecycle of its own. A
 //! handle that cannot be attributed unambiguously stays its own lifecycle.
-use std::collections::{HashMap, HashSet};
+//!
+//! [`rooms`] holds the rooms and the bootstrap wire format; this module is
+//! SGLang's [`Framework`]: which signals are SGLang's, and how a scheduler's
+//! request is paired from its two halves.
+pub mod rooms;
 
+use std::collections::HashMap;
+
+use tracing::warn;
+
+pub use self::rooms::{Bootstrap, Rid, Rooms, output_rids, parse, room_of};
+use super::{
+    Framework,
+    signals::{Captured, Signal},
+    zmq::{Assembler, Hit},
+};
 use crate::{
-    frameworks::zmq::{Direction, Frame, Message},
-    lifecycle::{Observation, Side, Silent, Stage, StageRead},
+    lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, StageRead},
+    profile::SignalSpec,
+    util::warned::Warned,
 };
 
-const GUARD: &[u8] = b"NixlMsgGuard";
-const ABORT: &[u8] = b"ABORT";
-const KV_STATUS: &[u8] = b"KV_STATUS";
-/// KVPoll.Failed and KVPoll.Success.
-const FAILED: u8 = 0;
-const SUCCESS: u8 = 4;
-
-/// What one bootstrap message says of a room.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Bootstrap {
-    /// A decode rank's destination for `room`, on its PULL `port`, its
-    /// NIXL agent named `agent`; the room has `ranks` decode ranks
-    /// (`required_dst_info_num`), each of which sends one.
-    /// `pages`: the first of the decode's KV pages for the room (frame 5,
-    /// int32s; as many as the first 64 bytes of the frame hold).
-    Destination { room: u64, port: u16, agent: Box<str>, ranks: u32, pages: Box<[u32]> },
-    /// This process, a decode rank, sent its destination for `room`: it
-    /// asks for the room's KV.
-    Asked { room: u64 },
-    /// The decode gave the room up (received by the prefill, sent by the
-    /// decode).
-    Abort { room: u64 },
-    /// A KVPoll status: sent by the prefill to a decode, received by it.
-    Status { room: u64, status: u8 },
-    /// The scheduler received the request `room` (SGLang's tokenizer sends
-    /// it a `TokenizedGenerateReqInput`; its `rid` begins with `rid`):
-    /// the process has the room before any decode answers for it.
-    Request { room: u64, rid: Rid },
-    /// The scheduler was told to abort the request whose `rid` begins with
-    /// `rid` (an `AbortReq`).
-    AbortRequest { rid: Rid },
-    /// The scheduler streamed the output of the requests `rids` (the first
-    /// of its batch, as many as [`output_rids`] could read): it is done with
-    /// them. A disaggregated prefill streams a request only when it
-    /// finished (`disaggregation/prefill.py`: transferred, failed, aborted,
-    /// or refused). A room not yet bootstrapped (a destination missing) at
-    /// its output cannot have been transferred: the prefill ended it itself
-    /// with no message to the decode, by its bootstrap timeout
-    /// (`CommonKVSender._check_bootstrap_timeout`) or `abort()` on an
-    /// `AbortReq` this agent did not read, so it fails. A bootstrapped
-    /// room's output ends nothing: it may come before the room's KV_STATUS
-    /// Success (`conclude_transfer` sets the status the scheduler polls,
-    /// then sends it), and its status, an ABORT or its transfers end it.
-    Output { rids: Vec<Rid> },
-}
-
-/// The first bytes of a request id (`rid`), as many as fit in what is read
-/// of both a request and an abort: enough to tell requests apart (SGLang's
-/// rids are 32 hex digits), never longer than [`RID_KEPT`].
-pub type Rid = Box<[u8]>;
-
-/// How much of a `rid` is kept: what a 64-byte read of a
-/// `TokenizedGenerateReqInput` holds past its array header and tag.
-pub const RID_KEPT: usize = 24;
-
-/// SGLang's scheduler messages (msgspec tagged `array_like` structs in
-/// msgpack, `srt/managers/io_struct.py`), by their tag, element 0.
-const REQUEST_TAG: &[u8] = b"TokenizedGenerateReqInput";
-const ABORT_REQUEST_TAG: &[u8] = b"AbortReq";
-
-/// What a received frame that is a scheduler message says, from its first
-/// bytes: the message's tag and its `rid` (element 1), if it is one of
-/// [`REQUEST_TAG`] or [`ABORT_REQUEST_TAG`].
-fn scheduler_message(frame: &[u8]) -> Option<(&'static [u8], Rid)> {
-    use stallwatch_common::msgpack;
-    let head = |at: usize| head(frame, at);
-    let (_, header) = msgpack::array(&head(0)?)?;
-    let at = usize::try_from(header).ok()?;
-    let (len, header) = msgpack::str(&head(at)?)?;
-    let tag_at = at + usize::try_from(header).ok()?;
-    let tag = frame.get(tag_at..tag_at + usize::try_from(len).ok()?)?;
-    let tag = [REQUEST_TAG, ABORT_REQUEST_TAG].into_iter().find(|known| *known == tag)?;
-    let rid_at = tag_at + tag.len();
-    let (len, header) = msgpack::str(&head(rid_at)?)?;
-    let from = rid_at + usize::try_from(header).ok()?;
-    let kept = usize::try_from(len).ok()?.min(RID_KEPT);
-    Some((tag, frame.get(from..from + kept)?.into()))
-}
-
-/// The msgpack header at `at` of `bytes` (zero-padded past their end).
-fn head(bytes: &[u8], at: usize) -> Option<[u8; stallwatch_common::MSGPACK_HEAD]> {
-    let mut head = [0; stallwatch_common::MSGPACK_HEAD];
-    let bytes = bytes.get(at..)?;
-    let n = bytes.len().min(head.len());
-    head[..n].copy_from_slice(&bytes[..n]);
-    Some(head)
-}
-
-/// The rids of a scheduler output (`BatchTokenIDOutput`'s `rids`, a
-/// msgpack array of strings, as the `sglang_output_rids` signal captures
-/// it: its first 64 bytes), each cut to [`RID_KEPT`] as a request's is;
-/// only those read far enough to tell (whole, or [`RID_KEPT`] bytes of it).
-/// With SGLang's 32-digit rids that is the batch's first.
-pub fn output_rids(bytes: &[u8]) -> Vec<Rid> {
-    use stallwatch_common::msgpack;
-    let mut rids = Vec::new();
-    let Some((len, mut at)) = head(bytes, 0).and_then(|h| msgpack::array(&h)) else { return rids };
-    for _ in 0..len {
-        let Some((len, header)) = head(bytes, at as usize).and_then(|h| msgpack::str(&h)) else { break };
-        let from = (at + header) as usize;
-        let kept = (len as usize).min(RID_KEPT);
-        let Some(rid) = bytes.get(from..from + kept) else { break };
-        rids.push(rid.into());
-        at += header + len;
-    }
-    rids
-}
-
-/// The room a message is about, if it is one of SGLang's; `Err` for one of
-/// SGLang's (by its tag) whose fields do not read as SGLang writes them.
-pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
-    let frame = |n: usize, what: &str| -> Result<&[u8], String> {
-        let frame = message.frames.get(n).ok_or_else(|| format!("no frame {n} ({what})"))?;
-        frame.whole().ok_or_else(|| format!("frame {n} ({what}) was not read whole"))
-    };
-    let number = |n: usize, what: &str| -> Result<u64, String> {
-        let bytes = frame(n, what)?;
-        std::str::from_utf8(bytes)
-            .ok()
-            .and_then(|text| text.parse::<u64>().ok())
-            .ok_or_else(|| format!("frame {n} ({what}) is {:?}, not a decimal number", String::from_utf8_lossy(bytes)))
-    };
-    if let (Direction::Received, [frame]) = (message.direction, &message.frames[..])
-        && let Some((tag, rid)) = scheduler_message(&frame.bytes)
-    {
-        // The room is read apart, from the same receive (see `Rooms::request`).
-        return Ok(Some(if tag == REQUEST_TAG {
-            Bootstrap::Request { room: 0, rid }
-        } else {
-            Bootstrap::AbortRequest { rid }
-        }));
-    }
-    let Some(tag) = message.frames.first().and_then(tag_of) else {
-        return Ok(None);
-    };
-    let parsed = match (message.direction, tag) {
-        (Direction::Received, GUARD) => {
-            if frame(1, "room")? == b"None" {
-                return Ok(None);
-            }
-            let room = number(1, "room")?;
-            let port = u16::try_from(number(3, "port")?).map_err(|_| "frame 3 (port) is past 65535".to_owned())?;
-            let agent = String::from_utf8_lossy(frame(4, "agent name")?).into();
-            let ranks = u32::try_from(number(7, "required_dst_info_num")?)
-                .map_err(|_| "frame 7 (required_dst_info_num) is past 2^32".to_owned())?;
-            // As much of the page list as was read: whole or not, its first
-            // pages are the room's.
-            let pages = message.frames.get(5).map_or_else(Default::default, |frame| {
-                frame.bytes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
-            });
-            Bootstrap::Destination { room, port, agent, ranks, pages }
-        }
-        // A decode's own destination: only its room is read (the frames
-        // after it, the agent name among them, may be past what libzmq
-        // keeps inline, which is all a send is read from).
-        (Direction::Sent, GUARD) => {
-            if frame(1, "room")? == b"None" {
-                return Ok(None);
-            }
-            Bootstrap::Asked { room: number(1, "room")? }
-        }
-        (_, ABORT) => Bootstrap::Abort { room: number(1, "room")? },
-        (_, KV_STATUS) => {
-            let status = u8::try_from(number(2, "status")?).map_err(|_| "frame 2 (status) is past 255".to_owned())?;
-            Bootstrap::Status { room: number(1, "room")?, status }
-        }
-        _ => return Ok(None),
-    };
-    Ok(Some(parsed))
-}
-
-/// A message's tag: its first frame, or, when only its first bytes were
-/// read (a frame whose receive began before the probes), the tag it starts
-/// with; the frames after it must still read as SGLang's.
-fn tag_of(frame: &Frame) -> Option<&[u8]> {
-    match frame.whole() {
-        Some(whole) => Some(whole),
-        None => [GUARD, ABORT].into_iter().find(|tag| frame.bytes.starts_with(tag)),
-    }
-}
-
-/// SGLang's transfer workers per prefill rank: a room's transfers run on
-/// worker `sum(destination ports) % WORKERS`.
-const WORKERS: u32 = 4;
-
-/// A live room.
+/// SGLang's tracker: ZMQ frames made messages, messages made rooms.
 #[derive(Default)]
-struct Room {
-    /// Which end of it this process is.
-    side: Side,
-    /// Its scheduler received it (before any destination).
-    received: bool,
-    /// The NIXL agents of its destinations (one per decode rank that
-    /// answered).
-    agents: Vec<Box<str>>,
-    /// The first KV pages of each destination, by its agent (as `agents`):
-    /// a chunk's transfer writes to its room's pages, which no other live
-    /// room of that decode rank has.
-    pages: Vec<Box<[u32]>>,
-    /// Its decode ranks: it is bootstrapped once each sent its destination.
-    ranks: u32,
-    /// The sum of its destinations' ports: its worker, modulo [`WORKERS`].
-    ports: u32,
-    /// How many handles were attributed to it (its transfers in the order
-    /// its worker created them: per chunk one per rank, the aux last).
-    transfers: u32,
-    /// Its handles posted and not done, oldest first, with their ordinal
-    /// among its transfers (from 1).
-    outstanding: Vec<(u64, u32)>,
+pub struct Sglang {
+    zmq: Assembler,
+    rooms: Rooms,
+    /// SGLang messages (by their tag) that did not read as SGLang writes
+    /// them, and why the latest did not.
+    unparsed: u64,
+    last_unparsed: Option<String>,
+    /// Garbled frames and unparsed messages the last warning covered.
+    warned: Warned,
+    /// (pid, tid) -> the half of a scheduler's request receive seen first:
+    /// its room (`sglang_request_room`) and its rid (the frame, through
+    /// the ZMQ signals) come from the same `zmq_msg_data` return, as two
+    /// signals in either order ([`Sglang::request`]).
+    requests: HashMap<(u32, u32), RequestHalf>,
 }
 
-/// The rooms of every watched process, from destination to conclusion.
-#[derive(Default)]
-pub struct Rooms {
-    /// (pid, room) of every room whose destination arrived and that has
-    /// not ended.
-    live: HashMap<(u32, u64), Room>,
-    /// (pid, tid): the remote agent of the transfer the thread is creating,
-    /// and the first remote page it writes, where known.
-    creating: HashMap<(u32, u32), (Box<str>, Option<u32>)>,
-    /// (pid, handle) -> the room the handle was attributed to and its
-    /// ordinal among the room's transfers, until the handle ends (its
-    /// events are the room's, or nobody's once the room ended, never a
-    /// lifecycle of their own).
-    handles: HashMap<(u32, u64), (u64, u32)>,
-    /// (pid, tid) -> the room the thread's last attributed handle was
-    /// (a worker transfers one room at a time: its next handle to one of
-    /// that room's destinations is that room's too).
-    current: HashMap<(u32, u32), u64>,
-    /// Processes seen sending a destination: decode ranks.
-    decodes: HashSet<u32>,
-    /// Handles created while no room could be told theirs (several live
-    /// rooms await their decode rank, none by the page written): followed
-    /// as lifecycles of their own.
-    pub unattributed: u64,
-    /// (pid, rid) -> the room its scheduler received with that rid, while
-    /// the room is live: what an abort names.
-    rids: HashMap<(u32, Rid), u64>,
+/// One half of a request the scheduler received.
+enum RequestHalf {
+    Room(u64),
+    Rid(Rid),
 }
 
-impl Rooms {
-    /// The lifecycle event `bootstrap` stands for, if any: each room starts
-    /// once (a destination per decode rank) and ends once (a status per
-    /// decode rank, an ABORT racing the status).
-    pub fn observe(&mut self, pid: u32, ts_ns: u64, bootstrap: &Bootstrap) -> Option<Observation> {
-        let (room, stage) = match *bootstrap {
-            Bootstrap::Destination { room, port, ref agent, ranks, ref pages } => {
-                let known = self.live.contains_key(&(pid, room));
-                let entry = self.live.entry((pid, room)).or_default();
-                // A room its scheduler received moves on at its first
-                // destination: what it waited on since arrived.
-                let first_answer = entry.received && entry.agents.is_empty();
-                entry.agents.push(agent.clone());
-                entry.pages.push(pages.clone());
-                entry.ports += u32::from(port);
-                entry.ranks = ranks;
-                if known && !first_answer {
-                    return None;
-                }
-                (room, Stage::Enqueued)
+impl Sglang {
+    /// The rooms, as the tests drive them.
+    #[cfg(test)]
+    pub fn rooms_mut(&mut self) -> &mut Rooms {
+        &mut self.rooms
+    }
+
+    /// One half of a request received on thread `tid`: with the other
+    /// half already seen on that thread, the room starts; else this one
+    /// waits for it (replacing a half whose other never came).
+    fn request(&mut self, pid: u32, tid: u32, ts_ns: u64, half: RequestHalf) -> Option<Observation> {
+        let (room, rid) = match (self.requests.remove(&(pid, tid)), half) {
+            (Some(RequestHalf::Rid(rid)), RequestHalf::Room(room))
+            | (Some(RequestHalf::Room(room)), RequestHalf::Rid(rid)) => (room, rid),
+            (_, half) => {
+                self.requests.insert((pid, tid), half);
+                return None;
             }
-            Bootstrap::Asked { room } => {
-                self.decodes.insert(pid);
-                let entry = self.live.entry((pid, room)).or_default();
-                let moved = entry.received && entry.side == Side::Prefill;
-                let new = !entry.received && entry.side == Side::Prefill;
-                entry.side = Side::Decode;
-                if !(new || moved) {
-                    return None;
-                }
-                (room, Stage::Enqueued)
-            }
-            Bootstrap::Request { room, ref rid } => {
-                // Its rid names it in an abort even when a destination came
-                // first (the router tells the decode before the tokenizer
-                // hands the request on, so either may arrive first).
-                self.rids.insert((pid, rid.clone()), room);
-                if self.live.contains_key(&(pid, room)) {
-                    return None;
-                }
-                self.live.insert((pid, room), Room { received: true, ..Room::default() });
-                (room, Stage::Enqueued)
-            }
-            Bootstrap::AbortRequest { ref rid } => match self.rids.get(&(pid, rid.clone())) {
-                Some(&room) => (room, Stage::Aborted),
-                None => return None,
+        };
+        self.rooms.observe(pid, ts_ns, &Bootstrap::Request { room, rid })
+    }
+
+    fn unparsed(&mut self, why: String) {
+        self.unparsed += 1;
+        self.last_unparsed = Some(why);
+    }
+}
+
+impl Framework for Sglang {
+    fn signal(&mut self, spec: &SignalSpec, signal: &Signal) -> Option<Option<Observation>> {
+        let raw = match &signal.capture {
+            Captured::Bytes(bytes) => Some(&**bytes),
+            _ => None,
+        };
+        let hit = match spec.name.as_str() {
+            "zmq_recv" => Hit::Recv { msg: signal.value, size: signal.ret, tail: raw },
+            "zmq_send" => Hit::Send { flags: signal.value, tail: raw },
+            "zmq_data" => Hit::Data {
+                msg: signal.value,
+                data: match &signal.capture {
+                    Captured::Bytes(bytes) => Some(&bytes[..]),
+                    // Where 64 bytes could not be read: up to the NUL.
+                    Captured::Text(text) => Some(&text[..]),
+                    Captured::None => None,
+                },
             },
-            // A decode streams its requests' tokens as they come: no end.
-            Bootstrap::Output { .. } if self.decodes.contains(&pid) => return None,
-            Bootstrap::Output { ref rids } => {
-                let unanswered = |rid: &Rid| {
-                    let room = *self.rids.get(&(pid, rid.clone()))?;
-                    let r = self.live.get(&(pid, room))?;
-                    (r.agents.is_empty() || r.agents.len() < r.ranks as usize).then_some(room)
+            // The remote agent named at createXferReq's entry, or read from
+            // the remote dlist handle at makeXferReq's: the same news.
+            "nixl_remote_agent" | "nixl_dlist_remote_agent" => {
+                if let Captured::Text(agent) = &signal.capture {
+                    // makeXferReq's value: its first remote indices (int32s),
+                    // the first of which is the chunk's first destination page.
+                    let page = (spec.name == "nixl_dlist_remote_agent").then_some(signal.value as u32);
+                    self.rooms.creating(signal.pid, signal.tid, agent, page);
+                }
+                return Some(None);
+            }
+            // The `bootstrap_room` of a request SGLang's scheduler receives.
+            "sglang_request_room" => {
+                let room = match &signal.capture {
+                    Captured::Bytes(bytes) => stallwatch_common::msgpack::uint(&bytes[..]),
+                    _ => None,
                 };
-                (rids.iter().find_map(unanswered)?, Stage::Failed)
-            }
-            Bootstrap::Abort { room } => (room, Stage::Aborted),
-            Bootstrap::Status { room, status: SUCCESS } => (room, Stage::Released),
-            Bootstrap::Status { room, status: FAILED } => (room, Stage::Failed),
-            // Bootstrapping .. Transferring: not an end.
-            Bootstrap::Status { .. } => return None,
-        };
-        if stage.is_terminal() {
-            // Its rid goes with it, even when it ended before (a failed
-            // transfer ends a room with its rid kept until its output).
-            self.rids.retain(|(p, _), r| !(*p == pid && *r == room));
-            self.live.remove(&(pid, room))?;
-        }
-        Some(room_observation(pid, room, stage, ts_ns))
-    }
-
-    /// Follow `room` again after an agent restart: the previous agent
-    /// followed it and the kernel kept it (see
-    /// [`crate::kernel::state::KernelState::hold`]). What it knew of the room's
-    /// destinations and transfers is gone, so the room's handles are not
-    /// attributed to it (the kernel kept them too: they are taken over as
-    /// their own lifecycles), and its alerts say nothing of what it waits
-    /// on ([`Rooms::context`]); a destination that arrives now tells that
-    /// again. Its status or an ABORT ends it as before.
-    pub fn adopt(&mut self, pid: u32, room: u64) {
-        self.live.entry((pid, room)).or_default();
-    }
-
-    /// Which side of its rooms' transfers `pid` serves: a decode once it
-    /// sent a destination.
-    pub fn side(&self, pid: u32) -> Side {
-        if self.decodes.contains(&pid) { Side::Decode } else { Side::Prefill }
-    }
-
-    /// Thread `tid` is creating a transfer to the NIXL agent `agent`,
-    /// writing first to its KV page `page` where that is known (a prepped
-    /// transfer's first remote index: SGLang's remote indices begin with
-    /// the chunk's destination pages).
-    pub fn creating(&mut self, pid: u32, tid: u32, agent: &[u8], page: Option<u32>) {
-        self.creating.insert((pid, tid), (String::from_utf8_lossy(agent).into(), page));
-    }
-
-    /// A NIXL handle's lifecycle event, seen on thread `tid`: the room's
-    /// event it is if the handle is a room's, none if it is the handle of a
-    /// room that ended, else the handle's own. A handle is attributed when
-    /// it is created (`enqueued`), to the one live room whose destinations
-    /// include the agent its thread named; its `transfer_posted` and
-    /// `transfer_done` are the room's life at `transfer_posted` (a room's
-    /// transfers follow one another, so it is mid-transfer until its
-    /// status is sent), its `failed` fails the room, its other ends only
-    /// end the attribution.
-    pub fn handle(&mut self, tid: u32, observation: Observation) -> Option<Observation> {
-        let Observation { pid, key, stage, ts_ns, ends, .. } = observation;
-        if stage == Stage::Enqueued {
-            let creating = self.creating.remove(&(pid, tid));
-            let Some((agent, page)) = creating.as_ref() else { return Some(observation) };
-            let awaits = |room: &u64| self.live.get(&(pid, *room)).is_some_and(|r| r.agents.contains(agent));
-            // The one room with that page at that decode rank; else the
-            // thread's room (its next transfer after a chunk is that room's
-            // aux); else the one room awaiting that rank.
-            let by_page = page.and_then(|page| {
-                only(self.live.iter().filter_map(|(&(p, room), r)| {
-                    let writes = r.agents.iter().zip(&r.pages).any(|(a, pages)| a == agent && pages.contains(&page));
-                    (p == pid && writes).then_some(room)
-                }))
-            });
-            let owner =
-                by_page.or_else(|| self.current.get(&(pid, tid)).copied().filter(|room| awaits(room))).or_else(|| {
-                    only(self.live.keys().filter(|(p, room)| *p == pid && awaits(room)).map(|(_, room)| *room))
+                return Some(match room {
+                    Some(room) => self.request(signal.pid, signal.tid, signal.ts_ns, RequestHalf::Room(room)),
+                    None => {
+                        self.unparsed(format!(
+                            "pid {} thread {}: a request's bootstrap_room is no unsigned integer",
+                            signal.pid, signal.tid
+                        ));
+                        None
+                    }
                 });
-            let Some(room) = owner else {
-                self.unattributed += 1;
-                return Some(observation);
-            };
-            let ordinal = self.live.get_mut(&(pid, room)).map_or(0, |r| {
-                r.transfers += 1;
-                r.transfers
-            });
-            self.handles.insert((pid, key), (room, ordinal));
-            self.current.insert((pid, tid), room);
-            return None;
-        }
-        let Some(&(room, ordinal)) = self.handles.get(&(pid, key)) else {
-            return Some(observation);
-        };
-        if stage.is_terminal() || ends {
-            self.handles.remove(&(pid, key));
-        }
-        if let Some(r) = self.live.get_mut(&(pid, room)) {
-            r.outstanding.retain(|&(h, _)| h != key);
-            if stage == Stage::TransferPosted {
-                r.outstanding.push((key, ordinal));
             }
-        }
-        let live = match stage {
-            Stage::TransferPosted | Stage::TransferDone => self.live.contains_key(&(pid, room)),
-            Stage::Failed => self.live.remove(&(pid, room)).is_some(),
-            _ => false,
+            // The requests a scheduler output is about (their ends).
+            "sglang_output_rids" => {
+                let rids = match &signal.capture {
+                    Captured::Bytes(bytes) => output_rids(&bytes[..]),
+                    _ => Vec::new(),
+                };
+                return Some(self.rooms.observe(signal.pid, signal.ts_ns, &Bootstrap::Output { rids }));
+            }
+            _ => return None,
         };
-        let stage = if stage == Stage::Failed { Stage::Failed } else { Stage::TransferPosted };
-        live.then(|| room_observation(pid, room, stage, ts_ns))
+        let Some(message) = self.zmq.hit(signal.pid, signal.tid, signal.ts_ns, hit) else { return Some(None) };
+        Some(match parse(&message) {
+            Ok(Some(Bootstrap::Request { rid, .. })) => {
+                self.request(message.pid, message.tid, message.ts_ns, RequestHalf::Rid(rid))
+            }
+            Ok(Some(bootstrap)) => self.rooms.observe(message.pid, message.ts_ns, &bootstrap),
+            Ok(None) => None,
+            Err(why) => {
+                self.unparsed(format!("pid {} thread {}: {why}", message.pid, message.tid));
+                None
+            }
+        })
     }
 
-    /// What an alert of `room` says besides its lifecycle. A room with a
-    /// transfer posted and not done names its oldest: `handle`, and
-    /// `transfer`, its ordinal among the room's transfers (the chunk that
-    /// stopped: per chunk one per decode rank, the aux last). A room with
-    /// no transfer yet says how many of its decode ranks sent their
-    /// destination, `answered` ("1/2"), and what it waits on, `waiting_on`:
-    /// `peer` while one has not; `worker` when another room of its worker
-    /// (by `sum(destination ports) % 4`) has a transfer posted and not done
-    /// (the worker is stuck on that room, named `behind`, so this one waits
-    /// in its queue, not for its peer); else `prefill` (bootstrapped: its
-    /// forward pass or its worker's queue).
-    pub fn context(&self, pid: u32, room: u64) -> Vec<(&'static str, String)> {
-        let Some(this) = self.live.get(&(pid, room)) else { return Vec::new() };
-        let decode = ("side", Side::Decode.as_str().to_owned());
-        if this.side == Side::Decode {
-            return vec![decode, ("waiting_on", "prefill".to_owned())];
-        }
-        if this.received && self.decodes.contains(&pid) {
-            // A decode's scheduler has it; the decode has not asked for its
-            // KV yet (its own memory, or the prefill's bootstrap info).
-            return vec![decode, ("asked", "no".to_owned())];
-        }
-        if let Some((handle, ordinal)) = this.outstanding.first() {
-            return vec![("handle", format!("{handle:#x}")), ("transfer", ordinal.to_string())];
-        }
-        if this.received && this.agents.is_empty() {
-            // Its scheduler has it; no decode rank has answered.
-            return vec![("answered", "0".to_owned()), ("waiting_on", "peer".to_owned())];
-        }
-        // Mid-transfer, or adopted after a restart with nothing known.
-        if this.transfers > 0 || this.agents.is_empty() {
-            return Vec::new();
-        }
-        let answered = this.agents.len();
-        let mut fields = vec![("answered", format!("{answered}/{}", this.ranks))];
-        if answered < this.ranks as usize {
-            fields.push(("waiting_on", "peer".to_owned()));
-            return fields;
-        }
-        let blocking = self.live.iter().filter(|((p, other), r)| {
-            *p == pid && *other != room && r.ports % WORKERS == this.ports % WORKERS && !r.outstanding.is_empty()
-        });
-        match blocking.map(|((_, other), _)| *other).min() {
-            Some(other) => fields.extend([("behind", other.to_string()), ("waiting_on", "worker".to_owned())]),
-            None => fields.push(("waiting_on", "prefill".to_owned())),
-        }
-        fields
+    /// A NIXL handle attributed to a room makes the room's event
+    /// ([`Rooms::handle`]).
+    fn handle(&mut self, tid: u32, observation: Observation) -> Option<Observation> {
+        self.rooms.handle(tid, observation)
     }
 
-    /// What the target's memory says of the silent room `silent` (`None`:
-    /// it is no live room), read from its transfers' handles, since a room
-    /// has no memory of its own to read: the oldest posted and not seen
-    /// done first (`read` reads one handle as the profile's `[status]`
-    /// does). A handle read done is no longer outstanding, and the next is
-    /// read; one failed fails the room (it is no longer live here either:
-    /// a dead decode's status may never be sent); one in progress, or
-    /// unreadable, leaves the room as the probes saw it (`transfer_hung`
-    /// on that handle). A room whose posted transfers are all done, its
-    /// status never sent, reads `transfer_done` (never complete: a room is
-    /// complete at its status). A room with no transfer posted reads
-    /// nothing.
-    pub fn read(
+    /// A room (what [`crate::kernel::state::KernelState::hold`] kept of
+    /// it): its status and abort end it as they would have
+    /// ([`Rooms::adopt`]).
+    fn adopt(&mut self, request: &Restored) {
+        if let Some(room) = room_of(request.key, request.external_id.as_deref()) {
+            self.rooms.adopt(request.pid, room);
+        }
+    }
+
+    fn side(&self, pid: u32) -> Side {
+        self.rooms.side(pid)
+    }
+
+    fn context(&self, request: &RequestSnapshot) -> Vec<(&'static str, String)> {
+        match room_of(request.key, request.external_id.as_deref()) {
+            Some(room) => self.rooms.context(request.pid, room),
+            None => Vec::new(),
+        }
+    }
+
+    /// A room has no memory of its own: its handles have ([`Rooms::read`]).
+    fn read(
         &mut self,
         silent: &Silent,
         read: &mut dyn FnMut(&Silent) -> Option<StageRead>,
     ) -> Option<Option<StageRead>> {
-        let room = self.live.get_mut(&(silent.pid, silent.key))?;
-        if room.outstanding.is_empty() {
-            return Some(None);
+        self.rooms.read(silent, read)
+    }
+
+    /// A room's oldest transfer posted and not done ([`Rooms::hung_handle`]).
+    fn stalled_transfer(&self, request: &RequestSnapshot) -> Option<Option<u64>> {
+        room_of(request.key, request.external_id.as_deref()).map(|room| self.rooms.hung_handle(request.pid, room))
+    }
+
+    fn warn(&mut self) {
+        if let Some(new) = self.warned.news(self.zmq.garbled + self.unparsed) {
+            warn!(
+                new,
+                garbled_frames = self.zmq.garbled,
+                unparsed_messages = self.unparsed,
+                latest = self.last_unparsed.as_deref().unwrap_or_default(),
+                "ZMQ frames or SGLang bootstrap messages that could not be read (their rooms may be missed)"
+            );
         }
-        while let Some(&(handle, _)) = room.outstanding.first() {
-            match read(&Silent { key: handle, stage: Stage::TransferPosted, ..*silent }) {
-                Some(StageRead { stage: Stage::TransferDone, .. }) => {
-                    room.outstanding.remove(0);
-                }
-                Some(StageRead { stage: Stage::Failed, .. }) => {
-                    self.live.remove(&(silent.pid, silent.key));
-                    return Some(Some(StageRead { stage: Stage::Failed, ends: false }));
-                }
-                _ => return Some(None),
-            }
+    }
+
+    fn forget(&mut self, pid: u32) {
+        self.requests.retain(|(p, _), _| *p != pid);
+        self.zmq.forget(pid);
+        self.rooms.forget(pid);
+    }
+
+    fn finish(&mut self) {
+        self.warn();
+        if self.rooms.unattributed > 0 {
+            warn!(
+                unattributed = self.rooms.unattributed,
+                "NIXL transfers no SGLang room could be told theirs (several live rooms awaited their decode rank, and the \
+                 page written was none of the first 16 of any room's destination): each was followed, and counted in \
+                 `seen`, as a request of its own, keyed by its handle"
+            );
         }
-        Some(Some(StageRead { stage: Stage::TransferDone, ends: false }))
     }
-
-    /// The room's oldest transfer posted and not done, the one its stall
-    /// is on (what [`Rooms::context`] names as `handle`).
-    pub fn hung_handle(&self, pid: u32, room: u64) -> Option<u64> {
-        self.live.get(&(pid, room))?.outstanding.first().map(|&(handle, _)| handle)
-    }
-
-    /// The process is gone (its rooms end `process_exited` in the engine).
-    pub fn forget(&mut self, pid: u32) {
-        self.live.retain(|(p, _), _| *p != pid);
-        self.creating.retain(|(p, _), _| *p != pid);
-        self.handles.retain(|(p, _), _| *p != pid);
-        self.current.retain(|(p, _), _| *p != pid);
-        self.decodes.remove(&pid);
-        self.rids.retain(|(p, _), _| *p != pid);
-    }
-}
-
-/// The one item of `items`, if there is exactly one.
-fn only<T>(mut items: impl Iterator<Item = T>) -> Option<T> {
-    match (items.next(), items.next()) {
-        (Some(item), None) => Some(item),
-        _ => None,
-    }
-}
-
-/// An event of `room`: keyed by the room, its external id the room in
-/// decimal.
-fn room_observation(pid: u32, room: u64, stage: Stage, ts_ns: u64) -> Observation {
-    Observation { pid, key: room, stage, ts_ns, external_id: Some(room.to_string().into()), ends: false }
-}
-
-/// Whether a request is an SGLang room: keyed by its room, its external id
-/// the room in decimal (as [`Rooms`] and the `marker` profile make them).
-pub fn room_of(key: u64, external_id: Option<&str>) -> Option<u64> {
-    external_id.and_then(|id| id.parse::<u64>().ok()).filter(|&room| room == key)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A decode rank's destination for `room` on port 1, no pages read.
-    fn destination(room: u64, agent: &str, ranks: u32) -> Bootstrap {
-        Bootstrap::Destination { room, port: 1, agent: agent.into(), ranks, pages: Default::default() }
-    }
-
-    fn message(direction: Direction, frames: &[&[u8]]) -> Message {
-        let frames = frames.iter().map(|bytes| Frame { bytes: (*bytes).into(), complete: true }).collect();
-        Message { pid: 1, tid: 2, ts_ns: 3, direction, frames }
-    }
-
     #[test]
-    fn sglangs_messages_name_their_room_and_others_are_not_sglangs() {
-        use Direction::{Received, Sent};
-        let info = message(
-            Received,
-            &[GUARD, b"8070450532247928832", b"127.0.0.1", b"40001", b"decode-0", b"\0\0\0\0", b"3", b"2"],
-        );
-        let destination = Bootstrap::Destination {
-            room: 8070450532247928832,
-            port: 40001,
-            agent: "decode-0".into(),
-            ranks: 2,
-            pages: [0].into(),
-        };
-        assert_eq!(parse(&info), Ok(Some(destination)));
-        let registration = message(Received, &[GUARD, b"None", b"127.0.0.1", b"40001"]);
-        assert_eq!(parse(&registration), Ok(None));
-        assert_eq!(
-            parse(&message(Received, &[ABORT, b"17", b"127.0.0.1", b"40001", b"1"])),
-            Ok(Some(Bootstrap::Abort { room: 17 }))
-        );
-        let status = message(Sent, &[KV_STATUS, b"17", b"4", b"0", b""]);
-        assert_eq!(parse(&status), Ok(Some(Bootstrap::Status { room: 17, status: 4 })));
-        // The decode's end of the same messages: its destination sent (only
-        // the room read), its ABORT sent, the status received.
-        let mut asked = message(Sent, &[GUARD, b"17", b"127.0.0.1", b"40001", b"", b"", b"3", b"1"]);
-        asked.frames[4].complete = false;
-        assert_eq!(parse(&asked), Ok(Some(Bootstrap::Asked { room: 17 })));
-        assert_eq!(parse(&message(Sent, &[GUARD, b"None", b"127.0.0.1"])), Ok(None), "its registration");
-        assert_eq!(
-            parse(&message(Sent, &[ABORT, b"17", b"127.0.0.1", b"40001", b"1"])),
-            Ok(Some(Bootstrap::Abort { room: 17 }))
-        );
-        assert_eq!(
-            parse(&message(Received, &[KV_STATUS, b"17", b"4"])),
-            Ok(Some(Bootstrap::Status { room: 17, status: 4 }))
-        );
-        assert_eq!(parse(&message(Received, &[b"hello"])), Ok(None));
-        // A first frame read in part (its receive began before the probes).
-        let mut cut = message(Received, &[b"NixlMsgGuard\x55\x55", b"5", b"ip", b"40001", b"d", b"", b"0", b"1"]);
-        cut.frames[0].complete = false;
-        assert_eq!(
-            parse(&cut),
-            Ok(Some(Bootstrap::Destination {
-                room: 5,
-                port: 40001,
-                agent: "d".into(),
-                ranks: 1,
-                pages: Default::default()
-            }))
-        );
-        cut.frames[0].bytes = b"NixlMsgGuar".as_slice().into();
-        assert_eq!(parse(&cut), Ok(None));
-    }
-
-    #[test]
-    fn truncated_or_garbled_messages_of_sglang_say_what_is_wrong() {
-        use Direction::{Received, Sent};
-        let err = parse(&message(Received, &[GUARD, b"12x"])).unwrap_err();
-        assert!(err.contains("frame 1 (room)") && err.contains("12x"), "{err}");
-        let err = parse(&message(Received, &[GUARD, b"12", b"ip"])).unwrap_err();
-        assert!(err.contains("no frame 3 (port)"), "{err}");
-        let err = parse(&message(Received, &[GUARD, b"12", b"ip", b"70000"])).unwrap_err();
-        assert!(err.contains("past 65535"), "{err}");
-        let err = parse(&message(Received, &[GUARD, b"12", b"ip", b"1", b"d", b"", b"0"])).unwrap_err();
-        assert!(err.contains("no frame 7 (required_dst_info_num)"), "{err}");
-        let mut cut = message(Sent, &[KV_STATUS, b"12", b"4"]);
-        cut.frames[1].complete = false;
-        assert!(parse(&cut).unwrap_err().contains("not read whole"));
-        assert_eq!(parse(&message(Sent, &[])), Ok(None));
-    }
-
-    #[test]
-    fn a_room_starts_at_its_first_destination_and_ends_once() {
-        let mut rooms = Rooms::default();
-        let destination = destination(9, "d", 2);
-        let start = rooms.observe(4, 10, &destination).expect("enqueued");
-        assert_eq!(
-            (start.key, start.stage, start.ts_ns, start.external_id.as_deref()),
-            (9, Stage::Enqueued, 10, Some("9"))
-        );
-        // The second decode rank's destination of the same room.
-        assert_eq!(rooms.observe(4, 11, &destination), None);
-        // Not an end yet; then Success to each rank: released once.
-        assert_eq!(rooms.observe(4, 12, &Bootstrap::Status { room: 9, status: 3 }), None);
-        assert_eq!(
-            rooms.observe(4, 13, &Bootstrap::Status { room: 9, status: SUCCESS }).map(|o| o.stage),
-            Some(Stage::Released)
-        );
-        assert_eq!(rooms.observe(4, 14, &Bootstrap::Status { room: 9, status: SUCCESS }), None);
-        // Aborted, then its Failed status: one end. Another pid's room 9 is another room.
-        rooms.observe(5, 20, &destination).expect("enqueued");
-        assert_eq!(rooms.observe(5, 21, &Bootstrap::Abort { room: 9 }).map(|o| o.stage), Some(Stage::Aborted));
-        assert_eq!(rooms.observe(5, 22, &Bootstrap::Status { room: 9, status: FAILED }), None);
-        rooms.observe(6, 30, &destination).expect("enqueued");
-        assert_eq!(
-            rooms.observe(6, 31, &Bootstrap::Status { room: 9, status: FAILED }).map(|o| o.stage),
-            Some(Stage::Failed)
-        );
-        // An end for a room never started is no event.
-        assert_eq!(rooms.observe(4, 40, &Bootstrap::Abort { room: 77 }), None);
-        rooms.observe(7, 50, &destination).expect("enqueued");
-        rooms.forget(7);
-        assert!(rooms.live.is_empty());
-    }
-
-    /// The first `EXT_ID_LEN` bytes of a msgpack tagged array of `len`
-    /// elements: tag, rid, then nils.
-    fn scheduler_frame(len: u16, tag: &[u8], rid: &[u8]) -> Frame {
-        let str = |bytes: &mut Vec<u8>, s: &[u8]| {
-            match s.len() {
-                0..32 => bytes.push(0xa0 | s.len() as u8),
-                _ => bytes.extend_from_slice(&[0xd9, s.len() as u8]),
-            }
-            bytes.extend_from_slice(s);
-        };
-        let mut bytes = vec![0xdc, (len >> 8) as u8, len as u8];
-        str(&mut bytes, tag);
-        str(&mut bytes, rid);
-        bytes.resize(len as usize + bytes.len(), 0xc0);
-        bytes.truncate(stallwatch_common::EXT_ID_LEN);
-        Frame { bytes: bytes.into(), complete: false }
-    }
-
-    #[test]
-    fn the_schedulers_requests_and_aborts_name_their_rid() {
-        let rid = b"8d5e957f297893487bd98fa830fa6413";
-        let received =
-            |frame| Message { pid: 1, tid: 2, ts_ns: 3, direction: Direction::Received, frames: vec![frame] };
-        let kept: Rid = rid[..RID_KEPT].into();
-        let request = received(scheduler_frame(31, REQUEST_TAG, rid));
-        assert_eq!(parse(&request), Ok(Some(Bootstrap::Request { room: 0, rid: kept.clone() })));
-        assert_eq!(
-            parse(&received(scheduler_frame(4, ABORT_REQUEST_TAG, rid))),
-            Ok(Some(Bootstrap::AbortRequest { rid: kept }))
-        );
-        // A short rid is kept whole; other tags, other shapes, or a send are none of these.
-        let short: Rid = b"r-1".as_slice().into();
-        assert_eq!(
-            parse(&received(scheduler_frame(4, ABORT_REQUEST_TAG, b"r-1"))),
-            Ok(Some(Bootstrap::AbortRequest { rid: short }))
-        );
-        assert_eq!(parse(&received(scheduler_frame(4, b"FlushCacheReqInput", rid))), Ok(None));
-        assert_eq!(parse(&received(Frame { bytes: b"\x93\x01\x02\x03".as_slice().into(), complete: true })), Ok(None));
-        let sent = Message { direction: Direction::Sent, ..request };
-        assert_eq!(parse(&sent), Ok(None));
-    }
-
-    #[test]
-    fn a_room_from_the_scheduler_waits_on_its_peer_until_answered_and_ends_at_its_abort() {
-        let mut rooms = Rooms::default();
-        let rid: Rid = b"rid-7".as_slice().into();
-        let start = rooms.observe(4, 10, &Bootstrap::Request { room: 7, rid: rid.clone() }).expect("enqueued");
-        assert_eq!((start.key, start.stage, start.ts_ns), (7, Stage::Enqueued, 10));
-        let fields =
-            |pairs: &[(&'static str, &str)]| pairs.iter().map(|(k, v)| (*k, (*v).to_owned())).collect::<Vec<_>>();
-        assert_eq!(rooms.context(4, 7), fields(&[("answered", "0"), ("waiting_on", "peer")]));
-        assert_eq!(rooms.observe(4, 11, &Bootstrap::Request { room: 7, rid: rid.clone() }), None, "received once");
-        // Its first destination is news (what it waited on arrived); a second rank's is not.
-        let to = |agent: &str| destination(7, agent, 2);
-        assert_eq!(rooms.observe(4, 12, &to("d0")).map(|o| (o.stage, o.ts_ns)), Some((Stage::Enqueued, 12)));
-        assert_eq!(rooms.context(4, 7), fields(&[("answered", "1/2"), ("waiting_on", "peer")]));
-        assert_eq!(rooms.observe(4, 13, &to("d1")), None);
-        // The abort names its rid; after the room ended it names nothing.
-        assert_eq!(
-            rooms.observe(4, 14, &Bootstrap::AbortRequest { rid: rid.clone() }).map(|o| (o.key, o.stage)),
-            Some((7, Stage::Aborted))
-        );
-        assert_eq!(rooms.observe(4, 15, &Bootstrap::AbortRequest { rid }), None);
-        assert!(rooms.rids.is_empty());
-        // On a decode: received, then asked (news), then its status.
-        rooms.observe(5, 20, &Bootstrap::Asked { room: 1 }).expect("a decode");
-        rooms.observe(5, 21, &Bootstrap::Request { room: 8, rid: b"r8".as_slice().into() }).expect("enqueued");
-        assert_eq!(rooms.context(5, 8), fields(&[("side", "decode"), ("asked", "no")]));
-        assert_eq!(
-            rooms.observe(5, 22, &Bootstrap::Asked { room: 8 }).map(|o| (o.stage, o.ts_ns)),
-            Some((Stage::Enqueued, 22))
-        );
-        assert_eq!(rooms.context(5, 8), fields(&[("side", "decode"), ("waiting_on", "prefill")]));
-        assert_eq!(rooms.observe(5, 23, &Bootstrap::Asked { room: 8 }), None);
-        rooms.forget(5);
-        assert!(rooms.rids.is_empty());
-    }
-
-    #[test]
-    fn a_room_whose_destination_came_before_its_request_still_ends_at_its_abort() {
-        // The router tells the decode before the tokenizer hands the request
-        // on: on the real target the destination often arrives first.
-        let mut rooms = Rooms::default();
-        let to = destination(7, "d", 1);
-        rooms.observe(4, 10, &to).expect("enqueued at its destination");
-        let rid: Rid = b"req-7".as_slice().into();
-        assert_eq!(rooms.observe(4, 11, &Bootstrap::Request { room: 7, rid: rid.clone() }), None, "no second start");
-        assert_eq!(
-            rooms.observe(4, 12, &Bootstrap::AbortRequest { rid }).map(|o| (o.key, o.stage, o.ts_ns)),
-            Some((7, Stage::Aborted, 12))
-        );
-        assert!(rooms.rids.is_empty() && rooms.live.is_empty());
-    }
-
-    #[test]
-    fn a_scheduler_outputs_rids_are_read_as_far_as_they_were_captured() {
-        // `rids` of a BatchTokenIDOutput as captured: ["req-1002", "r2"].
-        assert_eq!(
-            output_rids(b"\x92\xa8req-1002\xa2r2\x91\xc0"),
-            [b"req-1002".as_slice().into(), b"r2".as_slice().into()]
-        );
-        // SGLang's 32-digit rids: the first whole, the second cut at the capture's end, kept to RID_KEPT.
-        let mut capture = b"\x92\xd9\x20".to_vec();
-        capture.extend_from_slice(&[b'a'; 32]);
-        capture.extend_from_slice(b"\xd9\x20");
-        capture.extend_from_slice(&[b'b'; 64 - 37]);
-        assert_eq!(output_rids(&capture), [[b'a'; RID_KEPT].as_slice().into(), [b'b'; RID_KEPT].as_slice().into()]);
-        capture.truncate(37 + RID_KEPT - 1);
-        assert_eq!(output_rids(&capture).len(), 1, "a rid read short of what is kept is none");
-        assert!(output_rids(b"\xc0").is_empty(), "no array (rids=None)");
-    }
-
-    #[test]
-    fn a_room_still_live_at_its_schedulers_output_was_ended_by_the_prefill_and_fails() {
-        let mut rooms = Rooms::default();
-        let output = |rids: &[&[u8]]| Bootstrap::Output { rids: rids.iter().map(|r| (*r).into()).collect() };
-        // Room 7: received, never answered (the prefill's bootstrap timeout fails it).
-        rooms.observe(4, 10, &Bootstrap::Request { room: 7, rid: b"req-7".as_slice().into() }).expect("room 7");
-        // Room 8: bootstrapped; its output may come before its status, which ends it.
-        rooms.observe(4, 11, &Bootstrap::Request { room: 8, rid: b"req-8".as_slice().into() }).expect("room 8");
-        let to = destination(8, "d", 1);
-        rooms.observe(4, 12, &to).expect("answered");
-        assert_eq!(rooms.observe(4, 13, &output(&[b"req-8"])), None, "a bootstrapped room's output ends nothing");
-        rooms.observe(4, 13, &Bootstrap::Status { room: 8, status: SUCCESS }).expect("room 8 released");
-        assert_eq!(rooms.observe(4, 14, &output(&[b"other"])), None, "a rid no room has");
-        assert_eq!(
-            rooms.observe(4, 15, &output(&[b"req-8", b"req-7"])).map(|o| (o.key, o.stage, o.ts_ns)),
-            Some((7, Stage::Failed, 15))
-        );
-        assert_eq!(rooms.observe(4, 16, &output(&[b"req-7"])), None, "once");
-        assert!(rooms.live.is_empty() && rooms.rids.is_empty());
-        // A TP2 room with one destination of its two: not bootstrapped.
-        rooms.observe(4, 17, &Bootstrap::Request { room: 10, rid: b"req-10".as_slice().into() }).expect("room 10");
-        let half = destination(10, "d", 2);
-        rooms.observe(4, 18, &half).expect("answered by one rank");
-        assert_eq!(rooms.observe(4, 19, &output(&[b"req-10"])).map(|o| (o.key, o.stage)), Some((10, Stage::Failed)));
-        // A decode streams its rooms' tokens: an output ends none of them.
-        rooms.observe(5, 20, &Bootstrap::Asked { room: 1 }).expect("a decode");
-        rooms.observe(5, 21, &Bootstrap::Request { room: 9, rid: b"req-9".as_slice().into() }).expect("room 9");
-        assert_eq!(rooms.observe(5, 22, &output(&[b"req-9"])), None);
-    }
-
-    #[test]
-    fn a_decode_rank_asks_for_its_rooms_kv_and_waits_on_the_prefill() {
-        let mut rooms = Rooms::default();
-        assert_eq!(rooms.side(4), Side::Prefill);
-        let start = rooms.observe(4, 10, &Bootstrap::Asked { room: 9 }).expect("enqueued");
-        assert_eq!(
-            (start.key, start.stage, start.ts_ns, start.external_id.as_deref()),
-            (9, Stage::Enqueued, 10, Some("9"))
-        );
-        assert_eq!(rooms.side(4), Side::Decode);
-        assert_eq!(rooms.observe(4, 11, &Bootstrap::Asked { room: 9 }), None, "asked again: one room");
-        let fields = vec![("side", "decode".to_owned()), ("waiting_on", "prefill".to_owned())];
-        assert_eq!(rooms.context(4, 9), fields);
-        // No handle of a decode's is a room's: it names no agent of it.
-        rooms.creating(4, 20, b"prefill-0", None);
-        assert!(rooms.handle(20, handle_event(4, 0xa0, Stage::Enqueued, 12)).is_some());
-        assert_eq!(
-            rooms.observe(4, 13, &Bootstrap::Status { room: 9, status: SUCCESS }).map(|o| o.stage),
-            Some(Stage::Released)
-        );
-        rooms.observe(4, 14, &Bootstrap::Asked { room: 10 }).expect("room 10");
-        assert_eq!(
-            rooms.observe(4, 15, &Bootstrap::Status { room: 10, status: FAILED }).map(|o| o.stage),
-            Some(Stage::Failed)
-        );
-        rooms.observe(4, 16, &Bootstrap::Asked { room: 11 }).expect("room 11");
-        assert_eq!(rooms.observe(4, 17, &Bootstrap::Abort { room: 11 }).map(|o| o.stage), Some(Stage::Aborted));
-        rooms.forget(4);
-        assert_eq!(rooms.side(4), Side::Prefill, "a pid reused is no decode until it sends");
-    }
-
-    #[test]
-    fn a_room_adopted_after_a_restart_ends_once_and_claims_to_know_nothing() {
-        let mut rooms = Rooms::default();
-        rooms.adopt(4, 9);
-        assert_eq!(rooms.context(4, 9), Vec::new(), "its destinations are unknown");
-        let silent = Silent { pid: 4, key: 9, stage: Stage::Enqueued, first_ns: 1, last_ns: 2 };
-        assert_eq!(
-            rooms.read(&silent, &mut |_| panic!("no handle to read")),
-            Some(None),
-            "a room: its key is no handle to read"
-        );
-        // A handle to any agent is not its: none is known.
-        rooms.creating(4, 20, b"d", None);
-        assert!(rooms.handle(20, handle_event(4, 0xa0, Stage::Enqueued, 3)).is_some());
-        // A destination arriving now tells what it waits on again, and starts nothing.
-        let destination = destination(9, "d", 2);
-        assert_eq!(rooms.observe(4, 4, &destination), None);
-        assert_eq!(rooms.context(4, 9)[0], ("answered", "1/2".to_owned()));
-        assert_eq!(
-            rooms.observe(4, 5, &Bootstrap::Status { room: 9, status: SUCCESS }).map(|o| o.stage),
-            Some(Stage::Released)
-        );
-        assert_eq!(rooms.observe(4, 6, &Bootstrap::Status { room: 9, status: SUCCESS }), None);
-        // Adopting a room followed already changes nothing.
-        rooms.observe(4, 7, &destination).expect("enqueued");
-        rooms.adopt(4, 9);
-        assert_eq!(rooms.context(4, 9)[0], ("answered", "1/2".to_owned()));
-    }
-
-    fn handle_event(pid: u32, handle: u64, stage: Stage, ts_ns: u64) -> Observation {
-        Observation { pid, key: handle, stage, ts_ns, external_id: None, ends: false }
-    }
-
-    #[test]
-    fn a_handle_to_the_one_room_awaiting_its_agent_is_the_rooms() {
-        use Stage::*;
-        let mut rooms = Rooms::default();
-        let to = |room, agent: &str| destination(room, agent, 1);
-        rooms.observe(4, 1, &to(7, "decode-0")).expect("room 7");
-        rooms.observe(4, 2, &to(7, "decode-1"));
-        rooms.observe(4, 3, &to(8, "decode-1")).expect("room 8");
-        // Thread 20 creates a transfer to decode-0: only room 7 awaits it.
-        rooms.creating(4, 20, b"decode-0", None);
-        assert_eq!(rooms.handle(20, handle_event(4, 0xa0, Enqueued, 10)), None);
-        let posted = rooms.handle(21, handle_event(4, 0xa0, TransferPosted, 11)).expect("the room's");
-        assert_eq!(
-            (posted.key, posted.stage, posted.ts_ns, posted.external_id.as_deref()),
-            (7, TransferPosted, 11, Some("7"))
-        );
-        // Done is life of the room mid-transfer; the release only ends the attribution.
-        assert_eq!(
-            rooms.handle(20, handle_event(4, 0xa0, TransferDone, 12)).map(|o| (o.key, o.stage)),
-            Some((7, TransferPosted))
-        );
-        assert_eq!(rooms.handle(20, handle_event(4, 0xa0, Released, 13)), None);
-        assert_eq!(
-            rooms.handle(20, handle_event(4, 0xa0, TransferDone, 14)),
-            Some(handle_event(4, 0xa0, TransferDone, 14))
-        );
-        // decode-1 on a new thread: rooms 7 and 8 both await it, so the handle is its own.
-        rooms.creating(4, 30, b"decode-1", None);
-        assert_eq!(rooms.handle(30, handle_event(4, 0xb0, Enqueued, 20)), Some(handle_event(4, 0xb0, Enqueued, 20)));
-        assert_eq!(
-            rooms.handle(30, handle_event(4, 0xb0, TransferPosted, 21)),
-            Some(handle_event(4, 0xb0, TransferPosted, 21))
-        );
-        // Thread 20 was on room 7: its next handle to decode-1 is room 7's, ambiguous or not.
-        rooms.creating(4, 20, b"decode-1", None);
-        assert_eq!(rooms.handle(20, handle_event(4, 0xb1, Enqueued, 22)), None);
-        assert_eq!(rooms.handle(20, handle_event(4, 0xb1, TransferPosted, 23)).map(|o| o.key), Some(7));
-        // A thread that named no agent (or another pid's) attributes nothing.
-        rooms.creating(5, 20, b"decode-0", None);
-        assert_eq!(rooms.handle(20, handle_event(4, 0xc0, Enqueued, 30)), Some(handle_event(4, 0xc0, Enqueued, 30)));
-        // Room 8's handle fails: the room fails, once; its status then ends nothing.
-        rooms.observe(4, 40, &Bootstrap::Status { room: 7, status: SUCCESS }).expect("room 7 released");
-        rooms.creating(4, 22, b"decode-1", None);
-        assert_eq!(rooms.handle(22, handle_event(4, 0xd0, Enqueued, 41)), None);
-        assert_eq!(rooms.handle(22, handle_event(4, 0xd0, Failed, 42)).map(|o| (o.key, o.stage)), Some((8, Failed)));
-        assert_eq!(rooms.observe(4, 43, &Bootstrap::Status { room: 8, status: FAILED }), None);
-        // A handle of a room that ended is nobody's lifecycle.
-        rooms.observe(4, 50, &to(9, "decode-0")).expect("room 9");
-        rooms.creating(4, 23, b"decode-0", None);
-        assert_eq!(rooms.handle(23, handle_event(4, 0xe0, Enqueued, 51)), None);
-        rooms.observe(4, 52, &Bootstrap::Abort { room: 9 }).expect("room 9 aborted");
-        assert_eq!(rooms.handle(23, handle_event(4, 0xe0, TransferDone, 53)), None);
-        rooms.forget(4);
-        rooms.forget(5);
-        assert!(rooms.live.is_empty());
-        assert!(rooms.handles.is_empty() && rooms.creating.is_empty() && rooms.current.is_empty());
-    }
-
-    #[test]
-    fn a_chunk_is_its_rooms_by_the_decode_page_it_writes_however_many_rooms_await_that_decode() {
-        use Stage::*;
-        let mut rooms = Rooms::default();
-        let to = |room, pages: &[u32]| Bootstrap::Destination {
-            room,
-            port: 1,
-            agent: "d".into(),
-            ranks: 1,
-            pages: pages.into(),
-        };
-        rooms.observe(4, 1, &to(7, &[10, 11, 12, 13])).expect("room 7");
-        rooms.observe(4, 2, &to(8, &[20, 21, 22, 23])).expect("room 8");
-        // Chunks interleaved on one worker: 7's, 8's, 7's second, 8's second.
-        for (handle, page, room) in [(0xa0, 10, 7), (0xa1, 20, 8), (0xa2, 12, 7), (0xa3, 22, 8)] {
-            rooms.creating(4, 30, b"d", Some(page));
-            assert_eq!(rooms.handle(30, handle_event(4, handle, Enqueued, 3)), None, "{handle:#x}");
-            assert_eq!(
-                rooms.handle(30, handle_event(4, handle, TransferPosted, 4)).map(|o| o.key),
-                Some(room),
-                "{handle:#x}"
-            );
-        }
-        // The aux transfer (createXferReq: no page) follows its room's last chunk on the thread.
-        rooms.creating(4, 30, b"d", None);
-        assert_eq!(rooms.handle(30, handle_event(4, 0xa4, Enqueued, 5)), None);
-        assert_eq!(rooms.handle(30, handle_event(4, 0xa4, TransferPosted, 6)).map(|o| o.key), Some(8));
-        // A page neither room has, on a thread with no room yet: nobody's, counted.
-        rooms.creating(4, 31, b"d", Some(99));
-        assert!(rooms.handle(31, handle_event(4, 0xb0, Enqueued, 7)).is_some());
-        assert_eq!(rooms.unattributed, 1);
-        assert_eq!(rooms.live[&(4, 7)].transfers, 2);
-        assert_eq!(rooms.live[&(4, 8)].transfers, 3);
-    }
-
-    #[test]
-    fn a_rooms_alert_names_its_stopped_transfer_or_what_it_waits_on() {
-        use Stage::*;
-        let mut rooms = Rooms::default();
-        let to = |room, port, agent: &str| Bootstrap::Destination {
-            room,
-            port,
-            agent: agent.into(),
-            ranks: 2,
-            pages: Default::default(),
-        };
-        let fields =
-            |pairs: &[(&'static str, &str)]| pairs.iter().map(|(k, v)| (*k, (*v).to_owned())).collect::<Vec<_>>();
-        // Rooms 1 and 2 on worker (40001 + 40003) % 4 = 0, both ranks answered;
-        // room 3: one rank of its two answered.
-        rooms.observe(4, 1, &to(1, 40001, "a")).expect("room 1");
-        rooms.observe(4, 1, &to(1, 40003, "b"));
-        rooms.observe(4, 2, &to(2, 40003, "b")).expect("room 2");
-        rooms.observe(4, 2, &to(2, 40001, "a"));
-        rooms.observe(4, 3, &to(3, 40001, "a")).expect("room 3");
-        assert_eq!(rooms.context(4, 2), fields(&[("answered", "2/2"), ("waiting_on", "prefill")]));
-        assert_eq!(rooms.context(4, 3), fields(&[("answered", "1/2"), ("waiting_on", "peer")]));
-        // Room 1's first transfer, to a, done; its second, to b, posted and not done.
-        rooms.creating(4, 20, b"a", None);
-        // Ambiguous until the thread is on a room: make it room 1's by the thread.
-        rooms.current.insert((4, 20), 1);
-        assert_eq!(rooms.handle(20, handle_event(4, 0xa0, Enqueued, 10)), None);
-        rooms.handle(20, handle_event(4, 0xa0, TransferPosted, 11)).expect("room 1's");
-        assert_eq!(rooms.context(4, 1), fields(&[("handle", "0xa0"), ("transfer", "1")]));
-        rooms.handle(20, handle_event(4, 0xa0, TransferDone, 12)).expect("room 1's");
-        assert_eq!(rooms.context(4, 1), Vec::new(), "between its transfers");
-        rooms.creating(4, 20, b"b", None);
-        assert_eq!(rooms.handle(20, handle_event(4, 0xa1, Enqueued, 13)), None);
-        rooms.handle(20, handle_event(4, 0xa1, TransferPosted, 14)).expect("room 1's");
-        assert_eq!(rooms.context(4, 1), fields(&[("handle", "0xa1"), ("transfer", "2")]));
-        // Room 2 waits on the worker stuck on room 1; room 3 still on its peer.
-        assert_eq!(rooms.context(4, 2), fields(&[("answered", "2/2"), ("behind", "1"), ("waiting_on", "worker")]));
-        assert_eq!(rooms.context(4, 3), fields(&[("answered", "1/2"), ("waiting_on", "peer")]), "a missing peer first");
-        assert_eq!(rooms.context(4, 99), Vec::new(), "no such room");
-        // Done at the post's return, ending the handle's lifecycle (`complete_at`).
-        let done = Observation { ends: true, ..handle_event(4, 0xa1, TransferDone, 15) };
-        assert_eq!(rooms.handle(20, done).map(|o| (o.key, o.stage)), Some((1, TransferPosted)));
-        assert!(!rooms.handles.contains_key(&(4, 0xa1)), "an ended handle is no room's any more");
-        assert_eq!(
-            rooms.context(4, 2),
-            fields(&[("answered", "2/2"), ("waiting_on", "prefill")]),
-            "the worker moved on"
-        );
-    }
-
-    #[test]
-    fn a_silent_rooms_state_is_read_from_its_outstanding_handles_oldest_first() {
-        use Stage::*;
-        let mut rooms = Rooms::default();
-        let to = |room, agent: &str| destination(room, agent, 1);
-        let silent = |key| Silent { pid: 4, key, stage: TransferPosted, first_ns: 1, last_ns: 9 };
-        let posted = |rooms: &mut Rooms, tid, agent: &[u8], handle| {
-            rooms.creating(4, tid, agent, None);
-            assert_eq!(rooms.handle(tid, handle_event(4, handle, Enqueued, 5)), None);
-            rooms.handle(tid, handle_event(4, handle, TransferPosted, 6)).expect("the room's");
-        };
-        // What each handle's memory says, and which handles were read.
-        let memory: HashMap<u64, Stage> =
-            [(0xa0, TransferDone), (0xa1, TransferPosted), (0xb0, TransferDone), (0xb1, Failed)].into();
-        let mut asked = Vec::new();
-        let mut read = |s: &Silent| {
-            assert_eq!((s.pid, s.stage, s.last_ns), (4, TransferPosted, 9), "{s:?}");
-            asked.push(s.key);
-            memory.get(&s.key).map(|&stage| StageRead { stage, ends: stage == TransferDone })
-        };
-        rooms.observe(4, 1, &to(7, "a")).expect("room 7");
-        rooms.observe(4, 1, &to(8, "b")).expect("room 8");
-        assert_eq!(rooms.read(&silent(7), &mut read), Some(None), "no transfer posted: nothing to read");
-        posted(&mut rooms, 20, b"a", 0xa0);
-        posted(&mut rooms, 20, b"a", 0xa1);
-        // 0xa0 done: not outstanding; 0xa1 in progress: the room is hung on it.
-        assert_eq!(rooms.read(&silent(7), &mut read), Some(None));
-        assert_eq!(rooms.context(4, 7)[0], ("handle", "0xa1".to_owned()));
-        posted(&mut rooms, 30, b"b", 0xb0);
-        assert_eq!(
-            rooms.read(&silent(8), &mut read),
-            Some(Some(StageRead { stage: TransferDone, ends: false })),
-            "all done, no status"
-        );
-        posted(&mut rooms, 30, b"b", 0xb1);
-        assert_eq!(rooms.read(&silent(8), &mut read), Some(Some(StageRead { stage: Failed, ends: false })));
-        assert_eq!(rooms.read(&silent(8), &mut read), None, "a failed room is no live room");
-        assert_eq!(rooms.read(&silent(0xa1), &mut read), None, "a handle is no room");
-        assert_eq!(asked, [0xa0, 0xa1, 0xb0, 0xb1]);
-    }
-
-    #[test]
-    fn rooms_are_told_by_key_and_decimal_external_id() {
-        assert_eq!(room_of(42, Some("42")), Some(42));
-        assert_eq!(room_of(42, Some("room-42")), None);
-        assert_eq!(room_of(0x55aa, Some("42")), None);
-        assert_eq!(room_of(42, None), None);
+    fn a_requests_room_and_rid_pair_up_per_thread_in_either_order() {
+        use crate::lifecycle::Stage;
+        let mut sglang = Sglang::default();
+        let rid = |r: &[u8]| RequestHalf::Rid(r.into());
+        assert_eq!(sglang.request(9, 10, 1, RequestHalf::Room(7)), None, "waits for its rid");
+        assert_eq!(sglang.request(9, 11, 2, rid(b"a")), None, "another thread's");
+        let started = sglang.request(9, 10, 3, rid(b"b")).expect("room 7 starts");
+        assert_eq!((started.key, started.stage, started.ts_ns), (7, Stage::Enqueued, 3));
+        let started = sglang.request(9, 11, 4, RequestHalf::Room(8)).expect("room 8 starts");
+        assert_eq!(started.key, 8);
+        // A half whose other never came is replaced by the next receive's.
+        assert_eq!(sglang.request(9, 10, 5, RequestHalf::Room(20)), None);
+        assert_eq!(sglang.request(9, 10, 6, RequestHalf::Room(21)), None);
+        assert_eq!(sglang.request(9, 10, 7, rid(b"c")).map(|o| o.key), Some(21));
+        assert!(sglang.requests.is_empty());
+        sglang.request(9, 12, 8, RequestHalf::Room(30));
+        sglang.forget(9);
+        assert!(sglang.requests.is_empty());
     }
 }
