@@ -31,7 +31,7 @@ use crate::{
         queue::{self, LineQueue},
         telemetry::{Telemetry, TelemetryOptions},
     },
-    gate::{Change, Failures, Gate},
+    gate::{Change, Gate, Opener},
     lifecycle::{Engine, EngineConfig, Observation, Report, Restored, Side, Silent, Withheld},
     probes::{
         KernelCounters, Probes, Profile, Releasing,
@@ -118,7 +118,7 @@ pub async fn run(options: Options, out: impl Write + Send + 'static) -> Result<(
         engine: Engine::new(EngineConfig { timeout_ns: duration_ns(timeout), max_tracked, tick_ns: duration_ns(tick) }),
         transport: Tracker::new(duration_ns(timeout)),
         gate: Gate::new(duration_ns(timeout), duration_ns(tick)),
-        gate_failures: Failures::default(),
+        opener: Opener::default(),
         alerts: AlertWriter::new(
             LineQueue::start(out).context("starting the thread that writes alerts to stdout")?,
             format,
@@ -303,6 +303,9 @@ pub async fn run(options: Options, out: impl Write + Send + 'static) -> Result<(
                 session.engine.catch_up(None, &mut withheld_in(&session.state));
                 queries.answer(query, &session.engine, &session.transport, &session.signals, monotonic_ns());
             }
+            linked = session.opener.linked() => {
+                session.opener.finish(linked, &mut session.probes, &mut session.transport);
+            }
             released = released(&mut releasing) => {
                 released.context("releasing the previous agent's links")?;
                 session.probes.released(releasing.take().expect("a release under way"))?;
@@ -378,7 +381,8 @@ struct Session {
     transport: Tracker,
     /// When each process's progress probes are linked.
     gate: Gate,
-    gate_failures: Failures,
+    /// Links them off the loop.
+    opener: Opener,
     /// Alert lines, handed to stdout's writer thread ([`LineQueue`]).
     alerts: AlertWriter<LineQueue>,
     /// Dropped alert lines the last warning covered.
@@ -689,9 +693,9 @@ impl Session {
     }
 
     /// Link the progress probes of processes that now hold a request near
-    /// its stall, unlink those of processes that hold none (see
-    /// [`crate::gate`]). Before [`Self::advance`], so a request reaching
-    /// its stall in this tick is judged with its process's probe on.
+    /// its stall (off the loop: they come on when [`Opener::linked`]
+    /// says), unlink those of processes that hold none (see
+    /// [`crate::gate`]).
     fn gate(&mut self, now: u64) {
         if !self.gate.due(now) || self.probes.gates().next().is_none() {
             return;
@@ -699,7 +703,7 @@ impl Session {
         let near_stall = self.engine.pids_silent_since(self.gate.cutoff(now));
         for change in Gate::changes(self.probes.gates(), &near_stall) {
             match change {
-                Change::Open(pid) => self.open_gate(pid),
+                Change::Open(pid) => self.opener.open(pid, &mut self.probes),
                 Change::Close(pid) => {
                     let links = self.probes.close_gate(pid);
                     self.transport.progress_attached(pid, None);
@@ -710,36 +714,6 @@ impl Session {
                     let count = links.len();
                     tokio::task::spawn_blocking(move || drop(links));
                     info!(pid, probes = count, "progress probes detached: no request of the process is near its stall");
-                }
-            }
-        }
-    }
-
-    fn open_gate(&mut self, pid: u32) {
-        // The count stands still while unlinked: a sample now is the count
-        // the window starts from.
-        let since = monotonic_ns();
-        if let Err(err) = self.transport.sample(&self.probes, since) {
-            warn!(pid, "sampling transport counts before attaching the progress probes: {err:#}");
-            return;
-        }
-        match self.probes.open_gate(pid) {
-            Ok(()) => {
-                self.transport.progress_attached(pid, Some(since));
-                self.gate_failures.forget(pid);
-                info!(
-                    pid,
-                    attach_ms = format_args!("{:.1}", monotonic_ns().saturating_sub(since) as f64 / 1e6),
-                    "progress probes attached: a request of the process is near its stall"
-                );
-            }
-            Err(err) => {
-                let err = format!("{err:#}");
-                if self.gate_failures.is_new(pid, &err) {
-                    warn!(
-                        pid,
-                        "progress probes not attached (retried while a request is near its stall; its stalls tell no no_progress): {err}"
-                    );
                 }
             }
         }
@@ -824,7 +798,7 @@ impl Session {
         // Its requests' reports carry no transport evidence (only stalls do).
         self.transport.forget(pid);
         self.signals.forget(pid);
-        self.gate_failures.forget(pid);
+        self.opener.forget(pid);
         if let Some(status) = &mut self.status {
             status.forget(pid);
         }
