@@ -34,11 +34,11 @@ use std::{
 use stallwatch::{
     export::{
         alert::{AlertWriter, Format},
-        clock::Clock,
         metrics::Metrics,
         otlp::{ExportSettings, MAX_IN_FLIGHT, OtlpExporter, OtlpTarget, Protocol},
     },
     lifecycle::{Engine, EngineConfig, Observation, Report, Stage},
+    util::clock::Clock,
 };
 
 fn main() {

@@ -25,6 +25,11 @@ use stallwatch_tests::{
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 const LATENESS: Duration = Duration::from_secs(1);
+/// How far past its due time the agent may judge a stall (its `silent_ms`
+/// past the timeout): a few turns of its loop, which never waits on the
+/// evidence it gathers near a stall (linking the progress probes takes the
+/// kernel from ms to seconds: an RCU grace period).
+const JUDGED_WITHIN: Duration = Duration::from_millis(500);
 
 /// The target with the agent on its prefill (the `sglang` profile, 2 s),
 /// running; requests as msgpack.
@@ -141,6 +146,12 @@ fn a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so()
     let raised = alert_lines(&seen);
     assert_eq!(raised.len(), stalled, "{raised:#?}");
     assert_counts(&seen, target.rooms().len(), held(&holding, "completed"), stalled as u64, 0, 0);
+    // Judged when due, though the progress probes were being linked into
+    // the prefill (mid-transfer) from half the timeout on.
+    for alert in &raised {
+        let silent = alert["silent_ms"].as_u64().map(Duration::from_millis);
+        assert!(silent.is_some_and(|s| s >= TIMEOUT && s <= TIMEOUT + JUDGED_WITHIN), "{alert}");
+    }
     let stall = |r: u64| {
         alerts(&seen, "stalled")
             .find(|(_, a)| a["key"] == format!("{r:#x}").as_str())

@@ -459,6 +459,17 @@ impl Agent {
             })
     }
 
+    /// How long each linking of progress probes took the kernel so far, in
+    /// ms (the agent links them off its loop and logs `attach_ms`).
+    pub fn progress_attach_ms(&self) -> Vec<f64> {
+        self.proc
+            .stderr()
+            .lines()
+            .filter(|l| l.contains("progress probes attached"))
+            .filter_map(|l| l.split("attach_ms=").nth(1)?.split_whitespace().next()?.parse().ok())
+            .collect()
+    }
+
     /// The value of the sample `series` on its metrics endpoint now.
     pub fn metric(&self, series: &str) -> u64 {
         metric(&otlp::http_get(self.metrics_port(), "/metrics", None).1, series)

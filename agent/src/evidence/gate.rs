@@ -15,7 +15,26 @@
 //! enough that the window left before the stall (half the timeout) is far
 //! longer than the check period and the few ms a link takes, so the verdict
 //! rests on seconds of counting at the default 60 s timeout.
+//!
+//! Linking happens off the event loop ([`Opener`]): linking a probe into a
+//! process mid-transfer can take the kernel seconds, and a stall coming due
+//! meanwhile must be reported on time, its evidence saying the probe was
+//! not on yet ("progress not watched") rather than the alert waiting for
+//! it. The loop hands the work to a blocking task and takes the links back
+//! as a message; the progress window counts from then.
 use std::collections::{HashMap, HashSet};
+
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use super::transport::Tracker;
+use crate::{
+    kernel::{
+        Probes,
+        uprobe_link::{Linked, Opening},
+    },
+    util::clock::monotonic_ns,
+};
 
 /// Most time between two checks of who holds a request near its stall.
 const MAX_PERIOD_NS: u64 = 250_000_000;
@@ -99,6 +118,97 @@ impl Failures {
     }
 }
 
+/// Gate openings under way off the event loop: each linked on a blocking
+/// task, its links coming back through a channel to the loop, which
+/// alone changes [`Probes`] and the [`Tracker`].
+pub struct Opener {
+    tx: mpsc::UnboundedSender<Linked>,
+    rx: mpsc::UnboundedReceiver<Linked>,
+    failures: Failures,
+}
+
+impl Default for Opener {
+    fn default() -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        Self { tx, rx, failures: Failures::default() }
+    }
+}
+
+impl Opener {
+    /// Start linking the progress probes of `pid`, unless there is nothing
+    /// to link or an opening of it is under way.
+    pub fn open(&mut self, pid: u32, probes: &mut Probes) {
+        match probes.begin_opening(pid) {
+            Ok(Some(opening)) => self.start(opening, Opening::link),
+            Ok(None) => {}
+            Err(err) => self.failed(pid, &format!("{err:#}")),
+        }
+    }
+
+    /// Run `link` on `job` on a blocking task, its result sent back.
+    fn start<J: Send + 'static>(&self, job: J, link: impl FnOnce(J) -> Linked + Send + 'static) {
+        let tx = self.tx.clone();
+        tokio::task::spawn_blocking(move || {
+            // The loop is gone only when the agent stops: the links then
+            // go with the message.
+            let _ = tx.send(link(job));
+        });
+    }
+
+    /// The next opening done; never resolves while none is under way.
+    pub async fn linked(&mut self) -> Linked {
+        match self.rx.recv().await {
+            Some(linked) => linked,
+            // Never: `self` holds a sender.
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Take an opening's links: the process's progress probes are on, and
+    /// counted from now (the calls made while they were being linked fall
+    /// before the window, which is then never longer than the time they
+    /// were on).
+    pub fn finish(&mut self, linked: Linked, probes: &mut Probes, transport: &mut Tracker) {
+        let (pid, took) = (linked.pid(), linked.took());
+        let since = monotonic_ns();
+        let sampled = transport.sample(probes, since);
+        match probes.end_opening(linked) {
+            Ok(true) => {
+                self.failures.forget(pid);
+                match sampled {
+                    Ok(()) => transport.progress_attached(pid, Some(since)),
+                    Err(err) => warn!(
+                        pid,
+                        "sampling transport counts as the progress probes came on (their stalls say progress not \
+                         watched): {err:#}"
+                    ),
+                }
+                info!(
+                    pid,
+                    attach_ms = format_args!("{:.1}", took.as_secs_f64() * 1e3),
+                    "progress probes attached: a request of the process is near its stall"
+                );
+            }
+            Ok(false) => {}
+            Err(err) => self.failed(pid, &format!("{err:#}")),
+        }
+    }
+
+    fn failed(&mut self, pid: u32, err: &str) {
+        if self.failures.is_new(pid, err) {
+            warn!(
+                pid,
+                "progress probes not attached (retried while a request is near its stall; its stalls tell no no_progress): {err}"
+            );
+        }
+    }
+
+    /// The process is gone: a failure of its pid is news again.
+    pub fn forget(&mut self, pid: u32) {
+        self.failures.forget(pid);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,6 +262,30 @@ mod tests {
         assert_eq!(period(2 * S, 10 * MS), (250 * MS, 4 * S));
         assert_eq!(period(800 * MS, 10 * MS), (100 * MS, 4_600 * MS));
         assert_eq!(period(40 * MS, 10 * MS), (10 * MS, 4_980 * MS));
+    }
+
+    #[test]
+    fn a_slow_link_holds_nothing_up_on_the_loop() {
+        let runtime =
+            tokio::runtime::Builder::new_current_thread().enable_time().build().expect("a current-thread runtime");
+        runtime.block_on(async {
+            let mut opener = Opener::default();
+            // A link the kernel takes 300 ms over (seen up to 1.3 s).
+            opener.start(7, |pid| {
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                Linked::for_test(pid)
+            });
+            // A stall due 50 ms on is judged on time, the link still under way.
+            let due = tokio::time::sleep(std::time::Duration::from_millis(50));
+            let started = std::time::Instant::now();
+            tokio::select! {
+                () = due => {}
+                _ = opener.linked() => panic!("the link came back before the stall was due"),
+            }
+            assert!(started.elapsed() < std::time::Duration::from_millis(250), "{:?}", started.elapsed());
+            // Its links come back as a message once made.
+            assert_eq!(opener.linked().await.pid(), 7);
+        });
     }
 
     #[test]

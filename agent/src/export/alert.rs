@@ -9,12 +9,12 @@ use std::{collections::HashMap, io::Write, time::Duration};
 use serde_json::{Map, Value, json};
 use tracing::info;
 
-use super::clock::Clock;
 use crate::evidence::status::StatusReads;
 use crate::evidence::transport::Evidence;
 use crate::export::workload::{Directory, Workload};
 use crate::kernel::ring::Losses;
 use crate::lifecycle::{EngineStats, Outcome, Report, RequestSnapshot, Stage};
+use crate::util::clock::Clock;
 use crate::util::text;
 use crate::{kernel::ProbeHits, profile::ActivityKind};
 

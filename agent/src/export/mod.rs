@@ -2,7 +2,6 @@
 //! OTLP spans ([`otlp`]) and Prometheus metrics ([`metrics`]), both fed
 //! through [`telemetry`].
 pub mod alert;
-pub mod clock;
 pub mod metrics;
 pub mod otlp;
 pub mod queue;

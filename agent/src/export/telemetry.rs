@@ -7,7 +7,6 @@ use anyhow::Result;
 use tracing::{info, warn};
 
 use super::{
-    clock::Clock,
     metrics::{self, Ask, Metrics, MetricsServer, Scrape},
     otlp::{self, ExportCounts, ExportSettings, OtlpExporter, OtlpOptions, Protocol},
 };
@@ -18,6 +17,7 @@ use crate::{
     kernel::Probes,
     kernel::ring::Losses,
     lifecycle::{Engine, Report},
+    util::clock::Clock,
 };
 
 /// The `stallwatch run` flags for spans and metrics.

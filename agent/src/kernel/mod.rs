@@ -12,5 +12,6 @@ pub mod probes;
 pub mod reactor;
 pub mod ring;
 pub mod state;
+pub mod uprobe_link;
 
 pub use probes::{Attached, KernelCounters, ProbeHits, Probes, Releasing, Role, Slot, ebpf_object};

@@ -13,12 +13,13 @@
 //!
 //! Progress probes (`[[activity]]` with `kind = "progress"`) are the
 //! exception: the target calls them thousands of times a transfer, so they
-//! get their slot at attach time but are linked only while
-//! [`Probes::open_gate`] says so (a request of the process nears its stall,
-//! see [`crate::evidence::gate`]). Their links are never pinned: they belong to this
-//! agent alone and go with it (the kernel drops an unpinned link when its
-//! file descriptor closes, even on a crash), so a restart can neither leak
-//! nor double one; the next agent opens its own gate when it needs to.
+//! get their slot at attach time but are linked only while the gate says
+//! so (a request of the process nears its stall, see
+//! [`crate::evidence::gate`]), off the event loop ([`Probes::begin_opening`],
+//! [`super::uprobe_link`]). Their links are never pinned: they belong to
+//! this agent alone and go with it (the kernel drops an unpinned link when
+//! its file descriptor closes, even on a crash), so a restart can neither
+//! leak nor double one; the next agent opens its own gate when it needs to.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -43,6 +44,7 @@ use tracing::{info, warn};
 use super::{
     caps::{CAP_SYS_ADMIN, Caps},
     state::{BpfDir, BpfTables, KernelState, OldLink, PINNED_MAPS},
+    uprobe_link::{Linked, Opening, Openings, UprobeLink},
 };
 use crate::profile::{
     ActivityKind, ActivitySpec, At, ProbeSpec, Profile, SignalSpec,
@@ -86,7 +88,7 @@ struct Gated {
     index: u32,
     host_path: PathBuf,
     file_offset: u64,
-    link: Option<UProbeLink>,
+    link: Option<UprobeLink>,
 }
 
 /// One uprobe link; dropping it detaches the probe, unless it is pinned.
@@ -124,6 +126,8 @@ pub struct Probes {
     links: HashMap<u32, Vec<Link>>,
     /// Per pid, its progress probes, linked only while its gate is open.
     gated: HashMap<u32, Vec<Gated>>,
+    /// Openings of gates under way off the loop.
+    openings: Openings,
     /// Where the maps and links are pinned; `None`: nothing outlives us.
     dir: Option<BpfDir>,
     /// Links a previous agent left pinned, until ours replace them.
@@ -187,6 +191,7 @@ impl Probes {
             quiet_ns: 0,
             links: HashMap::new(),
             gated: HashMap::new(),
+            openings: Openings::default(),
             dir,
             old_links,
             retired: std::collections::VecDeque::new(),
@@ -523,7 +528,7 @@ impl Probes {
         program.take_link(id).context("taking the uprobe link")
     }
 
-    /// Whether `pid` has progress probes that [`Self::open_gate`] links.
+    /// Whether `pid` has progress probes that [`Self::begin_opening`] links.
     pub fn has_gated(&self, pid: u32) -> bool {
         self.gated.get(&pid).is_some_and(|gated| !gated.is_empty())
     }
@@ -536,36 +541,57 @@ impl Probes {
             .map(|(&pid, gated)| (pid, gated.iter().all(|g| g.link.is_some())))
     }
 
-    /// Link every progress probe of `pid` (its slots are configured and
-    /// armed already; their hit counts go on from where the last opening
-    /// left them). All or nothing: on error those linked by this call are
-    /// dropped again. Costs a few ms a probe: the kernel writes the
-    /// breakpoint into the target's mapped pages.
-    pub fn open_gate(&mut self, pid: u32) -> Result<()> {
-        let mut gated = self.gated.remove(&pid).unwrap_or_default();
-        let mut result = Ok(());
-        for probe in gated.iter_mut().filter(|probe| probe.link.is_none()) {
-            match self.link(ENTRY_PROGRAM, probe.index, pid, &probe.host_path, probe.file_offset) {
-                Ok(link) => probe.link = Some(link),
-                Err(err) => {
-                    result = Err(err).with_context(|| {
-                        format!(
-                            "attaching the progress probe at {:#x} in {} for pid {pid}",
-                            probe.file_offset,
-                            probe.host_path.display()
-                        )
-                    });
-                    break;
-                }
+    /// What linking the progress probes of `pid` takes (its slots are
+    /// configured and armed already; their hit counts go on from where the
+    /// last opening left them), for [`Opening::link`] to do off the event
+    /// loop: it can take the kernel seconds. `None` when there is nothing
+    /// to link, or an opening of the process is under way already.
+    pub fn begin_opening(&mut self, pid: u32) -> Result<Option<Opening>> {
+        if self.openings.under_way(pid) {
+            return Ok(None);
+        }
+        let points: Vec<(u32, PathBuf, u64)> = self
+            .gated
+            .get(&pid)
+            .into_iter()
+            .flatten()
+            .filter(|probe| probe.link.is_none())
+            .map(|probe| (probe.index, probe.host_path.clone(), probe.file_offset))
+            .collect();
+        if points.is_empty() {
+            return Ok(None);
+        }
+        let program = self
+            .ebpf
+            .program(ENTRY_PROGRAM)
+            .ok_or_else(|| anyhow!("the eBPF object has no program `{ENTRY_PROGRAM}`"))?
+            .fd()
+            .context("the entry program's fd")?
+            .try_clone()
+            .context("duplicating the entry program's fd")?;
+        let id = self.openings.begin(pid, points.iter().map(|(index, ..)| *index).collect());
+        Ok(Some(Opening::new(id, pid, program, points)))
+    }
+
+    /// Take what [`Opening::link`] made: the links become the process's
+    /// (`Ok(true)`), or go at once if it was detached meanwhile
+    /// (`Ok(false)`); a failure linked nothing (all or nothing).
+    pub fn end_opening(&mut self, linked: Linked) -> Result<bool> {
+        let (id, links) = linked.into_parts();
+        let flight = self.openings.end(id).ok_or_else(|| anyhow!("no opening {id} is under way"))?;
+        if flight.orphaned {
+            // Here, not off the loop: the slots are free once these are gone.
+            drop(links);
+            self.free.extend(flight.indices);
+            return Ok(false);
+        }
+        let gated = self.gated.entry(flight.pid).or_default();
+        for (index, link) in links? {
+            if let Some(probe) = gated.iter_mut().find(|probe| probe.index == index) {
+                probe.link = Some(link);
             }
         }
-        if result.is_err() {
-            for probe in &mut gated {
-                probe.link = None;
-            }
-        }
-        self.gated.insert(pid, gated);
-        result
+        Ok(true)
     }
 
     /// Unlink every progress probe of `pid`; its slots stay its own, so
@@ -573,7 +599,7 @@ impl Probes {
     /// them. The links are returned: dropping one detaches it, which takes
     /// the kernel tens of ms, so the caller may drop them off the event
     /// loop.
-    pub fn close_gate(&mut self, pid: u32) -> Vec<UProbeLink> {
+    pub fn close_gate(&mut self, pid: u32) -> Vec<UprobeLink> {
         self.gated
             .get_mut(&pid)
             .map_or_else(Vec::new, |gated| gated.iter_mut().filter_map(|probe| probe.link.take()).collect())
@@ -612,8 +638,10 @@ impl Probes {
             .filter_map(|(index, slot)| self.probe_hit(index, slot).ok())
             .collect();
         // Now, not off the loop: the slots are freed below, and a link
-        // still live would count its hits on a successor's slot.
+        // still live would count its hits on a successor's slot. Those of
+        // an opening under way are freed once its links are gone.
         drop(self.gated.remove(&pid));
+        let held = self.openings.orphan(pid);
         for hits in finals {
             if self.retired.len() == MAX_SLOTS as usize {
                 self.retired.pop_front();
@@ -626,7 +654,9 @@ impl Probes {
                 // A hit still running reads an empty config: counted as
                 // `no_slot`, never decoded with a successor's meaning.
                 let _ = self.slots_map.set(index as u32, SlotConfig::default(), 0);
-                self.free.push(index as u32);
+                if !held.contains(&(index as u32)) {
+                    self.free.push(index as u32);
+                }
             }
         }
     }

@@ -25,10 +25,10 @@ use tracing::{debug, info, warn};
 use super::wire::{self, QueryKind, Snapshot};
 use crate::{
     evidence::transport::Tracker,
-    export::clock::Clock,
     export::workload::Directory,
     frameworks::signals::Signals,
     lifecycle::{Engine, RequestSnapshot},
+    util::clock::Clock,
     util::trusted_dir::TrustedDir,
 };
 

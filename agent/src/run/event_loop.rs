@@ -26,12 +26,10 @@ use super::{
 };
 use crate::{
     evidence::status::{self, StatusReader},
-    export::{
-        clock::{Clock, monotonic_ns},
-        metrics::Scrape,
-    },
+    export::metrics::Scrape,
     kernel::{KernelCounters, Releasing, reactor},
     query::{QueryServer, SocketPlace, server::Pending as QueryPending},
+    util::clock::{Clock, monotonic_ns},
 };
 
 /// How often the kernel's loss counters and transport counts are sampled.
@@ -210,6 +208,11 @@ impl EventLoop {
                 _ = self.recheck.tick(), if !self.pending.is_empty() => self.on_recheck(),
                 scrape = self.session.telemetry.scrape() => self.on_scrape(scrape),
                 query = self.queries.next() => self.on_query(query),
+                linked = self.session.opener.linked() => {
+                    let session = &mut self.session;
+                    session.opener.finish(linked, &mut session.probes, &mut session.transport);
+                    Flow::Continue
+                }
                 released = released(&mut self.releasing) => self.on_released(released)?,
                 () = self.stops.next() => Flow::Stop,
             };

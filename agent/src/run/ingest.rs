@@ -145,12 +145,10 @@ mod tests {
 
     use super::*;
     use crate::{
-        export::{
-            alert::{AlertWriter, Format},
-            clock::Clock,
-        },
+        export::alert::{AlertWriter, Format},
         kernel::ring::Losses,
         lifecycle::{EngineConfig, EngineStats},
+        util::clock::Clock,
     };
 
     /// The log lines `f` writes at warn level or above.

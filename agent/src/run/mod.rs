@@ -25,13 +25,13 @@ use self::{
 use crate::{
     export::{
         alert::Format,
-        clock::Clock,
         telemetry::{Telemetry, TelemetryOptions},
     },
     kernel::state::BpfDir,
     lifecycle::EngineConfig,
     profile::Profile,
     query::SocketPlace,
+    util::clock::Clock,
 };
 
 /// Which processes to watch.

@@ -16,13 +16,12 @@ use super::{
 };
 use crate::{
     evidence::{
-        gate::{Change, Failures, Gate},
+        gate::{Change, Gate, Opener},
         status::StatusReader,
         transport::Tracker,
     },
     export::{
         alert::{AlertWriter, Format},
-        clock::{Clock, monotonic_ns, process_start_ns},
         queue::{self, LineQueue},
         telemetry::Telemetry,
     },
@@ -34,6 +33,7 @@ use crate::{
     },
     lifecycle::{Engine, EngineConfig, Observation, Report, Restored, Side, Silent, Withheld},
     profile::Profile,
+    util::clock::{Clock, monotonic_ns, process_start_ns},
     util::warned::Warned,
 };
 
@@ -43,7 +43,8 @@ pub(super) struct Session {
     pub(super) transport: Tracker,
     /// When each process's progress probes are linked.
     pub(super) gate: Gate,
-    pub(super) gate_failures: Failures,
+    /// Links them off the loop.
+    pub(super) opener: Opener,
     /// Alert lines, handed to stdout's writer thread ([`LineQueue`]).
     pub(super) alerts: AlertWriter<LineQueue>,
     /// Dropped alert lines the last warning covered.
@@ -107,7 +108,7 @@ impl Session {
             engine: Engine::new(limits),
             transport: Tracker::new(limits.timeout_ns),
             gate: Gate::new(limits.timeout_ns, limits.tick_ns),
-            gate_failures: Failures::default(),
+            opener: Opener::default(),
             alerts,
             alert_drops: Warned::default(),
             telemetry,
@@ -349,9 +350,9 @@ impl Session {
     }
 
     /// Link the progress probes of processes that now hold a request near
-    /// its stall, unlink those of processes that hold none (see
-    /// [`crate::evidence::gate`]). Before [`Self::advance`], so a request reaching
-    /// its stall in this tick is judged with its process's probe on.
+    /// its stall (off the loop: they come on when [`Opener::linked`]
+    /// says), unlink those of processes that hold none (see
+    /// [`crate::evidence::gate`]).
     pub(super) fn gate(&mut self, now: u64) {
         if !self.gate.due(now) || self.probes.gates().next().is_none() {
             return;
@@ -359,7 +360,7 @@ impl Session {
         let near_stall = self.engine.pids_silent_since(self.gate.cutoff(now));
         for change in Gate::changes(self.probes.gates(), &near_stall) {
             match change {
-                Change::Open(pid) => self.open_gate(pid),
+                Change::Open(pid) => self.opener.open(pid, &mut self.probes),
                 Change::Close(pid) => {
                     let links = self.probes.close_gate(pid);
                     self.transport.progress_attached(pid, None);
@@ -370,36 +371,6 @@ impl Session {
                     let count = links.len();
                     tokio::task::spawn_blocking(move || drop(links));
                     info!(pid, probes = count, "progress probes detached: no request of the process is near its stall");
-                }
-            }
-        }
-    }
-
-    pub(super) fn open_gate(&mut self, pid: u32) {
-        // The count stands still while unlinked: a sample now is the count
-        // the window starts from.
-        let since = monotonic_ns();
-        if let Err(err) = self.transport.sample(&self.probes, since) {
-            warn!(pid, "sampling transport counts before attaching the progress probes: {err:#}");
-            return;
-        }
-        match self.probes.open_gate(pid) {
-            Ok(()) => {
-                self.transport.progress_attached(pid, Some(since));
-                self.gate_failures.forget(pid);
-                info!(
-                    pid,
-                    attach_ms = format_args!("{:.1}", monotonic_ns().saturating_sub(since) as f64 / 1e6),
-                    "progress probes attached: a request of the process is near its stall"
-                );
-            }
-            Err(err) => {
-                let err = format!("{err:#}");
-                if self.gate_failures.is_new(pid, &err) {
-                    warn!(
-                        pid,
-                        "progress probes not attached (retried while a request is near its stall; its stalls tell no no_progress): {err}"
-                    );
                 }
             }
         }
@@ -484,7 +455,7 @@ impl Session {
         // Its requests' reports carry no transport evidence (only stalls do).
         self.transport.forget(pid);
         self.signals.forget(pid);
-        self.gate_failures.forget(pid);
+        self.opener.forget(pid);
         if let Some(status) = &mut self.status {
             status.forget(pid);
         }

@@ -1,5 +1,6 @@
 //! Small helpers any layer may use; none of them knows a request.
 pub mod build_info;
+pub mod clock;
 pub mod files;
 pub mod text;
 pub mod tls;

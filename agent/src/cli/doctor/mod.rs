@@ -165,7 +165,7 @@ pub fn run(bpf_dir: &Path, socket: &Path) -> Report {
         privileges_check(euid, caps.as_ref().ok().copied(), cap_last, caps.as_ref().err()),
         ptrace_check(euid, caps.as_ref().ok().copied()),
         pid_namespace_check(std::fs::read_link("/proc/self/ns/pid").map(|link| link.display().to_string())),
-        time_namespace_check(crate::export::clock::time_offsets()),
+        time_namespace_check(crate::util::clock::time_offsets()),
         // Before the eBPF object is loaded: loading raises the limit.
         memlock_check(read_memlock(), version, caps.as_ref().ok().is_some_and(|c| c.has(CAP_SYS_RESOURCE))),
         btf_check(Path::new("/sys/kernel/btf/vmlinux")),

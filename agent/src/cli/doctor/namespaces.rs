@@ -34,7 +34,7 @@ pub fn pid_namespace_check(link: io::Result<String>) -> Check {
 /// A time namespace shifts the agent's clocks, not the kernel's
 /// timestamps: the agent reads its offsets and takes them back out, and
 /// says so, since every time it prints depends on it.
-pub fn time_namespace_check(offsets: crate::export::clock::TimeOffsets) -> Check {
+pub fn time_namespace_check(offsets: crate::util::clock::TimeOffsets) -> Check {
     let check = Check::new(
         "time_namespace",
         false,
@@ -71,7 +71,7 @@ mod tests {
 
     #[test]
     fn a_time_namespace_offset_is_said_with_its_sign() {
-        use crate::export::clock::TimeOffsets;
+        use crate::util::clock::TimeOffsets;
         let host = time_namespace_check(TimeOffsets::default());
         assert_eq!(host.status, Status::Ok);
         assert!(host.detail.contains("no time-namespace offset"), "{}", host.detail);

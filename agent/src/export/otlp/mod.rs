@@ -47,7 +47,7 @@ use tracing::{debug, info, warn};
 
 pub use self::config::{OtlpOptions, OtlpTarget, Protocol};
 use self::{connection::Connection, resources::Resources, sampling::SpanSampler, spans::SpanMaker};
-use super::clock::Clock;
+use crate::util::clock::Clock;
 use crate::{evidence::transport::Evidence, export::workload::Directory, lifecycle::Report};
 
 /// Reports the queue holds; beyond it they are dropped (and counted).

@@ -29,9 +29,9 @@ use sha2::{Digest as _, Sha256};
 
 use crate::{
     evidence::transport::Evidence,
-    export::clock::Clock,
     lifecycle::{Outcome, Report, RequestSnapshot, Stage, StallClass},
     profile::ActivityKind,
+    util::clock::Clock,
 };
 
 use super::sampling::SpanSampler;
