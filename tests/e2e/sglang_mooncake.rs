@@ -225,7 +225,7 @@ fn a_decode_killed_after_answering_fails_its_room_at_once_and_the_other_decode_c
     // The dead decode's later room is never answered; the other decode's
     // rooms all complete, verified.
     let own_later: Vec<u64> =
-        rooms_with(&target, "request").into_iter().filter(|&r| r > fault && (r - fault) % 2 == 0).collect();
+        rooms_with(&target, "request").into_iter().filter(|&r| r > fault && (r - fault).is_multiple_of(2)).collect();
     for room in &own_later {
         assert_eq!(holding["rooms"][room.to_string()], "bootstrapping", "{holding}");
     }

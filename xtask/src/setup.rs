@@ -210,10 +210,9 @@ fn mooncake(sglang_venv: &Path) -> Result<()> {
 /// fails, e.g. on a fresh image with empty package lists).
 fn debian_packages(packages: &[&str], why: &str) -> Result<()> {
     let installed = |package: &str| {
-        Command::new("dpkg-query")
-            .args(["-W", "-f", "${Status}", package])
-            .output()
-            .is_ok_and(|out| out.status.success() && String::from_utf8_lossy(&out.stdout).contains("install ok installed"))
+        Command::new("dpkg-query").args(["-W", "-f", "${Status}", package]).output().is_ok_and(|out| {
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("install ok installed")
+        })
     };
     let missing: Vec<&str> = packages.iter().copied().filter(|p| !installed(p)).collect();
     if missing.is_empty() {
