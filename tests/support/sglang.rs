@@ -1,7 +1,7 @@
 //! tests/sglang/real/prefill.py, SGLang 0.5.23's own disaggregation code
 //! (bootstrap server, NixlKVManager, NixlKVSender and NixlKVReceiver from
-//! the wheel, real NIXL over UCX on loopback, real ZMQ), driven as the
-//! tests drive it: started, set up (its decode processes too), watched,
+//! the wheel, real NIXL over UCX on loopback, real ZMQ), or its Mooncake
+//! twin tests/sglang/mooncake/prefill.py, driven as the tests drive it: started, set up (its decode processes too), watched,
 //! then told `go`; its JSON lines kept with when they were seen.
 use std::{
     process::Command,
@@ -36,11 +36,25 @@ impl Target {
     /// running.
     pub fn start(fault: &str, extra: &[&str], ipc: Ipc) -> Self {
         require_root();
+        Self::spawn("sglang real prefill", "tests/sglang/real/prefill.py", fault, extra, ipc)
+    }
+
+    /// The same on SGLang's Mooncake backend (tests/sglang/mooncake/
+    /// prefill.py: SGLang's Mooncake classes over the real TransferEngine,
+    /// TCP on loopback); its faults add `timeout`. No `--count` default:
+    /// give one in `extra`.
+    pub fn mooncake(fault: &str, extra: &[&str], ipc: Ipc) -> Self {
+        Self::spawn("sglang mooncake prefill", "tests/sglang/mooncake/prefill.py", fault, extra, ipc)
+    }
+
+    fn spawn(name: &str, script: &str, fault: &str, extra: &[&str], ipc: Ipc) -> Self {
+        let count: &[&str] = if extra.contains(&"--count") { &[] } else { &["--count", "12"] };
         let proc = Proc::spawn(
-            "sglang real prefill",
+            name,
             Command::new(sglang_python())
-                .arg(root().join("tests/sglang/real/prefill.py"))
-                .args(["--fault", fault, "--count", "12", "--max-seconds", "90"])
+                .arg(root().join(script))
+                .args(["--fault", fault, "--max-seconds", "90"])
+                .args(count)
                 .args(extra)
                 .env("SGLANG_USE_PICKLE_IPC", if ipc == Ipc::Pickle { "1" } else { "0" }),
         );
@@ -70,6 +84,14 @@ impl Target {
         let decode =
             decodes.iter().find(|d| d["index"] == index).unwrap_or_else(|| panic!("no decode {index}: {}", self.ready));
         (decode["pid"].as_u64().expect("pid") as u32, decode["agent"].as_str().expect("agent").to_owned())
+    }
+
+    /// Decode rank `index`'s pid.
+    pub fn decode_pid(&self, index: u64) -> u32 {
+        let decodes = self.ready["decodes"].as_array().expect("decodes");
+        let decode =
+            decodes.iter().find(|d| d["index"] == index).unwrap_or_else(|| panic!("no decode {index}: {}", self.ready));
+        decode["pid"].as_u64().expect("pid") as u32
     }
 
     /// Read lines until one with `event`; its value.

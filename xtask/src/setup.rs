@@ -21,7 +21,9 @@ pub fn all(python: bool) -> Result<Option<PathBuf>> {
         return Ok(None);
     }
     venv()?;
-    sglang_venv().map(Some)
+    let sglang = sglang_venv()?;
+    mooncake(&sglang)?;
+    Ok(Some(sglang))
 }
 
 /// `rust-src` for the nightly toolchain: `-Z build-std=core` needs it.
@@ -154,6 +156,91 @@ fn sglang_venv() -> Result<PathBuf> {
     write_if_changed(&pointer, &venv.to_string_lossy())?;
     eprintln!("xtask: SGLang venv ready in {}", venv.display());
     Ok(venv)
+}
+
+/// Debian's libraries `mooncake/engine.so` names in DT_NEEDED and the wheel
+/// does not bundle: libibverbs.so.1 (and, through it, libnl). The wheel links
+/// them even for TCP transfers, so `import mooncake.engine` fails without
+/// them.
+const MOONCAKE_DEBIAN_LIBS: [&str; 3] = ["libibverbs1", "libnl-3-200", "libnl-route-3-200"];
+
+/// SGLang's Mooncake backend on top of the SGLang venv (tests/sglang/
+/// mooncake/): Debian's RDMA user-space libraries, installed with apt-get
+/// when missing (needs root), and `mooncake-transfer-engine-non-cuda` from
+/// `tests/sglang/requirements-mooncake.txt`, installed into the SGLang venv
+/// as a layer of its own with its own stamp. A layer, not part of the venv's
+/// hash: on a fresh machine it costs the same (one 46 MB wheel more), and on
+/// a machine whose SGLang venv is already built it costs one `pip install`
+/// instead of rebuilding the 6 GB venv. A new SGLang venv (new hash) has no
+/// stamp, so it gets the layer again.
+fn mooncake(sglang_venv: &Path) -> Result<()> {
+    debian_packages(&MOONCAKE_DEBIAN_LIBS, "SGLang's Mooncake backend (mooncake/engine.so needs libibverbs.so.1)")?;
+    let file = root()?.join("tests/sglang/requirements-mooncake.txt");
+    let wanted = fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
+    let stamp = sglang_venv.join(".stallwatch-mooncake");
+    if fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
+        return Ok(());
+    }
+    let python = sglang_venv.join("bin/python");
+    let wheels = cache_dir()?.join("wheels");
+    fs::create_dir_all(&wheels)?;
+    run(Command::new(&python)
+        .args(["-m", "pip", "download", "--quiet", "--no-deps", "--find-links"])
+        .arg(&wheels)
+        .arg("--dest")
+        .arg(&wheels)
+        .arg("-r")
+        .arg(&file))?;
+    run(Command::new(&python)
+        .args(["-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--find-links"])
+        .arg(&wheels)
+        .arg("-r")
+        .arg(&file))?;
+    run(Command::new(&python).args(["-c", "import mooncake.engine"])).context(
+        "the Mooncake wheel is installed but `import mooncake.engine` fails (see above): check that Debian's \
+         libibverbs1, libnl-3-200 and libnl-route-3-200 are installed",
+    )?;
+    fs::write(&stamp, wanted)?;
+    eprintln!("xtask: Mooncake installed into {}", sglang_venv.display());
+    Ok(())
+}
+
+/// Installs the Debian packages `dpkg-query` does not report installed,
+/// with `apt-get install -y` (after `apt-get update` when the first attempt
+/// fails, e.g. on a fresh image with empty package lists).
+fn debian_packages(packages: &[&str], why: &str) -> Result<()> {
+    let installed = |package: &str| {
+        Command::new("dpkg-query").args(["-W", "-f", "${Status}", package]).output().is_ok_and(|out| {
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("install ok installed")
+        })
+    };
+    let missing: Vec<&str> = packages.iter().copied().filter(|p| !installed(p)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!(
+            "{why}: Debian packages {} are missing and installing them needs root: run `apt-get install -y {}` \
+             as root, or run the xtask as root",
+            missing.join(", "),
+            missing.join(" ")
+        );
+    }
+    let install = || {
+        run(Command::new("apt-get")
+            .args(["install", "-y", "--no-install-recommends"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"))
+    };
+    if install().is_err() {
+        eprintln!("xtask: `apt-get install {}` failed; updating the package lists and trying again", missing.join(" "));
+        run(Command::new("apt-get").arg("update"))?;
+        install().with_context(|| {
+            format!("{why}: installing Debian's {}: check that apt reaches the Debian archive", missing.join(", "))
+        })?;
+    }
+    Ok(())
 }
 
 /// The file, under the workspace root, that holds the SGLang venv's path.

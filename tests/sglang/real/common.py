@@ -1,4 +1,5 @@
-"""What tests/sglang/real/prefill.py and decode.py share: the NIXL build
+"""What tests/sglang/real/prefill.py and decode.py (and the Mooncake target,
+tests/sglang/mooncake/, built on them) share: the NIXL build
 selection, the SGLang process set-up a scheduler process would do (ServerArgs,
 publish), host-memory KV / aux buffers as KVArgs, and the JSON-lines output.
 Nothing here is on the transfer path: SGLang's own classes do the transfers.
@@ -102,9 +103,10 @@ def model_dir():
     return path
 
 
-def publish_server_args(mode, tp_size, tp_rank, bootstrap_port):
+def publish_server_args(mode, tp_size, tp_rank, bootstrap_port, backend="nixl"):
     """What run_scheduler_process does before it builds a Scheduler:
-    ServerArgs for this role, published with the launcher's placement."""
+    ServerArgs for this role and transfer backend ("nixl", "mooncake"),
+    published with the launcher's placement."""
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
@@ -115,7 +117,7 @@ def publish_server_args(mode, tp_size, tp_rank, bootstrap_port):
         host="127.0.0.1",
         tp_size=tp_size,
         disaggregation_mode=mode,
-        disaggregation_transfer_backend="nixl",
+        disaggregation_transfer_backend=backend,
         disaggregation_bootstrap_port=bootstrap_port,
     )
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank, gpu_id=0))

@@ -65,6 +65,15 @@ def main():
     emit("decode_ready", pid=os.getpid(), port=mgr.rank_port, agent=mgr.agent.name, tp_rank=args.tp_rank,
          tp_size=args.tp_size, mla=args.mla, nixl=build, libnixl=common.loaded_libnixl())
 
+    serve(mgr, NixlKVReceiver, KVPoll, pools, np, addr, deadline)
+    os._exit(0)
+
+
+def serve(mgr, receiver_class, KVPoll, pools, np, addr, deadline):
+    """The decode scheduler's prealloc and transfer queues over the rooms the
+    router tells on stdin, until "quit" / EOF or the deadline; shared by
+    every backend's decode (tests/sglang/mooncake/decode.py too): SGLang's
+    receivers are CommonKVReceivers on either backend."""
     POLL_NAMES = {int(getattr(KVPoll, n)): n for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")}
     commands = queue.Queue()
 
@@ -91,7 +100,7 @@ def main():
                 break
             if cmd.get("cmd") == "room":
                 room = int(cmd["room"])
-                receiver = NixlKVReceiver(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room)
+                receiver = receiver_class(mgr=mgr, bootstrap_addr=addr, bootstrap_room=room)
                 if not mgr.try_ensure_parallel_info(addr):
                     log(f"decode: no parallel info from {addr} yet")
                 receiver.init(0)
@@ -133,7 +142,6 @@ def main():
                 if st["pages"] is not None:
                     pools.free(st["pages"], st["aux"])
                 del rooms[room]
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -337,10 +337,11 @@ def load_marker(path):
     return Marker(path)
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="prefill.py", description="SGLang 0.5.23's own prefill/decode KV transfer "
-                                "classes over real NIXL and ZMQ, with seeded faults. JSON lines on stdout.")
-    p.add_argument("--fault", choices=FAULTS, default="none")
+def build_parser(prog="prefill.py", transfer="NIXL", faults=FAULTS):
+    """The target's flags; tests/sglang/mooncake/prefill.py adds its own."""
+    p = argparse.ArgumentParser(prog=prog, description=f"SGLang 0.5.23's own prefill/decode KV transfer "
+                                f"classes over real {transfer} and ZMQ, with seeded faults. JSON lines on stdout.")
+    p.add_argument("--fault", choices=faults, default="none")
     p.add_argument("--fault-room", type=int, default=None)
     p.add_argument("--count", type=int, default=20)
     p.add_argument("--decode-shape", choices=("tp1", "tp2", "mixed"), default="tp1")
@@ -365,10 +366,62 @@ def parse_args(argv):
     p.add_argument("--no-wait", action="store_true")
     p.add_argument("--ucx-tls", default=None)
     p.add_argument("--max-seconds", type=float, default=120.0, help="from 'ready' on (set-up: 180 s, warm-up: 120 s)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 class Target:
+    """The NIXL target. The backend-specific parts are the methods up to
+    `start`, overridden by the Mooncake target (tests/sglang/mooncake/)."""
+
+    # Faults that stop (hang) or kill (decode-dies) the fault room's decode
+    # rank 0 once the room is bootstrapped; later rooms wait until it is done.
+    STOP_FAULTS = ("hang",)
+    KILL_FAULTS = ("decode-dies",)
+    DECODE_SCRIPT = os.path.join(HERE, "decode.py")
+
+    @staticmethod
+    def configure_env(args):
+        """The process environment the transfer library reads at start-up."""
+        if args.ucx_tls is None:
+            os.environ["UCX_TLS"] = "tcp,self"
+        elif args.ucx_tls == "default":
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = args.ucx_tls
+        # Loopback only: SGLang advertises get_local_ip_auto() (else the first
+        # NIC's address) in its frames and /route; UCX's tcp uses lo.
+        os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+    def init_backend(self):
+        """Select the NIXL build, publish the prefill's ServerArgs; SGLang's
+        (bootstrap server, KV manager, sender) classes for this backend."""
+        self.build = common.select_nixl(self.args.nixl)
+        common.publish_server_args("prefill", 1, 0, self.bootstrap_port)
+        from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager, NixlKVSender
+
+        return NixlKVBootstrapServer, NixlKVManager, NixlKVSender
+
+    def decode_args(self):
+        """Backend flags for decode.py."""
+        return ["--nixl", self.args.nixl]
+
+    def worker_of(self, room):
+        """The transfer worker (queue index) SGLang's NIXL manager shards the
+        room's chunks to: sum of the decode ranks' ZMQ ports."""
+        infos = self.mgr.transfer_infos.get(room, {})
+        return sum(i.dst_port for i in infos.values()) % len(self.mgr.transfer_queues)
+
+    def ready_fields(self):
+        return {"nixl": self.build, "libnixl": common.loaded_libnixl(), "agent": self.mgr.agent.name}
+
+    def decode_fields(self, d):
+        return {"agent": d["info"]["agent"]}
+
     def __init__(self, args):
         self.args = args
         self.marker = load_marker(args.marker)
@@ -390,21 +443,19 @@ class Target:
         mla = a.decode_shape != "tp1"
         self.mla = mla
         self.bootstrap_port = free_port()
-        self.build = common.select_nixl(a.nixl)
         import numpy as np
 
         self.np = np
-        common.publish_server_args("prefill", 1, 0, self.bootstrap_port)
+        BootstrapServer, Manager, Sender = self.init_backend()
         from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
-        from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager, NixlKVSender
         from sglang.srt.disaggregation.utils import DisaggregationMode
         from sglang.srt.runtime_context import get_server_args
 
-        self.KVPoll, self.Sender = KVPoll, NixlKVSender
+        self.KVPoll, self.Sender = KVPoll, Sender
         from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
 
         self.FINISH_ABORT, self.FINISH_LENGTH = FINISH_ABORT, FINISH_LENGTH
-        self.server = NixlKVBootstrapServer(host="127.0.0.1", port=self.bootstrap_port)
+        self.server = BootstrapServer(host="127.0.0.1", port=self.bootstrap_port)
         up = time.monotonic() + 30  # the server thread binds; the manager PUTs to it
         while time.monotonic() < up:
             try:
@@ -414,7 +465,7 @@ class Target:
                 time.sleep(0.02)
         self.pools = common.HostPools(np, layers=a.layers, mla=mla, pages=a.pages, page_bytes=a.page_bytes, aux_slots=a.aux_slots)
         kv_args = self.pools.kv_args(KVArgs, engine_rank=0, page_size=a.page_size, mla=mla, kv_head_num=2, total_kv_head_num=2)
-        self.mgr = NixlKVManager(kv_args, DisaggregationMode.PREFILL, get_server_args(), mla)
+        self.mgr = Manager(kv_args, DisaggregationMode.PREFILL, get_server_args(), mla)
         self.addr = f"127.0.0.1:{self.bootstrap_port}"
         import zmq
 
@@ -448,8 +499,8 @@ class Target:
 
     def spawn_decode(self, instance, tp, rank, mla):
         a = self.args
-        cmd = [sys.executable, os.path.join(HERE, "decode.py"), "--bootstrap-port", str(self.bootstrap_port),
-               "--tp-size", str(tp), "--tp-rank", str(rank), "--nixl", a.nixl, "--layers", str(a.layers),
+        cmd = [sys.executable, self.DECODE_SCRIPT, "--bootstrap-port", str(self.bootstrap_port),
+               "--tp-size", str(tp), "--tp-rank", str(rank), *self.decode_args(), "--layers", str(a.layers),
                "--pages", str(a.decode_pages), "--page-bytes", str(a.page_bytes), "--page-size", str(a.page_size),
                "--aux-slots", str(a.aux_slots), "--max-seconds", str(a.max_seconds + 60)]
         if mla:
@@ -661,9 +712,9 @@ class Target:
                         continue
                     st["pages"], st["aux"] = pages, aux
                     st["sender"].init(len(pages), aux)
-                    infos = self.mgr.transfer_infos.get(room, {})
-                    worker = sum(i.dst_port for i in infos.values()) % len(self.mgr.transfer_queues)
-                    st["phase"] = "fault-wait" if room == self.fault_room and a.fault in ("hang", "decode-dies") else "forward"
+                    worker = self.worker_of(room)
+                    held = a.fault in self.STOP_FAULTS + self.KILL_FAULTS
+                    st["phase"] = "fault-wait" if room == self.fault_room and held else "forward"
                     self.moved = now
                     if not st["quiet"]:
                         emit("bootstrapped", room=room, worker=worker)
@@ -671,7 +722,7 @@ class Target:
                 if self.earlier_rooms_done(st):
                     index = self.instances[st["instance"]]["ranks"][0]
                     pid = self.decodes[index]["proc"].pid
-                    if a.fault == "hang":
+                    if a.fault in self.STOP_FAULTS:
                         os.kill(pid, signal.SIGSTOP)
                         self.stopped.append(pid)
                         emit("decode_stopped", decode=index, pid=pid, room=room)
@@ -751,7 +802,7 @@ class Target:
             now = time.monotonic()
             if pending and now >= next_issue:
                 room, instance, mode = pending[0]
-                blocked = (not warmup and a.fault in ("hang", "decode-dies") and self.fault_room is not None
+                blocked = (not warmup and a.fault in self.STOP_FAULTS + self.KILL_FAULTS and self.fault_room is not None
                            and room > self.fault_room and not self.fault_in_place)
                 if not blocked:
                     pending.pop(0)
@@ -793,24 +844,16 @@ class Target:
         emit("holding", rooms=rooms, workers=workers)
 
 
-def main(argv):
-    args = parse_args(argv)
-    if args.ucx_tls is None:
-        os.environ["UCX_TLS"] = "tcp,self"
-    elif args.ucx_tls == "default":
-        os.environ.pop("UCX_TLS", None)
-    else:
-        os.environ["UCX_TLS"] = args.ucx_tls
-    # Loopback only: SGLang advertises get_local_ip_auto() (else the first
-    # NIC's address) in its frames and /route; UCX's tcp uses lo.
-    os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+def main(argv, target_class=Target, args=None):
+    if args is None:
+        args = parse_args(argv)
+    target_class.configure_env(args)
     if args.fault == "bootstrap-timeout":
         os.environ["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] = str(args.bootstrap_timeout)
     common.claim_stdout()
     start = time.monotonic()
     deadline = start + args.max_seconds
-    t = Target(args)
+    t = target_class(args)
     exit_reason = {"reason": None}
 
     def finish(reason, code):
@@ -854,12 +897,12 @@ def main(argv):
         t.fault_room = args.fault_room
     mode_of = {"no-answer": "no-answer", "bootstrap-timeout": "no-answer", "abort": "abort"}
     plan = [(room, inst, mode_of.get(args.fault, "answer") if room == t.fault_room else "answer") for room, inst in plan_rooms]
-    emit("ready", prefill_pid=os.getpid(), sglang="0.5.23", nixl=t.build, libnixl=common.loaded_libnixl(),
-         shape=args.decode_shape, mla=t.mla, agent=t.mgr.agent.name, rank_port=t.mgr.rank_port,
+    emit("ready", prefill_pid=os.getpid(), sglang="0.5.23", **t.ready_fields(),
+         shape=args.decode_shape, mla=t.mla, rank_port=t.mgr.rank_port,
          bootstrap_port=t.bootstrap_port, fault=args.fault, fault_room=t.fault_room,
          instances=[{"instance": i["instance"], "tp": i["tp"], "decodes": i["ranks"]} for i in t.instances],
          decodes=[{"index": d["index"], "instance": d["instance"], "pid": d["proc"].pid, "port": d["info"]["port"],
-                   "tp_size": d["tp_size"], "tp_rank": d["tp_rank"], "agent": d["info"]["agent"], "mla": t.mla}
+                   "tp_size": d["tp_size"], "tp_rank": d["tp_rank"], **t.decode_fields(d), "mla": t.mla}
                   for d in t.decodes])
 
     deadline = time.monotonic() + args.max_seconds  # set-up and warm-up have their own bounds

@@ -1,0 +1,268 @@
+//! The Mooncake test target checked on its own, before any profile stands
+//! on it: tests/sglang/mooncake runs SGLang 0.5.23's MooncakeKVBootstrapServer,
+//! MooncakeKVManager (PREFILL and DECODE), MooncakeKVSender and
+//! MooncakeKVReceiver, unchanged from the wheel, over the real Mooncake
+//! TransferEngine (mooncake-transfer-engine-non-cuda 0.3.13.post1, TCP on
+//! loopback, P2PHANDSHAKE metadata), with one seeded stall per run.
+//!
+//! Each test asserts what the wire and the engine really do for its seed:
+//! the rooms the decodes verified byte for byte, when the prefill's SGLang
+//! code failed a room (measured from the chunk it was failing on), which
+//! rooms wait behind a hung batch on SGLang's own transfer queue, and, where
+//! the engine's busy poll is the whole story, that a thread of the prefill
+//! spins while its batch is hung and none does in a healthy idle run. No
+//! agent runs here: the profile is not built yet (docs/frameworks/
+//! sglang-mooncake.md says what it will stand on).
+use std::{
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use stallwatch_tests::sglang::{Ipc, Target};
+
+/// The engine build the findings (docs/frameworks/sglang-mooncake.md) were
+/// measured on: its BatchDesc and TransferRequest offsets, its Status ABI.
+const ENGINE_BUILD_ID: &str = "0dded685e9e28bcea5c6936d879ad41c30f59f01";
+
+/// Set up and running (`--no-wait`).
+fn run(fault: &str, extra: &[&str]) -> Target {
+    let extra: Vec<&str> = extra.iter().copied().chain(["--no-wait"]).collect();
+    Target::mooncake(fault, &extra, Ipc::Pickle)
+}
+
+/// The JSON lines the target printed so far with `event`.
+fn events(target: &Target, event: &str) -> Vec<Value> {
+    target.lines.iter().filter_map(|l| l.json()).filter(|v| v["event"] == event).collect()
+}
+
+fn rooms_with(target: &Target, event: &str) -> Vec<u64> {
+    events(target, event).iter().map(|v| v["room"].as_u64().expect("room")).collect()
+}
+
+/// The decodes' own verdicts: rooms a decode found Success with every
+/// page and the aux byte-for-byte as the prefill wrote them.
+fn verified(target: &Target) -> Vec<u64> {
+    let statuses = events(target, "decode_status");
+    statuses
+        .iter()
+        .filter(|v| v["status"] == "Success" && v["verified"] == true)
+        .map(|v| v["room"].as_u64().unwrap())
+        .collect()
+}
+
+/// `event` for `room`: from the lines already read, else the next ones.
+fn room_event(target: &mut Target, event: &str, room: u64) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(v) = events(target, event).into_iter().find(|v| v["room"] == room) {
+            return v;
+        }
+        target.until(event, deadline.saturating_duration_since(Instant::now()));
+    }
+}
+
+/// The build id `readelf -n` prints for `path`.
+fn build_id(path: &str) -> String {
+    let out = Command::new("readelf").args(["-n", path]).output().expect("running readelf (binutils)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.trim().strip_prefix("Build ID: "))
+        .unwrap_or_else(|| panic!("no build id in `readelf -n {path}`: {text}"))
+        .to_owned()
+}
+
+/// CPU ticks (utime + stime) of every thread of `pid` but its main thread.
+fn thread_ticks(pid: u32) -> Vec<(u32, u64)> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("reading the target's threads");
+    let mut ticks = Vec::new();
+    for task in tasks.flatten() {
+        let Ok(tid) = task.file_name().to_string_lossy().parse::<u32>() else { continue };
+        if tid == pid {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else { continue };
+        // Fields after the parenthesised comm: state is field 3, utime 14, stime 15.
+        let after = &stat[stat.rfind(')').expect("stat has a comm") + 2..];
+        let fields: Vec<&str> = after.split_whitespace().collect();
+        ticks.push((tid, fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()));
+    }
+    ticks
+}
+
+/// The largest share of one CPU any thread of `pid` other than its main
+/// thread (the scheduler loop, which polls by design) used over `over`.
+fn busiest_thread(pid: u32, over: Duration) -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let before = thread_ticks(pid);
+    std::thread::sleep(over);
+    let after = thread_ticks(pid);
+    let used = |tid: u32, t: u64| before.iter().find(|(b, _)| *b == tid).map_or(0, |(_, b)| t.saturating_sub(*b));
+    after.iter().map(|&(tid, t)| used(tid, t) as f64 / hz / over.as_secs_f64()).fold(0.0, f64::max)
+}
+
+/// `/proc/PID/stat`'s state letter.
+fn state(pid: u32) -> char {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("reading the decode's stat");
+    stat[stat.rfind(')').unwrap() + 2..].chars().next().unwrap()
+}
+
+#[test]
+fn a_healthy_run_completes_every_room_verified_on_the_engine_it_was_measured_on_and_idle_workers_stay_idle() {
+    let mut target = run("none", &["--count", "12", "--decodes", "2", "--hold"]);
+    let engine = target.ready["engine_so"].as_str().expect("engine_so").to_owned();
+    assert!(engine.ends_with("/mooncake/engine.so"), "{}", target.ready);
+    assert_eq!(build_id(&engine), ENGINE_BUILD_ID, "another engine.so than the findings were measured on: {engine}");
+    assert_eq!(target.ready["queue_size"], 4, "SGLang's default SGLANG_DISAGGREGATION_QUEUE_SIZE: {}", target.ready);
+    let done = target.until("done", Duration::from_secs(120));
+    assert_eq!([&done["completed"], &done["failed"], &done["verified"]], [12, 0, 12], "{done}");
+    // Each decode instance's rooms go to the worker SGLang's formula picks
+    // from the session the decode's own engine reports (rpc port % 4): the
+    // same session string the prefill's engine opens.
+    let decodes = target.ready["decodes"].as_array().expect("decodes").clone();
+    let mut used = std::collections::BTreeSet::new();
+    for bootstrapped in events(&target, "bootstrapped") {
+        let room = bootstrapped["room"].as_u64().unwrap();
+        let instance =
+            events(&target, "request").iter().find(|r| r["room"] == room).expect("request")["instance"].clone();
+        let decode = decodes.iter().find(|d| d["instance"] == instance).expect("decode of the instance");
+        let session = decode["session"].as_str().expect("session");
+        let (host, port) = session.rsplit_once(':').expect("ip:port session");
+        assert_eq!(host, "127.0.0.1", "{session}");
+        assert_eq!(bootstrapped["worker"], port.parse::<u64>().unwrap() % 4, "room {room}, session {session}");
+        used.insert(bootstrapped["worker"].as_u64().unwrap());
+    }
+    assert!(used.len() <= 2, "two decodes use at most two of the four workers: {used:?}");
+    // Held after the last room: the idle workers wait in FastQueue.get and
+    // no engine thread spins.
+    let busiest = busiest_thread(target.prefill(), Duration::from_secs(2));
+    assert!(busiest < 0.10, "a thread of an idle prefill used {:.0}% of a CPU", busiest * 100.0);
+    target.proc.write_line("quit");
+}
+
+#[test]
+fn a_batch_to_a_stopped_decode_fails_its_room_at_mc_transfer_timeout_and_the_rooms_queued_behind_it_wait_for_that() {
+    // One transfer worker: every room's chunks queue on it, so the rooms of
+    // decodes 1 and 2 sent after the fault wait behind the hung batch.
+    let mut target = run("timeout", &["--count", "6", "--decodes", "3", "--queue-size", "1", "--settle", "12"]);
+    assert_eq!(target.ready["transfer_timeout"], 5, "{}", target.ready);
+    let fault = target.fault_room();
+    let stopped = target.until("decode_stopped", Duration::from_secs(60));
+    let decode = stopped["pid"].as_u64().unwrap() as u32;
+    stallwatch_tests::wait_for("the decode stopped", Duration::from_secs(5), || (state(decode) == 'T').then_some(()));
+    target.until("chunk", Duration::from_secs(10));
+    // While the batch is hung, the worker's batch_transfer_sync_write spins
+    // on getBatchTransferStatus (about 600 000 polls a second, measured).
+    let busiest = busiest_thread(target.prefill(), Duration::from_secs(2));
+    assert!(busiest > 0.20, "no prefill thread spins on the hung batch: busiest {:.0}%", busiest * 100.0);
+    let done = target.until("done", Duration::from_secs(60));
+    assert_eq!([&done["completed"], &done["failed"]], [5, 1], "{done}");
+    assert_eq!(rooms_with(&target, "failed"), [fault]);
+    let failed = &events(&target, "failed")[0];
+    assert!(failed["reason"].as_str().unwrap().contains(&format!("Failed to send kv chunk of {fault}")), "{failed}");
+    let first_chunk = target.chunk(fault, 0).expect("the fault room's first chunk");
+    let failed_at = target.at("failed", fault);
+    let took = failed_at - first_chunk;
+    assert!(
+        (Duration::from_millis(4800)..Duration::from_secs(9)).contains(&took),
+        "MC_TRANSFER_TIMEOUT=5 s, the room failed {took:?} after its first chunk"
+    );
+    // The rooms behind it: sent after the fault, completed only once the
+    // hung batch gave up, and verified by their decodes.
+    let behind: Vec<u64> = rooms_with(&target, "request").into_iter().filter(|&r| r > fault).collect();
+    assert_eq!(behind.len(), 2, "rooms after the fault: {behind:?}");
+    for room in &behind {
+        let completed = target.at("completed", *room);
+        assert!(
+            completed >= failed_at - Duration::from_millis(50),
+            "room {room} completed before the hung batch failed"
+        );
+        assert!(target.at("bootstrapped", *room) < failed_at, "room {room} was queued while the batch hung");
+    }
+    for room in &behind {
+        room_event(&mut target, "decode_status", *room);
+    }
+    assert!(behind.iter().all(|r| verified(&target).contains(r)), "{:?}", verified(&target));
+}
+
+#[test]
+fn a_decode_stopped_mid_transfer_holds_its_room_and_the_rooms_queued_behind_it_on_the_worker() {
+    // The engine's default timeout (30 s) outlives the run: the batch is hung.
+    let mut target = run("hang", &["--count", "6", "--decodes", "3", "--queue-size", "1", "--settle", "3"]);
+    assert_eq!(target.ready["transfer_timeout"], Value::Null, "{}", target.ready);
+    let fault = target.fault_room();
+    let started = Instant::now();
+    let holding = target.until("holding", Duration::from_secs(60));
+    assert!(started.elapsed() < Duration::from_secs(25), "held before the engine's 30 s timeout");
+    assert_eq!(holding["rooms"][fault.to_string()], "inflight", "{holding}");
+    let queued: Vec<u64> =
+        holding["workers"]["0"].as_array().expect("worker 0").iter().map(|r| r.as_u64().unwrap()).collect();
+    let behind: Vec<u64> = rooms_with(&target, "request").into_iter().filter(|&r| r > fault).collect();
+    assert_eq!(behind.len(), 2, "{behind:?}");
+    for room in &behind {
+        assert_eq!(holding["rooms"][room.to_string()], "inflight", "{holding}");
+        assert!(queued.contains(room), "room {room}'s chunks wait on worker 0: {holding}");
+    }
+    assert!(rooms_with(&target, "failed").is_empty(), "nothing failed yet: {:?}", target.lines);
+    let busiest = busiest_thread(target.prefill(), Duration::from_secs(2));
+    assert!(busiest > 0.20, "no prefill thread spins on the hung batch: busiest {:.0}%", busiest * 100.0);
+    target.proc.write_line("quit");
+}
+
+#[test]
+fn a_decode_killed_after_answering_fails_its_room_at_once_and_the_other_decode_carries_on() {
+    let mut target = run("decode-dies", &["--count", "8", "--decodes", "2", "--settle", "3"]);
+    let fault = target.fault_room();
+    let killed = target.until("decode_killed", Duration::from_secs(60));
+    assert_eq!(killed["room"], fault, "{killed}");
+    let holding = target.until("holding", Duration::from_secs(60));
+    assert_eq!(rooms_with(&target, "failed"), [fault], "{holding}");
+    let took = target.at("failed", fault) - target.at("decode_killed", fault);
+    assert!(took < Duration::from_secs(2), "a killed decode fails the batch at once, not at a timeout: {took:?}");
+    let failed = &events(&target, "failed")[0];
+    assert!(failed["reason"].as_str().unwrap().contains(&format!("Failed to send kv chunk of {fault}")), "{failed}");
+    // The dead decode's later room is never answered; the other decode's
+    // rooms all complete, verified.
+    let own_later: Vec<u64> =
+        rooms_with(&target, "request").into_iter().filter(|&r| r > fault && (r - fault).is_multiple_of(2)).collect();
+    for room in &own_later {
+        assert_eq!(holding["rooms"][room.to_string()], "bootstrapping", "{holding}");
+    }
+    let completed = rooms_with(&target, "completed");
+    assert_eq!(completed.len() + 1 + own_later.len(), 8, "{holding}");
+    assert!(completed.iter().all(|r| verified(&target).contains(r)), "{:?}", target.lines);
+    target.proc.write_line("quit");
+}
+
+#[test]
+fn a_decode_abort_racing_a_chunk_fails_the_room_on_both_sides() {
+    let mut target = run("abort", &["--count", "6", "--decodes", "2"]);
+    let fault = target.fault_room();
+    let done = target.until("done", Duration::from_secs(60));
+    assert_eq!([&done["completed"], &done["failed"], &done["verified"]], [5, 1, 5], "{done}");
+    let abort = target.at("decode_abort_sent", fault);
+    assert!(target.chunk(fault, 0).expect("first chunk") < abort, "the abort came after the first chunk");
+    assert_eq!(rooms_with(&target, "failed"), [fault]);
+    // The room's last chunk is handed to the sender only once the prefill's
+    // manager has the ABORT (the decode's `abort_sent` line reaches us
+    // through the prefill, so it may print after that chunk): it raced the
+    // abort and lost, nothing of it was transferred, both sides failed.
+    assert!(target.chunk(fault, 1).is_some(), "the last chunk was sent");
+    let status = room_event(&mut target, "decode_status", fault);
+    assert_eq!(status["status"], "Failed", "{status}");
+}
+
+#[test]
+fn a_room_whose_decode_never_answers_stays_bootstrapping_with_no_transfer() {
+    let mut target = run("no-answer", &["--count", "6", "--decodes", "2", "--settle", "2"]);
+    let fault = target.fault_room();
+    let holding = target.until("holding", Duration::from_secs(60));
+    assert_eq!(holding["rooms"][fault.to_string()], "bootstrapping", "{holding}");
+    assert!(!rooms_with(&target, "decode_answered").contains(&fault), "the decode never sent the room's destination");
+    assert!(target.chunk(fault, 0).is_none(), "no chunk of an unanswered room");
+    let completed = rooms_with(&target, "completed");
+    assert_eq!(completed.len(), 5, "{holding}");
+    assert!(rooms_with(&target, "failed").is_empty(), "{holding}");
+    target.proc.write_line("quit");
+}
