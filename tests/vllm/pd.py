@@ -213,9 +213,18 @@ class Router:
             if self.args.fault in ("read_hung", "prefill_dies"):
                 break  # one stopped prefill at a time
         emit("routed_all")
+        # Until every request is settled (freed by the prefill, and received
+        # by the decode where it was handed one), the decode exits, or
+        # --max-seconds pass.
+        count = self.args.count if self.args.fault not in ("read_hung", "prefill_dies") else 2
+        reads = count if self.args.fault not in ("never_read", "decode_abort") else 1
         deadline = time.time() + self.args.max_seconds
         while time.time() < deadline:
-            if self.wait(lambda v: v.get("event") == "exited", 0.5) is not None:
+            self.wait(lambda v: False, 0.2)
+            freed = sum(1 for v in self.seen if v.get("event") == "freed")
+            received = sum(1 for v in self.seen if v.get("event") == "received")
+            decode_gone = any(v.get("event") == "exited" and v.get("role") == "decode" for v in self.seen)
+            if (freed >= count and received >= reads) or decode_gone:
                 break
         emit("done")
 
