@@ -252,7 +252,6 @@ def main():
     # stopped prefill hangs it (shared-memory transports would not).
     os.environ.setdefault("UCX_TLS", "tcp,self")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG")
     args.model_dir = tempfile.mkdtemp(prefix="stallwatch-vllm-model-")
     router = Router(args)
     try:
