@@ -126,13 +126,22 @@ fn decode_read_hangs_while_the_prefill_is_stopped() {
 }
 
 #[test]
-fn prefill_killed_mid_read_leaves_the_decode_read_pending() {
+fn prefill_killed_mid_read_fails_the_decode_read() {
     let target = run("prefill_dies", &["--hold", "2", "--max-seconds", "10"]);
-    assert!(!target.events("read_posted", Some("req-1")).is_empty());
-    assert!(target.events("signal", None).iter().any(|(_, v)| v["signal"] == "SIGKILL"));
-    // What vLLM 0.33.0 does over UCX/TCP: neither done nor failed 10 s after
-    // the prefill died; the request stays in WAITING_FOR_REMOTE_KVS.
-    assert!(target.events("received", Some("req-1")).is_empty(), "req-1's READ ended after all: {:?}", target.lines);
+    let posted = target.events("read_posted", Some("req-1"))[0].0;
+    let killed = target.events("signal", None).into_iter().find(|(_, v)| v["signal"] == "SIGKILL");
+    let killed = killed.expect("the router killed the prefill").0;
+    assert!(posted < killed, "the READ was in flight when the prefill died");
+    // What vLLM 0.33.0 does over UCX/TCP 2 s into a hung READ: the READ
+    // fails once the prefill's sockets close, the request is reported
+    // received-with-error and its blocks are freed on the decode.
+    let received = target.events("received", Some("req-1"));
+    assert!(
+        received.len() == 1 && received[0].0 > killed && received[0].1["failed"] == true,
+        "req-1's READ failed after the kill: {:?}",
+        received.iter().map(|(_, v)| v.to_string()).collect::<Vec<_>>()
+    );
+    assert!(target.logged("Skipping KV post-processing for failed request req-1"), "{}", target.proc.stderr());
 }
 
 #[test]
