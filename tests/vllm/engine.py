@@ -52,8 +52,9 @@ What this process supplies instead of a server
   "abort", ...}) from pd.py, events as JSON lines on stdout.
 
 Checked on: vllm 0.33.0, torch 2.14.1 (vLLM's metadata pins 2.14.0; the
-connector path imports no vLLM C extension: `vllm._C` is not built for this
-torch and vLLM only warns), CPython 3.11.7, nixl 1.5.1 (the meta package
+wheel has no `vllm._C` by that name (it ships _C_stable_libtorch.abi3.so),
+so vLLM warns "Failed to import from vllm._C" and goes on; the connector
+runs on 2.14.1), CPython 3.11.7, nixl 1.5.1 (the meta package
 loads nixl_cu13 here, from torch.version.cuda 13.0), pyzmq 27.3.0.
 """
 import argparse
