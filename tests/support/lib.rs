@@ -23,6 +23,8 @@ use serde_json::Value;
 pub mod otlp;
 /// SGLang's own code as a test target (tests/sglang/real).
 pub mod sglang;
+/// vLLM's own NixlConnector as a test target (tests/vllm).
+pub mod vllm;
 
 /// The workspace root.
 pub fn root() -> PathBuf {
@@ -85,6 +87,29 @@ pub fn sglang_python() -> PathBuf {
             "no finished SGLang venv ({}): make it with `cargo run --release -p xtask -- setup --python`",
             venv.map_or_else(
                 || "neither STALLWATCH_SGLANG_VENV nor target/sglang-venv".into(),
+                |v| v.display().to_string()
+            )
+        ),
+    }
+}
+
+/// The vLLM venv's Python (vLLM 0.33.0, torch, NIXL) for tests/vllm/:
+/// STALLWATCH_VLLM_VENV (the xtask sets it), else the venv
+/// `cargo run --release -p xtask -- setup --python` last made or found (its
+/// path in target/vllm-venv).
+pub fn vllm_python() -> PathBuf {
+    let venv = std::env::var_os("STALLWATCH_VLLM_VENV").map(PathBuf::from).or_else(|| {
+        let pointer = std::fs::read_to_string(root().join("target/vllm-venv")).ok()?;
+        Some(PathBuf::from(pointer.trim()))
+    });
+    match venv {
+        Some(venv) if venv.join("bin/python").exists() && venv.join(".stallwatch-requirements").exists() => {
+            venv.join("bin/python")
+        }
+        other => panic!(
+            "no finished vLLM venv ({}): make it with `cargo run --release -p xtask -- setup --python`",
+            other.map_or_else(
+                || "neither STALLWATCH_VLLM_VENV nor target/vllm-venv".into(),
                 |v| v.display().to_string()
             )
         ),

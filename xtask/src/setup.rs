@@ -12,9 +12,17 @@ use crate::steps::{root, run};
 /// The bpf-linker release this project is built and tested with.
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
-/// Everything the build needs, and with `python` the two venvs; returns the
-/// SGLang venv's path then (tests and benches are told it).
-pub fn all(python: bool) -> Result<Option<PathBuf>> {
+/// The venvs outside the repo that tests and benches are told of.
+pub struct Venvs {
+    /// SGLang 0.5.23 (tests/sglang/real/).
+    pub sglang: PathBuf,
+    /// vLLM 0.33.0 (tests/vllm/).
+    pub vllm: PathBuf,
+}
+
+/// Everything the build needs, and with `python` the three venvs; returns the
+/// paths of the two outside the repo then (tests and benches are told them).
+pub fn all(python: bool) -> Result<Option<Venvs>> {
     rust_src()?;
     bpf_linker()?;
     if !python {
@@ -23,7 +31,8 @@ pub fn all(python: bool) -> Result<Option<PathBuf>> {
     venv()?;
     let sglang = sglang_venv()?;
     mooncake(&sglang)?;
-    Ok(Some(sglang))
+    let vllm = vllm_venv()?;
+    Ok(Some(Venvs { sglang, vllm }))
 }
 
 /// `rust-src` for the nightly toolchain: `-Z build-std=core` needs it.
@@ -109,16 +118,33 @@ fn venv() -> Result<()> {
 /// `tests/sglang/requirements{-nodeps,}.txt`. The stamp is written last, so
 /// an interrupted install is redone from scratch.
 fn sglang_venv() -> Result<PathBuf> {
+    cached_venv("sglang", SGLANG_VENV_POINTER)
+}
+
+/// The venv for the vLLM target (tests/vllm/): vLLM 0.33.0's wheel and the
+/// import chain of its NIXL connector on CPU, torch 2.14.1 and NIXL sharing
+/// SGLang's wheels (tests/vllm/requirements-nodeps.txt says why each is
+/// there), in `~/.cache/stallwatch/venv-vllm-<hash>`, made as the SGLang one.
+fn vllm_venv() -> Result<PathBuf> {
+    cached_venv("vllm", VLLM_VENV_POINTER)
+}
+
+/// A venv for `tests/<name>/requirements{-nodeps,}.txt` in
+/// `~/.cache/stallwatch/venv-<name>-<hash of both files>`, every package
+/// installed `--no-deps` from the wheel cache; its path also written to
+/// `pointer` (under the workspace root).
+fn cached_venv(name: &str, pointer: &str) -> Result<PathBuf> {
     let root = root()?;
-    let nodeps = root.join("tests/sglang/requirements-nodeps.txt");
-    let deps = root.join("tests/sglang/requirements.txt");
-    let wanted = format!("{}\n--\n{}", fs::read_to_string(&nodeps)?, fs::read_to_string(&deps)?);
+    let nodeps = root.join(format!("tests/{name}/requirements-nodeps.txt"));
+    let deps = root.join(format!("tests/{name}/requirements.txt"));
+    let read = |path: &Path| fs::read_to_string(path).with_context(|| format!("reading {}", path.display()));
+    let wanted = format!("{}\n--\n{}", read(&nodeps)?, read(&deps)?);
     let cache = cache_dir()?;
-    let venv = cache.join(format!("venv-sglang-{}", sglang_venv_hash(&wanted)));
+    let venv = cache.join(format!("venv-{name}-{}", venv_hash(&wanted)));
     let stamp = venv.join(".stallwatch-requirements");
     // Where tests and benches run by hand (without the xtask's
-    // STALLWATCH_SGLANG_VENV) find it.
-    let pointer = root.join(SGLANG_VENV_POINTER);
+    // STALLWATCH_*_VENV) find it.
+    let pointer = root.join(pointer);
     if fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
         write_if_changed(&pointer, &venv.to_string_lossy())?;
         return Ok(venv);
@@ -154,7 +180,7 @@ fn sglang_venv() -> Result<PathBuf> {
     }
     fs::write(&stamp, wanted)?;
     write_if_changed(&pointer, &venv.to_string_lossy())?;
-    eprintln!("xtask: SGLang venv ready in {}", venv.display());
+    eprintln!("xtask: {name} venv ready in {}", venv.display());
     Ok(venv)
 }
 
@@ -246,6 +272,9 @@ fn debian_packages(packages: &[&str], why: &str) -> Result<()> {
 /// The file, under the workspace root, that holds the SGLang venv's path.
 pub const SGLANG_VENV_POINTER: &str = "target/sglang-venv";
 
+/// The file, under the workspace root, that holds the vLLM venv's path.
+pub const VLLM_VENV_POINTER: &str = "target/vllm-venv";
+
 fn write_if_changed(path: &Path, text: &str) -> Result<()> {
     if fs::read_to_string(path).is_ok_and(|have| have == text) {
         return Ok(());
@@ -256,9 +285,9 @@ fn write_if_changed(path: &Path, text: &str) -> Result<()> {
     fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
-/// FNV-1a 64 of the two requirement files (as `sglang_venv` joins them), 12
+/// FNV-1a 64 of the two requirement files (as `cached_venv` joins them), 12
 /// hex digits.
-fn sglang_venv_hash(text: &str) -> String {
+fn venv_hash(text: &str) -> String {
     let hash =
         text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
     format!("{:012x}", hash >> 16)

@@ -1,0 +1,155 @@
+//! The vLLM target (tests/vllm/) checked on its own, before any profile
+//! watches it: vLLM 0.33.0's NixlPullConnector, scheduler and worker,
+//! unchanged from the wheel, in a prefill and a decode engine on CPU, with
+//! real NIXL READs over UCX loopback and the real ZMQ side-channel
+//! handshake. Each seeded stall must come out as vLLM really behaves, read
+//! from what the engines did (their JSON lines) and what vLLM logged, so
+//! the `vllm` profile's tests stand on a checked target. Nothing here
+//! loads eBPF; the agent is not involved.
+//!
+//! Every run uses a 6 s `kv_lease_duration` (heartbeats every 1 s, each
+//! extending the lease to now + 4 s), request 0 healthy first.
+use std::time::Duration;
+
+use serde_json::Value;
+use stallwatch_tests::vllm::Target;
+
+const LEASE: f64 = 6.0;
+
+fn run(fault: &str, extra: &[&str]) -> Target {
+    let mut target = Target::start(fault, &[&["--lease", "6"], extra].concat());
+    target.go();
+    target.run_to_done(Duration::from_secs(120));
+    target
+}
+
+fn held_s(freed: &Value) -> f64 {
+    freed["held_s"].as_f64().unwrap_or_else(|| panic!("no held_s: {freed}"))
+}
+
+/// Read by the decode, its KV equal to what the prefill wrote, and freed by
+/// the prefill on the decode's notification well before the lease.
+fn assert_read_and_freed(target: &Target, request: &str) {
+    let received = target.one("received", request);
+    assert_eq!(
+        (received["failed"].as_bool(), received["kv_matches"].as_bool()),
+        (Some(false), Some(true)),
+        "{received}"
+    );
+    let freed = target.one("freed", request);
+    assert!(held_s(&freed) < LEASE / 2.0, "{request} freed by its notification, not the lease: {freed}");
+}
+
+#[test]
+fn healthy_run_reads_and_frees_every_request() {
+    let target = run("healthy", &["--count", "3"]);
+    for request in ["req-0", "req-1", "req-2"] {
+        let finished = target.one("finished", request);
+        assert_eq!(finished["delay_free"], true, "the prefill holds the blocks for the decode: {finished}");
+        let params = &finished["params"];
+        assert_eq!(
+            (
+                params["remote_request_id"].as_str(),
+                params["transfer_mode"].as_str(),
+                params["do_remote_prefill"].as_bool()
+            ),
+            (Some(request), Some("pull"), Some(true)),
+            "{params}"
+        );
+        assert_eq!(target.one("read_posted", request)["handles"], 1);
+        assert_read_and_freed(&target, request);
+    }
+    assert!(!target.logged("Releasing expired KV blocks"), "no lease expired in a healthy run");
+    assert!(!target.logged("Potentially invalid KV blocks"), "no unrecognized notification in a healthy run");
+}
+
+#[test]
+fn decode_never_reads_prefill_frees_at_lease_expiry() {
+    let target = run("never_read", &["--count", "2", "--max-seconds", "12"]);
+    assert_read_and_freed(&target, "req-0");
+    assert!(target.events("read_posted", Some("req-1")).is_empty(), "the decode never had req-1");
+    let freed = target.one("freed", "req-1");
+    let held = held_s(&freed);
+    assert!((LEASE - 0.2..LEASE + 2.0).contains(&held), "req-1 held for the lease ({LEASE} s), not {held} s: {freed}");
+    assert!(
+        target.logged("Releasing expired KV blocks for request req-1 which were retrieved by 0 remote worker(s)"),
+        "vLLM's lease-expiry warning: {}",
+        target.proc.stderr()
+    );
+}
+
+#[test]
+fn mismatched_notification_leaves_blocks_held_to_the_lease() {
+    let target = run("mismatch", &["--count", "2", "--max-seconds", "12"]);
+    let received = target.one("received", "req-1");
+    assert_eq!(received["kv_matches"], true, "the READ itself succeeds: {received}");
+    assert!(
+        target.logged("Potentially invalid KV blocks for unrecognized request req-1-x"),
+        "the prefill does not know the notified id: {}",
+        target.proc.stderr()
+    );
+    let held = held_s(&target.one("freed", "req-1"));
+    assert!(held >= LEASE - 0.2, "req-1 held to its lease despite the read, not {held} s");
+    assert!(target.logged("Releasing expired KV blocks for request req-1 which were retrieved by 0"));
+}
+
+#[test]
+fn heartbeats_keep_a_waiting_request_past_its_lease() {
+    let target = run("heartbeat", &["--count", "2", "--hold", "10", "--max-seconds", "12"]);
+    let extended = target.events("lease", Some("req-1")).into_iter().filter(|(_, v)| v["extended"] == true).count();
+    assert!(extended >= 5, "a heartbeat about every second for 10 s, each extending the lease: {extended}");
+    let held = held_s(&target.one("freed", "req-1"));
+    assert!(held >= 10.0, "held past the {LEASE} s lease while the decode waited (10 s), not {held} s");
+    let received = target.one("received", "req-1");
+    assert_eq!(received["kv_matches"], true, "the late read finds the blocks intact: {received}");
+    assert!(!target.logged("Releasing expired KV blocks for request req-1"), "the lease never expired");
+}
+
+#[test]
+fn decode_read_hangs_while_the_prefill_is_stopped() {
+    let target = run("read_hung", &["--hold", "4", "--max-seconds", "12"]);
+    let signal_at = |name: &str| {
+        let found = target.events("signal", None).into_iter().find(|(_, v)| v["signal"] == name);
+        found.unwrap_or_else(|| panic!("no {name} from the router")).0
+    };
+    let (stopped, resumed) = (signal_at("SIGSTOP"), signal_at("SIGCONT"));
+    let posted = target.events("read_posted", Some("req-1"))[0].0;
+    let received = target.events("received", Some("req-1"));
+    assert!(stopped < posted, "the READ was posted to a stopped prefill");
+    assert!(
+        received.len() == 1 && received[0].0 > resumed,
+        "the READ completed only after SIGCONT: {:?}",
+        received.iter().map(|(_, v)| v.to_string()).collect::<Vec<_>>()
+    );
+    assert_eq!(received[0].1["kv_matches"], true);
+    assert!(held_s(&target.one("freed", "req-1")) >= 4.0);
+}
+
+#[test]
+fn prefill_killed_mid_read_fails_the_decode_read() {
+    let target = run("prefill_dies", &["--hold", "2", "--max-seconds", "10"]);
+    let posted = target.events("read_posted", Some("req-1"))[0].0;
+    let killed = target.events("signal", None).into_iter().find(|(_, v)| v["signal"] == "SIGKILL");
+    let killed = killed.expect("the router killed the prefill").0;
+    assert!(posted < killed, "the READ was in flight when the prefill died");
+    // What vLLM 0.33.0 does over UCX/TCP 2 s into a hung READ: the READ
+    // fails once the prefill's sockets close, the request is reported
+    // received-with-error and its blocks are freed on the decode.
+    let received = target.events("received", Some("req-1"));
+    assert!(
+        received.len() == 1 && received[0].0 > killed && received[0].1["failed"] == true,
+        "req-1's READ failed after the kill: {:?}",
+        received.iter().map(|(_, v)| v.to_string()).collect::<Vec<_>>()
+    );
+    assert!(target.logged("Skipping KV post-processing for failed request req-1"), "{}", target.proc.stderr());
+}
+
+#[test]
+fn aborted_decode_request_notifies_the_prefill_without_a_read() {
+    let target = run("decode_abort", &["--count", "2", "--max-seconds", "12"]);
+    assert_eq!(target.one("aborted", "req-1")["role"], "decode");
+    assert!(target.events("read_posted", Some("req-1")).is_empty(), "no READ for an aborted request");
+    let held = held_s(&target.one("freed", "req-1"));
+    assert!(held < LEASE / 2.0, "freed by the abort's notify-only message, not the lease: {held} s");
+    assert!(!target.logged("Releasing expired KV blocks for request req-1"));
+}
