@@ -8,6 +8,7 @@
 //! attach.
 pub mod caps;
 pub mod decode;
+pub mod detach;
 pub mod probes;
 pub mod reactor;
 pub mod ring;

@@ -43,6 +43,7 @@ use tracing::{info, warn};
 
 use super::{
     caps::{CAP_SYS_ADMIN, Caps},
+    detach::{Detached, Detaching, Detachings},
     state::{BpfDir, BpfTables, KernelState, OldLink, PINNED_MAPS},
     uprobe_link::{Linked, Opening, Openings, UprobeLink},
 };
@@ -100,13 +101,23 @@ enum Link {
 impl Link {
     /// Detach now, pinned or not.
     fn detach(self) {
+        drop(self.unpin());
+    }
+
+    /// Remove its pin, if it has one (quick: a file removed), leaving the
+    /// probe attached until what is returned is dropped (slow, see
+    /// [`super::detach`]). `None`: the pin could not be removed, and the
+    /// probe stays attached for the next agent (warned).
+    fn unpin(self) -> Option<Box<dyn Send>> {
         match self {
-            Self::Owned(link) => drop(link),
-            Self::Pinned(link) => {
-                if let Err(err) = link.unpin() {
+            Self::Owned(link) => Some(Box::new(link)),
+            Self::Pinned(link) => match link.unpin() {
+                Ok(link) => Some(Box::new(link)),
+                Err(err) => {
                     warn!("unpinning a probe link: {err}");
+                    None
                 }
-            }
+            },
         }
     }
 }
@@ -128,6 +139,8 @@ pub struct Probes {
     gated: HashMap<u32, Vec<Gated>>,
     /// Openings of gates under way off the loop.
     openings: Openings,
+    /// Processes gone whose links are being dropped off the loop.
+    detachings: Detachings,
     /// Where the maps and links are pinned; `None`: nothing outlives us.
     dir: Option<BpfDir>,
     /// Links a previous agent left pinned, until ours replace them.
@@ -192,6 +205,7 @@ impl Probes {
             links: HashMap::new(),
             gated: HashMap::new(),
             openings: Openings::default(),
+            detachings: Detachings::default(),
             dir,
             old_links,
             retired: std::collections::VecDeque::new(),
@@ -279,7 +293,7 @@ impl Probes {
         }
         let pids: Vec<u32> = self.links.keys().copied().collect();
         for pid in pids {
-            self.detach(pid);
+            self.detach_now(pid);
         }
         dir.remove()?;
         Ok(None)
@@ -301,7 +315,8 @@ impl Probes {
         }
         let result = self.attach_all(&image, profile).and_then(|()| self.arm(pid));
         if result.is_err() {
-            self.detach(pid);
+            // On the loop, as the attach itself is.
+            self.detach_now(pid);
         }
         result.with_context(|| format!("attaching profile {} to pid {pid}", profile.origin))?;
         Ok(self.slots().filter(|(_, slot)| slot.pid == pid).count())
@@ -623,42 +638,57 @@ impl Probes {
         RingBuf::try_from(take_map(&mut self.ebpf, "EXECS")?).context("EXECS is not a ring buffer")
     }
 
-    /// Detach every probe of `pid` (the process exited or stopped matching)
-    /// and free its slots.
-    pub fn detach(&mut self, pid: u32) {
+    /// Detach every probe of `pid` (the process exited or stopped matching):
+    /// on the loop, only what is quick. Its slots are silenced (a hit still
+    /// running reads an empty config: `no_slot`, never a successor's
+    /// meaning) and their final counts kept; its pins are removed now, so a
+    /// hand-over never takes over a gone process's links. The links
+    /// themselves are returned, for [`Detaching::drop_links`] off the loop
+    /// (it can take the kernel seconds); the slots stay out of reuse until
+    /// [`Self::detached`] says they are gone.
+    pub fn detach(&mut self, pid: u32) -> Detaching {
         // Newest first: a return slot's return half goes before its entry
         // half, as in `release_old_links`.
-        for link in self.links.remove(&pid).unwrap_or_default().into_iter().rev() {
-            link.detach();
-        }
+        let mut links: Vec<Box<dyn Send>> =
+            self.links.remove(&pid).unwrap_or_default().into_iter().rev().filter_map(Link::unpin).collect();
         // Their final counts say whether the progress probes were on.
         let finals: Vec<ProbeHits> = self
             .slots()
             .filter(|(_, slot)| slot.pid == pid)
             .filter_map(|(index, slot)| self.probe_hit(index, slot).ok())
             .collect();
-        // Now, not off the loop: the slots are freed below, and a link
-        // still live would count its hits on a successor's slot. Those of
-        // an opening under way are freed once its links are gone.
-        drop(self.gated.remove(&pid));
-        let held = self.openings.orphan(pid);
+        let gated = self.gated.remove(&pid).unwrap_or_default();
+        links.extend(gated.into_iter().filter_map(|probe| probe.link).map(|link| Box::new(link) as Box<dyn Send>));
+        // Those of an opening under way are freed once its links are back.
+        let opening = self.openings.orphan(pid);
         for hits in finals {
             if self.retired.len() == MAX_SLOTS as usize {
                 self.retired.pop_front();
             }
             self.retired.push_back(hits);
         }
+        let mut held = Vec::new();
         for (index, slot) in self.slots.iter_mut().enumerate() {
             if slot.as_ref().is_some_and(|slot| slot.pid == pid) {
                 *slot = None;
-                // A hit still running reads an empty config: counted as
-                // `no_slot`, never decoded with a successor's meaning.
                 let _ = self.slots_map.set(index as u32, SlotConfig::default(), 0);
-                if !held.contains(&(index as u32)) {
-                    self.free.push(index as u32);
-                }
+                held.push(index as u32);
             }
         }
+        Detaching::new(self.detachings.begin(held, &opening), pid, links)
+    }
+
+    /// A detaching's links are gone: its slots are free.
+    pub fn detached(&mut self, detached: &Detached) {
+        self.free.extend(self.detachings.end(detached.id()));
+    }
+
+    /// [`Self::detach`] and drop the links here: where blocking does not
+    /// matter (a failed attach, on the loop as the attach is; the agent's
+    /// end).
+    fn detach_now(&mut self, pid: u32) {
+        let detached = self.detach(pid).drop_links();
+        self.detached(&detached);
     }
 
     /// The slots in use, with their indices.
