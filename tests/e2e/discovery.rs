@@ -70,7 +70,8 @@ fn a_process_exiting_holds_back_no_other_process_stall() {
     let agent = Agent::discover(&["--cmdline", "demo-prefill .*--duration 37s"], "demo", "1s", &[]);
     let mut seen = Vec::new();
     let (mut late_ms, mut stalls, mut gone) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..ROUNDS {
+    let mut still = None;
+    for round in 0..ROUNDS {
         let mut stalled = Demo::start(STALLED);
         let mut exiting = Demo::start(HEALTHY);
         agent.wait_watching(stalled.proc.pid());
@@ -88,7 +89,13 @@ fn a_process_exiting_holds_back_no_other_process_stall() {
         eprintln!("stall lateness (silent_ms - timeout): {} ms", silent.saturating_sub(TIMEOUT_MS));
         stalls.push(stall);
         drop(exiting);
-        drop(stalled);
+        // The last round's is still watched at the hand-over below.
+        if round + 1 < ROUNDS {
+            drop(stalled);
+            gone.push(pid);
+        } else {
+            still = Some(stalled);
+        }
     }
     let stderr = agent.proc.stderr();
     let detach_ms: Vec<&str> = stderr
@@ -105,10 +112,29 @@ fn a_process_exiting_holds_back_no_other_process_stall() {
         assert!(stall["silent_ms"].as_u64().expect("silent_ms") < TIMEOUT_MS + 1_000, "{late_ms:?}: {stall}");
     }
     // The gone processes' probes did go (off the loop, with a word).
-    for pid in gone {
+    for pid in &gone {
         agent.proc.wait_stderr(&format!("pid={pid} links="), WAIT);
     }
-    seen.extend(agent.stop());
+    // A hand-over (SIGTERM keeps the probes for the next agent) keeps the
+    // links of the process still running, none of a process gone.
+    let still = still.expect("the last round's demo");
+    let mut agent = agent;
+    let dir = agent.bpf_dir.take().expect("the agent's bpf directory");
+    seen.extend(agent.stop_with(libc::SIGTERM));
+    let pins: Vec<String> = std::fs::read_dir(&dir)
+        .map(|layouts| {
+            layouts
+                .filter_map(Result::ok)
+                .filter_map(|layout| std::fs::read_dir(layout.path().join("links")).ok())
+                .flatten()
+                .filter_map(Result::ok)
+                .map(|pin| pin.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    let live = format!("-pid{}-", still.proc.pid());
+    assert!(!pins.is_empty() && pins.iter().all(|pin| pin.contains(&live)), "{live}: {pins:?}");
     assert_eq!(summary(&seen)["stalled"], ROUNDS as u64, "{}", summary(&seen));
 }
 

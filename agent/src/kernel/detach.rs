@@ -12,7 +12,9 @@
 //! and only then, with [`super::Probes::detached`], are the process's slots
 //! free. Until then a hit of a link still going reads a cleared config
 //! (`no_slot`), never a successor's meaning: an exec'd process can map the
-//! same library again, and its old links fire on it.
+//! same library again, and its old links fire on it. The links of a gate
+//! opening that comes back after its process is gone go the same way
+//! ([`super::Probes::end_opening`]).
 use std::{
     collections::{HashMap, HashSet},
     time::{Duration, Instant},

@@ -589,16 +589,16 @@ impl Probes {
     }
 
     /// Take what [`Opening::link`] made: the links become the process's
-    /// (`Ok(true)`), or go at once if it was detached meanwhile
-    /// (`Ok(false)`); a failure linked nothing (all or nothing).
-    pub fn end_opening(&mut self, linked: Linked) -> Result<bool> {
+    /// (`Ok(None)`), or, if it was detached meanwhile, are returned to drop
+    /// off the loop as its other links were (`Ok(Some)`: the slots are
+    /// free once they are gone); a failure linked nothing (all or nothing).
+    pub fn end_opening(&mut self, linked: Linked) -> Result<Option<Detaching>> {
         let (id, links) = linked.into_parts();
         let flight = self.openings.end(id).ok_or_else(|| anyhow!("no opening {id} is under way"))?;
         if flight.orphaned {
-            // Here, not off the loop: the slots are free once these are gone.
-            drop(links);
-            self.free.extend(flight.indices);
-            return Ok(false);
+            let links = links.unwrap_or_default().into_iter().map(|(_, link)| Box::new(link) as Box<dyn Send>);
+            let id = self.detachings.begin(flight.indices, &HashSet::new());
+            return Ok(Some(Detaching::new(id, flight.pid, links.collect())));
         }
         let gated = self.gated.entry(flight.pid).or_default();
         for (index, link) in links? {
@@ -606,7 +606,7 @@ impl Probes {
                 probe.link = Some(link);
             }
         }
-        Ok(true)
+        Ok(None)
     }
 
     /// Unlink every progress probe of `pid`; its slots stay its own, so

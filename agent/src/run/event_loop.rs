@@ -210,7 +210,7 @@ impl EventLoop {
                 query = self.queries.next() => self.on_query(query),
                 linked = self.session.opener.linked() => {
                     let session = &mut self.session;
-                    session.opener.finish(linked, &mut session.probes, &mut session.transport);
+                    session.opener.finish(linked, &mut session.probes, &mut session.transport, &mut session.detacher);
                     Flow::Continue
                 }
                 detached = self.session.detacher.detached() => self.on_detached(&detached),
