@@ -4,8 +4,9 @@
 //! `lifecycle_return`). Each probe of a profile attached to a pid becomes a
 //! *slot*: a [`SlotConfig`] written to the `SLOTS` map at the slot's index,
 //! and one or two uprobe attachments whose cookie is that index. Slots are
-//! reused once their process is detached: events name their own stage, so
-//! nothing in the ring buffer depends on what a slot meant.
+//! reused once their process is detached and its links are gone (dropped
+//! off the event loop, see [`super::detach`]): events name their own
+//! stage, so nothing in the ring buffer depends on what a slot meant.
 //!
 //! With a [`BpfDir`], the maps are pinned there (or taken over from a
 //! previous agent) and every link is pinned as it is made, so the probes
@@ -337,8 +338,8 @@ impl Probes {
         Ok(())
     }
 
-    /// Silence every slot of `pid` before [`Self::detach`], which takes
-    /// tens of ms a link: a process that exec'd the same program again
+    /// Silence every slot of `pid` before [`Self::detach`], whose links go
+    /// one by one (tens of ms to seconds a link): a process that exec'd the same program again
     /// keeps hitting the old probes meanwhile, one stage fewer with each
     /// link gone. The reverse of [`Self::arm`]: those that start a request
     /// first.
