@@ -53,6 +53,92 @@ fn running_later_and_restarted_processes_are_all_watched() {
 }
 
 #[test]
+fn a_process_exiting_holds_back_no_other_process_stall() {
+    require_root();
+    // Detaching a process's probes waits for the kernel's grace periods
+    // (~0.1 s a link, seconds at worst): done on the event loop, one
+    // process exiting made another's stall, due meanwhile, late. Each
+    // round: two demos, one with a request waiting for its peer (due
+    // ~1.1 s after `go`), the other killed just before that stall is due.
+    const ROUNDS: usize = 5;
+    const TIMEOUT_MS: u64 = 1000;
+    // A duration of their own: `--exe demo-prefill` would watch other
+    // tests' demos too, on a shared host.
+    const STALLED: &[&str] =
+        &["--rate", "200", "--duration", "37s", "--inject-after", "100ms", "--waiting-for-peer", "1"];
+    const HEALTHY: &[&str] = &["--rate", "200", "--duration", "37s"];
+    let agent = Agent::discover(&["--cmdline", "demo-prefill .*--duration 37s"], "demo", "1s", &[]);
+    let mut seen = Vec::new();
+    let (mut late_ms, mut stalls, mut gone) = (Vec::new(), Vec::new(), Vec::new());
+    let mut still = None;
+    for round in 0..ROUNDS {
+        let mut stalled = Demo::start(STALLED);
+        let mut exiting = Demo::start(HEALTHY);
+        agent.wait_watching(stalled.proc.pid());
+        agent.wait_watching(exiting.proc.pid());
+        stalled.go();
+        exiting.go();
+        std::thread::sleep(Duration::from_millis(1_000));
+        exiting.proc.signal(libc::SIGKILL);
+        gone.push(exiting.proc.pid());
+        let pid = stalled.proc.pid();
+        agent.wait_until("the stall of the demo still running", WAIT, &mut seen, |s| stall_of(s, pid).is_some());
+        let stall = stall_of(&seen, pid).expect("the stall");
+        let silent = stall["silent_ms"].as_u64().expect("silent_ms");
+        late_ms.push(silent.saturating_sub(TIMEOUT_MS));
+        eprintln!("stall lateness (silent_ms - timeout): {} ms", silent.saturating_sub(TIMEOUT_MS));
+        stalls.push(stall);
+        drop(exiting);
+        // The last round's is still watched at the hand-over below.
+        if round + 1 < ROUNDS {
+            drop(stalled);
+            gone.push(pid);
+        } else {
+            still = Some(stalled);
+        }
+    }
+    let stderr = agent.proc.stderr();
+    let detach_ms: Vec<&str> = stderr
+        .lines()
+        .filter(|line| line.contains("probes of a process gone detached"))
+        .filter_map(|line| line.split("detach_ms=").nth(1))
+        .map(|rest| rest.split_whitespace().next().unwrap_or(rest))
+        .collect();
+    eprintln!("stall lateness per round, ms: {late_ms:?}; detach_ms of the processes gone: {detach_ms:?}");
+    for stall in &stalls {
+        assert_eq!(stall["class"], "waiting_for_peer", "{stall}");
+        // Within timeout + 1 s of its last event, the bound (the
+        // figures measured are printed, not bounded tighter).
+        assert!(stall["silent_ms"].as_u64().expect("silent_ms") < TIMEOUT_MS + 1_000, "{late_ms:?}: {stall}");
+    }
+    // The gone processes' probes did go (off the loop, with a word).
+    for pid in &gone {
+        agent.proc.wait_stderr(&format!("pid={pid} links="), WAIT);
+    }
+    // A hand-over (SIGTERM keeps the probes for the next agent) keeps the
+    // links of the process still running, none of a process gone.
+    let still = still.expect("the last round's demo");
+    let mut agent = agent;
+    let dir = agent.bpf_dir.take().expect("the agent's bpf directory");
+    seen.extend(agent.stop_with(libc::SIGTERM));
+    let pins: Vec<String> = std::fs::read_dir(&dir)
+        .map(|layouts| {
+            layouts
+                .filter_map(Result::ok)
+                .filter_map(|layout| std::fs::read_dir(layout.path().join("links")).ok())
+                .flatten()
+                .filter_map(Result::ok)
+                .map(|pin| pin.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    let live = format!("-pid{}-", still.proc.pid());
+    assert!(!pins.is_empty() && pins.iter().all(|pin| pin.contains(&live)), "{live}: {pins:?}");
+    assert_eq!(summary(&seen)["stalled"], ROUNDS as u64, "{}", summary(&seen));
+}
+
+#[test]
 fn a_library_loaded_after_exec_is_found_and_watched() {
     require_root();
     // Python exec's first and imports NIXL (dlopen of libnixl.so) later:

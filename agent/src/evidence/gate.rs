@@ -31,6 +31,7 @@ use super::transport::Tracker;
 use crate::{
     kernel::{
         Probes,
+        detach::Detacher,
         uprobe_link::{Linked, Opening},
     },
     util::clock::monotonic_ns,
@@ -167,13 +168,14 @@ impl Opener {
     /// Take an opening's links: the process's progress probes are on, and
     /// counted from now (the calls made while they were being linked fall
     /// before the window, which is then never longer than the time they
-    /// were on).
-    pub fn finish(&mut self, linked: Linked, probes: &mut Probes, transport: &mut Tracker) {
+    /// were on). Those of a process detached meanwhile go through
+    /// `detacher`, off the loop as its other links did.
+    pub fn finish(&mut self, linked: Linked, probes: &mut Probes, transport: &mut Tracker, detacher: &mut Detacher) {
         let (pid, took) = (linked.pid(), linked.took());
         let since = monotonic_ns();
         let sampled = transport.sample(probes, since);
         match probes.end_opening(linked) {
-            Ok(true) => {
+            Ok(None) => {
                 self.failures.forget(pid);
                 match sampled {
                     Ok(()) => transport.progress_attached(pid, Some(since)),
@@ -189,7 +191,7 @@ impl Opener {
                     "progress probes attached: a request of the process is near its stall"
                 );
             }
-            Ok(false) => {}
+            Ok(Some(orphaned)) => detacher.start(orphaned),
             Err(err) => self.failed(pid, &format!("{err:#}")),
         }
     }

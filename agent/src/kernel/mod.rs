@@ -5,9 +5,11 @@
 //! Inside, each module uses only the ones listed before it: `decode` <-
 //! `state` <- `probes` <- `ring`; [`reactor`] registers kernel file
 //! descriptors with tokio, [`caps`] says whether this process may load and
-//! attach.
+//! attach; [`uprobe_link`] links and [`detach`] unlinks probes off the
+//! event loop (the kernel can take seconds at either).
 pub mod caps;
 pub mod decode;
+pub mod detach;
 pub mod probes;
 pub mod reactor;
 pub mod ring;

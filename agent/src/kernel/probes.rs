@@ -4,8 +4,9 @@
 //! `lifecycle_return`). Each probe of a profile attached to a pid becomes a
 //! *slot*: a [`SlotConfig`] written to the `SLOTS` map at the slot's index,
 //! and one or two uprobe attachments whose cookie is that index. Slots are
-//! reused once their process is detached: events name their own stage, so
-//! nothing in the ring buffer depends on what a slot meant.
+//! reused once their process is detached and its links are gone (dropped
+//! off the event loop, see [`super::detach`]): events name their own
+//! stage, so nothing in the ring buffer depends on what a slot meant.
 //!
 //! With a [`BpfDir`], the maps are pinned there (or taken over from a
 //! previous agent) and every link is pinned as it is made, so the probes
@@ -43,6 +44,7 @@ use tracing::{info, warn};
 
 use super::{
     caps::{CAP_SYS_ADMIN, Caps},
+    detach::{Detached, Detaching, Detachings},
     state::{BpfDir, BpfTables, KernelState, OldLink, PINNED_MAPS},
     uprobe_link::{Linked, Opening, Openings, UprobeLink},
 };
@@ -100,13 +102,23 @@ enum Link {
 impl Link {
     /// Detach now, pinned or not.
     fn detach(self) {
+        drop(self.unpin());
+    }
+
+    /// Remove its pin, if it has one (quick: a file removed), leaving the
+    /// probe attached until what is returned is dropped (slow, see
+    /// [`super::detach`]). `None`: the pin could not be removed, and the
+    /// probe stays attached for the next agent (warned).
+    fn unpin(self) -> Option<Box<dyn Send>> {
         match self {
-            Self::Owned(link) => drop(link),
-            Self::Pinned(link) => {
-                if let Err(err) = link.unpin() {
+            Self::Owned(link) => Some(Box::new(link)),
+            Self::Pinned(link) => match link.unpin() {
+                Ok(link) => Some(Box::new(link)),
+                Err(err) => {
                     warn!("unpinning a probe link: {err}");
+                    None
                 }
-            }
+            },
         }
     }
 }
@@ -128,6 +140,8 @@ pub struct Probes {
     gated: HashMap<u32, Vec<Gated>>,
     /// Openings of gates under way off the loop.
     openings: Openings,
+    /// Processes gone whose links are being dropped off the loop.
+    detachings: Detachings,
     /// Where the maps and links are pinned; `None`: nothing outlives us.
     dir: Option<BpfDir>,
     /// Links a previous agent left pinned, until ours replace them.
@@ -192,6 +206,7 @@ impl Probes {
             links: HashMap::new(),
             gated: HashMap::new(),
             openings: Openings::default(),
+            detachings: Detachings::default(),
             dir,
             old_links,
             retired: std::collections::VecDeque::new(),
@@ -279,7 +294,7 @@ impl Probes {
         }
         let pids: Vec<u32> = self.links.keys().copied().collect();
         for pid in pids {
-            self.detach(pid);
+            self.detach_now(pid);
         }
         dir.remove()?;
         Ok(None)
@@ -301,7 +316,8 @@ impl Probes {
         }
         let result = self.attach_all(&image, profile).and_then(|()| self.arm(pid));
         if result.is_err() {
-            self.detach(pid);
+            // On the loop, as the attach itself is.
+            self.detach_now(pid);
         }
         result.with_context(|| format!("attaching profile {} to pid {pid}", profile.origin))?;
         Ok(self.slots().filter(|(_, slot)| slot.pid == pid).count())
@@ -322,8 +338,8 @@ impl Probes {
         Ok(())
     }
 
-    /// Silence every slot of `pid` before [`Self::detach`], which takes
-    /// tens of ms a link: a process that exec'd the same program again
+    /// Silence every slot of `pid` before [`Self::detach`], whose links go
+    /// one by one (tens of ms to seconds a link): a process that exec'd the same program again
     /// keeps hitting the old probes meanwhile, one stage fewer with each
     /// link gone. The reverse of [`Self::arm`]: those that start a request
     /// first.
@@ -574,16 +590,16 @@ impl Probes {
     }
 
     /// Take what [`Opening::link`] made: the links become the process's
-    /// (`Ok(true)`), or go at once if it was detached meanwhile
-    /// (`Ok(false)`); a failure linked nothing (all or nothing).
-    pub fn end_opening(&mut self, linked: Linked) -> Result<bool> {
+    /// (`Ok(None)`), or, if it was detached meanwhile, are returned to drop
+    /// off the loop as its other links were (`Ok(Some)`: the slots are
+    /// free once they are gone); a failure linked nothing (all or nothing).
+    pub fn end_opening(&mut self, linked: Linked) -> Result<Option<Detaching>> {
         let (id, links) = linked.into_parts();
         let flight = self.openings.end(id).ok_or_else(|| anyhow!("no opening {id} is under way"))?;
         if flight.orphaned {
-            // Here, not off the loop: the slots are free once these are gone.
-            drop(links);
-            self.free.extend(flight.indices);
-            return Ok(false);
+            let links = links.unwrap_or_default().into_iter().map(|(_, link)| Box::new(link) as Box<dyn Send>);
+            let id = self.detachings.begin(flight.indices, &HashSet::new());
+            return Ok(Some(Detaching::new(id, flight.pid, links.collect())));
         }
         let gated = self.gated.entry(flight.pid).or_default();
         for (index, link) in links? {
@@ -591,7 +607,7 @@ impl Probes {
                 probe.link = Some(link);
             }
         }
-        Ok(true)
+        Ok(None)
     }
 
     /// Unlink every progress probe of `pid`; its slots stay its own, so
@@ -623,42 +639,57 @@ impl Probes {
         RingBuf::try_from(take_map(&mut self.ebpf, "EXECS")?).context("EXECS is not a ring buffer")
     }
 
-    /// Detach every probe of `pid` (the process exited or stopped matching)
-    /// and free its slots.
-    pub fn detach(&mut self, pid: u32) {
+    /// Detach every probe of `pid` (the process exited or stopped matching):
+    /// on the loop, only what is quick. Its slots are silenced (a hit still
+    /// running reads an empty config: `no_slot`, never a successor's
+    /// meaning) and their final counts kept; its pins are removed now, so a
+    /// hand-over never takes over a gone process's links. The links
+    /// themselves are returned, for [`Detaching::drop_links`] off the loop
+    /// (it can take the kernel seconds); the slots stay out of reuse until
+    /// [`Self::detached`] says they are gone.
+    pub fn detach(&mut self, pid: u32) -> Detaching {
         // Newest first: a return slot's return half goes before its entry
         // half, as in `release_old_links`.
-        for link in self.links.remove(&pid).unwrap_or_default().into_iter().rev() {
-            link.detach();
-        }
+        let mut links: Vec<Box<dyn Send>> =
+            self.links.remove(&pid).unwrap_or_default().into_iter().rev().filter_map(Link::unpin).collect();
         // Their final counts say whether the progress probes were on.
         let finals: Vec<ProbeHits> = self
             .slots()
             .filter(|(_, slot)| slot.pid == pid)
             .filter_map(|(index, slot)| self.probe_hit(index, slot).ok())
             .collect();
-        // Now, not off the loop: the slots are freed below, and a link
-        // still live would count its hits on a successor's slot. Those of
-        // an opening under way are freed once its links are gone.
-        drop(self.gated.remove(&pid));
-        let held = self.openings.orphan(pid);
+        let gated = self.gated.remove(&pid).unwrap_or_default();
+        links.extend(gated.into_iter().filter_map(|probe| probe.link).map(|link| Box::new(link) as Box<dyn Send>));
+        // Those of an opening under way are freed once its links are back.
+        let opening = self.openings.orphan(pid);
         for hits in finals {
             if self.retired.len() == MAX_SLOTS as usize {
                 self.retired.pop_front();
             }
             self.retired.push_back(hits);
         }
+        let mut held = Vec::new();
         for (index, slot) in self.slots.iter_mut().enumerate() {
             if slot.as_ref().is_some_and(|slot| slot.pid == pid) {
                 *slot = None;
-                // A hit still running reads an empty config: counted as
-                // `no_slot`, never decoded with a successor's meaning.
                 let _ = self.slots_map.set(index as u32, SlotConfig::default(), 0);
-                if !held.contains(&(index as u32)) {
-                    self.free.push(index as u32);
-                }
+                held.push(index as u32);
             }
         }
+        Detaching::new(self.detachings.begin(held, &opening), pid, links)
+    }
+
+    /// A detaching's links are gone: its slots are free.
+    pub fn detached(&mut self, detached: &Detached) {
+        self.free.extend(self.detachings.end(detached.id()));
+    }
+
+    /// [`Self::detach`] and drop the links here: where blocking does not
+    /// matter (a failed attach, on the loop as the attach is; the agent's
+    /// end).
+    fn detach_now(&mut self, pid: u32) {
+        let detached = self.detach(pid).drop_links();
+        self.detached(&detached);
     }
 
     /// The slots in use, with their indices.

@@ -27,7 +27,7 @@ use super::{
 use crate::{
     evidence::status::{self, StatusReader},
     export::metrics::Scrape,
-    kernel::{KernelCounters, Releasing, reactor},
+    kernel::{KernelCounters, Releasing, detach::Detached, reactor},
     query::{QueryServer, SocketPlace, server::Pending as QueryPending},
     util::clock::{Clock, monotonic_ns},
 };
@@ -210,15 +210,22 @@ impl EventLoop {
                 query = self.queries.next() => self.on_query(query),
                 linked = self.session.opener.linked() => {
                     let session = &mut self.session;
-                    session.opener.finish(linked, &mut session.probes, &mut session.transport);
+                    session.opener.finish(linked, &mut session.probes, &mut session.transport, &mut session.detacher);
                     Flow::Continue
                 }
+                detached = self.session.detacher.detached() => self.on_detached(&detached),
                 released = released(&mut self.releasing) => self.on_released(released)?,
                 () = self.stops.next() => Flow::Stop,
             };
             if flow == Flow::Stop || self.after_turn()? == Flow::Stop {
                 break;
             }
+        }
+        // The links of processes gone too: their slots are then free, and
+        // none of them still fires when the next agent reuses a slot.
+        while self.session.detacher.under_way() > 0 {
+            let detached = self.session.detacher.detached().await;
+            self.on_detached(&detached);
         }
         // The previous agent's links go before this one's state is left.
         if let Some(mut releasing) = self.releasing.take() {
@@ -336,6 +343,18 @@ impl EventLoop {
         session.sync();
         session.engine.catch_up(None, &mut withheld_in(&session.state));
         self.queries.answer(query, &session.engine, &session.transport, &session.signals, monotonic_ns());
+        Flow::Continue
+    }
+
+    /// The links of a process gone are: its slots are free.
+    fn on_detached(&mut self, detached: &Detached) -> Flow {
+        self.session.probes.detached(detached);
+        info!(
+            pid = detached.pid(),
+            links = detached.links(),
+            detach_ms = format_args!("{:.1}", detached.took().as_secs_f64() * 1e3),
+            "probes of a process gone detached"
+        );
         Flow::Continue
     }
 

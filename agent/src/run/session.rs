@@ -28,6 +28,7 @@ use crate::{
     frameworks::signals::Signals,
     kernel::{
         Probes,
+        detach::Detacher,
         ring::{EventReader, Losses},
         state::{BpfDir, KernelState},
     },
@@ -45,6 +46,8 @@ pub(super) struct Session {
     pub(super) gate: Gate,
     /// Links them off the loop.
     pub(super) opener: Opener,
+    /// Drops the links of processes gone off the loop.
+    pub(super) detacher: Detacher,
     /// Alert lines, handed to stdout's writer thread ([`LineQueue`]).
     pub(super) alerts: AlertWriter<LineQueue>,
     /// Dropped alert lines the last warning covered.
@@ -109,6 +112,7 @@ impl Session {
             transport: Tracker::new(limits.timeout_ns),
             gate: Gate::new(limits.timeout_ns, limits.tick_ns),
             opener: Opener::default(),
+            detacher: Detacher::default(),
             alerts,
             alert_drops: Warned::default(),
             telemetry,
@@ -451,7 +455,9 @@ impl Session {
         if let Err(err) = self.state.forget_process(pid) {
             warn!(pid, "dropping the kernel's in-flight entries of an exited process: {err:#}");
         }
-        self.probes.detach(pid);
+        // Its links go off the loop (seconds, at worst): every other
+        // process's stalls come due meanwhile.
+        self.detacher.start(self.probes.detach(pid));
         // Its requests' reports carry no transport evidence (only stalls do).
         self.transport.forget(pid);
         self.signals.forget(pid);
