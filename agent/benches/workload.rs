@@ -95,7 +95,7 @@ fn main() -> Result<()> {
     // Pods: one list, indexed; then every container found from the cache.
     let body = pod_list(pods);
     let port = serve(body.clone())?;
-    let source = Source::parse(&format!("http://127.0.0.1:{port}"), Some("gpu-node-1".into()))?;
+    let source = Source::parse(&format!("http://127.0.0.1:{port}"), Some("gpu-node-1".into()), None)?;
     let directory = Directory::new(source.clone())?;
     let ids = |n: usize| Workload { container_id: Some(container_id(n)), ..Workload::default() };
     let started = Instant::now();

@@ -188,7 +188,7 @@ fn the_capabilities_overlay_drops_privileged_for_its_capabilities() {
 }
 
 #[test]
-fn workload_identity_may_only_list_pods_through_its_proxy() {
+fn workload_identity_may_only_list_pods_in_cluster_with_its_service_account() {
     let docs = render("overlays/full");
     let role = of_kind(&docs, "ClusterRole");
     assert_eq!(
@@ -204,25 +204,14 @@ fn workload_identity_may_only_list_pods_through_its_proxy() {
     let pod = &of_kind(&docs, "DaemonSet")["spec"]["template"]["spec"];
     assert_eq!(pod["serviceAccountName"], account["metadata"]["name"]);
     assert_eq!(pod["automountServiceAccountToken"], true);
-    // The agent asks the proxy on the pod's loopback, at the port it serves.
+    // The agent asks the API server itself, in-cluster, with the token and
+    // CA mounted where it reads them; no proxy beside it.
     let env = pod["containers"][0]["env"].as_array().expect("env");
-    let url = env
-        .iter()
-        .find(|e| e["name"] == "STALLWATCH_KUBERNETES")
-        .and_then(|e| e["value"].as_str())
-        .expect("STALLWATCH_KUBERNETES");
-    let proxy = pod["containers"]
-        .as_array()
-        .expect("containers")
-        .iter()
-        .find(|c| c["name"] == "kube-api-proxy")
-        .expect("the proxy sidecar");
-    let args: Vec<&str> = proxy["args"].as_array().expect("args").iter().filter_map(Value::as_str).collect();
-    assert_eq!(args[0], "proxy");
-    assert!(args.contains(&"--address=127.0.0.1"), "{args:?}");
-    let port = args.iter().find_map(|a| a.strip_prefix("--port=")).expect("--port");
-    assert_eq!(url, format!("http://127.0.0.1:{port}"));
-    assert_eq!(proxy["securityContext"]["capabilities"]["drop"][0], "ALL");
+    let var = |name: &str| env.iter().find(|e| e["name"] == name).and_then(|e| e["value"].as_str());
+    assert_eq!(var("STALLWATCH_KUBERNETES"), Some("in-cluster"));
+    assert_eq!(var("STALLWATCH_KUBERNETES_SERVICE_ACCOUNT"), Some("/var/run/secrets/kubernetes.io/serviceaccount"));
+    let containers = pod["containers"].as_array().expect("containers");
+    assert_eq!(containers.len(), 1, "no sidecar: {containers:#?}");
 }
 
 fn capabilities(security_context: &Value) -> Vec<String> {
