@@ -58,16 +58,16 @@ fn main() -> Result<()> {
             steps::demo(&built, duration, timeout)
         }
         Command::Test => {
-            let sglang = setup::all(true)?.context("the set-up made no SGLang venv")?;
+            let venvs = setup::all(true)?.context("the set-up made no venvs")?;
             steps::lint()?;
             let tools = tools::ensure()?;
             let built = steps::build()?;
-            steps::test(&built, &tools, &sglang)
+            steps::test(&built, &tools, &venvs)
         }
         Command::Bench => {
-            let sglang = setup::all(true)?.context("the set-up made no SGLang venv")?;
+            let venvs = setup::all(true)?.context("the set-up made no venvs")?;
             let built = steps::build()?;
-            steps::bench(&built, &sglang)
+            steps::bench(&built, &venvs.sglang)
         }
     }
 }

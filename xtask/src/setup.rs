@@ -12,16 +12,23 @@ use crate::steps::{root, run};
 /// The bpf-linker release this project is built and tested with.
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
-/// Everything the build needs, and with `python` the two venvs; returns the
-/// SGLang venv's path then (tests and benches are told it).
-pub fn all(python: bool) -> Result<Option<PathBuf>> {
+/// The venvs outside the repository the tests are told of.
+pub struct Venvs {
+    pub sglang: PathBuf,
+    pub phoenix: PathBuf,
+}
+
+/// Everything the build needs, and with `python` the three venvs; returns
+/// the paths of the two outside the repository then (tests and benches are
+/// told them).
+pub fn all(python: bool) -> Result<Option<Venvs>> {
     rust_src()?;
     bpf_linker()?;
     if !python {
         return Ok(None);
     }
     venv()?;
-    sglang_venv().map(Some)
+    Ok(Some(Venvs { sglang: sglang_venv()?, phoenix: phoenix_venv()? }))
 }
 
 /// `rust-src` for the nightly toolchain: `-Z build-std=core` needs it.
@@ -159,6 +166,40 @@ fn sglang_venv() -> Result<PathBuf> {
 /// The file, under the workspace root, that holds the SGLang venv's path.
 pub const SGLANG_VENV_POINTER: &str = "target/sglang-venv";
 
+/// The venv of Arize Phoenix (tests/phoenix/requirements.txt), the trace
+/// store tests/e2e/phoenix.rs runs: about 860 MB with its dependencies, so
+/// in `~/.cache/stallwatch/venv-phoenix-<hash of the file>`, made once per
+/// content of the file (about a minute); the stamp is written last, so an
+/// interrupted install is redone from scratch.
+fn phoenix_venv() -> Result<PathBuf> {
+    let root = root()?;
+    let requirements = root.join("tests/phoenix/requirements.txt");
+    let wanted = fs::read_to_string(&requirements)?;
+    let cache = cache_dir()?;
+    let venv = cache.join(format!("venv-phoenix-{}", sglang_venv_hash(&wanted)));
+    let stamp = venv.join(".stallwatch-requirements");
+    let pointer = root.join(PHOENIX_VENV_POINTER);
+    if fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
+        write_if_changed(&pointer, &venv.to_string_lossy())?;
+        return Ok(venv);
+    }
+    if venv.exists() {
+        fs::remove_dir_all(&venv).with_context(|| format!("removing the unfinished {}", venv.display()))?;
+    }
+    fs::create_dir_all(&cache)?;
+    run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
+    run(Command::new(venv.join("bin/python"))
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r"])
+        .arg(&requirements))?;
+    fs::write(&stamp, wanted)?;
+    write_if_changed(&pointer, &venv.to_string_lossy())?;
+    eprintln!("xtask: Phoenix venv ready in {}", venv.display());
+    Ok(venv)
+}
+
+/// The file, under the workspace root, that holds the Phoenix venv's path.
+pub const PHOENIX_VENV_POINTER: &str = "target/phoenix-venv";
+
 fn write_if_changed(path: &Path, text: &str) -> Result<()> {
     if fs::read_to_string(path).is_ok_and(|have| have == text) {
         return Ok(());
@@ -169,8 +210,8 @@ fn write_if_changed(path: &Path, text: &str) -> Result<()> {
     fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
-/// FNV-1a 64 of the two requirement files (as `sglang_venv` joins them), 12
-/// hex digits.
+/// FNV-1a 64 of the requirement files (as `sglang_venv` joins them, or
+/// `phoenix_venv`'s one), 12 hex digits.
 fn sglang_venv_hash(text: &str) -> String {
     let hash =
         text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));

@@ -121,7 +121,7 @@ pub fn demo(built: &Built, duration: Duration, timeout: Duration) -> Result<()> 
 /// fails here, not when someone next wants its figures.
 /// Every target runs even after one fails (`--no-fail-fast`), so a CI run
 /// reports every failure at once.
-pub fn test(built: &Built, tools: &crate::tools::Tools, sglang_venv: &Path) -> Result<()> {
+pub fn test(built: &Built, tools: &crate::tools::Tools, venvs: &crate::setup::Venvs) -> Result<()> {
     let root = root()?;
     run(Command::new("cargo")
         .current_dir(&root)
@@ -140,7 +140,8 @@ pub fn test(built: &Built, tools: &crate::tools::Tools, sglang_venv: &Path) -> R
         .env("STALLWATCH_DEMO", &built.demo)
         .env("STALLWATCH_MARKER", &built.marker)
         .env("STALLWATCH_VENV", root.join("target/venv"))
-        .env("STALLWATCH_SGLANG_VENV", sglang_venv)
+        .env("STALLWATCH_SGLANG_VENV", &venvs.sglang)
+        .env("STALLWATCH_PHOENIX_VENV", &venvs.phoenix)
         .env("STALLWATCH_PROMTOOL", &tools.promtool)
         .env("STALLWATCH_KUBECTL", &tools.kubectl)
         .env("STALLWATCH_DEBIAN_KUBECTL", &tools.debian_kubectl))
