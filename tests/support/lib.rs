@@ -116,6 +116,30 @@ pub fn vllm_python() -> PathBuf {
     }
 }
 
+/// The Phoenix venv's Python (Arize Phoenix, tests/phoenix/requirements.txt)
+/// for tests/e2e/phoenix.rs: STALLWATCH_PHOENIX_VENV (the xtask sets it),
+/// else the venv `cargo run --release -p xtask -- setup --python` last made
+/// or found (its path in target/phoenix-venv).
+pub fn phoenix_python() -> PathBuf {
+    let venv = std::env::var_os("STALLWATCH_PHOENIX_VENV").map(PathBuf::from).or_else(|| {
+        let pointer = std::fs::read_to_string(root().join("target/phoenix-venv")).ok()?;
+        Some(PathBuf::from(pointer.trim()))
+    });
+    let python = venv.as_ref().map(|venv| venv.join("bin/python"));
+    match (&venv, &python) {
+        (Some(venv), Some(python)) if python.exists() && venv.join(".stallwatch-requirements").exists() => {
+            python.clone()
+        }
+        _ => panic!(
+            "no finished Phoenix venv ({}): make it with `cargo run --release -p xtask -- setup --python`",
+            venv.map_or_else(
+                || "neither STALLWATCH_PHOENIX_VENV nor target/phoenix-venv".into(),
+                |v| v.display().to_string()
+            )
+        ),
+    }
+}
+
 /// Integration tests load eBPF: without root they fail, loudly.
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.

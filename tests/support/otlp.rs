@@ -359,18 +359,27 @@ pub fn http_get(port: u16, path: &str, accept: Option<&str>) -> (String, String)
     (head.lines().next().unwrap_or_default().to_owned(), body.to_owned())
 }
 
-/// A TLS endpoint in front of a [`Collector`] (`tls_front.py`, Python's
-/// ssl), with a CA and a server certificate for 127.0.0.1 made here by the
-/// openssl CLI, and a second CA that signed nothing of it.
+/// A TLS endpoint in front of a [`Collector`] or any plain TCP server
+/// (`tls_front.py`, Python's ssl), with a CA and a server certificate for
+/// 127.0.0.1 made here by the openssl CLI, and a second CA that signed
+/// nothing of it.
 pub struct TlsFront {
     proc: Proc,
     pub grpc_port: u16,
     pub http_port: u16,
+    /// The TLS port in front of each upstream port, in their order.
+    pub ports: Vec<u16>,
     dir: tempfile::TempDir,
 }
 
 impl TlsFront {
+    /// In front of the collector's gRPC and HTTP ports.
     pub fn start(collector: &Collector) -> Self {
+        Self::in_front_of(&[collector.grpc_port, collector.http_port])
+    }
+
+    /// In front of these plain TCP ports on 127.0.0.1.
+    pub fn in_front_of(upstreams: &[u16]) -> Self {
         let dir = tempfile::tempdir().expect("a temp dir for the certificates");
         let path = |name: &str| dir.path().join(name);
         let openssl = |args: &[&str]| {
@@ -407,17 +416,17 @@ impl TlsFront {
             "-out",
             "server.crt",
         ]);
-        let (grpc_port, http_port) = (free_port(), free_port());
+        let ports: Vec<u16> = upstreams.iter().map(|_| free_port()).collect();
         let mut command = Command::new(crate::venv_python());
         command
             .arg(root().join("tests/support/tls_front.py"))
             .args([path("server.crt"), path("server.key"), path("received.log")])
-            .arg(format!("{grpc_port}:{}", collector.grpc_port))
-            .arg(format!("{http_port}:{}", collector.http_port));
+            .args(ports.iter().zip(upstreams).map(|(port, upstream)| format!("{port}:{upstream}")));
         let proc = Proc::spawn("tls_front", &mut command);
         let ready = proc.next_line(Duration::from_secs(10), "tls_front.py's `ready`");
         assert_eq!(ready.text, "ready", "stderr:\n{}", proc.stderr());
-        Self { proc, grpc_port, http_port, dir }
+        let port = |i: usize| ports.get(i).copied().unwrap_or_default();
+        Self { proc, grpc_port: port(0), http_port: port(1), ports, dir }
     }
 
     pub fn grpc_endpoint(&self) -> String {

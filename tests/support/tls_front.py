@@ -1,9 +1,11 @@
-"""A TLS endpoint in front of a plain-TCP collector, for the OTLP TLS tests.
+"""A TLS endpoint in front of a plain-TCP server: the collector of the OTLP
+TLS tests, the API server of the in-cluster workload tests.
 
-rotel, the tests' collector, receives OTLP without TLS only; this process
-terminates TLS (Python's ssl, i.e. OpenSSL) with the certificate the test
-made and passes the bytes on, so the agent speaks real TLS (ALPN h2 for
-gRPC, http/1.1 for HTTP) to a real collector behind it. What clients send
+rotel, the tests' collector, receives OTLP without TLS only, and the
+workload tests' API server is a plain HTTP one; this process terminates
+TLS (Python's ssl, i.e. OpenSSL) with the certificate the test made and
+passes the bytes on, so the agent speaks real TLS (ALPN h2 for gRPC,
+http/1.1 for HTTP) to a real server behind it. What clients send
 after the handshake is appended to LOG, so a test can find the HTTP
 headers there.
 

@@ -58,14 +58,14 @@ fn main() -> Result<()> {
             steps::demo(&built, duration, timeout)
         }
         Command::Test => {
-            let venvs = setup::all(true)?.context("the set-up made no SGLang / vLLM venv")?;
+            let venvs = setup::all(true)?.context("the set-up made no venvs")?;
             steps::lint()?;
             let tools = tools::ensure()?;
             let built = steps::build()?;
             steps::test(&built, &tools, &venvs)
         }
         Command::Bench => {
-            let venvs = setup::all(true)?.context("the set-up made no SGLang / vLLM venv")?;
+            let venvs = setup::all(true)?.context("the set-up made no venvs")?;
             let built = steps::build()?;
             steps::bench(&built, &venvs.sglang)
         }

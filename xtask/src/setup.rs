@@ -14,14 +14,16 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 
 /// The venvs outside the repo that tests and benches are told of.
 pub struct Venvs {
-    /// SGLang 0.5.23 (tests/sglang/real/).
+    /// SGLang 0.5.23 (tests/sglang/real/, tests/sglang/mooncake/).
     pub sglang: PathBuf,
     /// vLLM 0.33.0 (tests/vllm/).
     pub vllm: PathBuf,
+    /// Arize Phoenix, the trace store tests/e2e/phoenix.rs runs.
+    pub phoenix: PathBuf,
 }
 
-/// Everything the build needs, and with `python` the three venvs; returns the
-/// paths of the two outside the repo then (tests and benches are told them).
+/// Everything the build needs, and with `python` the venvs; returns the
+/// paths of those outside the repo then (tests and benches are told them).
 pub fn all(python: bool) -> Result<Option<Venvs>> {
     rust_src()?;
     bpf_linker()?;
@@ -32,7 +34,7 @@ pub fn all(python: bool) -> Result<Option<Venvs>> {
     let sglang = sglang_venv()?;
     mooncake(&sglang)?;
     let vllm = vllm_venv()?;
-    Ok(Some(Venvs { sglang, vllm }))
+    Ok(Some(Venvs { sglang, vllm, phoenix: phoenix_venv()? }))
 }
 
 /// `rust-src` for the nightly toolchain: `-Z build-std=core` needs it.
@@ -275,6 +277,40 @@ pub const SGLANG_VENV_POINTER: &str = "target/sglang-venv";
 /// The file, under the workspace root, that holds the vLLM venv's path.
 pub const VLLM_VENV_POINTER: &str = "target/vllm-venv";
 
+/// The venv of Arize Phoenix (tests/phoenix/requirements.txt), the trace
+/// store tests/e2e/phoenix.rs runs: about 860 MB with its dependencies, so
+/// in `~/.cache/stallwatch/venv-phoenix-<hash of the file>`, made once per
+/// content of the file (about a minute); the stamp is written last, so an
+/// interrupted install is redone from scratch.
+fn phoenix_venv() -> Result<PathBuf> {
+    let root = root()?;
+    let requirements = root.join("tests/phoenix/requirements.txt");
+    let wanted = fs::read_to_string(&requirements)?;
+    let cache = cache_dir()?;
+    let venv = cache.join(format!("venv-phoenix-{}", venv_hash(&wanted)));
+    let stamp = venv.join(".stallwatch-requirements");
+    let pointer = root.join(PHOENIX_VENV_POINTER);
+    if fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
+        write_if_changed(&pointer, &venv.to_string_lossy())?;
+        return Ok(venv);
+    }
+    if venv.exists() {
+        fs::remove_dir_all(&venv).with_context(|| format!("removing the unfinished {}", venv.display()))?;
+    }
+    fs::create_dir_all(&cache)?;
+    run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
+    run(Command::new(venv.join("bin/python"))
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r"])
+        .arg(&requirements))?;
+    fs::write(&stamp, wanted)?;
+    write_if_changed(&pointer, &venv.to_string_lossy())?;
+    eprintln!("xtask: Phoenix venv ready in {}", venv.display());
+    Ok(venv)
+}
+
+/// The file, under the workspace root, that holds the Phoenix venv's path.
+pub const PHOENIX_VENV_POINTER: &str = "target/phoenix-venv";
+
 fn write_if_changed(path: &Path, text: &str) -> Result<()> {
     if fs::read_to_string(path).is_ok_and(|have| have == text) {
         return Ok(());
@@ -285,8 +321,8 @@ fn write_if_changed(path: &Path, text: &str) -> Result<()> {
     fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
-/// FNV-1a 64 of the two requirement files (as `cached_venv` joins them), 12
-/// hex digits.
+/// FNV-1a 64 of the requirement files (as `cached_venv` joins them, or
+/// `phoenix_venv`'s one), 12 hex digits.
 fn venv_hash(text: &str) -> String {
     let hash =
         text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));

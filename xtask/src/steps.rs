@@ -142,9 +142,11 @@ pub fn test(built: &Built, tools: &crate::tools::Tools, venvs: &crate::setup::Ve
         .env("STALLWATCH_VENV", root.join("target/venv"))
         .env("STALLWATCH_SGLANG_VENV", &venvs.sglang)
         .env("STALLWATCH_VLLM_VENV", &venvs.vllm)
+        .env("STALLWATCH_PHOENIX_VENV", &venvs.phoenix)
         .env("STALLWATCH_PROMTOOL", &tools.promtool)
         .env("STALLWATCH_KUBECTL", &tools.kubectl)
-        .env("STALLWATCH_DEBIAN_KUBECTL", &tools.debian_kubectl))
+        .env("STALLWATCH_DEBIAN_KUBECTL", &tools.debian_kubectl)
+        .env("STALLWATCH_HELM", &tools.helm))
 }
 
 /// The habits CI holds the code to, before any test runs: rustfmt's check

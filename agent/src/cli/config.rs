@@ -109,13 +109,20 @@ pub struct RunSettings {
     /// per agent, created 0700, refused as `--socket`'s is [default: /sys/fs/bpf/stallwatch].
     #[arg(long, value_name = "PATH", env = "STALLWATCH_BPF_DIR")]
     pub bpf_dir: Option<PathBuf>,
-    /// Name each watched process's pod from the Kubernetes API: `off`, or
-    /// the API's http:// URL (`kubectl proxy` beside the agent, e.g.
-    /// http://127.0.0.1:8001); only this node's pods (K8S_NODE_NAME) are
-    /// listed. Off, a process in a container still has its container id
-    /// [default: off].
-    #[arg(long, value_name = "off|URL", env = "STALLWATCH_KUBERNETES")]
+    /// Name each watched process's pod from the Kubernetes API: `off`;
+    /// `in-cluster` (in a pod: the API server of KUBERNETES_SERVICE_HOST and
+    /// _PORT, with the pod's service account); an https:// URL (with the
+    /// service account too); or an http:// URL asked without a token
+    /// (`kubectl proxy`, e.g. http://127.0.0.1:8001). Only this node's pods
+    /// (K8S_NODE_NAME) are listed. Off, a process in a container still has
+    /// its container id [default: off].
+    #[arg(long, value_name = "off|in-cluster|URL", env = "STALLWATCH_KUBERNETES")]
     pub kubernetes: Option<String>,
+    /// The service account's directory (its `token`, re-read before every
+    /// pod list, and `ca.crt`), for an in-cluster or https:// --kubernetes
+    /// [default: /var/run/secrets/kubernetes.io/serviceaccount].
+    #[arg(long, value_name = "DIR", env = "STALLWATCH_KUBERNETES_SERVICE_ACCOUNT")]
+    pub kubernetes_service_account: Option<PathBuf>,
     /// Pin nothing: the probes and the in-flight state end with this agent.
     #[arg(long, env = "STALLWATCH_EPHEMERAL")]
     pub ephemeral: bool,
@@ -158,6 +165,7 @@ impl RunSettings {
             otlp_protocol: self.otlp_protocol.or(file.otlp_protocol),
             metrics_addr: self.metrics_addr.or(file.metrics_addr),
             kubernetes: self.kubernetes.or(file.kubernetes),
+            kubernetes_service_account: self.kubernetes_service_account.or(file.kubernetes_service_account),
             socket: self.socket.or(file.socket),
             bpf_dir: self.bpf_dir.or(file.bpf_dir),
             ephemeral: self.ephemeral || file.ephemeral,
@@ -201,6 +209,7 @@ impl RunSettings {
                 kubernetes: workload::Source::parse(
                     self.kubernetes.as_deref().unwrap_or("off"),
                     std::env::var("K8S_NODE_NAME").ok(),
+                    self.kubernetes_service_account.as_deref(),
                 )?,
             },
             socket: self.socket.unwrap_or_else(|| PathBuf::from(query::DEFAULT_SOCKET)),
@@ -310,9 +319,11 @@ impl ConfigFile {
             })?;
         }
         if let Some(kubernetes) = &raw.kubernetes {
-            workload::Source::parse(kubernetes.get_ref(), None)
+            workload::Source::parse(kubernetes.get_ref(), None, None)
                 .map_err(|err| anyhow!("{}: kubernetes: {err:#}", at(kubernetes.span())))?;
         }
+        let kubernetes_service_account =
+            raw.kubernetes_service_account.map(Spanned::into_inner).map(|dir| PathBuf::from(beside(dir)));
         let settings = RunSettings {
             pid: raw.pid.map(|pid| pid.into_inner().0),
             exe: select.exe,
@@ -328,6 +339,7 @@ impl ConfigFile {
             otlp_protocol: otlp.protocol.map(|p| p.into_inner().0),
             metrics_addr: raw.metrics.and_then(|m| m.addr).map(|a| a.0),
             kubernetes: raw.kubernetes.map(Spanned::into_inner),
+            kubernetes_service_account,
             socket,
             bpf_dir,
             ephemeral: raw.ephemeral.is_some_and(Spanned::into_inner),
@@ -413,18 +425,13 @@ impl ConfigFile {
             ("metrics", s.metrics_addr.map_or_else(|| "off".to_owned(), |addr| format!("http://{addr}/metrics"))),
             (
                 "kubernetes",
-                match workload::Source::parse(
+                workload::Source::parse(
                     s.kubernetes.as_deref().unwrap_or("off"),
                     std::env::var("K8S_NODE_NAME").ok(),
+                    s.kubernetes_service_account.as_deref(),
                 )
                 .map_err(|err| anyhow!("{}", from(&format!("{err:#}"))))?
-                {
-                    workload::Source::Off => "off (a process in a container is named by its container id)".to_owned(),
-                    workload::Source::Api { base, node: Some(node) } => format!("{base} (pods of node {node})"),
-                    workload::Source::Api { base, node: None } => {
-                        format!("{base} (every pod: K8S_NODE_NAME is not set)")
-                    }
-                },
+                .to_string(),
             ),
             (
                 "socket",
@@ -470,6 +477,7 @@ struct RawConfig {
     otlp: Option<RawOtlp>,
     metrics: Option<RawMetrics>,
     kubernetes: Option<Spanned<String>>,
+    kubernetes_service_account: Option<Spanned<String>>,
 }
 
 /// `[select]`: `--exe`, `--lib`, `--cmdline`, `--cgroup`.
@@ -716,6 +724,7 @@ addr = "0.0.0.0:9464"
                 otlp_protocol: Some(Protocol::Grpc),
                 metrics_addr: Some("0.0.0.0:9464".parse().expect("addr")),
                 kubernetes: None,
+                kubernetes_service_account: None,
                 socket: Some(PathBuf::from("/run/sw/agent.sock")),
                 bpf_dir: Some(PathBuf::from("/sys/fs/bpf/sw")),
                 ephemeral: false,

@@ -10,21 +10,24 @@
 //! whose pod is not listed yet keeps its container id and is resolved on a
 //! later process start.
 //!
-//! The API is reached over plain HTTP only (the agent reads no
-//! service-account token to authenticate with): through
-//! `kubectl proxy` beside the agent (`agent/deploy/components/workload-identity`),
-//! which authenticates with the pod's service account, bound to a
-//! ClusterRole that may only `get`/`list`/`watch` pods.
+//! The API is reached as client-go's in-cluster config reaches it
+//! (`--kubernetes in-cluster`): `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`,
+//! the server's certificate checked against the service account's
+//! `ca.crt` alone, and its `token` sent as a bearer token, read again before
+//! every list so a rotated (projected, expiring) token is picked up. The
+//! service account is bound to a ClusterRole that may only `list` pods
+//! (`agent/deploy/components/workload-identity`). An `http://` URL (e.g.
+//! `kubectl proxy`, which authenticates itself) is asked without a token.
 use std::{
     collections::HashMap,
     fmt,
+    path::{Path, PathBuf},
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 use tracing::{debug, info, warn};
 
 /// Shortest time between two pod lists.
@@ -163,38 +166,164 @@ fn pod_uid(part: &str) -> Option<String> {
     shape.then_some(uid)
 }
 
+/// Where a pod's service account is mounted (`automountServiceAccountToken`),
+/// as client-go's in-cluster config reads it.
+pub const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+
+/// The service account the agent authenticates to the API server as: its
+/// directory's `token` and `ca.crt` (`--kubernetes-service-account`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceAccount {
+    pub dir: PathBuf,
+}
+
+impl ServiceAccount {
+    pub fn token_path(&self) -> PathBuf {
+        self.dir.join("token")
+    }
+
+    pub fn ca_path(&self) -> PathBuf {
+        self.dir.join("ca.crt")
+    }
+
+    /// The bearer token, read now: the kubelet rotates a projected token
+    /// (an hour by default) by replacing the file, as client-go's
+    /// in-cluster config expects, so it is never kept.
+    fn token(&self) -> Result<String> {
+        let path = self.token_path();
+        let token = std::fs::read_to_string(&path).with_context(|| {
+            format!(
+                "reading the service account's token {}: mount it (serviceAccountName and \
+                 automountServiceAccountToken: true, as agent/deploy/components/workload-identity does), \
+                 or point --kubernetes-service-account at its directory",
+                path.display()
+            )
+        })?;
+        let token = token.trim();
+        if token.is_empty() {
+            bail!("the service account's token {} is empty", path.display());
+        }
+        Ok(token.to_owned())
+    }
+
+    /// A client that trusts the cluster's CA (`ca.crt`) and nothing else,
+    /// as client-go's in-cluster config does.
+    fn client(&self) -> Result<reqwest::Client> {
+        let path = self.ca_path();
+        let pem = std::fs::read(&path).with_context(|| {
+            format!(
+                "reading the cluster's CA {}: mount the service account (automountServiceAccountToken: true), \
+                 or point --kubernetes-service-account at its directory",
+                path.display()
+            )
+        })?;
+        let certificates = reqwest::Certificate::from_pem_bundle(&pem)
+            .with_context(|| format!("the cluster's CA {} is not PEM certificates", path.display()))?;
+        if certificates.is_empty() {
+            bail!("the cluster's CA {} holds no certificate", path.display());
+        }
+        crate::util::tls::install_ring();
+        reqwest::Client::builder()
+            .timeout(LIST_TIMEOUT)
+            .https_only(true)
+            .tls_certs_only(certificates)
+            .build()
+            .context("building the Kubernetes API client")
+    }
+}
+
 /// Where pods are looked up.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum Source {
     /// No Kubernetes: the cgroup's container id only.
     #[default]
     Off,
-    /// The API server at this `http://` base URL (`kubectl proxy`, or
-    /// anything that answers `GET /api/v1/pods` the same way).
-    Api { base: String, node: Option<String> },
+    /// The API server at this base URL: `https://` with a service account
+    /// (in-cluster), or `http://` without one (`kubectl proxy`, or anything
+    /// that answers `GET /api/v1/pods` the same way).
+    Api { base: String, node: Option<String>, account: Option<ServiceAccount> },
 }
 
 impl Source {
-    /// `--kubernetes`: `off`, or an `http://HOST:PORT` URL; `node` (the
-    /// downward API's `K8S_NODE_NAME`) limits the list to this node's pods.
-    pub fn parse(setting: &str, node: Option<String>) -> Result<Self> {
+    /// `--kubernetes`, with this process's environment: see [`parse_with`](Self::parse_with).
+    pub fn parse(setting: &str, node: Option<String>, account_dir: Option<&Path>) -> Result<Self> {
+        Self::parse_with(setting, node, account_dir, &|name: &str| std::env::var(name).ok())
+    }
+
+    /// `--kubernetes`: `off`; `in-cluster` (the API server the pod's
+    /// `KUBERNETES_SERVICE_HOST`/`_PORT` name, with the service account in
+    /// `account_dir`, by default [`SERVICE_ACCOUNT_DIR`]); an `https://`
+    /// URL (with that service account too); or an `http://` URL asked
+    /// without a token (`kubectl proxy`). `node` (the downward API's
+    /// `K8S_NODE_NAME`) limits the list to this node's pods.
+    pub fn parse_with(
+        setting: &str,
+        node: Option<String>,
+        account_dir: Option<&Path>,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self> {
         let setting = setting.trim();
         if setting.eq_ignore_ascii_case("off") || setting.is_empty() {
             return Ok(Source::Off);
         }
-        if setting.starts_with("https://") {
-            bail!(
-                "--kubernetes {setting:?}: the agent does not authenticate to the API server itself (no service-account \
-                 token is read); run `kubectl proxy` beside the agent and give its http://127.0.0.1:8001 \
-                 (agent/deploy/components/workload-identity does)"
-            );
+        let node = node.filter(|n| !n.trim().is_empty());
+        let account = || ServiceAccount {
+            dir: account_dir.map_or_else(|| PathBuf::from(SERVICE_ACCOUNT_DIR), Path::to_path_buf),
+        };
+        if setting.eq_ignore_ascii_case("in-cluster") {
+            let var = |name: &str| {
+                env(name).filter(|v| !v.trim().is_empty()).with_context(|| {
+                    format!(
+                        "--kubernetes in-cluster: {name} is not set, so this is not a pod (Kubernetes sets it in \
+                         every container); outside a cluster give the API's URL, e.g. http://127.0.0.1:8001 for \
+                         `kubectl proxy`"
+                    )
+                })
+            };
+            let (host, port) = (var("KUBERNETES_SERVICE_HOST")?, var("KUBERNETES_SERVICE_PORT")?);
+            let (host, port) = (host.trim(), port.trim());
+            if port.parse::<u16>().is_err() {
+                bail!("--kubernetes in-cluster: KUBERNETES_SERVICE_PORT={port:?} is not a port");
+            }
+            // An IPv6 service address goes in brackets (net.JoinHostPort).
+            let host = if host.contains(':') { format!("[{host}]") } else { host.to_owned() };
+            return Ok(Source::Api { base: format!("https://{host}:{port}"), node, account: Some(account()) });
         }
-        if !setting.starts_with("http://") {
-            bail!(
-                "--kubernetes {setting:?} is neither `off` nor an http:// URL (e.g. http://127.0.0.1:8001 for `kubectl proxy`)"
-            );
+        let (scheme, rest) = setting.split_once("://").unwrap_or(("", setting));
+        let account = match scheme {
+            "https" => Some(account()),
+            "http" => None,
+            _ => bail!(
+                "--kubernetes {setting:?} is neither `off`, `in-cluster` nor an http:// or https:// URL \
+                 (in a pod: in-cluster; beside `kubectl proxy`: http://127.0.0.1:8001)"
+            ),
+        };
+        if rest.trim_end_matches('/').is_empty() {
+            bail!("--kubernetes {setting:?} names no host");
         }
-        Ok(Source::Api { base: setting.trim_end_matches('/').to_owned(), node: node.filter(|n| !n.trim().is_empty()) })
+        Ok(Source::Api { base: setting.trim_end_matches('/').to_owned(), node, account })
+    }
+}
+
+impl fmt::Display for Source {
+    /// What `config check` shows.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::Off => write!(f, "off (a process in a container is named by its container id)"),
+            Source::Api { base, node, account } => {
+                write!(f, "{base}")?;
+                match account {
+                    Some(account) => {
+                        write!(f, " (token {}, CA {}", account.token_path().display(), account.ca_path().display())?
+                    }
+                    None => write!(f, " (no token")?,
+                }
+                match node {
+                    Some(node) => write!(f, "; pods of node {node})"),
+                    None => write!(f, "; every pod: K8S_NODE_NAME is not set)"),
+                }
+            }
+        }
     }
 }
 
@@ -212,7 +341,9 @@ struct Cache {
 #[derive(Clone)]
 pub struct Directory {
     source: Source,
-    client: Option<reqwest::Client>,
+    /// Built at start for `http://`; for a service account, at the first
+    /// list that can read its CA (a late mount is picked up).
+    client: Arc<Mutex<Option<reqwest::Client>>>,
     cache: Arc<Mutex<Cache>>,
     by_pid: Arc<Mutex<HashMap<u32, Arc<Workload>>>>,
 }
@@ -226,14 +357,14 @@ impl fmt::Debug for Directory {
 impl Directory {
     pub fn new(source: Source) -> Result<Self> {
         let client = match &source {
-            Source::Off => None,
-            Source::Api { .. } => {
+            Source::Api { account: None, .. } => {
                 crate::util::tls::install_ring();
                 let client = reqwest::Client::builder().timeout(LIST_TIMEOUT).build();
                 Some(client.context("building the Kubernetes API client")?)
             }
+            Source::Off | Source::Api { account: Some(_), .. } => None,
         };
-        Ok(Self { source, client, cache: Arc::default(), by_pid: Arc::default() })
+        Ok(Self { source, client: Arc::new(Mutex::new(client)), cache: Arc::default(), by_pid: Arc::default() })
     }
 
     /// What is known of `pid` now (nothing until [`resolve`](Self::resolve) ran).
@@ -269,7 +400,7 @@ impl Directory {
 
     /// `ids` (from a cgroup) completed from the pod list.
     pub async fn lookup(&self, ids: Workload) -> Workload {
-        let Source::Api { base, node } = &self.source else {
+        let Source::Api { base, node, account } = &self.source else {
             return ids;
         };
         if ids.container_id.is_none() && ids.pod_uid.is_none() {
@@ -281,7 +412,7 @@ impl Directory {
         let due =
             self.cache.lock().map(|cache| cache.listed.is_none_or(|at| at.elapsed() >= MIN_RELIST)).unwrap_or(false);
         if due {
-            match self.list(base, node.as_deref()).await {
+            match self.list(base, node.as_deref(), account.as_ref()).await {
                 Ok(n) => debug!(pods = n, "listed the node's pods"),
                 Err(err) => warn!("workload identity: {err:#}"),
             }
@@ -307,35 +438,48 @@ impl Directory {
         Some(found)
     }
 
-    async fn list(&self, base: &str, node: Option<&str>) -> Result<usize> {
+    async fn list(&self, base: &str, node: Option<&str>, account: Option<&ServiceAccount>) -> Result<usize> {
         if let Ok(mut cache) = self.cache.lock() {
             cache.listed = Some(Instant::now());
             cache.lists += 1;
         }
-        let client = self.client.as_ref().context("no API client")?;
+        let client = self.client(account)?;
         // Node names are DNS subdomains: only the `=` needs escaping.
         let url = match node {
             Some(node) => format!("{base}/api/v1/pods?fieldSelector=spec.nodeName%3D{node}"),
             None => format!("{base}/api/v1/pods"),
         };
-        let response = client
-            .get(&url)
-            .send()
-            .await
-            .with_context(|| format!("listing pods at {base}: is the API (kubectl proxy) up?"))?;
-        let status = response.status();
-        let body = response.text().await.with_context(|| format!("reading the pod list from {base}"))?;
-        if !status.is_success() {
-            let hint = if status.as_u16() == 403 {
-                ": the service account may not list pods (agent/deploy/components/workload-identity binds a ClusterRole that may)"
-            } else {
-                ""
-            };
-            bail!("listing pods at {base}: {status}{hint}: {}", body.chars().take(200).collect::<String>());
+        let mut request = client.get(&url);
+        if let Some(account) = account {
+            // Marked sensitive by reqwest: never in a debug print.
+            request = request.bearer_auth(account.token()?);
         }
-        let list: Value =
-            serde_json::from_str(&body).with_context(|| format!("the pod list from {base} is not JSON"))?;
-        let (by_container, by_uid) = index(&list);
+        let response = request.send().await.with_context(|| match account {
+            Some(account) => format!(
+                "listing pods at {base} (its certificate is checked against {} alone)",
+                account.ca_path().display()
+            ),
+            None => format!("listing pods at {base}: is the API (kubectl proxy) up?"),
+        })?;
+        let status = response.status();
+        let body = response.bytes().await.with_context(|| format!("reading the pod list from {base}"))?;
+        if !status.is_success() {
+            let hint = match (status.as_u16(), account) {
+                (401, Some(account)) => format!(
+                    ": the API server did not accept the token in {} (expired, or another cluster's; it is read \
+                     again before every list)",
+                    account.token_path().display()
+                ),
+                (403, _) => ": the service account may not list pods (agent/deploy/components/workload-identity \
+                             binds a ClusterRole that may)"
+                    .to_owned(),
+                _ => String::new(),
+            };
+            bail!("listing pods at {base}: {status}{hint}: {}", String::from_utf8_lossy(&body[..body.len().min(200)]));
+        }
+        let list: PodList =
+            serde_json::from_slice(&body).with_context(|| format!("the pod list from {base} is not a PodList"))?;
+        let (by_container, by_uid) = index(list);
         let n = by_uid.len();
         if let Ok(mut cache) = self.cache.lock() {
             cache.by_container = by_container;
@@ -345,19 +489,98 @@ impl Directory {
     }
 }
 
+impl Directory {
+    /// The API client; for a service account, built on first use from
+    /// its CA and kept.
+    fn client(&self, account: Option<&ServiceAccount>) -> Result<reqwest::Client> {
+        let mut client = self.client.lock().map_err(|_| anyhow::anyhow!("the API client's lock is poisoned"))?;
+        if let Some(client) = client.as_ref() {
+            return Ok(client.clone());
+        }
+        let account = account.context("no Kubernetes API client")?;
+        Ok(client.insert(account.client()?).clone())
+    }
+}
+
+/// The fields of a `PodList` the index reads; serde skips the rest while
+/// parsing, so a list of 1 000 pods never exists as a JSON tree (one made
+/// the agent's RSS grow by about 9 MiB that the allocator kept).
+#[derive(Deserialize)]
+struct PodList {
+    #[serde(default)]
+    items: Vec<Pod>,
+}
+
+#[derive(Deserialize)]
+struct Pod {
+    #[serde(default)]
+    metadata: PodMeta,
+    #[serde(default)]
+    spec: PodSpec,
+    #[serde(default)]
+    status: PodStatus,
+}
+
+#[derive(Deserialize, Default)]
+struct PodMeta {
+    name: Option<String>,
+    namespace: Option<String>,
+    uid: Option<String>,
+    #[serde(default)]
+    labels: PodLabels,
+    #[serde(default, rename = "ownerReferences")]
+    owners: Vec<OwnerReference>,
+}
+
+#[derive(Deserialize, Default)]
+struct PodLabels {
+    #[serde(rename = "pod-template-hash")]
+    template_hash: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct OwnerReference {
+    kind: Option<String>,
+    name: Option<String>,
+    #[serde(default)]
+    controller: bool,
+}
+
+#[derive(Deserialize, Default)]
+struct PodSpec {
+    #[serde(rename = "nodeName")]
+    node: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct PodStatus {
+    #[serde(default)]
+    container_statuses: Vec<ContainerStatus>,
+    #[serde(default)]
+    init_container_statuses: Vec<ContainerStatus>,
+    #[serde(default)]
+    ephemeral_container_statuses: Vec<ContainerStatus>,
+}
+
+#[derive(Deserialize)]
+struct ContainerStatus {
+    name: Option<String>,
+    #[serde(rename = "containerID")]
+    container_id: Option<String>,
+}
+
 /// A `PodList`'s pods by container id and by UID.
-fn index(list: &Value) -> (HashMap<String, Arc<Workload>>, HashMap<String, Arc<Workload>>) {
+fn index(list: PodList) -> (HashMap<String, Arc<Workload>>, HashMap<String, Arc<Workload>>) {
     let mut by_container = HashMap::new();
     let mut by_uid = HashMap::new();
-    for pod in list["items"].as_array().into_iter().flatten() {
-        let text = |value: &Value| value.as_str().map(str::to_owned);
-        let meta = &pod["metadata"];
-        let controller = meta["ownerReferences"].as_array().into_iter().flatten().find(|o| o["controller"] == true);
-        let (mut owner_kind, mut owner) =
-            (controller.and_then(|o| text(&o["kind"])), controller.and_then(|o| text(&o["name"])));
+    for pod in list.items {
+        let meta = pod.metadata;
+        let controller = meta.owners.into_iter().find(|o| o.controller);
+        let (mut owner_kind, mut owner) = controller.map_or((None, None), |o| (o.kind, o.name));
         // A Deployment's pods are owned by its ReplicaSet `NAME-HASH`.
         if let (Some("ReplicaSet"), Some(name), Some(hash)) =
-            (owner_kind.as_deref(), owner.as_deref(), meta["labels"]["pod-template-hash"].as_str())
+            (owner_kind.as_deref(), owner.as_deref(), meta.labels.template_hash.as_deref())
         {
             if let Some(deployment) = name.strip_suffix(hash).and_then(|n| n.strip_suffix('-')) {
                 owner = Some(deployment.to_owned());
@@ -366,29 +589,29 @@ fn index(list: &Value) -> (HashMap<String, Arc<Workload>>, HashMap<String, Arc<W
         }
         let base = Workload {
             container_id: None,
-            pod_uid: text(&meta["uid"]),
-            namespace: text(&meta["namespace"]),
-            pod: text(&meta["name"]),
+            pod_uid: meta.uid,
+            namespace: meta.namespace,
+            pod: meta.name,
             container: None,
             owner_kind,
             owner,
-            node: text(&pod["spec"]["nodeName"]),
+            node: pod.spec.node,
         };
-        let status = &pod["status"];
-        for statuses in ["containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses"] {
-            for container in status[statuses].as_array().into_iter().flatten() {
-                // `containerd://ID`, `cri-o://ID`, `docker://ID`
-                let Some(id) = container["containerID"]
-                    .as_str()
-                    .and_then(|id| id.split_once("://"))
-                    .map(|(_, id)| id.to_ascii_lowercase())
-                else {
-                    continue;
-                };
-                let workload =
-                    Workload { container_id: Some(id.clone()), container: text(&container["name"]), ..base.clone() };
-                by_container.insert(id, Arc::new(workload));
-            }
+        let status = pod.status;
+        let containers =
+            [status.container_statuses, status.init_container_statuses, status.ephemeral_container_statuses];
+        for container in containers.into_iter().flatten() {
+            // `containerd://ID`, `cri-o://ID`, `docker://ID`
+            let Some(id) = container
+                .container_id
+                .as_deref()
+                .and_then(|id| id.split_once("://"))
+                .map(|(_, id)| id.to_ascii_lowercase())
+            else {
+                continue;
+            };
+            let workload = Workload { container_id: Some(id.clone()), container: container.name, ..base.clone() };
+            by_container.insert(id, Arc::new(workload));
         }
         if let Some(uid) = base.pod_uid.clone() {
             by_uid.insert(uid, Arc::new(base));
@@ -442,7 +665,7 @@ mod tests {
             "spec": {"nodeName": "gpu-1"},
             "status": {"containerStatuses": [{"name": "sglang", "containerID": format!("containerd://{ID}")}]}
         }]});
-        let (by_container, by_uid) = index(&list);
+        let (by_container, by_uid) = index(serde_json::from_value(list).expect("a PodList"));
         let w = &by_container[ID];
         assert_eq!(w.to_string(), "llm/prefill-7d9f8-abcde/sglang");
         assert_eq!((w.owner_kind.as_deref(), w.owner.as_deref()), (Some("Deployment"), Some("prefill")));
@@ -476,12 +699,126 @@ mod tests {
 
     #[test]
     fn sources_refuse_what_they_cannot_reach() {
-        assert_eq!(Source::parse("off", None).expect("off"), Source::Off);
+        let no_env = |_: &str| None;
+        let parse = |setting: &str| Source::parse_with(setting, Some("n".into()), None, &no_env);
+        assert_eq!(parse("off").expect("off"), Source::Off);
         assert_eq!(
-            Source::parse("http://127.0.0.1:8001/", Some("n".into())).expect("http"),
-            Source::Api { base: "http://127.0.0.1:8001".into(), node: Some("n".into()) }
+            parse("http://127.0.0.1:8001/").expect("http"),
+            Source::Api { base: "http://127.0.0.1:8001".into(), node: Some("n".into()), account: None }
         );
-        assert!(format!("{:#}", Source::parse("https://10.0.0.1", None).expect_err("tls")).contains("kubectl proxy"));
-        assert!(format!("{:#}", Source::parse("kubernetes", None).expect_err("what")).contains("neither `off`"));
+        let default_account = Some(ServiceAccount { dir: SERVICE_ACCOUNT_DIR.into() });
+        assert_eq!(
+            parse("https://10.0.0.1").expect("https"),
+            Source::Api { base: "https://10.0.0.1".into(), node: Some("n".into()), account: default_account }
+        );
+        assert!(format!("{:#}", parse("kubernetes").expect_err("what")).contains("neither `off`, `in-cluster`"));
+        assert!(format!("{:#}", parse("https://").expect_err("no host")).contains("names no host"));
+        let outside = format!("{:#}", parse("in-cluster").expect_err("not in a pod"));
+        assert!(outside.contains("KUBERNETES_SERVICE_HOST is not set"), "{outside}");
+    }
+
+    #[test]
+    fn in_cluster_is_the_service_address_with_the_account() {
+        let env = |host: &'static str, port: &'static str| {
+            move |name: &str| match name {
+                "KUBERNETES_SERVICE_HOST" => Some(host.to_owned()),
+                "KUBERNETES_SERVICE_PORT" => Some(port.to_owned()),
+                _ => None,
+            }
+        };
+        let dir = Path::new("/tmp/sa");
+        assert_eq!(
+            Source::parse_with("in-cluster", None, Some(dir), &env("10.96.0.1", "443")).expect("v4"),
+            Source::Api {
+                base: "https://10.96.0.1:443".into(),
+                node: None,
+                account: Some(ServiceAccount { dir: dir.into() })
+            }
+        );
+        let v6 = Source::parse_with("in-cluster", None, None, &env("fd00:10:96::1", "443")).expect("v6");
+        assert!(matches!(&v6, Source::Api { base, .. } if base == "https://[fd00:10:96::1]:443"), "{v6:?}");
+        let err = Source::parse_with("in-cluster", None, None, &env("10.96.0.1", "https")).expect_err("port");
+        assert!(format!("{err:#}").contains("KUBERNETES_SERVICE_PORT=\"https\" is not a port"), "{err:#}");
+    }
+
+    /// A local HTTP server answering `status` with `body` to each of `n`
+    /// requests; the `Authorization` header of each.
+    fn serve(n: usize, status: &'static str, body: String) -> (u16, std::thread::JoinHandle<Vec<String>>) {
+        use std::io::{BufRead as _, BufReader, Write as _};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let server = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            for stream in listener.incoming().take(n) {
+                let mut stream = stream.expect("accept");
+                let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+                let mut auth = String::new();
+                let mut line = String::new();
+                while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
+                    if let Some(value) = line.strip_prefix("authorization: ") {
+                        auth = value.trim().to_owned();
+                    }
+                    line.clear();
+                }
+                seen.push(auth);
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+            seen
+        });
+        (port, server)
+    }
+
+    #[tokio::test]
+    async fn the_token_is_read_again_for_every_list() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let account = ServiceAccount { dir: dir.path().into() };
+        let (port, server) = serve(2, "200 OK", serde_json::json!({"kind": "PodList", "items": []}).to_string());
+        let base = format!("http://127.0.0.1:{port}");
+        let source = Source::Api { base: base.clone(), node: None, account: Some(account.clone()) };
+        let directory = Directory::new(source).expect("directory");
+        // The https client would refuse this plain server: a plain one in
+        // its place, as the token is what is tested.
+        crate::util::tls::install_ring();
+        *directory.client.lock().expect("lock") = Some(reqwest::Client::new());
+
+        let missing = directory.list(&base, None, Some(&account)).await.expect_err("no token yet");
+        let missing = format!("{missing:#}");
+        assert!(missing.contains("token") && missing.contains("automountServiceAccountToken"), "{missing}");
+        std::fs::write(account.token_path(), "first\n").expect("token");
+        directory.list(&base, None, Some(&account)).await.expect("first list");
+        // The kubelet rotates the projected token by replacing the file.
+        std::fs::write(account.token_path(), "second").expect("rotated token");
+        directory.list(&base, None, Some(&account)).await.expect("second list");
+        assert_eq!(server.join().expect("server"), ["Bearer first", "Bearer second"]);
+    }
+
+    #[tokio::test]
+    async fn a_refused_token_says_which_file_it_came_from() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let account = ServiceAccount { dir: dir.path().into() };
+        std::fs::write(account.token_path(), "stale").expect("token");
+        let (port, server) = serve(1, "401 Unauthorized", r#"{"kind":"Status","code":401}"#.to_owned());
+        let base = format!("http://127.0.0.1:{port}");
+        let directory = Directory::new(Source::Off).expect("directory");
+        crate::util::tls::install_ring();
+        *directory.client.lock().expect("lock") = Some(reqwest::Client::new());
+        let err = format!("{:#}", directory.list(&base, None, Some(&account)).await.expect_err("401"));
+        assert!(err.contains("401 Unauthorized") && err.contains(&account.token_path().display().to_string()), "{err}");
+        server.join().expect("server");
+    }
+
+    #[test]
+    fn a_missing_or_empty_ca_is_named() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let account = ServiceAccount { dir: dir.path().into() };
+        let missing = format!("{:#}", account.client().expect_err("no ca.crt"));
+        assert!(missing.contains("ca.crt") && missing.contains("--kubernetes-service-account"), "{missing}");
+        std::fs::write(account.ca_path(), "").expect("empty");
+        let empty = format!("{:#}", account.client().expect_err("empty ca.crt"));
+        assert!(empty.contains("holds no certificate"), "{empty}");
     }
 }

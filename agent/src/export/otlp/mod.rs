@@ -372,7 +372,11 @@ impl Pump {
             }
         }
         self.in_flight_spans += n;
-        self.in_flight.spawn(async move { (n, exporter.export(spans).await.map_err(|err| err.to_string())) });
+        let causes = self.resources.causes();
+        self.in_flight.spawn(async move {
+            let result = exporter.export(spans).await;
+            (n, result.map_err(|err| causes.map_or_else(|| err.to_string(), |causes| causes.explain(&err))))
+        });
     }
 
     /// Count the exports that have finished, without waiting.

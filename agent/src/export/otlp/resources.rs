@@ -53,6 +53,11 @@ impl Resources {
         self.executables.insert(pid, executable.into());
     }
 
+    /// The shared connection's kept causes of failed HTTP requests.
+    pub fn causes(&self) -> Option<super::connection::Causes> {
+        self.connection.causes()
+    }
+
     /// The exporter for spans of `pid`, its resource up to date with what
     /// is known of the process now (its workload may be found after its
     /// first spans).
