@@ -671,17 +671,24 @@ impl Probes {
         let mut held = Vec::new();
         for (index, slot) in self.slots.iter_mut().enumerate() {
             if slot.as_ref().is_some_and(|slot| slot.pid == pid) {
+                // Its config stays as it is (disarmed by the caller) until
+                // the links are gone: a hit meanwhile (a program that
+                // exec'd the same file again) is dropped quietly, where a
+                // cleared config would count it lost (`no_slot`).
                 *slot = None;
-                let _ = self.slots_map.set(index as u32, SlotConfig::default(), 0);
                 held.push(index as u32);
             }
         }
         Detaching::new(self.detachings.begin(held, &opening), pid, links)
     }
 
-    /// A detaching's links are gone: its slots are free.
+    /// A detaching's links are gone: its slots are free, their configs
+    /// cleared only now (as [`Self::released`] does).
     pub fn detached(&mut self, detached: &Detached) {
-        self.free.extend(self.detachings.end(detached.id()));
+        for index in self.detachings.end(detached.id()) {
+            let _ = self.slots_map.set(index, SlotConfig::default(), 0);
+            self.free.push(index);
+        }
     }
 
     /// [`Self::detach`] and drop the links here: where blocking does not
