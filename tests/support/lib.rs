@@ -70,36 +70,29 @@ pub fn venv_python() -> PathBuf {
 }
 
 /// The SGLang venv's Python (SGLang 0.5.23, torch, NIXL cu12 and cu13) for
-/// tests/sglang/real/: STALLWATCH_SGLANG_VENV (the xtask sets it), else the
-/// venv `cargo run --release -p xtask -- setup --python` last made or found
-/// (its path in target/sglang-venv).
+/// tests/sglang/real/ and tests/sglang/mooncake/.
 pub fn sglang_python() -> PathBuf {
-    let venv = std::env::var_os("STALLWATCH_SGLANG_VENV").map(PathBuf::from).or_else(|| {
-        let pointer = std::fs::read_to_string(root().join("target/sglang-venv")).ok()?;
-        Some(PathBuf::from(pointer.trim()))
-    });
-    let python = venv.as_ref().map(|venv| venv.join("bin/python"));
-    match (&venv, &python) {
-        (Some(venv), Some(python)) if python.exists() && venv.join(".stallwatch-requirements").exists() => {
-            python.clone()
-        }
-        _ => panic!(
-            "no finished SGLang venv ({}): make it with `cargo run --release -p xtask -- setup --python`",
-            venv.map_or_else(
-                || "neither STALLWATCH_SGLANG_VENV nor target/sglang-venv".into(),
-                |v| v.display().to_string()
-            )
-        ),
-    }
+    cached_venv_python("SGLang", "STALLWATCH_SGLANG_VENV", "target/sglang-venv")
 }
 
-/// The vLLM venv's Python (vLLM 0.33.0, torch, NIXL) for tests/vllm/:
-/// STALLWATCH_VLLM_VENV (the xtask sets it), else the venv
-/// `cargo run --release -p xtask -- setup --python` last made or found (its
-/// path in target/vllm-venv).
+/// The vLLM venv's Python (vLLM 0.33.0, torch, NIXL) for tests/vllm/.
 pub fn vllm_python() -> PathBuf {
-    let venv = std::env::var_os("STALLWATCH_VLLM_VENV").map(PathBuf::from).or_else(|| {
-        let pointer = std::fs::read_to_string(root().join("target/vllm-venv")).ok()?;
+    cached_venv_python("vLLM", "STALLWATCH_VLLM_VENV", "target/vllm-venv")
+}
+
+/// The Phoenix venv's Python (Arize Phoenix, tests/phoenix/requirements.txt)
+/// for tests/e2e/phoenix.rs.
+pub fn phoenix_python() -> PathBuf {
+    cached_venv_python("Phoenix", "STALLWATCH_PHOENIX_VENV", "target/phoenix-venv")
+}
+
+/// The Python of a venv the xtask keeps outside the repo: `variable` (the
+/// xtask sets it), else the venv `cargo run --release -p xtask -- setup
+/// --python` last made or found (its path in the file `pointer`). One the
+/// set-up did not finish (no stamp) is refused, naming the fix.
+fn cached_venv_python(name: &str, variable: &str, pointer: &str) -> PathBuf {
+    let venv = std::env::var_os(variable).map(PathBuf::from).or_else(|| {
+        let pointer = std::fs::read_to_string(root().join(pointer)).ok()?;
         Some(PathBuf::from(pointer.trim()))
     });
     match venv {
@@ -107,35 +100,8 @@ pub fn vllm_python() -> PathBuf {
             venv.join("bin/python")
         }
         other => panic!(
-            "no finished vLLM venv ({}): make it with `cargo run --release -p xtask -- setup --python`",
-            other.map_or_else(
-                || "neither STALLWATCH_VLLM_VENV nor target/vllm-venv".into(),
-                |v| v.display().to_string()
-            )
-        ),
-    }
-}
-
-/// The Phoenix venv's Python (Arize Phoenix, tests/phoenix/requirements.txt)
-/// for tests/e2e/phoenix.rs: STALLWATCH_PHOENIX_VENV (the xtask sets it),
-/// else the venv `cargo run --release -p xtask -- setup --python` last made
-/// or found (its path in target/phoenix-venv).
-pub fn phoenix_python() -> PathBuf {
-    let venv = std::env::var_os("STALLWATCH_PHOENIX_VENV").map(PathBuf::from).or_else(|| {
-        let pointer = std::fs::read_to_string(root().join("target/phoenix-venv")).ok()?;
-        Some(PathBuf::from(pointer.trim()))
-    });
-    let python = venv.as_ref().map(|venv| venv.join("bin/python"));
-    match (&venv, &python) {
-        (Some(venv), Some(python)) if python.exists() && venv.join(".stallwatch-requirements").exists() => {
-            python.clone()
-        }
-        _ => panic!(
-            "no finished Phoenix venv ({}): make it with `cargo run --release -p xtask -- setup --python`",
-            venv.map_or_else(
-                || "neither STALLWATCH_PHOENIX_VENV nor target/phoenix-venv".into(),
-                |v| v.display().to_string()
-            )
+            "no finished {name} venv ({}): make it with `cargo run --release -p xtask -- setup --python`",
+            other.map_or_else(|| format!("neither {variable} nor {pointer}"), |v| v.display().to_string())
         ),
     }
 }
