@@ -139,14 +139,53 @@ fn cached_venv(name: &str, pointer: &str) -> Result<PathBuf> {
     let root = root()?;
     let nodeps = root.join(format!("tests/{name}/requirements-nodeps.txt"));
     let deps = root.join(format!("tests/{name}/requirements.txt"));
-    let read = |path: &Path| fs::read_to_string(path).with_context(|| format!("reading {}", path.display()));
     let wanted = format!("{}\n--\n{}", read(&nodeps)?, read(&deps)?);
+    stamped_venv(name, &wanted, "python3.11", pointer, |python| {
+        let wheels = cache_dir()?.join("wheels");
+        fs::create_dir_all(&wheels)?;
+        // Every package --no-deps: the wheels' metadata asks for far more than
+        // the import chain loads (see the comments in the requirement files).
+        // pip's own HTTP cache stays empty on this machine, so the ~3 GB of
+        // wheels are kept in ~/.cache/stallwatch/wheels (pip download skips
+        // those already there) and installed from there only.
+        for file in [&nodeps, &deps] {
+            run(Command::new(python)
+                .args(["-m", "pip", "download", "--quiet", "--no-deps", "--find-links"])
+                .arg(&wheels)
+                .arg("--dest")
+                .arg(&wheels)
+                .arg("-r")
+                .arg(file))?;
+        }
+        for file in [&nodeps, &deps] {
+            run(Command::new(python)
+                .args(["-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--find-links"])
+                .arg(&wheels)
+                .arg("-r")
+                .arg(file))?;
+        }
+        Ok(())
+    })
+}
+
+/// The venv `venv-<name>-<hash of wanted>` under `~/.cache/stallwatch`,
+/// made with `base` (a Python interpreter) and filled by `install` (given
+/// the venv's python) unless its stamp already holds `wanted`; its path
+/// also written to `pointer` (under the workspace root), where tests and
+/// benches run by hand (without the xtask's STALLWATCH_*_VENV) find it.
+/// The stamp is written last, so an interrupted install is redone from
+/// scratch.
+fn stamped_venv(
+    name: &str,
+    wanted: &str,
+    base: &str,
+    pointer: &str,
+    install: impl FnOnce(&Path) -> Result<()>,
+) -> Result<PathBuf> {
     let cache = cache_dir()?;
-    let venv = cache.join(format!("venv-{name}-{}", venv_hash(&wanted)));
+    let venv = cache.join(format!("venv-{name}-{}", venv_hash(wanted)));
     let stamp = venv.join(".stallwatch-requirements");
-    // Where tests and benches run by hand (without the xtask's
-    // STALLWATCH_*_VENV) find it.
-    let pointer = root.join(pointer);
+    let pointer = root()?.join(pointer);
     if fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
         write_if_changed(&pointer, &venv.to_string_lossy())?;
         return Ok(venv);
@@ -155,35 +194,16 @@ fn cached_venv(name: &str, pointer: &str) -> Result<PathBuf> {
         fs::remove_dir_all(&venv).with_context(|| format!("removing the unfinished {}", venv.display()))?;
     }
     fs::create_dir_all(&cache)?;
-    run(Command::new("python3.11").arg("-m").arg("venv").arg(&venv))?;
-    let python = venv.join("bin/python");
-    let wheels = cache.join("wheels");
-    fs::create_dir_all(&wheels)?;
-    // Every package --no-deps: the wheels' metadata asks for far more than
-    // the import chain loads (see the comments in the requirement files).
-    // pip's own HTTP cache stays empty on this machine, so the ~3 GB of wheels
-    // are kept in ~/.cache/stallwatch/wheels (pip download skips those already
-    // there) and installed from there only.
-    for file in [&nodeps, &deps] {
-        run(Command::new(&python)
-            .args(["-m", "pip", "download", "--quiet", "--no-deps", "--find-links"])
-            .arg(&wheels)
-            .arg("--dest")
-            .arg(&wheels)
-            .arg("-r")
-            .arg(file))?;
-    }
-    for file in [&nodeps, &deps] {
-        run(Command::new(&python)
-            .args(["-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--find-links"])
-            .arg(&wheels)
-            .arg("-r")
-            .arg(file))?;
-    }
+    run(Command::new(base).arg("-m").arg("venv").arg(&venv))?;
+    install(&venv.join("bin/python")).with_context(|| format!("installing the {name} venv in {}", venv.display()))?;
     fs::write(&stamp, wanted)?;
     write_if_changed(&pointer, &venv.to_string_lossy())?;
     eprintln!("xtask: {name} venv ready in {}", venv.display());
     Ok(venv)
+}
+
+fn read(path: &Path) -> Result<String> {
+    fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
 }
 
 /// Debian's libraries `mooncake/engine.so` names in DT_NEEDED and the wheel
@@ -204,7 +224,7 @@ const MOONCAKE_DEBIAN_LIBS: [&str; 3] = ["libibverbs1", "libnl-3-200", "libnl-ro
 fn mooncake(sglang_venv: &Path) -> Result<()> {
     debian_packages(&MOONCAKE_DEBIAN_LIBS, "SGLang's Mooncake backend (mooncake/engine.so needs libibverbs.so.1)")?;
     let file = root()?.join("tests/sglang/requirements-mooncake.txt");
-    let wanted = fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
+    let wanted = read(&file)?;
     let stamp = sglang_venv.join(".stallwatch-mooncake");
     if fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
         return Ok(());
@@ -278,34 +298,16 @@ pub const SGLANG_VENV_POINTER: &str = "target/sglang-venv";
 pub const VLLM_VENV_POINTER: &str = "target/vllm-venv";
 
 /// The venv of Arize Phoenix (tests/phoenix/requirements.txt), the trace
-/// store tests/e2e/phoenix.rs runs: about 860 MB with its dependencies, so
-/// in `~/.cache/stallwatch/venv-phoenix-<hash of the file>`, made once per
-/// content of the file (about a minute); the stamp is written last, so an
-/// interrupted install is redone from scratch.
+/// store tests/e2e/phoenix.rs runs: about 860 MB with its dependencies
+/// (installed with them, from PyPI), made once per content of the file
+/// (about a minute).
 fn phoenix_venv() -> Result<PathBuf> {
-    let root = root()?;
-    let requirements = root.join("tests/phoenix/requirements.txt");
-    let wanted = fs::read_to_string(&requirements)?;
-    let cache = cache_dir()?;
-    let venv = cache.join(format!("venv-phoenix-{}", venv_hash(&wanted)));
-    let stamp = venv.join(".stallwatch-requirements");
-    let pointer = root.join(PHOENIX_VENV_POINTER);
-    if fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
-        write_if_changed(&pointer, &venv.to_string_lossy())?;
-        return Ok(venv);
-    }
-    if venv.exists() {
-        fs::remove_dir_all(&venv).with_context(|| format!("removing the unfinished {}", venv.display()))?;
-    }
-    fs::create_dir_all(&cache)?;
-    run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
-    run(Command::new(venv.join("bin/python"))
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r"])
-        .arg(&requirements))?;
-    fs::write(&stamp, wanted)?;
-    write_if_changed(&pointer, &venv.to_string_lossy())?;
-    eprintln!("xtask: Phoenix venv ready in {}", venv.display());
-    Ok(venv)
+    let requirements = root()?.join("tests/phoenix/requirements.txt");
+    stamped_venv("phoenix", &read(&requirements)?, "python3", PHOENIX_VENV_POINTER, |python| {
+        run(Command::new(python)
+            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r"])
+            .arg(&requirements))
+    })
 }
 
 /// The file, under the workspace root, that holds the Phoenix venv's path.
@@ -321,8 +323,8 @@ fn write_if_changed(path: &Path, text: &str) -> Result<()> {
     fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
-/// FNV-1a 64 of the requirement files (as `cached_venv` joins them, or
-/// `phoenix_venv`'s one), 12 hex digits.
+/// FNV-1a 64 of what a venv is made from (`stamped_venv`'s `wanted`), 12
+/// hex digits.
 fn venv_hash(text: &str) -> String {
     let hash =
         text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
