@@ -423,7 +423,7 @@ fn drain_execs(mut guard: AsyncFdReadyMutGuard<'_, RingBuf<MapData>>) -> Vec<u32
 /// event is then read before its deadline, so its stall is never late) nor
 /// shorter than a tick.
 fn unread_ns(timeout_ns: u64, tick_ns: u64) -> u64 {
-    u64::try_from(MAX_UNREAD.as_nanos()).unwrap_or(u64::MAX).min(timeout_ns).max(tick_ns)
+    super::duration_ns(MAX_UNREAD).min(timeout_ns).max(tick_ns)
 }
 
 #[cfg(test)]

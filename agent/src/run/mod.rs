@@ -94,6 +94,8 @@ pub async fn run(options: Options, out: impl Write + Send + 'static) -> Result<(
     session.finish(on_exit)
 }
 
+/// A duration in nanoseconds, as the engine and the kernel count time;
+/// saturated (584 years is as good as forever).
 fn duration_ns(duration: Duration) -> u64 {
     u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
 }
