@@ -107,16 +107,16 @@ pub mod slot_flags {
     pub const ONLY_ON_CHANGE: u32 = 1 << 2;
     /// The return value is a C `int`: sign-extend its low 32 bits.
     pub const RET_I32: u32 = 1 << 3;
-    /// Capture a string from [`SlotConfig::ext`] into the event.
+    /// Capture a string from [`SlotConfig::ext`](super::SlotConfig::ext) into the event.
     pub const HAS_EXT: u32 = 1 << 4;
-    /// Capture the string only when the byte at [`SlotConfig::guard`] is not 0
+    /// Capture the string only when the byte at [`SlotConfig::guard`](super::SlotConfig::guard) is not 0
     /// (e.g. the engaged flag of a `std::optional<std::string>`).
     pub const HAS_GUARD: u32 = 1 << 5;
     /// A transport-activity slot: count the hit and its time in `HITS` and
     /// `SEEN`, emit nothing (the agent samples them as evidence).
     pub const COUNT_ONLY: u32 = 1 << 7;
     /// Capture [`EXT_ID_LEN`](super::EXT_ID_LEN) raw bytes at
-    /// [`SlotConfig::ext`], not a NUL-terminated string (binary data such
+    /// [`SlotConfig::ext`](super::SlotConfig::ext), not a NUL-terminated string (binary data such
     /// as a ZMQ frame); where they cannot all be read, a string is read.
     pub const EXT_BYTES: u32 = 1 << 8;
     /// Every event of the slot ends its request's lifecycle, whatever its
@@ -128,21 +128,21 @@ pub mod slot_flags {
     pub const ENDS: u32 = 1 << 9;
     /// The slot's events need not reach the agent at once (a profile's
     /// `quiet = true`): one that only moves a request the agent knows of
-    /// along, within [`SlotConfig::quiet_ns`] of its previous event, is
+    /// along, within [`SlotConfig::quiet_ns`](super::SlotConfig::quiet_ns) of its previous event, is
     /// kept in the request's in-flight entry, not sent. The agent reads
     /// the entry when the silence it knows of comes due, and the next
     /// record sent for the request carries the stage times it was not
     /// sent ([`event_flags::WITHHELD`](super::event_flags::WITHHELD)).
     pub const QUIET: u32 = 1 << 10;
-    /// The capture is not read at [`SlotConfig::ext`] itself but at one
-    /// element of the msgpack array there ([`SlotConfig::msgpack`]); a hit
+    /// The capture is not read at [`SlotConfig::ext`](super::SlotConfig::ext) itself but at one
+    /// element of the msgpack array there ([`SlotConfig::msgpack`](super::SlotConfig::msgpack)); a hit
     /// whose data is no such array is no event.
     pub const EXT_MSGPACK: u32 = 1 << 11;
     /// An entry slot whose rules compare the value read through
-    /// [`SlotConfig::value`] (a profile's `read_status`: the request's
+    /// [`SlotConfig::value`](super::SlotConfig::value) (a profile's `read_status`: the request's
     /// status at its release), not a return value: the first rule that
     /// holds picks the event, and a value no rule takes, or one that cannot
-    /// be read, is the slot's own [`SlotConfig::stage`]. One user read per
+    /// be read, is the slot's own [`SlotConfig::stage`](super::SlotConfig::stage). One user read per
     /// hit, so a transfer that failed and was released before any stall
     /// came due is reported failed, not completed.
     pub const ENTRY_VALUE: u32 = 1 << 12;
@@ -311,7 +311,7 @@ pub mod event_flags {
     /// The event ends the lifecycle at its stage (its slot has
     /// [`slot_flags::ENDS`](super::slot_flags::ENDS)).
     pub const ENDS: u32 = 1 << 2;
-    /// [`Event::ext`] holds the times of the request's stages whose
+    /// [`Event::ext`](super::Event::ext) holds the times of the request's stages whose
     /// events were not sent ([`slot_flags::QUIET`](super::slot_flags::QUIET)),
     /// 0 for the others: the agent takes them as events seen then. Never
     /// with `HAS_EXT`: a record that carries the external id leaves them to

@@ -2,7 +2,7 @@
 //! OpenTelemetry collector shipped in the `rotel` wheel of the test venv)
 //! receiving OTLP/gRPC and OTLP/HTTP on loopback ports, with its debug
 //! exporter printing every span it received on stdout, which is parsed
-//! back into [`Span`]s here. Nothing here answers the agent in the
+//! back into [`Span`](crate::otlp::Span)s here. Nothing here answers the agent in the
 //! collector's place.
 use std::{
     collections::HashMap,

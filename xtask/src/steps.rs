@@ -151,7 +151,8 @@ pub fn test(built: &Built, tools: &crate::tools::Tools, venvs: &crate::setup::Ve
 
 /// The habits CI holds the code to, before any test runs: rustfmt's check
 /// and clippy with warnings denied, on the host crates with the stable
-/// toolchain and on the eBPF crate with the nightly it is built with.
+/// toolchain and on the eBPF crate with the nightly it is built with, and
+/// rustdoc's link checks.
 pub fn lint() -> Result<()> {
     let root = root()?;
     let cargo = |args: &[&str]| run(Command::new("cargo").current_dir(&root).args(args));
@@ -163,7 +164,14 @@ pub fn lint() -> Result<()> {
     // metadata would otherwise rebuild the host crates' dependencies.
     let ebpf = ["+nightly", "clippy", "-p", "stallwatch-ebpf", "--release", "--target", "bpfel-unknown-none"];
     let ebpf = [&ebpf[..], &["-Z", "build-std=core", "--target-dir", "target/ebpf-clippy"], &deny].concat();
-    cargo(&ebpf).context("clippy found warnings in the eBPF crate (listed above)")
+    cargo(&ebpf).context("clippy found warnings in the eBPF crate (listed above)")?;
+    // Doc links are checked too: a renamed item leaves a link that points
+    // nowhere, which neither the compiler nor clippy reports.
+    run(Command::new("cargo")
+        .current_dir(&root)
+        .args(["doc", "--no-deps", "--workspace", "--exclude", "stallwatch-ebpf", "--document-private-items"])
+        .env("RUSTDOCFLAGS", "-D warnings"))
+    .context("rustdoc found broken doc links or other doc warnings (listed above)")
 }
 
 /// Every benchmark, against this build. The uprobe and NIXL benches put

@@ -92,7 +92,7 @@ pub struct RunSettings {
     /// or OTEL_EXPORTER_OTLP_ENDPOINT; none set: no export.
     #[arg(long, value_name = "URL", env = "STALLWATCH_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
-    /// OTLP transport (default: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else http).
+    /// OTLP transport (default: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL, else http).
     #[arg(long, value_enum, value_name = "PROTOCOL", env = "STALLWATCH_OTLP_PROTOCOL")]
     pub otlp_protocol: Option<Protocol>,
     /// Serve Prometheus metrics at /metrics on PORT (127.0.0.1) or

@@ -12,7 +12,7 @@ use super::{
 
 /// The `EVENTS` ring buffer, registered with the tokio reactor. The
 /// programs submit without a wakeup unless the buffer is a quarter full, so
-/// the agent [`drain`](Self::drain)s it on its tick and [`read`](Self::read)
+/// the agent [`drain`](Self::drain)s it on its tick and [`readable`](Self::readable)
 /// returns only when the kernel forces a wakeup (or when records were
 /// already there at registration, after a restart).
 pub struct EventReader {

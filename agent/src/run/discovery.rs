@@ -126,7 +126,7 @@ fn join_cmdline(raw: &[u8]) -> String {
 }
 
 /// Execs seen recently that did not match yet: re-checked every
-/// [`Pending::RECHECK`] until they match, exit, or [`Pending::PATIENCE`]
+/// [`Pending::RECHECK_NS`] until they match, exit, or [`Pending::PATIENCE_NS`]
 /// passes (a library is loaded during start-up, not an hour later).
 #[derive(Default)]
 pub struct Pending {
