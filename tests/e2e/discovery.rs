@@ -11,7 +11,10 @@ use stallwatch_tests::{
 };
 
 const WAIT: Duration = Duration::from_secs(10);
-const PINNED: &[&str] = &["--rate", "200", "--duration", "30s", "--inject-after", "100ms", "--waiting-for-peer", "1"];
+/// A request that waits for its peer; the duration is this file's own, so
+/// the selector below (`--exe` and that duration) watches no other test's
+/// demo on a shared host.
+const PINNED: &[&str] = &["--rate", "200", "--duration", "31s", "--inject-after", "100ms", "--waiting-for-peer", "1"];
 
 fn stall_of(seen: &[Line], pid: u32) -> Option<Value> {
     alerts(seen, "stalled").map(|(_, v)| v).find(|v| v["pid"] == pid)
@@ -22,7 +25,7 @@ fn running_later_and_restarted_processes_are_all_watched() {
     require_root();
     // One demo runs before the agent starts: found by the scan.
     let mut before = Demo::start(PINNED);
-    let agent = Agent::discover(&["--exe", "demo-prefill"], "demo", "1s", &[]);
+    let agent = Agent::discover(&["--exe", "demo-prefill", "--cmdline", "duration 31s"], "demo", "1s", &[]);
     agent.wait_watching(before.proc.pid());
     before.go();
     let mut seen = Vec::new();
