@@ -540,7 +540,8 @@ fn rooms_taken_over_after_an_agent_restart_keep_what_they_wait_on() {
     // room (live or ended) taken over as a request of its own.
     let mut after: Vec<String> = contexts(&second_socket).into_keys().collect();
     let mut followed: Vec<String> = before.keys().cloned().collect();
-    (after.sort(), followed.sort());
+    after.sort();
+    followed.sort();
     assert_eq!(after, followed, "the requests the second agent took over, and the first one's");
     let mut seen = Vec::new();
     second.wait_until(&format!("{} stalls", held.len()), LONGER + Duration::from_secs(5), &mut seen, |seen| {

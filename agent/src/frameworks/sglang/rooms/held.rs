@@ -197,7 +197,7 @@ mod tests {
             ranks: 2,
             ports: 80_004,
             transfers: 3,
-            outstanding: vec![(0x7f00_a0, 2), (0x7f00_a1, 3)],
+            outstanding: vec![(0x7f00_00a0, 2), (0x7f00_00a1, 3)],
             rid: Some(b"8d5e957f297893487bd98fa8".as_slice().into()),
         }
     }
@@ -208,7 +208,7 @@ mod tests {
 
     #[test]
     fn a_rooms_context_reads_back_as_it_was_written() {
-        let handles = vec![(0x7f00_a0, attributed(2, Some(0))), (0x7f00_a1, attributed(3, Some(1)))];
+        let handles = vec![(0x7f00_00a0, attributed(2, Some(0))), (0x7f00_00a1, attributed(3, Some(1)))];
         let bytes = encode(&room(), &handles, &[41, 42]).expect("fits");
         assert_eq!(
             decode(&bytes),
@@ -246,7 +246,7 @@ mod tests {
 
     #[test]
     fn a_context_that_does_not_read_says_where() {
-        let handles = vec![(0x7f00_a0, attributed(2, Some(0)))];
+        let handles = vec![(0x7f00_00a0, attributed(2, Some(0)))];
         let bytes = encode(&room(), &handles, &[41]).expect("fits");
         for cut in 0..bytes.len() {
             let err = decode(&bytes[..cut]).unwrap_err();
@@ -259,7 +259,7 @@ mod tests {
         other[0] = 9;
         assert_eq!(decode(&other), Err("format 9, this agent reads 1".to_owned()));
         // A peer index past the destinations reads as no peer.
-        let bytes = encode(&room(), &[(0x7f00_a0, attributed(2, Some(7)))], &[]).expect("fits");
+        let bytes = encode(&room(), &[(0x7f00_00a0, attributed(2, Some(7)))], &[]).expect("fits");
         assert_eq!(decode(&bytes).expect("reads").handles[0].1.agent, None);
     }
 }
