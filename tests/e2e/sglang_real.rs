@@ -476,16 +476,24 @@ fn waits_on(alert: &Value, context: &Value) -> Value {
 /// peer the stopped decode; the rooms behind it `answered=1/1`,
 /// `behind=ROOM`, `waiting_on=worker`; the unanswered `answered=0`,
 /// `waiting_on=peer`; each timed from its own last activity before the
-/// restart, within timeout + 1 s, once, nothing else alerted.
+/// restart, within timeout + 1 s, once, nothing else alerted. The stopped
+/// decode's agent is restarted alike (both at once): its room is still
+/// `waiting_for_kv` with `side=decode`, `waiting_on=prefill`.
 #[test]
 fn rooms_taken_over_after_an_agent_restart_keep_what_they_wait_on() {
     const LONGER: Duration = Duration::from_secs(12);
     let socket = test_socket();
     let socket_arg = socket.to_str().expect("utf-8 socket").to_owned();
+    let decode_socket = test_socket();
+    let decode_socket_arg = decode_socket.to_str().expect("utf-8 socket").to_owned();
     let mut target = Target::start("hang", &[], Ipc::Msgpack);
-    let mut first = target.watch_and_go("sglang", "12s", &["--socket", &socket_arg]);
+    // The decode the fault stops (rank 0 of instance 0) is watched too.
+    let (decode_pid, peer) = target.decode(0);
+    let mut first = Agent::watch(target.prefill(), "sglang", "12s", &["--socket", &socket_arg]);
+    let mut first_decode = Agent::watch(decode_pid, "sglang", "12s", &["--socket", &decode_socket_arg]);
+    target.proc.write_line("go");
     let stopped = target.until("decode_stopped", Duration::from_secs(60));
-    let (_, peer) = target.decode(stopped["decode"].as_u64().expect("decode"));
+    assert_eq!(stopped["decode"], 0, "{stopped}");
     let holding = target.until("holding", Duration::from_secs(60));
     let room = target.fault_room();
     assert_eq!(holding["rooms"][room.to_string()], "inflight", "{holding}");
@@ -502,11 +510,18 @@ fn rooms_taken_over_after_an_agent_restart_keep_what_they_wait_on() {
         let context = &before[&format!("{r:#x}")];
         assert!(context.as_object().is_some_and(|c| !c.is_empty()), "room {r} has no context: {before:?}");
     }
-    // A turn of its loop to hand what it read over, then a crash.
+    // The stopped decode's: the hung room, which it asked for.
+    let before_decode = contexts(&decode_socket);
+    let side = serde_json::json!({"side": "decode", "waiting_on": "prefill"});
+    assert_eq!(before_decode.get(&format!("{room:#x}")), Some(&side), "{before_decode:?}");
+    // A turn of their loops to hand what they read over, then a crash.
     std::thread::sleep(Duration::from_millis(300));
     let dir = first.bpf_dir.take().expect("its own bpf directory");
-    first.proc.signal(libc::SIGKILL);
-    let _ = first.proc.wait(Duration::from_secs(5));
+    let decode_dir = first_decode.bpf_dir.take().expect("its own bpf directory");
+    for agent in [&mut first, &mut first_decode] {
+        agent.proc.signal(libc::SIGKILL);
+        let _ = agent.proc.wait(Duration::from_secs(5));
+    }
     let killed = Instant::now();
     let since = |r: u64| -> Instant {
         if r == room {
@@ -533,9 +548,26 @@ fn rooms_taken_over_after_an_agent_restart_keep_what_they_wait_on() {
     let dir_arg = dir.to_str().expect("utf-8 bpf dir").to_owned();
     let second_socket = test_socket();
     let second_arg = second_socket.to_str().expect("utf-8 socket").to_owned();
-    let mut second = Agent::watch(target.prefill(), "sglang", "12s", &["--bpf-dir", &dir_arg, "--socket", &second_arg]);
+    let decode_dir_arg = decode_dir.to_str().expect("utf-8 bpf dir").to_owned();
+    let second_decode_socket = test_socket();
+    let second_decode_arg = second_decode_socket.to_str().expect("utf-8 socket").to_owned();
+    // Both at once, as a node's agents restart each on its own.
+    let prefill = target.prefill();
+    let (mut second, mut second_decode) = std::thread::scope(|scope| {
+        let decode = scope.spawn(|| {
+            Agent::watch(decode_pid, "sglang", "12s", &["--bpf-dir", &decode_dir_arg, "--socket", &second_decode_arg])
+        });
+        let prefill = Agent::watch(prefill, "sglang", "12s", &["--bpf-dir", &dir_arg, "--socket", &second_arg]);
+        (prefill, decode.join().expect("the decode's agent"))
+    });
     second.bpf_dir = Some(dir);
+    second_decode.bpf_dir = Some(decode_dir);
     let took_over = killed.elapsed();
+    let mut after_decode: Vec<String> = contexts(&second_decode_socket).into_keys().collect();
+    let mut followed_decode: Vec<String> = before_decode.keys().cloned().collect();
+    after_decode.sort();
+    followed_decode.sort();
+    assert_eq!(after_decode, followed_decode, "the requests the decode's second agent took over, and its first's");
     // It follows what the first one did, nothing else: no handle of a
     // room (live or ended) taken over as a request of its own.
     let mut after: Vec<String> = contexts(&second_socket).into_keys().collect();
@@ -576,4 +608,35 @@ fn rooms_taken_over_after_an_agent_restart_keep_what_they_wait_on() {
     for r in &unanswered {
         assert_eq!(before[&format!("{r:#x}")]["answered"], "0", "{before:?}");
     }
+    // The stopped decode's rooms (the hung one, and any whose status the
+    // first agent did not see: a receive begun before its probes), each
+    // alerted as the first agent would have: waiting for its KV, on the
+    // decode side; the hung one timed from when the decode asked for it.
+    let mut seen = Vec::new();
+    let n = before_decode.len();
+    second_decode.wait_until("the decode's stalls", Duration::from_secs(10), &mut seen, |seen| {
+        alerts(seen, "stalled").count() >= n
+    });
+    seen.extend(second_decode.stop());
+    let raised = alert_lines(&seen);
+    assert_eq!(raised.len(), n, "{raised:#?}");
+    for alert in &raised {
+        let context = before_decode.get(alert["key"].as_str().expect("key")).unwrap_or_else(|| panic!("{alert}"));
+        assert_eq!((&waits_on(alert, context), alert["class"].as_str()), (context, Some("waiting_for_kv")), "{alert}");
+    }
+    let waiting = raised.iter().find(|a| a["key"] == format!("{room:#x}").as_str()).expect("the hung room's");
+    let asked = target
+        .lines
+        .iter()
+        .find(|line| {
+            line.json().is_some_and(|v| v["event"] == "decode_answered" && v["room"] == room && v["decode"] == 0)
+        })
+        .unwrap_or_else(|| panic!("decode 0 never answered room {room}"))
+        .at;
+    let (at, _) = alerts(&seen, "stalled").find(|(_, a)| a == waiting).expect("its stall");
+    let latency = at.saturating_duration_since(asked);
+    assert!(
+        latency + Duration::from_millis(500) >= LONGER && latency <= LONGER + LATENESS,
+        "{waiting} after {latency:?}"
+    );
 }
