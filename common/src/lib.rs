@@ -456,8 +456,27 @@ pub const NOT_EMITTED: u32 = u32::MAX;
 /// ([`slot_flags::QUIET`]), `COUNTERS` gained `WITHHELD`. 7: [`SavedArgs`]
 /// carry their call's `frame` in place of `live`. 8: [`SlotConfig::value`]
 /// ([`slot_flags::ENTRY_VALUE`]) and [`SlotConfig::msgpack`]
-/// ([`slot_flags::EXT_MSGPACK`]).
-pub const STATE_LAYOUT: u32 = 8;
+/// ([`slot_flags::EXT_MSGPACK`]). 9: `CONTEXT` ([`HeldContext`]), what the
+/// agent knew of each request it made itself (an SGLang room's destinations,
+/// answers and transfer handles).
+pub const STATE_LAYOUT: u32 = 9;
+
+/// How many bytes of a request's context [`HeldContext`] holds.
+pub const CONTEXT_BYTES: usize = 1016;
+
+/// A value of the pinned `CONTEXT` map, keyed by [`RequestKey`]: what the
+/// agent knew of a request it made itself beyond what [`InflightEntry`]
+/// holds (an SGLang room's destinations, answers and transfer handles),
+/// serialised by the framework that made it, for the next agent. Written
+/// and read by the agent only; the eBPF programs never touch it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldContext {
+    /// How many of `bytes` are the context.
+    pub len: u16,
+    pub _pad: [u8; 6],
+    pub bytes: [u8; CONTEXT_BYTES],
+}
 
 /// Indices of the per-CPU `COUNTERS` array: what the kernel side could not do.
 /// Every one is reported by the agent; none is silent. The first four each
@@ -500,4 +519,5 @@ mod pod {
     unsafe impl aya::Pod for super::RequestKey {}
     unsafe impl aya::Pod for super::LastEmitted {}
     unsafe impl aya::Pod for super::InflightEntry {}
+    unsafe impl aya::Pod for super::HeldContext {}
 }

@@ -34,9 +34,9 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use core::ffi::c_void;
 use stallwatch_common::{
-    EXT_ID_LEN, Event, InflightEntry, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS, MSGPACK_HEAD, MSGPACK_STEPS,
-    MSGPACK_TAG_LEN, MsgpackElement, NOT_EMITTED, RequestKey, RetRule, SAVED_ARGS, SavedArgs, SavedArgsKey, SlotConfig,
-    ValueSource, base, cmp, counter, event_flags, msgpack, slot_flags, stage, withheld,
+    EXT_ID_LEN, Event, HeldContext, InflightEntry, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS, MSGPACK_HEAD,
+    MSGPACK_STEPS, MSGPACK_TAG_LEN, MsgpackElement, NOT_EMITTED, RequestKey, RetRule, SAVED_ARGS, SavedArgs,
+    SavedArgsKey, SlotConfig, ValueSource, base, cmp, counter, event_flags, msgpack, slot_flags, stage, withheld,
 };
 
 /// `BPF_F_NO_PREALLOC`: the in-flight tables take memory per request held,
@@ -103,6 +103,13 @@ static INFLIGHT: HashMap<RequestKey, InflightEntry> = HashMap::with_max_entries(
 /// stall is never lost across an agent restart.
 #[map]
 static ALERTED: HashMap<RequestKey, u64> = HashMap::with_max_entries(1 << 17, NO_PREALLOC);
+
+/// Written and read by the agent only, never by these programs: what it
+/// knew of each request it made itself (an SGLang room's destinations,
+/// answers and transfer handles), pinned so the next agent knows it too.
+/// Entries take memory only while held (`NO_PREALLOC`).
+#[map]
+static CONTEXT: HashMap<RequestKey, HeldContext> = HashMap::with_max_entries(1 << 16, NO_PREALLOC);
 
 #[uprobe]
 pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {

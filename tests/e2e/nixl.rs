@@ -57,7 +57,11 @@ impl Driver {
         self.proc.until_event(event, within, &mut self.lines)
     }
 
-    /// Requests the driver reported, by handle: (room, when last touched).
+    /// Requests the driver reported, by handle: (room, when last touched):
+    /// the driver's own time just before the call (`before_ns`) where its
+    /// line carries one, else when the line arrived, which is after the
+    /// call (by 70-140 ms under load, a lower bound too late to time a
+    /// stall from).
     fn requests(&self, event: &str) -> HashMap<String, (String, Instant)> {
         self.lines
             .iter()
@@ -65,11 +69,22 @@ impl Driver {
                 let value = line.json()?;
                 (value["event"] == event).then(|| {
                     let handle = value["handle"].as_str().expect("handle").to_owned();
-                    (normalize(&handle), (value["room"].as_str().expect("room").to_owned(), line.at))
+                    let at = value["before_ns"].as_u64().map_or(line.at, monotonic_instant);
+                    (normalize(&handle), (value["room"].as_str().expect("room").to_owned(), at))
                 })
             })
             .collect()
     }
+}
+
+/// The `Instant` of a CLOCK_MONOTONIC reading `ns` of another process on
+/// this host (Rust's `Instant` is CLOCK_MONOTONIC on Linux).
+fn monotonic_instant(ns: u64) -> Instant {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid out pointer for the call.
+    assert_eq!(unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) }, 0, "clock_gettime");
+    let (at, now_ns) = (Instant::now(), now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64);
+    at.checked_sub(Duration::from_nanos(now_ns.saturating_sub(ns))).expect("a time since boot")
 }
 
 /// Hex as the agent prints it (`{:#x}`).

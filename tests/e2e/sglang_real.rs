@@ -17,10 +17,11 @@ use std::{
 
 use serde_json::Value;
 use stallwatch_tests::{
-    Agent, Line, alerts,
+    Agent, Line, agent_bin, alerts,
     otlp::{Collector, expected_trace_id},
+    run_to_end,
     sglang::{Ipc, Target},
-    summary,
+    summary, test_socket,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(2);
@@ -391,18 +392,27 @@ fn both_sides_of_a_hung_room_are_alerted_in_one_trace() {
     let _ = collector.stop();
 }
 
-/// A room the scheduler has and no decode answers, its agent SIGKILLed
-/// before the room's timeout: the next agent takes it over from the
-/// kernel's in-flight table and reports it once, timed from the request
-/// (before either agent's restart), not from the take-over.
+/// A room the scheduler has and one rank of its TP2 decode answered, its
+/// agent SIGKILLed before the room's timeout: the next agent takes it over
+/// from the kernel's in-flight table and reports it once, timed from its
+/// last activity (before either agent's restart), not from the take-over,
+/// still knowing it waits on its other rank (`answered=1/2`).
 #[test]
 fn a_room_held_across_an_agent_restart_is_reported_once_on_time() {
     const LONGER: Duration = Duration::from_secs(6);
-    let mut target = Target::start("no-answer", &[], Ipc::Msgpack);
+    let mut target = Target::start("no-answer", &["--decode-shape", "tp2"], Ipc::Msgpack);
     let mut first = target.watch_and_go("sglang", "6s", &[]);
     target.until("holding", Duration::from_secs(60));
     let room = target.fault_room();
-    let since = target.at("request", room);
+    let since = target
+        .lines
+        .iter()
+        .rev()
+        .find(|line| {
+            line.json().is_some_and(|v| v["event"] == "decode_answered" && v["room"] == room && v["decode"] == 1)
+        })
+        .unwrap_or_else(|| panic!("rank 1 never answered room {room}: {:?}", target.lines))
+        .at;
     assert!(
         since.elapsed() < LONGER - Duration::from_secs(2),
         "the room is still short of its timeout: {:?}",
@@ -427,9 +437,206 @@ fn a_room_held_across_an_agent_restart_is_reported_once_on_time() {
         (Some(format!("{room:#x}").as_str()), Some("waiting_for_peer")),
         "{alert}"
     );
+    assert_eq!((alert["answered"].as_str(), alert["waiting_on"].as_str()), (Some("1/2"), Some("peer")), "{alert}");
     let latency = at.saturating_duration_since(since);
     assert!(
         latency + Duration::from_millis(200) >= LONGER && latency <= LONGER + LATENESS,
         "{alert} after {latency:?}"
+    );
+}
+
+/// What an agent's `stallwatch inflight --json` says of each request it
+/// follows: its row's `context` (an SGLang room's `answered`,
+/// `waiting_on`, `behind`, `handle`, `transfer`), by key.
+fn contexts(socket: &std::path::Path) -> HashMap<String, Value> {
+    let (ok, stdout, stderr) =
+        run_to_end(std::process::Command::new(agent_bin()).arg("inflight").arg("--socket").arg(socket).arg("--json"));
+    assert!(ok, "inflight failed: {stderr}");
+    let answer: Value = serde_json::from_str(&stdout).unwrap_or_else(|err| panic!("inflight --json ({err}): {stdout}"));
+    let rows = answer["requests"].as_array().unwrap_or_else(|| panic!("no requests: {answer}"));
+    rows.iter()
+        .map(|row| (row["key"].as_str().expect("key").to_owned(), row.get("context").cloned().unwrap_or(Value::Null)))
+        .collect()
+}
+
+/// The fields of an alert that say what its room waits on: those of the
+/// room's `context` (keys as `context` names them).
+fn waits_on(alert: &Value, context: &Value) -> Value {
+    let keys = context.as_object().map(|c| c.keys().cloned().collect::<Vec<_>>()).unwrap_or_default();
+    Value::Object(keys.into_iter().filter_map(|k| Some((k.clone(), alert.get(&k)?.clone()))).collect())
+}
+
+/// A decode SIGSTOPped mid-transfer, as in
+/// `a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so`,
+/// and the prefill's agent SIGKILLed once the target holds, before any
+/// stall is due; the next agent, on the same bpf directory, takes the
+/// rooms over. Each room's alert says what the first agent knew it waits
+/// on (what `stallwatch inflight` showed of it before the kill): the hung
+/// room `transfer_hung` on the same handle and chunk (`transfer=N`), its
+/// peer the stopped decode; the rooms behind it `answered=1/1`,
+/// `behind=ROOM`, `waiting_on=worker`; the unanswered `answered=0`,
+/// `waiting_on=peer`; each timed from its own last activity before the
+/// restart, within timeout + 1 s, once, nothing else alerted. The stopped
+/// decode's agent is restarted alike (both at once): its room is still
+/// `waiting_for_kv` with `side=decode`, `waiting_on=prefill`.
+#[test]
+fn rooms_taken_over_after_an_agent_restart_keep_what_they_wait_on() {
+    const LONGER: Duration = Duration::from_secs(12);
+    let socket = test_socket();
+    let socket_arg = socket.to_str().expect("utf-8 socket").to_owned();
+    let decode_socket = test_socket();
+    let decode_socket_arg = decode_socket.to_str().expect("utf-8 socket").to_owned();
+    let mut target = Target::start("hang", &[], Ipc::Msgpack);
+    // The decode the fault stops (rank 0 of instance 0) is watched too.
+    let (decode_pid, peer) = target.decode(0);
+    let mut first = Agent::watch(target.prefill(), "sglang", "12s", &["--socket", &socket_arg]);
+    let mut first_decode = Agent::watch(decode_pid, "sglang", "12s", &["--socket", &decode_socket_arg]);
+    target.proc.write_line("go");
+    let stopped = target.until("decode_stopped", Duration::from_secs(60));
+    assert_eq!(stopped["decode"], 0, "{stopped}");
+    let holding = target.until("holding", Duration::from_secs(60));
+    let room = target.fault_room();
+    assert_eq!(holding["rooms"][room.to_string()], "inflight", "{holding}");
+    let state = |r: &u64| holding["rooms"][r.to_string()].as_str().unwrap_or_default().to_owned();
+    let later: Vec<u64> = target.rooms().into_iter().filter(|r| *r > room).collect();
+    let behind: Vec<u64> = later.iter().copied().filter(|r| state(r) == "inflight").collect();
+    let unanswered: Vec<u64> = later.iter().copied().filter(|r| state(r) == "bootstrapping").collect();
+    assert!(!unanswered.is_empty(), "{holding}");
+    let held: Vec<u64> = [room].into_iter().chain(behind.iter().copied()).chain(unanswered.iter().copied()).collect();
+    // What the first agent knows each room waits on, all of it read (the
+    // query reads the ring buffer first).
+    let before = contexts(&socket);
+    for r in &held {
+        let context = &before[&format!("{r:#x}")];
+        assert!(context.as_object().is_some_and(|c| !c.is_empty()), "room {r} has no context: {before:?}");
+    }
+    // The stopped decode's: the hung room, which it asked for.
+    let before_decode = contexts(&decode_socket);
+    let side = serde_json::json!({"side": "decode", "waiting_on": "prefill"});
+    assert_eq!(before_decode.get(&format!("{room:#x}")), Some(&side), "{before_decode:?}");
+    // A turn of their loops to hand what they read over, then a crash.
+    std::thread::sleep(Duration::from_millis(300));
+    let dir = first.bpf_dir.take().expect("its own bpf directory");
+    let decode_dir = first_decode.bpf_dir.take().expect("its own bpf directory");
+    for agent in [&mut first, &mut first_decode] {
+        agent.proc.signal(libc::SIGKILL);
+        let _ = agent.proc.wait(Duration::from_secs(5));
+    }
+    let killed = Instant::now();
+    let since = |r: u64| -> Instant {
+        if r == room {
+            // The stop lands before the room's first chunk or between its
+            // chunks: the one that hangs is named (one transfer per chunk to
+            // a TP1 decode), its post the room's last activity.
+            let transfer: u64 = before[&format!("{room:#x}")]["transfer"]
+                .as_str()
+                .and_then(|t| t.parse().ok())
+                .unwrap_or_else(|| panic!("the hung room names no transfer: {before:?}"));
+            target.chunk(room, transfer - 1).unwrap_or_else(|| panic!("transfer {transfer} is no chunk of room {room}"))
+        } else if behind.contains(&r) {
+            target.at("bootstrapped", r)
+        } else {
+            target.at("request", r)
+        }
+    };
+    let earliest = held.iter().map(|r| since(*r)).min().expect("rooms");
+    assert!(
+        killed.duration_since(earliest) < LONGER - Duration::from_secs(5),
+        "no room may be near its timeout at the kill: {:?}",
+        killed.duration_since(earliest)
+    );
+    let dir_arg = dir.to_str().expect("utf-8 bpf dir").to_owned();
+    let second_socket = test_socket();
+    let second_arg = second_socket.to_str().expect("utf-8 socket").to_owned();
+    let decode_dir_arg = decode_dir.to_str().expect("utf-8 bpf dir").to_owned();
+    let second_decode_socket = test_socket();
+    let second_decode_arg = second_decode_socket.to_str().expect("utf-8 socket").to_owned();
+    // Both at once, as a node's agents restart each on its own.
+    let prefill = target.prefill();
+    let (mut second, mut second_decode) = std::thread::scope(|scope| {
+        let decode = scope.spawn(|| {
+            Agent::watch(decode_pid, "sglang", "12s", &["--bpf-dir", &decode_dir_arg, "--socket", &second_decode_arg])
+        });
+        let prefill = Agent::watch(prefill, "sglang", "12s", &["--bpf-dir", &dir_arg, "--socket", &second_arg]);
+        (prefill, decode.join().expect("the decode's agent"))
+    });
+    second.bpf_dir = Some(dir);
+    second_decode.bpf_dir = Some(decode_dir);
+    let took_over = killed.elapsed();
+    let mut after_decode: Vec<String> = contexts(&second_decode_socket).into_keys().collect();
+    let mut followed_decode: Vec<String> = before_decode.keys().cloned().collect();
+    after_decode.sort();
+    followed_decode.sort();
+    assert_eq!(after_decode, followed_decode, "the requests the decode's second agent took over, and its first's");
+    // It follows what the first one did, nothing else: no handle of a
+    // room (live or ended) taken over as a request of its own.
+    let mut after: Vec<String> = contexts(&second_socket).into_keys().collect();
+    let mut followed: Vec<String> = before.keys().cloned().collect();
+    after.sort();
+    followed.sort();
+    assert_eq!(after, followed, "the requests the second agent took over, and the first one's");
+    let mut seen = Vec::new();
+    second.wait_until(&format!("{} stalls", held.len()), LONGER + Duration::from_secs(5), &mut seen, |seen| {
+        alerts(seen, "stalled").count() >= held.len()
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    seen.extend(second.stop());
+    let raised = alert_lines(&seen);
+    assert_eq!(raised.len(), held.len(), "{raised:#?}");
+    eprintln!("taken over {took_over:?} after the kill; {} rooms held", held.len());
+    for r in &held {
+        let key = format!("{r:#x}");
+        let (at, alert) = alerts(&seen, "stalled")
+            .find(|(_, a)| a["key"] == key.as_str())
+            .unwrap_or_else(|| panic!("room {r} not alerted: {raised:#?}"));
+        let context = &before[&key];
+        assert_eq!(&waits_on(&alert, context), context, "room {r}: {alert}");
+        let class = if *r == room { "transfer_hung" } else { "waiting_for_peer" };
+        assert_eq!(alert["class"].as_str(), Some(class), "{alert}");
+        let latency = at.saturating_duration_since(since(*r));
+        assert!(
+            latency + Duration::from_millis(500) >= LONGER && latency <= LONGER + LATENESS,
+            "room {r}: {alert} after {latency:?}"
+        );
+    }
+    let hung = raised.iter().find(|a| a["key"] == format!("{room:#x}").as_str()).expect("the hung room");
+    assert_eq!(hung["transport"]["peer"].as_str(), Some(peer.as_str()), "{hung}");
+    assert!(hung["handle"].as_str().is_some_and(|h| h.starts_with("0x")), "{hung}");
+    for r in &behind {
+        assert_eq!(before[&format!("{r:#x}")]["behind"], room.to_string().as_str(), "{before:?}");
+    }
+    for r in &unanswered {
+        assert_eq!(before[&format!("{r:#x}")]["answered"], "0", "{before:?}");
+    }
+    // The stopped decode's rooms (the hung one, and any whose status the
+    // first agent did not see: a receive begun before its probes), each
+    // alerted as the first agent would have: waiting for its KV, on the
+    // decode side; the hung one timed from when the decode asked for it.
+    let mut seen = Vec::new();
+    let n = before_decode.len();
+    second_decode.wait_until("the decode's stalls", Duration::from_secs(10), &mut seen, |seen| {
+        alerts(seen, "stalled").count() >= n
+    });
+    seen.extend(second_decode.stop());
+    let raised = alert_lines(&seen);
+    assert_eq!(raised.len(), n, "{raised:#?}");
+    for alert in &raised {
+        let context = before_decode.get(alert["key"].as_str().expect("key")).unwrap_or_else(|| panic!("{alert}"));
+        assert_eq!((&waits_on(alert, context), alert["class"].as_str()), (context, Some("waiting_for_kv")), "{alert}");
+    }
+    let waiting = raised.iter().find(|a| a["key"] == format!("{room:#x}").as_str()).expect("the hung room's");
+    let asked = target
+        .lines
+        .iter()
+        .find(|line| {
+            line.json().is_some_and(|v| v["event"] == "decode_answered" && v["room"] == room && v["decode"] == 0)
+        })
+        .unwrap_or_else(|| panic!("decode 0 never answered room {room}"))
+        .at;
+    let (at, _) = alerts(&seen, "stalled").find(|(_, a)| a == waiting).expect("its stall");
+    let latency = at.saturating_duration_since(asked);
+    assert!(
+        latency + Duration::from_millis(500) >= LONGER && latency <= LONGER + LATENESS,
+        "{waiting} after {latency:?}"
     );
 }

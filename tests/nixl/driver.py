@@ -42,7 +42,8 @@ Modes:
                  never complete, and keeps polling their status (every
                  --poll-interval seconds) like a prefill side would.
   no-release     K transfers posted and polled to completion, never released;
-                 holds.
+                 holds. Its "posted" lines carry before_ns, CLOCK_MONOTONIC
+                 (time.monotonic_ns) just before the post.
   inflight-kill  SIGSTOPs the target, posts K transfers (in flight), prints
                  "holding" with both pids and waits (no polling) to be killed.
   target-kill    SIGSTOPs the target, posts K transfers, SIGKILLs the target,
@@ -507,8 +508,11 @@ class Initiator:
             n = self.args.room_start + i
             h = self.create(i, self.room(n).encode())
             self.held.append(h)
+            # CLOCK_MONOTONIC just before the post: a time the test knows
+            # precedes it (the line itself reaches the test later).
+            before_ns = time.monotonic_ns()
             st = self.post(h)
-            emit("posted", n=n, room=self.room(n), handle=hex(h._handle), post=st)
+            emit("posted", n=n, room=self.room(n), handle=hex(h._handle), post=st, before_ns=before_ns)
             st = self.poll_until_done(h)
             if st != "DONE":
                 raise Failure(f"transfer {self.room(n)} ended in {st}")

@@ -87,6 +87,15 @@ impl Peers {
         self.creating.insert((pid, tid), String::from_utf8_lossy(agent).into());
     }
 
+    /// A handle a previous agent knew the peer of (`None`: it did not),
+    /// taken over live: posted or not, its completion not seen yet.
+    pub fn adopt(&mut self, pid: u32, handle: u64, peer: Option<&str>, posted: bool) {
+        match peer {
+            Some(peer) => self.handles.insert((pid, handle), Handle { peer: peer.into(), posted, done: false }),
+            None => self.handles.remove(&(pid, handle)),
+        };
+    }
+
     /// A NIXL handle's lifecycle event, seen on thread `tid` (before it is
     /// made a room's, so every handle counts, a room's or not). A handle
     /// is forgotten at its end: a terminal stage, or an event that `ends`

@@ -31,8 +31,26 @@ pub trait Framework {
     fn handle(&mut self, tid: u32, observation: Observation) -> Option<Observation>;
 
     /// Follow again a request a previous agent followed, if it is this
-    /// framework's.
-    fn adopt(&mut self, request: &Restored);
+    /// framework's, with what that agent handed over of it ([`HandOver`]),
+    /// if anything: the transfer handles that are part of it (each then
+    /// [`Framework::owns`]), or why `held` does not read (the request is
+    /// then followed knowing nothing of it).
+    fn adopt(&mut self, request: &Restored, held: Option<&[u8]>) -> Result<Vec<AdoptedHandle>, String>;
+
+    /// What is left of a request of this framework that ended while a
+    /// previous agent followed it (`held`, handed over under (`pid`,
+    /// `key`)): its parts still in flight, which are then its
+    /// ([`Framework::owns`]). `false`: `held` is no such thing.
+    fn adopt_ended(&mut self, pid: u32, key: u64, held: &[u8]) -> bool;
+
+    /// Whether the probes' lifecycle (`pid`, `key`) is part of one of this
+    /// framework's requests (an SGLang room's NIXL handle): never a request
+    /// of its own, also when taken over from the kernel's table.
+    fn owns(&self, pid: u32, key: u64) -> bool;
+
+    /// What changed of its requests since the last call, for the next
+    /// agent: each request's context, at most once a call.
+    fn held(&mut self, out: &mut Vec<HandOver>);
 
     /// Which side of the transfer `pid` serves, as its traffic tells.
     fn side(&self, pid: u32) -> Side;
@@ -63,6 +81,26 @@ pub trait Framework {
 
     /// At exit: what it could not do, said once.
     fn finish(&mut self);
+}
+
+/// What a framework hands the next agent of one of its requests (`pid`,
+/// `key`): its context, in bytes the framework reads back
+/// ([`Framework::adopt`]); `None` once it is no longer held (it ended).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandOver {
+    pub pid: u32,
+    pub key: u64,
+    pub context: Option<Vec<u8>>,
+}
+
+/// A transfer handle that is part of a request taken over with its
+/// context: its key, its peer (the remote agent it writes to) if known,
+/// and whether it was posted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdoptedHandle {
+    pub key: u64,
+    pub peer: Option<Box<str>>,
+    pub posted: bool,
 }
 
 /// Every framework stallwatch follows.

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use stallwatch_common::{EXT_ID_LEN, Event, event_flags, stage};
 use tracing::{debug, info};
 
-use super::Framework;
+use super::{Framework, HandOver};
 use crate::{
     evidence::peers::{PeerCompletions, Peers},
     kernel::{Role, Slot},
@@ -144,11 +144,46 @@ impl Signals {
 
     /// Follow again a request a previous agent followed (what
     /// [`crate::kernel::state::KernelState::hold`] kept of it), if it is a
-    /// framework's.
-    pub fn adopt(&mut self, request: &Restored) {
+    /// framework's, with what that agent handed over of it (`held`): the
+    /// handles that are part of it are its own again, each with its peer.
+    /// `Err`: `held` did not read (why); the request is followed knowing
+    /// nothing of it.
+    pub fn adopt(&mut self, request: &Restored, held: Option<&[u8]>) -> Result<(), String> {
+        let mut result = Ok(());
         for framework in &mut self.frameworks {
-            framework.adopt(request);
+            match framework.adopt(request, held) {
+                Ok(handles) => {
+                    for handle in handles {
+                        self.peers.adopt(request.pid, handle.key, handle.peer.as_deref(), handle.posted);
+                    }
+                }
+                Err(why) => result = Err(why),
+            }
         }
+        result
+    }
+
+    /// What is left of a framework's request that ended while a previous
+    /// agent followed it ([`Framework::adopt_ended`]); `false` for a
+    /// context no framework takes (stale).
+    pub fn adopt_ended(&mut self, pid: u32, key: u64, held: &[u8]) -> bool {
+        self.frameworks.iter_mut().any(|framework| framework.adopt_ended(pid, key, held))
+    }
+
+    /// Whether the probes' lifecycle (`pid`, `key`) is part of a
+    /// framework's request ([`Framework::owns`]).
+    pub fn owns(&self, pid: u32, key: u64) -> bool {
+        self.frameworks.iter().any(|framework| framework.owns(pid, key))
+    }
+
+    /// What changed of the frameworks' requests since the last call, for
+    /// the next agent ([`Framework::held`]).
+    pub fn held(&mut self) -> Vec<HandOver> {
+        let mut out = Vec::new();
+        for framework in &mut self.frameworks {
+            framework.held(&mut out);
+        }
+        out
     }
 
     /// Which side of the transfer `pid` serves, as its frameworks' traffic
@@ -353,6 +388,35 @@ mod tests {
         assert_eq!(of(stalled(0xc0, None, 25)), Some(("decode-1".into(), 1, 0)), "the handle's own");
         assert_eq!(of(stalled(0xd0, None, 25)), None, "a handle whose peer no thread named");
         assert_eq!(of(stalled(8, Some("8"), 25)), None, "a room with no transfer");
+
+        // The next agent, handed what this one knew: room 7's hung handle
+        // is its own again, with its peer; the others' are not.
+        let held = signals.held();
+        let [HandOver { pid: 9, key: 7, context: Some(context) }] = &held[..] else { panic!("{held:?}") };
+        assert!(signals.held().is_empty(), "handed over once");
+        let mut next = Signals::with(1_000_000_000, vec![Box::new(Sglang::default())]);
+        let restored = |key, external_id: Option<&str>| Restored {
+            pid: 9,
+            key,
+            stage: Stage::TransferPosted,
+            ended: false,
+            stage_ns: [Some(10), Some(20), None],
+            first_ns: 10,
+            last_ns: 20,
+            external_id: external_id.map(Into::into),
+            alerted_ns: None,
+        };
+        assert_eq!(next.adopt(&restored(7, Some("7")), Some(context)), Ok(()));
+        assert!(next.owns(9, 0xa0) && !next.owns(9, 0xc0) && !next.owns(9, 7));
+        assert_eq!(next.adopt(&restored(0xc0, None), None), Ok(()), "no room's: nothing to adopt");
+        let of = |request| next.peer_completions(&request).map(|p| (p.peer.to_string(), p.to_peer, p.to_others));
+        assert_eq!(of(stalled(7, Some("7"), 20)), Some(("decode-0".into(), 0, 0)), "its peer; no completion seen yet");
+        assert_eq!(
+            next.context(&stalled(7, Some("7"), 20)),
+            [("handle", "0xa0".to_owned()), ("transfer", "1".to_owned())]
+        );
+        let err = Signals::with(1, vec![Box::new(Sglang::default())]).adopt(&restored(8, Some("8")), Some(b"\x01"));
+        assert!(err.is_err_and(|why| why.contains("cut short")));
     }
 
     #[test]

@@ -275,8 +275,11 @@ impl Probes {
 
     /// The kernel's in-flight table (a previous agent's, when taken over).
     pub fn kernel_state(&mut self) -> Result<KernelState> {
-        let tables =
-            BpfTables::new(take_map_data(&mut self.ebpf, "INFLIGHT")?, take_map_data(&mut self.ebpf, "ALERTED")?)?;
+        let tables = BpfTables::new(
+            take_map_data(&mut self.ebpf, "INFLIGHT")?,
+            take_map_data(&mut self.ebpf, "ALERTED")?,
+            take_map_data(&mut self.ebpf, "CONTEXT")?,
+        )?;
         Ok(KernelState::new(tables))
     }
 

@@ -6,7 +6,9 @@
 //! - `v<layout>/maps/`: the ring buffer, the slot configs, the counters and
 //!   the kernel's in-flight table (`INFLIGHT`, kept by the eBPF programs on
 //!   every lifecycle event) with the agent's record of which stalls it
-//!   already reported (`ALERTED`);
+//!   already reported (`ALERTED`) and what it knew of the requests it made
+//!   itself beyond what `INFLIGHT` holds (`CONTEXT`: an SGLang room's
+//!   destinations, answers and handles, as its framework serialises it);
 //! - `v<layout>/links/`: every uprobe link, so the probes keep recording
 //!   into those maps while no agent runs.
 //!
@@ -25,7 +27,9 @@ use std::{
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::maps::{HashMap as BpfHashMap, MapData, MapError};
-use stallwatch_common::{EXT_ID_LEN, InflightEntry, NOT_EMITTED, RequestKey, STATE_LAYOUT, stage};
+use stallwatch_common::{
+    CONTEXT_BYTES, EXT_ID_LEN, HeldContext, InflightEntry, NOT_EMITTED, RequestKey, STATE_LAYOUT, stage,
+};
 use tracing::{info, warn};
 
 use super::decode;
@@ -44,8 +48,8 @@ const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 /// The maps a restarted agent takes over, by their names in the eBPF
 /// object. The exec ring buffer and the log buffer are per agent.
-pub const PINNED_MAPS: [&str; 9] =
-    ["EVENTS", "SLOTS", "COUNTERS", "HITS", "SEEN", "SAVED", "LAST", "INFLIGHT", "ALERTED"];
+pub const PINNED_MAPS: [&str; 10] =
+    ["EVENTS", "SLOTS", "COUNTERS", "HITS", "SEEN", "SAVED", "LAST", "INFLIGHT", "ALERTED", "CONTEXT"];
 
 /// An agent's bpf directory, locked for as long as the agent runs.
 pub struct BpfDir {
@@ -226,19 +230,27 @@ pub trait Tables {
     fn mark(&mut self, key: &RequestKey, last_ns: u64) -> Result<()>;
     /// Remove a mark; already gone is fine.
     fn forget_alerted(&mut self, key: &RequestKey) -> Result<()>;
+    fn context_keys(&self) -> Result<Vec<RequestKey>>;
+    fn context(&self, key: &RequestKey) -> Result<Option<HeldContext>>;
+    /// Write a request's context (create or replace); a full table is an error.
+    fn put_context(&mut self, key: &RequestKey, context: &HeldContext) -> Result<()>;
+    /// Remove a context; already gone is fine.
+    fn forget_context(&mut self, key: &RequestKey) -> Result<()>;
 }
 
-/// The pinned `INFLIGHT` and `ALERTED` maps.
+/// The pinned `INFLIGHT`, `ALERTED` and `CONTEXT` maps.
 pub struct BpfTables {
     inflight: BpfHashMap<MapData, RequestKey, InflightEntry>,
     alerted: BpfHashMap<MapData, RequestKey, u64>,
+    context: BpfHashMap<MapData, RequestKey, HeldContext>,
 }
 
 impl BpfTables {
-    pub fn new(inflight: MapData, alerted: MapData) -> Result<Self> {
+    pub fn new(inflight: MapData, alerted: MapData, context: MapData) -> Result<Self> {
         Ok(Self {
             inflight: BpfHashMap::try_from(aya::maps::Map::HashMap(inflight)).context("INFLIGHT is not a hash map")?,
             alerted: BpfHashMap::try_from(aya::maps::Map::HashMap(alerted)).context("ALERTED is not a hash map")?,
+            context: BpfHashMap::try_from(aya::maps::Map::HashMap(context)).context("CONTEXT is not a hash map")?,
         })
     }
 }
@@ -275,6 +287,22 @@ impl Tables for BpfTables {
     fn forget_alerted(&mut self, key: &RequestKey) -> Result<()> {
         forget(&mut self.alerted, key)
     }
+
+    fn context_keys(&self) -> Result<Vec<RequestKey>> {
+        self.context.keys().collect::<Result<Vec<_>, _>>().context("listing the CONTEXT map")
+    }
+
+    fn context(&self, key: &RequestKey) -> Result<Option<HeldContext>> {
+        found(self.context.get(key, 0)).context("reading the CONTEXT map")
+    }
+
+    fn put_context(&mut self, key: &RequestKey, context: &HeldContext) -> Result<()> {
+        self.context.insert(key, context, 0).context("writing the CONTEXT map")
+    }
+
+    fn forget_context(&mut self, key: &RequestKey) -> Result<()> {
+        forget(&mut self.context, key)
+    }
 }
 
 /// The kernel's in-flight table and the agent's record of reported stalls.
@@ -291,11 +319,59 @@ pub struct KernelState<T = BpfTables> {
     unheld: u64,
     last_unheld: Option<String>,
     warned: Warned,
+    /// Contexts [`Self::hand_over`] could not write or drop, and why the
+    /// latest could not.
+    unkept: u64,
+    last_unkept: Option<String>,
+    warned_unkept: Warned,
 }
 
 impl<T: Tables> KernelState<T> {
     pub fn new(tables: T) -> Self {
-        Self { tables, marked: HashSet::new(), unheld: 0, last_unheld: None, warned: Warned::default() }
+        Self {
+            tables,
+            marked: HashSet::new(),
+            unheld: 0,
+            last_unheld: None,
+            warned: Warned::default(),
+            unkept: 0,
+            last_unkept: None,
+            warned_unkept: Warned::default(),
+        }
+    }
+
+    /// Keep in `CONTEXT` what the agent knows of a request it made itself
+    /// beyond what `INFLIGHT` holds of it (`context`, as its framework
+    /// serialises it, at most [`CONTEXT_BYTES`]), for the next agent;
+    /// `None` drops it (the request ended). A write that fails (a full
+    /// table, a context too large) is counted and warned about
+    /// ([`Self::warn`]); only a restart would miss it, and the next write
+    /// of the request's context replaces it.
+    pub fn hand_over(&mut self, pid: u32, key: u64, context: Option<&[u8]>) {
+        let id = RequestKey { key, pid, _pad: 0 };
+        let result = match context {
+            Some(bytes) => held_context(bytes).and_then(|held| self.tables.put_context(&id, &held)),
+            None => self.tables.forget_context(&id),
+        };
+        if let Err(err) = result {
+            // What is there is no longer true: better nothing.
+            let _ = self.tables.forget_context(&id);
+            self.unkept += 1;
+            self.last_unkept = Some(format!("pid {pid} key {key:#x}: {err:#}"));
+        }
+    }
+
+    /// Every context a previous agent handed over ([`Self::hand_over`]),
+    /// by (pid, key). Entries that vanish while being read are skipped.
+    pub fn contexts(&self) -> Result<std::collections::HashMap<(u32, u64), Vec<u8>>> {
+        let mut contexts = std::collections::HashMap::new();
+        for key in self.tables.context_keys()? {
+            if let Some(held) = self.tables.context(&key)? {
+                let len = usize::from(held.len).min(CONTEXT_BYTES);
+                contexts.insert((key.pid, key.key), held.bytes[..len].to_vec());
+            }
+        }
+        Ok(contexts)
     }
 
     /// Keep in `INFLIGHT` a lifecycle event the agent made itself, as the
@@ -374,6 +450,15 @@ impl<T: Tables> KernelState<T> {
                 latest = self.last_unheld.as_deref().unwrap_or(""),
                 "requests the agent made (SGLang rooms) that the kernel's in-flight table could not hold: they are followed, \
                  but would not survive an agent restart"
+            );
+        }
+        if let Some(new) = self.warned_unkept.news(self.unkept) {
+            warn!(
+                new,
+                total = self.unkept,
+                latest = self.last_unkept.as_deref().unwrap_or(""),
+                "what the agent knew of requests it made (an SGLang room's destinations and handles) could not be pinned \
+                 for the next agent: after a restart such a request is taken over knowing nothing of what it waits on"
             );
         }
     }
@@ -531,6 +616,9 @@ impl<T: Tables> KernelState<T> {
         for key in self.tables.alerted_keys()?.iter().filter(|key| key.pid == pid) {
             self.tables.forget_alerted(key)?;
         }
+        for key in self.tables.context_keys()?.iter().filter(|key| key.pid == pid) {
+            self.tables.forget_context(key)?;
+        }
         Ok(())
     }
 }
@@ -551,6 +639,17 @@ fn forget<V: aya::Pod>(map: &mut BpfHashMap<MapData, RequestKey, V>, key: &Reque
         Err(MapError::SyscallError(err)) if err.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
         Err(err) => Err(anyhow!(err)).context("removing an in-flight map entry"),
     }
+}
+
+/// `bytes` as a `CONTEXT` value; an error if they do not fit.
+fn held_context(bytes: &[u8]) -> Result<HeldContext> {
+    let mut held = HeldContext { len: 0, _pad: [0; 6], bytes: [0; CONTEXT_BYTES] };
+    held.bytes
+        .get_mut(..bytes.len())
+        .ok_or_else(|| anyhow!("a context of {} bytes, more than the {CONTEXT_BYTES} pinned", bytes.len()))?
+        .copy_from_slice(bytes);
+    held.len = u16::try_from(bytes.len()).context("a context's length")?;
+    Ok(held)
 }
 
 /// An external id as the kernel keeps it: NUL-terminated, cut to fit.
@@ -639,6 +738,7 @@ mod tests {
     struct Kernel {
         inflight: BTreeMap<(u32, u64), InflightEntry>,
         alerted: BTreeMap<(u32, u64), u64>,
+        context: BTreeMap<(u32, u64), HeldContext>,
         ring: VecDeque<Observation>,
         capacity: usize,
     }
@@ -750,6 +850,24 @@ mod tests {
         }
         fn forget_alerted(&mut self, key: &RequestKey) -> Result<()> {
             self.0.borrow_mut().alerted.remove(&id(key));
+            Ok(())
+        }
+        fn context_keys(&self) -> Result<Vec<RequestKey>> {
+            Ok(self.0.borrow().context.keys().copied().map(key_of).collect())
+        }
+        fn context(&self, key: &RequestKey) -> Result<Option<HeldContext>> {
+            Ok(self.0.borrow().context.get(&id(key)).copied())
+        }
+        fn put_context(&mut self, key: &RequestKey, context: &HeldContext) -> Result<()> {
+            let mut kernel = self.0.borrow_mut();
+            if !kernel.context.contains_key(&id(key)) && kernel.context.len() >= kernel.capacity {
+                bail!("the table is full");
+            }
+            kernel.context.insert(id(key), *context);
+            Ok(())
+        }
+        fn forget_context(&mut self, key: &RequestKey) -> Result<()> {
+            self.0.borrow_mut().context.remove(&id(key));
             Ok(())
         }
     }
@@ -918,6 +1036,49 @@ mod tests {
             assert_eq!(full > 0, capacity == 2, "seed {seed}");
         }
         assert!(kept_ended > 0, "some ended entries were kept for their alert");
+    }
+
+    /// What the agent hands over of the requests it made (`CONTEXT`) is
+    /// what the next agent reads, byte for byte; `None` drops it; a
+    /// context too large or a full table is counted and leaves nothing
+    /// stale; an exited process's go with its entries.
+    #[test]
+    fn contexts_handed_over_are_read_back_and_what_cannot_be_kept_is_counted() {
+        use stallwatch_common::CONTEXT_BYTES;
+        let kernel = Shared::default();
+        kernel.0.borrow_mut().capacity = 3;
+        let mut state = KernelState::new(kernel.clone());
+        state.hand_over(4, 1, Some(b"room one"));
+        state.hand_over(4, 2, Some(&[7; CONTEXT_BYTES]));
+        state.hand_over(5, 1, Some(b""));
+        let read = |state: &KernelState<Shared>| {
+            let mut contexts: Vec<_> = state.contexts().expect("contexts").into_iter().collect();
+            contexts.sort();
+            contexts
+        };
+        let full = vec![7; CONTEXT_BYTES];
+        assert_eq!(read(&state), [((4, 1), b"room one".to_vec()), ((4, 2), full.clone()), ((5, 1), Vec::new())]);
+        // Rewritten in place, then dropped.
+        state.hand_over(4, 1, Some(b"answered"));
+        state.hand_over(5, 1, None);
+        state.hand_over(5, 9, None);
+        assert_eq!(read(&state), [((4, 1), b"answered".to_vec()), ((4, 2), full)]);
+        assert_eq!(state.unkept, 0);
+        // Too large: counted, and what was there (no longer true) is gone.
+        state.hand_over(4, 2, Some(&[1; CONTEXT_BYTES + 1]));
+        assert_eq!((state.unkept, read(&state).len()), (1, 1));
+        assert!(
+            state.last_unkept.as_deref().is_some_and(|why| why.contains("more than the 1016")),
+            "{:?}",
+            state.last_unkept
+        );
+        // A full table refuses a new request's.
+        for key in 10..13 {
+            state.hand_over(6, key, Some(b"x"));
+        }
+        assert_eq!((state.unkept, read(&state).len()), (2, 3));
+        state.forget_process(6).expect("forget");
+        assert_eq!(read(&state), [((4, 1), b"answered".to_vec())]);
     }
 
     /// Keys whose probes end their lifecycles at transfer_done (a profile

@@ -183,7 +183,11 @@ impl Session {
     /// watch are dropped.
     pub(super) fn restore(&mut self) -> Result<()> {
         let requests = self.state.snapshot()?;
+        let mut contexts = self.state.contexts()?;
         if requests.is_empty() {
+            for (pid, key) in contexts.into_keys() {
+                self.state.hand_over(pid, key, None);
+            }
             return Ok(());
         }
         let now = monotonic_ns();
@@ -225,13 +229,63 @@ impl Session {
         for (&pid, &exit_ns) in &exits {
             self.engine.process_exited(pid, exit_ns, &mut self.reports);
         }
-        let taken_count = taken.len();
         let follows_rooms = self.profile.follows_rooms();
+        let (mut with_context, mut unread) = (0, Vec::new());
+        if follows_rooms {
+            // The requests the agent made first, with what the previous
+            // agent knew of them: the handles that are parts of them are
+            // then known as such, not taken over as requests of their own.
+            for request in &taken {
+                if let Some(held) = contexts.remove(&(request.pid, request.key)) {
+                    with_context += 1;
+                    if let Err(why) = self.signals.adopt(request, Some(&held)) {
+                        unread.push(format!("pid {} key {:#x}: {why}", request.pid, request.key));
+                    }
+                }
+            }
+        }
+        // The rest: what is left of requests that ended (their parts
+        // still in flight, in a process still the one that held them), or
+        // stale.
+        let mut leftovers = 0;
+        for ((pid, key), held) in contexts {
+            let kept = follows_rooms
+                && self.processes.contains(pid)
+                && !exits.contains_key(&pid)
+                && self.signals.adopt_ended(pid, key, &held);
+            if kept {
+                leftovers += 1;
+            } else {
+                self.state.hand_over(pid, key, None);
+            }
+        }
+        let (mut taken_count, mut parts) = (0, 0);
         for request in taken {
             if follows_rooms {
-                self.signals.adopt(&request);
+                if self.signals.owns(request.pid, request.key) {
+                    parts += 1;
+                    continue;
+                }
+                // Adopted above already, or with nothing known of it.
+                let _ = self.signals.adopt(&request, None);
             }
+            taken_count += 1;
             self.engine.restore(request, &mut self.reports);
+        }
+        if follows_rooms {
+            // Which side each process serves, as its rooms tell: a decode's
+            // silent room waits for its KV.
+            for pid in self.processes.pids() {
+                self.engine.set_side(pid, self.signals.side(pid));
+            }
+        }
+        if !unread.is_empty() {
+            warn!(
+                requests = unread.len(),
+                first = %unread[0],
+                "what the previous agent knew of some requests could not be read: they are taken over knowing nothing \
+                 of what they wait on"
+            );
         }
         for pid in unwatched {
             info!(pid, "in-flight requests of a process this agent does not watch are dropped");
@@ -241,6 +295,9 @@ impl Session {
         }
         info!(
             requests = taken_count,
+            with_context,
+            parts,
+            leftovers,
             exited = gone.len(),
             reused = reused.len(),
             "took over the requests in flight in the kernel"
@@ -286,10 +343,17 @@ impl Session {
         };
         // Ends submitted while the table was read come through the ring.
         self.drain();
-        let table: Vec<Restored> = table.into_iter().filter(|request| self.processes.contains(request.pid)).collect();
-        if self.profile.follows_rooms() {
+        let follows_rooms = self.profile.follows_rooms();
+        // A handle that is part of a room is the room's, never a request
+        // of its own the engine never heard of.
+        let table: Vec<Restored> = table
+            .into_iter()
+            .filter(|r| self.processes.contains(r.pid) && !(follows_rooms && self.signals.owns(r.pid, r.key)))
+            .collect();
+        if follows_rooms {
             for request in table.iter().filter(|request| self.engine.get(request.pid, request.key).is_none()) {
-                self.signals.adopt(request);
+                // This agent followed it: nothing to be handed over.
+                let _ = self.signals.adopt(request, None);
             }
         }
         let complete = counters.state_full <= self.synced.state_full && self.state.unheld() == 0;
@@ -336,6 +400,17 @@ impl Session {
             Some((made, side))
         };
         reader.drain(|bytes| ingest.record(bytes, transport, engine, reports, &mut route));
+        self.hand_over();
+    }
+
+    /// Pin what changed of the frameworks' requests for the next agent:
+    /// after each read of the ring buffer and before each turn's reports
+    /// go out, each changed request once, so what an agent knew when it
+    /// judged a stall is what the next one knows.
+    fn hand_over(&mut self) {
+        for held in self.signals.held() {
+            self.state.hand_over(held.pid, held.key, held.context.as_deref());
+        }
     }
 
     /// When the loop next drains the ring buffer and judges silence: when
@@ -469,6 +544,7 @@ impl Session {
     }
 
     pub(super) fn emit(&mut self) -> Result<()> {
+        self.hand_over();
         if self.reports.iter().any(|report| matches!(report, Report::Stalled { .. })) {
             // Judge stalls on fresh counts, not the last periodic sample.
             self.transport.sample(&self.probes, monotonic_ns())?;

@@ -50,7 +50,7 @@ use tracing::warn;
 
 pub use self::rooms::{Bootstrap, Rid, Rooms, output_rids, parse, room_of};
 use super::{
-    Framework,
+    AdoptedHandle, Framework, HandOver,
     signals::{Captured, Signal},
     zmq::{Assembler, Hit},
 };
@@ -189,12 +189,25 @@ impl Framework for Sglang {
     }
 
     /// A room (what [`crate::kernel::state::KernelState::hold`] kept of
-    /// it): its status and abort end it as they would have
-    /// ([`Rooms::adopt`]).
-    fn adopt(&mut self, request: &Restored) {
-        if let Some(room) = room_of(request.key, request.external_id.as_deref()) {
-            self.rooms.adopt(request.pid, room);
+    /// it), with what the previous agent knew of it: it goes on as it
+    /// would have ([`Rooms::adopt`]).
+    fn adopt(&mut self, request: &Restored, held: Option<&[u8]>) -> Result<Vec<AdoptedHandle>, String> {
+        match room_of(request.key, request.external_id.as_deref()) {
+            Some(room) => self.rooms.adopt(request.pid, room, held),
+            None => Ok(Vec::new()),
         }
+    }
+
+    fn adopt_ended(&mut self, pid: u32, key: u64, held: &[u8]) -> bool {
+        self.rooms.adopt_ended(pid, key, held)
+    }
+
+    fn owns(&self, pid: u32, key: u64) -> bool {
+        self.rooms.owns(pid, key)
+    }
+
+    fn held(&mut self, out: &mut Vec<HandOver>) {
+        self.rooms.held(out);
     }
 
     fn side(&self, pid: u32) -> Side {
@@ -242,6 +255,13 @@ impl Framework for Sglang {
 
     fn finish(&mut self) {
         self.warn();
+        if self.rooms.too_large > 0 {
+            warn!(
+                rooms = self.rooms.too_large,
+                "SGLang rooms whose context (destinations, handles) did not fit what is pinned for the next agent: an \
+                 agent restarted while they were live would take them over knowing nothing of what they wait on"
+            );
+        }
         if self.rooms.unattributed > 0 {
             warn!(
                 unattributed = self.rooms.unattributed,

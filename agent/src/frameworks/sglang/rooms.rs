@@ -1,10 +1,16 @@
 //! The rooms of every watched process, from the bootstrap messages SGLang
 //! sends and receives ([`Bootstrap`], parsed from ZMQ messages) and the NIXL
 //! handles attributed to them, as lifecycles.
+mod held;
+
 use std::collections::{HashMap, HashSet};
 
+use self::held::{Held, decode, encode, encode_ended};
 use crate::{
-    frameworks::zmq::{Direction, Frame, Message},
+    frameworks::{
+        AdoptedHandle, HandOver,
+        zmq::{Direction, Frame, Message},
+    },
     lifecycle::{Observation, Side, Silent, Stage, StageRead},
 };
 
@@ -194,7 +200,7 @@ fn tag_of(frame: &Frame) -> Option<&[u8]> {
 const WORKERS: u32 = 4;
 
 /// A live room.
-#[derive(Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Room {
     /// Which end of it this process is.
     side: Side,
@@ -217,6 +223,9 @@ struct Room {
     /// Its handles posted and not done, oldest first, with their ordinal
     /// among its transfers (from 1).
     outstanding: Vec<(u64, u32)>,
+    /// The rid its scheduler received it with (what an abort or an output
+    /// names it by).
+    rid: Option<Rid>,
 }
 
 /// The rooms of every watched process, from destination to conclusion.
@@ -228,11 +237,12 @@ pub struct Rooms {
     /// (pid, tid): the remote agent of the transfer the thread is creating,
     /// and the first remote page it writes, where known.
     creating: HashMap<(u32, u32), (Box<str>, Option<u32>)>,
-    /// (pid, handle) -> the room the handle was attributed to and its
-    /// ordinal among the room's transfers, until the handle ends (its
-    /// events are the room's, or nobody's once the room ended, never a
-    /// lifecycle of their own).
-    handles: HashMap<(u32, u64), (u64, u32)>,
+    /// (pid, handle) -> the room the handle was attributed to, its
+    /// ordinal among the room's transfers and the index of its peer among
+    /// the room's `agents`, until the handle ends (its events are the
+    /// room's, or nobody's once the room ended, never a lifecycle of their
+    /// own).
+    handles: HashMap<(u32, u64), Attributed>,
     /// (pid, tid) -> the room the thread's last attributed handle was
     /// (a worker transfers one room at a time: its next handle to one of
     /// that room's destinations is that room's too).
@@ -246,6 +256,21 @@ pub struct Rooms {
     /// (pid, rid) -> the room its scheduler received with that rid, while
     /// the room is live: what an abort names.
     rids: HashMap<(u32, Rid), u64>,
+    /// Rooms whose context changed since [`Rooms::held`] last handed it
+    /// over (an ended room's: to be dropped).
+    dirty: HashSet<(u32, u64)>,
+    /// Rooms whose context did not fit what the next agent is handed
+    /// ([`CONTEXT_BYTES`]): they would be taken over without it.
+    pub too_large: u64,
+}
+
+/// A handle attributed to a room: the room, its ordinal among the room's
+/// transfers (from 1), and its peer's index among the room's `agents`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Attributed {
+    room: u64,
+    ordinal: u32,
+    agent: Option<u8>,
 }
 
 impl Rooms {
@@ -256,6 +281,7 @@ impl Rooms {
         let (room, stage) = match *bootstrap {
             Bootstrap::Destination { room, port, ref agent, ranks, ref pages } => {
                 let known = self.live.contains_key(&(pid, room));
+                self.dirty.insert((pid, room));
                 let entry = self.live.entry((pid, room)).or_default();
                 // A room its scheduler received moves on at its first
                 // destination: what it waited on since arrived.
@@ -271,6 +297,7 @@ impl Rooms {
             }
             Bootstrap::Asked { room } => {
                 self.decodes.insert(pid);
+                self.dirty.insert((pid, room));
                 let entry = self.live.entry((pid, room)).or_default();
                 let moved = entry.received && entry.side == Side::Prefill;
                 let new = !entry.received && entry.side == Side::Prefill;
@@ -285,10 +312,12 @@ impl Rooms {
                 // first (the router tells the decode before the tokenizer
                 // hands the request on, so either may arrive first).
                 self.rids.insert((pid, rid.clone()), room);
-                if self.live.contains_key(&(pid, room)) {
+                self.dirty.insert((pid, room));
+                if let Some(live) = self.live.get_mut(&(pid, room)) {
+                    live.rid = Some(rid.clone());
                     return None;
                 }
-                self.live.insert((pid, room), Room { received: true, ..Room::default() });
+                self.live.insert((pid, room), Room { received: true, rid: Some(rid.clone()), ..Room::default() });
                 (room, Stage::Enqueued)
             }
             Bootstrap::AbortRequest { ref rid } => match self.rids.get(&(pid, rid.clone())) {
@@ -316,20 +345,123 @@ impl Rooms {
             // transfer ends a room with its rid kept until its output).
             self.rids.retain(|(p, _), r| !(*p == pid && *r == room));
             self.live.remove(&(pid, room))?;
+            self.dirty.insert((pid, room));
         }
         Some(room_observation(pid, room, stage, ts_ns))
     }
 
     /// Follow `room` again after an agent restart: the previous agent
     /// followed it and the kernel kept it (see
-    /// [`crate::kernel::state::KernelState::hold`]). What it knew of the room's
-    /// destinations and transfers is gone, so the room's handles are not
-    /// attributed to it (the kernel kept them too: they are taken over as
-    /// their own lifecycles), and its alerts say nothing of what it waits
-    /// on ([`Rooms::context`]); a destination that arrives now tells that
-    /// again. Its status or an ABORT ends it as before.
-    pub fn adopt(&mut self, pid: u32, room: u64) {
-        self.live.entry((pid, room)).or_default();
+    /// [`crate::kernel::state::KernelState::hold`]), and handed over what
+    /// it knew of it, `held` ([`Rooms::held`]): its destinations, answers,
+    /// rid, worker threads and transfer handles, so its alerts say what
+    /// they said ([`Rooms::context`]), its handles are its own again (the
+    /// kernel kept them too: [`Rooms::owns`] tells them, so they are not
+    /// taken over as lifecycles of their own) and its status, an ABORT or
+    /// its rid's abort or output end it as before. Returns its handles, for
+    /// their peers. Without `held` (or with one that does not read, `Err`
+    /// saying why) nothing of it is known: its alerts say nothing of what it
+    /// waits on until a destination of it arrives again. A room followed
+    /// already is left as it is.
+    pub fn adopt(&mut self, pid: u32, room: u64, held: Option<&[u8]>) -> Result<Vec<AdoptedHandle>, String> {
+        if self.live.contains_key(&(pid, room)) {
+            return Ok(Vec::new());
+        }
+        let Some(held) = held else {
+            self.live.insert((pid, room), Room::default());
+            return Ok(Vec::new());
+        };
+        let Held { room: this, handles, threads, .. } = match decode(held).and_then(|held| match held.ended {
+            true => Err("the room ended".to_owned()),
+            false => Ok(held),
+        }) {
+            Ok(held) => held,
+            Err(why) => {
+                self.live.insert((pid, room), Room::default());
+                return Err(why);
+            }
+        };
+        if this.side == Side::Decode {
+            self.decodes.insert(pid);
+        }
+        if let Some(rid) = &this.rid {
+            self.rids.insert((pid, rid.clone()), room);
+        }
+        for tid in threads {
+            self.current.insert((pid, tid), room);
+        }
+        let adopted = handles
+            .iter()
+            .map(|&(key, attributed)| {
+                self.handles.insert((pid, key), Attributed { room, ..attributed });
+                AdoptedHandle {
+                    key,
+                    peer: attributed.agent.and_then(|a| this.agents.get(usize::from(a)).cloned()),
+                    posted: this.outstanding.iter().any(|&(h, _)| h == key),
+                }
+            })
+            .collect();
+        self.live.insert((pid, room), this);
+        Ok(adopted)
+    }
+
+    /// What is left of `room`, which ended while the previous agent
+    /// followed it: its handles still in flight (`held`, as [`Rooms::held`]
+    /// hands them over), nobody's lifecycles, as they were (a transfer of
+    /// it whose done no probe saw is not taken over as a request of its
+    /// own). `false`: `held` is no such thing (it is stale).
+    pub fn adopt_ended(&mut self, pid: u32, room: u64, held: &[u8]) -> bool {
+        match decode(held) {
+            Ok(Held { ended: true, handles, .. }) if !self.live.contains_key(&(pid, room)) => {
+                for (key, attributed) in handles {
+                    self.handles.insert((pid, key), Attributed { room, ..attributed });
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether (`pid`, `key`) is a handle attributed to a room, live or
+    /// ended: its events are the room's, or nobody's, never a lifecycle of
+    /// its own.
+    pub fn owns(&self, pid: u32, key: u64) -> bool {
+        self.handles.contains_key(&(pid, key))
+    }
+
+    /// What changed since the last call, for the next agent: each room
+    /// whose context changed, with its context ([`encode`]d); for a room
+    /// that ended, its handles still in flight ([`encode_ended`]), or
+    /// `None` once none is (or for a context that does not fit, counted in
+    /// [`Rooms::too_large`]: it is taken over knowing nothing, as before
+    /// this was handed over). At most one per room a call, however often
+    /// it changed.
+    pub fn held(&mut self, out: &mut Vec<HandOver>) {
+        for (pid, room) in std::mem::take(&mut self.dirty) {
+            let mut handles: Vec<(u64, Attributed)> = self
+                .handles
+                .iter()
+                .filter(|((p, _), h)| *p == pid && h.room == room)
+                .map(|(&(_, key), &h)| (key, h))
+                .collect();
+            handles.sort_unstable_by_key(|(_, h)| h.ordinal);
+            let Some(this) = self.live.get(&(pid, room)) else {
+                let context = (!handles.is_empty()).then(|| encode_ended(&handles)).flatten();
+                out.push(HandOver { pid, key: room, context });
+                continue;
+            };
+            let context = {
+                let mut threads: Vec<u32> =
+                    self.current.iter().filter(|((p, _), r)| *p == pid && **r == room).map(|(&(_, t), _)| t).collect();
+                threads.sort_unstable();
+                let encoded = encode(this, &handles, &threads);
+                if encoded.is_none() {
+                    self.too_large += 1;
+                }
+                encoded
+            };
+            out.push(HandOver { pid, key: room, context });
+        }
     }
 
     /// Which side of its rooms' transfers `pid` serves: a decode once it
@@ -378,17 +510,21 @@ impl Rooms {
                 self.unattributed += 1;
                 return Some(observation);
             };
-            let ordinal = self.live.get_mut(&(pid, room)).map_or(0, |r| {
+            let (ordinal, agent) = self.live.get_mut(&(pid, room)).map_or((0, None), |r| {
                 r.transfers += 1;
-                r.transfers
+                (r.transfers, r.agents.iter().position(|a| a == agent).and_then(|a| u8::try_from(a).ok()))
             });
-            self.handles.insert((pid, key), (room, ordinal));
-            self.current.insert((pid, tid), room);
+            self.handles.insert((pid, key), Attributed { room, ordinal, agent });
+            self.dirty.insert((pid, room));
+            if let Some(previous) = self.current.insert((pid, tid), room).filter(|&previous| previous != room) {
+                self.dirty.insert((pid, previous));
+            }
             return None;
         }
-        let Some(&(room, ordinal)) = self.handles.get(&(pid, key)) else {
+        let Some(&Attributed { room, ordinal, .. }) = self.handles.get(&(pid, key)) else {
             return Some(observation);
         };
+        self.dirty.insert((pid, room));
         if stage.is_terminal() || ends {
             self.handles.remove(&(pid, key));
         }
@@ -477,6 +613,7 @@ impl Rooms {
         if room.outstanding.is_empty() {
             return Some(None);
         }
+        self.dirty.insert((silent.pid, silent.key));
         while let Some(&(handle, _)) = room.outstanding.first() {
             match read(&Silent { key: handle, stage: Stage::TransferPosted, ..*silent }) {
                 Some(StageRead { stage: Stage::TransferDone, .. }) => {
@@ -506,6 +643,8 @@ impl Rooms {
         self.current.retain(|(p, _), _| *p != pid);
         self.decodes.remove(&pid);
         self.rids.retain(|(p, _), _| *p != pid);
+        // The kernel's tables drop all of the process's.
+        self.dirty.retain(|(p, _)| *p != pid);
     }
 }
 
@@ -823,9 +962,9 @@ mod tests {
     }
 
     #[test]
-    fn a_room_adopted_after_a_restart_ends_once_and_claims_to_know_nothing() {
+    fn a_room_adopted_with_nothing_handed_over_ends_once_and_claims_to_know_nothing() {
         let mut rooms = Rooms::default();
-        rooms.adopt(4, 9);
+        assert_eq!(rooms.adopt(4, 9, None), Ok(Vec::new()));
         assert_eq!(rooms.context(4, 9), Vec::new(), "its destinations are unknown");
         let silent = Silent { pid: 4, key: 9, stage: Stage::Enqueued, first_ns: 1, last_ns: 2 };
         assert_eq!(
@@ -847,8 +986,148 @@ mod tests {
         assert_eq!(rooms.observe(4, 6, &Bootstrap::Status { room: 9, status: SUCCESS }), None);
         // Adopting a room followed already changes nothing.
         rooms.observe(4, 7, &destination).expect("enqueued");
-        rooms.adopt(4, 9);
+        assert_eq!(rooms.adopt(4, 9, Some(b"not read")), Ok(Vec::new()));
         assert_eq!(rooms.context(4, 9)[0], ("answered", "1/2".to_owned()));
+        // What does not read is said, and the room is followed all the same.
+        let mut fresh = Rooms::default();
+        assert!(fresh.adopt(4, 10, Some(b"\x09")).unwrap_err().contains("format 9"));
+        assert!(fresh.live.contains_key(&(4, 10)));
+    }
+
+    /// Every context [`Rooms::held`] hands over, by (pid, room): what the
+    /// pinned map holds, as the session writes it.
+    fn pinned(rooms: &mut Rooms, map: &mut HashMap<(u32, u64), Vec<u8>>) {
+        let mut out = Vec::new();
+        rooms.held(&mut out);
+        for HandOver { pid, key, context } in out {
+            match context {
+                Some(bytes) => map.insert((pid, key), bytes),
+                None => map.remove(&(pid, key)),
+            };
+        }
+    }
+
+    /// A new agent's rooms from what the old one handed over: each held
+    /// room adopted with its context, in any order, and the handles it
+    /// owns as [`Session::restore`](crate::run) skips them.
+    fn taken_over(map: &HashMap<(u32, u64), Vec<u8>>) -> (Rooms, Vec<(u32, AdoptedHandle)>) {
+        let mut next = Rooms::default();
+        let mut handles = Vec::new();
+        for (&(pid, room), bytes) in map {
+            let adopted = next.adopt(pid, room, Some(bytes)).expect("reads");
+            handles.extend(adopted.into_iter().map(|h| (pid, h)));
+        }
+        (next, handles)
+    }
+
+    #[test]
+    fn rooms_taken_over_with_what_was_handed_over_say_and_do_what_they_did() {
+        use Stage::*;
+        let mut rooms = Rooms::default();
+        let mut map = HashMap::new();
+        let to = |room, port, agent: &str, pages: &[u32]| Bootstrap::Destination {
+            room,
+            port,
+            agent: agent.into(),
+            ranks: 2,
+            pages: pages.into(),
+        };
+        // Room 1: both ranks answered, its first chunk to a done, its
+        // second to b posted and hung; room 2 behind it on the same worker;
+        // room 3 received, one rank of two answered; room 4 received only.
+        for (room, rid) in [(1, b"r-1"), (2, b"r-2"), (3, b"r-3"), (4, b"r-4")] {
+            rooms.observe(4, 1, &Bootstrap::Request { room, rid: rid.as_slice().into() }).expect("received");
+        }
+        rooms.observe(4, 2, &to(1, 40001, "a", &[10, 11])).expect("answered");
+        rooms.observe(4, 2, &to(1, 40003, "b", &[20, 21]));
+        rooms.observe(4, 3, &to(2, 40003, "b", &[30])).expect("answered");
+        rooms.observe(4, 3, &to(2, 40001, "a", &[40]));
+        rooms.observe(4, 3, &to(3, 40001, "a", &[50])).expect("answered");
+        rooms.creating(4, 20, b"a", Some(10));
+        assert_eq!(rooms.handle(20, handle_event(4, 0xa0, Enqueued, 4)), None);
+        rooms.handle(20, handle_event(4, 0xa0, TransferPosted, 5)).expect("room 1's");
+        rooms.handle(20, handle_event(4, 0xa0, TransferDone, 6)).expect("room 1's");
+        rooms.creating(4, 20, b"b", Some(20));
+        assert_eq!(rooms.handle(20, handle_event(4, 0xa1, Enqueued, 7)), None);
+        rooms.handle(20, handle_event(4, 0xa1, TransferPosted, 8)).expect("room 1's");
+        // A decode process's room, asked for.
+        rooms.observe(5, 9, &Bootstrap::Asked { room: 1 }).expect("asked");
+        pinned(&mut rooms, &mut map);
+        assert_eq!(map.len(), 5, "{:?}", map.keys());
+        let mut out = Vec::new();
+        rooms.held(&mut out);
+        assert!(out.is_empty(), "nothing changed since: nothing to write");
+
+        let (mut next, handles) = taken_over(&map);
+        for (pid, room) in [(4, 1), (4, 2), (4, 3), (4, 4), (5, 1), (4, 99)] {
+            assert_eq!(next.context(pid, room), rooms.context(pid, room), "pid {pid} room {room}");
+        }
+        assert_eq!(next.context(4, 1), [("handle", "0xa1".to_owned()), ("transfer", "2".to_owned())]);
+        assert_eq!(next.side(5), Side::Decode);
+        assert_eq!(next.hung_handle(4, 1), Some(0xa1));
+        // Its handles, with their peers: the done one too (its release ends it).
+        let mut handles: Vec<_> = handles.into_iter().map(|(pid, h)| (pid, h.key, h.peer, h.posted)).collect();
+        handles.sort();
+        assert_eq!(handles, [(4, 0xa0, Some("a".into()), false), (4, 0xa1, Some("b".into()), true)]);
+        assert!(next.owns(4, 0xa1) && next.owns(4, 0xa0) && !next.owns(4, 0xb0) && !next.owns(5, 0xa1));
+        assert_eq!(
+            next.read(&Silent { pid: 4, key: 1, stage: TransferPosted, first_ns: 1, last_ns: 8 }, &mut |s| {
+                assert_eq!(s.key, 0xa1);
+                None
+            }),
+            Some(None)
+        );
+
+        // It goes on as the old agent would have: the hung chunk completes
+        // (the room's), the aux is created on the room's thread (no page:
+        // by the thread), room 4's rid aborts it, room 3's output fails it.
+        for rooms in [&mut rooms, &mut next] {
+            assert_eq!(
+                rooms.handle(20, handle_event(4, 0xa1, TransferDone, 20)).map(|o| (o.key, o.stage)),
+                Some((1, TransferPosted))
+            );
+            rooms.creating(4, 20, b"b", None);
+            assert_eq!(rooms.handle(20, handle_event(4, 0xa2, Enqueued, 21)), None);
+            assert_eq!(rooms.handle(20, handle_event(4, 0xa2, TransferPosted, 22)).map(|o| o.key), Some(1));
+            assert_eq!(rooms.context(4, 1), [("handle", "0xa2".to_owned()), ("transfer", "3".to_owned())]);
+            // Room 2's first chunk, by its page, on another thread.
+            rooms.creating(4, 21, b"b", Some(30));
+            assert_eq!(rooms.handle(21, handle_event(4, 0xb0, Enqueued, 23)), None);
+            assert_eq!(rooms.handle(21, handle_event(4, 0xb0, TransferPosted, 24)).map(|o| o.key), Some(2));
+            let abort = Bootstrap::AbortRequest { rid: b"r-4".as_slice().into() };
+            assert_eq!(rooms.observe(4, 25, &abort).map(|o| (o.key, o.stage)), Some((4, Aborted)));
+            let output = Bootstrap::Output { rids: vec![b"r-3".as_slice().into()] };
+            assert_eq!(rooms.observe(4, 26, &output).map(|o| (o.key, o.stage)), Some((3, Failed)));
+            let released = Bootstrap::Status { room: 1, status: SUCCESS };
+            assert_eq!(rooms.observe(4, 27, &released).map(|o| o.stage), Some(Released));
+        }
+        // What the new agent hands over in turn: room 2's new context, what
+        // is left of room 1 (its handles still in flight), nothing of the
+        // rooms 3 and 4 (ended with no handle).
+        let mut map = HashMap::new();
+        pinned(&mut next, &mut map);
+        let mut held: Vec<_> = map.keys().copied().collect();
+        held.sort();
+        assert_eq!(held, [(4, 1), (4, 2)]);
+        assert!(next.adopt(4, 1, Some(&map[&(4, 1)])).is_err_and(|why| why == "the room ended"));
+        next.observe(4, 28, &Bootstrap::Status { room: 1, status: SUCCESS }).expect("the adoption's room ends");
+        // A third agent: room 1's handles are nobody's, not requests of their own.
+        let mut third = Rooms::default();
+        assert!(third.adopt_ended(4, 1, &map[&(4, 1)]));
+        assert!(!third.adopt_ended(4, 2, &map[&(4, 2)]), "a live room's context is no ended room's");
+        assert!(third.owns(4, 0xa2) && third.owns(4, 0xa0) && !third.owns(4, 0xb0));
+        assert_eq!(third.handle(20, handle_event(4, 0xa2, TransferDone, 30)), None);
+        assert_eq!(third.context(4, 1), Vec::new(), "no live room");
+        // Once its last handle ends, nothing is left of it to hand over.
+        for handle in [0xa0, 0xa1, 0xa2] {
+            assert_eq!(next.handle(20, handle_event(4, handle, Released, 31)), None);
+        }
+        let mut out = Vec::new();
+        next.held(&mut out);
+        assert!(out.contains(&HandOver { pid: 4, key: 1, context: None }), "{out:?}");
+        next.forget(4);
+        next.held(&mut out);
+        assert!(!out.iter().any(|h| h.pid == 4 && h.key == 2), "a process gone: the kernel drops all of it");
     }
 
     fn handle_event(pid: u32, handle: u64, stage: Stage, ts_ns: u64) -> Observation {
