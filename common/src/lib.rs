@@ -146,6 +146,23 @@ pub mod slot_flags {
     /// hit, so a transfer that failed and was released before any stall
     /// came due is reported failed, not completed.
     pub const ENTRY_VALUE: u32 = 1 << 12;
+    /// A hit is an event only when the value read through
+    /// [`SlotConfig::filter`] satisfies [`SlotConfig::filter_rule`] (a
+    /// signal's `when`); one that cannot be read is none. Checked before
+    /// anything else is read, so the hits a consumer has no use for (a ZMQ
+    /// message closed empty after its send) cost one user read.
+    pub const FILTER: u32 = 1 << 16;
+    /// The capture is read at [`SlotConfig::ext`] when the byte at
+    /// [`SlotConfig::select`] is [`SlotConfig::select_byte`], else at
+    /// [`SlotConfig::ext_else`] (a signal's `bytes_else`): data kept inline
+    /// in a struct or behind a pointer in it, as its type byte says (a ZMQ
+    /// frame of up to 33 bytes, or a longer one).
+    pub const EXT_SELECT: u32 = 1 << 17;
+    /// With [`ENTRY_VALUE`] and [`EXT_SELECT`]: the value is read only
+    /// where the capture is at [`SlotConfig::ext_else`] (a length behind
+    /// the same pointer as the data); elsewhere it is 0, with no read
+    /// through what is no pointer there (and the slot's own stage).
+    pub const VALUE_IF_ELSE: u32 = 1 << 18;
     /// The slot is live. The agent writes a process's slots without it,
     /// attaches every probe, then sets it on all of them: a request that
     /// began while only some probes were attached would be seen at one
@@ -185,6 +202,17 @@ pub struct SlotConfig {
     pub value: ValueSource,
     /// With [`slot_flags::EXT_MSGPACK`]: which element to capture.
     pub msgpack: MsgpackElement,
+    /// With [`slot_flags::FILTER`]: the value a hit must satisfy
+    /// `filter_rule` with (read as a `u64`) to be an event.
+    pub filter: ValueSource,
+    pub filter_rule: RetRule,
+    /// With [`slot_flags::EXT_SELECT`]: the byte that picks where the
+    /// capture is, the value that picks [`SlotConfig::ext`], and where it
+    /// is otherwise.
+    pub select: ValueSource,
+    pub ext_else: ValueSource,
+    pub select_byte: u8,
+    pub _pad_select: [u8; 7],
 }
 
 /// Longest tag a [`MsgpackElement`] matches.

@@ -137,6 +137,9 @@ pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
         return 0;
     }
     count_hit(slot);
+    if !filter_holds(cfg, &args, 0) {
+        return 0;
+    }
     if cfg.flags & slot_flags::ENTRY_VALUE != 0 {
         let (value, matched) = entry_value(cfg, &args);
         emit(slot, cfg, &args, value, matched);
@@ -156,6 +159,10 @@ fn entry_value(cfg: &SlotConfig, args: &Args) -> (i64, Matched) {
     let Some(key) = resolve(&cfg.key, args, 0, 0) else {
         return (0, own);
     };
+    // A value not read, as one that cannot be: the slot's own stage.
+    if cfg.flags & slot_flags::VALUE_IF_ELSE != 0 && selects_else(cfg, args, 0, key) != Some(true) {
+        return (0, own);
+    }
     let Some(raw) = resolve(&cfg.value, args, 0, key) else {
         return (0, own);
     };
@@ -194,8 +201,52 @@ pub fn lifecycle_return(ctx: RetProbeContext) -> u32 {
             }
         }
     };
+    if !filter_holds(cfg, &args, ret) {
+        return 0;
+    }
     emit(slot, cfg, &args, ret, matched);
     0
+}
+
+/// Whether a hit passes its slot's [`slot_flags::FILTER`] (true without
+/// one): the value there, read as a `u64`, satisfies the filter's rule. A
+/// value that cannot be read fails it.
+#[inline(always)]
+fn filter_holds(cfg: &SlotConfig, args: &Args, ret: i64) -> bool {
+    if cfg.flags & slot_flags::FILTER == 0 {
+        return true;
+    }
+    match resolve(&cfg.filter, args, ret, 0) {
+        Some(value) => rule_holds(&cfg.filter_rule, value as i64),
+        None => false,
+    }
+}
+
+/// Where the capture is read: [`SlotConfig::ext`], or, with
+/// [`slot_flags::EXT_SELECT`], there only when the byte at
+/// [`SlotConfig::select`] is [`SlotConfig::select_byte`], else at
+/// [`SlotConfig::ext_else`].
+#[inline(always)]
+fn ext_at(cfg: &SlotConfig, args: &Args, ret: i64, key: u64) -> Option<u64> {
+    if cfg.flags & slot_flags::EXT_SELECT == 0 {
+        return resolve(&cfg.ext, args, ret, key);
+    }
+    if selects_else(cfg, args, ret, key)? {
+        resolve(&cfg.ext_else, args, ret, key)
+    } else {
+        resolve(&cfg.ext, args, ret, key)
+    }
+}
+
+/// Whether the byte at [`SlotConfig::select`] picks
+/// [`SlotConfig::ext_else`] (it is not [`SlotConfig::select_byte`]);
+/// `None` where it cannot be read.
+#[inline(always)]
+fn selects_else(cfg: &SlotConfig, args: &Args, ret: i64, key: u64) -> Option<bool> {
+    let at = resolve(&cfg.select, args, ret, key)?;
+    // SAFETY: a user-memory read; failure means "nowhere to read".
+    let byte: u8 = unsafe { bpf_probe_read_user(at as *const u8) }.ok()?;
+    Some(byte != cfg.select_byte)
 }
 
 /// Pids of processes that just exec'd, for process discovery.
@@ -352,15 +403,10 @@ fn match_rules(cfg: &SlotConfig, ret: i64) -> Option<Matched> {
     let mut matched = 0;
     let mut first = None;
     for (n, rule) in rules.iter().enumerate() {
-        let holds = match rule.op {
-            cmp::EQ => ret == rule.value,
-            cmp::NE => ret != rule.value,
-            cmp::LT => ret < rule.value,
-            cmp::LE => ret <= rule.value,
-            cmp::GT => ret > rule.value,
-            cmp::GE => ret >= rule.value,
-            _ => continue,
-        };
+        if rule.op == cmp::NONE || rule.op > cmp::GE {
+            continue;
+        }
+        let holds = rule_holds(rule, ret);
         any_rule = true;
         if holds {
             matched |= event_flags::RULE_MATCHED << n;
@@ -373,6 +419,20 @@ fn match_rules(cfg: &SlotConfig, ret: i64) -> Option<Matched> {
         Some(stage) => Some(Matched { rules: matched, stage }),
         None if !any_rule => Some(Matched { rules: 0, stage: cfg.stage }),
         None => None,
+    }
+}
+
+/// `value <op> rule.value`; false for no comparison.
+#[inline(always)]
+fn rule_holds(rule: &RetRule, value: i64) -> bool {
+    match rule.op {
+        cmp::EQ => value == rule.value,
+        cmp::NE => value != rule.value,
+        cmp::LT => value < rule.value,
+        cmp::LE => value <= rule.value,
+        cmp::GT => value > rule.value,
+        cmp::GE => value >= rule.value,
+        _ => false,
     }
 }
 
@@ -445,7 +505,7 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
     // A capture at an element of a msgpack array, found before anything is
     // reserved: a hit whose data is not the array looked for is no event.
     let element = if cfg.flags & slot_flags::EXT_MSGPACK != 0 {
-        match resolve(&cfg.ext, args, ret, key).and_then(|at| msgpack_element(&cfg.msgpack, at)) {
+        match ext_at(cfg, args, ret, key).and_then(|at| msgpack_element(&cfg.msgpack, at)) {
             Some(at) => Some(at),
             None => return,
         }
@@ -482,7 +542,7 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         let mut carried = false;
         if wants_ext && guard_holds(cfg, args, ret, key) {
             let bytes = cfg.flags & slot_flags::EXT_BYTES != 0;
-            match element.or_else(|| resolve(&cfg.ext, args, ret, key)) {
+            match element.or_else(|| ext_at(cfg, args, ret, key)) {
                 Some(at) if bytes && bpf_probe_read_user_buf(at as *const u8, &mut (*event).ext).is_ok() => {
                     (*event).flags |= event_flags::HAS_EXT | event_flags::EXT_BYTES;
                 }

@@ -249,13 +249,13 @@ fn every_sglang_probe_lands_on_an_emulated_instruction_and_a_single_stepped_one_
         points
     };
     let points = check("sglang");
-    // 6 lifecycle probes, 7 signals, 8 transport probes.
-    assert_eq!(points.len(), 21, "{points:#?}");
+    // 6 lifecycle probes, 6 signals, 8 transport probes.
+    assert_eq!(points.len(), 20, "{points:#?}");
     for point in &points {
         assert!(point.contains("(emulated") && !point.contains("single-stepped"), "{point}");
     }
     assert!(
-        points.iter().any(|p| p.contains("zmq_msg_data at ") && p.contains("relative branch (emulated")),
+        points.iter().any(|p| p.contains("zmq_msg_close at ") && p.contains("relative branch (emulated")),
         "{points:#?}"
     );
     let dir = tempfile::tempdir().expect("tempdir");

@@ -1,25 +1,40 @@
 //! ZMQ multipart messages, put together from signal probes on libzmq 4.3
-//! (the `sglang` profile's `zmq_recv`, `zmq_data` and `zmq_send`).
+//! (the `sglang` profile's `zmq_recv` and `zmq_send`), one entry probe a
+//! frame.
 //!
 //! pyzmq's copying paths (what `recv_multipart` and `send_multipart` use
-//! by default) call, per frame, on one thread:
-//! - receive: `zmq_msg_recv(msg)` (returns the size), then
-//!   `zmq_msg_data(msg)` (returns the data pointer) to copy the bytes out;
-//! - send: `zmq_msg_init_size`, `zmq_msg_data`, a memcpy, then
-//!   `zmq_msg_send(msg, socket, flags)`, so the frame is complete at the
+//! by default; pyzmq 27, `zmq/backend/cython/_zmq.py`) call, per frame, on
+//! one thread:
+//! - receive (`_recv_copy`): `zmq_msg_init(msg)`, `zmq_msg_recv(msg)`, the
+//!   bytes copied out (`zmq_msg_data`, `zmq_msg_size`), then
+//!   `zmq_msg_close(msg)`: at the entry of `zmq_msg_close` the frame is
+//!   whole, its bytes, size and `more` flag in the `zmq_msg_t`;
+//! - send (`_send_copy`): `zmq_msg_init_size`, `zmq_msg_data`, a memcpy,
+//!   `zmq_msg_send(msg, socket, flags)`, then `zmq_msg_close(msg)` of the
+//!   message libzmq emptied when it took it: the frame is whole at the
 //!   entry of `zmq_msg_send`.
 //!
-//! So a received frame is the `zmq_recv` return of a `msg`, paired with the
-//! next `zmq_data` return for the same `msg` on the same thread (its first
-//! 64 bytes, cut to the size); a sent frame is read from the `zmq_msg_t`
-//! itself at `zmq_send`, since libzmq keeps a frame of up to 33 bytes
-//! inline (a "very small message"), which is what SGLang's status messages
-//! are made of. Whether more frames follow is the `more` flag of the
-//! received `zmq_msg_t` and `ZMQ_SNDMORE` of a send. Layout of `zmq_msg_t`
-//! in libzmq 4.3.5 (pyzmq 27.3.0's bundled copy; read off `zmq_msg_size`
-//! and `zmq_msg_more`): inline data at +8 (33 bytes), the inline size at
-//! +41, the type at +42 (101 for inline), flags at +43 (1 is `more`). The
-//! probes capture 64 bytes from +8, so those are bytes 33, 34 and 35.
+//! So a received frame is one `zmq_recv` hit, a sent frame one `zmq_send`
+//! hit. The closes that are no received frame (a sent message, emptied;
+//! the empty message of a receive that failed, EAGAIN on every idle poll
+//! of SGLang's scheduler) are dropped in the kernel by the signal's
+//! `when`: libzmq's stream engines attach their connection's metadata to
+//! every frame they receive (`stream_engine_base_t::decode_and_push`, for
+//! tcp and ipc), and nothing else a process closes has any. libzmq itself
+//! calls `zmq_msg_close` only from `zmq_send` (a failed send), `zmq_recv`
+//! and `zmq_recviov` (a frame received, whole, as here) and `zmq_sendiov`;
+//! its own code closes with `msg_t::close`.
+//!
+//! Layout of `zmq_msg_t` in libzmq 4.3.5 (pyzmq 27's bundled copy; read
+//! off `zmq_msg_size`, `zmq_msg_more` and `msg_t::init`): the metadata
+//! pointer at +0; inline data at +8 (a "very small message", up to 33
+//! bytes), the inline size at +41, the type at +42 (101 inline, 102 long,
+//! 105 zero-copy: a `content_t` pointer at +8, whose data pointer is at +0
+//! and size at +8), flags at +43 (1 is `more`). `zmq_recv`'s value is the
+//! `u64` at +40 (bytes 41 to 43 are size, type and flags), its `ret` the
+//! long frame's size, its capture the frame's first 64 bytes wherever they
+//! are. `zmq_send` captures 64 bytes from +8 (for an inline frame its
+//! bytes, size, type and flags at 33, 34 and 35).
 use std::collections::HashMap;
 
 use stallwatch_common::EXT_ID_LEN;
@@ -27,9 +42,11 @@ use stallwatch_common::EXT_ID_LEN;
 /// Where in a `zmq_msg_t` capture (64 bytes from +8) the fields lie.
 const VSM_SIZE_AT: usize = 33;
 const TYPE_AT: usize = 34;
-const FLAGS_AT: usize = 35;
 /// `msg_t::type_vsm`: the frame's bytes are inline.
 const TYPE_VSM: u8 = 101;
+/// `msg_t::type_lmsg` and `type_zclmsg`: behind a `content_t`.
+const TYPE_LMSG: u8 = 102;
+const TYPE_ZCLMSG: u8 = 105;
 const VSM_MAX: usize = 33;
 /// `msg_t::more`.
 const FLAG_MORE: u8 = 1;
@@ -74,11 +91,10 @@ pub struct Message {
 /// One probe hit, as the signals carry it.
 #[derive(Debug, Clone, Copy)]
 pub enum Hit<'a> {
-    /// `zmq_msg_recv` returned `size` (-1: nothing received) for `msg`;
-    /// `tail` is the `zmq_msg_t` from +8.
-    Recv { msg: u64, size: i64, tail: Option<&'a [u8; EXT_ID_LEN]> },
-    /// `zmq_msg_data(msg)` returned, `data` its first bytes.
-    Data { msg: u64, data: Option<&'a [u8]> },
+    /// A received frame closed (`zmq_msg_close`): `head` the `zmq_msg_t`'s
+    /// `u64` at +40, `size` a long frame's size (read through its
+    /// content), `data` its first bytes, wherever they are.
+    Received { head: u64, size: i64, data: Option<&'a [u8]> },
     /// `zmq_msg_send` entered with `flags`, `tail` the `zmq_msg_t` from +8.
     Send { flags: u64, tail: Option<&'a [u8; EXT_ID_LEN]> },
 }
@@ -87,21 +103,14 @@ pub enum Hit<'a> {
 #[derive(Default)]
 pub struct Assembler {
     threads: HashMap<(u32, u32), Thread>,
-    /// Frames that could not be read (their `zmq_msg_t` unreadable) and
-    /// messages given up (too many frames): counted, never a panic.
+    /// Frames that could not be read (their `zmq_msg_t` unreadable, of a
+    /// type no received frame has) and messages given up (too many
+    /// frames): counted, never a panic.
     pub garbled: u64,
 }
 
 #[derive(Default)]
 struct Thread {
-    /// A frame received, waiting for its bytes: (msg, size, more).
-    pending: Option<(u64, usize, bool)>,
-    /// The data of a `msg` no receive was seen for: a send filling its
-    /// frame (its send follows), or the first frame of a message whose
-    /// `zmq_msg_recv` began before the probes were attached (a thread
-    /// blocked in it, waiting for the next message, when the agent
-    /// started), which the next receive of the same `msg` reveals.
-    orphan: Option<(u64, Box<[u8]>)>,
     incoming: Vec<Frame>,
     outgoing: Vec<Frame>,
 }
@@ -112,11 +121,7 @@ impl Assembler {
     pub fn hit(&mut self, pid: u32, tid: u32, ts_ns: u64, hit: Hit<'_>) -> Option<Message> {
         let thread = self.threads.entry((pid, tid)).or_default();
         let done = step(thread, hit, &mut self.garbled);
-        let idle = thread.pending.is_none()
-            && thread.orphan.is_none()
-            && thread.incoming.is_empty()
-            && thread.outgoing.is_empty();
-        if idle {
+        if thread.incoming.is_empty() && thread.outgoing.is_empty() {
             // A thread between messages holds nothing: no entry per thread
             // that ever spoke ZMQ.
             self.threads.remove(&(pid, tid));
@@ -134,42 +139,26 @@ impl Assembler {
 /// One hit on one thread's streams: the message it ends, if it ends one.
 fn step(thread: &mut Thread, hit: Hit<'_>, garbled: &mut u64) -> Option<(Direction, Vec<Frame>)> {
     match hit {
-        Hit::Recv { msg, size, tail } => {
-            // A failed receive (EAGAIN, EINTR) is no frame.
-            thread.pending = None;
-            let orphan = thread.orphan.take();
-            let size = usize::try_from(size).ok()?;
-            if let Some((_, bytes)) = orphan.filter(|(orphan, _)| *orphan == msg && thread.incoming.is_empty()) {
-                // Its length is unknown: what was read of it, incomplete.
-                thread.incoming.push(Frame { bytes, complete: false });
-            }
-            let Some(tail) = tail else {
-                *garbled += 1;
-                return None;
+        Hit::Received { head, size, data } => {
+            let [_, vsm_size, kind, flags, ..] = head.to_le_bytes();
+            let size = match kind {
+                TYPE_VSM if usize::from(vsm_size) <= VSM_MAX => Some(usize::from(vsm_size)),
+                TYPE_LMSG | TYPE_ZCLMSG => usize::try_from(size).ok(),
+                _ => None,
             };
-            thread.pending = Some((msg, size, tail[FLAGS_AT] & FLAG_MORE != 0));
-            None
-        }
-        Hit::Data { msg, data } => {
-            // Anything but the data of the frame just received (a send
-            // filling its frame) is not a received frame.
-            let Some((_, size, more)) = thread.pending.filter(|(pending, ..)| *pending == msg) else {
-                thread.orphan = data.map(|data| (msg, data.into()));
-                return None;
-            };
-            thread.pending = None;
-            let frame = match data {
-                Some(data) => Frame { bytes: data[..size.min(data.len())].into(), complete: size <= data.len() },
-                None => {
+            let frame = match (size, data) {
+                (Some(size), Some(data)) => {
+                    Frame { bytes: data[..size.min(data.len())].into(), complete: size <= data.len() }
+                }
+                (size, _) => {
                     *garbled += 1;
-                    Frame { bytes: Box::default(), complete: size == 0 }
+                    Frame { bytes: Box::default(), complete: size == Some(0) }
                 }
             };
             push(&mut thread.incoming, frame, garbled);
-            (!more).then(|| (Direction::Received, std::mem::take(&mut thread.incoming)))
+            (flags & FLAG_MORE == 0).then(|| (Direction::Received, std::mem::take(&mut thread.incoming)))
         }
         Hit::Send { flags, tail } => {
-            thread.orphan = None;
             let frame = match tail {
                 Some(tail) if tail[TYPE_AT] == TYPE_VSM && usize::from(tail[VSM_SIZE_AT]) <= VSM_MAX => {
                     Frame { bytes: tail[..usize::from(tail[VSM_SIZE_AT])].into(), complete: true }
@@ -208,18 +197,29 @@ mod tests {
             tail[..bytes.len()].copy_from_slice(bytes);
             tail[VSM_SIZE_AT] = bytes.len() as u8;
         }
-        tail[TYPE_AT] = if inline { TYPE_VSM } else { 102 };
-        tail[FLAGS_AT] = u8::from(more);
+        tail[TYPE_AT] = if inline { TYPE_VSM } else { TYPE_LMSG };
+        tail[35] = u8::from(more);
         tail
     }
 
-    fn receive(asm: &mut Assembler, tid: u32, msg: u64, bytes: &[u8], more: bool) -> Option<Message> {
-        let tail = vsm(bytes, more);
-        assert_eq!(asm.hit(1, tid, 5, Hit::Recv { msg, size: bytes.len() as i64, tail: Some(&tail) }), None);
+    /// The `u64` at +40 of a `zmq_msg_t` of this type, inline size and `more`.
+    fn head(kind: u8, vsm_size: u8, more: bool) -> u64 {
+        u64::from_le_bytes([0x55, vsm_size, kind, u8::from(more), 0, 0, 0, 0])
+    }
+
+    /// A frame received and closed as pyzmq's `_recv_copy` does: what the
+    /// `zmq_recv` signal reads at `zmq_msg_close`'s entry. Frames past 33
+    /// bytes are zero-copy ones (type 105), as libzmq's decoder makes them.
+    fn receive(asm: &mut Assembler, tid: u32, bytes: &[u8], more: bool) -> Option<Message> {
+        let hit_head = if bytes.len() <= VSM_MAX {
+            head(TYPE_VSM, bytes.len() as u8, more)
+        } else {
+            head(TYPE_ZCLMSG, 0x77, more)
+        };
         let mut data = [0x55; EXT_ID_LEN];
         let n = bytes.len().min(EXT_ID_LEN);
         data[..n].copy_from_slice(&bytes[..n]);
-        asm.hit(1, tid, 6, Hit::Data { msg, data: Some(&data) })
+        asm.hit(1, tid, 6, Hit::Received { head: hit_head, size: bytes.len() as i64, data: Some(&data) })
     }
 
     fn texts(message: &Message) -> Vec<&[u8]> {
@@ -227,58 +227,44 @@ mod tests {
     }
 
     #[test]
-    fn received_frames_pair_with_their_data_and_end_at_the_last() {
+    fn received_frames_are_read_whole_at_their_close_and_end_at_the_last() {
         let mut asm = Assembler::default();
-        assert_eq!(receive(&mut asm, 7, 0x100, b"NixlMsgGuard", true), None);
-        assert_eq!(receive(&mut asm, 7, 0x100, b"42", true), None);
+        assert_eq!(receive(&mut asm, 7, b"NixlMsgGuard", true), None);
+        assert_eq!(receive(&mut asm, 7, b"42", true), None);
+        let agent = [b'a'; 40];
+        assert_eq!(receive(&mut asm, 7, &agent, true), None);
         let long = [b'x'; 100];
-        assert_eq!(receive(&mut asm, 7, 0x100, &long, true), None);
-        let message = receive(&mut asm, 7, 0x100, b"", false).expect("a message");
+        assert_eq!(receive(&mut asm, 7, &long, true), None);
+        let message = receive(&mut asm, 7, b"", false).expect("a message");
         assert_eq!((message.direction, message.tid, message.ts_ns), (Direction::Received, 7, 6));
-        assert_eq!(message.frames.len(), 4);
+        assert_eq!(message.frames.len(), 5);
         assert_eq!(message.frames[0].whole(), Some(b"NixlMsgGuard".as_slice()));
         assert_eq!(message.frames[1].whole(), Some(b"42".as_slice()));
-        assert_eq!((message.frames[2].bytes.len(), message.frames[2].complete), (EXT_ID_LEN, false));
-        assert_eq!(message.frames[3].whole(), Some(b"".as_slice()));
+        // A long frame of 34 to 64 bytes is whole, cut to its size.
+        assert_eq!(message.frames[2].whole(), Some(agent.as_slice()));
+        assert_eq!((message.frames[3].bytes.len(), message.frames[3].complete), (EXT_ID_LEN, false));
+        assert_eq!(message.frames[4].whole(), Some(b"".as_slice()));
         assert!(asm.threads.is_empty(), "nothing held between messages");
+        // A long message libzmq allocated (type 102) reads the same.
+        let data = [b'y'; EXT_ID_LEN];
+        let message = asm
+            .hit(1, 7, 8, Hit::Received { head: head(TYPE_LMSG, 0, false), size: 50, data: Some(&data) })
+            .expect("a message");
+        assert_eq!(message.frames[0].whole(), Some(&data[..50]));
     }
 
     #[test]
-    fn threads_are_apart_and_data_of_sends_or_failed_receives_is_no_frame() {
+    fn threads_are_apart_and_sends_between_frames_are_their_own() {
         let mut asm = Assembler::default();
-        assert_eq!(receive(&mut asm, 1, 0x100, b"ABORT", true), None);
-        // Another thread's message in between, and a send's fill of its frame.
-        assert!(receive(&mut asm, 2, 0x200, b"solo", false).is_some());
-        assert_eq!(asm.hit(1, 1, 7, Hit::Data { msg: 0x999, data: Some(&[0; EXT_ID_LEN]) }), None);
-        // A receive that failed (EAGAIN) leaves no frame behind it.
-        assert_eq!(asm.hit(1, 1, 7, Hit::Recv { msg: 0x100, size: -1, tail: None }), None);
-        assert_eq!(asm.hit(1, 1, 7, Hit::Data { msg: 0x100, data: Some(&[0; EXT_ID_LEN]) }), None);
-        let message = receive(&mut asm, 1, 0x100, b"7", false).expect("a message");
+        assert_eq!(receive(&mut asm, 1, b"ABORT", true), None);
+        // Another thread's message in between, and a send of this one.
+        assert!(receive(&mut asm, 2, b"solo", false).is_some());
+        let tail = vsm(b"x", false);
+        let sent = asm.hit(1, 1, 7, Hit::Send { flags: 0, tail: Some(&tail) }).expect("a sent message");
+        assert_eq!(texts(&sent), [b"x".as_slice()]);
+        let message = receive(&mut asm, 1, b"7", false).expect("a message");
         assert_eq!(texts(&message), [b"ABORT".as_slice(), b"7"]);
         assert_eq!(asm.garbled, 0);
-    }
-
-    #[test]
-    fn a_first_frame_received_before_the_probes_is_kept_incomplete() {
-        let mut asm = Assembler::default();
-        // The thread was inside zmq_msg_recv when the probes came: only the
-        // data of its frame is seen; the next frame's receive of the same
-        // msg says it was a received one.
-        let mut first = [0x55; EXT_ID_LEN];
-        first[..12].copy_from_slice(b"NixlMsgGuard");
-        assert_eq!(asm.hit(1, 4, 1, Hit::Data { msg: 0x100, data: Some(&first) }), None);
-        let message = receive(&mut asm, 4, 0x100, b"42", false).expect("a message");
-        assert_eq!(message.frames.len(), 2);
-        assert!(!message.frames[0].complete && message.frames[0].bytes.starts_with(b"NixlMsgGuard"));
-        assert_eq!(message.frames[1].whole(), Some(b"42".as_slice()));
-        // A send's fill of its frame is no received frame, nor is data of
-        // another msg.
-        asm.hit(1, 4, 2, Hit::Data { msg: 0x200, data: Some(&first) });
-        let tail = vsm(b"x", false);
-        assert!(asm.hit(1, 4, 2, Hit::Send { flags: 0, tail: Some(&tail) }).is_some());
-        assert_eq!(texts(&receive(&mut asm, 4, 0x200, b"y", false).expect("a message")), [b"y".as_slice()]);
-        asm.hit(1, 4, 3, Hit::Data { msg: 0x300, data: Some(&first) });
-        assert_eq!(texts(&receive(&mut asm, 4, 0x100, b"z", false).expect("a message")), [b"z".as_slice()]);
         assert!(asm.threads.is_empty());
     }
 
@@ -294,7 +280,7 @@ mod tests {
         assert_eq!(send(&mut asm, b"4", true), None);
         // A long frame (not inline): known to be there, its bytes not.
         let mut long = vsm(b"", false);
-        long[TYPE_AT] = 102;
+        long[TYPE_AT] = TYPE_LMSG;
         assert_eq!(asm.hit(1, 3, 9, Hit::Send { flags: SNDMORE, tail: Some(&long) }), None);
         let message = send(&mut asm, b"", false).expect("a message");
         assert_eq!(message.direction, Direction::Sent);
@@ -305,23 +291,26 @@ mod tests {
     #[test]
     fn garbled_streams_are_counted_and_bounded_never_a_panic() {
         let mut asm = Assembler::default();
-        // An unreadable zmq_msg_t, a size past the capture, an inline size
-        // no inline frame has, a data read that failed.
-        assert_eq!(asm.hit(1, 1, 1, Hit::Recv { msg: 1, size: 5, tail: None }), None);
+        // An unreadable frame, an inline size no inline frame has, a type
+        // no received frame has (constant data, 104), a long frame whose
+        // size could not be read, a sent inline size past 33.
+        let unreadable = asm.hit(1, 1, 1, Hit::Received { head: head(TYPE_VSM, 5, false), size: 0, data: None });
+        assert!(!unreadable.expect("a message").frames[0].complete);
+        let data = [0; EXT_ID_LEN];
+        for head in [head(TYPE_VSM, 200, false), head(104, 0, false), head(TYPE_LMSG, 0, false)] {
+            let message = asm.hit(1, 1, 1, Hit::Received { head, size: -1, data: Some(&data) }).expect("a message");
+            assert!(!message.frames[0].complete);
+        }
+        assert_eq!(asm.garbled, 4);
         let mut bad = vsm(b"", false);
         bad[VSM_SIZE_AT] = 200;
         let message = asm.hit(1, 1, 1, Hit::Send { flags: 0, tail: Some(&bad) }).expect("a message");
         assert!(!message.frames[0].complete);
-        let tail = vsm(b"abc", false);
-        asm.hit(1, 1, 1, Hit::Recv { msg: 2, size: 3, tail: Some(&tail) });
-        let message = asm.hit(1, 1, 1, Hit::Data { msg: 2, data: None }).expect("a message");
-        assert!(!message.frames[0].complete);
-        assert_eq!(asm.garbled, 2);
         // A lost end: the message is given up past MAX_FRAMES, counted.
         for _ in 0..MAX_FRAMES + 1 {
-            assert_eq!(receive(&mut asm, 1, 3, b"f", true), None);
+            assert_eq!(receive(&mut asm, 1, b"f", true), None);
         }
-        assert_eq!(asm.garbled, 3);
+        assert_eq!(asm.garbled, 5);
         assert_eq!(asm.threads[&(1, 1)].incoming.len(), 1);
         asm.forget(1);
         assert!(asm.threads.is_empty());

@@ -342,6 +342,33 @@ struct RawSignal {
     msgpack: Option<RawMsgpack>,
     #[serde(default)]
     layout: bool,
+    when: Option<RawFilter>,
+    extra: Option<RawSource>,
+    bytes_else: Option<RawBytesElse>,
+}
+
+/// A signal's `when = { from, deref, add, is = "RULE" }`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFilter {
+    from: String,
+    #[serde(default)]
+    deref: Vec<i64>,
+    #[serde(default)]
+    add: i64,
+    is: String,
+}
+
+/// A signal's `bytes_else = { at = {...}, unless_byte = {...}, is = N }`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBytesElse {
+    at: RawSource,
+    unless_byte: RawSource,
+    is: i64,
+    /// `extra`, read only where the bytes are at `at` (their length
+    /// behind the same pointer).
+    extra: Option<RawSource>,
 }
 
 #[derive(Deserialize)]
@@ -353,7 +380,7 @@ struct RawMsgpack {
 }
 
 impl RawSignal {
-    fn validate(self, origin: Arc<str>, line: usize) -> Result<SignalSpec> {
+    fn validate(mut self, origin: Arc<str>, line: usize) -> Result<SignalSpec> {
         if self.name.trim().is_empty() {
             bail!("`name` is empty: name the signal as its consumer knows it");
         }
@@ -373,6 +400,28 @@ impl RawSignal {
             (Some(_), Some(_)) => bail!("give either `text` (a string) or `bytes` (raw bytes), not both"),
         };
         let msgpack = self.msgpack.map(|m| m.validate(matches!(capture, Some(Capture::Bytes(_))))).transpose()?;
+        let when = self.when.map(|when| when.validate(self.at)).transpose()?;
+        let (extra, extra_if_else) = match (self.extra, self.bytes_else.as_mut().and_then(|other| other.extra.take())) {
+            (Some(_), Some(_)) => bail!(
+                "`extra` is given twice (at the top and in `bytes_else`): keep the one in `bytes_else` to read it \
+                 only where the bytes are at `bytes_else.at`, or the top one to read it on every hit"
+            ),
+            (Some(_), _) | (_, Some(_)) if self.at == At::Return => bail!(
+                "`extra` is a second value read at the entry, handed over where a return value goes: at a return \
+                 the return value is there already; read it at `at = \"entry\"`, or drop `extra`"
+            ),
+            (Some(extra), None) => (Some(extra.validate("extra", self.at, false)?), false),
+            (None, Some(extra)) => (Some(extra.validate("bytes_else.extra", self.at, false)?), true),
+            (None, None) => (None, false),
+        };
+        let bytes_else = match self.bytes_else {
+            Some(_) if !matches!(capture, Some(Capture::Bytes(_))) => bail!(
+                "`bytes_else` says where the `bytes` are when a byte says they are not where `bytes` points: \
+                 give `bytes` too"
+            ),
+            Some(other) => Some(other.validate(self.at)?),
+            None => None,
+        };
         Ok(SignalSpec {
             origin,
             line,
@@ -385,6 +434,34 @@ impl RawSignal {
             capture,
             msgpack,
             layout: self.layout,
+            when,
+            extra,
+            extra_if_else,
+            bytes_else,
+        })
+    }
+}
+
+impl RawFilter {
+    fn validate(self, at: At) -> Result<Filter> {
+        let source = RawSource { from: self.from, deref: self.deref, add: self.add }.validate("when", at, false)?;
+        let rule = parse_rule(&self.is).map_err(|err| anyhow!("`when.is`: {err}"))?;
+        if Values::held_by(&rule, RetType::I64).is_empty() {
+            bail!("`when.is = \"{}\"` never holds for a 64-bit value: no hit would be a signal", self.is.trim());
+        }
+        Ok(Filter { at: source, rule })
+    }
+}
+
+impl RawBytesElse {
+    fn validate(self, at: At) -> Result<BytesElse> {
+        let is = u8::try_from(self.is).map_err(|_| {
+            anyhow!("`bytes_else.is = {}`: the byte at `unless_byte` is compared with it, so give 0 to 255", self.is)
+        })?;
+        Ok(BytesElse {
+            at: self.at.validate("bytes_else.at", at, true)?,
+            unless_byte: self.unless_byte.validate("bytes_else.unless_byte", at, true)?,
+            is,
         })
     }
 }

@@ -192,6 +192,37 @@ pub struct SignalSpec {
     /// classes (its `[layout]` build ids vouch for it), so a process with
     /// a build the profile does not know goes without it.
     pub layout: bool,
+    /// `when = { from, deref, add, is = "RULE" }`: a hit is a signal only
+    /// where the value read there satisfies the rule; others cost the
+    /// target one read and send nothing.
+    pub when: Option<Filter>,
+    /// `extra = { ... }`: a second value, read at the entry, handed over
+    /// where a return value goes ([`Signal::ret`](crate::frameworks::signals::Signal)).
+    pub extra: Option<Source>,
+    /// The `extra` is `bytes_else.extra`: read only where the bytes are at
+    /// `bytes_else.at` (0 elsewhere).
+    pub extra_if_else: bool,
+    /// `bytes_else`: where the `bytes` are when a byte says they are not
+    /// where `bytes` points.
+    pub bytes_else: Option<BytesElse>,
+}
+
+/// A signal's `when`: the value at `at` must satisfy `rule`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Filter {
+    pub at: Source,
+    pub rule: RetRule,
+}
+
+/// A signal's `bytes_else = { at, unless_byte, is }`: its `bytes` are read
+/// where `bytes` says when the byte at `unless_byte` is `is`, else at `at`
+/// (a struct that keeps short data inline and longer data behind a
+/// pointer, told apart by its type byte).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BytesElse {
+    pub at: Source,
+    pub unless_byte: Source,
+    pub is: u8,
 }
 
 /// A signal's `msgpack = { element = N, tag = "..." }`: its `bytes` are
@@ -219,7 +250,9 @@ impl SignalSpec {
         let capture = self.capture.as_ref().map(|capture| match capture {
             Capture::Text(at) | Capture::Bytes(at) => at,
         });
-        args_read(std::iter::once(&self.value).chain(capture))
+        let when = self.when.as_ref().map(|when| &when.at);
+        let bytes_else = self.bytes_else.iter().flat_map(|other| [&other.at, &other.unless_byte]);
+        args_read(std::iter::once(&self.value).chain(capture).chain(when).chain(&self.extra).chain(bytes_else))
     }
 
     /// The kernel-side configuration of this signal's slot.
@@ -240,6 +273,26 @@ impl SignalSpec {
             cfg.msgpack.element = msgpack.element;
             cfg.msgpack.tag_len = msgpack.tag.len() as u32;
             cfg.msgpack.tag[..msgpack.tag.len()].copy_from_slice(msgpack.tag.as_bytes());
+        }
+        if let Some(when) = &self.when {
+            flags |= slot_flags::FILTER;
+            cfg.filter = when.at.lower();
+            cfg.filter_rule = when.rule;
+        }
+        if let Some(extra) = &self.extra {
+            // An entry value with no rules: every hit is the signal, its
+            // `ret` the value read.
+            flags |= slot_flags::ENTRY_VALUE;
+            cfg.value = extra.lower();
+            if self.extra_if_else {
+                flags |= slot_flags::VALUE_IF_ELSE;
+            }
+        }
+        if let Some(other) = &self.bytes_else {
+            flags |= slot_flags::EXT_SELECT;
+            cfg.select = other.unless_byte.lower();
+            cfg.ext_else = other.at.lower();
+            cfg.select_byte = other.is;
         }
         cfg.flags = flags | slot_flags::CONFIGURED;
         cfg

@@ -484,6 +484,94 @@ fn a_msgpack_capture_needs_bytes_a_short_tag_and_a_reachable_element() {
     assert!(err.contains("`msgpack.element = 512` is past what the kernel walks"), "{err}");
 }
 
+/// A signal's `when`, `extra` and `bytes_else` (what the `sglang`
+/// profile's `zmq_recv` reads at `zmq_msg_close`) lower to the slot's
+/// filter, entry value and capture choice.
+#[test]
+fn a_signal_filters_its_hits_reads_an_extra_value_and_picks_where_its_bytes_are() {
+    let signal = |body: &str| {
+        format!("{ONE_PROBE}[[signal]]\nname = \"frame\"\nobject = \"libzmq.so\"\nsymbol = \"zmq_msg_close\"\n{body}\n")
+    };
+    let text = signal(
+        "at = \"entry\"\nwhen = { from = \"arg0\", deref = [0], is = \"!= 0\" }\n\
+         value = { from = \"arg0\", deref = [40] }\nextra = { from = \"arg0\", deref = [8, 8] }\n\
+         bytes = { from = \"arg0\", add = 8 }\n\
+         bytes_else = { at = { from = \"arg0\", deref = [8, 0] }, unless_byte = { from = \"arg0\", add = 42 }, is = 101 }",
+    );
+    let profile = Profile::parse(&text, "p.toml").expect("valid");
+    let cfg = profile.signals[0].slot_config();
+    let want = slot_flags::FILTER
+        | slot_flags::ENTRY_VALUE
+        | slot_flags::EXT_SELECT
+        | slot_flags::HAS_EXT
+        | slot_flags::EXT_BYTES
+        | slot_flags::CONFIGURED;
+    assert_eq!(cfg.flags, want);
+    assert_eq!((cfg.filter.base, cfg.filter.depth, cfg.filter.offsets[0]), (base::ARG, 1, 0));
+    assert_eq!((cfg.filter_rule.op, cfg.filter_rule.value), (cmp::NE, 0));
+    assert_eq!((cfg.key.depth, cfg.key.offsets[0]), (1, 40));
+    assert_eq!((cfg.value.depth, cfg.value.offsets[..2].to_vec()), (2, vec![8, 8]));
+    assert_eq!((cfg.ext.depth, cfg.ext.add), (0, 8));
+    assert_eq!((cfg.ext_else.depth, cfg.ext_else.offsets[..2].to_vec()), (2, vec![8, 0]));
+    assert_eq!((cfg.select.depth, cfg.select.add, cfg.select_byte), (0, 42, 101));
+    assert_eq!(cfg.rules, [RetRule::default(); stallwatch_common::MAX_RET_RULES], "no rule: every hit is the signal");
+    // The `extra` in `bytes_else`: read only where the bytes are at its `at`.
+    let text = signal(
+        "at = \"entry\"\nvalue = { from = \"arg0\", deref = [40] }\nbytes = { from = \"arg0\", add = 8 }\n\
+         bytes_else = { at = { from = \"arg0\", deref = [8, 0] }, unless_byte = { from = \"arg0\", add = 42 }, is = 101, \
+         extra = { from = \"arg0\", deref = [8, 8] } }",
+    );
+    let cfg = Profile::parse(&text, "p.toml").expect("valid").signals[0].slot_config();
+    let flags = slot_flags::ENTRY_VALUE | slot_flags::VALUE_IF_ELSE | slot_flags::EXT_SELECT;
+    assert_eq!(cfg.flags & flags, flags);
+    assert_eq!(cfg.value.offsets[..2], [8, 8]);
+    // At a return, the filter and the capture choice read saved arguments.
+    let text = signal(
+        "at = \"return\"\nwhen = { from = \"arg3\", is = \"> 0\" }\nvalue = { from = \"ret\" }\n\
+         bytes = { from = \"ret\" }\n\
+         bytes_else = { at = { from = \"ret\", deref = [0] }, unless_byte = { from = \"arg1\" }, is = 0 }",
+    );
+    let cfg = Profile::parse(&text, "p.toml").expect("valid").signals[0].slot_config();
+    assert_eq!(cfg.nargs, 4);
+    assert_ne!(cfg.flags & slot_flags::NEEDS_ARGS, 0);
+}
+
+#[test]
+fn bad_filters_extras_and_byte_choices_name_their_line_and_the_fix() {
+    let signal = |body: &str| format!("{ONE_PROBE}[[signal]]\nname = \"s\"\nsymbol = \"g\"\n{body}\n");
+    let entry = |extra: &str| signal(&format!("at = \"entry\"\nvalue = {{ from = \"arg0\" }}\n{extra}"));
+    let err = error_of(&entry("when = { from = \"arg0\", is = \"~ 1\" }"));
+    assert!(err.contains("line 6 ([[signal]] `s`): `when.is`") && err.contains("expected a comparison"), "{err}");
+    let err = error_of(&entry("when = { from = \"key\", deref = [0], is = \"!= 0\" }"));
+    assert!(err.contains("`when.from = \"key\"`"), "{err}");
+    let err = error_of(&entry("when = { from = \"arg0\", is = \"> 9223372036854775807\" }"));
+    assert!(err.contains("never holds"), "{err}");
+    let err = error_of(&entry("when = { from = \"arg0\" }"));
+    assert!(err.contains("line 11") && err.contains("missing field `is`"), "{err}");
+    let err = error_of(&signal("at = \"return\"\nvalue = { from = \"ret\" }\nextra = { from = \"arg0\" }"));
+    assert!(err.contains("line 6") && err.contains("`extra` is a second value read at the entry"), "{err}");
+    let choice = "bytes_else = { at = { from = \"arg0\", deref = [8, 0] }, unless_byte = { from = \"arg0\", add = 42 }, is = 101 }";
+    let err = error_of(&entry(choice));
+    assert!(err.contains("line 6") && err.contains("give `bytes` too"), "{err}");
+    let err = error_of(&entry(&format!("text = {{ from = \"arg0\" }}\n{choice}")));
+    assert!(err.contains("give `bytes` too"), "{err}");
+    let err = error_of(&entry(&format!(
+        "bytes = {{ from = \"arg0\", add = 8 }}\nextra = {{ from = \"arg1\" }}\n{}",
+        choice.replace("is = 101", "is = 101, extra = { from = \"arg0\" }")
+    )));
+    assert!(err.contains("line 6") && err.contains("`extra` is given twice"), "{err}");
+    let err = error_of(&entry(&format!(
+        "bytes = {{ from = \"arg0\", add = 8 }}\n{}",
+        choice.replace("is = 101", "is = 256")
+    )));
+    assert!(err.contains("`bytes_else.is = 256`") && err.contains("0 to 255"), "{err}");
+    let err = error_of(&entry(&format!(
+        "bytes = {{ from = \"arg0\", add = 8 }}\n{}",
+        choice.replace("unless_byte = { from = \"arg0\", add = 42 }", "unless_byte = { from = \"ret\" }")
+    )));
+    assert!(err.contains("`bytes_else.unless_byte.from = \"ret\"` needs `at = \"return\"`"), "{err}");
+}
+
 #[test]
 fn rules_parse_and_bad_ones_say_why() {
     assert_eq!(parse_rule(">= -3").unwrap(), RetRule { op: cmp::GE, stage: 0, _pad: [0; 6], value: -3 });

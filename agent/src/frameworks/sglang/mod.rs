@@ -73,8 +73,9 @@ pub struct Sglang {
     warned: Warned,
     /// (pid, tid) -> the half of a scheduler's request receive seen first:
     /// its room (`sglang_request_room`) and its rid (the frame, through
-    /// the ZMQ signals) come from the same `zmq_msg_data` return, as two
-    /// signals in either order ([`Sglang::request`]).
+    /// the ZMQ signals) come from the same hit (the frame's
+    /// `zmq_msg_close`), as two signals in either order
+    /// ([`Sglang::request`]).
     requests: HashMap<(u32, u32), RequestHalf>,
 }
 
@@ -119,10 +120,9 @@ impl Framework for Sglang {
             _ => None,
         };
         let hit = match spec.name.as_str() {
-            "zmq_recv" => Hit::Recv { msg: signal.value, size: signal.ret, tail: raw },
-            "zmq_send" => Hit::Send { flags: signal.value, tail: raw },
-            "zmq_data" => Hit::Data {
-                msg: signal.value,
+            "zmq_recv" => Hit::Received {
+                head: signal.value,
+                size: signal.ret,
                 data: match &signal.capture {
                     Captured::Bytes(bytes) => Some(&bytes[..]),
                     // Where 64 bytes could not be read: up to the NUL.
@@ -130,6 +130,7 @@ impl Framework for Sglang {
                     Captured::None => None,
                 },
             },
+            "zmq_send" => Hit::Send { flags: signal.value, tail: raw },
             // The remote agent named at createXferReq's entry, or read from
             // the remote dlist handle at makeXferReq's: the same news.
             "nixl_remote_agent" | "nixl_dlist_remote_agent" => {
