@@ -430,7 +430,7 @@ impl Profile {
     /// kernel holds that is keyed by its room is then one of those rooms,
     /// not a probe's (the `marker` profile's are keyed by room too).
     pub fn follows_rooms(&self) -> bool {
-        self.signals.iter().any(|spec| spec.name == "zmq_recv")
+        self.signals.iter().any(|spec| spec.name == "zmq_recv" || spec.name == "mooncake_zmq_recv")
     }
 }
 

@@ -116,6 +116,15 @@ pub fn output_rids(bytes: &[u8]) -> Vec<Rid> {
     rids
 }
 
+/// A request or abort SGLang's scheduler received (its rid; the request's
+/// room is read apart, from the same receive: see `Sglang::request`),
+/// whatever the transfer backend: the scheduler's IPC is the same.
+pub fn scheduler(message: &Message) -> Option<Bootstrap> {
+    let (Direction::Received, [frame]) = (message.direction, &message.frames[..]) else { return None };
+    let (tag, rid) = scheduler_message(&frame.bytes)?;
+    Some(if tag == REQUEST_TAG { Bootstrap::Request { room: 0, rid } } else { Bootstrap::AbortRequest { rid } })
+}
+
 /// The room a message is about, if it is one of SGLang's; `Err` for one of
 /// SGLang's (by its tag) whose fields do not read as SGLang writes them.
 pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
@@ -130,15 +139,8 @@ pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
             .and_then(|text| text.parse::<u64>().ok())
             .ok_or_else(|| format!("frame {n} ({what}) is {:?}, not a decimal number", String::from_utf8_lossy(bytes)))
     };
-    if let (Direction::Received, [frame]) = (message.direction, &message.frames[..])
-        && let Some((tag, rid)) = scheduler_message(&frame.bytes)
-    {
-        // The room is read apart, from the same receive (see `Rooms::request`).
-        return Ok(Some(if tag == REQUEST_TAG {
-            Bootstrap::Request { room: 0, rid }
-        } else {
-            Bootstrap::AbortRequest { rid }
-        }));
+    if let Some(scheduler) = scheduler(message) {
+        return Ok(Some(scheduler));
     }
     let Some(tag) = message.frames.first().and_then(tag_of) else {
         return Ok(None);
@@ -217,6 +219,10 @@ struct Room {
     /// Its handles posted and not done, oldest first, with their ordinal
     /// among its transfers (from 1).
     outstanding: Vec<(u64, u32)>,
+    /// When it was bootstrapped (every decode rank answered), in order
+    /// among the process's rooms: with [`Rooms::fifo`], a transfer no page
+    /// or thread tells is the earliest's.
+    seq: u64,
 }
 
 /// The rooms of every watched process, from destination to conclusion.
@@ -246,6 +252,14 @@ pub struct Rooms {
     /// (pid, rid) -> the room its scheduler received with that rid, while
     /// the room is live: what an abort names.
     rids: HashMap<(u32, Rid), u64>,
+    /// A transfer no page tells and no thread's room takes is the
+    /// earliest bootstrapped live room's that awaits its peer and has no
+    /// transfer yet (the backend's workers take rooms in order, one
+    /// synchronous transfer at a time: Mooncake), not nobody's when
+    /// several await that peer (NIXL, where a worker's transfers overlap).
+    pub fifo: bool,
+    /// The next [`Room::seq`].
+    next_seq: u64,
 }
 
 impl Rooms {
@@ -264,6 +278,10 @@ impl Rooms {
                 entry.pages.push(pages.clone());
                 entry.ports += u32::from(port);
                 entry.ranks = ranks;
+                if entry.agents.len() == ranks as usize {
+                    entry.seq = self.next_seq;
+                    self.next_seq += 1;
+                }
                 if known && !first_answer {
                     return None;
                 }
@@ -370,9 +388,19 @@ impl Rooms {
                     (p == pid && writes).then_some(room)
                 }))
             });
+            let earliest = || {
+                let fresh = self.live.iter().filter(|&(&(p, room), r)| {
+                    p == pid && awaits(&room) && r.transfers == 0 && r.agents.len() >= r.ranks as usize
+                });
+                fresh.min_by_key(|(_, r)| r.seq).map(|(&(_, room), _)| room)
+            };
             let owner =
                 by_page.or_else(|| self.current.get(&(pid, tid)).copied().filter(|room| awaits(room))).or_else(|| {
-                    only(self.live.keys().filter(|(p, room)| *p == pid && awaits(room)).map(|(_, room)| *room))
+                    if self.fifo {
+                        earliest()
+                    } else {
+                        only(self.live.keys().filter(|(p, room)| *p == pid && awaits(room)).map(|(_, room)| *room))
+                    }
                 });
             let Some(room) = owner else {
                 self.unattributed += 1;
@@ -405,6 +433,33 @@ impl Rooms {
         };
         let stage = if stage == Stage::Failed { Stage::Failed } else { Stage::TransferPosted };
         live.then(|| room_observation(pid, room, stage, ts_ns))
+    }
+
+    /// The room a transfer on thread `tid` to a peer not known by name is
+    /// most likely of, and that room's one destination peer if it has
+    /// exactly one: the thread's room while it is live, else the one live
+    /// bootstrapped room of the process (for a backend whose peers are
+    /// named by ids learnt at a call this agent may have missed).
+    pub fn guess(&self, pid: u32, tid: u32) -> Option<(u64, Option<Box<str>>)> {
+        let sole = |room: u64| {
+            let r = self.live.get(&(pid, room))?;
+            Some((room, (r.agents.len() == 1).then(|| r.agents[0].clone())))
+        };
+        if let Some(found) = self.current.get(&(pid, tid)).and_then(|&room| sole(room)) {
+            return Some(found);
+        }
+        let bootstrapped = self
+            .live
+            .iter()
+            .filter(|&(&(p, _), r)| p == pid && r.side == Side::Prefill && !r.agents.is_empty())
+            .map(|(&(_, room), _)| room);
+        sole(only(bootstrapped)?)
+    }
+
+    /// The peers (destinations) `room` of `pid` awaits, as its messages
+    /// named them.
+    pub fn peers(&self, pid: u32, room: u64) -> &[Box<str>] {
+        self.live.get(&(pid, room)).map_or(&[], |r| &r.agents)
     }
 
     /// What an alert of `room` says besides its lifecycle. A room with a
