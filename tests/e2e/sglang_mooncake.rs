@@ -266,3 +266,83 @@ fn a_room_whose_decode_never_answers_stays_bootstrapping_with_no_transfer() {
     assert!(rooms_with(&target, "failed").is_empty(), "{holding}");
     target.proc.write_line("quit");
 }
+
+// ---------------------------------------------------------------------
+// The agent on the real target, `sglang-mooncake` profile.
+// ---------------------------------------------------------------------
+
+mod watched {
+    use std::time::{Duration, Instant};
+
+    use serde_json::Value;
+    use stallwatch_tests::{
+        Agent, Line, alerts,
+        sglang::{Ipc, Target},
+        summary,
+    };
+
+    pub const TIMEOUT: Duration = Duration::from_secs(2);
+    /// How late past timeout an alert may come (the loop's turns, a loaded
+    /// two-core machine).
+    pub const LATENESS: Duration = Duration::from_millis(1500);
+
+    /// The target set up, the agent on its prefill (`sglang-mooncake`,
+    /// 2 s), then `go`.
+    pub fn watched(fault: &str, extra: &[&str]) -> (Target, Agent) {
+        let mut target = Target::mooncake(fault, extra, Ipc::Pickle);
+        let agent = target.watch_and_go("sglang-mooncake", "2s", &[]);
+        (target, agent)
+    }
+
+    /// The lines that are alerts (not the summary).
+    pub fn alert_lines(lines: &[Line]) -> Vec<Value> {
+        lines.iter().filter_map(Line::json).filter(|v| v.get("alert").is_some_and(|a| a != "summary")).collect()
+    }
+
+    /// The alert of `kind` keyed by `room`.
+    pub fn of_room(lines: &[Line], kind: &str, room: u64) -> (Instant, Value) {
+        alerts(lines, kind)
+            .find(|(_, a)| a["key"] == format!("{room:#x}").as_str())
+            .unwrap_or_else(|| panic!("no {kind} alert of room {room}: {:#?}", alert_lines(lines)))
+    }
+
+    /// `n` alerts of `kind` within `within`, then one timeout more for
+    /// anything else, then the agent's every line.
+    pub fn alerts_then_quiet(agent: Agent, kind: &str, n: usize, within: Duration) -> Vec<Line> {
+        let mut seen = Vec::new();
+        agent.wait_until(&format!("{n} {kind}"), within, &mut seen, |seen| alerts(seen, kind).count() >= n);
+        std::thread::sleep(TIMEOUT);
+        seen.extend(agent.stop());
+        seen
+    }
+
+    pub fn counts(lines: &[Line]) -> [Option<u64>; 6] {
+        let summary = summary(lines);
+        ["seen", "completed", "stalled", "failed", "aborted", "lost_events"].map(|k| summary[k].as_u64())
+    }
+}
+
+use stallwatch_tests::summary;
+use watched::*;
+
+#[test]
+fn watched_a_healthy_run_with_idle_workers_raises_nothing_and_each_room_is_one_lifecycle() {
+    let (mut target, agent) = watched("none", &["--count", "12", "--decodes", "2", "--hold"]);
+    let done = target.until("done", Duration::from_secs(120));
+    assert_eq!([&done["completed"], &done["verified"]], [12, 12], "{done}");
+    // Idle workers, then two timeouts more: nothing.
+    std::thread::sleep(TIMEOUT * 2 + LATENESS);
+    let lines = agent.stop();
+    target.proc.write_line("quit");
+    eprintln!("{}", summary(&lines));
+    assert!(alert_lines(&lines).is_empty(), "a healthy run raised alerts: {:#?}", alert_lines(&lines));
+    // Each room one lifecycle, released at its status. The agent came after
+    // the warm-up rooms opened both decodes' segments: a batch to a segment
+    // not yet learnt (from the status its worker sends for the room next)
+    // is a lifecycle of its own, completed at its free; at most the first
+    // room of each decode's.
+    let [seen, completed, stalled, failed, aborted, lost] = counts(&lines).map(Option::unwrap);
+    assert_eq!([completed, stalled, failed, aborted, lost], [seen, 0, 0, 0, 0], "{}", summary(&lines));
+    assert!((12..=12 + 2 * 3).contains(&seen), "{}", summary(&lines));
+    assert_eq!(summary(&lines)["in_flight"], 0);
+}

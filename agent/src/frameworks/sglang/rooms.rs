@@ -260,6 +260,10 @@ pub struct Rooms {
     pub fifo: bool,
     /// The next [`Room::seq`].
     next_seq: u64,
+    /// The last room a message ended, with its destinations (which the
+    /// room forgets as it ends): for a backend that learns from which
+    /// thread sent a room's status which peers that thread wrote to.
+    pub last_ended: Option<(u32, u64, Vec<Box<str>>)>,
 }
 
 impl Rooms {
@@ -333,7 +337,8 @@ impl Rooms {
             // Its rid goes with it, even when it ended before (a failed
             // transfer ends a room with its rid kept until its output).
             self.rids.retain(|(p, _), r| !(*p == pid && *r == room));
-            self.live.remove(&(pid, room))?;
+            let ended = self.live.remove(&(pid, room))?;
+            self.last_ended = Some((pid, room, ended.agents));
         }
         Some(room_observation(pid, room, stage, ts_ns))
     }
@@ -435,31 +440,27 @@ impl Rooms {
         live.then(|| room_observation(pid, room, stage, ts_ns))
     }
 
-    /// The room a transfer on thread `tid` to a peer not known by name is
-    /// most likely of, and that room's one destination peer if it has
-    /// exactly one: the thread's room while it is live, else the one live
-    /// bootstrapped room of the process (for a backend whose peers are
-    /// named by ids learnt at a call this agent may have missed).
-    pub fn guess(&self, pid: u32, tid: u32) -> Option<(u64, Option<Box<str>>)> {
-        let sole = |room: u64| {
-            let r = self.live.get(&(pid, room))?;
-            Some((room, (r.agents.len() == 1).then(|| r.agents[0].clone())))
-        };
-        if let Some(found) = self.current.get(&(pid, tid)).and_then(|&room| sole(room)) {
-            return Some(found);
+    /// The peers a transfer on thread `tid` to a peer not known by name
+    /// may be writing to (for a backend that names peers by ids learnt at
+    /// a call this agent may have missed): the destinations of the thread's
+    /// room while it is live, else those of every live bootstrapped room
+    /// of the process that has no transfer yet (the thread is starting one
+    /// of them).
+    pub fn guess(&self, pid: u32, tid: u32) -> Vec<Box<str>> {
+        if let Some(r) = self.current.get(&(pid, tid)).and_then(|&room| self.live.get(&(pid, room))) {
+            return r.agents.clone();
         }
-        let bootstrapped = self
+        let mut peers: Vec<Box<str>> = self
             .live
             .iter()
-            .filter(|&(&(p, _), r)| p == pid && r.side == Side::Prefill && !r.agents.is_empty())
-            .map(|(&(_, room), _)| room);
-        sole(only(bootstrapped)?)
-    }
-
-    /// The peers (destinations) `room` of `pid` awaits, as its messages
-    /// named them.
-    pub fn peers(&self, pid: u32, room: u64) -> &[Box<str>] {
-        self.live.get(&(pid, room)).map_or(&[], |r| &r.agents)
+            .filter(|&(&(p, _), r)| {
+                p == pid && r.side == Side::Prefill && r.transfers == 0 && r.agents.len() >= r.ranks.max(1) as usize
+            })
+            .flat_map(|(_, r)| r.agents.iter().cloned())
+            .collect();
+        peers.sort_unstable();
+        peers.dedup();
+        peers
     }
 
     /// What an alert of `room` says besides its lifecycle. A room with a

@@ -86,6 +86,11 @@ pub struct SglangMooncake {
     leaks: HashMap<(u32, u64), Leak>,
     /// Observations beside the one an event made (a leaked batch's).
     pending: VecDeque<Observation>,
+    /// (pid, tid) -> the segment ids of the batches the thread submitted
+    /// to segments not known, since its last status send: SGLang's
+    /// transfer worker sends a room's status itself, after the room's last
+    /// batch, so they were that room's ([`SglangMooncake::concluded`]).
+    unknown: HashMap<(u32, u32), Vec<u64>>,
     /// Segment ids learnt from a batch, not from their `openSegment`.
     pub learned: u64,
     /// Batches to a segment id neither `openSegment` nor a room told.
@@ -104,6 +109,7 @@ impl Default for SglangMooncake {
             batches: HashMap::new(),
             leaks: HashMap::new(),
             pending: VecDeque::new(),
+            unknown: HashMap::new(),
             learned: 0,
             unknown_segment: 0,
             leaked: 0,
@@ -125,15 +131,23 @@ impl SglangMooncake {
         };
         let mut session = target.and_then(|target| self.segments.get(&(pid, target)).cloned());
         if session.is_none() {
-            match self.sglang.rooms().guess(pid, tid) {
-                Some((_, Some(peer))) => {
-                    if let Some(target) = target {
-                        self.segments.insert((pid, target), peer.clone());
-                        self.learned += 1;
-                    }
-                    session = Some(peer);
+            // A segment opened before this agent: the one peer it can be,
+            // of those a room about to transfer awaits that no other
+            // segment id names already.
+            let mut peers = self.sglang.rooms().guess(pid, tid);
+            peers.retain(|peer| !self.segments.iter().any(|(&(p, _), known)| p == pid && known == peer));
+            match (target, &peers[..]) {
+                (Some(target), [peer]) => {
+                    self.segments.insert((pid, target), peer.clone());
+                    self.learned += 1;
+                    session = Some(peer.clone());
                 }
-                _ => self.unknown_segment += 1,
+                (target, _) => {
+                    self.unknown_segment += 1;
+                    if let Some(target) = target {
+                        self.unknown.entry((pid, tid)).or_default().push(target);
+                    }
+                }
             }
         }
         // A batch id still held is a batch whose free was not seen: it is
@@ -173,6 +187,29 @@ impl SglangMooncake {
         made
     }
 
+    /// Thread `tid` sent the status of `room` (SGLang's transfer worker
+    /// concludes a room on its own thread, after its last batch): the
+    /// segments the thread wrote to since its previous status, none known,
+    /// were the room's peer's, when the room has one peer and they were
+    /// all one segment.
+    fn concluded(&mut self, pid: u32, tid: u32, room: u64, peers: &[Box<str>]) {
+        let Some(mut targets) = self.unknown.remove(&(pid, tid)) else { return };
+        targets.sort_unstable();
+        targets.dedup();
+        let ([target], [peer]) = (&targets[..], peers) else { return };
+        let known = self.segments.iter().any(|(&(p, _), session)| p == pid && session == peer);
+        if !known && self.segments.insert((pid, *target), peer.clone()).is_none() {
+            self.learned += 1;
+            tracing::debug!(
+                pid,
+                room,
+                segment = target,
+                peer = &**peer,
+                "a Mooncake segment learnt from its room's status"
+            );
+        }
+    }
+
     /// The leaked batch `key` of `pid`, as its own lifecycle: posted at
     /// its submit, failed at the refused free.
     fn leak(&mut self, pid: u32, key: u64, batch: Batch, free_ns: u64) {
@@ -204,6 +241,17 @@ impl Framework for SglangMooncake {
                 Some(None)
             }
             "mooncake_submit" => Some(self.submit(signal)),
+            "mooncake_zmq_send" => {
+                // A room's status, sent by its worker thread.
+                let made = self.sglang.signal(spec, signal)?;
+                let ended = self.sglang.rooms_mut().last_ended.take();
+                if let (Some(end), Some((pid, room, peers))) = (&made, ended)
+                    && (pid, room) == (end.pid, end.key)
+                {
+                    self.concluded(pid, signal.tid, room, &peers);
+                }
+                Some(made)
+            }
             _ => self.sglang.signal(spec, signal),
         }
     }
