@@ -287,9 +287,10 @@ mod watched {
     pub const LATENESS: Duration = Duration::from_millis(1500);
 
     /// The target set up, the agent on its prefill (`sglang-mooncake`,
-    /// 2 s), then `go`.
+    /// 2 s), then `go`; requests handed to the scheduler as msgpack, so a
+    /// room starts when the scheduler has it (before any decode answers).
     pub fn watched(fault: &str, extra: &[&str]) -> (Target, Agent) {
-        let mut target = Target::mooncake(fault, extra, Ipc::Pickle);
+        let mut target = Target::mooncake(fault, extra, Ipc::Msgpack);
         let agent = target.watch_and_go("sglang-mooncake", "2s", &[]);
         (target, agent)
     }
@@ -322,7 +323,7 @@ mod watched {
     }
 }
 
-use stallwatch_tests::summary;
+use stallwatch_tests::{alerts, summary};
 use watched::*;
 
 #[test]
@@ -343,6 +344,169 @@ fn watched_a_healthy_run_with_idle_workers_raises_nothing_and_each_room_is_one_l
     // room of each decode's.
     let [seen, completed, stalled, failed, aborted, lost] = counts(&lines).map(Option::unwrap);
     assert_eq!([completed, stalled, failed, aborted, lost], [seen, 0, 0, 0, 0], "{}", summary(&lines));
-    assert!((12..=12 + 2 * 3).contains(&seen), "{}", summary(&lines));
+    assert!((12..=12 + 2 * 2 * 3).contains(&seen), "{}", summary(&lines));
     assert_eq!(summary(&lines)["in_flight"], 0);
+}
+
+/// `alert` came within [timeout, timeout + lateness] of `since`, less
+/// `early` for an activity the target prints just after it happens.
+fn timed_from(alert: &Value, at: Instant, since: Instant, early: Duration) {
+    let latency = at.saturating_duration_since(since);
+    assert!(latency + early >= TIMEOUT && latency <= TIMEOUT + LATENESS, "{alert} after {latency:?}");
+}
+
+fn field<'a>(alert: &'a Value, name: &str) -> Option<&'a str> {
+    alert[name].as_str()
+}
+
+#[test]
+fn watched_a_room_whose_decode_never_answers_waits_for_its_peer() {
+    let (mut target, agent) = watched("no-answer", &["--count", "6", "--decodes", "2", "--settle", "3"]);
+    let fault = target.fault_room();
+    let holding = target.until("holding", Duration::from_secs(60));
+    assert_eq!(holding["rooms"][fault.to_string()], "bootstrapping", "{holding}");
+    let seen = alerts_then_quiet(agent, "stalled", 1, TIMEOUT + Duration::from_secs(5));
+    target.proc.write_line("quit");
+    let raised = alert_lines(&seen);
+    assert_eq!(raised.len(), 1, "{raised:#?}");
+    let (at, alert) = of_room(&seen, "stalled", fault);
+    assert_eq!(
+        (field(&alert, "class"), field(&alert, "answered"), field(&alert, "waiting_on")),
+        (Some("waiting_for_peer"), Some("0"), Some("peer")),
+        "{alert}"
+    );
+    assert_eq!(field(&alert, "external_id"), Some(fault.to_string().as_str()), "{alert}");
+    timed_from(&alert, at, target.at("request", fault), Duration::from_millis(300));
+}
+
+/// One transfer worker, three decodes; the fault room's decode SIGSTOPped
+/// as it is bootstrapped: the room is `transfer_hung` on its batch, naming
+/// the batch and the stopped decode's session, timed from the batch's
+/// submit (its first chunk); the rooms queued behind it on the worker say
+/// `behind` it, `waiting_on=worker`.
+#[test]
+fn watched_a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so() {
+    let (mut target, agent) =
+        watched("hang", &["--count", "6", "--decodes", "3", "--queue-size", "1", "--settle", "3"]);
+    let fault = target.fault_room();
+    let stopped = target.until("decode_stopped", Duration::from_secs(60));
+    let holding = target.until("holding", Duration::from_secs(60));
+    assert_eq!(holding["rooms"][fault.to_string()], "inflight", "{holding}");
+    let behind: Vec<u64> = target.rooms().into_iter().filter(|&r| r > fault).collect();
+    assert_eq!(behind.len(), 2, "{holding}");
+    let seen = alerts_then_quiet(agent, "stalled", 3, TIMEOUT + Duration::from_secs(8));
+    target.proc.write_line("quit");
+    let raised = alert_lines(&seen);
+    assert_eq!(raised.len(), 3, "{raised:#?}");
+    let session = {
+        let decode = stopped["decode"].as_u64().expect("decode");
+        let decodes = target.ready["decodes"].as_array().expect("decodes");
+        let d = decodes.iter().find(|d| d["index"] == decode).expect("the stopped decode");
+        d["session"].as_str().expect("session").to_owned()
+    };
+    let (at, hung) = of_room(&seen, "stalled", fault);
+    assert_eq!(
+        (field(&hung, "class"), field(&hung, "peer")),
+        (Some("transfer_hung"), Some(session.as_str())),
+        "{hung}"
+    );
+    assert!(field(&hung, "batch").is_some_and(|b| b.starts_with("0x")), "{hung}");
+    // Stopped once bootstrapped, so before its first chunk's batch.
+    timed_from(&hung, at, target.chunk(fault, 0).expect("its first chunk"), Duration::from_millis(300));
+    for room in &behind {
+        let (_, alert) = of_room(&seen, "stalled", *room);
+        assert_eq!(
+            (field(&alert, "class"), field(&alert, "behind"), field(&alert, "waiting_on")),
+            (Some("waiting_for_peer"), Some(fault.to_string().as_str()), Some("worker")),
+            "{alert}"
+        );
+    }
+}
+
+/// MC_TRANSFER_TIMEOUT 5 s: the fault room is `transfer_hung` at 2 s, then
+/// its batch's free is refused at 5 s: the room `failed` once, and the
+/// batch, leaked, is a finding of its own (`leaked=batch`, its room and
+/// peer, `after_ms` from its submit); the rooms behind it recover and
+/// complete.
+#[test]
+fn watched_a_batch_that_times_out_fails_its_room_once_and_leaks() {
+    let (mut target, agent) =
+        watched("timeout", &["--count", "6", "--decodes", "3", "--queue-size", "1", "--settle", "12"]);
+    let fault = target.fault_room();
+    let done = target.until("done", Duration::from_secs(90));
+    assert_eq!([&done["completed"], &done["failed"]], [5, 1], "{done}");
+    std::thread::sleep(TIMEOUT);
+    let seen = agent.stop();
+    let (_, hung) = of_room(&seen, "stalled", fault);
+    assert_eq!(field(&hung, "class"), Some("transfer_hung"), "{hung}");
+    let failed: Vec<Value> = alerts(&seen, "failed").map(|(_, a)| a).collect();
+    let rooms_failed: Vec<&Value> = failed.iter().filter(|a| a["external_id"].is_string()).collect();
+    assert_eq!(rooms_failed.len(), 1, "the room fails once: {failed:#?}");
+    assert_eq!(rooms_failed[0]["key"], format!("{fault:#x}").as_str(), "{failed:#?}");
+    let leaks: Vec<&Value> = failed.iter().filter(|a| field(a, "leaked") == Some("batch")).collect();
+    assert_eq!(leaks.len(), 1, "one leaked batch: {failed:#?}");
+    let leak = leaks[0];
+    assert_eq!(field(leak, "room"), Some(fault.to_string().as_str()), "{leak}");
+    assert_eq!(field(leak, "batch"), field(&hung, "batch"), "the hung batch leaked: {leak}");
+    assert_eq!(field(leak, "peer"), field(&hung, "peer"), "{leak}");
+    let after: u64 = field(leak, "after_ms").and_then(|ms| ms.parse().ok()).unwrap_or_else(|| panic!("{leak}"));
+    assert!((4800..9000).contains(&after), "refused at MC_TRANSFER_TIMEOUT after its submit: {leak}");
+    let [seen_n, completed, _, failed_n, aborted, lost] = counts(&seen).map(Option::unwrap);
+    assert_eq!([failed_n, aborted, lost], [2, 0, 0], "the room and its leaked batch: {}", summary(&seen));
+    assert_eq!(completed + 2, seen_n, "{}", summary(&seen));
+}
+
+/// A decode killed once its room is bootstrapped: the room's batch fails
+/// at once, its free refused: the room `failed` once and the batch leaked;
+/// the dead decode's later room waits for its peer.
+#[test]
+fn watched_a_decode_killed_after_answering_fails_its_room_once_and_leaks_its_batch() {
+    let (mut target, agent) = watched("decode-dies", &["--count", "8", "--decodes", "2", "--settle", "3"]);
+    let fault = target.fault_room();
+    target.until("decode_killed", Duration::from_secs(60));
+    let holding = target.until("holding", Duration::from_secs(60));
+    let unanswered = target.rooms_in(&holding, "bootstrapping");
+    assert!(!unanswered.is_empty(), "{holding}");
+    let seen = alerts_then_quiet(agent, "stalled", unanswered.len(), TIMEOUT + Duration::from_secs(5));
+    target.proc.write_line("quit");
+    // The rooms SGLang failed (the fault room; a room of the other decode
+    // whose batch the kill broke too, when it happens): each alerted
+    // `failed` once, and each leaked its batch.
+    let failed: Vec<Value> = alerts(&seen, "failed").map(|(_, a)| a).collect();
+    let mut rooms_failed: Vec<u64> = failed.iter().filter_map(|a| a["external_id"].as_str()?.parse().ok()).collect();
+    rooms_failed.sort_unstable();
+    assert_eq!(rooms_failed, target.rooms_in(&holding, "failed"), "{failed:#?}\n{holding}");
+    assert!(rooms_failed.contains(&fault), "{failed:#?}");
+    let leaks: Vec<&Value> = failed.iter().filter(|a| field(a, "leaked") == Some("batch")).collect();
+    let leak = leaks.iter().find(|a| field(a, "room") == Some(fault.to_string().as_str()));
+    let leak = leak.unwrap_or_else(|| panic!("the fault room's batch leaked: {failed:#?}"));
+    let after: u64 = field(leak, "after_ms").and_then(|ms| ms.parse().ok()).unwrap_or_else(|| panic!("{leak}"));
+    assert!(after < 2000, "a dead peer fails the batch at once: {leak}");
+    for room in &unanswered {
+        let (_, alert) = of_room(&seen, "stalled", *room);
+        assert_eq!(
+            (field(&alert, "class"), field(&alert, "answered")),
+            (Some("waiting_for_peer"), Some("0")),
+            "{alert}"
+        );
+    }
+    assert_eq!(leaks.len(), rooms_failed.len(), "{failed:#?}");
+    assert_eq!(alert_lines(&seen).len(), 2 * rooms_failed.len() + unanswered.len(), "{:#?}", alert_lines(&seen));
+}
+
+/// The decode's ABORT after the room's first chunk: the room ends
+/// `aborted` on the prefill, nothing raised.
+#[test]
+fn watched_a_decode_abort_racing_a_chunk_ends_its_room_aborted() {
+    let (mut target, agent) = watched("abort", &["--count", "6", "--decodes", "2", "--hold"]);
+    let done = target.until("done", Duration::from_secs(60));
+    assert_eq!(done["failed"], 1, "{done}");
+    target.at("decode_abort_sent", target.fault_room());
+    std::thread::sleep(TIMEOUT * 2 + LATENESS);
+    let lines = agent.stop();
+    target.proc.write_line("quit");
+    assert!(alert_lines(&lines).is_empty(), "{:#?}", alert_lines(&lines));
+    let [seen, completed, stalled, failed, aborted, lost] = counts(&lines).map(Option::unwrap);
+    assert_eq!([stalled, failed, aborted, lost], [0, 0, 1, 0], "{}", summary(&lines));
+    assert_eq!(completed + 1, seen, "{}", summary(&lines));
 }

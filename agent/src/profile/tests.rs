@@ -725,11 +725,9 @@ fn byte_and_u16_statuses_are_read_zero_extended() {
         "{err}"
     );
     // At a probe's entry the kernel cuts the value to its byte too.
-    let released = format!(
-        "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"released\"\nkey = {{ from = \"arg0\" }}\nread_status = true\n\n\
-         [status]\nat = {{ from = \"key\", add = 57 }}\ntype = \"u16\"\nvalues = [{{ when = \"== 6\", event = \"failed\" }}]\n"
-    );
-    let cfg = Profile::parse(&released, "p.toml").expect("valid").probes[0].slot_config();
+    let released = "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg0\" }\nread_status = true\n\n\
+         [status]\nat = { from = \"key\", add = 57 }\ntype = \"u16\"\nvalues = [{ when = \"== 6\", event = \"failed\" }]\n";
+    let cfg = Profile::parse(released, "p.toml").expect("valid").probes[0].slot_config();
     assert_eq!(
         cfg.flags & (slot_flags::ENTRY_VALUE | slot_flags::RET_U16),
         slot_flags::ENTRY_VALUE | slot_flags::RET_U16

@@ -264,6 +264,11 @@ pub struct Rooms {
     /// room forgets as it ends): for a backend that learns from which
     /// thread sent a room's status which peers that thread wrote to.
     pub last_ended: Option<(u32, u64, Vec<Box<str>>)>,
+    /// (pid, sum of a room's destination ports) -> the thread that last
+    /// transferred a room with that sum: SGLang puts every room of one sum
+    /// on one worker, whatever the number of workers, so a room with no
+    /// transfer yet will be that thread's.
+    shard_threads: HashMap<(u32, u32), u32>,
 }
 
 impl Rooms {
@@ -417,6 +422,9 @@ impl Rooms {
             });
             self.handles.insert((pid, key), (room, ordinal));
             self.current.insert((pid, tid), room);
+            if let Some(r) = self.live.get(&(pid, room)) {
+                self.shard_threads.insert((pid, r.ports), tid);
+            }
             return None;
         }
         let Some(&(room, ordinal)) = self.handles.get(&(pid, key)) else {
@@ -502,8 +510,15 @@ impl Rooms {
             fields.push(("waiting_on", "peer".to_owned()));
             return fields;
         }
+        // Its worker: by SGLang's formula with its default worker count,
+        // or the thread its shard's rooms ran on (any worker count).
+        let thread = self.shard_threads.get(&(pid, this.ports));
+        let on_its_worker = |other: &u64, r: &Room| {
+            r.ports % WORKERS == this.ports % WORKERS
+                || thread.is_some_and(|&tid| self.current.get(&(pid, tid)) == Some(other))
+        };
         let blocking = self.live.iter().filter(|((p, other), r)| {
-            *p == pid && *other != room && r.ports % WORKERS == this.ports % WORKERS && !r.outstanding.is_empty()
+            *p == pid && *other != room && !r.outstanding.is_empty() && on_its_worker(other, r)
         });
         match blocking.map(|((_, other), _)| *other).min() {
             Some(other) => fields.extend([("behind", other.to_string()), ("waiting_on", "worker".to_owned())]),
@@ -560,6 +575,7 @@ impl Rooms {
         self.creating.retain(|(p, _), _| *p != pid);
         self.handles.retain(|(p, _), _| *p != pid);
         self.current.retain(|(p, _), _| *p != pid);
+        self.shard_threads.retain(|(p, _), _| *p != pid);
         self.decodes.remove(&pid);
         self.rids.retain(|(p, _), _| *p != pid);
     }

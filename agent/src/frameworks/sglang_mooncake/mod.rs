@@ -212,7 +212,8 @@ impl SglangMooncake {
 
     /// The leaked batch `key` of `pid`, as its own lifecycle: posted at
     /// its submit, failed at the refused free.
-    fn leak(&mut self, pid: u32, key: u64, batch: Batch, free_ns: u64) {
+    /// (`started`: the batch is its own lifecycle already, from its submit.)
+    fn leak(&mut self, pid: u32, key: u64, batch: Batch, free_ns: u64, started: bool) {
         self.leaked += 1;
         if self.leaks.len() >= LEAKS_KEPT {
             self.leaks.clear();
@@ -220,7 +221,10 @@ impl SglangMooncake {
         let Batch { room, session, submit_ns } = batch;
         self.leaks.insert((pid, key), Leak { room, session, submit_ns, free_ns });
         let own = |stage, ts_ns| Observation { pid, key, stage, ts_ns, external_id: None, ends: false };
-        self.pending.extend([own(Stage::TransferPosted, submit_ns), own(Stage::Failed, free_ns)]);
+        if !started {
+            self.pending.push_back(own(Stage::TransferPosted, submit_ns));
+        }
+        self.pending.push_back(own(Stage::Failed, free_ns));
     }
 }
 
@@ -262,7 +266,7 @@ impl Framework for SglangMooncake {
         let Observation { pid, key, stage, ts_ns, .. } = observation;
         let Some(batch) = self.batches.remove(&(pid, key)) else { return self.sglang.handle(tid, observation) };
         let own = batch.room.is_none();
-        let made = match stage {
+        match stage {
             Stage::Released if own => Some(observation),
             // Freed: the room moves on to its next batch (or its status).
             Stage::Released => self
@@ -270,19 +274,18 @@ impl Framework for SglangMooncake {
                 .rooms_mut()
                 .handle(tid, Observation { stage: Stage::TransferDone, ends: true, ..observation }),
             Stage::Failed if own => {
-                self.leak(pid, key, batch, ts_ns);
+                self.leak(pid, key, batch, ts_ns, true);
                 // Its own lifecycle, started at its submit, ends with the
                 // leak's observations.
-                return None;
+                None
             }
             Stage::Failed => {
                 let room = self.sglang.rooms_mut().handle(tid, observation);
-                self.leak(pid, key, batch, ts_ns);
+                self.leak(pid, key, batch, ts_ns, false);
                 room
             }
             _ => Some(observation),
-        };
-        made
+        }
     }
 
     fn pending(&mut self) -> Option<Observation> {
