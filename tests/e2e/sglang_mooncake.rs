@@ -510,3 +510,103 @@ fn watched_a_decode_abort_racing_a_chunk_ends_its_room_aborted() {
     assert_eq!([stalled, failed, aborted, lost], [0, 0, 1, 0], "{}", summary(&lines));
     assert_eq!(completed + 1, seen, "{}", summary(&lines));
 }
+
+/// Both sides of one hung room, each watched by its own agent on the
+/// `sglang-mooncake` profile: the prefill's room `transfer_hung`, the
+/// stopped decode's `waiting_for_kv` (`side=decode`, `waiting_on=prefill`:
+/// it sent its destination, no status came), both stall spans in the
+/// room's one trace.
+#[test]
+fn watched_both_sides_of_a_hung_room_are_alerted_in_one_trace() {
+    use stallwatch_tests::{
+        Agent,
+        otlp::{Collector, expected_trace_id},
+        sglang::{Ipc, Target},
+    };
+    let mut collector = Collector::start();
+    let endpoint = collector.http_endpoint();
+    let mut target = Target::mooncake("hang", &["--count", "6", "--decodes", "2", "--settle", "3"], Ipc::Msgpack);
+    let otlp = ["--otlp-endpoint", endpoint.as_str()];
+    let prefill = Agent::watch(target.prefill(), "sglang-mooncake", "2s", &otlp);
+    let decodes: Vec<u32> = (0..2).map(|i| target.decode_pid(i)).collect();
+    let decode_agents: Vec<Agent> =
+        decodes.iter().map(|pid| Agent::watch(*pid, "sglang-mooncake", "2s", &otlp)).collect();
+    target.proc.write_line("go");
+    let stopped = target.until("decode_stopped", Duration::from_secs(60));
+    let stopped_pid = decodes[stopped["decode"].as_u64().expect("decode") as usize];
+    let room = target.fault_room();
+    let key = format!("{room:#x}");
+    let prefill_seen = alerts_then_quiet(prefill, "stalled", 1, TIMEOUT + Duration::from_secs(8));
+    let (_, hung) = of_room(&prefill_seen, "stalled", room);
+    assert_eq!(hung["class"], "transfer_hung", "{hung}");
+    let mut decode_alerts = Vec::new();
+    for agent in decode_agents {
+        decode_alerts.extend(alert_lines(&agent.stop()));
+    }
+    target.proc.write_line("quit");
+    // The stopped decode alone is silent on a room it asked for.
+    let waiting: Vec<&Value> = decode_alerts.iter().filter(|a| a["key"] == key.as_str()).collect();
+    let [waiting] = &waiting[..] else { panic!("the stopped decode's stall of room {room}: {decode_alerts:#?}") };
+    assert_eq!(waiting["pid"], stopped_pid, "{waiting}");
+    let side = (field(waiting, "class"), field(waiting, "side"), field(waiting, "waiting_on"));
+    assert_eq!(side, (Some("waiting_for_kv"), Some("decode"), Some("prefill")), "{waiting}");
+    let spans = collector.wait_for(Duration::from_secs(5), "both sides' stall spans", |spans| {
+        spans.iter().filter(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&key)).count()
+            >= 2
+    });
+    let trace = expected_trace_id(&room.to_string());
+    let stall_spans: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&key))
+        .collect();
+    for span in &stall_spans {
+        assert_eq!(span.trace_id, trace, "{span:?}");
+    }
+    let classes: Vec<_> = stall_spans.iter().filter_map(|s| s.attr("stallwatch.stall.class")).collect();
+    assert!(classes.contains(&"transfer_hung") && classes.contains(&"waiting_for_kv"), "{stall_spans:#?}");
+    let _ = collector.stop();
+}
+
+/// A room held across an agent restart: the fault room's decode never
+/// answers; the first agent is SIGKILLed before the room's timeout, the
+/// next takes the room over from the kernel's in-flight table and reports
+/// it once, timed from the request, not from the take-over.
+#[test]
+fn watched_a_room_held_across_an_agent_restart_is_reported_once_on_time() {
+    use stallwatch_tests::{
+        Agent,
+        sglang::{Ipc, Target},
+    };
+    const LONGER: Duration = Duration::from_secs(6);
+    let mut target = Target::mooncake("no-answer", &["--count", "6", "--decodes", "2", "--settle", "2"], Ipc::Msgpack);
+    let mut first = target.watch_and_go("sglang-mooncake", "6s", &[]);
+    target.until("holding", Duration::from_secs(60));
+    let room = target.fault_room();
+    let since = target.at("request", room);
+    assert!(since.elapsed() < LONGER - Duration::from_secs(2), "still short of its timeout: {:?}", since.elapsed());
+    let dir = first.bpf_dir.take().expect("its own bpf directory");
+    first.proc.signal(libc::SIGKILL);
+    let _ = first.proc.wait(Duration::from_secs(5));
+    let mut second =
+        Agent::watch(target.prefill(), "sglang-mooncake", "6s", &["--bpf-dir", dir.to_str().expect("utf-8 bpf dir")]);
+    second.bpf_dir = Some(dir);
+    let mut seen = Vec::new();
+    second.wait_until("the room's stall", LONGER + Duration::from_secs(5), &mut seen, |seen| {
+        alerts(seen, "stalled").next().is_some()
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    seen.extend(second.stop());
+    target.proc.write_line("quit");
+    let stalls: Vec<(Instant, Value)> = alerts(&seen, "stalled").collect();
+    let [(at, alert)] = &stalls[..] else { panic!("one stall, the room's: {seen:?}") };
+    assert_eq!(
+        (alert["key"].as_str(), alert["class"].as_str()),
+        (Some(format!("{room:#x}").as_str()), Some("waiting_for_peer")),
+        "{alert}"
+    );
+    let latency = at.saturating_duration_since(since);
+    assert!(
+        latency + Duration::from_millis(200) >= LONGER && latency <= LONGER + LATENESS,
+        "{alert} after {latency:?}"
+    );
+}

@@ -336,9 +336,11 @@ impl Session {
             Some((made, side))
         };
         reader.drain(|bytes| ingest.record(bytes, transport, engine, reports, &mut route));
-        // What a framework made besides (a leaked Mooncake batch): it
-        // starts and ends here, so the kernel need not hold it.
+        // What a framework made besides (a leaked Mooncake batch, the end
+        // of a batch it follows as a lifecycle of its own): the agent's,
+        // held in the kernel's table as the agent holds what it makes.
         while let Some(made) = signals.pending() {
+            state.hold(&made);
             transport.observe(&made);
             engine.observe(made, reports);
         }

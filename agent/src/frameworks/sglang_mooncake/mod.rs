@@ -267,7 +267,13 @@ impl Framework for SglangMooncake {
         let Some(batch) = self.batches.remove(&(pid, key)) else { return self.sglang.handle(tid, observation) };
         let own = batch.room.is_none();
         match stage {
-            Stage::Released if own => Some(observation),
+            // A batch of its own was started by its submit signal, which
+            // the agent holds in the kernel's table: its end is the
+            // agent's to hold too, so it goes as one the agent made.
+            Stage::Released if own => {
+                self.pending.push_back(observation);
+                None
+            }
             // Freed: the room moves on to its next batch (or its status).
             Stage::Released => self
                 .sglang
@@ -484,7 +490,8 @@ mod tests {
         let own = mc.signal(&submit_spec, &submit(4, 30, 0xa0, 3, 5)).unwrap().expect("its own");
         assert_eq!((own.key, own.stage), (0xa0, Stage::TransferPosted));
         assert_eq!(mc.unknown_segment, 1);
-        let freed = mc.handle(30, free(4, 0xa0, Stage::Released, 6)).expect("its own end");
+        assert_eq!(mc.handle(30, free(4, 0xa0, Stage::Released, 6)), None, "its end, made by the agent");
+        let freed = mc.pending().expect("its own end");
         assert_eq!((freed.key, freed.stage), (0xa0, Stage::Released));
         // One bootstrapped room: segment 3 is its session from now on.
         mc.sglang.rooms_mut().observe(4, 7, &destination(7, "127.0.0.1:15292")).expect("room 7");
