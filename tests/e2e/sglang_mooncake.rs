@@ -10,9 +10,10 @@
 //! code failed a room (measured from the chunk it was failing on), which
 //! rooms wait behind a hung batch on SGLang's own transfer queue, and, where
 //! the engine's busy poll is the whole story, that a thread of the prefill
-//! spins while its batch is hung and none does in a healthy idle run. No
-//! agent runs here: the profile is not built yet (docs/frameworks/
-//! sglang-mooncake.md says what it will stand on).
+//! spins while its batch is hung and none does in a healthy idle run.
+//! The `watched_*` tests then put the agent on it (`sglang-mooncake`):
+//! each seeded stall asserted on its room, as docs/frameworks/
+//! sglang-mooncake.md tabulates.
 use std::{
     process::Command,
     time::{Duration, Instant},
