@@ -62,6 +62,24 @@ pub mod cmp {
     pub const GE: u8 = 6;
 }
 
+/// Widen a raw 64-bit value as the slot's flags say: sign-extended from
+/// 32 bits ([`slot_flags::RET_I32`]), zero-extended from 8 or 16
+/// ([`slot_flags::RET_U8`], [`slot_flags::RET_U16`]), else as is. The
+/// kernel and the agent both widen with this, so they agree by
+/// construction.
+#[inline(always)]
+pub fn widen(flags: u32, raw: u64) -> i64 {
+    if flags & slot_flags::RET_I32 != 0 {
+        i64::from(raw as i32)
+    } else if flags & slot_flags::RET_U8 != 0 {
+        i64::from(raw as u8)
+    } else if flags & slot_flags::RET_U16 != 0 {
+        i64::from(raw as u16)
+    } else {
+        raw as i64
+    }
+}
+
 /// `ret <op> value`, signed; a return that satisfies it is lifecycle event
 /// `stage`.
 #[repr(C)]
@@ -163,6 +181,19 @@ pub mod slot_flags {
     /// the same pointer as the data); elsewhere it is 0, with no read
     /// through what is no pointer there (and the slot's own stage).
     pub const VALUE_IF_ELSE: u32 = 1 << 18;
+    /// The value is a `u8`: keep its low 8 bits, zero-extended (a flag
+    /// byte such as Mooncake's `BatchDesc::is_finished`).
+    pub const RET_U8: u32 = 1 << 20;
+    /// The value is a `u16`: keep its low 16 bits, zero-extended (a status
+    /// code such as the one of Mooncake's `Status`).
+    pub const RET_U16: u32 = 1 << 21;
+    /// A return slot whose rules compare (and whose event carries) the
+    /// value read through [`SlotConfig::value`], which starts at the return
+    /// register, not the register itself: a C++ method returning a class by
+    /// value through a hidden result pointer hands back that pointer in
+    /// `rax`, its verdict lying behind it. A value that cannot be read
+    /// loses the event (counted as [`counter::KEY_UNREADABLE`](super::counter::KEY_UNREADABLE)).
+    pub const RET_DEREF: u32 = 1 << 22;
     /// The slot is live. The agent writes a process's slots without it,
     /// attaches every probe, then sets it on all of them: a request that
     /// began while only some probes were attached would be seen at one
@@ -198,7 +229,10 @@ pub struct SlotConfig {
     pub quiet_ns: u64,
     /// With [`slot_flags::ENTRY_VALUE`]: where the value the rules compare
     /// lies (read as a `u64`, sign-extended from 32 bits with
-    /// [`slot_flags::RET_I32`]); it may start at the key.
+    /// [`slot_flags::RET_I32`], cut to 8 or 16 bits with
+    /// [`slot_flags::RET_U8`] or [`slot_flags::RET_U16`]); it may start at
+    /// the key. With [`slot_flags::RET_DEREF`]: where the return value the
+    /// rules compare lies, from the return register.
     pub value: ValueSource,
     /// With [`slot_flags::EXT_MSGPACK`]: which element to capture.
     pub msgpack: MsgpackElement,
@@ -513,7 +547,9 @@ pub struct HeldContext {
 pub mod counter {
     /// The ring buffer was full: an event was lost.
     pub const RINGBUF_FULL: u32 = 0;
-    /// The request key could not be read from user memory: an event was lost.
+    /// The request key (or, at a [`slot_flags::RET_DEREF`](super::slot_flags::RET_DEREF)
+    /// return, the value behind the return register) could not be read
+    /// from user memory: an event was lost.
     pub const KEY_UNREADABLE: u32 = 1;
     /// A return that would have been an event found no arguments saved by
     /// its entry attachment: an event was lost.

@@ -36,7 +36,7 @@ use core::ffi::c_void;
 use stallwatch_common::{
     EXT_ID_LEN, Event, HeldContext, InflightEntry, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS, MSGPACK_HEAD,
     MSGPACK_STEPS, MSGPACK_TAG_LEN, MsgpackElement, NOT_EMITTED, RequestKey, RetRule, SAVED_ARGS, SavedArgs,
-    SavedArgsKey, SlotConfig, ValueSource, base, cmp, counter, event_flags, msgpack, slot_flags, stage, withheld,
+    SavedArgsKey, SlotConfig, ValueSource, base, cmp, counter, event_flags, msgpack, slot_flags, stage, widen, withheld,
 };
 
 /// `BPF_F_NO_PREALLOC`: the in-flight tables take memory per request held,
@@ -166,7 +166,7 @@ fn entry_value(cfg: &SlotConfig, args: &Args) -> (i64, Matched) {
     let Some(raw) = resolve(&cfg.value, args, 0, key) else {
         return (0, own);
     };
-    let value = if cfg.flags & slot_flags::RET_I32 != 0 { i64::from(raw as i32) } else { raw as i64 };
+    let value = widen(cfg.flags, raw);
     (value, match_rules(cfg, value).unwrap_or(own))
 }
 
@@ -179,8 +179,19 @@ pub fn lifecycle_return(ctx: RetProbeContext) -> u32 {
         return 0;
     }
     count_hit(slot);
-    let raw: u64 = ctx.ret();
-    let ret = if cfg.flags & slot_flags::RET_I32 != 0 { i64::from(raw as i32) } else { raw as i64 };
+    let mut raw: u64 = ctx.ret();
+    if cfg.flags & slot_flags::RET_DEREF != 0 {
+        // The value behind the return register (a result returned through
+        // a hidden pointer): read before the rules, which compare it.
+        match resolve(&cfg.value, &Args::None, raw as i64, 0) {
+            Some(value) => raw = value,
+            None => {
+                bump(counter::KEY_UNREADABLE);
+                return 0;
+            }
+        }
+    }
+    let ret = widen(cfg.flags, raw);
     // The rules before the saved arguments: a return filtered out (a
     // status poll answering "in progress") costs no lookup of them. What
     // it leaves behind is tied to its frame, which no other return has.

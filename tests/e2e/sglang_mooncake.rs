@@ -10,9 +10,10 @@
 //! code failed a room (measured from the chunk it was failing on), which
 //! rooms wait behind a hung batch on SGLang's own transfer queue, and, where
 //! the engine's busy poll is the whole story, that a thread of the prefill
-//! spins while its batch is hung and none does in a healthy idle run. No
-//! agent runs here: the profile is not built yet (docs/frameworks/
-//! sglang-mooncake.md says what it will stand on).
+//! spins while its batch is hung and none does in a healthy idle run.
+//! The `watched_*` tests then put the agent on it (`sglang-mooncake`):
+//! each seeded stall asserted on its room, as docs/frameworks/
+//! sglang-mooncake.md tabulates.
 use std::{
     process::Command,
     time::{Duration, Instant},
@@ -265,4 +266,348 @@ fn a_room_whose_decode_never_answers_stays_bootstrapping_with_no_transfer() {
     assert_eq!(completed.len(), 5, "{holding}");
     assert!(rooms_with(&target, "failed").is_empty(), "{holding}");
     target.proc.write_line("quit");
+}
+
+// ---------------------------------------------------------------------
+// The agent on the real target, `sglang-mooncake` profile.
+// ---------------------------------------------------------------------
+
+mod watched {
+    use std::time::{Duration, Instant};
+
+    use serde_json::Value;
+    use stallwatch_tests::{
+        Agent, Line, alerts,
+        sglang::{Ipc, Target},
+        summary,
+    };
+
+    pub const TIMEOUT: Duration = Duration::from_secs(2);
+    /// How late past timeout an alert may come (the loop's turns, a loaded
+    /// two-core machine).
+    pub const LATENESS: Duration = Duration::from_millis(1500);
+
+    /// The target set up, the agent on its prefill (`sglang-mooncake`,
+    /// 2 s), then `go`; requests handed to the scheduler as msgpack, so a
+    /// room starts when the scheduler has it (before any decode answers).
+    pub fn watched(fault: &str, extra: &[&str]) -> (Target, Agent) {
+        let mut target = Target::mooncake(fault, extra, Ipc::Msgpack);
+        let agent = target.watch_and_go("sglang-mooncake", "2s", &[]);
+        (target, agent)
+    }
+
+    /// The lines that are alerts (not the summary).
+    pub fn alert_lines(lines: &[Line]) -> Vec<Value> {
+        lines.iter().filter_map(Line::json).filter(|v| v.get("alert").is_some_and(|a| a != "summary")).collect()
+    }
+
+    /// The alert of `kind` keyed by `room`.
+    pub fn of_room(lines: &[Line], kind: &str, room: u64) -> (Instant, Value) {
+        alerts(lines, kind)
+            .find(|(_, a)| a["key"] == format!("{room:#x}").as_str())
+            .unwrap_or_else(|| panic!("no {kind} alert of room {room}: {:#?}", alert_lines(lines)))
+    }
+
+    /// `n` alerts of `kind` within `within`, then one timeout more for
+    /// anything else, then the agent's every line.
+    pub fn alerts_then_quiet(agent: Agent, kind: &str, n: usize, within: Duration) -> Vec<Line> {
+        let mut seen = Vec::new();
+        agent.wait_until(&format!("{n} {kind}"), within, &mut seen, |seen| alerts(seen, kind).count() >= n);
+        std::thread::sleep(TIMEOUT);
+        seen.extend(agent.stop());
+        seen
+    }
+
+    pub fn counts(lines: &[Line]) -> [Option<u64>; 6] {
+        let summary = summary(lines);
+        ["seen", "completed", "stalled", "failed", "aborted", "lost_events"].map(|k| summary[k].as_u64())
+    }
+}
+
+use stallwatch_tests::{alerts, summary};
+use watched::*;
+
+#[test]
+fn watched_a_healthy_run_with_idle_workers_raises_nothing_and_each_room_is_one_lifecycle() {
+    let (mut target, agent) = watched("none", &["--count", "12", "--decodes", "2", "--hold"]);
+    let done = target.until("done", Duration::from_secs(120));
+    assert_eq!([&done["completed"], &done["verified"]], [12, 12], "{done}");
+    // Idle workers, then two timeouts more: nothing.
+    std::thread::sleep(TIMEOUT * 2 + LATENESS);
+    let lines = agent.stop();
+    target.proc.write_line("quit");
+    eprintln!("{}", summary(&lines));
+    assert!(alert_lines(&lines).is_empty(), "a healthy run raised alerts: {:#?}", alert_lines(&lines));
+    // Each room one lifecycle, released at its status. The agent came after
+    // the warm-up rooms opened both decodes' segments: a batch to a segment
+    // not yet learnt (from the status its worker sends for the room next)
+    // is a lifecycle of its own, completed at its free; at most the first
+    // room of each decode's.
+    let [seen, completed, stalled, failed, aborted, lost] = counts(&lines).map(Option::unwrap);
+    assert_eq!([completed, stalled, failed, aborted, lost], [seen, 0, 0, 0, 0], "{}", summary(&lines));
+    assert!((12..=12 + 2 * 2 * 3).contains(&seen), "{}", summary(&lines));
+    assert_eq!(summary(&lines)["in_flight"], 0);
+}
+
+/// `alert` came within [timeout, timeout + lateness] of `since`, less
+/// `early` for an activity the target prints just after it happens.
+fn timed_from(alert: &Value, at: Instant, since: Instant, early: Duration) {
+    let latency = at.saturating_duration_since(since);
+    assert!(latency + early >= TIMEOUT && latency <= TIMEOUT + LATENESS, "{alert} after {latency:?}");
+}
+
+fn field<'a>(alert: &'a Value, name: &str) -> Option<&'a str> {
+    alert[name].as_str()
+}
+
+#[test]
+fn watched_a_room_whose_decode_never_answers_waits_for_its_peer() {
+    let (mut target, agent) = watched("no-answer", &["--count", "6", "--decodes", "2", "--settle", "3"]);
+    let fault = target.fault_room();
+    let holding = target.until("holding", Duration::from_secs(60));
+    assert_eq!(holding["rooms"][fault.to_string()], "bootstrapping", "{holding}");
+    let seen = alerts_then_quiet(agent, "stalled", 1, TIMEOUT + Duration::from_secs(5));
+    target.proc.write_line("quit");
+    let raised = alert_lines(&seen);
+    assert_eq!(raised.len(), 1, "{raised:#?}");
+    let (at, alert) = of_room(&seen, "stalled", fault);
+    assert_eq!(
+        (field(&alert, "class"), field(&alert, "answered"), field(&alert, "waiting_on")),
+        (Some("waiting_for_peer"), Some("0"), Some("peer")),
+        "{alert}"
+    );
+    assert_eq!(field(&alert, "external_id"), Some(fault.to_string().as_str()), "{alert}");
+    timed_from(&alert, at, target.at("request", fault), Duration::from_millis(300));
+}
+
+/// One transfer worker, three decodes; the fault room's decode SIGSTOPped
+/// as it is bootstrapped: the room is `transfer_hung` on its batch, naming
+/// the batch and the stopped decode's session, timed from the batch's
+/// submit (its first chunk); the rooms queued behind it on the worker say
+/// `behind` it, `waiting_on=worker`.
+#[test]
+fn watched_a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so() {
+    let (mut target, agent) =
+        watched("hang", &["--count", "6", "--decodes", "3", "--queue-size", "1", "--settle", "3"]);
+    let fault = target.fault_room();
+    let stopped = target.until("decode_stopped", Duration::from_secs(60));
+    let holding = target.until("holding", Duration::from_secs(60));
+    assert_eq!(holding["rooms"][fault.to_string()], "inflight", "{holding}");
+    let behind: Vec<u64> = target.rooms().into_iter().filter(|&r| r > fault).collect();
+    assert_eq!(behind.len(), 2, "{holding}");
+    let seen = alerts_then_quiet(agent, "stalled", 3, TIMEOUT + Duration::from_secs(8));
+    target.proc.write_line("quit");
+    let raised = alert_lines(&seen);
+    assert_eq!(raised.len(), 3, "{raised:#?}");
+    let session = {
+        let decode = stopped["decode"].as_u64().expect("decode");
+        let decodes = target.ready["decodes"].as_array().expect("decodes");
+        let d = decodes.iter().find(|d| d["index"] == decode).expect("the stopped decode");
+        d["session"].as_str().expect("session").to_owned()
+    };
+    let (at, hung) = of_room(&seen, "stalled", fault);
+    assert_eq!(
+        (field(&hung, "class"), field(&hung, "peer")),
+        (Some("transfer_hung"), Some(session.as_str())),
+        "{hung}"
+    );
+    assert!(field(&hung, "batch").is_some_and(|b| b.starts_with("0x")), "{hung}");
+    // Stopped once bootstrapped, so before its first chunk's batch.
+    timed_from(&hung, at, target.chunk(fault, 0).expect("its first chunk"), Duration::from_millis(300));
+    for room in &behind {
+        let (_, alert) = of_room(&seen, "stalled", *room);
+        assert_eq!(
+            (field(&alert, "class"), field(&alert, "behind"), field(&alert, "waiting_on")),
+            (Some("waiting_for_peer"), Some(fault.to_string().as_str()), Some("worker")),
+            "{alert}"
+        );
+    }
+}
+
+/// MC_TRANSFER_TIMEOUT 5 s: the fault room is `transfer_hung` at 2 s, then
+/// its batch's free is refused at 5 s: the room `failed` once, and the
+/// batch, leaked, is a finding of its own (`leaked=batch`, its room and
+/// peer, `after_ms` from its submit); the rooms behind it recover and
+/// complete.
+#[test]
+fn watched_a_batch_that_times_out_fails_its_room_once_and_leaks() {
+    let (mut target, agent) =
+        watched("timeout", &["--count", "6", "--decodes", "3", "--queue-size", "1", "--settle", "12"]);
+    let fault = target.fault_room();
+    let done = target.until("done", Duration::from_secs(90));
+    assert_eq!([&done["completed"], &done["failed"]], [5, 1], "{done}");
+    std::thread::sleep(TIMEOUT);
+    let seen = agent.stop();
+    let (_, hung) = of_room(&seen, "stalled", fault);
+    assert_eq!(field(&hung, "class"), Some("transfer_hung"), "{hung}");
+    let failed: Vec<Value> = alerts(&seen, "failed").map(|(_, a)| a).collect();
+    let rooms_failed: Vec<&Value> = failed.iter().filter(|a| a["external_id"].is_string()).collect();
+    assert_eq!(rooms_failed.len(), 1, "the room fails once: {failed:#?}");
+    assert_eq!(rooms_failed[0]["key"], format!("{fault:#x}").as_str(), "{failed:#?}");
+    let leaks: Vec<&Value> = failed.iter().filter(|a| field(a, "leaked") == Some("batch")).collect();
+    assert_eq!(leaks.len(), 1, "one leaked batch: {failed:#?}");
+    let leak = leaks[0];
+    assert_eq!(field(leak, "room"), Some(fault.to_string().as_str()), "{leak}");
+    assert_eq!(field(leak, "batch"), field(&hung, "batch"), "the hung batch leaked: {leak}");
+    assert_eq!(field(leak, "peer"), field(&hung, "peer"), "{leak}");
+    let after: u64 = field(leak, "after_ms").and_then(|ms| ms.parse().ok()).unwrap_or_else(|| panic!("{leak}"));
+    assert!((4800..9000).contains(&after), "refused at MC_TRANSFER_TIMEOUT after its submit: {leak}");
+    let [seen_n, completed, _, failed_n, aborted, lost] = counts(&seen).map(Option::unwrap);
+    assert_eq!([failed_n, aborted, lost], [2, 0, 0], "the room and its leaked batch: {}", summary(&seen));
+    assert_eq!(completed + 2, seen_n, "{}", summary(&seen));
+}
+
+/// A decode killed once its room is bootstrapped: the room's batch fails
+/// at once, its free refused: the room `failed` once and the batch leaked;
+/// the dead decode's later room waits for its peer.
+#[test]
+fn watched_a_decode_killed_after_answering_fails_its_room_once_and_leaks_its_batch() {
+    let (mut target, agent) = watched("decode-dies", &["--count", "8", "--decodes", "2", "--settle", "3"]);
+    let fault = target.fault_room();
+    target.until("decode_killed", Duration::from_secs(60));
+    let holding = target.until("holding", Duration::from_secs(60));
+    let unanswered = target.rooms_in(&holding, "bootstrapping");
+    assert!(!unanswered.is_empty(), "{holding}");
+    let seen = alerts_then_quiet(agent, "stalled", unanswered.len(), TIMEOUT + Duration::from_secs(5));
+    target.proc.write_line("quit");
+    // The rooms SGLang failed (the fault room; a room of the other decode
+    // whose batch the kill broke too, when it happens): each alerted
+    // `failed` once, and each leaked its batch.
+    let failed: Vec<Value> = alerts(&seen, "failed").map(|(_, a)| a).collect();
+    let mut rooms_failed: Vec<u64> = failed.iter().filter_map(|a| a["external_id"].as_str()?.parse().ok()).collect();
+    rooms_failed.sort_unstable();
+    assert_eq!(rooms_failed, target.rooms_in(&holding, "failed"), "{failed:#?}\n{holding}");
+    assert!(rooms_failed.contains(&fault), "{failed:#?}");
+    let leaks: Vec<&Value> = failed.iter().filter(|a| field(a, "leaked") == Some("batch")).collect();
+    let leak = leaks.iter().find(|a| field(a, "room") == Some(fault.to_string().as_str()));
+    let leak = leak.unwrap_or_else(|| panic!("the fault room's batch leaked: {failed:#?}"));
+    let after: u64 = field(leak, "after_ms").and_then(|ms| ms.parse().ok()).unwrap_or_else(|| panic!("{leak}"));
+    assert!(after < 2000, "a dead peer fails the batch at once: {leak}");
+    for room in &unanswered {
+        let (_, alert) = of_room(&seen, "stalled", *room);
+        assert_eq!(
+            (field(&alert, "class"), field(&alert, "answered")),
+            (Some("waiting_for_peer"), Some("0")),
+            "{alert}"
+        );
+    }
+    assert_eq!(leaks.len(), rooms_failed.len(), "{failed:#?}");
+    assert_eq!(alert_lines(&seen).len(), 2 * rooms_failed.len() + unanswered.len(), "{:#?}", alert_lines(&seen));
+}
+
+/// The decode's ABORT after the room's first chunk: the room ends
+/// `aborted` on the prefill, nothing raised.
+#[test]
+fn watched_a_decode_abort_racing_a_chunk_ends_its_room_aborted() {
+    let (mut target, agent) = watched("abort", &["--count", "6", "--decodes", "2", "--hold"]);
+    let done = target.until("done", Duration::from_secs(60));
+    assert_eq!(done["failed"], 1, "{done}");
+    target.at("decode_abort_sent", target.fault_room());
+    std::thread::sleep(TIMEOUT * 2 + LATENESS);
+    let lines = agent.stop();
+    target.proc.write_line("quit");
+    assert!(alert_lines(&lines).is_empty(), "{:#?}", alert_lines(&lines));
+    let [seen, completed, stalled, failed, aborted, lost] = counts(&lines).map(Option::unwrap);
+    assert_eq!([stalled, failed, aborted, lost], [0, 0, 1, 0], "{}", summary(&lines));
+    assert_eq!(completed + 1, seen, "{}", summary(&lines));
+}
+
+/// Both sides of one hung room, each watched by its own agent on the
+/// `sglang-mooncake` profile: the prefill's room `transfer_hung`, the
+/// stopped decode's `waiting_for_kv` (`side=decode`, `waiting_on=prefill`:
+/// it sent its destination, no status came), both stall spans in the
+/// room's one trace.
+#[test]
+fn watched_both_sides_of_a_hung_room_are_alerted_in_one_trace() {
+    use stallwatch_tests::{
+        Agent,
+        otlp::{Collector, expected_trace_id},
+        sglang::{Ipc, Target},
+    };
+    let mut collector = Collector::start();
+    let endpoint = collector.http_endpoint();
+    let mut target = Target::mooncake("hang", &["--count", "6", "--decodes", "2", "--settle", "3"], Ipc::Msgpack);
+    let otlp = ["--otlp-endpoint", endpoint.as_str()];
+    let prefill = Agent::watch(target.prefill(), "sglang-mooncake", "2s", &otlp);
+    let decodes: Vec<u32> = (0..2).map(|i| target.decode_pid(i)).collect();
+    let decode_agents: Vec<Agent> =
+        decodes.iter().map(|pid| Agent::watch(*pid, "sglang-mooncake", "2s", &otlp)).collect();
+    target.proc.write_line("go");
+    let stopped = target.until("decode_stopped", Duration::from_secs(60));
+    let stopped_pid = decodes[stopped["decode"].as_u64().expect("decode") as usize];
+    let room = target.fault_room();
+    let key = format!("{room:#x}");
+    let prefill_seen = alerts_then_quiet(prefill, "stalled", 1, TIMEOUT + Duration::from_secs(8));
+    let (_, hung) = of_room(&prefill_seen, "stalled", room);
+    assert_eq!(hung["class"], "transfer_hung", "{hung}");
+    let mut decode_alerts = Vec::new();
+    for agent in decode_agents {
+        decode_alerts.extend(alert_lines(&agent.stop()));
+    }
+    target.proc.write_line("quit");
+    // The stopped decode alone is silent on a room it asked for.
+    let waiting: Vec<&Value> = decode_alerts.iter().filter(|a| a["key"] == key.as_str()).collect();
+    let [waiting] = &waiting[..] else { panic!("the stopped decode's stall of room {room}: {decode_alerts:#?}") };
+    assert_eq!(waiting["pid"], stopped_pid, "{waiting}");
+    let side = (field(waiting, "class"), field(waiting, "side"), field(waiting, "waiting_on"));
+    assert_eq!(side, (Some("waiting_for_kv"), Some("decode"), Some("prefill")), "{waiting}");
+    let spans = collector.wait_for(Duration::from_secs(5), "both sides' stall spans", |spans| {
+        spans.iter().filter(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&key)).count()
+            >= 2
+    });
+    let trace = expected_trace_id(&room.to_string());
+    let stall_spans: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&key))
+        .collect();
+    for span in &stall_spans {
+        assert_eq!(span.trace_id, trace, "{span:?}");
+    }
+    let classes: Vec<_> = stall_spans.iter().filter_map(|s| s.attr("stallwatch.stall.class")).collect();
+    assert!(classes.contains(&"transfer_hung") && classes.contains(&"waiting_for_kv"), "{stall_spans:#?}");
+    let _ = collector.stop();
+}
+
+/// A room held across an agent restart: the fault room's decode never
+/// answers; the first agent is SIGKILLed before the room's timeout, the
+/// next takes the room over from the kernel's in-flight table and reports
+/// it once, timed from the request, not from the take-over.
+#[test]
+fn watched_a_room_held_across_an_agent_restart_is_reported_once_on_time() {
+    use stallwatch_tests::{
+        Agent,
+        sglang::{Ipc, Target},
+    };
+    const LONGER: Duration = Duration::from_secs(6);
+    let mut target = Target::mooncake("no-answer", &["--count", "6", "--decodes", "2", "--settle", "2"], Ipc::Msgpack);
+    let mut first = target.watch_and_go("sglang-mooncake", "6s", &[]);
+    target.until("holding", Duration::from_secs(60));
+    let room = target.fault_room();
+    let since = target.at("request", room);
+    assert!(since.elapsed() < LONGER - Duration::from_secs(2), "still short of its timeout: {:?}", since.elapsed());
+    let dir = first.bpf_dir.take().expect("its own bpf directory");
+    first.proc.signal(libc::SIGKILL);
+    let _ = first.proc.wait(Duration::from_secs(5));
+    let mut second =
+        Agent::watch(target.prefill(), "sglang-mooncake", "6s", &["--bpf-dir", dir.to_str().expect("utf-8 bpf dir")]);
+    second.bpf_dir = Some(dir);
+    let mut seen = Vec::new();
+    second.wait_until("the room's stall", LONGER + Duration::from_secs(5), &mut seen, |seen| {
+        alerts(seen, "stalled").next().is_some()
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    seen.extend(second.stop());
+    target.proc.write_line("quit");
+    let stalls: Vec<(Instant, Value)> = alerts(&seen, "stalled").collect();
+    let [(at, alert)] = &stalls[..] else { panic!("one stall, the room's: {seen:?}") };
+    assert_eq!(
+        (alert["key"].as_str(), alert["class"].as_str()),
+        (Some(format!("{room:#x}").as_str()), Some("waiting_for_peer")),
+        "{alert}"
+    );
+    let latency = at.saturating_duration_since(since);
+    assert!(
+        latency + Duration::from_millis(200) >= LONGER && latency <= LONGER + LATENESS,
+        "{alert} after {latency:?}"
+    );
 }

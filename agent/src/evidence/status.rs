@@ -25,7 +25,7 @@ use tracing::{debug, warn};
 
 use crate::{
     lifecycle::{Silent, StageRead},
-    profile::{CompleteAt, RetType, StatusSpec},
+    profile::{CompleteAt, StatusSpec},
     util::warned::Warned,
 };
 
@@ -232,13 +232,12 @@ fn read_values(pid: u32, keys: &[u64], spec: &StatusSpec) -> (Vec<io::Result<i64
         addrs = read_words(pid, at, 8, &mut calls);
     }
     let at = addrs.into_iter().map(|addr| addr.map(|addr| addr.wrapping_add_signed(spec.at.add))).collect();
-    let (width, value): (usize, fn([u8; 8]) -> i64) = match spec.value {
-        RetType::I32 => (4, |word| i64::from(i32::from_ne_bytes([word[0], word[1], word[2], word[3]]))),
-        RetType::I64 => (8, i64::from_ne_bytes),
-    };
-    let values = read_words(pid, at, width, &mut calls)
+    // As the kernel widens a value read at a probe: the first `width`
+    // bytes, in the low bytes of the word, sign- or zero-extended.
+    let flags = spec.value.flag();
+    let values = read_words(pid, at, spec.value.width(), &mut calls)
         .into_iter()
-        .map(|word| word.map(|word| value(word.to_ne_bytes())))
+        .map(|word| word.map(|word| stallwatch_common::widen(flags, word)))
         .collect();
     (values, calls)
 }

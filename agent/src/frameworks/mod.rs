@@ -7,13 +7,14 @@
 //! Adding a framework adds a folder and one line in [`all`]; it touches no
 //! other framework.
 pub mod sglang;
+pub mod sglang_mooncake;
 pub mod signals;
 pub mod zmq;
 
 use self::signals::Signal;
 use crate::{
     lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, StageRead},
-    profile::SignalSpec,
+    profile::{Profile, SignalSpec},
 };
 
 /// A serving framework's tracker. It sees every signal hit and every
@@ -81,6 +82,20 @@ pub trait Framework {
 
     /// At exit: what it could not do, said once.
     fn finish(&mut self);
+
+    /// An observation made besides the one [`Framework::handle`] or
+    /// [`Framework::signal`] returned (a Mooncake batch whose free was
+    /// refused fails its room and is a lifecycle of its own, a leak):
+    /// taken after each event until `None`.
+    fn pending(&mut self) -> Option<Observation> {
+        None
+    }
+
+    /// Whether a run under `profile` needs this framework (its signals
+    /// are the profile's). Every framework by default.
+    fn follows(&self, _profile: &Profile) -> bool {
+        true
+    }
 }
 
 /// What a framework hands the next agent of one of its requests (`pid`,
@@ -105,5 +120,5 @@ pub struct AdoptedHandle {
 
 /// Every framework stallwatch follows.
 pub fn all() -> Vec<Box<dyn Framework>> {
-    vec![Box::new(sglang::Sglang::default())]
+    vec![Box::new(sglang::Sglang::default()), Box::new(sglang_mooncake::SglangMooncake::default())]
 }

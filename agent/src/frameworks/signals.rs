@@ -89,6 +89,13 @@ impl Signals {
         Self::with(timeout_ns, super::all())
     }
 
+    /// The frameworks whose signals `profile` has ([`Framework::follows`]):
+    /// a room a previous agent followed is adopted by its own backend's
+    /// tracker only.
+    pub fn for_profile(timeout_ns: u64, profile: &crate::profile::Profile) -> Self {
+        Self::with(timeout_ns, super::all().into_iter().filter(|framework| framework.follows(profile)).collect())
+    }
+
     /// With these frameworks only.
     pub fn with(timeout_ns: u64, frameworks: Vec<Box<dyn Framework>>) -> Self {
         Self { unrouted: 0, peers: Peers::new(timeout_ns), frameworks }
@@ -140,6 +147,12 @@ impl Signals {
             }
             None => self.route(event, slot),
         }
+    }
+
+    /// An observation a framework made besides the last one it returned
+    /// ([`Framework::pending`]): taken after each event until `None`.
+    pub fn pending(&mut self) -> Option<Observation> {
+        self.frameworks.iter_mut().find_map(|framework| framework.pending())
     }
 
     /// Follow again a request a previous agent followed (what

@@ -994,8 +994,10 @@ mod tests {
             let slots = armed_in_order(name);
             let last_ending = slots.iter().rposition(|(_, cfg)| arming_rank(cfg) >= stage::FIRST_TERMINAL);
             let first_starting = slots.iter().position(|(_, cfg)| arming_rank(cfg) == stage::ENQUEUED);
+            // A profile whose lifecycles all start at signals (the rooms of
+            // `sglang-mooncake`) has no probe that starts one.
             assert!(
-                last_ending < first_starting,
+                first_starting.is_none_or(|first| last_ending < Some(first)),
                 "{name}: {:?}",
                 slots.iter().map(|(name, _)| name).collect::<Vec<_>>()
             );

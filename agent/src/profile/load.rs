@@ -102,6 +102,8 @@ impl Profile {
                 if raw.symbol.trim().is_empty() {
                     bail!("profile {origin}, line {line} ([[activity]]): `symbol` is empty");
                 }
+                check_object(raw.object.as_deref())
+                    .map_err(|err| anyhow!("profile {origin}, line {line} ([[activity]]): {err}"))?;
                 Ok(ActivitySpec {
                     origin: here.clone(),
                     line,
@@ -155,6 +157,7 @@ impl Profile {
                 if raw.object.trim().is_empty() {
                     return Err(bad("`object` is empty: name the library whose layout the offsets are (e.g. \"libnixl.so\")".into()));
                 }
+                check_object(Some(&raw.object)).map_err(|err| bad(err.to_string()))?;
                 if raw.build_ids.is_empty() {
                     return Err(bad("`build_ids` is empty: list the GNU build ids (`readelf -n LIB`) the offsets were checked against".into()));
                 }
@@ -335,7 +338,7 @@ struct RawSignal {
     object: Option<String>,
     symbol: String,
     at: At,
-    ret: Option<RetType>,
+    ret: Option<toml::Value>,
     value: RawSource,
     text: Option<RawSource>,
     bytes: Option<RawSource>,
@@ -387,9 +390,8 @@ impl RawSignal {
         if self.symbol.trim().is_empty() {
             bail!("`symbol` is empty: name the function to probe (mangled C++ names are fine)");
         }
-        if self.at == At::Entry && self.ret.is_some() {
-            bail!("`ret` describes a return value: it needs `at = \"return\"`");
-        }
+        check_object(self.object.as_deref())?;
+        let (ret, ret_at) = parse_ret(self.ret, self.at)?;
         let value = self.value.validate("value", self.at, false)?;
         // `from = "key"` reads at the signal's value, which may well be an
         // address (a data pointer returned).
@@ -399,6 +401,13 @@ impl RawSignal {
             (None, None) => None,
             (Some(_), Some(_)) => bail!("give either `text` (a string) or `bytes` (raw bytes), not both"),
         };
+        if ret_at.is_some() {
+            let capture = capture.as_ref().map(|capture| match capture {
+                Capture::Text(at) => ("text", at),
+                Capture::Bytes(at) => ("bytes", at),
+            });
+            refuse_ret_register(std::iter::once(("value", &value)).chain(capture))?;
+        }
         let msgpack = self.msgpack.map(|m| m.validate(matches!(capture, Some(Capture::Bytes(_))))).transpose()?;
         let when = self.when.map(|when| when.validate(self.at)).transpose()?;
         let (extra, extra_if_else) = match (self.extra, self.bytes_else.as_mut().and_then(|other| other.extra.take())) {
@@ -429,7 +438,8 @@ impl RawSignal {
             object: self.object.filter(|object| !object.is_empty()),
             symbol: self.symbol,
             at: self.at,
-            ret: self.ret.unwrap_or_default(),
+            ret,
+            ret_at,
             value,
             capture,
             msgpack,
@@ -520,7 +530,7 @@ struct RawProbe {
     on_return: Option<Vec<Spanned<RawRule>>>,
     key: RawSource,
     external_id: Option<RawString>,
-    ret: Option<RetType>,
+    ret: Option<toml::Value>,
     #[serde(default)]
     only_on_change: bool,
     #[serde(default)]
@@ -568,6 +578,8 @@ impl RawProbe {
         if self.symbol.trim().is_empty() {
             bail!("`symbol` is empty: name the function to probe (mangled C++ names are fine)");
         }
+        check_object(self.object.as_deref())?;
+        let (ret, ret_at) = parse_ret(self.ret, self.at)?;
         let action = match (self.event, self.on_return) {
             (Some(event), None) => Action::Always(parse_stage(&event)?),
             (None, Some(rules)) => {
@@ -577,7 +589,7 @@ impl RawProbe {
                 if rules.is_empty() || rules.len() > MAX_RET_RULES {
                     bail!("`on_return` takes 1 to {MAX_RET_RULES} rules, found {}", rules.len());
                 }
-                let parsed = parse_rules(rules, self.ret.unwrap_or_default(), &line_at)?;
+                let parsed = parse_rules(rules, ret, &line_at)?;
                 Action::OnReturn(parsed)
             }
             (Some(_), Some(_)) => bail!("give either `event` or `on_return`, not both"),
@@ -586,9 +598,6 @@ impl RawProbe {
                 stage_names()
             ),
         };
-        if self.at == At::Entry && self.ret.is_some() {
-            bail!("`ret` describes a return value: it needs `at = \"return\"`");
-        }
         if self.read_status && (self.at != At::Entry || !matches!(action, Action::Always(_))) {
             bail!(
                 "`read_status` reads the request's [status] at the function's entry, where its memory is still its \
@@ -598,9 +607,8 @@ impl RawProbe {
         if self.at == At::Entry && self.only_on_change {
             bail!("`only_on_change` compares return values: it needs `at = \"return\"`");
         }
-        let ret = self.ret.unwrap_or_default();
         let key = self.key.validate("key", self.at, false)?;
-        let int_key = key.from == From::Ret && key.deref.is_empty() && ret == RetType::I32;
+        let int_key = key.from == From::Ret && key.deref.is_empty() && ret != RetType::I64;
         let external_id = self
             .external_id
             .map(|ext| -> Result<StringSource> {
@@ -618,6 +626,12 @@ impl RawProbe {
                 Ok(StringSource { at, guard })
             })
             .transpose()?;
+        if ret_at.is_some() {
+            let ext = external_id.iter().flat_map(|ext| {
+                std::iter::once(("external_id", &ext.at)).chain(ext.guard.iter().map(|g| ("external_id.guard", g)))
+            });
+            refuse_ret_register(std::iter::once(("key", &key)).chain(ext))?;
+        }
         Ok(ProbeSpec {
             origin,
             line,
@@ -628,6 +642,7 @@ impl RawProbe {
             key,
             external_id,
             ret,
+            ret_at,
             only_on_change: self.only_on_change,
             quiet: self.quiet,
             ends: false,
@@ -653,14 +668,7 @@ fn parse_rules(
         let (when, stage) = (parse_rule(&rule.when)?, parse_stage(&rule.event)?);
         let holds = Values::held_by(&when, ret);
         if holds.is_empty() {
-            bail!(
-                "`when = \"{}\"` (line {rule_line}) never holds: {}",
-                rule.when.trim(),
-                match ret {
-                    RetType::I32 => "an \"i32\" value is between -2147483648 and 2147483647",
-                    RetType::I64 => "no 64-bit value satisfies it",
-                }
-            );
+            bail!("`when = \"{}\"` (line {rule_line}) never holds: {}", rule.when.trim(), ret.range());
         }
         if !holds.intersects(&left) {
             bail!(
@@ -732,6 +740,104 @@ impl RawSource {
         }
         Ok(Source { from, deref: self.deref, add: self.add })
     }
+}
+
+/// An `object` is the main executable (none), a full path (`/...`), or
+/// a file name with as many of its last directories as tell it apart
+/// (`mooncake/engine.so`), matched against each mapped file's path
+/// ([`super::resolve::ProcessImage::find`]).
+fn check_object(object: Option<&str>) -> Result<()> {
+    let Some(object) = object.filter(|object| !object.is_empty() && !object.starts_with('/')) else { return Ok(()) };
+    if let Some(bad) = object.split('/').find(|part| part.is_empty() || *part == "." || *part == "..") {
+        bail!(
+            "`object = \"{object}\"` has {}: name a mapped file by its full path (\"/...\"), its file name \
+             (\"libnixl.so\") or its file name with the directories just above it (\"mooncake/engine.so\")",
+            if bad.is_empty() { "an empty path component".to_owned() } else { format!("a `{bad}` component") }
+        );
+    }
+    Ok(())
+}
+
+/// A `ret`: the return value's type (`ret = "i32"`), or where it lies
+/// behind the return register and its type (`ret = { from = "ret", deref
+/// = [0], type = "u16" }`, for a result returned through a hidden pointer).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRetAt {
+    from: String,
+    #[serde(default)]
+    deref: Vec<i64>,
+    #[serde(default)]
+    add: i64,
+    #[serde(rename = "type")]
+    value: RetType,
+}
+
+/// The return value's type, and where it lies when it is read behind the
+/// return register, from a probe's or signal's `ret`.
+fn parse_ret(raw: Option<toml::Value>, at: At) -> Result<(RetType, Option<Source>)> {
+    let Some(raw) = raw else { return Ok((RetType::default(), None)) };
+    if at != At::Return {
+        bail!("`ret` describes a return value: it needs `at = \"return\"`");
+    }
+    const TYPES: &str = "\"i64\" (the default), \"i32\", \"u16\" or \"u8\"";
+    let ret_type = |name: &str, field: &str| -> Result<RetType> {
+        RetType::deserialize(toml::Value::String(name.to_owned()))
+            .map_err(|_| anyhow!("`{field} = \"{name}\"`: expected {TYPES}"))
+    };
+    match raw {
+        toml::Value::String(name) => Ok((ret_type(&name, "ret")?, None)),
+        toml::Value::Table(table) => {
+            let typed = table.get("type").and_then(toml::Value::as_str).map(|name| ret_type(name, "ret.type"));
+            if let Some(Err(err)) = typed {
+                return Err(err);
+            }
+            let raw: RawRetAt = toml::Value::Table(table).try_into().map_err(|err| {
+                anyhow!(
+                    "`ret = {{ ... }}`: {err}; write `ret = {{ from = \"ret\", deref = [OFFSET], type = \"u16\" }}` \
+                     for a value behind the return register"
+                )
+            })?;
+            if raw.from != "ret" {
+                bail!(
+                    "`ret.from = \"{}\"`: a return value read behind a register is read from the return register: \
+                     write `from = \"ret\"` (an argument's memory at return is read by `key` or a signal's `value`)",
+                    raw.from
+                );
+            }
+            if raw.deref.is_empty() {
+                bail!(
+                    "`ret = {{ from = \"ret\" }}` with no `deref` is the return register itself: write `ret = \"{}\"`, \
+                     or give where the value lies behind it (`deref = [OFFSET]`)",
+                    raw.value.as_str()
+                );
+            }
+            if raw.deref.len() > MAX_DEREF {
+                bail!("`ret.deref` has {} steps; at most {MAX_DEREF} are supported", raw.deref.len());
+            }
+            Ok((raw.value, Some(Source { from: From::Ret, deref: raw.deref, add: raw.add })))
+        }
+        other => bail!(
+            "`ret = {other}`: expected a type ({TYPES}) or where the value lies behind the return register \
+             (`{{ from = \"ret\", deref = [OFFSET], type = \"u16\" }}`)"
+        ),
+    }
+}
+
+/// With `ret` read behind the return register, no other source may start
+/// at the register: the kernel hands them the value read, not the
+/// register, which would read memory nobody meant.
+fn refuse_ret_register<'a>(sources: impl Iterator<Item = (&'a str, &'a Source)>) -> Result<()> {
+    for (field, source) in sources {
+        if source.from == From::Ret {
+            bail!(
+                "`{field}.from = \"ret\"` beside a `ret` read behind the return register: the return value is then \
+                 the value read there, not the register; read `{field}` from an argument instead, or probe the \
+                 function twice (one [[probe]] or [[signal]] per reading of its return)"
+            );
+        }
+    }
+    Ok(())
 }
 
 fn stage_names() -> String {

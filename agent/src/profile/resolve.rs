@@ -59,25 +59,30 @@ impl ProcessImage {
     }
 
     /// The mapped file a profile's `object` names: `None` is the main
-    /// executable; a name with a `/` is a path; otherwise the basename of a
-    /// mapped file equals it or starts with it followed by `.` (so
-    /// `libfoo.so` finds `libfoo.so.1`).
+    /// executable; a name starting with `/` is a path; otherwise the
+    /// basename of a mapped file equals the name's last component or
+    /// starts with it followed by `.` (so `libfoo.so` finds `libfoo.so.1`),
+    /// and the directories before it, if the name has any, are the last of
+    /// the file's (`mooncake/engine.so` is the `engine.so` of a `mooncake`
+    /// package, wherever its site-packages lies: a bare `engine.so` is too
+    /// common a name).
     pub fn find(&self, object: Option<&str>) -> Result<MappedObject> {
         let path = match object {
             None => self.exe.clone(),
-            Some(name) if name.contains('/') => self
+            Some(name) if name.starts_with('/') => self
                 .mapped
                 .iter()
                 .find(|path| path.as_os_str() == name)
                 .cloned()
                 .ok_or_else(|| self.not_mapped(name))?,
             Some(name) => {
-                let matches: Vec<_> = self.mapped.iter().filter(|path| basename_matches(path, name)).collect();
+                let matches: Vec<_> = self.mapped.iter().filter(|path| object_matches(path, name)).collect();
                 match matches.as_slice() {
                     [one] => (*one).clone(),
                     [] => return Err(self.not_mapped(name)),
                     many => bail!(
-                        "`{name}` matches {} files mapped by pid {}: {}; give the full path as `object`",
+                        "`{name}` matches {} files mapped by pid {}: {}; give the full path as `object`, \
+                         or the file's last directories too (`pkg/{name}`)",
                         many.len(),
                         self.pid,
                         many.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
@@ -102,6 +107,28 @@ impl ProcessImage {
             if libs.is_empty() { "none".to_owned() } else { libs.join(", ") }
         )
     }
+}
+
+/// Whether the mapped file `path` is the one `name` (no leading `/`)
+/// names: its basename by [`basename_matches`], its directories by the
+/// name's (`pkg/lib.so`: the file's parent directory is `pkg`).
+fn object_matches(path: &Path, name: &str) -> bool {
+    let (dirs, base) = match name.rsplit_once('/') {
+        Some((dirs, base)) => (Some(dirs), base),
+        None => (None, name),
+    };
+    if !basename_matches(path, base) {
+        return false;
+    }
+    let Some(dirs) = dirs else { return true };
+    let mut parent = path.parent();
+    for dir in dirs.rsplit('/') {
+        match parent {
+            Some(p) if p.file_name().and_then(|n| n.to_str()) == Some(dir) => parent = p.parent(),
+            _ => return false,
+        }
+    }
+    true
 }
 
 fn basename_matches(path: &Path, name: &str) -> bool {
@@ -464,6 +491,26 @@ mod tests {
             PathBuf::from("/w/nixl_cu12.libs/libucp-b39b3ed9.so.0.0.0")
         );
         assert!(wheel.find(Some("libucp-b39b3ed9.so")).is_err(), "profiles name the library, not one build of it");
+        let packaged = ProcessImage {
+            mapped: vec![
+                "/v/site-packages/mooncake/engine.so".into(),
+                "/v/site-packages/other/engine.so".into(),
+                "/v/site-packages/notmooncake/engine.so".into(),
+            ],
+            ..image.clone()
+        };
+        assert_eq!(
+            packaged.find(Some("mooncake/engine.so")).unwrap().path,
+            PathBuf::from("/v/site-packages/mooncake/engine.so")
+        );
+        assert_eq!(
+            packaged.find(Some("site-packages/mooncake/engine.so")).unwrap().path,
+            PathBuf::from("/v/site-packages/mooncake/engine.so")
+        );
+        let err = packaged.find(Some("engine.so")).unwrap_err().to_string();
+        assert!(err.contains("matches 3 files"), "a bare name is ambiguous: {err}");
+        assert!(packaged.find(Some("ooncake/engine.so")).is_err(), "whole directory names only");
+        assert!(packaged.find(Some("x/mooncake/engine.so")).is_err());
         let err = image.find(Some("libucx.so")).unwrap_err().to_string();
         assert!(err.contains("has no file `libucx.so` mapped"), "{err}");
         assert!(err.contains("libnixl.so.0"), "{err}");

@@ -13,6 +13,55 @@ pub enum RetType {
     I64,
     /// A C `int` (a status enum): only the low 32 bits of `rax` are defined.
     I32,
+    /// An unsigned byte (a flag): the low 8 bits, zero-extended.
+    U8,
+    /// An unsigned 16-bit value (a status code in a struct): the low 16
+    /// bits, zero-extended.
+    U16,
+}
+
+impl RetType {
+    /// The slot flag that widens a value of this type
+    /// ([`stallwatch_common::widen`]).
+    pub fn flag(self) -> u32 {
+        use stallwatch_common::slot_flags;
+        match self {
+            Self::I64 => 0,
+            Self::I32 => slot_flags::RET_I32,
+            Self::U8 => slot_flags::RET_U8,
+            Self::U16 => slot_flags::RET_U16,
+        }
+    }
+
+    /// Its name in a profile.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::I64 => "i64",
+            Self::I32 => "i32",
+            Self::U8 => "u8",
+            Self::U16 => "u16",
+        }
+    }
+
+    /// Bytes it takes in memory.
+    pub fn width(self) -> usize {
+        match self {
+            Self::I64 => 8,
+            Self::I32 => 4,
+            Self::U16 => 2,
+            Self::U8 => 1,
+        }
+    }
+
+    /// What a value of this type can be, for an error about a rule that
+    /// never holds.
+    pub fn range(self) -> String {
+        let (lo, hi) = bounds(self);
+        match self {
+            Self::I64 => "no 64-bit value satisfies it".to_owned(),
+            _ => format!("a \"{}\" value is between {lo} and {hi}", self.as_str()),
+        }
+    }
 }
 
 /// A set of return values: inclusive ranges (they may overlap).
@@ -91,6 +140,8 @@ fn bounds(ret: RetType) -> (i128, i128) {
     match ret {
         RetType::I64 => (i128::from(i64::MIN), i128::from(i64::MAX)),
         RetType::I32 => (i128::from(i32::MIN), i128::from(i32::MAX)),
+        RetType::U8 => (0, i128::from(u8::MAX)),
+        RetType::U16 => (0, i128::from(u16::MAX)),
     }
 }
 
@@ -109,6 +160,22 @@ mod tests {
         assert!(Values::held_by(&rule(cmp::LT, i64::from(i32::MIN)), RetType::I32).is_empty());
         assert!(Values::held_by(&rule(cmp::LT, i64::MIN), RetType::I64).is_empty());
         assert_eq!(Values::held_by(&rule(cmp::NE, 5), RetType::I32).minus(&Values::all(RetType::I32)), Values(vec![]));
+    }
+
+    #[test]
+    fn unsigned_narrow_values_are_never_negative_nor_past_their_width() {
+        assert!(Values::held_by(&rule(cmp::LT, 0), RetType::U8).is_empty());
+        assert!(Values::held_by(&rule(cmp::EQ, 256), RetType::U8).is_empty());
+        assert!(!Values::held_by(&rule(cmp::EQ, 255), RetType::U8).is_empty());
+        assert!(Values::held_by(&rule(cmp::GT, 65535), RetType::U16).is_empty());
+        assert_eq!(Values::held_by(&rule(cmp::NE, 0), RetType::U16), Values(vec![(1, 65535)]));
+        // The kernel's widening keeps exactly those bits.
+        use stallwatch_common::{slot_flags, widen};
+        assert_eq!(widen(RetType::U16.flag(), 0x7fc6_a400_0004), 4);
+        assert_eq!(widen(RetType::U8.flag(), 0x0101), 1);
+        assert_eq!(widen(RetType::I32.flag(), 0xffff_ffff), -1);
+        assert_eq!(widen(RetType::I64.flag(), 0xffff_ffff), 0xffff_ffff);
+        assert_eq!(RetType::U16.flag(), slot_flags::RET_U16);
     }
 
     #[test]

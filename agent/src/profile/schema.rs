@@ -184,6 +184,9 @@ pub struct SignalSpec {
     pub symbol: String,
     pub at: At,
     pub ret: RetType,
+    /// `ret = { from = "ret", deref = [...], type = "..." }`: the return
+    /// value is read behind the return register ([`slot_flags::RET_DEREF`]).
+    pub ret_at: Option<Source>,
     pub value: Source,
     pub capture: Option<Capture>,
     /// The `bytes` are read at this element of the msgpack array there.
@@ -263,7 +266,7 @@ impl SignalSpec {
             Some(Capture::Bytes(at)) => Some((at, slot_flags::EXT_BYTES)),
             None => None,
         };
-        let mut flags = return_flags(self.at, self.ret, self.args_read(), &mut cfg);
+        let mut flags = return_flags(self.at, self.ret, self.ret_at.as_ref(), self.args_read(), &mut cfg);
         if let Some((at, bytes)) = capture {
             flags |= slot_flags::HAS_EXT | bytes;
             cfg.ext = at.lower();
@@ -300,14 +303,17 @@ impl SignalSpec {
 }
 
 /// The flags (and saved-argument count) of a probe at `at`: a return
-/// probe's entry saves the `nargs` arguments its return reads.
-pub(super) fn return_flags(at: At, ret: RetType, nargs: u32, cfg: &mut SlotConfig) -> u32 {
+/// probe's entry saves the `nargs` arguments its return reads; a return
+/// value read behind the return register (`ret_at`) is read through
+/// [`SlotConfig::value`].
+pub(super) fn return_flags(at: At, ret: RetType, ret_at: Option<&Source>, nargs: u32, cfg: &mut SlotConfig) -> u32 {
     if at != At::Return {
         return 0;
     }
-    let mut flags = slot_flags::RETURN;
-    if ret == RetType::I32 {
-        flags |= slot_flags::RET_I32;
+    let mut flags = slot_flags::RETURN | ret.flag();
+    if let Some(ret_at) = ret_at {
+        flags |= slot_flags::RET_DEREF;
+        cfg.value = ret_at.lower();
     }
     if nargs > 0 {
         flags |= slot_flags::NEEDS_ARGS;
@@ -386,6 +392,10 @@ pub struct ProbeSpec {
     pub key: Source,
     pub external_id: Option<StringSource>,
     pub ret: RetType,
+    /// `ret = { from = "ret", deref = [...], type = "..." }`: what the
+    /// rules compare is read behind the return register (a `Status`
+    /// returned through a hidden result pointer), not the register itself.
+    pub ret_at: Option<Source>,
     pub only_on_change: bool,
     /// Its events may stay in the kernel's in-flight table instead of the
     /// ring buffer while they only move a busy request along
@@ -473,7 +483,7 @@ impl Profile {
     /// kernel holds that is keyed by its room is then one of those rooms,
     /// not a probe's (the `marker` profile's are keyed by room too).
     pub fn follows_rooms(&self) -> bool {
-        self.signals.iter().any(|spec| spec.name == "zmq_recv")
+        self.signals.iter().any(|spec| spec.name == "zmq_recv" || spec.name == "mooncake_zmq_recv")
     }
 }
 
@@ -515,7 +525,7 @@ impl ProbeSpec {
     /// The kernel-side configuration of this probe's slot.
     pub fn slot_config(&self) -> SlotConfig {
         let mut cfg = SlotConfig { key: self.key.lower(), ..SlotConfig::default() };
-        let mut flags = return_flags(self.at, self.ret, self.args_read(), &mut cfg);
+        let mut flags = return_flags(self.at, self.ret, self.ret_at.as_ref(), self.args_read(), &mut cfg);
         match &self.action {
             Action::Always(stage) => cfg.stage = *stage as u8,
             Action::OnReturn(rules) => {
@@ -542,10 +552,7 @@ impl ProbeSpec {
             flags |= slot_flags::ENDS;
         }
         if let Some(status) = &self.entry_status {
-            flags |= slot_flags::ENTRY_VALUE;
-            if status.value == RetType::I32 {
-                flags |= slot_flags::RET_I32;
-            }
+            flags |= slot_flags::ENTRY_VALUE | status.value.flag();
             cfg.value = status.lower();
             for (slot, (rule, stage)) in cfg.rules.iter_mut().zip(&status.rules) {
                 *slot = RetRule { stage: *stage as u8, ..*rule };
@@ -581,11 +588,13 @@ impl ProbeSpec {
             At::Entry => "entry",
             At::Return => "return",
         };
-        if self.at == At::Return && self.ret != earlier.ret {
+        if self.at == At::Return && (self.ret, &self.ret_at) != (earlier.ret, &earlier.ret_at) {
             return Some(format!(
-                "the [[probe]] on line {} reads the same function's return as {:?}: one function returns one type; \
-                 give both the same `ret`",
-                earlier.line, earlier.ret
+                "the [[probe]] on line {} reads the same function's return as {}{}: one function returns one type \
+                 (read one way); give both the same `ret`",
+                earlier.line,
+                earlier.ret.as_str(),
+                if earlier.ret_at.is_some() { " behind the return register" } else { "" }
             ));
         }
         self.emits_for().intersects(&earlier.emits_for()).then(|| {

@@ -723,3 +723,118 @@ fn return_probes_save_as_many_arguments_as_they_read() {
     let from_ret = profile.probes[1].slot_config();
     assert_eq!((from_ret.flags & slot_flags::NEEDS_ARGS, from_ret.nargs), (0, 0));
 }
+
+/// A `Status` returned through a hidden result pointer: the rules compare
+/// the `u16` behind `rax`, the key is an argument saved at entry.
+const BEHIND_RAX: &str = "[[probe]]\nobject = \"mooncake/engine.so\"\nsymbol = \"free\"\nat = \"return\"\n\
+                          ret = { from = \"ret\", deref = [0], type = \"u16\" }\nkey = { from = \"arg2\" }\n\
+                          on_return = [\n  { when = \"== 0\", event = \"released\" },\n  { when = \"== 4\", event = \"failed\" },\n]\n";
+
+#[test]
+fn a_return_value_behind_the_return_register_lowers_to_a_read_through_it() {
+    let profile = Profile::parse(BEHIND_RAX, "p.toml").expect("valid");
+    let probe = &profile.probes[0];
+    assert_eq!((probe.ret, probe.object.as_deref()), (RetType::U16, Some("mooncake/engine.so")));
+    assert_eq!(probe.ret_at, Some(Source { from: From::Ret, deref: vec![0], add: 0 }));
+    let cfg = probe.slot_config();
+    let want = slot_flags::RETURN | slot_flags::RET_DEREF | slot_flags::RET_U16 | slot_flags::NEEDS_ARGS;
+    assert_eq!(cfg.flags & (want | slot_flags::RET_I32 | slot_flags::RET_U8), want);
+    assert_eq!((cfg.value.base, cfg.value.depth, cfg.value.offsets[0]), (base::RET, 1, 0));
+    assert_eq!((cfg.key.base, cfg.key.index, cfg.nargs), (base::ARG, 2, 3));
+    assert_eq!((cfg.rules[1].op, cfg.rules[1].value, cfg.rules[1].stage), (cmp::EQ, 4, stage::FAILED));
+    // A plain narrow type reads the register itself.
+    let plain = BEHIND_RAX.replace("{ from = \"ret\", deref = [0], type = \"u16\" }", "\"u8\"");
+    let cfg = Profile::parse(&plain, "p.toml").expect("valid").probes[0].slot_config();
+    assert_eq!(cfg.flags & (slot_flags::RET_DEREF | slot_flags::RET_U8), slot_flags::RET_U8);
+    // A signal may read its return so too, and carries the value read.
+    let signal = format!(
+        "{ONE_PROBE}[[signal]]\nname = \"s\"\nsymbol = \"g\"\nat = \"return\"\n\
+         ret = {{ from = \"ret\", deref = [8, 0], add = 2, type = \"u8\" }}\nvalue = {{ from = \"arg1\" }}\n"
+    );
+    let cfg = Profile::parse(&signal, "p.toml").expect("valid").signals[0].slot_config();
+    assert_eq!(cfg.flags & (slot_flags::RET_DEREF | slot_flags::RET_U8), slot_flags::RET_DEREF | slot_flags::RET_U8);
+    assert_eq!((cfg.value.depth, &cfg.value.offsets[..2], cfg.value.add), (2, &[8, 0][..], 2));
+}
+
+#[test]
+fn a_bad_return_behind_the_register_names_its_line_and_the_fix() {
+    let with = |ret: &str| BEHIND_RAX.replace("{ from = \"ret\", deref = [0], type = \"u16\" }", ret);
+    let err = error_of(&with("{ from = \"ret\", type = \"u16\" }"));
+    assert!(err.contains("line 1 ([[probe]] for `free`)") && err.contains("write `ret = \"u16\"`"), "{err}");
+    let err = error_of(&with("{ from = \"arg0\", deref = [0], type = \"u16\" }"));
+    assert!(err.contains("`ret.from = \"arg0\"`") && err.contains("from = \"ret\""), "{err}");
+    let err = error_of(&with("{ from = \"ret\", deref = [0], type = \"u12\" }"));
+    assert!(err.contains("`ret.type = \"u12\"`: expected \"i64\""), "{err}");
+    let err = error_of(&with("{ from = \"ret\", deref = [0] }"));
+    assert!(err.contains("type") && err.contains("line 1"), "{err}");
+    let err = error_of(&with("{ from = \"ret\", deref = [0, 0, 0, 0, 0], type = \"u8\" }"));
+    assert!(err.contains("`ret.deref` has 5 steps"), "{err}");
+    let err = error_of(&with("\"u32\""));
+    assert!(err.contains("`ret = \"u32\"`: expected \"i64\" (the default), \"i32\", \"u16\" or \"u8\""), "{err}");
+    let err = error_of(&with("7"));
+    assert!(err.contains("`ret = 7`"), "{err}");
+    // The key from the register beside it would read the value, not the register.
+    let err = error_of(&BEHIND_RAX.replace("key = { from = \"arg2\" }", "key = { from = \"ret\" }"));
+    assert!(err.contains("`key.from = \"ret\"` beside a `ret` read behind the return register"), "{err}");
+    // A u16 is never 70000 nor negative: the rule's line says so.
+    let err = error_of(&BEHIND_RAX.replace("== 4", "== 70000"));
+    assert!(err.contains("(line 9) never holds: a \"u16\" value is between 0 and 65535"), "{err}");
+    let err = error_of(&BEHIND_RAX.replace("== 4", "< 0"));
+    assert!(err.contains("(line 9) never holds"), "{err}");
+    // Entry probes have no return to read.
+    let err = error_of(&with("{ from = \"ret\", deref = [0], type = \"u16\" }").replace("\"return\"", "\"entry\""));
+    assert!(err.contains("`ret` describes a return value"), "{err}");
+    // Two probes on one return read it alike.
+    let twice = format!(
+        "{BEHIND_RAX}{}",
+        with("\"u16\"").replace("on_return = [\n  { when = \"== 0\", event = \"released\" },\n", "on_return = [\n")
+    );
+    let err = error_of(&twice);
+    assert!(
+        err.contains("the [[probe]] on line 1 reads the same function's return as u16 behind the return register"),
+        "{err}"
+    );
+}
+
+#[test]
+fn byte_and_u16_statuses_are_read_zero_extended() {
+    let probe = "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"transfer_posted\"\nkey = { from = \"arg0\" }\n\n";
+    let status = format!(
+        "{probe}[status]\nat = {{ from = \"key\", add = 57 }}\ntype = \"u8\"\nvalues = [\n  \
+         {{ when = \"== 1\", event = \"transfer_done\" }},\n  {{ when = \"== 0\", event = \"transfer_posted\" }},\n]\n"
+    );
+    let profile = Profile::parse(&status, "p.toml").expect("valid");
+    let table = profile.status.as_ref().unwrap();
+    assert_eq!((table.value, table.at.add), (RetType::U8, 57));
+    assert_eq!(table.stage_of(1), Some(Stage::TransferDone));
+    let err = error_of(&status.replace("== 1", "== 256"));
+    assert!(
+        err.contains("([status]): `when = \"== 256\"` (line 11) never holds: a \"u8\" value is between 0 and 255"),
+        "{err}"
+    );
+    // At a probe's entry the kernel cuts the value to its byte too.
+    let released = "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"released\"\nkey = { from = \"arg0\" }\nread_status = true\n\n\
+         [status]\nat = { from = \"key\", add = 57 }\ntype = \"u16\"\nvalues = [{ when = \"== 6\", event = \"failed\" }]\n";
+    let cfg = Profile::parse(released, "p.toml").expect("valid").probes[0].slot_config();
+    assert_eq!(
+        cfg.flags & (slot_flags::ENTRY_VALUE | slot_flags::RET_U16),
+        slot_flags::ENTRY_VALUE | slot_flags::RET_U16
+    );
+}
+
+#[test]
+fn objects_named_by_a_path_suffix_are_checked() {
+    Profile::parse(BEHIND_RAX, "p.toml").expect("a package path");
+    for bad in ["mooncake//engine.so", "mooncake/", "../engine.so", "./engine.so"] {
+        let err = error_of(&BEHIND_RAX.replace("mooncake/engine.so", bad));
+        assert!(
+            err.contains("line 1 ([[probe]] for `free`)") && err.contains(&format!("`object = \"{bad}\"` has")),
+            "{err}"
+        );
+    }
+    let activity = format!("{ONE_PROBE}[[activity]]\nobject = \"a//b.so\"\nsymbol = \"g\"\nkind = \"post\"\n");
+    assert!(error_of(&activity).contains("line 6 ([[activity]]): `object = \"a//b.so\"` has an empty path component"));
+    let layout =
+        format!("{ONE_PROBE}[layout]\nobject = \"mooncake/../engine.so\"\nbuild_ids = [\"ab\"]\nchecked = \"x\"\n");
+    assert!(error_of(&layout).contains("([layout]): `object = \"mooncake/../engine.so\"` has a `..` component"));
+}

@@ -120,11 +120,11 @@ impl Session {
             state,
             reader,
             status: profile.status.clone().map(|spec| StatusReader::new(spec, profile.complete_at)),
+            signals: Signals::for_profile(limits.timeout_ns, &profile),
             profile,
             processes,
             reports: Vec::new(),
             ingest: Ingest::default(),
-            signals: Signals::new(limits.timeout_ns),
             synced: Synced::default(),
         };
         Ok((session, exits))
@@ -400,6 +400,14 @@ impl Session {
             Some((made, side))
         };
         reader.drain(|bytes| ingest.record(bytes, transport, engine, reports, &mut route));
+        // What a framework made besides (a leaked Mooncake batch, the end
+        // of a batch it follows as a lifecycle of its own): the agent's,
+        // held in the kernel's table as the agent holds what it makes.
+        while let Some(made) = signals.pending() {
+            state.hold(&made);
+            transport.observe(&made);
+            engine.observe(made, reports);
+        }
         self.hand_over();
     }
 

@@ -48,11 +48,11 @@ use std::collections::HashMap;
 
 use tracing::warn;
 
-pub use self::rooms::{Bootstrap, Rid, Rooms, output_rids, parse, room_of};
+pub use self::rooms::{Bootstrap, Rid, Rooms, output_rids, parse, room_of, scheduler};
 use super::{
     AdoptedHandle, Framework, HandOver,
     signals::{Captured, Signal},
-    zmq::{Assembler, Hit},
+    zmq::{Assembler, Hit, Message},
 };
 use crate::{
     lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, StageRead},
@@ -60,9 +60,22 @@ use crate::{
     util::warned::Warned,
 };
 
+/// How one transfer backend's SGLang speaks: the prefix of the names of
+/// its profile's signals (so two backends' trackers never take each
+/// other's), and how its bootstrap messages read. The rooms, the scheduler
+/// messages and the ZMQ reassembly are the same for every backend.
+pub struct Dialect {
+    pub prefix: &'static str,
+    pub parse: fn(&Message) -> Result<Option<Bootstrap>, String>,
+}
+
+/// SGLang on NIXL: signals named as they are, `NixlMsgGuard`-tagged
+/// bootstrap messages.
+pub const NIXL: Dialect = Dialect { prefix: "", parse };
+
 /// SGLang's tracker: ZMQ frames made messages, messages made rooms.
-#[derive(Default)]
 pub struct Sglang {
+    dialect: Dialect,
     zmq: Assembler,
     rooms: Rooms,
     /// SGLang messages (by their tag) that did not read as SGLang writes
@@ -85,11 +98,33 @@ enum RequestHalf {
     Rid(Rid),
 }
 
+impl Default for Sglang {
+    fn default() -> Self {
+        Self::with(NIXL)
+    }
+}
+
 impl Sglang {
-    /// The rooms, as the tests drive them.
-    #[cfg(test)]
+    /// A tracker of SGLang on the backend `dialect` says.
+    pub fn with(dialect: Dialect) -> Self {
+        Self {
+            dialect,
+            zmq: Assembler::default(),
+            rooms: Rooms::default(),
+            unparsed: 0,
+            last_unparsed: None,
+            warned: Warned::default(),
+            requests: HashMap::new(),
+        }
+    }
+
+    /// The rooms (a backend's tracker attributes its transfers to them).
     pub fn rooms_mut(&mut self) -> &mut Rooms {
         &mut self.rooms
+    }
+
+    pub fn rooms(&self) -> &Rooms {
+        &self.rooms
     }
 
     /// One half of a request received on thread `tid`: with the other
@@ -119,7 +154,8 @@ impl Framework for Sglang {
             Captured::Bytes(bytes) => Some(&**bytes),
             _ => None,
         };
-        let hit = match spec.name.as_str() {
+        let name = spec.name.strip_prefix(self.dialect.prefix)?;
+        let hit = match name {
             "zmq_recv" => Hit::Received {
                 head: signal.value,
                 size: signal.ret,
@@ -137,7 +173,7 @@ impl Framework for Sglang {
                 if let Captured::Text(agent) = &signal.capture {
                     // makeXferReq's value: its first remote indices (int32s),
                     // the first of which is the chunk's first destination page.
-                    let page = (spec.name == "nixl_dlist_remote_agent").then_some(signal.value as u32);
+                    let page = (name == "nixl_dlist_remote_agent").then_some(signal.value as u32);
                     self.rooms.creating(signal.pid, signal.tid, agent, page);
                 }
                 return Some(None);
@@ -170,7 +206,7 @@ impl Framework for Sglang {
             _ => return None,
         };
         let Some(message) = self.zmq.hit(signal.pid, signal.tid, signal.ts_ns, hit) else { return Some(None) };
-        Some(match parse(&message) {
+        Some(match (self.dialect.parse)(&message) {
             Ok(Some(Bootstrap::Request { rid, .. })) => {
                 self.request(message.pid, message.tid, message.ts_ns, RequestHalf::Rid(rid))
             }
@@ -234,6 +270,13 @@ impl Framework for Sglang {
     /// A room's oldest transfer posted and not done ([`Rooms::hung_handle`]).
     fn stalled_transfer(&self, request: &RequestSnapshot) -> Option<Option<u64>> {
         room_of(request.key, request.external_id.as_deref()).map(|room| self.rooms.hung_handle(request.pid, room))
+    }
+
+    /// A profile with this dialect's ZMQ signals (`zmq_recv`, or with its
+    /// prefix): so a room a previous agent followed on one backend is not
+    /// adopted by another backend's tracker.
+    fn follows(&self, profile: &crate::profile::Profile) -> bool {
+        profile.signals.iter().any(|spec| spec.name.strip_prefix(self.dialect.prefix) == Some("zmq_recv"))
     }
 
     fn warn(&mut self) {

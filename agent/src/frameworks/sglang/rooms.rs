@@ -122,6 +122,15 @@ pub fn output_rids(bytes: &[u8]) -> Vec<Rid> {
     rids
 }
 
+/// A request or abort SGLang's scheduler received (its rid; the request's
+/// room is read apart, from the same receive: see `Sglang::request`),
+/// whatever the transfer backend: the scheduler's IPC is the same.
+pub fn scheduler(message: &Message) -> Option<Bootstrap> {
+    let (Direction::Received, [frame]) = (message.direction, &message.frames[..]) else { return None };
+    let (tag, rid) = scheduler_message(&frame.bytes)?;
+    Some(if tag == REQUEST_TAG { Bootstrap::Request { room: 0, rid } } else { Bootstrap::AbortRequest { rid } })
+}
+
 /// The room a message is about, if it is one of SGLang's; `Err` for one of
 /// SGLang's (by its tag) whose fields do not read as SGLang writes them.
 pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
@@ -136,15 +145,8 @@ pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
             .and_then(|text| text.parse::<u64>().ok())
             .ok_or_else(|| format!("frame {n} ({what}) is {:?}, not a decimal number", String::from_utf8_lossy(bytes)))
     };
-    if let (Direction::Received, [frame]) = (message.direction, &message.frames[..])
-        && let Some((tag, rid)) = scheduler_message(&frame.bytes)
-    {
-        // The room is read apart, from the same receive (see `Rooms::request`).
-        return Ok(Some(if tag == REQUEST_TAG {
-            Bootstrap::Request { room: 0, rid }
-        } else {
-            Bootstrap::AbortRequest { rid }
-        }));
+    if let Some(scheduler) = scheduler(message) {
+        return Ok(Some(scheduler));
     }
     let Some(tag) = message.frames.first().and_then(tag_of) else {
         return Ok(None);
@@ -226,6 +228,10 @@ struct Room {
     /// The rid its scheduler received it with (what an abort or an output
     /// names it by).
     rid: Option<Rid>,
+    /// When it was bootstrapped (every decode rank answered), in order
+    /// among the process's rooms: with [`Rooms::fifo`], a transfer no page
+    /// or thread tells is the earliest's.
+    seq: u64,
 }
 
 /// The rooms of every watched process, from destination to conclusion.
@@ -262,6 +268,23 @@ pub struct Rooms {
     /// Rooms whose context did not fit what the next agent is handed
     /// ([`CONTEXT_BYTES`]): they would be taken over without it.
     pub too_large: u64,
+    /// A transfer no page tells and no thread's room takes is the
+    /// earliest bootstrapped live room's that awaits its peer and has no
+    /// transfer yet (the backend's workers take rooms in order, one
+    /// synchronous transfer at a time: Mooncake), not nobody's when
+    /// several await that peer (NIXL, where a worker's transfers overlap).
+    pub fifo: bool,
+    /// The next [`Room::seq`].
+    next_seq: u64,
+    /// The last room a message ended, with its destinations (which the
+    /// room forgets as it ends): for a backend that learns from which
+    /// thread sent a room's status which peers that thread wrote to.
+    pub last_ended: Option<(u32, u64, Vec<Box<str>>)>,
+    /// (pid, sum of a room's destination ports) -> the thread that last
+    /// transferred a room with that sum: SGLang puts every room of one sum
+    /// on one worker, whatever the number of workers, so a room with no
+    /// transfer yet will be that thread's.
+    shard_threads: HashMap<(u32, u32), u32>,
 }
 
 /// A handle attributed to a room: the room, its ordinal among the room's
@@ -290,6 +313,10 @@ impl Rooms {
                 entry.pages.push(pages.clone());
                 entry.ports += u32::from(port);
                 entry.ranks = ranks;
+                if entry.agents.len() == ranks as usize {
+                    entry.seq = self.next_seq;
+                    self.next_seq += 1;
+                }
                 if known && !first_answer {
                     return None;
                 }
@@ -344,8 +371,9 @@ impl Rooms {
             // Its rid goes with it, even when it ended before (a failed
             // transfer ends a room with its rid kept until its output).
             self.rids.retain(|(p, _), r| !(*p == pid && *r == room));
-            self.live.remove(&(pid, room))?;
+            let ended = self.live.remove(&(pid, room))?;
             self.dirty.insert((pid, room));
+            self.last_ended = Some((pid, room, ended.agents));
         }
         Some(room_observation(pid, room, stage, ts_ns))
     }
@@ -371,7 +399,7 @@ impl Rooms {
             self.live.insert((pid, room), Room::default());
             return Ok(Vec::new());
         };
-        let Held { room: this, handles, threads, .. } = match decode(held).and_then(|held| match held.ended {
+        let Held { room: mut this, handles, threads, .. } = match decode(held).and_then(|held| match held.ended {
             true => Err("the room ended".to_owned()),
             false => Ok(held),
         }) {
@@ -401,6 +429,12 @@ impl Rooms {
                 }
             })
             .collect();
+        // Bootstrapped rooms taken over queue in the order they are
+        // adopted (the kernel's table keeps no order among them).
+        if !this.agents.is_empty() && this.agents.len() == this.ranks as usize {
+            this.seq = self.next_seq;
+            self.next_seq += 1;
+        }
         self.live.insert((pid, room), this);
         Ok(adopted)
     }
@@ -502,9 +536,19 @@ impl Rooms {
                     (p == pid && writes).then_some(room)
                 }))
             });
+            let earliest = || {
+                let fresh = self.live.iter().filter(|&(&(p, room), r)| {
+                    p == pid && awaits(&room) && r.transfers == 0 && r.agents.len() >= r.ranks as usize
+                });
+                fresh.min_by_key(|(_, r)| r.seq).map(|(&(_, room), _)| room)
+            };
             let owner =
                 by_page.or_else(|| self.current.get(&(pid, tid)).copied().filter(|room| awaits(room))).or_else(|| {
-                    only(self.live.keys().filter(|(p, room)| *p == pid && awaits(room)).map(|(_, room)| *room))
+                    if self.fifo {
+                        earliest()
+                    } else {
+                        only(self.live.keys().filter(|(p, room)| *p == pid && awaits(room)).map(|(_, room)| *room))
+                    }
                 });
             let Some(room) = owner else {
                 self.unattributed += 1;
@@ -516,6 +560,9 @@ impl Rooms {
             });
             self.handles.insert((pid, key), Attributed { room, ordinal, agent });
             self.dirty.insert((pid, room));
+            if let Some(r) = self.live.get(&(pid, room)) {
+                self.shard_threads.insert((pid, r.ports), tid);
+            }
             if let Some(previous) = self.current.insert((pid, tid), room).filter(|&previous| previous != room) {
                 self.dirty.insert((pid, previous));
             }
@@ -541,6 +588,29 @@ impl Rooms {
         };
         let stage = if stage == Stage::Failed { Stage::Failed } else { Stage::TransferPosted };
         live.then(|| room_observation(pid, room, stage, ts_ns))
+    }
+
+    /// The peers a transfer on thread `tid` to a peer not known by name
+    /// may be writing to (for a backend that names peers by ids learnt at
+    /// a call this agent may have missed): the destinations of the thread's
+    /// room while it is live, else those of every live bootstrapped room
+    /// of the process that has no transfer yet (the thread is starting one
+    /// of them).
+    pub fn guess(&self, pid: u32, tid: u32) -> Vec<Box<str>> {
+        if let Some(r) = self.current.get(&(pid, tid)).and_then(|&room| self.live.get(&(pid, room))) {
+            return r.agents.clone();
+        }
+        let mut peers: Vec<Box<str>> = self
+            .live
+            .iter()
+            .filter(|&(&(p, _), r)| {
+                p == pid && r.side == Side::Prefill && r.transfers == 0 && r.agents.len() >= r.ranks.max(1) as usize
+            })
+            .flat_map(|(_, r)| r.agents.iter().cloned())
+            .collect();
+        peers.sort_unstable();
+        peers.dedup();
+        peers
     }
 
     /// What an alert of `room` says besides its lifecycle. A room with a
@@ -582,8 +652,15 @@ impl Rooms {
             fields.push(("waiting_on", "peer".to_owned()));
             return fields;
         }
+        // Its worker: by SGLang's formula with its default worker count,
+        // or the thread its shard's rooms ran on (any worker count).
+        let thread = self.shard_threads.get(&(pid, this.ports));
+        let on_its_worker = |other: &u64, r: &Room| {
+            r.ports % WORKERS == this.ports % WORKERS
+                || thread.is_some_and(|&tid| self.current.get(&(pid, tid)) == Some(other))
+        };
         let blocking = self.live.iter().filter(|((p, other), r)| {
-            *p == pid && *other != room && r.ports % WORKERS == this.ports % WORKERS && !r.outstanding.is_empty()
+            *p == pid && *other != room && !r.outstanding.is_empty() && on_its_worker(other, r)
         });
         match blocking.map(|((_, other), _)| *other).min() {
             Some(other) => fields.extend([("behind", other.to_string()), ("waiting_on", "worker".to_owned())]),
@@ -641,6 +718,7 @@ impl Rooms {
         self.creating.retain(|(p, _), _| *p != pid);
         self.handles.retain(|(p, _), _| *p != pid);
         self.current.retain(|(p, _), _| *p != pid);
+        self.shard_threads.retain(|(p, _), _| *p != pid);
         self.decodes.remove(&pid);
         self.rids.retain(|(p, _), _| *p != pid);
         // The kernel's tables drop all of the process's.

@@ -150,7 +150,8 @@ pub(super) fn decode(bytes: &[u8]) -> Result<Held, String> {
         return Err(format!("{} bytes past its end", bytes.len() - r.at));
     }
     let received = flags & RECEIVED != 0;
-    let room = Room { side, received, agents, pages, ranks, ports, transfers, outstanding, rid };
+    // Its place among bootstrapped rooms is the adopting agent's to give.
+    let room = Room { side, received, agents, pages, ranks, ports, transfers, outstanding, rid, seq: 0 };
     Ok(Held { room, handles, threads, ended: flags & ENDED != 0 })
 }
 
@@ -199,6 +200,7 @@ mod tests {
             transfers: 3,
             outstanding: vec![(0x7f00_00a0, 2), (0x7f00_00a1, 3)],
             rid: Some(b"8d5e957f297893487bd98fa8".as_slice().into()),
+            seq: 0,
         }
     }
 

@@ -1,0 +1,526 @@
+//! SGLang on its default transfer backend, Mooncake's TransferEngine
+//! (sglang 0.5.23 `disaggregation/mooncake/conn.py`, mooncake-transfer-engine
+//! 0.3.13.post1): the rooms are SGLang's ([`Sglang`], the same code as on
+//! NIXL, reading Mooncake's bootstrap dialect, [`wire`]), their transfers
+//! Mooncake's batches.
+//!
+//! A prefill's transfer worker writes each chunk of a room to each of its
+//! decode ranks in one synchronous batch: `submitTransfer` (batch id,
+//! requests naming the decode's engine by a segment id), a busy poll of
+//! `getBatchTransferStatus` (never probed), `freeBatchID`. No request
+//! identity reaches the engine: a batch is a room's through its segment id
+//! (the session `"ip:port"` it was opened for, `openSegment`) and the
+//! rooms awaiting that session ([`Rooms::handle`], in the order they were
+//! bootstrapped, [`Rooms::fifo`]). Its submit makes the room
+//! `transfer_posted` (silence from then: a batch that never ends leaves
+//! the room `transfer_hung`, naming the batch and its peer); a free that
+//! succeeds is the room's progress; a free Mooncake refuses (`BatchBusy`:
+//! the batch's tasks are not all finished, after a timeout or a failed
+//! write) fails the room, and the batch, leaked (it is never freed and
+//! may still write into the decode's pages), is a lifecycle of its own
+//! that ends `failed` at once, its alert saying `leaked`.
+//!
+//! Batch ids are `BatchDesc` addresses the allocator hands out again at
+//! once: an id is a batch from its submit to its free, and a submit of an
+//! id still held (its free missed) starts a new batch.
+//!
+//! An agent started after a session's `openSegment` does not know its
+//! segment id: the first batch to it is taken as its thread's room's (or
+//! the one bootstrapped room's) when that room has a single destination,
+//! which names the segment from then on ([`SglangMooncake::learned`]);
+//! until then such a batch is its own lifecycle, keyed by its id.
+pub mod wire;
+
+use std::collections::{HashMap, VecDeque};
+
+use tracing::info;
+
+use super::{
+    AdoptedHandle, Framework, HandOver,
+    sglang::{Dialect, Sglang},
+    signals::{Captured, Signal},
+};
+use crate::{
+    lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, Stage, StageRead},
+    profile::SignalSpec,
+};
+
+/// The prefix of the `sglang-mooncake` profile's SGLang signals
+/// (`mooncake_zmq_recv` ...), so SGLang-on-NIXL's tracker never takes them.
+const PREFIX: &str = "mooncake_";
+
+/// A `TransferRequest`'s `target_id` (the segment id), in the bytes the
+/// `mooncake_submit` signal reads at the first request.
+const TARGET_ID_AT: usize = 16;
+
+/// Leaked batches kept for their alert, per process at most (each is a
+/// lifecycle that ends as it starts: its alert is written on the same
+/// loop turn).
+const LEAKS_KEPT: usize = 1024;
+
+/// One batch, from its submit to its free.
+struct Batch {
+    /// Its room, if one could be told.
+    room: Option<u64>,
+    /// Its peer, the decode engine's session.
+    session: Option<Box<str>>,
+    submit_ns: u64,
+}
+
+/// A batch whose free Mooncake refused.
+struct Leak {
+    room: Option<u64>,
+    session: Option<Box<str>>,
+    submit_ns: u64,
+    free_ns: u64,
+}
+
+/// SGLang's rooms on Mooncake, and the batches that move their KV.
+pub struct SglangMooncake {
+    sglang: Sglang,
+    /// (pid, segment id) -> the session it was opened for.
+    segments: HashMap<(u32, u64), Box<str>>,
+    /// (pid, batch id) -> the batch, from its submit to its free.
+    batches: HashMap<(u32, u64), Batch>,
+    /// (pid, batch id) -> a leaked batch, for its alert.
+    leaks: HashMap<(u32, u64), Leak>,
+    /// Observations beside the one an event made (a leaked batch's).
+    pending: VecDeque<Observation>,
+    /// (pid, tid) -> the segment ids of the batches the thread submitted
+    /// to segments not known, since its last status send: SGLang's
+    /// transfer worker sends a room's status itself, after the room's last
+    /// batch, so they were that room's ([`SglangMooncake::concluded`]).
+    unknown: HashMap<(u32, u32), Vec<u64>>,
+    /// Segment ids learnt from a batch, not from their `openSegment`.
+    pub learned: u64,
+    /// Batches to a segment id neither `openSegment` nor a room told.
+    pub unknown_segment: u64,
+    /// Batches leaked (free refused).
+    pub leaked: u64,
+}
+
+impl Default for SglangMooncake {
+    fn default() -> Self {
+        let mut sglang = Sglang::with(Dialect { prefix: PREFIX, parse: wire::parse });
+        sglang.rooms_mut().fifo = true;
+        Self {
+            sglang,
+            segments: HashMap::new(),
+            batches: HashMap::new(),
+            leaks: HashMap::new(),
+            pending: VecDeque::new(),
+            unknown: HashMap::new(),
+            learned: 0,
+            unknown_segment: 0,
+            leaked: 0,
+        }
+    }
+}
+
+impl SglangMooncake {
+    /// A batch submitted on thread `signal.tid`: the room's
+    /// `transfer_posted`, or the batch's own when no room is its.
+    fn submit(&mut self, signal: &Signal) -> Option<Observation> {
+        let (pid, tid, batch) = (signal.pid, signal.tid, signal.value);
+        let target = match &signal.capture {
+            Captured::Bytes(bytes) => {
+                let at = &bytes[TARGET_ID_AT..TARGET_ID_AT + 8];
+                Some(u64::from_le_bytes(at.try_into().expect("8 bytes")))
+            }
+            _ => None,
+        };
+        let mut session = target.and_then(|target| self.segments.get(&(pid, target)).cloned());
+        if session.is_none() {
+            // A segment opened before this agent: the one peer it can be,
+            // of those a room about to transfer awaits that no other
+            // segment id names already.
+            let mut peers = self.sglang.rooms().guess(pid, tid);
+            peers.retain(|peer| !self.segments.iter().any(|(&(p, _), known)| p == pid && known == peer));
+            match (target, &peers[..]) {
+                (Some(target), [peer]) => {
+                    self.segments.insert((pid, target), peer.clone());
+                    self.learned += 1;
+                    session = Some(peer.clone());
+                }
+                (target, _) => {
+                    self.unknown_segment += 1;
+                    if let Some(target) = target {
+                        self.unknown.entry((pid, tid)).or_default().push(target);
+                    }
+                }
+            }
+        }
+        // A batch id still held is a batch whose free was not seen: it is
+        // over, and this is the id's next batch.
+        if self.batches.remove(&(pid, batch)).is_some() {
+            let over = Observation {
+                pid,
+                key: batch,
+                stage: Stage::Released,
+                ts_ns: signal.ts_ns,
+                external_id: None,
+                ends: false,
+            };
+            let _ = self.sglang.rooms_mut().handle(tid, over);
+        }
+        let posted = Observation {
+            pid,
+            key: batch,
+            stage: Stage::TransferPosted,
+            ts_ns: signal.ts_ns,
+            external_id: None,
+            ends: false,
+        };
+        let made = match &session {
+            Some(peer) => {
+                let rooms = self.sglang.rooms_mut();
+                rooms.creating(pid, tid, peer.as_bytes(), None);
+                match rooms.handle(tid, Observation { stage: Stage::Enqueued, ..posted.clone() }) {
+                    None => rooms.handle(tid, posted.clone()),
+                    Some(_) => Some(posted),
+                }
+            }
+            None => Some(posted),
+        };
+        let room = made.as_ref().filter(|made| made.key != batch).map(|made| made.key);
+        self.batches.insert((pid, batch), Batch { room, session, submit_ns: signal.ts_ns });
+        made
+    }
+
+    /// Thread `tid` sent the status of `room` (SGLang's transfer worker
+    /// concludes a room on its own thread, after its last batch): the
+    /// segments the thread wrote to since its previous status, none known,
+    /// were the room's peer's, when the room has one peer and they were
+    /// all one segment.
+    fn concluded(&mut self, pid: u32, tid: u32, room: u64, peers: &[Box<str>]) {
+        let Some(mut targets) = self.unknown.remove(&(pid, tid)) else { return };
+        targets.sort_unstable();
+        targets.dedup();
+        let ([target], [peer]) = (&targets[..], peers) else { return };
+        let known = self.segments.iter().any(|(&(p, _), session)| p == pid && session == peer);
+        if !known && self.segments.insert((pid, *target), peer.clone()).is_none() {
+            self.learned += 1;
+            tracing::debug!(
+                pid,
+                room,
+                segment = target,
+                peer = &**peer,
+                "a Mooncake segment learnt from its room's status"
+            );
+        }
+    }
+
+    /// The leaked batch `key` of `pid`, as its own lifecycle: posted at
+    /// its submit, failed at the refused free.
+    /// (`started`: the batch is its own lifecycle already, from its submit.)
+    fn leak(&mut self, pid: u32, key: u64, batch: Batch, free_ns: u64, started: bool) {
+        self.leaked += 1;
+        if self.leaks.len() >= LEAKS_KEPT {
+            self.leaks.clear();
+        }
+        let Batch { room, session, submit_ns } = batch;
+        self.leaks.insert((pid, key), Leak { room, session, submit_ns, free_ns });
+        let own = |stage, ts_ns| Observation { pid, key, stage, ts_ns, external_id: None, ends: false };
+        if !started {
+            self.pending.push_back(own(Stage::TransferPosted, submit_ns));
+        }
+        self.pending.push_back(own(Stage::Failed, free_ns));
+    }
+}
+
+/// A batch id as alerts show it.
+fn hex(id: u64) -> String {
+    format!("{id:#x}")
+}
+
+impl Framework for SglangMooncake {
+    fn signal(&mut self, spec: &SignalSpec, signal: &Signal) -> Option<Option<Observation>> {
+        match spec.name.as_str() {
+            // TransferEngineImpl::openSegment(name) returned the segment id.
+            "mooncake_segment" => {
+                if let Captured::Text(session) = &signal.capture {
+                    let session = String::from_utf8_lossy(session).into();
+                    self.segments.insert((signal.pid, signal.value), session);
+                }
+                Some(None)
+            }
+            "mooncake_submit" => Some(self.submit(signal)),
+            "mooncake_zmq_send" => {
+                // A room's status, sent by its worker thread.
+                let made = self.sglang.signal(spec, signal)?;
+                let ended = self.sglang.rooms_mut().last_ended.take();
+                if let (Some(end), Some((pid, room, peers))) = (&made, ended)
+                    && (pid, room) == (end.pid, end.key)
+                {
+                    self.concluded(pid, signal.tid, room, &peers);
+                }
+                Some(made)
+            }
+            _ => self.sglang.signal(spec, signal),
+        }
+    }
+
+    /// A batch's free (the profile's `freeBatchID` probe: `released` when
+    /// freed, `failed` when refused) is its room's.
+    fn handle(&mut self, tid: u32, observation: Observation) -> Option<Observation> {
+        let Observation { pid, key, stage, ts_ns, .. } = observation;
+        let Some(batch) = self.batches.remove(&(pid, key)) else { return self.sglang.handle(tid, observation) };
+        let own = batch.room.is_none();
+        match stage {
+            // A batch of its own was started by its submit signal, which
+            // the agent holds in the kernel's table: its end is the
+            // agent's to hold too, so it goes as one the agent made.
+            Stage::Released if own => {
+                self.pending.push_back(observation);
+                None
+            }
+            // Freed: the room moves on to its next batch (or its status).
+            Stage::Released => self
+                .sglang
+                .rooms_mut()
+                .handle(tid, Observation { stage: Stage::TransferDone, ends: true, ..observation }),
+            Stage::Failed if own => {
+                self.leak(pid, key, batch, ts_ns, true);
+                // Its own lifecycle, started at its submit, ends with the
+                // leak's observations.
+                None
+            }
+            Stage::Failed => {
+                let room = self.sglang.rooms_mut().handle(tid, observation);
+                self.leak(pid, key, batch, ts_ns, false);
+                room
+            }
+            _ => Some(observation),
+        }
+    }
+
+    fn pending(&mut self) -> Option<Observation> {
+        self.pending.pop_front()
+    }
+
+    fn follows(&self, profile: &crate::profile::Profile) -> bool {
+        self.sglang.follows(profile)
+    }
+
+    fn adopt(&mut self, request: &Restored, held: Option<&[u8]>) -> Result<Vec<AdoptedHandle>, String> {
+        self.sglang.adopt(request, held)
+    }
+
+    fn adopt_ended(&mut self, pid: u32, key: u64, held: &[u8]) -> bool {
+        self.sglang.adopt_ended(pid, key, held)
+    }
+
+    fn owns(&self, pid: u32, key: u64) -> bool {
+        self.sglang.owns(pid, key)
+    }
+
+    fn held(&mut self, out: &mut Vec<HandOver>) {
+        self.sglang.held(out);
+    }
+
+    fn side(&self, pid: u32) -> Side {
+        self.sglang.side(pid)
+    }
+
+    /// A room's alert names the batch it is stopped on and its peer; a
+    /// batch of its own (no room told), its peer; a leaked batch's, that
+    /// it leaked, its room and peer, and how long after its submit the
+    /// free was refused.
+    fn context(&self, request: &RequestSnapshot) -> Vec<(&'static str, String)> {
+        let (pid, key) = (request.pid, request.key);
+        if request.external_id.is_none() {
+            if let Some(leak) = self.leaks.get(&(pid, key)) {
+                let mut fields = vec![("leaked", "batch".to_owned()), ("batch", hex(key))];
+                fields.extend(leak.room.map(|room| ("room", room.to_string())));
+                fields.extend(leak.session.as_ref().map(|peer| ("peer", peer.to_string())));
+                fields.push(("free", "refused".to_owned()));
+                fields.push(("after_ms", (leak.free_ns.saturating_sub(leak.submit_ns) / 1_000_000).to_string()));
+                return fields;
+            }
+            if let Some(batch) = self.batches.get(&(pid, key)) {
+                let mut fields = vec![("batch", hex(key))];
+                fields.extend(batch.session.as_ref().map(|peer| ("peer", peer.to_string())));
+                return fields;
+            }
+        }
+        let mut fields = Vec::new();
+        for (name, value) in self.sglang.context(request) {
+            if name != "handle" {
+                fields.push((name, value));
+                continue;
+            }
+            let batch = u64::from_str_radix(value.trim_start_matches("0x"), 16).ok();
+            let peer = batch.and_then(|batch| self.batches.get(&(pid, batch))?.session.clone());
+            fields.push(("batch", value));
+            fields.extend(peer.map(|peer| ("peer", peer.to_string())));
+        }
+        fields
+    }
+
+    fn read(
+        &mut self,
+        silent: &Silent,
+        read: &mut dyn FnMut(&Silent) -> Option<StageRead>,
+    ) -> Option<Option<StageRead>> {
+        self.sglang.read(silent, read)
+    }
+
+    fn stalled_transfer(&self, request: &RequestSnapshot) -> Option<Option<u64>> {
+        self.sglang.stalled_transfer(request)
+    }
+
+    fn warn(&mut self) {
+        self.sglang.warn();
+    }
+
+    fn forget(&mut self, pid: u32) {
+        self.sglang.forget(pid);
+        self.segments.retain(|(p, _), _| *p != pid);
+        self.batches.retain(|(p, _), _| *p != pid);
+        self.leaks.retain(|(p, _), _| *p != pid);
+    }
+
+    fn finish(&mut self) {
+        self.sglang.warn();
+        if self.learned + self.unknown_segment + self.leaked > 0 {
+            info!(
+                learned_segments = self.learned,
+                unknown_segment_batches = self.unknown_segment,
+                leaked_batches = self.leaked,
+                "Mooncake batches: segment ids learnt from a room rather than their openSegment (the agent started \
+                 after it), batches to a segment no room told (each followed as a lifecycle of its own), batches \
+                 whose free Mooncake refused"
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use stallwatch_common::EXT_ID_LEN;
+
+    use super::*;
+    use crate::{frameworks::sglang::Bootstrap, profile::Profile};
+
+    fn spec(name: &str) -> Arc<SignalSpec> {
+        let profile = Profile::load("sglang-mooncake").expect("the sglang-mooncake profile");
+        Arc::new(profile.signals.into_iter().find(|s| s.name == name).unwrap_or_else(|| panic!("no {name}")))
+    }
+
+    fn segment(pid: u32, id: u64, session: &str) -> Signal {
+        Signal { pid, tid: 20, ts_ns: 1, value: id, ret: id as i64, capture: Captured::Text(session.as_bytes().into()) }
+    }
+
+    /// `submitTransfer(batch)` on `tid` at `ts_ns`, writing to segment `target`.
+    fn submit(pid: u32, tid: u32, batch: u64, target: u64, ts_ns: u64) -> Signal {
+        let mut bytes = [0u8; EXT_ID_LEN];
+        bytes[TARGET_ID_AT..TARGET_ID_AT + 8].copy_from_slice(&target.to_le_bytes());
+        Signal { pid, tid, ts_ns, value: batch, ret: 0, capture: Captured::Bytes(Box::new(bytes)) }
+    }
+
+    fn free(pid: u32, batch: u64, stage: Stage, ts_ns: u64) -> Observation {
+        Observation { pid, key: batch, stage, ts_ns, external_id: None, ends: false }
+    }
+
+    fn destination(room: u64, session: &str) -> Bootstrap {
+        let port = wire::session_port(session.as_bytes()).unwrap();
+        Bootstrap::Destination { room, port, agent: session.into(), ranks: 1, pages: Default::default() }
+    }
+
+    #[test]
+    fn batches_are_their_rooms_in_bootstrap_order_and_a_refused_free_fails_the_room_and_leaks_the_batch() {
+        let mut mc = SglangMooncake::default();
+        let (segment_spec, submit_spec) = (spec("mooncake_segment"), spec("mooncake_submit"));
+        let rooms = |mc: &mut SglangMooncake, room, session| {
+            mc.sglang.rooms_mut().observe(4, room, &destination(room, session)).expect("a room")
+        };
+        // Rooms 7, 8 and 9 to the same decode session, one worker.
+        for room in [7, 8, 9] {
+            rooms(&mut mc, room, "127.0.0.1:15290");
+        }
+        assert_eq!(mc.signal(&segment_spec, &segment(4, 1, "127.0.0.1:15290")), Some(None));
+        // Room 7's two chunks reuse one batch id: each submit is its room's post.
+        for ts in [10, 20] {
+            let posted = mc.signal(&submit_spec, &submit(4, 30, 0xb0, 1, ts)).unwrap().expect("room 7's");
+            assert_eq!((posted.key, posted.stage, posted.ts_ns), (7, Stage::TransferPosted, ts));
+            let freed = mc.handle(30, free(4, 0xb0, Stage::Released, ts + 1)).expect("room 7 moves on");
+            assert_eq!((freed.key, freed.stage), (7, Stage::TransferPosted));
+        }
+        mc.sglang.rooms_mut().observe(4, 25, &Bootstrap::Status { room: 7, status: 4 }).expect("room 7 released");
+        // The next batch on the worker is room 8's (the earliest bootstrapped); it hangs.
+        let posted = mc.signal(&submit_spec, &submit(4, 30, 0xb0, 1, 30)).unwrap().expect("room 8's");
+        assert_eq!(posted.key, 8);
+        let field =
+            |fields: &[(&str, String)], name: &str| fields.iter().find(|(n, _)| *n == name).map(|(_, v)| v.clone());
+        let snapshot = |key: u64, external: Option<&str>| RequestSnapshot {
+            pid: 4,
+            key,
+            external_id: external.map(Into::into),
+            stage: Stage::TransferPosted,
+            stage_ns: [None; 4],
+            first_ns: 30,
+            last_ns: 30,
+            stalled: None,
+            inferred: Default::default(),
+        };
+        let hung = mc.context(&snapshot(8, Some("8")));
+        assert_eq!(field(&hung, "batch").as_deref(), Some("0xb0"), "{hung:?}");
+        assert_eq!(field(&hung, "peer").as_deref(), Some("127.0.0.1:15290"), "{hung:?}");
+        assert_eq!(field(&hung, "handle"), None);
+        // Room 9 waits behind it on the same worker.
+        let behind = mc.context(&snapshot(9, Some("9")));
+        assert_eq!((field(&behind, "behind"), field(&behind, "waiting_on")), (Some("8".into()), Some("worker".into())));
+        // Its free refused after the timeout: room 8 fails, once; the batch
+        // leaks, a lifecycle of its own from its submit to the refusal.
+        let failed = mc.handle(30, free(4, 0xb0, Stage::Failed, 5030)).expect("room 8 fails");
+        assert_eq!((failed.key, failed.stage), (8, Stage::Failed));
+        let leak: Vec<_> = std::iter::from_fn(|| mc.pending()).map(|o| (o.key, o.stage, o.ts_ns)).collect();
+        assert_eq!(leak, [(0xb0, Stage::TransferPosted, 30), (0xb0, Stage::Failed, 5030)]);
+        let leaked = mc.context(&snapshot(0xb0, None));
+        assert_eq!(field(&leaked, "leaked").as_deref(), Some("batch"), "{leaked:?}");
+        assert_eq!(field(&leaked, "room").as_deref(), Some("8"));
+        assert_eq!(field(&leaked, "after_ms").as_deref(), Some("0"), "5000 ns");
+        assert_eq!(
+            mc.sglang.rooms_mut().observe(4, 5031, &Bootstrap::Status { room: 8, status: 0 }),
+            None,
+            "its failed status ends nothing more"
+        );
+        // A new batch id for room 9 (the leaked one is never freed).
+        assert_eq!(mc.signal(&submit_spec, &submit(4, 30, 0xc0, 1, 5040)).unwrap().map(|o| o.key), Some(9));
+        assert_eq!(mc.leaked, 1);
+        mc.forget(4);
+        assert!(mc.batches.is_empty() && mc.segments.is_empty() && mc.leaks.is_empty());
+    }
+
+    #[test]
+    fn a_segment_opened_before_the_agent_is_learnt_from_the_one_room_it_can_be() {
+        let mut mc = SglangMooncake::default();
+        let submit_spec = spec("mooncake_submit");
+        // No room yet: the batch to unknown segment 3 is its own lifecycle.
+        let own = mc.signal(&submit_spec, &submit(4, 30, 0xa0, 3, 5)).unwrap().expect("its own");
+        assert_eq!((own.key, own.stage), (0xa0, Stage::TransferPosted));
+        assert_eq!(mc.unknown_segment, 1);
+        assert_eq!(mc.handle(30, free(4, 0xa0, Stage::Released, 6)), None, "its end, made by the agent");
+        let freed = mc.pending().expect("its own end");
+        assert_eq!((freed.key, freed.stage), (0xa0, Stage::Released));
+        // One bootstrapped room: segment 3 is its session from now on.
+        mc.sglang.rooms_mut().observe(4, 7, &destination(7, "127.0.0.1:15292")).expect("room 7");
+        let posted = mc.signal(&submit_spec, &submit(4, 30, 0xa0, 3, 8)).unwrap().expect("room 7's");
+        assert_eq!(posted.key, 7);
+        assert_eq!((mc.learned, mc.segments.get(&(4, 3)).map(|s| &**s)), (1, Some("127.0.0.1:15292")));
+        // A submit of a batch id whose free was missed starts its next batch.
+        assert_eq!(mc.signal(&submit_spec, &submit(4, 30, 0xa0, 3, 9)).unwrap().map(|o| o.key), Some(7));
+        // Signals of other frameworks pass on; NIXL's SGLang takes none of these.
+        let nixl_zmq = Profile::load("sglang").unwrap().signals.into_iter().find(|s| s.name == "zmq_recv").unwrap();
+        assert_eq!(mc.signal(&nixl_zmq, &submit(4, 30, 0, 0, 10)), None);
+        let mut nixl = Sglang::default();
+        assert_eq!(nixl.signal(&submit_spec, &submit(4, 30, 0, 0, 10)), None);
+        assert_eq!(nixl.signal(&spec("mooncake_zmq_recv"), &submit(4, 30, 0, 0, 10)), None);
+        assert!(
+            mc.follows(&Profile::load("sglang-mooncake").unwrap()) && !mc.follows(&Profile::load("sglang").unwrap())
+        );
+        assert!(!nixl.follows(&Profile::load("sglang-mooncake").unwrap()));
+    }
+}
