@@ -8,6 +8,8 @@
 //! other framework.
 pub mod sglang;
 pub mod signals;
+pub mod strings;
+pub mod vllm;
 pub mod zmq;
 
 use self::signals::Signal;
@@ -63,9 +65,16 @@ pub trait Framework {
 
     /// At exit: what it could not do, said once.
     fn finish(&mut self);
+
+    /// Another observation of the signal or event just handled (one
+    /// heartbeat names several requests), in order; `None` once there is
+    /// none.
+    fn pending(&mut self) -> Option<Observation> {
+        None
+    }
 }
 
 /// Every framework stallwatch follows.
 pub fn all() -> Vec<Box<dyn Framework>> {
-    vec![Box::new(sglang::Sglang::default())]
+    vec![Box::new(sglang::Sglang::default()), Box::new(vllm::Vllm::default())]
 }

@@ -24,6 +24,7 @@ const BUILTIN: &[(&str, &str)] = &[
     ("nixl", include_str!("builtin/nixl.toml")),
     ("marker", include_str!("builtin/marker.toml")),
     ("sglang", include_str!("builtin/sglang.toml")),
+    ("vllm", include_str!("builtin/vllm.toml")),
 ];
 
 /// Names of the built-in profiles, for help texts and errors.

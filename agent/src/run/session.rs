@@ -322,9 +322,16 @@ impl Session {
     /// past a quarter.
     pub(super) fn drain(&mut self) {
         let Session { reader, ingest, transport, engine, reports, signals, probes, state, .. } = self;
-        let mut route = |event: &Event, observation: Option<Observation>| {
-            let probed = observation.as_ref().map(|o| o.key);
-            let made = signals.consume(event, observation, probes.slot(event.slot))?;
+        let mut route = |routed: Option<(&Event, Option<Observation>)>| {
+            // `None`: the next observation a framework made of the same
+            // record, if any (no probe made it).
+            let (probed, made) = match routed {
+                Some((event, observation)) => {
+                    let probed = observation.as_ref().map(|o| o.key);
+                    (probed, signals.consume(event, observation, probes.slot(event.slot))?)
+                }
+                None => (None, signals.pending()?),
+            };
             // A lifecycle event no probe made (an SGLang room's): the
             // kernel did not keep it, so the agent does; its side is what
             // its process's traffic says.

@@ -127,7 +127,7 @@ impl Framework for Sglang {
                     Captured::Bytes(bytes) => Some(&bytes[..]),
                     // Where 64 bytes could not be read: up to the NUL.
                     Captured::Text(text) => Some(&text[..]),
-                    Captured::None => None,
+                    Captured::None | Captured::Chunk(_) => None,
                 },
             },
             // The remote agent named at createXferReq's entry, or read from
