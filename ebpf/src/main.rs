@@ -757,27 +757,32 @@ fn walk_strings(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64) {
         bump(counter::EXT_UNREADABLE);
         return;
     };
+    let Some(walk) = STRINGS_WALK.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: this CPU's scratch; a program preempted mid-walk by another
+    // on the same CPU finds `owner` changed and stops (its strings arrive
+    // cut short, which the agent says).
+    let walk = unsafe { &mut *walk };
     let w: &StringWalk = &cfg.strings;
     let pid_tgid = bpf_get_current_pid_tgid();
-    let mut walk = Strings {
-        w: *w,
-        container: at,
-        node: 0,
-        started: 0,
-        item: 0,
-        end: 0,
-        nodes_left: u32::from(w.nodes),
-        items_left: 0,
-        data: 0,
-        len: 0,
-        chunk: 0,
-        seq: 0,
-        key,
-        pid_tgid,
-        slot,
-        // SAFETY: the helper only reads the clock.
-        ts: unsafe { bpf_ktime_get_ns() },
-    };
+    walk.w = *w;
+    walk.container = at;
+    walk.node = 0;
+    walk.started = 0;
+    walk.item = 0;
+    walk.end = 0;
+    walk.nodes_left = u32::from(w.nodes);
+    walk.items_left = 0;
+    walk.data = 0;
+    walk.len = 0;
+    walk.chunk = 0;
+    walk.seq = 0;
+    walk.key = key;
+    walk.owner = pid_tgid;
+    walk.slot = slot;
+    // SAFETY: the helper only reads the clock.
+    walk.ts = unsafe { bpf_ktime_get_ns() };
     if w.list == 0 {
         // One string, at the container itself.
         walk.item = at;
@@ -787,13 +792,21 @@ fn walk_strings(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64) {
         walk.nodes_left = 0;
         walk.w.stride = 1;
     }
+    let mut owner = pid_tgid;
+    // The walk's state lives in a map, not on the stack: the verifier
+    // then checks the callback once, where it would follow the counters
+    // of a stack context turn by turn past its limits.
     // SAFETY: as in `msgpack_element`: the context lives until the
     // helper returns.
     unsafe {
         let step: unsafe extern "C" fn(u64, *mut c_void) -> i64 = strings_step;
-        bpf_loop(STRINGS_STEPS, step as *mut c_void, (&raw mut walk).cast(), 0);
+        bpf_loop(STRINGS_STEPS, step as *mut c_void, (&raw mut owner).cast(), 0);
     }
 }
+
+/// The state of the [`walk_strings`] running on this CPU.
+#[map]
+static STRINGS_WALK: PerCpuArray<Strings> = PerCpuArray::with_max_entries(1, 0);
 
 /// Where a [`walk_strings`] is.
 #[repr(C)]
@@ -815,7 +828,8 @@ struct Strings {
     /// Strings begun so far (the current one is `seq - 1`).
     seq: u32,
     key: u64,
-    pid_tgid: u64,
+    /// The thread walking.
+    owner: u64,
     slot: u32,
     ts: u64,
 }
@@ -825,8 +839,15 @@ struct Strings {
 /// the end or at anything that cannot be read.
 #[inline(never)]
 unsafe extern "C" fn strings_step(_turn: u64, ctx: *mut c_void) -> i64 {
-    // SAFETY: `ctx` is the `Strings` that `walk_strings` handed `bpf_loop`.
-    let s = unsafe { &mut *ctx.cast::<Strings>() };
+    // SAFETY: `ctx` is the walking thread's id that `walk_strings` handed
+    // `bpf_loop`; the state is this CPU's scratch.
+    let owner = unsafe { *ctx.cast::<u64>() };
+    let Some(s) = STRINGS_WALK.get_ptr_mut(0) else { return 1 };
+    // SAFETY: as in `walk_strings`.
+    let s = unsafe { &mut *s };
+    if s.owner != owner {
+        return 1;
+    }
     let sent = u64::from(s.chunk) * CHUNK_LEN;
     if s.data != 0 && sent < s.len && s.chunk < u32::from(s.w.chunks) {
         let last = sent + CHUNK_LEN >= s.len || s.chunk + 1 >= u32::from(s.w.chunks);
@@ -892,8 +913,8 @@ fn send_chunk(s: &Strings, at: u64, last: bool) {
         (*event).ts_ns = s.ts;
         (*event).key = s.key;
         (*event).ret = chunk::pack(s.len, s.seq.wrapping_sub(1), s.chunk, last);
-        (*event).pid = (s.pid_tgid >> 32) as u32;
-        (*event).tid = s.pid_tgid as u32;
+        (*event).pid = (s.owner >> 32) as u32;
+        (*event).tid = s.owner as u32;
         (*event).slot = s.slot;
         (*event).flags = event_flags::HAS_EXT | event_flags::CHUNK;
         (*event).stage = stage::SIGNAL;
