@@ -162,8 +162,20 @@ fn aborted_decode_request_notifies_the_prefill_without_a_read() {
 
 const AGENT_TIMEOUT: &str = "2s";
 
+/// SIGINT, then its lines up to its summary, with what it logged (its
+/// last words at exit among them) as one last line.
+fn stop(mut agent: Agent) -> Vec<Line> {
+    agent.proc.signal(libc::SIGINT);
+    let mut lines = agent.proc.lines_until_exit(Duration::from_secs(20));
+    let status = agent.proc.wait(Duration::from_secs(5));
+    assert!(status.success(), "agent exited with {status}; stderr:\n{}", agent.proc.stderr());
+    lines.push(Line { at: std::time::Instant::now(), text: agent.proc.stderr() });
+    lines
+}
+
 /// The target with a `vllm` agent on each engine, then run to its end;
-/// both agents' lines (prefill's, decode's), stopped.
+/// both agents' lines (prefill's, decode's), stopped, each ending on what
+/// it logged.
 fn watched(fault: &str, extra: &[&str]) -> (Target, Vec<Line>, Vec<Line>) {
     let mut target = Target::start(fault, &[&["--lease", "6"], extra].concat());
     let prefill = Agent::watch(target.prefill(), "vllm", AGENT_TIMEOUT, &[]);
@@ -172,7 +184,7 @@ fn watched(fault: &str, extra: &[&str]) -> (Target, Vec<Line>, Vec<Line>) {
     target.run_to_done(Duration::from_secs(120));
     // The last stall's judging and the summary.
     std::thread::sleep(Duration::from_millis(500));
-    (target, prefill.stop(), decode.stop())
+    (target, stop(prefill), stop(decode))
 }
 
 /// Every alert line but the summary.
@@ -254,4 +266,42 @@ fn heartbeats_keep_a_held_request_waited_on_past_the_timeout() {
         (Some("req-1"), Some("released"))
     );
     assert!(alert_lines(&decode).iter().all(|a| a["alert"] != "stalled"), "decode:\n{}", shown(&decode));
+}
+
+#[test]
+fn a_request_no_decode_ever_names_is_not_seen_by_the_prefills_agent() {
+    // What the profile cannot see, checked: the prefill holds req-1 for its
+    // whole lease, and no NIXL call of either engine names it (no READ, no
+    // heartbeat, no notification): nothing native marks the moment vLLM
+    // holds it (docs/frameworks/vllm.md). The agent must not invent one.
+    let (target, prefill, decode) = watched("never_read", &["--count", "2", "--max-seconds", "12"]);
+    assert!(held_s(&target.one("freed", "req-1")) >= LEASE - 0.2, "the lease freed req-1");
+    assert!(alert_lines(&prefill).is_empty(), "prefill:\n{}", shown(&prefill));
+    assert!(alert_lines(&decode).is_empty(), "decode:\n{}", shown(&decode));
+    assert_eq!(summary(&prefill)["seen"], 0);
+    assert_eq!(summary(&decode)["completed"], 1, "req-0's READ only");
+}
+
+#[test]
+fn a_mismatched_notification_is_the_decodes_read_of_the_other_id() {
+    let (target, prefill, decode) = watched("mismatch", &["--count", "2", "--max-seconds", "12"]);
+    assert!(target.logged("Potentially invalid KV blocks for unrecognized request req-1-x"));
+    // The decode READ req-1-x, completed; the prefill read its notification,
+    // for an id it was never seen holding (nor was req-1 seen held).
+    assert!(alert_lines(&decode).is_empty(), "decode:\n{}", shown(&decode));
+    assert_eq!(summary(&decode)["completed"], 2);
+    assert!(alert_lines(&prefill).is_empty(), "prefill:\n{}", shown(&prefill));
+    let said = prefill.iter().any(|l| l.text.contains("not seen held") && l.text.contains("notifications=2"));
+    assert!(said, "req-0:1 and req-1-x:1 read, neither held:\n{}", shown(&prefill));
+}
+
+#[test]
+fn a_decode_abort_is_its_notification_alone_and_raises_nothing() {
+    let (target, prefill, decode) = watched("decode_abort", &["--count", "2", "--max-seconds", "12"]);
+    assert!(held_s(&target.one("freed", "req-1")) < LEASE / 2.0);
+    assert!(alert_lines(&prefill).is_empty(), "prefill:\n{}", shown(&prefill));
+    assert!(alert_lines(&decode).is_empty(), "decode:\n{}", shown(&decode));
+    assert_eq!(summary(&decode)["completed"], 1, "req-0's READ only: req-1 had none");
+    let said = decode.iter().any(|l| l.text.contains("given up unread") && l.text.contains("request req-1"));
+    assert!(said, "the decode's notify-only genNotif of req-1:\n{}", shown(&decode));
 }

@@ -157,6 +157,10 @@ pub struct Vllm {
     /// holding (healthy single-consumer ones, and ids it does not hold).
     unseen: HashMap<u32, VecDeque<Box<str>>>,
     unseen_count: u64,
+    /// Requests a decode gave up unread (the notification alone), and the
+    /// latest.
+    aborts: u64,
+    last_abort: Option<String>,
     pending: VecDeque<Observation>,
     unparsed: u64,
     last_unparsed: Option<String>,
@@ -180,7 +184,11 @@ impl Vllm {
                     sent.last_beat_ns = ts_ns;
                 }
             }
-            Ok(Notif::Consumer { id, .. }) => self.sent.entry((pid, id.into())).or_default().aborted = true,
+            Ok(Notif::Consumer { id, .. }) => {
+                self.sent.entry((pid, id.into())).or_default().aborted = true;
+                self.aborts += 1;
+                self.last_abort = Some(format!("pid {pid} request {id}"));
+            }
             Err(why) => self.unparsed(format!("pid {pid}: genNotif: {why}")),
         }
     }
@@ -410,6 +418,13 @@ impl Framework for Vllm {
 
     fn finish(&mut self) {
         self.warn();
+        if self.aborts > 0 {
+            info!(
+                requests = self.aborts,
+                latest = self.last_abort.as_deref().unwrap_or_default(),
+                "vLLM decode requests given up unread: the decode sent the prefill their notification alone (an abort)"
+            );
+        }
         if self.unseen_count > 0 {
             info!(
                 notifications = self.unseen_count,
