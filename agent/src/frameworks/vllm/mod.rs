@@ -31,8 +31,11 @@
 //! is not seen here: nothing native marks the moment vLLM holds it (see
 //! the docs).
 //!
-//! **Push** (`NixlPushConnector`): the prefill WRITEs with the request id
-//! as its notification; a WRITE's handle takes that id as its external id.
+//! **Push** (`NixlPushConnector`): the prefill WRITEs, its notification
+//! `"<decode's request id>:<world size>"` (`push_worker.py`); a WRITE's
+//! handle takes that id as its external id. A push decode's `PUSH_REG:`
+//! registrations are recognised and left alone. Not exercised by the test
+//! target.
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use tracing::{info, warn};
@@ -59,6 +62,9 @@ pub enum Notif<'a> {
     /// `<id>:<consumers>`: one consumer is done with the request (after
     /// its READ, or at an abort before it).
     Consumer { id: &'a str, consumers: u32 },
+    /// `PUSH_REG:<msgpack>`: a push-mode decode registering its blocks
+    /// (`metadata.py` `PUSH_REG_NOTIF_PREFIX`): no request's end.
+    PushRegistration,
 }
 
 /// A notification as vLLM 0.33.0 writes it (`pull_worker.py`: the READ's
@@ -66,6 +72,9 @@ pub enum Notif<'a> {
 /// byte was read; a heartbeat cut short keeps the ids before its cut, a
 /// consumer's notification cut short is refused.
 pub fn parse(text: &str, complete: bool) -> Result<Notif<'_>, String> {
+    if text.starts_with("PUSH_REG:") {
+        return Ok(Notif::PushRegistration);
+    }
     if let Some(ids) = text.strip_prefix("HB:") {
         let mut ids: Vec<&str> = ids.split(',').collect();
         if !complete {
@@ -96,8 +105,9 @@ pub fn key_of(id: &str) -> u64 {
 /// A decode's READ (or a push prefill's WRITE), by its handle.
 struct Transfer {
     id: Box<str>,
-    /// `None` for a WRITE: its notification is the id alone.
-    consumers: Option<u32>,
+    /// A READ (pull), else a WRITE (push).
+    read: bool,
+    consumers: u32,
     agent: Box<str>,
 }
 
@@ -189,6 +199,7 @@ impl Vllm {
                 self.aborts += 1;
                 self.last_abort = Some(format!("pid {pid} request {id}"));
             }
+            Ok(Notif::PushRegistration) => {}
             Err(why) => self.unparsed(format!("pid {pid}: genNotif: {why}")),
         }
     }
@@ -243,6 +254,7 @@ impl Vllm {
                     self.pending.push_back(observe(id, Stage::Released));
                 }
             }
+            Ok(Notif::PushRegistration) => {}
             Err(why) => self.unparsed(format!("pid {pid}: getNotifs: {why}")),
         }
     }
@@ -301,15 +313,13 @@ impl Framework for Vllm {
             && let Some((op, agent)) = self.creating.remove(&(observation.pid, tid))
             && let Some(notif) = observation.external_id.as_deref()
         {
-            let transfer = if op == NIXL_READ {
-                match parse(notif, true) {
-                    Ok(Notif::Consumer { id, consumers }) => {
-                        Some(Transfer { id: id.into(), consumers: Some(consumers), agent })
-                    }
-                    _ => None,
+            // Pull: the decode's READ; push: the prefill's WRITE
+            // (`push_worker.py`: `"<remote request id>:<world size>"`).
+            let transfer = match parse(notif, true) {
+                Ok(Notif::Consumer { id, consumers }) => {
+                    Some(Transfer { id: id.into(), read: op == NIXL_READ, consumers, agent })
                 }
-            } else {
-                Some(Transfer { id: notif.into(), consumers: None, agent })
+                _ => None,
             };
             if let Some(transfer) = transfer {
                 observation.external_id = Some(transfer.id.clone());
@@ -338,13 +348,9 @@ impl Framework for Vllm {
         let now = monotonic_ns();
         if let Some(transfer) = self.transfers.get(&(request.pid, request.key)) {
             let mut fields = vec![("vllm_request_id", transfer.id.to_string())];
-            match transfer.consumers {
-                Some(consumers) => {
-                    fields.push(("vllm_transfer", "READ (decode pulls)".into()));
-                    fields.push(("vllm_consumers", consumers.to_string()));
-                }
-                None => fields.push(("vllm_transfer", "WRITE (prefill pushes)".into())),
-            }
+            let kind = if transfer.read { "READ (decode pulls)" } else { "WRITE (prefill pushes)" };
+            fields.push(("vllm_transfer", kind.into()));
+            fields.push(("vllm_consumers", transfer.consumers.to_string()));
             fields.push(("vllm_peer_agent", transfer.agent.to_string()));
             if let Some(sent) = self.sent.get(&(request.pid, transfer.id.clone())) {
                 fields.push(("vllm_heartbeats_sent", sent.heartbeats.to_string()));

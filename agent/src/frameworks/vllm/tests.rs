@@ -16,6 +16,7 @@ fn notifications_read_as_vllm_writes_them() {
     assert!(parse("req-1:1", false).unwrap_err().contains("cut short"));
     assert!(parse("req-1", true).unwrap_err().contains("neither"));
     assert!(parse("req-1:0", true).is_err() && parse(":1", true).is_err() && parse("a:x", true).is_err());
+    assert_eq!(parse("PUSH_REG:\u{1}\u{2}:x", true), Ok(Notif::PushRegistration));
     assert_ne!(key_of("req-1"), key_of("req-2"));
     assert!(key_of("req-1") >> 63 == 1);
 }
@@ -126,6 +127,14 @@ fn a_decode_read_takes_the_prefills_request_id_from_its_notification() {
         ("req-1", "1", "prefill-agent")
     );
     assert_eq!(fields["vllm_heartbeats_sent"], "1");
+    // A push prefill's WRITE: its notification names the decode's request.
+    vllm.creating.insert((4, 42), (1, "decode-agent".into()));
+    let write = vllm.handle(42, read(0xd0, Stage::Enqueued, Some("req-9:2"))).expect("passed on");
+    assert_eq!(write.external_id.as_deref(), Some("req-9"));
+    let mut write_snapshot = snapshot.clone();
+    write_snapshot.key = 0xd0;
+    let fields: HashMap<_, _> = vllm.context(&write_snapshot).into_iter().collect();
+    assert_eq!((fields["vllm_transfer"].as_str(), fields["vllm_consumers"].as_str()), ("WRITE (prefill pushes)", "2"));
     // A handle made on another thread, or a notification not vLLM's, is left as it is.
     assert_eq!(vllm.handle(41, read(0xb0, Stage::Enqueued, Some("x:1"))).unwrap().external_id.as_deref(), Some("x:1"));
     vllm.creating.insert((4, 40), (NIXL_READ, "a".into()));
