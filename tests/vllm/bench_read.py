@@ -42,7 +42,7 @@ def make_agent(name):
 def prefill(args):
     import numpy as np
 
-    buf = np.arange(args.size * args.slots, dtype=np.uint64).view(np.uint8)[: args.size * args.slots]
+    buf = np.full(args.size * args.slots, 7, dtype=np.uint8)
     agent = make_agent("bench-prefill")
     agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     with open(os.path.join(args.workdir, "prefill.md"), "wb") as f:
