@@ -12,7 +12,12 @@
 use std::time::Duration;
 
 use serde_json::Value;
-use stallwatch_tests::{Agent, Line, alerts, summary, vllm::Target};
+use stallwatch_tests::{
+    Agent, Line, alerts,
+    otlp::{Collector, Span, expected_trace_id},
+    summary,
+    vllm::Target,
+};
 
 const LEASE: f64 = 6.0;
 
@@ -177,9 +182,14 @@ fn stop(mut agent: Agent) -> Vec<Line> {
 /// both agents' lines (prefill's, decode's), stopped, each ending on what
 /// it logged.
 fn watched(fault: &str, extra: &[&str]) -> (Target, Vec<Line>, Vec<Line>) {
+    watched_with(fault, extra, &[])
+}
+
+/// [`watched`], with `agent_extra` flags for both agents.
+fn watched_with(fault: &str, extra: &[&str], agent_extra: &[&str]) -> (Target, Vec<Line>, Vec<Line>) {
     let mut target = Target::start(fault, &[&["--lease", "6"], extra].concat());
-    let prefill = Agent::watch(target.prefill(), "vllm", AGENT_TIMEOUT, &[]);
-    let decode = Agent::watch(target.decode(), "vllm", AGENT_TIMEOUT, &[]);
+    let prefill = Agent::watch(target.prefill(), "vllm", AGENT_TIMEOUT, agent_extra);
+    let decode = Agent::watch(target.decode(), "vllm", AGENT_TIMEOUT, agent_extra);
     target.go();
     target.run_to_done(Duration::from_secs(120));
     // The last stall's judging and the summary.
@@ -304,4 +314,34 @@ fn a_decode_abort_is_its_notification_alone_and_raises_nothing() {
     assert_eq!(summary(&decode)["completed"], 1, "req-0's READ only: req-1 had none");
     let said = decode.iter().any(|l| l.text.contains("given up unread") && l.text.contains("request req-1"));
     assert!(said, "the decode's notify-only genNotif of req-1:\n{}", shown(&decode));
+}
+
+/// Both sides of one request in one trace: the prefill's held req-1 (its
+/// stall and its request span) and the decode's READ of it (its request
+/// span), each agent exporting on its own, share the trace id of req-1.
+#[test]
+fn the_prefills_held_request_and_the_decodes_read_of_it_share_one_trace() {
+    let mut collector = Collector::start();
+    let endpoint = collector.http_endpoint();
+    let (_target, prefill, _decode) = watched_with(
+        "heartbeat",
+        &["--count", "2", "--hold", "4", "--max-seconds", "12"],
+        &["--otlp-endpoint", &endpoint],
+    );
+    let held = alerts(&prefill, "stalled").map(|(_, v)| v).next().expect("the prefill's held req-1");
+    let held_key = held["key"].as_str().expect("key").to_owned();
+    let trace = expected_trace_id("req-1");
+    let in_trace = |spans: &[Span]| -> Vec<(String, String)> {
+        let ours = spans.iter().filter(|s| s.trace_id == trace);
+        ours.map(|s| (s.name.clone(), s.attr("stallwatch.request.key").unwrap_or_default().to_owned())).collect()
+    };
+    let spans = collector.wait_for(Duration::from_secs(10), "both sides' spans of req-1", |spans| {
+        let found = in_trace(spans);
+        let prefill = found.iter().any(|(name, key)| name == "stallwatch.stall" && *key == held_key);
+        let decode = found.iter().any(|(name, key)| name == "stallwatch.request" && *key != held_key);
+        prefill && decode
+    });
+    let found = in_trace(&spans);
+    assert!(found.iter().any(|(name, key)| name == "stallwatch.request" && *key == held_key), "{found:?}");
+    let _ = collector.stop();
 }
