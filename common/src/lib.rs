@@ -194,6 +194,10 @@ pub mod slot_flags {
     /// `rax`, its verdict lying behind it. A value that cannot be read
     /// loses the event (counted as [`counter::KEY_UNREADABLE`](super::counter::KEY_UNREADABLE)).
     pub const RET_DEREF: u32 = 1 << 22;
+    /// A signal slot whose capture is a bounded walk of strings
+    /// ([`SlotConfig::strings`]): one record per chunk of every string
+    /// found, in place of the one record of the hit.
+    pub const EXT_STRINGS: u32 = 1 << 13;
     /// The slot is live. The agent writes a process's slots without it,
     /// attaches every probe, then sets it on all of them: a request that
     /// began while only some probes were attached would be seen at one
@@ -247,6 +251,65 @@ pub struct SlotConfig {
     pub ext_else: ValueSource,
     pub select_byte: u8,
     pub _pad_select: [u8; 7],
+    /// With [`slot_flags::EXT_STRINGS`]: where the strings are.
+    pub strings: StringWalk,
+}
+
+/// Bytes of a string one chunk record carries (the record's 64 less the
+/// NUL a string read ends on).
+pub const CHUNK_LEN: u64 = EXT_ID_LEN as u64 - 1;
+/// Most loop turns a [`StringWalk`] may take: a bound on what one hit
+/// costs the target (each turn one or two user reads, at most one record).
+pub const STRINGS_STEPS: u32 = 4096;
+
+/// A bounded walk of the strings a container holds, for a signal
+/// ([`slot_flags::EXT_STRINGS`]): at the address the slot's `ext` source
+/// gives, either one string (`list == 0`), or a singly linked list of nodes
+/// each holding an array of strings (`list == 1`: a libstdc++
+/// `unordered_map<string, vector<string>>` is one: its first node pointer
+/// at +16, a node's next at +0 and its vector's begin and end at +40 and +48,
+/// 32-byte `std::string`s). A string is read as a `std::string` is laid
+/// out: its data pointer at +0 and its length at `length`. Every string is
+/// sent in chunks of [`CHUNK_LEN`] bytes, one record each, with
+/// [`chunk::pack`] in the record's `ret`; at most `nodes` nodes, `items`
+/// strings a node and `chunks` chunks a string.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StringWalk {
+    /// The first node's pointer, from the container.
+    pub first: i64,
+    /// A node's next-node pointer, from the node.
+    pub next: i64,
+    /// A node's array of strings: its begin and end pointers.
+    pub begin: i64,
+    pub end: i64,
+    /// A string's length, from the string.
+    pub length: i64,
+    /// Bytes from one string of an array to the next.
+    pub stride: u32,
+    pub nodes: u16,
+    pub items: u16,
+    pub chunks: u16,
+    pub list: u8,
+    pub _pad: [u8; 5],
+}
+
+/// What a chunk record of a [`StringWalk`] says in its `ret`: the string's
+/// full length, its number among the strings of the hit (from 0), the
+/// chunk's number in it, and whether it is the string's last chunk sent
+/// (the string ended, or the walk's `chunks` were spent).
+pub mod chunk {
+    #[inline(always)]
+    pub fn pack(len: u64, item: u32, index: u32, last: bool) -> i64 {
+        let len = if len > u32::MAX as u64 { u32::MAX as u64 } else { len };
+        (len | (u64::from(index & 0xff) << 32) | (u64::from(item & 0xffff) << 40) | (u64::from(last) << 63)) as i64
+    }
+
+    /// `(len, item, index, last)`.
+    pub fn unpack(ret: i64) -> (u32, u16, u8, bool) {
+        let ret = ret as u64;
+        (ret as u32, (ret >> 40) as u16, (ret >> 32) as u8, ret >> 63 != 0)
+    }
 }
 
 /// Longest tag a [`MsgpackElement`] matches.
@@ -379,6 +442,9 @@ pub mod event_flags {
     /// with `HAS_EXT`: a record that carries the external id leaves them to
     /// the next.
     pub const WITHHELD: u32 = 1 << 3;
+    /// `ext` holds one chunk of a string a [`StringWalk`] found, `ret`
+    /// says which ([`chunk::unpack`](super::chunk::unpack)).
+    pub const CHUNK: u32 = 1 << 4;
     /// Set when return rule `n` matched: `RULE_MATCHED << n`.
     pub const RULE_MATCHED: u32 = 1 << 8;
 }
@@ -520,7 +586,8 @@ pub const NOT_EMITTED: u32 = u32::MAX;
 /// ([`slot_flags::ENTRY_VALUE`]) and [`SlotConfig::msgpack`]
 /// ([`slot_flags::EXT_MSGPACK`]). 9: `CONTEXT` ([`HeldContext`]), what the
 /// agent knew of each request it made itself (an SGLang room's destinations,
-/// answers and transfer handles).
+/// answers and transfer handles); [`SlotConfig`] grew (`filter`, `select`,
+/// `ext_else`, [`SlotConfig::strings`]) with new [`slot_flags`].
 pub const STATE_LAYOUT: u32 = 9;
 
 /// How many bytes of a request's context [`HeldContext`] holds.

@@ -34,9 +34,10 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use core::ffi::c_void;
 use stallwatch_common::{
-    EXT_ID_LEN, Event, HeldContext, InflightEntry, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS, MSGPACK_HEAD,
-    MSGPACK_STEPS, MSGPACK_TAG_LEN, MsgpackElement, NOT_EMITTED, RequestKey, RetRule, SAVED_ARGS, SavedArgs,
-    SavedArgsKey, SlotConfig, ValueSource, base, cmp, counter, event_flags, msgpack, slot_flags, stage, widen, withheld,
+    CHUNK_LEN, EXT_ID_LEN, Event, HeldContext, InflightEntry, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS,
+    MSGPACK_HEAD, MSGPACK_STEPS, MSGPACK_TAG_LEN, MsgpackElement, NOT_EMITTED, RequestKey, RetRule, SAVED_ARGS,
+    STRINGS_STEPS, SavedArgs, SavedArgsKey, SlotConfig, StringWalk, ValueSource, base, chunk, cmp, counter, event_flags,
+    msgpack, slot_flags, stage, widen, withheld,
 };
 
 /// `BPF_F_NO_PREALLOC`: the in-flight tables take memory per request held,
@@ -140,6 +141,10 @@ pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
     if !filter_holds(cfg, &args, 0) {
         return 0;
     }
+    if cfg.flags & slot_flags::EXT_STRINGS != 0 {
+        walk_strings(slot, cfg, &args, 0);
+        return 0;
+    }
     if cfg.flags & slot_flags::ENTRY_VALUE != 0 {
         let (value, matched) = entry_value(cfg, &args);
         emit(slot, cfg, &args, value, matched);
@@ -213,6 +218,10 @@ pub fn lifecycle_return(ctx: RetProbeContext) -> u32 {
         }
     };
     if !filter_holds(cfg, &args, ret) {
+        return 0;
+    }
+    if cfg.flags & slot_flags::EXT_STRINGS != 0 {
+        walk_strings(slot, cfg, &args, ret);
         return 0;
     }
     emit(slot, cfg, &args, ret, matched);
@@ -811,6 +820,190 @@ unsafe extern "C" fn msgpack_step(_turn: u64, ctx: *mut c_void) -> i64 {
     walk.pos = walk.pos.wrapping_add(size);
     walk.skip = (walk.skip - 1).saturating_add(nested);
     0
+}
+
+/// A signal's strings ([`StringWalk`]): one record per chunk of every
+/// string found, each a signal of the slot (value: the slot's key), the
+/// chunk's place in `ret`. A container with nothing in it costs one read.
+#[inline(always)]
+fn walk_strings(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64) {
+    let Some(key) = resolve(&cfg.key, args, ret, 0) else {
+        bump(counter::KEY_UNREADABLE);
+        return;
+    };
+    let Some(at) = resolve(&cfg.ext, args, ret, key) else {
+        bump(counter::EXT_UNREADABLE);
+        return;
+    };
+    let Some(walk) = STRINGS_WALK.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: this CPU's scratch; a program preempted mid-walk by another
+    // on the same CPU finds `owner` changed and stops (its strings arrive
+    // cut short, which the agent says).
+    let walk = unsafe { &mut *walk };
+    let w: &StringWalk = &cfg.strings;
+    let pid_tgid = bpf_get_current_pid_tgid();
+    walk.w = *w;
+    walk.container = at;
+    walk.node = 0;
+    walk.started = 0;
+    walk.item = 0;
+    walk.end = 0;
+    walk.nodes_left = u32::from(w.nodes);
+    walk.items_left = 0;
+    walk.data = 0;
+    walk.len = 0;
+    walk.chunk = 0;
+    walk.seq = 0;
+    walk.key = key;
+    walk.owner = pid_tgid;
+    walk.slot = slot;
+    // SAFETY: the helper only reads the clock.
+    walk.ts = unsafe { bpf_ktime_get_ns() };
+    if w.list == 0 {
+        // One string, at the container itself.
+        walk.item = at;
+        walk.end = at.wrapping_add(1);
+        walk.items_left = 1;
+        walk.started = 1;
+        walk.nodes_left = 0;
+        walk.w.stride = 1;
+    }
+    let mut owner = pid_tgid;
+    // The walk's state lives in a map, not on the stack: the verifier
+    // then checks the callback once, where it would follow the counters
+    // of a stack context turn by turn past its limits.
+    // SAFETY: as in `msgpack_element`: the context lives until the
+    // helper returns.
+    unsafe {
+        let step: unsafe extern "C" fn(u64, *mut c_void) -> i64 = strings_step;
+        bpf_loop(STRINGS_STEPS, step as *mut c_void, (&raw mut owner).cast(), 0);
+    }
+}
+
+/// The state of the [`walk_strings`] running on this CPU.
+#[map]
+static STRINGS_WALK: PerCpuArray<Strings> = PerCpuArray::with_max_entries(1, 0);
+
+/// Where a [`walk_strings`] is.
+#[repr(C)]
+struct Strings {
+    w: StringWalk,
+    container: u64,
+    /// The current node, and whether the first was read (`started`).
+    node: u64,
+    started: u64,
+    /// The next string of the node's array, and the array's end.
+    item: u64,
+    end: u64,
+    nodes_left: u32,
+    items_left: u32,
+    /// The string being sent, its length, and its next chunk.
+    data: u64,
+    len: u64,
+    chunk: u32,
+    /// Strings begun so far (the current one is `seq - 1`).
+    seq: u32,
+    key: u64,
+    /// The thread walking.
+    owner: u64,
+    slot: u32,
+    ts: u64,
+}
+
+/// One turn of a [`walk_strings`]: send the current string's next chunk,
+/// else begin the next string, else move to the next node; stop (1) at
+/// the end or at anything that cannot be read.
+#[inline(never)]
+unsafe extern "C" fn strings_step(_turn: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is the walking thread's id that `walk_strings` handed
+    // `bpf_loop`; the state is this CPU's scratch.
+    let owner = unsafe { *ctx.cast::<u64>() };
+    let Some(s) = STRINGS_WALK.get_ptr_mut(0) else { return 1 };
+    // SAFETY: as in `walk_strings`.
+    let s = unsafe { &mut *s };
+    if s.owner != owner {
+        return 1;
+    }
+    let sent = u64::from(s.chunk) * CHUNK_LEN;
+    if s.data != 0 && sent < s.len && s.chunk < u32::from(s.w.chunks) {
+        let last = sent + CHUNK_LEN >= s.len || s.chunk + 1 >= u32::from(s.w.chunks);
+        send_chunk(s, s.data.wrapping_add(sent), last);
+        s.chunk += 1;
+        return 0;
+    }
+    s.data = 0;
+    if s.items_left > 0 && s.item < s.end {
+        let string = s.item;
+        s.item = s.item.wrapping_add(u64::from(s.w.stride));
+        s.items_left -= 1;
+        // SAFETY: user-memory reads; failure ends the walk.
+        let Ok(data) = (unsafe { bpf_probe_read_user(string as *const u64) }) else { return 1 };
+        let Ok(len) = (unsafe { bpf_probe_read_user(string.wrapping_add(s.w.length as u64) as *const u64) }) else {
+            return 1;
+        };
+        s.data = data;
+        s.len = len;
+        s.chunk = 0;
+        s.seq += 1;
+        if len == 0 {
+            send_chunk(s, 0, true);
+        }
+        return 0;
+    }
+    if s.nodes_left == 0 {
+        return 1;
+    }
+    s.nodes_left -= 1;
+    let from =
+        if s.started == 0 { s.container.wrapping_add(s.w.first as u64) } else { s.node.wrapping_add(s.w.next as u64) };
+    s.started = 1;
+    // SAFETY: user-memory reads; failure ends the walk.
+    let Ok(node) = (unsafe { bpf_probe_read_user(from as *const u64) }) else { return 1 };
+    if node == 0 {
+        return 1;
+    }
+    s.node = node;
+    let Ok(begin) = (unsafe { bpf_probe_read_user(node.wrapping_add(s.w.begin as u64) as *const u64) }) else {
+        return 1;
+    };
+    let Ok(end) = (unsafe { bpf_probe_read_user(node.wrapping_add(s.w.end as u64) as *const u64) }) else {
+        return 1;
+    };
+    s.item = begin;
+    s.end = end;
+    s.items_left = u32::from(s.w.items);
+    0
+}
+
+/// One chunk record of a string walk (`at` 0: an empty string).
+#[inline(always)]
+fn send_chunk(s: &Strings, at: u64, last: bool) {
+    let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
+        bump(counter::RINGBUF_FULL);
+        return;
+    };
+    let event = entry.as_mut_ptr();
+    // SAFETY: a reserved, exclusively owned record; every field but the
+    // tail of `ext` is written.
+    unsafe {
+        (*event).ts_ns = s.ts;
+        (*event).key = s.key;
+        (*event).ret = chunk::pack(s.len, s.seq.wrapping_sub(1), s.chunk, last);
+        (*event).pid = (s.owner >> 32) as u32;
+        (*event).tid = s.owner as u32;
+        (*event).slot = s.slot;
+        (*event).flags = event_flags::HAS_EXT | event_flags::CHUNK;
+        (*event).stage = stage::SIGNAL;
+        (*event).ext[0] = 0;
+        if at != 0 && bpf_probe_read_user_str_bytes(at as *const u8, &mut (*event).ext).is_err() {
+            bump(counter::EXT_UNREADABLE);
+        }
+    }
+    let wakeup =
+        if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKEUP_AT { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP };
+    entry.submit(u64::from(wakeup));
 }
 
 /// A msgpack header's bytes at `at`.

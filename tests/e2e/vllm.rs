@@ -12,7 +12,12 @@
 use std::time::Duration;
 
 use serde_json::Value;
-use stallwatch_tests::vllm::Target;
+use stallwatch_tests::{
+    Agent, Line, alerts,
+    otlp::{Collector, Span, expected_trace_id},
+    summary,
+    vllm::Target,
+};
 
 const LEASE: f64 = 6.0;
 
@@ -152,4 +157,191 @@ fn aborted_decode_request_notifies_the_prefill_without_a_read() {
     let held = held_s(&target.one("freed", "req-1"));
     assert!(held < LEASE / 2.0, "freed by the abort's notify-only message, not the lease: {held} s");
     assert!(!target.logged("Releasing expired KV blocks for request req-1"));
+}
+
+// ---------------------------------------------------------------------
+// The `vllm` profile on the same target: one agent on the prefill, one on
+// the decode, each with a 2 s timeout (below the 6 s lease, as the docs
+// say it must be).
+// ---------------------------------------------------------------------
+
+const AGENT_TIMEOUT: &str = "2s";
+
+/// SIGINT, then its lines up to its summary, with what it logged (its
+/// last words at exit among them) as one last line.
+fn stop(mut agent: Agent) -> Vec<Line> {
+    agent.proc.signal(libc::SIGINT);
+    let mut lines = agent.proc.lines_until_exit(Duration::from_secs(20));
+    let status = agent.proc.wait(Duration::from_secs(5));
+    assert!(status.success(), "agent exited with {status}; stderr:\n{}", agent.proc.stderr());
+    lines.push(Line { at: std::time::Instant::now(), text: agent.proc.stderr() });
+    lines
+}
+
+/// The target with a `vllm` agent on each engine, then run to its end;
+/// both agents' lines (prefill's, decode's), stopped, each ending on what
+/// it logged.
+fn watched(fault: &str, extra: &[&str]) -> (Target, Vec<Line>, Vec<Line>) {
+    watched_with(fault, extra, &[])
+}
+
+/// [`watched`], with `agent_extra` flags for both agents.
+fn watched_with(fault: &str, extra: &[&str], agent_extra: &[&str]) -> (Target, Vec<Line>, Vec<Line>) {
+    let mut target = Target::start(fault, &[&["--lease", "6"], extra].concat());
+    let prefill = Agent::watch(target.prefill(), "vllm", AGENT_TIMEOUT, agent_extra);
+    let decode = Agent::watch(target.decode(), "vllm", AGENT_TIMEOUT, agent_extra);
+    target.go();
+    target.run_to_done(Duration::from_secs(120));
+    // The last stall's judging and the summary.
+    std::thread::sleep(Duration::from_millis(500));
+    (target, stop(prefill), stop(decode))
+}
+
+/// Every alert line but the summary.
+fn alert_lines(lines: &[Line]) -> Vec<Value> {
+    lines.iter().filter_map(Line::json).filter(|v| v.get("alert").is_some_and(|a| a != "summary")).collect()
+}
+
+fn shown(lines: &[Line]) -> String {
+    lines.iter().map(|l| l.text.as_str()).collect::<Vec<_>>().join("\n")
+}
+
+#[test]
+fn agents_on_a_healthy_run_raise_nothing_and_follow_every_read() {
+    let (_target, prefill, decode) = watched("healthy", &["--count", "3"]);
+    assert!(alert_lines(&prefill).is_empty(), "prefill:\n{}", shown(&prefill));
+    assert!(alert_lines(&decode).is_empty(), "decode:\n{}", shown(&decode));
+    let decode_summary = summary(&decode);
+    assert_eq!(decode_summary["completed"], 3, "one READ lifecycle a request: {decode_summary}");
+    assert_eq!(decode_summary["stalled"], 0);
+    // Single-consumer requests read at once: the prefill has nothing to hold
+    // them by (no heartbeat named them), so nothing of its own.
+    assert_eq!(summary(&prefill)["seen"], 0, "{}", shown(&prefill));
+}
+
+#[test]
+fn a_read_hung_on_a_stopped_prefill_stalls_the_decodes_read_with_the_request_id() {
+    let (_target, _prefill, decode) = watched("read_hung", &["--hold", "4", "--max-seconds", "12"]);
+    let stalled: Vec<Value> = alerts(&decode, "stalled").map(|(_, v)| v).collect();
+    assert_eq!(stalled.len(), 1, "decode:\n{}", shown(&decode));
+    let alert = &stalled[0];
+    assert_eq!(
+        (alert["class"].as_str(), alert["external_id"].as_str(), alert["vllm_request_id"].as_str()),
+        (Some("transfer_hung"), Some("req-1"), Some("req-1")),
+        "{alert}"
+    );
+    assert_eq!(alert["vllm_consumers"], "1", "{alert}");
+    assert_eq!(alert["vllm_transfer"], "READ (decode pulls)", "{alert}");
+    // The prefill came back: the READ completed.
+    let recovered: Vec<Value> = alerts(&decode, "recovered").map(|(_, v)| v).collect();
+    assert_eq!(recovered.len(), 1, "decode:\n{}", shown(&decode));
+    assert_eq!(recovered[0]["external_id"], "req-1");
+}
+
+#[test]
+fn a_prefill_killed_mid_read_fails_the_decodes_read() {
+    let (_target, _prefill, decode) = watched("prefill_dies", &["--hold", "3", "--max-seconds", "10"]);
+    let stalled: Vec<Value> = alerts(&decode, "stalled").map(|(_, v)| v).collect();
+    assert_eq!(stalled.len(), 1, "hung while the prefill was stopped:\n{}", shown(&decode));
+    assert_eq!(
+        (stalled[0]["class"].as_str(), stalled[0]["external_id"].as_str()),
+        (Some("transfer_hung"), Some("req-1"))
+    );
+    let failed: Vec<Value> = alerts(&decode, "failed").map(|(_, v)| v).collect();
+    assert_eq!(failed.len(), 1, "the READ failed after the kill:\n{}", shown(&decode));
+    assert_eq!(failed[0]["external_id"], "req-1", "{}", failed[0]);
+}
+
+#[test]
+fn heartbeats_keep_a_held_request_waited_on_past_the_timeout() {
+    let (_target, prefill, decode) = watched("heartbeat", &["--count", "2", "--hold", "10", "--max-seconds", "12"]);
+    // The prefill holds req-1 for 10 s with the decode's heartbeats: past
+    // the 2 s timeout it is reported, as waited on, not abandoned.
+    let stalled: Vec<Value> = alerts(&prefill, "stalled").map(|(_, v)| v).collect();
+    assert_eq!(stalled.len(), 1, "prefill:\n{}", shown(&prefill));
+    let alert = &stalled[0];
+    assert_eq!(
+        (alert["class"].as_str(), alert["external_id"].as_str(), alert["vllm_consumers_answered"].as_str()),
+        (Some("waiting_for_peer"), Some("req-1"), Some("0/?")),
+        "{alert}"
+    );
+    assert!(alert["vllm_decode"].as_str().is_some_and(|v| v.starts_with("waited on")), "{alert}");
+    let beats: u32 = alert["vllm_heartbeats"].as_str().and_then(|n| n.parse().ok()).expect("heartbeats");
+    assert!(beats >= 2, "heartbeats seen by the alert: {alert}");
+    // Its read at last: the only consumer's notification releases it.
+    let recovered: Vec<Value> = alerts(&prefill, "recovered").map(|(_, v)| v).collect();
+    assert_eq!(recovered.len(), 1, "prefill:\n{}", shown(&prefill));
+    assert_eq!(
+        (recovered[0]["external_id"].as_str(), recovered[0]["stage"].as_str()),
+        (Some("req-1"), Some("released"))
+    );
+    assert!(alert_lines(&decode).iter().all(|a| a["alert"] != "stalled"), "decode:\n{}", shown(&decode));
+}
+
+#[test]
+fn a_request_no_decode_ever_names_is_not_seen_by_the_prefills_agent() {
+    // What the profile cannot see, checked: the prefill holds req-1 for its
+    // whole lease, and no NIXL call of either engine names it (no READ, no
+    // heartbeat, no notification): nothing native marks the moment vLLM
+    // holds it (docs/frameworks/vllm.md). The agent must not invent one.
+    let (target, prefill, decode) = watched("never_read", &["--count", "2", "--max-seconds", "12"]);
+    assert!(held_s(&target.one("freed", "req-1")) >= LEASE - 0.2, "the lease freed req-1");
+    assert!(alert_lines(&prefill).is_empty(), "prefill:\n{}", shown(&prefill));
+    assert!(alert_lines(&decode).is_empty(), "decode:\n{}", shown(&decode));
+    assert_eq!(summary(&prefill)["seen"], 0);
+    assert_eq!(summary(&decode)["completed"], 1, "req-0's READ only");
+}
+
+#[test]
+fn a_mismatched_notification_is_the_decodes_read_of_the_other_id() {
+    let (target, prefill, decode) = watched("mismatch", &["--count", "2", "--max-seconds", "12"]);
+    assert!(target.logged("Potentially invalid KV blocks for unrecognized request req-1-x"));
+    // The decode READ req-1-x, completed; the prefill read its notification,
+    // for an id it was never seen holding (nor was req-1 seen held).
+    assert!(alert_lines(&decode).is_empty(), "decode:\n{}", shown(&decode));
+    assert_eq!(summary(&decode)["completed"], 2);
+    assert!(alert_lines(&prefill).is_empty(), "prefill:\n{}", shown(&prefill));
+    let said = prefill.iter().any(|l| l.text.contains("not seen held") && l.text.contains("notifications=2"));
+    assert!(said, "req-0:1 and req-1-x:1 read, neither held:\n{}", shown(&prefill));
+}
+
+#[test]
+fn a_decode_abort_is_its_notification_alone_and_raises_nothing() {
+    let (target, prefill, decode) = watched("decode_abort", &["--count", "2", "--max-seconds", "12"]);
+    assert!(held_s(&target.one("freed", "req-1")) < LEASE / 2.0);
+    assert!(alert_lines(&prefill).is_empty(), "prefill:\n{}", shown(&prefill));
+    assert!(alert_lines(&decode).is_empty(), "decode:\n{}", shown(&decode));
+    assert_eq!(summary(&decode)["completed"], 1, "req-0's READ only: req-1 had none");
+    let said = decode.iter().any(|l| l.text.contains("given up unread") && l.text.contains("request req-1"));
+    assert!(said, "the decode's notify-only genNotif of req-1:\n{}", shown(&decode));
+}
+
+/// Both sides of one request in one trace: the prefill's held req-1 (its
+/// stall and its request span) and the decode's READ of it (its request
+/// span), each agent exporting on its own, share the trace id of req-1.
+#[test]
+fn the_prefills_held_request_and_the_decodes_read_of_it_share_one_trace() {
+    let mut collector = Collector::start();
+    let endpoint = collector.http_endpoint();
+    let (_target, prefill, _decode) = watched_with(
+        "heartbeat",
+        &["--count", "2", "--hold", "4", "--max-seconds", "12"],
+        &["--otlp-endpoint", &endpoint],
+    );
+    let held = alerts(&prefill, "stalled").map(|(_, v)| v).next().expect("the prefill's held req-1");
+    let held_key = held["key"].as_str().expect("key").to_owned();
+    let trace = expected_trace_id("req-1");
+    let in_trace = |spans: &[Span]| -> Vec<(String, String)> {
+        let ours = spans.iter().filter(|s| s.trace_id == trace);
+        ours.map(|s| (s.name.clone(), s.attr("stallwatch.request.key").unwrap_or_default().to_owned())).collect()
+    };
+    let spans = collector.wait_for(Duration::from_secs(10), "both sides' spans of req-1", |spans| {
+        let found = in_trace(spans);
+        let prefill = found.iter().any(|(name, key)| name == "stallwatch.stall" && *key == held_key);
+        let decode = found.iter().any(|(name, key)| name == "stallwatch.request" && *key != held_key);
+        prefill && decode
+    });
+    let found = in_trace(&spans);
+    assert!(found.iter().any(|(name, key)| name == "stallwatch.request" && *key == held_key), "{found:?}");
+    let _ = collector.stop();
 }

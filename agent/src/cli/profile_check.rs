@@ -83,6 +83,11 @@ pub fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<(
                 .msgpack
                 .as_ref()
                 .map(|m| format!(", msgpack element {} of `{}`", m.element, escaped(&m.tag)))
+                .or_else(|| signal.strings.as_ref().map(|s| format!(
+                    ", strings: at most {} records a hit ({} bytes a string)",
+                    s.records(),
+                    s.bytes
+                )))
                 .unwrap_or_default(),
             from(&signal.origin)
         )?;

@@ -9,6 +9,8 @@
 pub mod sglang;
 pub mod sglang_mooncake;
 pub mod signals;
+pub mod strings;
+pub mod vllm;
 pub mod zmq;
 
 use self::signals::Signal;
@@ -120,5 +122,9 @@ pub struct AdoptedHandle {
 
 /// Every framework stallwatch follows.
 pub fn all() -> Vec<Box<dyn Framework>> {
-    vec![Box::new(sglang::Sglang::default()), Box::new(sglang_mooncake::SglangMooncake::default())]
+    vec![
+        Box::new(sglang::Sglang::default()),
+        Box::new(sglang_mooncake::SglangMooncake::default()),
+        Box::new(vllm::Vllm::default()),
+    ]
 }

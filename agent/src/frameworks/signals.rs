@@ -47,12 +47,17 @@ pub enum Captured {
     Text(Box<[u8]>),
     /// [`EXT_ID_LEN`] raw bytes.
     Bytes(Box<[u8; EXT_ID_LEN]>),
+    /// One chunk of a string a signal's `strings` walk found
+    /// ([`super::strings`] puts them together).
+    Chunk(super::strings::Chunk),
 }
 
 impl Signal {
     pub fn of(event: &Event) -> Self {
         let capture = if event.flags & event_flags::HAS_EXT == 0 {
             Captured::None
+        } else if event.flags & event_flags::CHUNK != 0 {
+            Captured::Chunk(super::strings::Chunk::of(event))
         } else if event.flags & event_flags::EXT_BYTES != 0 {
             Captured::Bytes(Box::new(event.ext))
         } else {
@@ -69,7 +74,7 @@ pub fn is_signal(event: &Event) -> bool {
 }
 
 /// The signals that name the peer of the NIXL transfer a thread creates.
-const PEER_SIGNALS: [&str; 2] = ["nixl_remote_agent", "nixl_dlist_remote_agent"];
+const PEER_SIGNALS: [&str; 3] = ["nixl_remote_agent", "nixl_dlist_remote_agent", "vllm_read"];
 
 /// Hands each signal to the framework it belongs to, and each handle's
 /// event to its peer's count.
@@ -147,12 +152,6 @@ impl Signals {
             }
             None => self.route(event, slot),
         }
-    }
-
-    /// An observation a framework made besides the last one it returned
-    /// ([`Framework::pending`]): taken after each event until `None`.
-    pub fn pending(&mut self) -> Option<Observation> {
-        self.frameworks.iter_mut().find_map(|framework| framework.pending())
     }
 
     /// Follow again a request a previous agent followed (what
@@ -251,6 +250,12 @@ impl Signals {
         }
     }
 
+    /// The next observation a framework made of the record just routed
+    /// besides the one [`Signals::consume`] returned ([`Framework::pending`]).
+    pub fn pending(&mut self) -> Option<Observation> {
+        self.frameworks.iter_mut().find_map(|framework| framework.pending())
+    }
+
     /// At exit: what could not be routed or read, if anything.
     pub fn finish(&mut self) {
         for framework in &mut self.frameworks {
@@ -287,6 +292,14 @@ impl std::fmt::Display for Shown<'_> {
             Captured::None => f.write_str("none"),
             Captured::Text(bytes) => f.write_str(&text::value(&String::from_utf8_lossy(bytes))),
             Captured::Bytes(bytes) => bytes.iter().try_for_each(|b| write!(f, "{b:02x}")),
+            Captured::Chunk(chunk) => write!(
+                f,
+                "string {} chunk {} of {} bytes: {}",
+                chunk.item,
+                chunk.index,
+                chunk.len,
+                text::value(&String::from_utf8_lossy(&chunk.text))
+            ),
         }
     }
 }

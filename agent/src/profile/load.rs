@@ -8,7 +8,9 @@ use std::{
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use serde::Deserialize;
-use stallwatch_common::{MAX_DEREF, MAX_RET_RULES, MSGPACK_STEPS, MSGPACK_TAG_LEN, RetRule, SAVED_ARGS, cmp};
+use stallwatch_common::{
+    CHUNK_LEN, MAX_DEREF, MAX_RET_RULES, MSGPACK_STEPS, MSGPACK_TAG_LEN, RetRule, SAVED_ARGS, STRINGS_STEPS, cmp,
+};
 use toml::Spanned;
 
 use super::{
@@ -343,6 +345,7 @@ struct RawSignal {
     text: Option<RawSource>,
     bytes: Option<RawSource>,
     msgpack: Option<RawMsgpack>,
+    strings: Option<RawStrings>,
     #[serde(default)]
     layout: bool,
     when: Option<RawFilter>,
@@ -372,6 +375,73 @@ struct RawBytesElse {
     /// `extra`, read only where the bytes are at `at` (their length
     /// behind the same pointer).
     extra: Option<RawSource>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStrings {
+    from: String,
+    #[serde(default)]
+    deref: Vec<i64>,
+    #[serde(default)]
+    add: i64,
+    first: Option<i64>,
+    next: Option<i64>,
+    begin: Option<i64>,
+    end: Option<i64>,
+    stride: Option<u32>,
+    /// libstdc++'s `std::string`: its length after its data pointer.
+    #[serde(default = "std_string_length")]
+    length: i64,
+    nodes: Option<u16>,
+    items: Option<u16>,
+    bytes: u32,
+}
+
+fn std_string_length() -> i64 {
+    8
+}
+
+impl RawStrings {
+    fn validate(self, at: At) -> Result<Strings> {
+        let source = RawSource { from: self.from, deref: self.deref, add: self.add }.validate("strings", at, true)?;
+        let list = match (self.first, self.next, self.begin, self.end, self.stride) {
+            (Some(first), Some(next), Some(begin), Some(end), Some(stride)) => {
+                if stride == 0 || stride > 4096 {
+                    bail!("`strings.stride = {stride}`: the bytes from one string to the next, 1 to 4096");
+                }
+                Some(StringList { first, next, begin, end, stride })
+            }
+            (None, None, None, None, None) => None,
+            _ => bail!(
+                "`strings` walks a list of nodes only with all of `first`, `next`, `begin`, `end` and `stride` (give \
+                 them all, or none for one string at its address)"
+            ),
+        };
+        let (nodes, items) = match (&list, self.nodes, self.items) {
+            (Some(_), Some(nodes), Some(items)) if nodes > 0 && items > 0 => (nodes, items),
+            (Some(_), _, _) => bail!(
+                "`strings` over a list needs `nodes` and `items` (at least 1 each): the most nodes, and strings a \
+                 node, read per hit"
+            ),
+            (None, None, None) => (1, 1),
+            (None, _, _) => {
+                bail!("`strings.nodes` and `strings.items` bound a list's walk: give `first` .. `stride` too")
+            }
+        };
+        if self.bytes == 0 || self.bytes > 4096 {
+            bail!("`strings.bytes = {}`: the most bytes read of a string, 1 to 4096", self.bytes);
+        }
+        let strings = Strings { at: source, list, length: self.length, nodes, items, bytes: self.bytes };
+        if strings.turns() > u64::from(STRINGS_STEPS) {
+            bail!(
+                "`strings` may take {} turns a hit (nodes x items x chunks of {CHUNK_LEN} bytes), past the kernel's \
+                 bound of {STRINGS_STEPS}: lower `nodes`, `items` or `bytes`",
+                strings.turns()
+            );
+        }
+        Ok(strings)
+    }
 }
 
 #[derive(Deserialize)]
@@ -431,6 +501,10 @@ impl RawSignal {
             Some(other) => Some(other.validate(self.at)?),
             None => None,
         };
+        if self.strings.is_some() && (capture.is_some() || msgpack.is_some()) {
+            bail!("`strings` is a signal's capture of its own: drop `text`, `bytes` and `msgpack`, or `strings`");
+        }
+        let strings = self.strings.map(|strings| strings.validate(self.at)).transpose()?;
         Ok(SignalSpec {
             origin,
             line,
@@ -443,6 +517,7 @@ impl RawSignal {
             value,
             capture,
             msgpack,
+            strings,
             layout: self.layout,
             when,
             extra,

@@ -25,6 +25,7 @@ const BUILTIN: &[(&str, &str)] = &[
     ("marker", include_str!("builtin/marker.toml")),
     ("sglang", include_str!("builtin/sglang.toml")),
     ("sglang-mooncake", include_str!("builtin/sglang-mooncake.toml")),
+    ("vllm", include_str!("builtin/vllm.toml")),
 ];
 
 /// Names of the built-in profiles, for help texts and errors.

@@ -191,6 +191,9 @@ pub struct SignalSpec {
     pub capture: Option<Capture>,
     /// The `bytes` are read at this element of the msgpack array there.
     pub msgpack: Option<Msgpack>,
+    /// `strings = { ... }`: every string a container holds, in chunks (in
+    /// place of `text` or `bytes`).
+    pub strings: Option<Strings>,
     /// `layout = true`: what it reads is laid out by the library's own
     /// classes (its `[layout]` build ids vouch for it), so a process with
     /// a build the profile does not know goes without it.
@@ -238,6 +241,73 @@ pub struct Msgpack {
     pub tag: String,
 }
 
+/// A signal's `strings`: the strings at `at`, one (`list` none) or those
+/// of a linked list of nodes each holding an array of them (a libstdc++
+/// `unordered_map<string, vector<string>>`), each sent in chunks of
+/// [`CHUNK_LEN`](stallwatch_common::CHUNK_LEN) bytes, bounded by `nodes`,
+/// `items` a node and `bytes` a string.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Strings {
+    pub at: Source,
+    pub list: Option<StringList>,
+    /// A string's length, from the string (its data pointer is at +0).
+    pub length: i64,
+    pub nodes: u16,
+    pub items: u16,
+    pub bytes: u32,
+}
+
+/// Where a [`Strings`] list keeps its nodes and their strings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StringList {
+    /// The first node's pointer, from the container.
+    pub first: i64,
+    /// A node's next-node pointer, from the node.
+    pub next: i64,
+    /// A node's array of strings: begin and end pointers, from the node.
+    pub begin: i64,
+    pub end: i64,
+    /// Bytes from one string of an array to the next.
+    pub stride: u32,
+}
+
+impl Strings {
+    /// Chunk records a string may take.
+    pub fn chunks(&self) -> u32 {
+        self.bytes.div_ceil(stallwatch_common::CHUNK_LEN as u32)
+    }
+
+    /// Most loop turns the kernel's walk can take (see
+    /// [`STRINGS_STEPS`](stallwatch_common::STRINGS_STEPS)).
+    pub fn turns(&self) -> u64 {
+        let per_node = 1 + u64::from(self.items) * (1 + u64::from(self.chunks()));
+        if self.list.is_some() { u64::from(self.nodes) * per_node + 1 } else { 1 + u64::from(self.chunks()) + 1 }
+    }
+
+    /// The records a hit may send at most.
+    pub fn records(&self) -> u64 {
+        let strings = if self.list.is_some() { u64::from(self.nodes) * u64::from(self.items) } else { 1 };
+        strings * u64::from(self.chunks())
+    }
+
+    pub(super) fn lower(&self) -> stallwatch_common::StringWalk {
+        let list = self.list.unwrap_or(StringList { first: 0, next: 0, begin: 0, end: 0, stride: 1 });
+        stallwatch_common::StringWalk {
+            first: list.first,
+            next: list.next,
+            begin: list.begin,
+            end: list.end,
+            length: self.length,
+            stride: list.stride,
+            nodes: self.nodes,
+            items: self.items,
+            chunks: self.chunks() as u16,
+            list: u8::from(self.list.is_some()),
+            _pad: [0; 5],
+        }
+    }
+}
+
 /// What a signal reads at an address besides its value.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Capture {
@@ -255,7 +325,10 @@ impl SignalSpec {
         });
         let when = self.when.as_ref().map(|when| &when.at);
         let bytes_else = self.bytes_else.iter().flat_map(|other| [&other.at, &other.unless_byte]);
-        args_read(std::iter::once(&self.value).chain(capture).chain(when).chain(&self.extra).chain(bytes_else))
+        let strings = self.strings.as_ref().map(|strings| &strings.at);
+        args_read(
+            std::iter::once(&self.value).chain(capture).chain(when).chain(&self.extra).chain(bytes_else).chain(strings),
+        )
     }
 
     /// The kernel-side configuration of this signal's slot.
@@ -296,6 +369,11 @@ impl SignalSpec {
             cfg.select = other.unless_byte.lower();
             cfg.ext_else = other.at.lower();
             cfg.select_byte = other.is;
+        }
+        if let Some(strings) = &self.strings {
+            flags |= slot_flags::EXT_STRINGS;
+            cfg.ext = strings.at.lower();
+            cfg.strings = strings.lower();
         }
         cfg.flags = flags | slot_flags::CONFIGURED;
         cfg

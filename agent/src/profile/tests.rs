@@ -573,6 +573,63 @@ fn bad_filters_extras_and_byte_choices_name_their_line_and_the_fix() {
 }
 
 #[test]
+fn a_strings_capture_walks_a_bounded_list_or_one_string_and_bad_ones_name_their_line() {
+    let signal = |extra: &str| {
+        format!(
+            "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"released\"\nkey = {{ from = \"arg0\" }}\n\
+             [[signal]]\nname = \"notifs\"\nsymbol = \"getNotifs\"\nat = \"return\"\n\
+             value = {{ from = \"arg1\" }}\n{extra}\n"
+        )
+    };
+    let map = "first = 16, next = 0, begin = 40, end = 48, stride = 32";
+    let profile = Profile::parse(
+        &signal(&format!("strings = {{ from = \"arg1\", {map}, nodes = 8, items = 16, bytes = 512 }}")),
+        "p.toml",
+    )
+    .expect("valid");
+    let spec = &profile.signals[0];
+    let cfg = spec.slot_config();
+    assert_ne!(cfg.flags & slot_flags::EXT_STRINGS, 0);
+    assert_ne!(cfg.flags & slot_flags::NEEDS_ARGS, 0, "the map's address is saved at the entry");
+    assert_eq!(cfg.nargs, 2);
+    let w = cfg.strings;
+    assert_eq!((w.first, w.next, w.begin, w.end, w.stride, w.length), (16, 0, 40, 48, 32, 8));
+    assert_eq!((w.nodes, w.items, w.chunks, w.list), (8, 16, 9, 1));
+    assert_eq!(spec.strings.as_ref().map(|s| s.records()), Some(8 * 16 * 9));
+    let one = Profile::parse(&signal("strings = { from = \"arg2\", bytes = 100 }"), "p.toml").expect("one string");
+    let w = one.signals[0].slot_config().strings;
+    assert_eq!((w.list, w.nodes, w.items, w.chunks, w.length), (0, 1, 1, 2, 8));
+    let err = error_of(&signal("strings = { from = \"arg1\", first = 16, bytes = 64 }"));
+    assert!(err.contains("line 6 ([[signal]] `notifs`)") && err.contains("all of `first`, `next`"), "{err}");
+    let err = error_of(&signal(&format!("strings = {{ from = \"arg1\", {map}, bytes = 64 }}")));
+    assert!(err.contains("needs `nodes` and `items`"), "{err}");
+    let err =
+        error_of(&signal(&format!("strings = {{ from = \"arg1\", {map}, nodes = 64, items = 64, bytes = 512 }}")));
+    assert!(err.contains("past the kernel's bound of 4096: lower `nodes`, `items` or `bytes`"), "{err}");
+    let err = error_of(&signal("strings = { from = \"arg1\", bytes = 0 }"));
+    assert!(err.contains("`strings.bytes = 0`"), "{err}");
+    let err = error_of(&signal("strings = { from = \"arg1\", nodes = 2, bytes = 10 }"));
+    assert!(err.contains("give `first` .. `stride` too"), "{err}");
+    let err = error_of(&signal(&format!(
+        "strings = {{ from = \"arg1\", {map}, stride = 0, nodes = 1, items = 1, bytes = 1 }}"
+    )));
+    assert!(err.contains("duplicate key") || err.contains("stride"), "{err}");
+    let err = error_of(&signal("text = { from = \"arg1\" }\nstrings = { from = \"arg1\", bytes = 8 }"));
+    assert!(err.contains("`strings` is a signal's capture of its own"), "{err}");
+}
+
+#[test]
+fn the_vllm_profile_is_the_nixl_profile_with_vllms_notifications_read() {
+    let vllm = Profile::load("vllm").expect("the vllm profile");
+    let names: Vec<&str> = vllm.signals.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["vllm_read", "vllm_notif_sent", "vllm_notifs"]);
+    let nixl = Profile::load("nixl").expect("nixl");
+    assert_eq!(vllm.probes.len(), nixl.probes.len(), "every probe the nixl profile's");
+    assert!(vllm.signals[1].strings.as_ref().is_some_and(|s| s.list.is_none()));
+    assert!(vllm.signals[2].strings.as_ref().is_some_and(|s| s.list.is_some() && s.turns() <= 4096));
+}
+
+#[test]
 fn rules_parse_and_bad_ones_say_why() {
     assert_eq!(parse_rule(">= -3").unwrap(), RetRule { op: cmp::GE, stage: 0, _pad: [0; 6], value: -3 });
     assert_eq!(parse_rule("!=1").unwrap().op, cmp::NE);

@@ -34,7 +34,7 @@ impl Ingest {
         transport: &mut Tracker,
         engine: &mut Engine,
         reports: &mut Vec<Report>,
-        route: &mut impl FnMut(&Event, Option<Observation>) -> Option<(Observation, Side)>,
+        route: &mut impl FnMut(Option<(&Event, Option<Observation>)>) -> Option<(Observation, Side)>,
     ) {
         match decode::decode(bytes) {
             Ok(event) => {
@@ -59,27 +59,34 @@ impl Ingest {
         transport: &mut Tracker,
         engine: &mut Engine,
         reports: &mut Vec<Report>,
-        route: &mut impl FnMut(&Event, Option<Observation>) -> Option<(Observation, Side)>,
+        route: &mut impl FnMut(Option<(&Event, Option<Observation>)>) -> Option<(Observation, Side)>,
     ) {
         // A signal is a lifecycle event only once its consumer makes one
         // (an SGLang room's, from its ZMQ messages); a probe's lifecycle
         // event may be another's (a NIXL handle's, its room's).
         let decoded = if signals::is_signal(event) {
-            Ok(route(event, None))
+            Ok(route(Some((event, None))))
         } else {
-            decode::observe(event).map(|o| route(event, Some(o)))
+            decode::observe(event).map(|o| route(Some((event, Some(o)))))
         };
         match decoded {
-            Ok(None) => {}
-            Ok(Some((observation, side))) => {
-                if side == Side::Decode {
-                    engine.set_side(observation.pid, side);
-                }
-                transport.observe(&observation);
-                if carried {
-                    engine.observe_carried(observation, reports);
-                } else {
-                    engine.observe(observation, reports);
+            Ok(made) => {
+                // A framework may make more than one observation of one
+                // record (a heartbeat naming several requests), or one
+                // besides none (a leaked Mooncake batch, at an end it took):
+                // `route(None)` hands over the rest, in order.
+                let mut next = made.or_else(|| route(None));
+                while let Some((observation, side)) = next {
+                    if side == Side::Decode {
+                        engine.set_side(observation.pid, side);
+                    }
+                    transport.observe(&observation);
+                    if carried {
+                        engine.observe_carried(observation, reports);
+                    } else {
+                        engine.observe(observation, reports);
+                    }
+                    next = route(None);
                 }
             }
             Err(err) => {
@@ -201,17 +208,13 @@ mod tests {
         };
         let logged = warnings(|| {
             for _ in 0..1000 {
-                ingest.record(&[0; 8], &mut transport, &mut engine, &mut reports, &mut |_, observation| {
-                    observation.map(|o| (o, Side::Prefill))
+                ingest.record(&[0; 8], &mut transport, &mut engine, &mut reports, &mut |routed| {
+                    routed.and_then(|(_, o)| o).map(|o| (o, Side::Prefill))
                 });
             }
-            ingest.record(
-                &bytes_of(&unknown_stage),
-                &mut transport,
-                &mut engine,
-                &mut reports,
-                &mut |_, observation| observation.map(|o| (o, Side::Prefill)),
-            );
+            ingest.record(&bytes_of(&unknown_stage), &mut transport, &mut engine, &mut reports, &mut |routed| {
+                routed.and_then(|(_, o)| o).map(|o| (o, Side::Prefill))
+            });
             // Two counter periods: the second has nothing new.
             ingest.warn_undecodable();
             ingest.warn_undecodable();

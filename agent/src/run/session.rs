@@ -386,9 +386,16 @@ impl Session {
     /// past a quarter.
     pub(super) fn drain(&mut self) {
         let Session { reader, ingest, transport, engine, reports, signals, probes, state, .. } = self;
-        let mut route = |event: &Event, observation: Option<Observation>| {
-            let probed = observation.as_ref().map(|o| o.key);
-            let made = signals.consume(event, observation, probes.slot(event.slot))?;
+        let mut route = |routed: Option<(&Event, Option<Observation>)>| {
+            // `None`: the next observation a framework made of the same
+            // record, if any (no probe made it).
+            let (probed, made) = match routed {
+                Some((event, observation)) => {
+                    let probed = observation.as_ref().map(|o| o.key);
+                    (probed, signals.consume(event, observation, probes.slot(event.slot))?)
+                }
+                None => (None, signals.pending()?),
+            };
             // A lifecycle event no probe made (an SGLang room's): the
             // kernel did not keep it, so the agent does; its side is what
             // its process's traffic says.
@@ -400,14 +407,6 @@ impl Session {
             Some((made, side))
         };
         reader.drain(|bytes| ingest.record(bytes, transport, engine, reports, &mut route));
-        // What a framework made besides (a leaked Mooncake batch, the end
-        // of a batch it follows as a lifecycle of its own): the agent's,
-        // held in the kernel's table as the agent holds what it makes.
-        while let Some(made) = signals.pending() {
-            state.hold(&made);
-            transport.observe(&made);
-            engine.observe(made, reports);
-        }
         self.hand_over();
     }
 

@@ -163,7 +163,7 @@ impl Framework for Sglang {
                     Captured::Bytes(bytes) => Some(&bytes[..]),
                     // Where 64 bytes could not be read: up to the NUL.
                     Captured::Text(text) => Some(&text[..]),
-                    Captured::None => None,
+                    Captured::None | Captured::Chunk(_) => None,
                 },
             },
             "zmq_send" => Hit::Send { flags: signal.value, tail: raw },

@@ -1,0 +1,173 @@
+use stallwatch_common::CHUNK_LEN;
+
+use super::*;
+
+fn whole(text: &str) -> Whole {
+    Whole { text: text.as_bytes().to_vec(), complete: true }
+}
+
+#[test]
+fn notifications_read_as_vllm_writes_them() {
+    assert_eq!(parse("req-1:1", true), Ok(Notif::Consumer { id: "req-1", consumers: 1 }));
+    assert_eq!(parse("cmpl-a:b-0:2", true), Ok(Notif::Consumer { id: "cmpl-a:b-0", consumers: 2 }));
+    assert_eq!(parse("HB:req-1,req-2", true), Ok(Notif::Heartbeat(vec!["req-1", "req-2"])));
+    // Cut short: the ids before the cut only.
+    assert_eq!(parse("HB:req-1,req-2,re", false), Ok(Notif::Heartbeat(vec!["req-1", "req-2"])));
+    assert!(parse("req-1:1", false).unwrap_err().contains("cut short"));
+    assert!(parse("req-1", true).unwrap_err().contains("neither"));
+    assert!(parse("req-1:0", true).is_err() && parse(":1", true).is_err() && parse("a:x", true).is_err());
+    assert_eq!(parse("PUSH_REG:\u{1}\u{2}:x", true), Ok(Notif::PushRegistration));
+    assert_ne!(key_of("req-1"), key_of("req-2"));
+    assert!(key_of("req-1") >> 63 == 1);
+}
+
+#[test]
+fn a_prefill_follows_a_request_from_its_heartbeat_to_its_last_consumer() {
+    let mut vllm = Vllm::default();
+    // Healthy, one consumer, no heartbeat: nothing to follow, counted.
+    vllm.received(9, 1, &whole("req-0:1"));
+    assert_eq!(vllm.pending(), None);
+    assert_eq!(vllm.unseen_count, 1);
+    // One heartbeat naming two requests: both held, waited on.
+    vllm.received(9, 10, &whole("HB:req-1,req-2"));
+    let started: Vec<Observation> = std::iter::from_fn(|| vllm.pending()).collect();
+    assert_eq!(started.len(), 2);
+    assert_eq!(
+        (started[0].key, started[0].stage, started[0].external_id.as_deref()),
+        (key_of("req-1"), Stage::Enqueued, Some("req-1"))
+    );
+    assert_eq!(started[1].external_id.as_deref(), Some("req-2"));
+    vllm.received(9, 20, &whole("HB:req-1"));
+    assert_eq!(vllm.pending(), None, "a heartbeat is evidence, not progress");
+    // req-1 read by its only consumer: released.
+    vllm.received(9, 30, &whole("req-1:1"));
+    let released = vllm.pending().expect("released");
+    assert_eq!((released.key, released.stage, released.ts_ns), (key_of("req-1"), Stage::Released, 30));
+    // req-2 stalls: its alert says what the prefill knows.
+    let snapshot = RequestSnapshot {
+        pid: 9,
+        key: key_of("req-2"),
+        external_id: Some("req-2".into()),
+        stage: Stage::Enqueued,
+        stage_ns: [Some(10), None, None, None],
+        first_ns: 10,
+        last_ns: 10,
+        stalled: None,
+        inferred: Default::default(),
+    };
+    let fields: HashMap<_, _> = vllm.context(&snapshot).into_iter().collect();
+    assert_eq!(fields["vllm_request_id"], "req-2");
+    assert_eq!(fields["vllm_consumers_answered"], "0/?");
+    assert_eq!(fields["vllm_heartbeats"], "1");
+    assert!(fields["vllm_decode"].starts_with("abandoned"), "{fields:?}");
+    assert_eq!(fields["vllm_recent_other_notifications"], "req-0:1");
+    assert_eq!(vllm.stalled_transfer(&snapshot), Some(None));
+    let silent = Silent { pid: 9, key: key_of("req-2"), stage: Stage::Enqueued, first_ns: 10, last_ns: 10 };
+    assert_eq!(vllm.read(&silent, &mut |_| panic!("no memory of its own")), Some(None));
+}
+
+#[test]
+fn a_request_of_several_consumers_waits_for_the_rest() {
+    let mut vllm = Vllm::default();
+    vllm.received(9, 5, &whole("req-7:2"));
+    let started = vllm.pending().expect("1 of 2 answered: held for the other");
+    assert_eq!((started.stage, started.external_id.as_deref()), (Stage::Enqueued, Some("req-7")));
+    let (_, held) = &vllm.held[&(9, key_of("req-7"))];
+    assert_eq!((held.answered, held.consumers), (1, Some(2)));
+    vllm.received(9, 6, &whole("req-7:2"));
+    assert_eq!(vllm.pending().map(|o| o.stage), Some(Stage::Released));
+    assert!(vllm.held.is_empty());
+}
+
+#[test]
+fn waited_on_while_heartbeats_keep_their_pace() {
+    let s = 1_000_000_000;
+    let held = Held { heartbeats: 4, first_beat_ns: 10 * s, last_beat_ns: 13 * s, ..Held::default() };
+    assert!(held.waited_on(14 * s, 4 * s));
+    assert!(!held.waited_on(20 * s, 10 * s), "stopped 7 s ago at a 1 s pace");
+    let once = Held { heartbeats: 1, first_beat_ns: 10 * s, last_beat_ns: 10 * s, ..Held::default() };
+    assert!(once.waited_on(11 * s, 2 * s) && !once.waited_on(13 * s, 4 * s));
+    assert!(!Held::default().waited_on(1, 1));
+}
+
+#[test]
+fn a_decode_read_takes_the_prefills_request_id_from_its_notification() {
+    let mut vllm = Vllm::default();
+    let read = |key, stage, external_id: Option<&str>| Observation {
+        pid: 4,
+        key,
+        stage,
+        ts_ns: 1,
+        external_id: external_id.map(Into::into),
+        ends: false,
+    };
+    vllm.creating.insert((4, 40), (NIXL_READ, "prefill-agent".into()));
+    vllm.decodes.insert(4);
+    let made = vllm.handle(40, read(0xa0, Stage::Enqueued, Some("req-1:1"))).expect("passed on");
+    assert_eq!(made.external_id.as_deref(), Some("req-1"), "the trace of the prefill's request id");
+    assert_eq!(vllm.side(4), Side::Decode);
+    // Heartbeats the decode sent for it, and a notify-only abort of another.
+    vllm.sent(4, 2, &whole("HB:req-1,req-3"));
+    vllm.sent(4, 3, &whole("req-3:1"));
+    assert!(vllm.sent[&(4, "req-3".into())].aborted);
+    let snapshot = RequestSnapshot {
+        pid: 4,
+        key: 0xa0,
+        external_id: Some("req-1".into()),
+        stage: Stage::TransferPosted,
+        stage_ns: [Some(1), Some(1), None, None],
+        first_ns: 1,
+        last_ns: 1,
+        stalled: None,
+        inferred: Default::default(),
+    };
+    let fields: HashMap<_, _> = vllm.context(&snapshot).into_iter().collect();
+    assert_eq!(
+        (fields["vllm_request_id"].as_str(), fields["vllm_consumers"].as_str(), fields["vllm_peer_agent"].as_str()),
+        ("req-1", "1", "prefill-agent")
+    );
+    assert_eq!(fields["vllm_heartbeats_sent"], "1");
+    // A push prefill's WRITE: its notification names the decode's request.
+    vllm.creating.insert((4, 42), (1, "decode-agent".into()));
+    let write = vllm.handle(42, read(0xd0, Stage::Enqueued, Some("req-9:2"))).expect("passed on");
+    assert_eq!(write.external_id.as_deref(), Some("req-9"));
+    let mut write_snapshot = snapshot.clone();
+    write_snapshot.key = 0xd0;
+    let fields: HashMap<_, _> = vllm.context(&write_snapshot).into_iter().collect();
+    assert_eq!((fields["vllm_transfer"].as_str(), fields["vllm_consumers"].as_str()), ("WRITE (prefill pushes)", "2"));
+    // A handle made on another thread, or a notification not vLLM's, is left as it is.
+    assert_eq!(vllm.handle(41, read(0xb0, Stage::Enqueued, Some("x:1"))).unwrap().external_id.as_deref(), Some("x:1"));
+    vllm.creating.insert((4, 40), (NIXL_READ, "a".into()));
+    assert_eq!(
+        vllm.handle(40, read(0xc0, Stage::Enqueued, Some("room"))).unwrap().external_id.as_deref(),
+        Some("room")
+    );
+    // Its release ends what is known of it.
+    vllm.handle(40, read(0xa0, Stage::Released, None));
+    assert!(vllm.context(&snapshot).is_empty());
+    vllm.forget(4);
+    assert!(vllm.sent.is_empty() && vllm.decodes.is_empty());
+}
+
+#[test]
+fn a_long_heartbeat_is_read_across_its_chunks() {
+    use crate::frameworks::strings::Chunk;
+    let mut vllm = Vllm::default();
+    let ids: Vec<String> = (0..3).map(|n| format!("cmpl-0123456789abcdef0123456789abcdef-{n}")).collect();
+    let text = format!("HB:{}", ids.join(","));
+    let chunks: Vec<&[u8]> = text.as_bytes().chunks(CHUNK_LEN as usize).collect();
+    for (n, part) in chunks.iter().enumerate() {
+        let chunk = Chunk {
+            len: text.len() as u32,
+            item: 0,
+            index: n as u8,
+            last: n + 1 == chunks.len(),
+            text: (*part).into(),
+        };
+        if let Some(whole) = vllm.strings.chunk(9, 9, 1, &chunk) {
+            vllm.received(9, 1, &whole);
+        }
+    }
+    let started: Vec<_> = std::iter::from_fn(|| vllm.pending()).filter_map(|o| o.external_id).collect();
+    assert_eq!(started.iter().map(|id| id.to_string()).collect::<Vec<_>>(), ids);
+}
