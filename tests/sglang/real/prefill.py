@@ -82,7 +82,10 @@ What this target supplies instead of a server
   a thread that sends it to the scheduler over SGLang's own IPC
   (io_struct.sock_send of a TokenizedGenerateReqInput, ipc:// PUSH -> PULL);
   the scheduler loop receives it with io_struct.sock_recv and creates the
-  sender from its bootstrap_room (PrefillBootstrapQueue.add).
+  sender from its bootstrap_room (PrefillBootstrapQueue.add). With --batch N
+  the tokenizer sends N at a time as one BatchTokenizedGenerateReqInput
+  (TokenizerManager._send_batch_request), which the scheduler takes one by
+  one (handle_batch_generate_request).
 - The prefill scheduler loop (main thread), as event_loop_normal_disagg_prefill
   drives the queues: bootstrap queue (NixlKVSender(mgr, addr, room), poll ->
   WaitingForInput -> sender.init(num_pages, aux_index); Failed ->
