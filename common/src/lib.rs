@@ -165,19 +165,19 @@ pub mod slot_flags {
     /// came due is reported failed, not completed.
     pub const ENTRY_VALUE: u32 = 1 << 12;
     /// A hit is an event only when the value read through
-    /// [`SlotConfig::filter`] satisfies [`SlotConfig::filter_rule`] (a
+    /// [`SlotConfig::filter`](crate::SlotConfig::filter) satisfies [`SlotConfig::filter_rule`](crate::SlotConfig::filter_rule) (a
     /// signal's `when`); one that cannot be read is none. Checked before
     /// anything else is read, so the hits a consumer has no use for (a ZMQ
     /// message closed empty after its send) cost one user read.
     pub const FILTER: u32 = 1 << 16;
-    /// The capture is read at [`SlotConfig::ext`] when the byte at
-    /// [`SlotConfig::select`] is [`SlotConfig::select_byte`], else at
-    /// [`SlotConfig::ext_else`] (a signal's `bytes_else`): data kept inline
+    /// The capture is read at [`SlotConfig::ext`](crate::SlotConfig::ext) when the byte at
+    /// [`SlotConfig::select`](crate::SlotConfig::select) is [`SlotConfig::select_byte`](crate::SlotConfig::select_byte), else at
+    /// [`SlotConfig::ext_else`](crate::SlotConfig::ext_else) (a signal's `bytes_else`): data kept inline
     /// in a struct or behind a pointer in it, as its type byte says (a ZMQ
     /// frame of up to 33 bytes, or a longer one).
     pub const EXT_SELECT: u32 = 1 << 17;
     /// With [`ENTRY_VALUE`] and [`EXT_SELECT`]: the value is read only
-    /// where the capture is at [`SlotConfig::ext_else`] (a length behind
+    /// where the capture is at [`SlotConfig::ext_else`](crate::SlotConfig::ext_else) (a length behind
     /// the same pointer as the data); elsewhere it is 0, with no read
     /// through what is no pointer there (and the slot's own stage).
     pub const VALUE_IF_ELSE: u32 = 1 << 18;
@@ -188,16 +188,21 @@ pub mod slot_flags {
     /// code such as the one of Mooncake's `Status`).
     pub const RET_U16: u32 = 1 << 21;
     /// A return slot whose rules compare (and whose event carries) the
-    /// value read through [`SlotConfig::value`], which starts at the return
+    /// value read through [`SlotConfig::value`](crate::SlotConfig::value), which starts at the return
     /// register, not the register itself: a C++ method returning a class by
     /// value through a hidden result pointer hands back that pointer in
     /// `rax`, its verdict lying behind it. A value that cannot be read
     /// loses the event (counted as [`counter::KEY_UNREADABLE`](super::counter::KEY_UNREADABLE)).
     pub const RET_DEREF: u32 = 1 << 22;
     /// A signal slot whose capture is a bounded walk of strings
-    /// ([`SlotConfig::strings`]): one record per chunk of every string
+    /// ([`SlotConfig::strings`](crate::SlotConfig::strings)): one record per chunk of every string
     /// found, in place of the one record of the hit.
     pub const EXT_STRINGS: u32 = 1 << 13;
+    /// The capture is not read at [`SlotConfig::ext`](crate::SlotConfig::ext) itself but is the
+    /// values of keys of the pickle there ([`SlotConfig::pickle`](crate::SlotConfig::pickle)): one
+    /// event per record found (a signal slot only); a hit whose data is no
+    /// such pickle is no event.
+    pub const EXT_PICKLE: u32 = 1 << 14;
     /// The slot is live. The agent writes a process's slots without it,
     /// attaches every probe, then sets it on all of them: a request that
     /// began while only some probes were attached would be seen at one
@@ -253,6 +258,8 @@ pub struct SlotConfig {
     pub _pad_select: [u8; 7],
     /// With [`slot_flags::EXT_STRINGS`]: where the strings are.
     pub strings: StringWalk,
+    /// With [`slot_flags::EXT_PICKLE`]: which values to capture.
+    pub pickle: PickleCapture,
 }
 
 /// Bytes of a string one chunk record carries (the record's 64 less the
@@ -426,6 +433,194 @@ pub struct MsgpackElement {
     pub tag: [u8; MSGPACK_TAG_LEN],
 }
 
+/// Longest tag or key a [`PickleCapture`] matches.
+pub const PICKLE_NAME_LEN: usize = 32;
+/// Tags a [`PickleCapture`] can match (one event says which).
+pub const PICKLE_TAGS: usize = 2;
+/// Keys a [`PickleCapture`] can capture into one record.
+pub const PICKLE_KEYS: usize = 2;
+/// Most pickle opcodes the kernel reads in one frame: a bound on what a
+/// capture costs the target (each opcode is one user read, a string of the
+/// length of a key or tag one more). A `TokenizedGenerateReqInput` of
+/// sglang 0.5.23 has its `bootstrap_room` at opcode ~200, whatever its
+/// prompt's length (the token ids are one `BINBYTES`).
+pub const PICKLE_STEPS: u32 = 2048;
+/// Opcodes from the start within which a tag must be seen: past them, a
+/// frame whose tag did not match costs nothing more. The element class of
+/// a sglang 0.5.23 `BatchTokenizedGenerateReqInput` is its 31st.
+pub const PICKLE_TAG_STEPS: u32 = 64;
+/// Most records (events) one frame yields: the elements of a batch past
+/// this many are not read.
+pub const PICKLE_RECORDS: usize = 8;
+/// Bytes of a pickle opcode [`pickle::op`] decodes from: the opcode and up
+/// to eight of argument.
+pub const PICKLE_HEAD: usize = 9;
+/// With two keys, the first key's value is given these many bytes of the
+/// record (an integer's opcode: at most 10 for a 64-bit `LONG1`), the
+/// second the rest (a string of up to 46 bytes with its opcode).
+pub const PICKLE_FIRST_WIDTH: usize = 16;
+
+/// The values of up to [`PICKLE_KEYS`] dict keys in a pickle (protocol 2
+/// to 5, as Python's pickler writes a `dict` or a msgspec struct's state:
+/// the key as a string, or a memo reference to its first occurrence, then
+/// its value), in a pickle that names one of `tags` (a string among its
+/// first [`PICKLE_TAG_STEPS`] opcodes: a class's name). A record holds one
+/// value of each key, the raw bytes from the value's opcode on (the first
+/// of two keys in its first [`PICKLE_FIRST_WIDTH`] bytes, the second in the
+/// rest; one key: all of it); a record is emitted when it has every key,
+/// when a key it has comes again (a batch's next element), and at the end
+/// of the walk. With `items`: the value of the (one) key is a list, and
+/// each string in it is a record of its own.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PickleCapture {
+    pub tags: [[u8; PICKLE_NAME_LEN]; PICKLE_TAGS],
+    /// 0: no such tag.
+    pub tag_lens: [u8; PICKLE_TAGS],
+    pub key_lens: [u8; PICKLE_KEYS],
+    /// 1: `items`.
+    pub items: u8,
+    pub _pad: [u8; 3],
+    pub keys: [[u8; PICKLE_NAME_LEN]; PICKLE_KEYS],
+}
+
+/// Decoding pickle opcodes, for the kernel's walk ([`PickleCapture`]) and
+/// the agent's reading of what it captured. Pure functions of the
+/// opcode's bytes, so both halves agree by construction.
+pub mod pickle {
+    use super::PICKLE_HEAD;
+
+    pub const PROTO: u8 = 0x80;
+    pub const MEMOIZE: u8 = 0x94;
+    pub const BINGET: u8 = b'h';
+    pub const LONG_BINGET: u8 = b'j';
+    pub const BINPUT: u8 = b'q';
+    pub const LONG_BINPUT: u8 = b'r';
+    pub const SHORT_BINUNICODE: u8 = 0x8c;
+    pub const BINUNICODE: u8 = b'X';
+    pub const STOP: u8 = b'.';
+    pub const MARK: u8 = b'(';
+    pub const EMPTY_LIST: u8 = b']';
+    pub const APPEND: u8 = b'a';
+    pub const APPENDS: u8 = b'e';
+
+    /// What one opcode is, as far as a walk cares.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Kind {
+        /// A text string of `len` bytes after a `header` of that many.
+        Str {
+            len: u64,
+            header: u64,
+        },
+        Memoize,
+        /// A memo reference (`BINGET`, `LONG_BINGET`).
+        Get(u64),
+        /// A memo store at an explicit index (`BINPUT`, `LONG_BINPUT`).
+        Put(u64),
+        Stop,
+        Other,
+    }
+
+    /// One opcode: its size with its argument and payload, and its kind.
+    /// `None` for the newline-terminated opcodes of protocols 0 and 1 (no
+    /// protocol 2+ pickler writes them) and bytes that are no opcode.
+    #[inline(always)]
+    pub fn op(head: &[u8; PICKLE_HEAD]) -> Option<(u64, Kind)> {
+        let u8_ = u64::from(head[1]);
+        let le32 = u64::from(u32::from_le_bytes([head[1], head[2], head[3], head[4]]));
+        let le64 = u64::from_le_bytes([head[1], head[2], head[3], head[4], head[5], head[6], head[7], head[8]]);
+        Some(match head[0] {
+            SHORT_BINUNICODE => (2 + u8_, Kind::Str { len: u8_, header: 2 }),
+            BINUNICODE => (5u64.checked_add(le32)?, Kind::Str { len: le32, header: 5 }),
+            MEMOIZE => (1, Kind::Memoize),
+            BINGET => (2, Kind::Get(u8_)),
+            LONG_BINGET => (5, Kind::Get(le32)),
+            BINPUT => (2, Kind::Put(u8_)),
+            LONG_BINPUT => (5, Kind::Put(le32)),
+            STOP => (1, Kind::Stop),
+            // MARK POP POP_MARK DUP NONE APPEND APPENDS BUILD DICT
+            // EMPTY_DICT LIST EMPTY_LIST OBJ REDUCE SETITEM SETITEMS TUPLE
+            // EMPTY_TUPLE BINPERSID, and protocol 2+'s argument-less ones.
+            b'('
+            | b'0'
+            | b'1'
+            | b'2'
+            | b'N'
+            | b'a'
+            | b'e'
+            | b'b'
+            | b'd'
+            | b'}'
+            | b'l'
+            | b']'
+            | b'o'
+            | b'R'
+            | b's'
+            | b'u'
+            | b't'
+            | b')'
+            | b'Q'
+            | 0x81
+            | 0x85..=0x89
+            | 0x8f..=0x93
+            | 0x97
+            | 0x98 => (1, Kind::Other),
+            PROTO | 0x82 | b'K' => (2, Kind::Other),
+            b'U' | b'C' | 0x8a => (2 + u8_, Kind::Other),
+            0x83 | b'M' => (3, Kind::Other),
+            0x84 | b'J' => (5, Kind::Other),
+            b'G' | 0x95 => (9, Kind::Other),
+            0x8b | b'T' | b'B' => (5u64.checked_add(le32)?, Kind::Other),
+            0x8d | 0x8e | 0x96 => (9u64.checked_add(le64)?, Kind::Other),
+            _ => return None,
+        })
+    }
+
+    /// An integer value (what a capture of one holds: `BININT1`,
+    /// `BININT2`, `BININT`, `LONG1`), as u64; `None` for any other opcode,
+    /// a negative number or one past 64 bits.
+    pub fn uint(bytes: &[u8]) -> Option<u64> {
+        let le = |body: &[u8]| body.iter().rev().fold(0u64, |acc, &b| (acc << 8) | u64::from(b));
+        match *bytes.first()? {
+            b'K' => Some(u64::from(*bytes.get(1)?)),
+            b'M' => Some(le(bytes.get(1..3)?)),
+            b'J' => {
+                let value = i32::from_le_bytes(bytes.get(1..5)?.try_into().ok()?);
+                u64::try_from(value).ok()
+            }
+            0x8a => {
+                let n = usize::from(*bytes.get(1)?);
+                let body = bytes.get(2..2 + n)?;
+                // Two's complement, little-endian: the last byte's top bit
+                // is the sign. A u64 takes up to 8 bytes, 9 with a 0 sign byte.
+                match body.last() {
+                    None => Some(0),
+                    Some(last) if last & 0x80 != 0 => None,
+                    Some(_) => {
+                        let significant = body.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
+                        (significant <= 8).then(|| le(&body[..significant]))
+                    }
+                }
+            }
+            _ => None,
+        }
+    }
+
+    /// A text string value (`SHORT_BINUNICODE`, `BINUNICODE`): its bytes,
+    /// as many as `bytes` holds (`bytes` is a capture, cut at its end), and
+    /// its whole length.
+    pub fn str(bytes: &[u8]) -> Option<(&[u8], u64)> {
+        let (len, header) = match *bytes.first()? {
+            SHORT_BINUNICODE => (u64::from(*bytes.get(1)?), 2),
+            BINUNICODE => (u64::from(u32::from_le_bytes(bytes.get(1..5)?.try_into().ok()?)), 5),
+            _ => return None,
+        };
+        let body = bytes.get(header..)?;
+        let kept = body.len().min(usize::try_from(len).ok()?);
+        Some((&body[..kept], len))
+    }
+}
+
 /// Bits of [`Event::flags`].
 pub mod event_flags {
     /// `ext` holds a NUL-terminated string.
@@ -442,11 +637,14 @@ pub mod event_flags {
     /// with `HAS_EXT`: a record that carries the external id leaves them to
     /// the next.
     pub const WITHHELD: u32 = 1 << 3;
-    /// `ext` holds one chunk of a string a [`StringWalk`] found, `ret`
+    /// `ext` holds one chunk of a string a [`StringWalk`](crate::StringWalk) found, `ret`
     /// says which ([`chunk::unpack`](super::chunk::unpack)).
     pub const CHUNK: u32 = 1 << 4;
     /// Set when return rule `n` matched: `RULE_MATCHED << n`.
     pub const RULE_MATCHED: u32 = 1 << 8;
+    /// A pickle record ([`slot_flags::EXT_PICKLE`](super::slot_flags::EXT_PICKLE))
+    /// of a pickle that matched tag `n`: `PICKLE_TAG << n`.
+    pub const PICKLE_TAG: u32 = 1 << 16;
 }
 
 /// One probe hit that passed its slot's filters, as written to the ring
@@ -587,7 +785,8 @@ pub const NOT_EMITTED: u32 = u32::MAX;
 /// ([`slot_flags::EXT_MSGPACK`]). 9: `CONTEXT` ([`HeldContext`]), what the
 /// agent knew of each request it made itself (an SGLang room's destinations,
 /// answers and transfer handles); [`SlotConfig`] grew (`filter`, `select`,
-/// `ext_else`, [`SlotConfig::strings`]) with new [`slot_flags`].
+/// `ext_else`, [`SlotConfig::strings`],
+/// [`SlotConfig::pickle`]) with new [`slot_flags`].
 pub const STATE_LAYOUT: u32 = 9;
 
 /// How many bytes of a request's context [`HeldContext`] holds.

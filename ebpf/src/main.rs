@@ -35,9 +35,10 @@ use aya_log_ebpf::warn;
 use core::ffi::c_void;
 use stallwatch_common::{
     CHUNK_LEN, EXT_ID_LEN, Event, HeldContext, InflightEntry, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS,
-    MSGPACK_HEAD, MSGPACK_STEPS, MSGPACK_TAG_LEN, MsgpackElement, NOT_EMITTED, RequestKey, RetRule, SAVED_ARGS,
-    STRINGS_STEPS, SavedArgs, SavedArgsKey, SlotConfig, StringWalk, ValueSource, base, chunk, cmp, counter, event_flags,
-    msgpack, slot_flags, stage, widen, withheld,
+    MSGPACK_HEAD, MSGPACK_STEPS, MSGPACK_TAG_LEN, MsgpackElement, NOT_EMITTED, PICKLE_FIRST_WIDTH, PICKLE_HEAD,
+    PICKLE_KEYS, PICKLE_NAME_LEN, PICKLE_RECORDS, PICKLE_STEPS, PICKLE_TAG_STEPS, RequestKey, RetRule, SAVED_ARGS,
+    STRINGS_STEPS, SavedArgs, SavedArgsKey, SlotConfig, StringWalk, ValueSource, base, chunk, cmp, counter,
+    event_flags, msgpack, pickle, slot_flags, stage, widen, withheld,
 };
 
 /// `BPF_F_NO_PREALLOC`: the in-flight tables take memory per request held,
@@ -483,6 +484,14 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         return;
     };
     let pid_tgid = bpf_get_current_pid_tgid();
+    if cfg.flags & slot_flags::EXT_PICKLE != 0 {
+        // A signal (the profile allows it nowhere else): one event per
+        // record, nothing tracked.
+        if let Some(at) = ext_at(cfg, args, ret, key) {
+            emit_pickle(slot, at, key, ret, pid_tgid);
+        }
+        return;
+    }
     let request = RequestKey { key, pid: (pid_tgid >> 32) as u32, _pad: 0 };
     let only_on_change = cfg.flags & slot_flags::ONLY_ON_CHANGE != 0;
     // A signal is the agent's alone: no in-flight entry, no last event.
@@ -1011,6 +1020,327 @@ fn send_chunk(s: &Strings, at: u64, last: bool) {
 fn read_head(at: u64) -> Option<[u8; MSGPACK_HEAD]> {
     // SAFETY: a user-memory read; failure is reported, not a fault.
     unsafe { bpf_probe_read_user(at as *const [u8; MSGPACK_HEAD]) }.ok()
+}
+
+/// The records a pickle walk fills, per CPU: too large for the stack.
+#[repr(C)]
+pub struct PickleRecords {
+    records: [[u8; EXT_ID_LEN]; PICKLE_RECORDS],
+    /// The walk's state: in a map value, not on the stack (the programs'
+    /// own leave too little room), which also makes every field an unknown
+    /// to the verifier, so it checks the callback once, not once per
+    /// combination of their values.
+    walk: PickleWalk,
+    /// A string the walk compares with its names (off the callback's
+    /// stack, which the programs' own leaves little room for).
+    name: [u64; PICKLE_NAME_LEN / 8],
+    /// The opcode the walk is at.
+    head: [u8; PICKLE_HEAD],
+}
+
+#[map]
+static PICKLE_SCRATCH: PerCpuArray<PickleRecords> = PerCpuArray::with_max_entries(1, 0);
+
+/// Where a pickle walk ([`emit_pickle`]) is.
+#[repr(C)]
+struct PickleWalk {
+    slot: u32,
+    steps: u32,
+    pos: u64,
+    /// MEMOIZE opcodes passed: the index the next one stores at.
+    memo: u64,
+    /// Each key's memo index once its string was memoized (`u64::MAX`:
+    /// not yet).
+    key_memo: [u64; PICKLE_KEYS],
+    /// Records complete (emitted after the walk).
+    records: u32,
+    /// 1 + the key whose string was the last opcode (its memo store, if
+    /// any, comes next, then its value).
+    pending: u8,
+    /// 1 + the tag matched; 0: none yet.
+    tag: u8,
+    /// Keys in the record being filled (bit per key).
+    have: u8,
+    /// In the list of an `items` key.
+    in_items: u8,
+}
+
+/// Walk the pickle at `at` ([`PickleCapture`](stallwatch_common::PickleCapture))
+/// and emit one signal event per record, with the tag matched in its flags.
+#[inline(always)]
+fn emit_pickle(slot: u32, at: u64, key: u64, ret: i64, pid_tgid: u64) {
+    // Anything but a pickle costs one read.
+    match unsafe { bpf_probe_read_user(at as *const u8) } {
+        Ok(pickle::PROTO) => {}
+        _ => return,
+    }
+    let Some(scratch) = PICKLE_SCRATCH.get_ptr_mut(0) else { return };
+    // SAFETY: a per-CPU map value, this program its only user on this CPU
+    // (the callback reaches it the same way).
+    unsafe {
+        (*scratch).walk = PickleWalk {
+            slot,
+            steps: 0,
+            pos: at,
+            memo: 0,
+            key_memo: [u64::MAX; PICKLE_KEYS],
+            records: 0,
+            pending: 0,
+            tag: 0,
+            have: 0,
+            in_items: 0,
+        };
+    }
+    // SAFETY: as in `msgpack_element`.
+    unsafe {
+        let step: unsafe extern "C" fn(u64, *mut c_void) -> i64 = pickle_step;
+        bpf_loop(PICKLE_STEPS, step as *mut c_void, core::ptr::null_mut(), 0);
+    }
+    // SAFETY: as above.
+    let walk = unsafe { &mut (*scratch).walk };
+    if walk.have != 0 {
+        walk.records += 1;
+    }
+    if walk.tag == 0 || walk.records == 0 {
+        return;
+    }
+    // SAFETY: the helper only reads the clock.
+    let ts = unsafe { bpf_ktime_get_ns() };
+    let tag_flag = event_flags::PICKLE_TAG << ((walk.tag - 1) & 1);
+    for n in 0..PICKLE_RECORDS {
+        if n as u32 >= walk.records {
+            break;
+        }
+        let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
+            bump(counter::RINGBUF_FULL);
+            return;
+        };
+        let event = entry.as_mut_ptr();
+        // SAFETY: a reserved record, every field written; `scratch` a
+        // per-CPU map value no one else writes while this runs.
+        unsafe {
+            (*event).ts_ns = ts;
+            (*event).key = key;
+            (*event).ret = ret;
+            (*event).pid = (pid_tgid >> 32) as u32;
+            (*event).tid = pid_tgid as u32;
+            (*event).slot = slot;
+            (*event).flags = tag_flag | event_flags::HAS_EXT | event_flags::EXT_BYTES;
+            (*event).stage = stage::SIGNAL;
+            words_copy(&mut (*event).ext, &(*scratch).records[n]);
+        }
+        let wakeup = if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKEUP_AT {
+            BPF_RB_FORCE_WAKEUP
+        } else {
+            BPF_RB_NO_WAKEUP
+        };
+        entry.submit(u64::from(wakeup));
+    }
+}
+
+/// A record zeroed word by word: as `= [0; 64]`, LLVM calls a memset
+/// that loops byte by byte, and the verifier walks each turn.
+#[inline(always)]
+fn words_zero(record: &mut [u8; EXT_ID_LEN]) {
+    let words = record.as_mut_ptr().cast::<u64>();
+    // SAFETY: 8 aligned-or-not u64 writes inside the 64 bytes.
+    unsafe {
+        for i in [0, 1, 2, 3, 4, 5, 6, 7] {
+            core::ptr::write_volatile(words.add(i), 0);
+        }
+    }
+}
+
+/// A record copied word by word (see [`words_zero`]).
+#[inline(always)]
+fn words_copy(to: &mut [u8; EXT_ID_LEN], from: &[u8; EXT_ID_LEN]) {
+    let (to, from) = (to.as_mut_ptr().cast::<u64>(), from.as_ptr().cast::<u64>());
+    // SAFETY: 8 u64 reads and writes inside the two 64-byte arrays.
+    unsafe {
+        for i in [0, 1, 2, 3, 4, 5, 6, 7] {
+            core::ptr::write_volatile(to.add(i), core::ptr::read_volatile(from.add(i)));
+        }
+    }
+}
+
+/// Whether `got` (a string of `len` bytes) is `name` (`name_len` long).
+#[inline(always)]
+fn pickle_name_is(got: &[u64; PICKLE_NAME_LEN / 8], len: u64, name: &[u8; PICKLE_NAME_LEN], name_len: u8) -> bool {
+    // Word by word, with a mask of the name's bytes: a loop over bytes is
+    // one LLVM keeps, which the verifier walks turn by turn on every path.
+    const _: () = assert!(PICKLE_NAME_LEN == 32);
+    let word = |w: usize| {
+        // SAFETY: an unaligned read of 8 of the name's 32 bytes.
+        let name = unsafe { core::ptr::read_unaligned(name.as_ptr().add(8 * w).cast::<u64>()) };
+        let n = len.saturating_sub(8 * w as u64);
+        let mask = if n >= 8 { u64::MAX } else { (1u64 << (8 * n)) - 1 };
+        (got[w] ^ name) & mask
+    };
+    name_len != 0 && len == u64::from(name_len) && (word(0) | word(1) | word(2) | word(3)) == 0
+}
+
+/// Which of `names` (1 + its index; 0: none) the string at `at`, `len`
+/// bytes, is: one read for all of them.
+#[inline(always)]
+fn pickle_which(at: u64, len: u64, names: &[[u8; PICKLE_NAME_LEN]; 2], lens: &[u8; 2]) -> u8 {
+    if len == 0 || len > PICKLE_NAME_LEN as u64 || (len != u64::from(lens[0]) && len != u64::from(lens[1])) {
+        return 0;
+    }
+    let Some(scratch) = PICKLE_SCRATCH.get_ptr_mut(0) else { return 0 };
+    // SAFETY: a per-CPU map value; a user-memory read into it, whose
+    // failure means "none of them".
+    let got = unsafe { &mut (*scratch).name };
+    if unsafe {
+        bpf_probe_read_user_buf(
+            at as *const u8,
+            core::slice::from_raw_parts_mut(got.as_mut_ptr().cast(), PICKLE_NAME_LEN),
+        )
+    }
+    .is_err()
+    {
+        return 0;
+    }
+    if pickle_name_is(got, len, &names[0], lens[0]) {
+        1
+    } else if pickle_name_is(got, len, &names[1], lens[1]) {
+        2
+    } else {
+        0
+    }
+}
+
+/// Read key `k`'s value at `at` into the record being filled.
+#[inline(always)]
+fn pickle_capture(walk: &mut PickleWalk, cfg: &SlotConfig, k: usize, at: u64) {
+    let all: u8 = if cfg.pickle.key_lens[1] != 0 { 3 } else { 1 };
+    let bit = 1u8 << (k & 1);
+    if walk.have & bit != 0 {
+        // The key again: a batch's next element.
+        walk.records += 1;
+        walk.have = 0;
+    }
+    if walk.records as usize >= PICKLE_RECORDS {
+        return;
+    }
+    let Some(scratch) = PICKLE_SCRATCH.get_ptr_mut(0) else { return };
+    // A volatile read, so the mask stays: LLVM would drop it after the
+    // check above, and the verifier loses that check's bound on the way.
+    let index = unsafe { core::ptr::read_volatile(&walk.records) } as usize & (PICKLE_RECORDS - 1);
+    // SAFETY: per-CPU map value, this program its only user on this CPU.
+    let record = unsafe { &mut (*scratch).records[index] };
+    if walk.have == 0 {
+        words_zero(record);
+    }
+    let whole = all == 1 || cfg.pickle.items != 0;
+    let (from, to) = if whole {
+        (0, EXT_ID_LEN)
+    } else if k == 0 {
+        (0, PICKLE_FIRST_WIDTH)
+    } else {
+        (PICKLE_FIRST_WIDTH, EXT_ID_LEN)
+    };
+    // SAFETY: a user-memory read into the record; a failed one leaves zeros.
+    let _ = unsafe { bpf_probe_read_user_buf(at as *const u8, &mut record[from..to]) };
+    walk.have |= bit;
+    if walk.have == all || cfg.pickle.items != 0 {
+        walk.records += 1;
+        walk.have = 0;
+    }
+}
+
+/// One opcode of a pickle walk ([`emit_pickle`]). Stops (1) at the
+/// pickle's end, at an opcode it cannot size, once the records are full,
+/// at an `items` list's end, or when no tag matched within
+/// [`PICKLE_TAG_STEPS`] opcodes.
+#[inline(never)]
+unsafe extern "C" fn pickle_step(_turn: u64, _ctx: *mut c_void) -> i64 {
+    let Some(scratch) = PICKLE_SCRATCH.get_ptr_mut(0) else { return 1 };
+    // SAFETY: the walk `emit_pickle` set up, in a per-CPU map value.
+    let walk = unsafe { &mut (*scratch).walk };
+    let Some(cfg) = SLOTS.get(walk.slot) else { return 1 };
+    if walk.records as usize >= PICKLE_RECORDS {
+        return 1;
+    }
+    walk.steps += 1;
+    if walk.tag == 0 && walk.steps > PICKLE_TAG_STEPS {
+        return 1;
+    }
+    // SAFETY: a user-memory read into the map value (the stack has no
+    // room); failure ends the walk.
+    let head = unsafe { &mut (*scratch).head };
+    if unsafe { bpf_probe_read_user_buf(walk.pos as *const u8, head) }.is_err() {
+        return 1;
+    }
+    let Some((size, kind)) = pickle::op(head) else { return 1 };
+    let opcode = head[0];
+    let here = walk.pos;
+    let next = here.wrapping_add(size);
+    walk.pos = next;
+    // What this opcode captures, if anything: (1 + key, where its value is).
+    let mut capture: (u8, u64) = (0, 0);
+    let mut stop = false;
+    if walk.pending != 0 {
+        // The value of the key just passed, after its memo store if any.
+        let k = usize::from((walk.pending - 1) & 1);
+        capture = (walk.pending, here);
+        walk.pending = 0;
+        match kind {
+            pickle::Kind::Memoize => {
+                walk.key_memo[k] = walk.memo;
+                capture.1 = next;
+            }
+            pickle::Kind::Put(index) => {
+                walk.key_memo[k] = index;
+                capture.1 = next;
+            }
+            _ => {}
+        }
+    }
+    match kind {
+        pickle::Kind::Stop => stop = true,
+        pickle::Kind::Memoize => walk.memo += 1,
+        pickle::Kind::Str { len, header } => {
+            let at = here.wrapping_add(header);
+            if walk.tag == 0 {
+                walk.tag = pickle_which(at, len, &cfg.pickle.tags, &cfg.pickle.tag_lens);
+            } else if walk.in_items != 0 {
+                capture = (1, here);
+            } else {
+                let key = pickle_which(at, len, &cfg.pickle.keys, &cfg.pickle.key_lens);
+                if key != 0 {
+                    walk.pending = key;
+                    walk.in_items = cfg.pickle.items;
+                }
+            }
+        }
+        pickle::Kind::Get(index) if walk.tag != 0 && walk.in_items == 0 => {
+            let key = if walk.key_memo[0] == index {
+                1
+            } else if walk.key_memo[1] == index {
+                2
+            } else {
+                0
+            };
+            if key != 0 {
+                if cfg.pickle.items != 0 {
+                    walk.in_items = 1;
+                } else {
+                    capture = (key, next);
+                }
+            }
+        }
+        _ if walk.in_items != 0 => {
+            // A list's own opcodes, and memo references (items read
+            // before: not captured); anything else ends it.
+            stop = !matches!(opcode, pickle::EMPTY_LIST | pickle::MARK | pickle::APPEND | pickle::APPENDS)
+                && !matches!(kind, pickle::Kind::Get(_) | pickle::Kind::Put(_));
+        }
+        _ => {}
+    }
+    if capture.0 != 0 {
+        pickle_capture(walk, cfg, usize::from((capture.0 - 1) & 1), capture.1);
+    }
+    i64::from(stop)
 }
 
 #[inline(always)]

@@ -94,6 +94,13 @@ fn healthy_tp1_rooms_on_nixl_cu12_with_pickled_requests_raise_nothing_and_are_on
     healthy(12, &["--decode-shape", "tp1", "--nixl", "cu12"], Ipc::Pickle);
 }
 
+/// Pickled requests four to a batch (`BatchTokenizedGenerateReqInput`, as
+/// SGLang's tokenizer sends a batch): each of its rooms one lifecycle.
+#[test]
+fn healthy_tp1_rooms_in_pickled_batches_raise_nothing_and_are_one_lifecycle_each() {
+    healthy(12, &["--decode-shape", "tp1", "--batch", "4"], Ipc::Pickle);
+}
+
 /// A few hundred rooms over TP1 and TP2 decodes, then the workers idle:
 /// nothing raised, every room one lifecycle.
 #[test]
@@ -254,7 +261,18 @@ fn a_decode_abort_racing_a_chunk_ends_its_room_aborted() {
 /// `answered` = the destinations that came, timed from the room's last
 /// activity (`since`: the target's line for it), nothing else alerted.
 fn a_room_never_answered(shape: &str, answered: &str, since: impl Fn(&Target, u64) -> Instant) {
-    let (mut target, agent) = watched("no-answer", &["--decode-shape", shape], &[]);
+    a_room_never_answered_with(shape, &[], Ipc::Msgpack, answered, since)
+}
+
+fn a_room_never_answered_with(
+    shape: &str,
+    extra: &[&str],
+    ipc: Ipc,
+    answered: &str,
+    since: impl Fn(&Target, u64) -> Instant,
+) {
+    let extra: Vec<&str> = ["--decode-shape", shape].into_iter().chain(extra.iter().copied()).collect();
+    let (mut target, agent) = watched_with("no-answer", &extra, &[], ipc);
     let holding = target.until("holding", Duration::from_secs(60));
     let room = target.fault_room();
     assert_eq!(holding["rooms"][room.to_string()], "bootstrapping", "{holding}");
@@ -278,6 +296,21 @@ fn a_room_whose_tp1_decode_never_answers_waits_for_its_peer() {
     a_room_never_answered("tp1", "0", |target, room| target.at("request", room));
 }
 
+/// The same with SGLang's default IPC (pickle): the room is read from the
+/// pickled request the scheduler receives.
+#[test]
+fn a_room_whose_tp1_decode_never_answers_waits_for_its_peer_with_pickled_requests() {
+    a_room_never_answered_with("tp1", &[], Ipc::Pickle, "0", |target, room| target.at("request", room));
+}
+
+/// Requests handed over four at a time, as SGLang's tokenizer batches them
+/// (`BatchTokenizedGenerateReqInput`, pickled): the fault room, wherever it
+/// falls in its batch, is read from it.
+#[test]
+fn a_room_in_a_pickled_batch_whose_tp1_decode_never_answers_waits_for_its_peer() {
+    a_room_never_answered_with("tp1", &["--batch", "4"], Ipc::Pickle, "0", |target, room| target.at("request", room));
+}
+
 /// A TP2 MLA decode (`required_dst_info_num = 2`) whose rank 0 never
 /// answers while rank 1 does: `answered=1/2`, timed from rank 1's
 /// destination, the room's last activity.
@@ -297,7 +330,17 @@ fn a_room_whose_tp2_decode_answers_from_one_rank_only_waits_for_the_other() {
 /// room ends `aborted`, never a stall, the others complete.
 #[test]
 fn a_prefill_abort_racing_a_chunk_ends_its_room_aborted() {
-    let (mut target, agent) = watched("prefill-abort", &["--hold"], &[]);
+    a_prefill_abort(Ipc::Msgpack);
+}
+
+/// The same with SGLang's default IPC: the `AbortReq` is read pickled.
+#[test]
+fn a_prefill_abort_racing_a_chunk_ends_its_room_aborted_with_pickled_requests() {
+    a_prefill_abort(Ipc::Pickle);
+}
+
+fn a_prefill_abort(ipc: Ipc) {
+    let (mut target, agent) = watched_with("prefill-abort", &["--hold"], &[], ipc);
     let done = target.until("done", Duration::from_secs(60));
     assert_eq!(done["failed"], 1, "{done}");
     target.at("prefill_abort", target.fault_room());
@@ -315,7 +358,18 @@ fn a_prefill_abort_racing_a_chunk_ends_its_room_aborted() {
 /// ends `failed` at that output, once, never a stall.
 #[test]
 fn a_room_the_prefill_times_out_itself_ends_failed_never_stalled() {
-    let (mut target, agent) = watched("bootstrap-timeout", &["--bootstrap-timeout", "1", "--hold"], &[]);
+    a_room_timed_out(Ipc::Msgpack);
+}
+
+/// The same with SGLang's default IPC: the request and the output that
+/// ends it are read pickled.
+#[test]
+fn a_room_the_prefill_times_out_itself_ends_failed_never_stalled_with_pickled_requests() {
+    a_room_timed_out(Ipc::Pickle);
+}
+
+fn a_room_timed_out(ipc: Ipc) {
+    let (mut target, agent) = watched_with("bootstrap-timeout", &["--bootstrap-timeout", "1", "--hold"], &[], ipc);
     let done = target.until("done", Duration::from_secs(60));
     assert_eq!(done["failed"], 1, "{done}");
     let room = target.fault_room();

@@ -12,11 +12,11 @@ use serde_json::Value;
 
 use crate::{Agent, Line, Proc, require_root, root, sglang_python};
 
-/// How SGLang's tokenizer hands a request to its scheduler: msgpack
-/// (`SGLANG_USE_PICKLE_IPC=0`), whose `bootstrap_room` the `sglang`
-/// profile reads as the scheduler receives it, or pickle, SGLang 0.5.23's
-/// default, from which it reads nothing (the room then starts at its
-/// destination).
+/// How SGLang's tokenizer hands a request to its scheduler (and the
+/// scheduler its output to the detokenizer): msgpack
+/// (`SGLANG_USE_PICKLE_IPC=0`) or pickle, SGLang 0.5.23's default. The
+/// `sglang` profile reads the `bootstrap_room` and `rid` of either as the
+/// scheduler receives it.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Ipc {
     Msgpack,

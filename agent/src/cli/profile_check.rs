@@ -88,6 +88,12 @@ pub fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<(
                     s.records(),
                     s.bytes
                 )))
+                .or_else(|| signal.pickle.as_ref().map(|p| format!(
+                    ", pickle {} `{}` of `{}`",
+                    if p.items { "items of" } else { "keys" },
+                    escaped(&p.keys.join("`, `")),
+                    escaped(&p.tags.join("` or `"))
+                )))
                 .unwrap_or_default(),
             from(&signal.origin)
         )?;

@@ -34,6 +34,9 @@ pub struct Signal {
     /// The return value (0 at entry).
     pub ret: i64,
     pub capture: Captured,
+    /// Which of a `pickle` capture's tags the pickle matched (its records
+    /// only).
+    pub tag: Option<u8>,
 }
 
 /// What a signal read at an address besides its value.
@@ -64,7 +67,9 @@ impl Signal {
             let len = event.ext.iter().position(|&b| b == 0).unwrap_or(EXT_ID_LEN);
             Captured::Text(event.ext[..len].into())
         };
-        Self { pid: event.pid, tid: event.tid, ts_ns: event.ts_ns, value: event.key, ret: event.ret, capture }
+        let tag = (event.flags >> event_flags::PICKLE_TAG.trailing_zeros()) & 0b11;
+        let tag = (tag != 0).then(|| tag.trailing_zeros() as u8);
+        Self { pid: event.pid, tid: event.tid, ts_ns: event.ts_ns, value: event.key, ret: event.ret, capture, tag }
     }
 }
 

@@ -9,7 +9,8 @@ use std::{
 use anyhow::{Context as _, Result, anyhow, bail};
 use serde::Deserialize;
 use stallwatch_common::{
-    CHUNK_LEN, MAX_DEREF, MAX_RET_RULES, MSGPACK_STEPS, MSGPACK_TAG_LEN, RetRule, SAVED_ARGS, STRINGS_STEPS, cmp,
+    CHUNK_LEN, MAX_DEREF, MAX_RET_RULES, MSGPACK_STEPS, MSGPACK_TAG_LEN, PICKLE_KEYS, PICKLE_NAME_LEN, PICKLE_TAGS,
+    RetRule, SAVED_ARGS, STRINGS_STEPS, cmp,
 };
 use toml::Spanned;
 
@@ -346,6 +347,7 @@ struct RawSignal {
     bytes: Option<RawSource>,
     msgpack: Option<RawMsgpack>,
     strings: Option<RawStrings>,
+    pickle: Option<RawPickle>,
     #[serde(default)]
     layout: bool,
     when: Option<RawFilter>,
@@ -446,6 +448,48 @@ impl RawStrings {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+struct RawPickle {
+    tags: Vec<String>,
+    keys: Vec<String>,
+    #[serde(default)]
+    items: bool,
+}
+
+impl RawPickle {
+    fn validate(self, bytes: bool, msgpack: bool) -> Result<Pickle> {
+        if !bytes {
+            bail!(
+                "`pickle` says which values of the pickle at `bytes` to read: give `bytes` too (the pickle's address)"
+            );
+        }
+        if msgpack {
+            bail!("give either `msgpack` or `pickle`: the data at `bytes` is one or the other");
+        }
+        let names = |what: &str, names: &[String], most: usize| -> Result<()> {
+            if names.is_empty() || names.len() > most {
+                bail!("`pickle.{what}` has {} names; give 1 to {most}", names.len());
+            }
+            for name in names {
+                if name.is_empty() || name.len() > PICKLE_NAME_LEN {
+                    bail!(
+                        "`pickle.{what}` has {name:?}, {} bytes: each is matched whole, 1 to {PICKLE_NAME_LEN} bytes",
+                        name.len()
+                    );
+                }
+            }
+            Ok(())
+        };
+        names("tags", &self.tags, PICKLE_TAGS)?;
+        names("keys", &self.keys, PICKLE_KEYS)?;
+        if self.items && self.keys.len() != 1 {
+            bail!("`pickle.items = true` reads the strings of one key's list: give one key, not {}", self.keys.len());
+        }
+        Ok(Pickle { tags: self.tags, keys: self.keys, items: self.items })
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawMsgpack {
     element: u32,
     #[serde(default)]
@@ -478,7 +522,9 @@ impl RawSignal {
             });
             refuse_ret_register(std::iter::once(("value", &value)).chain(capture))?;
         }
-        let msgpack = self.msgpack.map(|m| m.validate(matches!(capture, Some(Capture::Bytes(_))))).transpose()?;
+        let bytes = matches!(capture, Some(Capture::Bytes(_)));
+        let pickle = self.pickle.map(|p| p.validate(bytes, self.msgpack.is_some())).transpose()?;
+        let msgpack = self.msgpack.map(|m| m.validate(bytes)).transpose()?;
         let when = self.when.map(|when| when.validate(self.at)).transpose()?;
         let (extra, extra_if_else) = match (self.extra, self.bytes_else.as_mut().and_then(|other| other.extra.take())) {
             (Some(_), Some(_)) => bail!(
@@ -518,6 +564,7 @@ impl RawSignal {
             capture,
             msgpack,
             strings,
+            pickle,
             layout: self.layout,
             when,
             extra,

@@ -194,6 +194,8 @@ pub struct SignalSpec {
     /// `strings = { ... }`: every string a container holds, in chunks (in
     /// place of `text` or `bytes`).
     pub strings: Option<Strings>,
+    /// The `bytes` are the values of keys of the pickle there.
+    pub pickle: Option<Pickle>,
     /// `layout = true`: what it reads is laid out by the library's own
     /// classes (its `[layout]` build ids vouch for it), so a process with
     /// a build the profile does not know goes without it.
@@ -308,6 +310,18 @@ impl Strings {
     }
 }
 
+/// A signal's `pickle = { tags = [...], keys = [...], items = false }`:
+/// its `bytes` are records of the values of `keys` in the pickle at their
+/// address, one event each, in a pickle that names one of `tags` near its
+/// start (see [`PickleCapture`](stallwatch_common::PickleCapture)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pickle {
+    pub tags: Vec<String>,
+    pub keys: Vec<String>,
+    /// The one key's value is a list whose every string is a record.
+    pub items: bool,
+}
+
 /// What a signal reads at an address besides its value.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Capture {
@@ -374,6 +388,18 @@ impl SignalSpec {
             flags |= slot_flags::EXT_STRINGS;
             cfg.ext = strings.at.lower();
             cfg.strings = strings.lower();
+        }
+        if let Some(pickle) = &self.pickle {
+            flags |= slot_flags::EXT_PICKLE;
+            for (n, tag) in pickle.tags.iter().enumerate() {
+                cfg.pickle.tag_lens[n] = tag.len() as u8;
+                cfg.pickle.tags[n][..tag.len()].copy_from_slice(tag.as_bytes());
+            }
+            for (n, key) in pickle.keys.iter().enumerate() {
+                cfg.pickle.key_lens[n] = key.len() as u8;
+                cfg.pickle.keys[n][..key.len()].copy_from_slice(key.as_bytes());
+            }
+            cfg.pickle.items = u8::from(pickle.items);
         }
         cfg.flags = flags | slot_flags::CONFIGURED;
         cfg

@@ -895,3 +895,55 @@ fn objects_named_by_a_path_suffix_are_checked() {
         format!("{ONE_PROBE}[layout]\nobject = \"mooncake/../engine.so\"\nbuild_ids = [\"ab\"]\nchecked = \"x\"\n");
     assert!(error_of(&layout).contains("([layout]): `object = \"mooncake/../engine.so\"` has a `..` component"));
 }
+
+#[test]
+fn a_pickle_capture_needs_bytes_short_names_and_one_key_for_items() {
+    let signal = |extra: &str| {
+        format!(
+            "[[probe]]\nsymbol = \"f\"\nat = \"entry\"\nevent = \"released\"\nkey = {{ from = \"arg0\" }}\n\
+             [[signal]]\nname = \"room\"\nobject = \"libzmq.so\"\nsymbol = \"zmq_msg_data\"\nat = \"return\"\n\
+             value = {{ from = \"arg0\" }}\n{extra}\n"
+        )
+    };
+    let profile = Profile::parse(
+        &signal(
+            "bytes = { from = \"ret\" }\npickle = { tags = [\"TokenizedGenerateReqInput\", \"AbortReq\"], keys = [\"bootstrap_room\", \"rid\"] }",
+        ),
+        "p.toml",
+    )
+    .expect("valid");
+    let cfg = profile.signals[0].slot_config();
+    assert_ne!(cfg.flags & slot_flags::EXT_PICKLE, 0);
+    assert_eq!((cfg.pickle.tag_lens, cfg.pickle.key_lens, cfg.pickle.items), ([25, 8], [14, 3], 0));
+    assert_eq!(&cfg.pickle.tags[1][..8], b"AbortReq");
+    assert_eq!(&cfg.pickle.keys[0][..14], b"bootstrap_room");
+    let items = Profile::parse(
+        &signal(
+            "bytes = { from = \"ret\" }\npickle = { tags = [\"BatchTokenIDOutput\"], keys = [\"rids\"], items = true }",
+        ),
+        "p.toml",
+    )
+    .expect("valid");
+    assert_eq!(items.signals[0].slot_config().pickle.items, 1);
+    let error_of = |text: &str| format!("{:#}", Profile::parse(text, "p.toml").unwrap_err());
+    let err = error_of(&signal("text = { from = \"ret\" }\npickle = { tags = [\"T\"], keys = [\"k\"] }"));
+    assert!(err.contains("line 6 ([[signal]] `room`)") && err.contains("give `bytes` too"), "{err}");
+    let err = error_of(&signal("bytes = { from = \"ret\" }\npickle = { tags = [], keys = [\"k\"] }"));
+    assert!(err.contains("`pickle.tags` has 0 names; give 1 to 2"), "{err}");
+    let err = error_of(&signal(&format!(
+        "bytes = {{ from = \"ret\" }}\npickle = {{ tags = [\"T\"], keys = [\"{}\"] }}",
+        "k".repeat(33)
+    )));
+    assert!(err.contains("`pickle.keys` has") && err.contains("33 bytes"), "{err}");
+    let err =
+        error_of(&signal("bytes = { from = \"ret\" }\npickle = { tags = [\"T\"], keys = [\"a\", \"b\", \"c\"] }"));
+    assert!(err.contains("`pickle.keys` has 3 names"), "{err}");
+    let err = error_of(&signal(
+        "bytes = { from = \"ret\" }\npickle = { tags = [\"T\"], keys = [\"a\", \"b\"], items = true }",
+    ));
+    assert!(err.contains("`pickle.items = true`") && err.contains("give one key"), "{err}");
+    let err = error_of(&signal(
+        "bytes = { from = \"ret\" }\nmsgpack = { element = 1 }\npickle = { tags = [\"T\"], keys = [\"k\"] }",
+    ));
+    assert!(err.contains("either `msgpack` or `pickle`"), "{err}");
+}

@@ -82,7 +82,10 @@ What this target supplies instead of a server
   a thread that sends it to the scheduler over SGLang's own IPC
   (io_struct.sock_send of a TokenizedGenerateReqInput, ipc:// PUSH -> PULL);
   the scheduler loop receives it with io_struct.sock_recv and creates the
-  sender from its bootstrap_room (PrefillBootstrapQueue.add).
+  sender from its bootstrap_room (PrefillBootstrapQueue.add). With --batch N
+  the tokenizer sends N at a time as one BatchTokenizedGenerateReqInput
+  (TokenizerManager._send_batch_request), which the scheduler takes one by
+  one (handle_batch_generate_request).
 - The prefill scheduler loop (main thread), as event_loop_normal_disagg_prefill
   drives the queues: bootstrap queue (NixlKVSender(mgr, addr, room), poll ->
   WaitingForInput -> sender.init(num_pages, aux_index); Failed ->
@@ -363,6 +366,8 @@ def build_parser(prog="prefill.py", transfer="NIXL", faults=FAULTS):
     p.add_argument("--bootstrap-timeout", type=int, default=3, help="seconds (an EnvInt in SGLang)")
     p.add_argument("--marker", default=None, metavar="LIB")
     p.add_argument("--events", action="store_true", help="accepted for compatibility (no xfer events)")
+    p.add_argument("--batch", type=int, default=1, help="requests per BatchTokenizedGenerateReqInput the tokenizer "
+                   "sends (1: each its own TokenizedGenerateReqInput); a batch goes once full or 20 ms after its first")
     p.add_argument("--no-wait", action="store_true")
     p.add_argument("--ucx-tls", default=None)
     p.add_argument("--max-seconds", type=float, default=120.0, help="from 'ready' on (set-up: 180 s, warm-up: 120 s)")
@@ -578,20 +583,37 @@ class Target:
         from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput, sock_send
         from sglang.srt.sampling.sampling_params import SamplingParams
 
+        from sglang.srt.managers.io_struct import BatchTokenizedGenerateReqInput
+
         push = self.zmq_ctx.socket(zmq.PUSH)
         push.connect(self.ipc_name)
         tokens = self.args.pages_per_request * self.args.page_size
-        while True:
-            kind, what = self.to_tokenizer.get()
-            if kind == "abort":
-                sock_send(push, AbortReq(rid=what))
-                continue
-            room = what
-            sock_send(push, TokenizedGenerateReqInput(
+
+        def tokenized(room):
+            return TokenizedGenerateReqInput(
                 rid=f"req-{room}", input_text=None, input_ids=array("i", range(tokens)), input_embeds=None,
                 mm_inputs=None, token_type_ids=None, sampling_params=SamplingParams(max_new_tokens=1),
                 return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None,
-                stream=False, bootstrap_host="127.0.0.1", bootstrap_port=self.bootstrap_port, bootstrap_room=room))
+                stream=False, bootstrap_host="127.0.0.1", bootstrap_port=self.bootstrap_port, bootstrap_room=room)
+
+        batch = []  # --batch: rooms waiting for their batch to fill
+        while True:
+            try:
+                kind, what = self.to_tokenizer.get(timeout=0.02 if batch else None)
+            except queue.Empty:
+                kind, what = "flush", None
+            if kind == "abort":
+                sock_send(push, AbortReq(rid=what))
+                continue
+            if kind == "request" and self.args.batch <= 1:
+                sock_send(push, tokenized(what))
+                continue
+            if kind == "request":
+                batch.append(what)
+            if batch and (kind == "flush" or len(batch) >= self.args.batch):
+                # TokenizerManager._send_batch_request: one message for the batch.
+                sock_send(push, BatchTokenizedGenerateReqInput(batch=[tokenized(room) for room in batch]))
+                batch = []
 
     def detokenizer(self):
         """The detokenizer's end of the scheduler's output (a process in
@@ -637,7 +659,7 @@ class Target:
         AbortReq's."""
         import zmq
 
-        from sglang.srt.managers.io_struct import AbortReq
+        from sglang.srt.managers.io_struct import AbortReq, BatchTokenizedGenerateReqInput
 
         while True:
             try:
@@ -646,6 +668,10 @@ class Target:
                 return
             if isinstance(req, AbortReq):
                 self.abort_request(req.rid)
+            elif isinstance(req, BatchTokenizedGenerateReqInput):
+                # Scheduler.handle_batch_generate_request: each in turn.
+                for one in req:
+                    self.new_room(one.bootstrap_room, one.rid)
             else:
                 self.new_room(req.bootstrap_room, req.rid)
 

@@ -48,7 +48,7 @@ use std::collections::HashMap;
 
 use tracing::warn;
 
-pub use self::rooms::{Bootstrap, Rid, Rooms, output_rids, parse, room_of, scheduler};
+pub use self::rooms::{Bootstrap, Rid, Rooms, output_rids, parse, pickled_record, room_of, scheduler};
 use super::{
     AdoptedHandle, Framework, HandOver,
     signals::{Captured, Signal},
@@ -191,6 +191,22 @@ impl Framework for Sglang {
                             "pid {} thread {}: a request's bootstrap_room is no unsigned integer",
                             signal.pid, signal.tid
                         ));
+                        None
+                    }
+                });
+            }
+            // A request or an abort the scheduler receives, pickled
+            // (SGLang's default IPC): one record per request of a batch.
+            // And one rid of a pickled scheduler output.
+            "sglang_request_pickle" | "sglang_output_pickle" => {
+                let record = match &signal.capture {
+                    Captured::Bytes(bytes) => pickled_record(name, signal.tag, &bytes[..]),
+                    _ => Err("its record could not be read".to_owned()),
+                };
+                return Some(match record {
+                    Ok(bootstrap) => self.rooms.observe(signal.pid, signal.ts_ns, &bootstrap),
+                    Err(why) => {
+                        self.unparsed(format!("pid {} thread {}: {why}", signal.pid, signal.tid));
                         None
                     }
                 });

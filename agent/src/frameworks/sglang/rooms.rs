@@ -131,6 +131,35 @@ pub fn scheduler(message: &Message) -> Option<Bootstrap> {
     Some(if tag == REQUEST_TAG { Bootstrap::Request { room: 0, rid } } else { Bootstrap::AbortRequest { rid } })
 }
 
+/// What one record of a pickled scheduler message says (SGLang's default
+/// IPC, `SGLANG_USE_PICKLE_IPC`: `send_pyobj`, one frame): a record of the
+/// `sglang_request_pickle` signal holds a `TokenizedGenerateReqInput`'s
+/// `bootstrap_room` (its first 16 bytes, a pickle integer) and `rid` (the
+/// rest, a pickle string) when its tag is 0, an `AbortReq`'s `rid` when it
+/// is 1; one of `sglang_output_pickle` is one rid of a `BatchTokenIDOutput`.
+/// `Err` for a record that does not read so.
+pub fn pickled_record(signal: &str, tag: Option<u8>, bytes: &[u8]) -> Result<Bootstrap, String> {
+    use stallwatch_common::{PICKLE_FIRST_WIDTH, pickle};
+    let rid = |bytes: &[u8], what: &str| -> Result<Rid, String> {
+        let (body, len) = pickle::str(bytes).ok_or_else(|| format!("{what}'s rid is no pickled string"))?;
+        let kept = usize::try_from(len).map_or(RID_KEPT, |len| len.min(RID_KEPT));
+        body.get(..kept).map(Rid::from).ok_or_else(|| format!("{what}'s rid was read short ({} bytes)", body.len()))
+    };
+    match (signal, tag) {
+        ("sglang_request_pickle", Some(0)) => {
+            let room = pickle::uint(&bytes[..PICKLE_FIRST_WIDTH.min(bytes.len())])
+                .ok_or("a pickled request's bootstrap_room is no unsigned integer")?;
+            let rid = rid(bytes.get(PICKLE_FIRST_WIDTH..).unwrap_or_default(), "a pickled request")?;
+            Ok(Bootstrap::Request { room, rid })
+        }
+        ("sglang_request_pickle", Some(1)) => Ok(Bootstrap::AbortRequest {
+            rid: rid(bytes.get(PICKLE_FIRST_WIDTH..).unwrap_or_default(), "an AbortReq")?,
+        }),
+        ("sglang_output_pickle", Some(_)) => Ok(Bootstrap::Output { rids: vec![rid(bytes, "a scheduler output")?] }),
+        _ => Err(format!("a {signal} record with tag {tag:?}: the profile's tags are not what SGLang's are")),
+    }
+}
+
 /// The room a message is about, if it is one of SGLang's; `Err` for one of
 /// SGLang's (by its tag) whose fields do not read as SGLang writes them.
 pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
@@ -266,7 +295,7 @@ pub struct Rooms {
     /// over (an ended room's: to be dropped).
     dirty: HashSet<(u32, u64)>,
     /// Rooms whose context did not fit what the next agent is handed
-    /// ([`CONTEXT_BYTES`]): they would be taken over without it.
+    /// ([`CONTEXT_BYTES`](stallwatch_common::CONTEXT_BYTES)): they would be taken over without it.
     pub too_large: u64,
     /// A transfer no page tells and no thread's room takes is the
     /// earliest bootstrapped live room's that awaits its peer and has no
@@ -1402,5 +1431,113 @@ mod tests {
         assert_eq!(room_of(42, Some("room-42")), None);
         assert_eq!(room_of(0x55aa, Some("42")), None);
         assert_eq!(room_of(42, None), None);
+    }
+
+    /// Records as the kernel captures them from SGLang 0.5.23's own pickles
+    /// (`pickle.dumps(obj, 5)` of a `TokenizedGenerateReqInput` with a
+    /// 63-bit room and a uuid rid, an `AbortReq`, a `BatchTokenIDOutput`),
+    /// the bytes copied from what `pickletools.dis` showed.
+    #[test]
+    fn pickled_records_read_as_sglang_writes_them() {
+        use stallwatch_common::PICKLE_FIRST_WIDTH;
+        let record = |room: &[u8], rid: &[u8]| {
+            let mut bytes = [0u8; 64];
+            bytes[..room.len()].copy_from_slice(room);
+            bytes[PICKLE_FIRST_WIDTH..PICKLE_FIRST_WIDTH + rid.len()].copy_from_slice(rid);
+            bytes
+        };
+        // bootstrap_room 6917529027641081857 (LONG1, 8 bytes), rid a uuid hex.
+        let request = record(
+            b"\x8a\x08\x01\x00\x00\x00\x00\x00\x00`\x8c\x12boot",
+            b"\x8c 0f3c9a2e5b7d4e1f8a6c3b2d1e0f9a8b\x94\x8c\x0fhttp_worker",
+        );
+        assert_eq!(
+            pickled_record("sglang_request_pickle", Some(0), &request),
+            Ok(Bootstrap::Request { room: 6917529027641081857, rid: b"0f3c9a2e5b7d4e1f8a6c3b2d".as_slice().into() })
+        );
+        // Small rooms are BININT2 (the test target's), short rids kept whole.
+        let request = record(b"M\xea\x03", b"\x8c\x08req-1002\x94");
+        assert_eq!(
+            pickled_record("sglang_request_pickle", Some(0), &request),
+            Ok(Bootstrap::Request { room: 1002, rid: b"req-1002".as_slice().into() })
+        );
+        // An AbortReq: its rid only (no bootstrap_room key).
+        let abort = record(b"", b"\x8c\x08req-1002\x94\x8c\x0fhttp");
+        assert_eq!(
+            pickled_record("sglang_request_pickle", Some(1), &abort),
+            Ok(Bootstrap::AbortRequest { rid: b"req-1002".as_slice().into() })
+        );
+        // One rid of an output's list.
+        let mut output = [0u8; 64];
+        output[..13].copy_from_slice(b"\x8c\x08req-1003\x94e\x8c");
+        assert_eq!(
+            pickled_record("sglang_output_pickle", Some(0), &output),
+            Ok(Bootstrap::Output { rids: vec![b"req-1003".as_slice().into()] })
+        );
+        // What does not read so is said, not guessed.
+        let none = record(b"N", b"\x8c\x08req-1002");
+        assert!(pickled_record("sglang_request_pickle", Some(0), &none).unwrap_err().contains("bootstrap_room"));
+        let negative = record(b"J\xff\xff\xff\xff", b"\x8c\x01r");
+        assert!(pickled_record("sglang_request_pickle", Some(0), &negative).is_err());
+        let memoized = record(b"M\xea\x03", b"h\x08");
+        assert!(pickled_record("sglang_request_pickle", Some(0), &memoized).unwrap_err().contains("rid"));
+        let short = record(b"M\xea\x03", b"X\x40\x00\x00\x00abc");
+        let err = pickled_record("sglang_request_pickle", Some(0), &short[..PICKLE_FIRST_WIDTH + 8]).unwrap_err();
+        assert!(err.contains("read short"), "{err}");
+        assert!(pickled_record("sglang_request_pickle", None, &request).is_err());
+    }
+
+    /// The kernel's opcode sizes chain along a real pickle's opcodes: from
+    /// its first byte to the `rids` key of a `BatchTokenIDOutput` and past
+    /// the list of rids, each opcode where `pickletools` puts it.
+    #[test]
+    fn pickle_opcodes_are_sized_as_python_writes_them() {
+        use stallwatch_common::{
+            PICKLE_HEAD,
+            pickle::{self, Kind},
+        };
+        let bytes: &[u8] = b"\x80\x05\x95\xce\x05\x00\x00\x00\x00\x00\x00\x8c\x0emsgspec._utils\x94\x8c\x07rebuild\x94\x93\x94\
+              \x8c\x1dsglang.srt.managers.io_struct\x94\x8c\x12BatchTokenIDOutput\x94\x93\x94}\x94(\x8c\x04rids\x94]\x94(\
+              \x8c\x08req-1002\x94\x8c\x08req-1003\x94e\x8c\x10http_";
+        let mut at = 0usize;
+        let mut strings = Vec::new();
+        let mut memo = 0;
+        while at < bytes.len() - 8 {
+            let mut head = [0u8; PICKLE_HEAD];
+            head.copy_from_slice(&bytes[at..at + PICKLE_HEAD]);
+            let (size, kind) = pickle::op(&head).unwrap_or_else(|| panic!("no opcode at {at}: {:#x}", bytes[at]));
+            match kind {
+                Kind::Str { len, header } => {
+                    let from = at + header as usize;
+                    strings.push(String::from_utf8_lossy(&bytes[from..from + len as usize]).into_owned());
+                }
+                Kind::Memoize => memo += 1,
+                _ => {}
+            }
+            at += size as usize;
+        }
+        assert_eq!(
+            strings,
+            [
+                "msgspec._utils",
+                "rebuild",
+                "sglang.srt.managers.io_struct",
+                "BatchTokenIDOutput",
+                "rids",
+                "req-1002",
+                "req-1003"
+            ]
+        );
+        assert_eq!(memo, 11);
+        // Integers as the capture holds them.
+        assert_eq!(pickle::uint(b"K\x07"), Some(7));
+        assert_eq!(pickle::uint(b"J\x00\x00\x00\x40"), Some(1 << 30));
+        assert_eq!(pickle::uint(b"\x8a\x09\xff\xff\xff\xff\xff\xff\xff\xff\x00"), Some(u64::MAX));
+        assert_eq!(pickle::uint(b"\x8a\x01\xff"), None, "-1");
+        assert_eq!(pickle::uint(b"\x8a\x0a\x00\x00\x00\x00\x00\x00\x00\x00\x01\x00"), None, "2**64");
+        assert_eq!(pickle::uint(b"\x8a\x00"), Some(0));
+        // Opcodes no protocol 2+ pickler writes end a walk.
+        assert_eq!(pickle::op(b"I123\n\0\0\0\0"), None);
+        assert_eq!(pickle::op(b"\x8e\xff\xff\xff\xff\xff\xff\xff\xff"), None, "a size past u64");
     }
 }

@@ -10,8 +10,8 @@
 //! `getBatchTransferStatus` (never probed), `freeBatchID`. No request
 //! identity reaches the engine: a batch is a room's through its segment id
 //! (the session `"ip:port"` it was opened for, `openSegment`) and the
-//! rooms awaiting that session ([`Rooms::handle`], in the order they were
-//! bootstrapped, [`Rooms::fifo`]). Its submit makes the room
+//! rooms awaiting that session ([`Rooms::handle`](super::sglang::Rooms::handle), in the order they were
+//! bootstrapped, [`Rooms::fifo`](super::sglang::Rooms::fifo)). Its submit makes the room
 //! `transfer_posted` (silence from then: a batch that never ends leaves
 //! the room `transfer_hung`, naming the batch and its peer); a free that
 //! succeeds is the room's progress; a free Mooncake refuses (`BatchBusy`:
@@ -410,14 +410,22 @@ mod tests {
     }
 
     fn segment(pid: u32, id: u64, session: &str) -> Signal {
-        Signal { pid, tid: 20, ts_ns: 1, value: id, ret: id as i64, capture: Captured::Text(session.as_bytes().into()) }
+        Signal {
+            pid,
+            tid: 20,
+            ts_ns: 1,
+            value: id,
+            ret: id as i64,
+            capture: Captured::Text(session.as_bytes().into()),
+            tag: None,
+        }
     }
 
     /// `submitTransfer(batch)` on `tid` at `ts_ns`, writing to segment `target`.
     fn submit(pid: u32, tid: u32, batch: u64, target: u64, ts_ns: u64) -> Signal {
         let mut bytes = [0u8; EXT_ID_LEN];
         bytes[TARGET_ID_AT..TARGET_ID_AT + 8].copy_from_slice(&target.to_le_bytes());
-        Signal { pid, tid, ts_ns, value: batch, ret: 0, capture: Captured::Bytes(Box::new(bytes)) }
+        Signal { pid, tid, ts_ns, value: batch, ret: 0, capture: Captured::Bytes(Box::new(bytes)), tag: None }
     }
 
     fn free(pid: u32, batch: u64, stage: Stage, ts_ns: u64) -> Observation {
