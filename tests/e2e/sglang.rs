@@ -249,8 +249,9 @@ fn every_sglang_probe_lands_on_an_emulated_instruction_and_a_single_stepped_one_
         points
     };
     let points = check("sglang");
-    // 6 lifecycle probes, 6 signals, 8 transport probes.
-    assert_eq!(points.len(), 20, "{points:#?}");
+    // 6 lifecycle probes, 8 signals (2 of them the pickled scheduler
+    // messages'), 8 transport probes.
+    assert_eq!(points.len(), 22, "{points:#?}");
     for point in &points {
         assert!(point.contains("(emulated") && !point.contains("single-stepped"), "{point}");
     }
