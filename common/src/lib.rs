@@ -92,6 +92,24 @@ pub struct RetRule {
     pub value: i64,
 }
 
+impl RetRule {
+    /// Whether `value <op> self.value` holds; false for no comparison. The
+    /// kernel tests returns (and filters) with this, and the agent reads a
+    /// handle's status with it, so they agree by construction.
+    #[inline(always)]
+    pub fn holds(&self, value: i64) -> bool {
+        match self.op {
+            cmp::EQ => value == self.value,
+            cmp::NE => value != self.value,
+            cmp::LT => value < self.value,
+            cmp::LE => value <= self.value,
+            cmp::GT => value > self.value,
+            cmp::GE => value >= self.value,
+            _ => false,
+        }
+    }
+}
+
 /// Lifecycle stages, in order of progress, as the kernel side records them
 /// (the agent's `lifecycle::Stage` has the same numbers). The kernel only
 /// needs the order and which stages end a lifecycle: it keeps the in-flight

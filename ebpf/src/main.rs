@@ -238,7 +238,7 @@ fn filter_holds(cfg: &SlotConfig, args: &Args, ret: i64) -> bool {
         return true;
     }
     match resolve(&cfg.filter, args, ret, 0) {
-        Some(value) => rule_holds(&cfg.filter_rule, value as i64),
+        Some(value) => cfg.filter_rule.holds(value as i64),
         None => false,
     }
 }
@@ -427,7 +427,7 @@ fn match_rules(cfg: &SlotConfig, ret: i64) -> Option<Matched> {
         if rule.op == cmp::NONE || rule.op > cmp::GE {
             continue;
         }
-        let holds = rule_holds(rule, ret);
+        let holds = rule.holds(ret);
         any_rule = true;
         if holds {
             matched |= event_flags::RULE_MATCHED << n;
@@ -440,20 +440,6 @@ fn match_rules(cfg: &SlotConfig, ret: i64) -> Option<Matched> {
         Some(stage) => Some(Matched { rules: matched, stage }),
         None if !any_rule => Some(Matched { rules: 0, stage: cfg.stage }),
         None => None,
-    }
-}
-
-/// `value <op> rule.value`; false for no comparison.
-#[inline(always)]
-fn rule_holds(rule: &RetRule, value: i64) -> bool {
-    match rule.op {
-        cmp::EQ => value == rule.value,
-        cmp::NE => value != rule.value,
-        cmp::LT => value < rule.value,
-        cmp::LE => value <= rule.value,
-        cmp::GT => value > rule.value,
-        cmp::GE => value >= rule.value,
-        _ => false,
     }
 }
 

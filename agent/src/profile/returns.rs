@@ -123,19 +123,6 @@ impl Values {
     }
 }
 
-/// Whether `rule` holds for `value`, as the kernel compares a return value.
-pub fn holds(rule: &RetRule, value: i64) -> bool {
-    match rule.op {
-        cmp::EQ => value == rule.value,
-        cmp::NE => value != rule.value,
-        cmp::LT => value < rule.value,
-        cmp::LE => value <= rule.value,
-        cmp::GT => value > rule.value,
-        cmp::GE => value >= rule.value,
-        _ => false,
-    }
-}
-
 fn bounds(ret: RetType) -> (i128, i128) {
     match ret {
         RetType::I64 => (i128::from(i64::MIN), i128::from(i64::MAX)),

@@ -121,7 +121,7 @@ pub const MAX_STATUS_RULES: usize = 16;
 impl StatusSpec {
     /// The stage the value `value` (sign-extended) says, if a rule takes it.
     pub fn stage_of(&self, value: i64) -> Option<Stage> {
-        self.rules.iter().find(|(rule, _)| super::returns::holds(rule, value)).map(|(_, stage)| *stage)
+        self.rules.iter().find(|(rule, _)| rule.holds(value)).map(|(_, stage)| *stage)
     }
 }
 
