@@ -521,10 +521,10 @@ fn watched_a_decode_abort_racing_a_chunk_ends_its_room_aborted() {
 fn watched_both_sides_of_a_hung_room_are_alerted_in_one_trace() {
     use stallwatch_tests::{
         Agent,
-        otlp::{Collector, expected_trace_id},
+        otlp::{Collector, assert_both_sides_stalled_in_the_rooms_trace},
         sglang::{Ipc, Target},
     };
-    let mut collector = Collector::start();
+    let collector = Collector::start();
     let endpoint = collector.http_endpoint();
     let mut target = Target::mooncake("hang", &["--count", "6", "--decodes", "2", "--settle", "3"], Ipc::Msgpack);
     let otlp = ["--otlp-endpoint", endpoint.as_str()];
@@ -551,21 +551,7 @@ fn watched_both_sides_of_a_hung_room_are_alerted_in_one_trace() {
     assert_eq!(waiting["pid"], stopped_pid, "{waiting}");
     let side = (field(waiting, "class"), field(waiting, "side"), field(waiting, "waiting_on"));
     assert_eq!(side, (Some("waiting_for_kv"), Some("decode"), Some("prefill")), "{waiting}");
-    let spans = collector.wait_for(Duration::from_secs(5), "both sides' stall spans", |spans| {
-        spans.iter().filter(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&key)).count()
-            >= 2
-    });
-    let trace = expected_trace_id(&room.to_string());
-    let stall_spans: Vec<_> = spans
-        .iter()
-        .filter(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&key))
-        .collect();
-    for span in &stall_spans {
-        assert_eq!(span.trace_id, trace, "{span:?}");
-    }
-    let classes: Vec<_> = stall_spans.iter().filter_map(|s| s.attr("stallwatch.stall.class")).collect();
-    assert!(classes.contains(&"transfer_hung") && classes.contains(&"waiting_for_kv"), "{stall_spans:#?}");
-    let _ = collector.stop();
+    assert_both_sides_stalled_in_the_rooms_trace(collector, room);
 }
 
 /// A room held across an agent restart: the fault room's decode never

@@ -18,7 +18,7 @@ use std::{
 use serde_json::Value;
 use stallwatch_tests::{
     Agent, Line, agent_bin, alerts,
-    otlp::{Collector, expected_trace_id},
+    otlp::{Collector, assert_both_sides_stalled_in_the_rooms_trace},
     run_to_end,
     sglang::{Ipc, Target},
     summary, test_socket,
@@ -398,7 +398,7 @@ fn a_room_timed_out(ipc: Ipc) {
 /// stopped.
 #[test]
 fn both_sides_of_a_hung_room_are_alerted_in_one_trace() {
-    let mut collector = Collector::start();
+    let collector = Collector::start();
     let endpoint = collector.http_endpoint();
     let mut target = Target::start("hang", &[], Ipc::Msgpack);
     let prefill = Agent::watch(target.prefill(), "sglang", "2s", &["--otlp-endpoint", &endpoint]);
@@ -429,21 +429,7 @@ fn both_sides_of_a_hung_room_are_alerted_in_one_trace() {
     assert_eq!(waiting["pid"], stopped_pid, "{waiting}");
     let side = (waiting["class"].as_str(), waiting["side"].as_str(), waiting["waiting_on"].as_str());
     assert_eq!(side, (Some("waiting_for_kv"), Some("decode"), Some("prefill")), "{waiting}");
-    let spans = collector.wait_for(Duration::from_secs(5), "both sides' stall spans", |spans| {
-        spans.iter().filter(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&key)).count()
-            >= 2
-    });
-    let trace = expected_trace_id(&room.to_string());
-    let stall_spans: Vec<_> = spans
-        .iter()
-        .filter(|s| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&key))
-        .collect();
-    for span in &stall_spans {
-        assert_eq!(span.trace_id, trace, "{span:?}");
-    }
-    let classes: Vec<_> = stall_spans.iter().filter_map(|s| s.attr("stallwatch.stall.class")).collect();
-    assert!(classes.contains(&"transfer_hung") && classes.contains(&"waiting_for_kv"), "{stall_spans:#?}");
-    let _ = collector.stop();
+    assert_both_sides_stalled_in_the_rooms_trace(collector, room);
 }
 
 /// A room the scheduler has and one rank of its TP2 decode answered, its

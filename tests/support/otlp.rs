@@ -459,3 +459,23 @@ impl Drop for TlsFront {
         let _ = self.proc.child.wait();
     }
 }
+
+/// The collector got the stall spans of SGLang room `room` from both sides
+/// (within 5 s): every one in the room's trace, the prefill's
+/// `transfer_hung` and the decode's `waiting_for_kv` among them. Stops the
+/// collector.
+pub fn assert_both_sides_stalled_in_the_rooms_trace(mut collector: Collector, room: u64) {
+    let key = format!("{room:#x}");
+    let of_room = |s: &Span| s.name == "stallwatch.stall" && s.attr("stallwatch.request.key") == Some(&key);
+    let spans = collector.wait_for(Duration::from_secs(5), "both sides' stall spans", |spans| {
+        spans.iter().filter(|s| of_room(s)).count() >= 2
+    });
+    let trace = expected_trace_id(&room.to_string());
+    let stall_spans: Vec<_> = spans.iter().filter(|s| of_room(s)).collect();
+    for span in &stall_spans {
+        assert_eq!(span.trace_id, trace, "{span:?}");
+    }
+    let classes: Vec<_> = stall_spans.iter().filter_map(|s| s.attr("stallwatch.stall.class")).collect();
+    assert!(classes.contains(&"transfer_hung") && classes.contains(&"waiting_for_kv"), "{stall_spans:#?}");
+    let _ = collector.stop();
+}
