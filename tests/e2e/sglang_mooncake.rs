@@ -384,7 +384,10 @@ fn watched_a_room_whose_decode_never_answers_waits_for_its_peer() {
 /// as it is bootstrapped: the room is `transfer_hung` on its batch, naming
 /// the batch and the stopped decode's session, timed from the batch's
 /// submit (its first chunk); the rooms queued behind it on the worker say
-/// `behind` it, `waiting_on=worker`.
+/// `behind` it, `waiting_on=worker`: those not started `waiting_for_peer`
+/// with both ranks answered, and one the worker had begun (another
+/// decode's room, whose first chunk went before the fault room's and whose
+/// next ones are queued behind it) `transfer_hung` with no batch of its own.
 #[test]
 fn watched_a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so() {
     let (mut target, agent) =
@@ -393,12 +396,25 @@ fn watched_a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_
     let stopped = target.until("decode_stopped", Duration::from_secs(60));
     let holding = target.until("holding", Duration::from_secs(60));
     assert_eq!(holding["rooms"][fault.to_string()], "inflight", "{holding}");
-    let behind: Vec<u64> = target.rooms().into_iter().filter(|&r| r > fault).collect();
-    assert_eq!(behind.len(), 2, "{holding}");
-    let seen = alerts_then_quiet(agent, "stalled", 3, TIMEOUT + Duration::from_secs(8));
+    // Every room not concluded waits on the one worker; the rooms after the
+    // fault room's are held back until its decode is stopped.
+    let open = |r: &u64| {
+        *r != fault && !["completed", "failed"].contains(&holding["rooms"][r.to_string()].as_str().unwrap_or(""))
+    };
+    let behind: Vec<u64> = target.rooms().into_iter().filter(open).collect();
+    assert_eq!(behind.iter().filter(|&&r| r > fault).count(), 2, "{holding}");
+    // A room the worker took a chunk of (handed to the sender, no longer in
+    // the worker's queue) is mid-transfer.
+    let queued = |r: u64| {
+        let workers = holding["workers"].as_object().expect("workers");
+        workers.values().flat_map(|q| q.as_array().expect("a queue")).filter(|q| **q == r).count()
+    };
+    let begun: Vec<u64> = behind.iter().copied().filter(|&r| target.chunks(r) > queued(r)).collect();
+    let stalled = 1 + behind.len();
+    let seen = alerts_then_quiet(agent, "stalled", stalled, TIMEOUT + Duration::from_secs(8));
     target.proc.write_line("quit");
     let raised = alert_lines(&seen);
-    assert_eq!(raised.len(), 3, "{raised:#?}");
+    assert_eq!(raised.len(), stalled, "{raised:#?}");
     let session = {
         let decode = stopped["decode"].as_u64().expect("decode");
         let decodes = target.ready["decodes"].as_array().expect("decodes");
@@ -418,9 +434,52 @@ fn watched_a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_
         let (_, alert) = of_room(&seen, "stalled", *room);
         assert_eq!(
             (field(&alert, "class"), field(&alert, "behind"), field(&alert, "waiting_on")),
-            (Some("waiting_for_peer"), Some(fault.to_string().as_str()), Some("worker")),
-            "{alert}"
+            (
+                Some(if begun.contains(room) { "transfer_hung" } else { "waiting_for_peer" }),
+                Some(fault.to_string().as_str()),
+                Some("worker")
+            ),
+            "room {room} ({} chunks, {} queued): {alert}",
+            target.chunks(*room),
+            queued(*room),
         );
+        assert_eq!(field(&alert, "batch"), None, "its next chunk is queued, no batch of its own: {alert}");
+    }
+}
+
+/// One transfer worker; once every earlier room concluded, the fault
+/// room's first chunk makes SGLang's worker raise and its thread end (a
+/// device fault at the chunk's indices event): the fault room and every
+/// room queued on that worker wait for good, no batch, no status. Each is
+/// alerted saying it waits on its worker, that the worker `exited`, and
+/// its thread id, the one SGLang's dead worker thread had.
+#[test]
+fn watched_a_transfer_worker_that_dies_leaves_its_rooms_waiting_on_it_and_says_so() {
+    let (mut target, agent) =
+        watched("worker-dies", &["--count", "6", "--decodes", "2", "--queue-size", "1", "--settle", "3"]);
+    let fault = target.fault_room();
+    let holding = target.until("holding", Duration::from_secs(60));
+    let threads = holding["transfer_threads"].as_object().expect("transfer_threads");
+    let dead: Vec<&String> = threads.iter().filter(|(_, alive)| **alive == false).map(|(tid, _)| tid).collect();
+    assert_eq!(dead.len(), 1, "SGLang's one worker thread ended: {holding}");
+    let open = |r: &u64| !["completed", "failed"].contains(&holding["rooms"][r.to_string()].as_str().unwrap_or(""));
+    let waiting: Vec<u64> = target.rooms().into_iter().filter(open).collect();
+    assert!(waiting.contains(&fault) && waiting.len() >= 2, "the fault room and a room behind it: {holding}");
+    assert!(waiting.iter().all(|&r| r >= fault), "every room before the fault room concluded first: {holding}");
+    let seen = alerts_then_quiet(agent, "stalled", waiting.len(), TIMEOUT + Duration::from_secs(8));
+    target.proc.write_line("quit");
+    let raised = alert_lines(&seen);
+    assert_eq!(raised.len(), waiting.len(), "{raised:#?}");
+    for room in &waiting {
+        let (at, alert) = of_room(&seen, "stalled", *room);
+        assert_eq!(
+            (field(&alert, "waiting_on"), field(&alert, "worker"), field(&alert, "worker_tid")),
+            (Some("worker"), Some("exited"), Some(dead[0].as_str())),
+            "room {room}: {alert}"
+        );
+        assert_eq!(field(&alert, "batch"), None, "no batch of it went: {alert}");
+        // Silent since its decode answered (its last activity the agent saw).
+        timed_from(&alert, at, target.at("decode_answered", *room), Duration::from_millis(500));
     }
 }
 

@@ -111,6 +111,12 @@ impl Target {
         self.first(|v| v["event"] == "chunk" && v["room"] == room && v["chunk"] == chunk)
     }
 
+    /// How many chunks of `room` the target handed to SGLang's sender.
+    pub fn chunks(&self, room: u64) -> usize {
+        let json = self.lines.iter().filter_map(|line| line.json());
+        json.filter(|v| v["event"] == "chunk" && v["room"] == room).count()
+    }
+
     /// When the target printed its first JSON line that `matches`.
     fn first(&self, matches: impl Fn(&Value) -> bool) -> Option<Instant> {
         self.lines.iter().find(|line| line.json().is_some_and(|v| matches(&v))).map(|line| line.at)

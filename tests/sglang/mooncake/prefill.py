@@ -28,6 +28,9 @@ scheduler loops)
   MOONCAKE_PROTOCOL=tcp (SGLang's env; default rdma): engine.initialize(
   "127.0.0.1", "P2PHANDSHAKE", "tcp", ""). Its session id is
   "127.0.0.1:<rpc port>".
+- With the worker-dies fault only, the fault room's first chunk carries a
+  FaultedEvent as its indices_event (the scheduler's CUDA event, which
+  this GPU-less host has none of).
 - MC_TRANSFER_TIMEOUT (read by the engine, seconds, minimum 5): set only by
   --transfer-timeout (the `timeout` fault sets 5); the engine's default is 30.
 - SGLANG_DISAGGREGATION_QUEUE_SIZE (transfer workers, SGLang's default 4) is
@@ -73,9 +76,18 @@ bootstrap-timeout, decode-dies, hang, abort, prefill-abort), plus
             behind it on that worker fail at once.
   hang keeps the engine's default timeout (30 s): for a test's lifetime the
   batch is simply hung and the rooms behind it wait.
+  worker-dies  once every earlier room concluded (so the agent has seen
+            each decode's rooms on the worker), the fault room's first
+            chunk goes with an indices_event
+            whose synchronize() raises (FaultedEvent: what a CUDA event
+            does after a device fault): SGLang's transfer worker raises
+            "Transfer thread failed ..." and its thread ends; the room and
+            every room of that worker's queue wait for good, no batch, no
+            status, no failure.
 `ready` carries sglang, mooncake (the wheel version), engine_so (the mapped
 engine.so), session (the prefill engine's), queue_size; each decode its
-session. `bootstrapped` carries SGLang's worker for the room.
+session. `bootstrapped` carries SGLang's worker for the room; `holding`
+transfer_threads, {native thread id: alive} of SGLang's transfer workers.
 
 Example:
   PY=$(cat target/sglang-venv)/bin/python
@@ -91,7 +103,17 @@ sys.path.insert(0, os.path.join(HERE, "../real"))
 import prefill as real  # noqa: E402
 
 MOONCAKE_VERSION = "0.3.13.post1"
-FAULTS = real.FAULTS + ("timeout",)
+FAULTS = real.FAULTS + ("timeout", "worker-dies")
+
+
+class FaultedEvent:
+    """What the scheduler hands SGLang's sender with a chunk instead of the
+    CUDA event its page indices are ready at (indices_event; no GPU here):
+    its synchronize() raises as torch.cuda.Event.synchronize does after a
+    device fault."""
+
+    def synchronize(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 
 def engine_so():
@@ -106,6 +128,7 @@ def engine_so():
 
 class MooncakeTarget(real.Target):
     STOP_FAULTS = ("hang", "timeout")
+    QUIET_FAULTS = ("worker-dies",)
     DECODE_SCRIPT = os.path.join(HERE, "decode.py")
 
     @staticmethod
@@ -137,6 +160,18 @@ class MooncakeTarget(real.Target):
         )
 
         return MooncakeKVBootstrapServer, MooncakeKVManager, MooncakeKVSender
+
+    def send_chunk(self, st, pages, k):
+        if self.args.fault == "worker-dies" and st["room"] == self.fault_room and k == 0:
+            st["sender"].send(pages, indices_event=FaultedEvent())
+        else:
+            st["sender"].send(pages)
+
+    def holding_fields(self):
+        """SGLang's transfer worker threads (the manager's threads whose
+        default name names their target): {native thread id: alive}."""
+        threads = [t for t in self.mgr._worker_threads if "(transfer_worker)" in t.name]
+        return {"transfer_threads": {str(t.native_id): t.is_alive() for t in threads}}
 
     def decode_args(self):
         return []

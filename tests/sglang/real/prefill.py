@@ -386,6 +386,10 @@ class Target:
     # rank 0 once the room is bootstrapped; later rooms wait until it is done.
     STOP_FAULTS = ("hang",)
     KILL_FAULTS = ("decode-dies",)
+    # Faults whose room waits, once bootstrapped, until every earlier room
+    # of any decode concluded (the fault then meets a worker that moved
+    # every room before it); later rooms wait for it as for the others.
+    QUIET_FAULTS = ()
     DECODE_SCRIPT = os.path.join(HERE, "decode.py")
 
     @staticmethod
@@ -715,9 +719,15 @@ class Target:
         self.stream_output(st, self.FINISH_ABORT(reason))
         self.conclude(st, "failed", reason=reason)
 
+    def send_chunk(self, st, pages, k):
+        """Hand chunk `k` of a room to SGLang's sender, as the scheduler's
+        send_kv_chunk does."""
+        st["sender"].send(pages)
+
     def earlier_rooms_done(self, st):
+        every = self.args.fault in self.QUIET_FAULTS
         return all(o["phase"] in ("completed", "failed") for o in self.rooms.values()
-                   if o["instance"] == st["instance"] and o["room"] < st["room"])
+                   if (every or o["instance"] == st["instance"]) and o["room"] < st["room"])
 
     def step(self):
         """One scheduler iteration over the bootstrap, forward and inflight queues."""
@@ -739,7 +749,7 @@ class Target:
                     st["pages"], st["aux"] = pages, aux
                     st["sender"].init(len(pages), aux)
                     worker = self.worker_of(room)
-                    held = a.fault in self.STOP_FAULTS + self.KILL_FAULTS
+                    held = a.fault in self.STOP_FAULTS + self.KILL_FAULTS + self.QUIET_FAULTS
                     st["phase"] = "fault-wait" if room == self.fault_room and held else "forward"
                     self.moved = now
                     if not st["quiet"]:
@@ -752,7 +762,7 @@ class Target:
                         os.kill(pid, signal.SIGSTOP)
                         self.stopped.append(pid)
                         emit("decode_stopped", decode=index, pid=pid, room=room)
-                    else:
+                    elif a.fault in self.KILL_FAULTS:
                         os.kill(pid, signal.SIGKILL)
                         self.decodes[index]["proc"].wait()
                         emit("decode_killed", decode=index, pid=pid, room=room)
@@ -776,7 +786,7 @@ class Target:
                     self.pools.fill_aux(room, st["aux"])
                 if k == 0:
                     self.mark(room, "TRANSFER_POSTED")
-                st["sender"].send(self.np.array(chunk_pages, dtype=self.np.int32))
+                self.send_chunk(st, self.np.array(chunk_pages, dtype=self.np.int32), k)
                 st["chunk"] += 1
                 st["next"] = now + a.step
                 self.moved = now
@@ -828,7 +838,8 @@ class Target:
             now = time.monotonic()
             if pending and now >= next_issue:
                 room, instance, mode = pending[0]
-                blocked = (not warmup and a.fault in self.STOP_FAULTS + self.KILL_FAULTS and self.fault_room is not None
+                blocked = (not warmup and a.fault in self.STOP_FAULTS + self.KILL_FAULTS + self.QUIET_FAULTS
+                           and self.fault_room is not None
                            and room > self.fault_room and not self.fault_in_place)
                 if not blocked:
                     pending.pop(0)
@@ -867,7 +878,11 @@ class Target:
         rooms = {str(r): st["phase"] for r, st in self.rooms.items() if r < WARMUP_ROOM}
         # rooms whose chunks wait in each worker's FastQueue (read, not taken)
         workers = {str(i): [c.room for c in list(q._buf) if c.room < WARMUP_ROOM] for i, q in enumerate(self.mgr.transfer_queues)}
-        emit("holding", rooms=rooms, workers=workers)
+        emit("holding", rooms=rooms, workers=workers, **self.holding_fields())
+
+    def holding_fields(self):
+        """What a backend's `holding` line says besides rooms and workers."""
+        return {}
 
 
 def main(argv, target_class=Target, args=None):

@@ -305,15 +305,50 @@ pub struct Rooms {
     pub fifo: bool,
     /// The next [`Room::seq`].
     next_seq: u64,
-    /// The last room a message ended, with its destinations (which the
-    /// room forgets as it ends): for a backend that learns from which
-    /// thread sent a room's status which peers that thread wrote to.
-    pub last_ended: Option<(u32, u64, Vec<Box<str>>)>,
+    /// The last room a message ended, with what the room forgets as it
+    /// ends: for a backend whose worker sends a room's status itself, to
+    /// learn which peers that thread wrote to and which shard it works.
+    pub last_ended: Option<Ended>,
     /// (pid, sum of a room's destination ports) -> the thread that last
     /// transferred a room with that sum: SGLang puts every room of one sum
     /// on one worker, whatever the number of workers, so a room with no
     /// transfer yet will be that thread's.
     shard_threads: HashMap<(u32, u32), u32>,
+    /// Whether a watched process's thread still runs: a room whose
+    /// worker thread ended waits on nothing that will come (SGLang's
+    /// Mooncake worker raises and ends on any error it did not expect).
+    pub threads: ThreadCheck,
+}
+
+/// A room a message ended ([`Rooms::last_ended`]).
+pub struct Ended {
+    pub pid: u32,
+    pub room: u64,
+    /// Its destinations.
+    pub agents: Vec<Box<str>>,
+    /// The sum of its destination ports: its worker's shard.
+    pub ports: u32,
+}
+
+/// Whether thread `tid` of `pid` runs ([`Rooms::threads`]).
+pub struct ThreadCheck(pub fn(u32, u32) -> bool);
+
+impl ThreadCheck {
+    /// Asked of procfs: a thread that ended has no `/proc/PID/task/TID`;
+    /// a process that ended says nothing of its threads (its rooms end
+    /// `process_exited`).
+    pub const PROCFS: Self = Self(|pid, tid| {
+        let process = format!("/proc/{pid}");
+        !std::path::Path::new(&process).exists() || std::path::Path::new(&format!("{process}/task/{tid}")).exists()
+    });
+}
+
+impl Default for ThreadCheck {
+    /// [`ThreadCheck::PROCFS`]; in unit tests, whose pids and tids are
+    /// made up, every thread runs (a test of an ended worker says so).
+    fn default() -> Self {
+        if cfg!(test) { Self(|_, _| true) } else { Self::PROCFS }
+    }
 }
 
 /// A handle attributed to a room: the room, its ordinal among the room's
@@ -402,7 +437,7 @@ impl Rooms {
             self.rids.retain(|(p, _), r| !(*p == pid && *r == room));
             let ended = self.live.remove(&(pid, room))?;
             self.dirty.insert((pid, room));
-            self.last_ended = Some((pid, room, ended.agents));
+            self.last_ended = Some(Ended { pid, room, agents: ended.agents, ports: ended.ports });
         }
         Some(room_observation(pid, room, stage, ts_ns))
     }
@@ -619,6 +654,14 @@ impl Rooms {
         live.then(|| room_observation(pid, room, stage, ts_ns))
     }
 
+    /// Thread `tid` worked a room of the shard `ports` (sent its status,
+    /// for a backend whose worker does): the shard's worker, as if it had
+    /// been seen transferring one of its rooms. A shard's first room may
+    /// have had no transfer told its own (its peer's segment not known).
+    pub fn worked_by(&mut self, pid: u32, ports: u32, tid: u32) {
+        self.shard_threads.insert((pid, ports), tid);
+    }
+
     /// The peers a transfer on thread `tid` to a peer not known by name
     /// may be writing to (for a backend that names peers by ids learnt at
     /// a call this agent may have missed): the destinations of the thread's
@@ -652,7 +695,11 @@ impl Rooms {
     /// (by `sum(destination ports) % 4`) has a transfer posted and not done
     /// (the worker is stuck on that room, named `behind`, so this one waits
     /// in its queue, not for its peer); else `prefill` (bootstrapped: its
-    /// forward pass or its worker's queue).
+    /// forward pass or its worker's queue); `worker` with `worker=exited`
+    /// and its `worker_tid` when the thread its shard's rooms ran on has
+    /// ended. A room between its transfers
+    /// (some done, none outstanding) says `behind` and `waiting_on` alone:
+    /// its next chunk waits on the same worker or forward pass.
     pub fn context(&self, pid: u32, room: u64) -> Vec<(&'static str, String)> {
         let Some(this) = self.live.get(&(pid, room)) else { return Vec::new() };
         let decode = ("side", Side::Decode.as_str().to_owned());
@@ -671,19 +718,32 @@ impl Rooms {
             // Its scheduler has it; no decode rank has answered.
             return vec![("answered", "0".to_owned()), ("waiting_on", "peer".to_owned())];
         }
-        // Mid-transfer, or adopted after a restart with nothing known.
-        if this.transfers > 0 || this.agents.is_empty() {
+        // Adopted after a restart with nothing known.
+        if this.agents.is_empty() {
             return Vec::new();
         }
-        let answered = this.agents.len();
-        let mut fields = vec![("answered", format!("{answered}/{}", this.ranks))];
-        if answered < this.ranks as usize {
-            fields.push(("waiting_on", "peer".to_owned()));
-            return fields;
+        // Between its transfers (none outstanding), a room waits as one not
+        // started whose ranks all answered: on its worker or its prefill.
+        let mut fields = Vec::new();
+        if this.transfers == 0 {
+            let answered = this.agents.len();
+            fields.push(("answered", format!("{answered}/{}", this.ranks)));
+            if answered < this.ranks as usize {
+                fields.push(("waiting_on", "peer".to_owned()));
+                return fields;
+            }
         }
         // Its worker: by SGLang's formula with its default worker count,
         // or the thread its shard's rooms ran on (any worker count).
         let thread = self.shard_threads.get(&(pid, this.ports));
+        if let Some(&tid) = thread.filter(|&&tid| !(self.threads.0)(pid, tid)) {
+            fields.extend([
+                ("waiting_on", "worker".to_owned()),
+                ("worker", "exited".to_owned()),
+                ("worker_tid", tid.to_string()),
+            ]);
+            return fields;
+        }
         let on_its_worker = |other: &u64, r: &Room| {
             r.ports % WORKERS == this.ports % WORKERS
                 || thread.is_some_and(|&tid| self.current.get(&(pid, tid)) == Some(other))
@@ -1364,7 +1424,7 @@ mod tests {
         rooms.handle(20, handle_event(4, 0xa0, TransferPosted, 11)).expect("room 1's");
         assert_eq!(rooms.context(4, 1), fields(&[("handle", "0xa0"), ("transfer", "1")]));
         rooms.handle(20, handle_event(4, 0xa0, TransferDone, 12)).expect("room 1's");
-        assert_eq!(rooms.context(4, 1), Vec::new(), "between its transfers");
+        assert_eq!(rooms.context(4, 1), fields(&[("waiting_on", "prefill")]), "between its transfers");
         rooms.creating(4, 20, b"b", None);
         assert_eq!(rooms.handle(20, handle_event(4, 0xa1, Enqueued, 13)), None);
         rooms.handle(20, handle_event(4, 0xa1, TransferPosted, 14)).expect("room 1's");
@@ -1382,6 +1442,40 @@ mod tests {
             fields(&[("answered", "2/2"), ("waiting_on", "prefill")]),
             "the worker moved on"
         );
+        // Room 2's first transfer hangs on the same thread: room 1, between
+        // its transfers, has its next chunk queued behind it.
+        rooms.current.insert((4, 20), 2);
+        rooms.creating(4, 20, b"b", None);
+        assert_eq!(rooms.handle(20, handle_event(4, 0xb0, Enqueued, 16)), None);
+        rooms.handle(20, handle_event(4, 0xb0, TransferPosted, 17)).expect("room 2's");
+        assert_eq!(rooms.context(4, 1), fields(&[("behind", "2"), ("waiting_on", "worker")]));
+        // The worker thread ends (it raised): its shard's rooms wait on a
+        // worker that is gone, whatever else they would have waited on.
+        rooms.threads = ThreadCheck(|_, tid| tid != 20);
+        let exited = [("waiting_on", "worker"), ("worker", "exited"), ("worker_tid", "20")];
+        assert_eq!(rooms.context(4, 1), fields(&exited));
+        assert_eq!(rooms.context(4, 2), fields(&[("handle", "0xb0"), ("transfer", "1")]), "its own transfer first");
+        assert_eq!(rooms.context(4, 3), fields(&[("answered", "1/2"), ("waiting_on", "peer")]), "a missing peer first");
+        rooms.observe(4, 18, &to(3, 40003, "b"));
+        assert_eq!(rooms.context(4, 3), fields(&[[("answered", "2/2")].as_slice(), &exited].concat()));
+    }
+
+    #[test]
+    fn procfs_tells_a_running_thread_from_an_ended_one() {
+        fn this_thread() -> u32 {
+            let me = std::fs::read_link("/proc/thread-self").expect("/proc/thread-self");
+            me.file_name().and_then(|n| n.to_str()).and_then(|n| n.parse().ok()).expect("a tid")
+        }
+        let pid = std::process::id();
+        assert!((ThreadCheck::PROCFS.0)(pid, this_thread()));
+        let ended = std::thread::spawn(this_thread).join().expect("the thread");
+        // Joined as it clears its tid, a moment before the kernel reaps it.
+        let gone = (0..200).any(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            !(ThreadCheck::PROCFS.0)(pid, ended)
+        });
+        assert!(gone, "thread {ended} still in /proc/{pid}/task after 1 s");
+        assert!((ThreadCheck::PROCFS.0)(u32::MAX, 1), "a process gone says nothing of its threads");
     }
 
     #[test]

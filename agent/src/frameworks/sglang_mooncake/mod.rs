@@ -249,10 +249,11 @@ impl Framework for SglangMooncake {
                 // A room's status, sent by its worker thread.
                 let made = self.sglang.signal(spec, signal)?;
                 let ended = self.sglang.rooms_mut().last_ended.take();
-                if let (Some(end), Some((pid, room, peers))) = (&made, ended)
-                    && (pid, room) == (end.pid, end.key)
+                if let (Some(end), Some(ended)) = (&made, ended)
+                    && (ended.pid, ended.room) == (end.pid, end.key)
                 {
-                    self.concluded(pid, signal.tid, room, &peers);
+                    self.sglang.rooms_mut().worked_by(ended.pid, ended.ports, signal.tid);
+                    self.concluded(ended.pid, signal.tid, ended.room, &ended.agents);
                 }
                 Some(made)
             }
