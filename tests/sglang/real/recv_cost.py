@@ -3,11 +3,10 @@
 SGLang's scheduler receives it (io_struct.sock_recv, pickle or msgpack IPC):
 a PUSH thread sends --count TokenizedGenerateReqInput of --tokens token ids
 (SGLang 0.5.23's own class and sock_send) to a PULL socket; the main thread
-times its sock_recv calls. Run it with and without an agent attached
-(`stallwatch run --pid PID --profile sglang`) and compare the per-request
-times it prints: the difference is what the agent's probes on the frame cost.
-Also --tag other: the same bytes under another class name (a frame whose
-tag does not match: the walk stops within its first opcodes).
+times its sock_recv calls. `cargo bench -p stallwatch --bench recv` runs it
+unwatched, with empty programs and with `stallwatch run --pid PID --profile
+sglang`, side by side: the difference is what the agent's probes on the
+frame cost. SGLANG_USE_PICKLE_IPC picks the IPC (SGLang's default: pickle).
 
 JSON lines: {"event":"ready","pid"} then waits for a line on stdin, then
 {"event":"result","tokens","ipc","per_request_us","count"}.
