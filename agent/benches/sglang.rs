@@ -39,22 +39,6 @@ struct Run {
     wall_ms: f64,
 }
 
-/// The SGLang venv's Python: STALLWATCH_SGLANG_VENV (the xtask sets it),
-/// else the venv the xtask's set-up last made or found (target/sglang-venv).
-fn sglang_python() -> Result<PathBuf> {
-    let venv = match std::env::var_os("STALLWATCH_SGLANG_VENV") {
-        Some(venv) => PathBuf::from(venv),
-        None => std::fs::read_to_string(support::root().join("target/sglang-venv"))
-            .map(|path| PathBuf::from(path.trim()))
-            .context("no SGLang venv: run `cargo run --release -p xtask -- setup --python` (or `-- bench`)")?,
-    };
-    let python = venv.join("bin/python");
-    if !python.exists() {
-        bail!("no {}: run `cargo run --release -p xtask -- setup --python`", python.display());
-    }
-    Ok(python)
-}
-
 /// The target's next JSON line whose `event` is `event` (other lines are
 /// read past); an error if the target exits first.
 fn until(lines: &mut Lines<BufReader<ChildStdout>>, event: &str) -> Result<serde_json::Value> {
@@ -124,7 +108,7 @@ fn run(python: &PathBuf, rooms: u64, profile: Option<&str>) -> Result<Run> {
 fn main() -> Result<()> {
     support::require_root("the SGLang benchmark")?;
     let full = !support::smoke();
-    let python = sglang_python()?;
+    let python = support::sglang_python()?;
     let (runs, rooms) = if full { (3, 300) } else { (1, 20) };
     let columns: &[(&str, Option<&str>)] = if full {
         &[("off", None), ("nixl", Some("nixl")), ("sglang", Some("sglang"))]

@@ -59,6 +59,22 @@ pub fn venv_python() -> PathBuf {
     root().join(std::env::var("STALLWATCH_VENV").unwrap_or_else(|_| "target/venv".into())).join("bin/python")
 }
 
+/// The SGLang venv's Python: STALLWATCH_SGLANG_VENV (the xtask sets it),
+/// else the venv the xtask's set-up last made or found (target/sglang-venv).
+pub fn sglang_python() -> Result<PathBuf> {
+    let venv = match std::env::var_os("STALLWATCH_SGLANG_VENV") {
+        Some(venv) => PathBuf::from(venv),
+        None => fs::read_to_string(root().join("target/sglang-venv"))
+            .map(|path| PathBuf::from(path.trim()))
+            .context("no SGLang venv: run `cargo run --release -p xtask -- setup --python` (or `-- bench`)")?,
+    };
+    let python = venv.join("bin/python");
+    if !python.exists() {
+        bail!("no {}: run `cargo run --release -p xtask -- setup --python`", python.display());
+    }
+    Ok(python)
+}
+
 /// The workspace root.
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
