@@ -659,6 +659,7 @@ fn watched_a_hung_rooms_transport_evidence_says_no_bytes_moved_to_its_stopped_de
     seen.extend(agent.stop());
     target.proc.write_line("quit");
     let (_, alert) = of_room(&seen, "stalled", fault);
+    eprintln!("{alert}");
     assert_eq!(field(&alert, "class"), Some("transfer_hung"), "{alert}");
     let session = target.ready["decodes"][0]["session"].as_str().expect("the decode's session").to_owned();
     let transport = &alert["transport"];
