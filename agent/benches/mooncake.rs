@@ -20,6 +20,9 @@
 //!   its status, 3 frames, sent and received with pyzmq as SGLang's
 //!   bootstrap thread does), as the CPU time of that thread per round.
 //!
+//! Every run fails if the functions the floor attaches differ from those
+//! the agent's summary lists as `attached: always`.
+//!
 //! The host's load average is printed with the figures: on a shared host
 //! the wall-clock ratios move with it. Figures only, never a pass or fail.
 //! `cargo run --release -p xtask -- bench` runs it (as root, with the SGLang
@@ -28,6 +31,7 @@
 mod support;
 
 use std::{
+    collections::BTreeSet,
     fs,
     io::{BufRead as _, BufReader, Lines, Write as _},
     path::Path,
@@ -78,7 +82,7 @@ fn drive(
     let (floor, agent) = match config {
         Config::Off | Config::Bpftrace => (None, None),
         Config::Empty => (Some(Floor::attach(pid, profile)?), None),
-        Config::Agent(bin) => (None, Some(Agent::start(bin, pid, PROFILE)?)),
+        Config::Agent(bin) => (None, Some((Agent::start(bin, pid, PROFILE)?, Floor::symbols(pid, profile)?))),
     };
     let cpu_before = support::cpu_ns(pid)?;
     writeln!(stdin, "go")?;
@@ -88,8 +92,20 @@ fn drive(
     let _ = child.wait();
     drop(floor);
     let done = done?;
-    if let Some(agent) = agent {
+    if let Some((agent, floor_symbols)) = agent {
         let summary = agent.stop()?;
+        // The floor must be the agent's own probe set: the progress probe
+        // (linked only near a stall) in neither.
+        let linked: BTreeSet<&str> = summary.always_attached.iter().map(|(symbol, _)| symbol.as_str()).collect();
+        let floor: BTreeSet<&str> = floor_symbols.iter().map(String::as_str).collect();
+        if linked != floor {
+            bail!(
+                "the empty-program floor would attach other functions than the agent linked for the run: the floor \
+                 alone {:?}, the agent alone {:?}; make Floor::points attach what the agent attaches",
+                floor.difference(&linked).collect::<Vec<_>>(),
+                linked.difference(&floor).collect::<Vec<_>>()
+            );
+        }
         if summary.lost_events > 0 {
             eprintln!("mooncake bench: the agent lost {} events", summary.lost_events);
         }
