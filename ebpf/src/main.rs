@@ -28,7 +28,7 @@ use aya_ebpf::{
         bpf_probe_read_user_str_bytes, generated::bpf_get_attach_cookie,
     },
     macros::{btf_tracepoint, map, uprobe, uretprobe},
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf, ring_buf::RingBufEntry},
     programs::{BtfTracePointContext, ProbeContext, RetProbeContext},
 };
 use aya_log_ebpf::warn;
@@ -527,8 +527,9 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
     } else {
         None
     };
-    let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
-        bump(counter::RINGBUF_FULL);
+    let flags = if cfg.flags & slot_flags::ENDS != 0 { matched.rules | event_flags::ENDS } else { matched.rules };
+    let head = Head { ts_ns: ts, key, ret, pid_tgid, slot, flags, stage: matched.stage };
+    let Some(mut entry) = reserve(&head) else {
         // The agent misses this event, but the in-flight table need not;
         // it is not recorded as emitted, so a poll answering the same
         // again is sent again.
@@ -539,17 +540,9 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
     };
     let event = entry.as_mut_ptr();
     // SAFETY: `event` points at a reserved, exclusively owned ring-buffer
-    // record of the right size; every field but the tail of `ext` is written.
+    // record of the right size, its head written; `ext` is written here,
+    // all but its tail.
     unsafe {
-        (*event).ts_ns = ts;
-        (*event).key = key;
-        (*event).ret = ret;
-        (*event).pid = request.pid;
-        (*event).tid = pid_tgid as u32;
-        (*event).slot = slot;
-        (*event).flags =
-            if cfg.flags & slot_flags::ENDS != 0 { matched.rules | event_flags::ENDS } else { matched.rules };
-        (*event).stage = matched.stage;
         (*event).ext[0] = 0;
         // The external id, or else the stage times withheld before this
         // record (they share the field): a record that reads the id leaves
@@ -588,9 +581,7 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
             track(&request, held, matched.stage, ends, ts, ext, Delivery::Sent { last: emitted, carried });
         }
     }
-    let wakeup =
-        if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKEUP_AT { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP };
-    entry.submit(u64::from(wakeup));
+    submit(entry);
     if only_on_change && ends {
         let _ = LAST.insert(&request, &emitted, 0);
     }
@@ -975,30 +966,26 @@ unsafe extern "C" fn strings_step(_turn: u64, ctx: *mut c_void) -> i64 {
 /// One chunk record of a string walk (`at` 0: an empty string).
 #[inline(always)]
 fn send_chunk(s: &Strings, at: u64, last: bool) {
-    let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
-        bump(counter::RINGBUF_FULL);
-        return;
+    let head = Head {
+        ts_ns: s.ts,
+        key: s.key,
+        ret: chunk::pack(s.len, s.seq.wrapping_sub(1), s.chunk, last),
+        pid_tgid: s.owner,
+        slot: s.slot,
+        flags: event_flags::HAS_EXT | event_flags::CHUNK,
+        stage: stage::SIGNAL,
     };
+    let Some(mut entry) = reserve(&head) else { return };
     let event = entry.as_mut_ptr();
-    // SAFETY: a reserved, exclusively owned record; every field but the
-    // tail of `ext` is written.
+    // SAFETY: a reserved, exclusively owned record, its head written; all
+    // of `ext` but its tail is written here.
     unsafe {
-        (*event).ts_ns = s.ts;
-        (*event).key = s.key;
-        (*event).ret = chunk::pack(s.len, s.seq.wrapping_sub(1), s.chunk, last);
-        (*event).pid = (s.owner >> 32) as u32;
-        (*event).tid = s.owner as u32;
-        (*event).slot = s.slot;
-        (*event).flags = event_flags::HAS_EXT | event_flags::CHUNK;
-        (*event).stage = stage::SIGNAL;
         (*event).ext[0] = 0;
         if at != 0 && bpf_probe_read_user_str_bytes(at as *const u8, &mut (*event).ext).is_err() {
             bump(counter::EXT_UNREADABLE);
         }
     }
-    let wakeup =
-        if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKEUP_AT { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP };
-    entry.submit(u64::from(wakeup));
+    submit(entry);
 }
 
 /// A msgpack header's bytes at `at`.
@@ -1093,35 +1080,69 @@ fn emit_pickle(slot: u32, at: u64, key: u64, ret: i64, pid_tgid: u64) {
     // SAFETY: the helper only reads the clock.
     let ts = unsafe { bpf_ktime_get_ns() };
     let tag_flag = event_flags::PICKLE_TAG << ((walk.tag - 1) & 1);
+    let flags = tag_flag | event_flags::HAS_EXT | event_flags::EXT_BYTES;
+    let head = Head { ts_ns: ts, key, ret, pid_tgid, slot, flags, stage: stage::SIGNAL };
     for n in 0..PICKLE_RECORDS {
         if n as u32 >= walk.records {
             break;
         }
-        let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
-            bump(counter::RINGBUF_FULL);
-            return;
-        };
+        let Some(mut entry) = reserve(&head) else { return };
         let event = entry.as_mut_ptr();
-        // SAFETY: a reserved record, every field written; `scratch` a
-        // per-CPU map value no one else writes while this runs.
+        // SAFETY: a reserved record, its head written, all of `ext` here;
+        // `scratch` a per-CPU map value no one else writes while this runs.
         unsafe {
-            (*event).ts_ns = ts;
-            (*event).key = key;
-            (*event).ret = ret;
-            (*event).pid = (pid_tgid >> 32) as u32;
-            (*event).tid = pid_tgid as u32;
-            (*event).slot = slot;
-            (*event).flags = tag_flag | event_flags::HAS_EXT | event_flags::EXT_BYTES;
-            (*event).stage = stage::SIGNAL;
             words_copy(&mut (*event).ext, &(*scratch).records[n]);
         }
-        let wakeup = if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKEUP_AT {
-            BPF_RB_FORCE_WAKEUP
-        } else {
-            BPF_RB_NO_WAKEUP
-        };
-        entry.submit(u64::from(wakeup));
+        submit(entry);
     }
+}
+
+/// Everything a ring-buffer record says but its `ext`: the three writers
+/// (a probe's event in [`emit`], a string chunk in [`send_chunk`], a pickle
+/// record in [`emit_pickle`]) fill it through [`reserve`], the one place
+/// that writes these fields, so a field added to [`Event`] is added there.
+struct Head {
+    ts_ns: u64,
+    key: u64,
+    ret: i64,
+    /// `bpf_get_current_pid_tgid()` of the thread that hit the probe.
+    pid_tgid: u64,
+    slot: u32,
+    flags: u32,
+    stage: u8,
+}
+
+/// A ring-buffer record reserved with `head` written, its `ext` the
+/// caller's to fill; `None` (counted) when the buffer is full.
+#[inline(always)]
+fn reserve(head: &Head) -> Option<RingBufEntry<Event>> {
+    let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
+        bump(counter::RINGBUF_FULL);
+        return None;
+    };
+    let event = entry.as_mut_ptr();
+    // SAFETY: `event` points at a reserved, exclusively owned ring-buffer
+    // record of the right size; the fields written here are all but `ext`
+    // (and the padding, which no reader looks at).
+    unsafe {
+        (*event).ts_ns = head.ts_ns;
+        (*event).key = head.key;
+        (*event).ret = head.ret;
+        (*event).pid = (head.pid_tgid >> 32) as u32;
+        (*event).tid = head.pid_tgid as u32;
+        (*event).slot = head.slot;
+        (*event).flags = head.flags;
+        (*event).stage = head.stage;
+    }
+    Some(entry)
+}
+
+/// Hand a record to the agent, waking it only past [`WAKEUP_AT`].
+#[inline(always)]
+fn submit(entry: RingBufEntry<Event>) {
+    let wakeup =
+        if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKEUP_AT { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP };
+    entry.submit(u64::from(wakeup));
 }
 
 /// A record zeroed word by word: as `= [0; 64]`, LLVM calls a memset

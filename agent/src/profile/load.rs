@@ -61,9 +61,29 @@ impl Profile {
         Self::parse_in(&text, &path.display().to_string(), dir.as_deref(), chain)
     }
 
+    /// The profile `spec` that the one being read (`origin`, in `dir`)
+    /// names at `at` (its `extends`, a `[[signals_from]]`), loaded with
+    /// `origin` on `chain`.
+    fn load_named(spec: &str, at: &str, origin: &str, dir: Option<&Path>, chain: &mut Vec<String>) -> Result<Self> {
+        chain.push(origin.to_owned());
+        if chain.len() > MAX_EXTENDS {
+            bail!(
+                "{at}: more than {MAX_EXTENDS} profiles extend or take signals from one another ({}): shorten the \
+                 chain",
+                chain.join(" -> ")
+            );
+        }
+        let named = Self::load_in(spec, dir, chain).with_context(|| at.to_owned())?;
+        chain.pop();
+        Ok(named)
+    }
+
     fn parse_in(text: &str, origin: &str, dir: Option<&Path>, chain: &mut Vec<String>) -> Result<Self> {
         if chain.iter().any(|earlier| earlier == origin) {
-            bail!("profiles extend one another in a loop: {} -> {origin}", chain.join(" -> "));
+            bail!(
+                "profiles extend one another (or take signals from one another) in a loop: {} -> {origin}",
+                chain.join(" -> ")
+            );
         }
         let raw: RawProfile = toml::from_str(text).map_err(|err| anyhow!("profile {origin}: {err}"))?;
         let here: Arc<str> = origin.into();
@@ -72,16 +92,7 @@ impl Profile {
                 let line = line_of(text, spanned.span().start);
                 let spec = spanned.into_inner();
                 let at = format!("profile {origin}, line {line} (`extends = \"{spec}\"`)");
-                chain.push(origin.to_owned());
-                if chain.len() > MAX_EXTENDS {
-                    bail!(
-                        "{at}: more than {MAX_EXTENDS} profiles extend one another ({}): shorten the chain",
-                        chain.join(" -> ")
-                    );
-                }
-                let base = Self::load_in(&spec, dir, chain).with_context(|| at.clone())?;
-                chain.pop();
-                Some(base)
+                Some(Self::load_named(&spec, &at, origin, dir, chain)?)
             }
             None => None,
         };
@@ -138,6 +149,15 @@ impl Profile {
                     .map_err(|err| anyhow!("profile {origin}, line {line} ([[signal]] `{name}`): {err}"))
             })
             .collect::<Result<Vec<SignalSpec>>>()?;
+        // Signals of other profiles, each with the line of the table that
+        // takes it (for a name it collides on).
+        let mut taken: Vec<(usize, SignalSpec)> = Vec::new();
+        for spanned in raw.signals_from {
+            let line = line_of(text, spanned.span().start);
+            for signal in spanned.into_inner().take(text, origin, line, dir, chain)? {
+                taken.push((line, signal));
+            }
+        }
         // What this file probes replaces what the base probes on the same
         // function (both ends): a profile changes a probe by giving the
         // function's probes anew, and adds one on a function of its own. A
@@ -178,7 +198,7 @@ impl Profile {
                 })
             })
             .transpose()?;
-        let (mut probes, activity, signals, status, extends, complete_at, layout) = match base {
+        let (mut probes, activity, mut signals, status, extends, complete_at, layout) = match base {
             Some(base) => {
                 let mut probes: Vec<ProbeSpec> = base
                     .probes
@@ -219,6 +239,24 @@ impl Profile {
                 own_layout,
             ),
         };
+        // A signal taken from another profile is added, never in place of
+        // one: its name is new to this profile, or an error.
+        for (line, spec) in taken {
+            if let Some(earlier) = signals.iter().find(|e| e.name == spec.name) {
+                let (what, place) = if *earlier.origin == *origin {
+                    ("the [[signal]]", format!("on line {}", earlier.line))
+                } else {
+                    ("the signal", format!("of profile {}, line {}", earlier.origin, earlier.line))
+                };
+                bail!(
+                    "profile {origin}, line {line} ([[signals_from]]): it takes a signal named `{}`, the name of \
+                     {what} {place}, and consumers tell signals apart by name: drop one, or take it under \
+                     another `prefix`",
+                    spec.name
+                );
+            }
+            signals.push(spec);
+        }
         for probe in &mut probes {
             probe.ends = probe.ends_under(complete_at, origin).map_err(|err| {
                 anyhow!("profile {}, line {} ([[probe]] for `{}`): {err}", probe.origin, probe.line, probe.symbol)
@@ -324,6 +362,69 @@ struct RawProfile {
     status: Option<Spanned<RawStatus>>,
     complete_at: Option<Spanned<String>>,
     layout: Option<Spanned<RawLayout>>,
+    /// Signals of another profile, taken by name, renamed with a prefix.
+    #[serde(default)]
+    signals_from: Vec<Spanned<RawSignalsFrom>>,
+}
+
+/// A `[[signals_from]]` table: the signals `names` of profile `profile`
+/// (as it resolves, with what it inherits), each named `prefix` + its
+/// name here, so two frameworks that read the same traffic (SGLang's ZMQ
+/// on NIXL and on Mooncake) read it with one definition, each under the
+/// names its consumers know.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSignalsFrom {
+    profile: String,
+    names: Vec<Spanned<String>>,
+    #[serde(default)]
+    prefix: String,
+}
+
+impl RawSignalsFrom {
+    /// The signals taken, in the order of `names`, each as its profile
+    /// wrote it (its origin and line, for errors and `profile check`) but
+    /// for its name. `line` is the table's in `text`, profile `origin`.
+    fn take(
+        self,
+        text: &str,
+        origin: &str,
+        line: usize,
+        dir: Option<&Path>,
+        chain: &mut Vec<String>,
+    ) -> Result<Vec<SignalSpec>> {
+        let spec = &self.profile;
+        let at = format!("profile {origin}, line {line} ([[signals_from]] `{spec}`)");
+        if self.names.is_empty() {
+            bail!("{at}: `names` is empty: list the signals to take (`stallwatch profile check {spec}` lists them)");
+        }
+        let from = Profile::load_named(spec, &at, origin, dir, chain)?;
+        let mut taken: Vec<SignalSpec> = Vec::with_capacity(self.names.len());
+        for (i, spanned) in self.names.iter().enumerate() {
+            let name = spanned.get_ref();
+            let at =
+                format!("profile {origin}, line {} ([[signals_from]] `{spec}`)", line_of(text, spanned.span().start));
+            if self.names[..i].iter().any(|earlier| earlier.get_ref() == name) {
+                bail!("{at}: `names` has `{name}` twice: keep one");
+            }
+            let Some(signal) = from.signals.iter().find(|signal| signal.name == *name) else {
+                let known: Vec<&str> = from.signals.iter().map(|signal| signal.name.as_str()).collect();
+                bail!(
+                    "{at}: `{spec}` has no signal named `{name}`; its signals are {}",
+                    if known.is_empty() { "none".to_owned() } else { known.join(", ") }
+                );
+            };
+            if signal.layout {
+                bail!(
+                    "{at}: signal `{name}` reads the classes of a build that `{spec}`'s [layout] vouches for \
+                     (`layout = true`), which this profile's [layout] does not: copy it into a [[signal]] here, \
+                     with a [layout] for its library"
+                );
+            }
+            taken.push(SignalSpec { name: format!("{}{name}", self.prefix), ..signal.clone() });
+        }
+        Ok(taken)
+    }
 }
 
 #[derive(Deserialize)]

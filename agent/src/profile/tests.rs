@@ -216,7 +216,7 @@ fn bad_extends_name_the_file_the_line_and_the_fix() {
     );
     let looped = err("a.toml");
     assert!(
-        looped.contains("extend one another in a loop")
+        looped.contains("extend one another (or take signals from one another) in a loop")
             && looped.contains("a.toml -> ")
             && looped.contains("b.toml -> "),
         "{looped}"
@@ -946,4 +946,179 @@ fn a_pickle_capture_needs_bytes_short_names_and_one_key_for_items() {
         "bytes = { from = \"ret\" }\nmsgpack = { element = 1 }\npickle = { tags = [\"T\"], keys = [\"k\"] }",
     ));
     assert!(err.contains("either `msgpack` or `pickle`"), "{err}");
+}
+
+/// The `sglang-mooncake` profile's signals, as resolved: its own on the
+/// engine and on ZMQ's frames, then the `sglang` profile's four scheduler
+/// signals (msgpack and pickled) under the `mooncake_` prefix, each the
+/// same as `sglang`'s in everything but its name and where it is written.
+/// Pinned by name and attach point too, so a change to either profile
+/// that changes what Mooncake's watch attaches shows here.
+#[test]
+fn the_sglang_mooncake_profile_reads_the_sglang_profiles_zmq_signals_under_its_prefix() {
+    let mooncake = Profile::load("sglang-mooncake").unwrap();
+    let sglang = Profile::load("sglang").unwrap();
+    let attach = |s: &SignalSpec| (s.name.clone(), s.object.clone().unwrap_or_default(), s.symbol.clone(), s.at);
+    let close = "zmq_msg_close";
+    let send = "zmq_msg_send";
+    let zmq = |name: &str, symbol: &str| (name.to_owned(), "libzmq.so".to_owned(), symbol.to_owned(), At::Entry);
+    let engine =
+        |name: &str, symbol: &str, at| (name.to_owned(), "mooncake/engine.so".to_owned(), symbol.to_owned(), at);
+    assert_eq!(
+        mooncake.signals.iter().map(attach).collect::<Vec<_>>(),
+        [
+            engine(
+                "mooncake_submit",
+                "_ZN8mooncake14TransferEngine14submitTransferEmRKSt6vectorINS_9Transport15TransferRequestESaIS3_EE",
+                At::Entry
+            ),
+            engine(
+                "mooncake_segment",
+                "_ZN8mooncake18TransferEngineImpl11openSegmentERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE",
+                At::Return
+            ),
+            zmq("mooncake_zmq_recv", close),
+            zmq("mooncake_zmq_send", send),
+            zmq("mooncake_sglang_request_room", close),
+            zmq("mooncake_sglang_output_rids", send),
+            zmq("mooncake_sglang_request_pickle", close),
+            zmq("mooncake_sglang_output_pickle", send),
+        ]
+    );
+    let unplaced = |s: &SignalSpec, name: String| SignalSpec { origin: "".into(), line: 0, name, ..s.clone() };
+    let taken: Vec<SignalSpec> =
+        ["sglang_request_room", "sglang_output_rids", "sglang_request_pickle", "sglang_output_pickle"]
+            .into_iter()
+            .map(|name| {
+                let spec =
+                    sglang.signals.iter().find(|s| s.name == name).unwrap_or_else(|| panic!("sglang has {name}"));
+                unplaced(spec, format!("mooncake_{name}"))
+            })
+            .collect();
+    let theirs: Vec<SignalSpec> = mooncake.signals[4..].iter().map(|s| unplaced(s, s.name.clone())).collect();
+    assert_eq!(theirs, taken);
+    assert!(mooncake.signals[4..].iter().all(|s| &*s.origin == "built-in profile `sglang`"));
+    // What the kernel is given for each is the same, too.
+    let slots = |specs: &[SignalSpec]| specs.iter().map(|s| format!("{:?}", s.slot_config())).collect::<Vec<_>>();
+    assert_eq!(slots(&mooncake.signals[4..]), slots(&taken));
+}
+
+/// A `[[signals_from]]` table naming profile `from`, taking `names` under
+/// `prefix`.
+fn signals_from(from: &str, names: &str, prefix: &str) -> String {
+    format!("[[signals_from]]\nprofile = \"{from}\"\nnames = [{names}]\nprefix = \"{prefix}\"\n\n")
+}
+
+const SIGNAL_S: &str = "[[signal]]\nname = \"s\"\nobject = \"libzmq.so\"\nsymbol = \"zmq_msg_send\"\nat = \"entry\"\nvalue = { from = \"arg2\" }\n\n";
+
+#[test]
+fn signals_taken_from_another_profile_are_its_own_under_the_prefix_in_the_order_named() {
+    let t = format!("name = \"t\"\n{ENTRY_G}{SIGNAL_S}{}", SIGNAL_S.replace("\"s\"", "\"u\""));
+    let dir = profile_dir(&[
+        ("t.toml", &t),
+        // Taken from a profile that inherits them, too.
+        ("on-t.toml", "extends = \"t.toml\"\n"),
+        ("mine.toml", &format!("{ENTRY_F}{SIGNAL_S}{}", signals_from("on-t.toml", "\"u\", \"s\"", "t_"))),
+    ]);
+    let mine = Profile::load(dir.join("mine.toml").to_str().unwrap()).expect("mine");
+    let t_origin = dir.join("t.toml").display().to_string();
+    let signals: Vec<(&str, &str, usize)> =
+        mine.signals.iter().map(|s| (s.name.as_str(), &*s.origin, s.line)).collect();
+    let mine_origin = dir.join("mine.toml").display().to_string();
+    assert_eq!(signals, [("s", mine_origin.as_str(), 7), ("t_u", &t_origin, 15), ("t_s", &t_origin, 8)]);
+    assert_eq!(mine.probes.len(), 1, "only signals are taken");
+    let t = Profile::load(dir.join("t.toml").to_str().unwrap()).unwrap();
+    assert_eq!(SignalSpec { name: "s".into(), ..mine.signals[2].clone() }, t.signals[0]);
+    // A built-in by name, without a prefix: a selection.
+    let plain =
+        profile_dir(&[("p.toml", &format!("{ENTRY_F}{}", signals_from("sglang", "\"sglang_output_rids\"", "")))]);
+    let p = Profile::load(plain.join("p.toml").to_str().unwrap()).expect("p");
+    assert_eq!(p.signals.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), ["sglang_output_rids"]);
+    for dir in [dir, plain] {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+#[test]
+fn bad_signals_from_name_the_line_and_the_fix() {
+    let dir = profile_dir(&[
+        ("t.toml", &format!("{ENTRY_G}{SIGNAL_S}")),
+        ("unknown.toml", &format!("{ENTRY_F}\n{}", signals_from("t.toml", "\"s\",\n  \"v\"", "x_"))),
+        ("twice.toml", &format!("{ENTRY_F}{}", signals_from("t.toml", "\"s\", \"s\"", "x_"))),
+        ("none.toml", &format!("{ENTRY_F}{}", signals_from("t.toml", "", "x_"))),
+        ("nowhere.toml", &format!("{ENTRY_F}{}", signals_from("gone.toml", "\"s\"", "x_"))),
+        // Collisions: with a [[signal]] of its own, another table's, an inherited one.
+        (
+            "own.toml",
+            &format!("{ENTRY_F}{}{}", SIGNAL_S.replace("\"s\"", "\"x_s\""), signals_from("t.toml", "\"s\"", "x_")),
+        ),
+        (
+            "both.toml",
+            &format!("{ENTRY_F}{}{}", signals_from("t.toml", "\"s\"", ""), signals_from("t.toml", "\"s\"", "")),
+        ),
+        ("inherits.toml", &format!("extends = \"t.toml\"\n{}", signals_from("t.toml", "\"s\"", ""))),
+        // A loop, through a table or through `extends`.
+        ("a.toml", &format!("{ENTRY_F}{}", signals_from("b.toml", "\"s\"", "a_"))),
+        ("b.toml", &format!("extends = \"a.toml\"\n{SIGNAL_S}")),
+        ("self.toml", &format!("{ENTRY_F}{SIGNAL_S}{}", signals_from("self.toml", "\"s\"", "x_"))),
+        ("layout.toml", &format!("{ENTRY_F}{}", signals_from("sglang", "\"nixl_dlist_remote_agent\"", "x_"))),
+    ]);
+    let err = |name: &str| format!("{:#}", Profile::load(dir.join(name).to_str().unwrap()).unwrap_err());
+    let unknown = err("unknown.toml");
+    assert!(
+        unknown.contains(
+            "unknown.toml, line 11 ([[signals_from]] `t.toml`): `t.toml` has no signal named `v`; its signals are s"
+        ),
+        "{unknown}"
+    );
+    let twice = err("twice.toml");
+    assert!(
+        twice.contains("twice.toml, line 9 ([[signals_from]] `t.toml`): `names` has `s` twice: keep one"),
+        "{twice}"
+    );
+    let none = err("none.toml");
+    assert!(
+        none.contains("none.toml, line 7 ([[signals_from]] `t.toml`): `names` is empty: list the signals"),
+        "{none}"
+    );
+    let nowhere = err("nowhere.toml");
+    assert!(
+        nowhere.contains("nowhere.toml, line 7 ([[signals_from]] `gone.toml`)")
+            && nowhere.contains("no built-in profile named `gone.toml`"),
+        "{nowhere}"
+    );
+    let own = err("own.toml");
+    assert!(
+        own.contains(
+            "own.toml, line 14 ([[signals_from]]): it takes a signal named `x_s`, the name of the [[signal]] on line 7"
+        ) && own.contains("another `prefix`"),
+        "{own}"
+    );
+    let both = err("both.toml");
+    assert!(
+        both.contains(
+            "both.toml, line 12 ([[signals_from]]): it takes a signal named `s`, the name of the signal of profile"
+        ),
+        "{both}"
+    );
+    let inherits = err("inherits.toml");
+    assert!(
+        inherits.contains(
+            "inherits.toml, line 2 ([[signals_from]]): it takes a signal named `s`, the name of the signal of profile"
+        ),
+        "{inherits}"
+    );
+    for looped in [err("a.toml"), err("self.toml")] {
+        assert!(looped.contains("(or take signals from one another) in a loop"), "{looped}");
+    }
+    let layout = err("layout.toml");
+    assert!(
+        layout.contains(
+            "layout.toml, line 9 ([[signals_from]] `sglang`): signal `nixl_dlist_remote_agent` reads the classes"
+        ) && layout.contains("copy it into a [[signal]] here"),
+        "{layout}"
+    );
+    let err = error_of("[[signals_from]]\nprofile = \"sglang\"\nnames = [\"sglang_output_rids\"]\nprfix = \"x_\"\n");
+    assert!(err.contains("prfix"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -32,13 +32,42 @@ import common  # noqa: E402
 from common import emit, log  # noqa: E402
 
 
-def main():
+class Backend:
+    """What a decode rank takes from its transfer backend: NIXL's here, a
+    subclass for another (tests/sglang/mooncake/decode.py). Everything else
+    of the rank (its command line, SGLang's server args and KV pools, the
+    room loop) is `main`'s, the same for every backend."""
+
+    name = "nixl"
+
+    @staticmethod
+    def add_args(p):
+        p.add_argument("--nixl", default="cu13")
+
+    def before_server_args(self, args):
+        """Before SGLang is imported: pick the libnixl build."""
+        self.build = common.select_nixl(args.nixl)
+
+    def classes(self):
+        """The KV manager and receiver classes, once the server args are
+        published."""
+        from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVReceiver
+
+        return NixlKVManager, NixlKVReceiver
+
+    def ready_fields(self, mgr):
+        """What decode_ready says of the backend."""
+        return {"agent": mgr.agent.name, "nixl": self.build, "libnixl": common.loaded_libnixl()}
+
+
+def main(backend=None):
+    backend = backend or Backend()
     p = argparse.ArgumentParser()
     p.add_argument("--bootstrap-port", type=int, required=True)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--tp-rank", type=int, default=0)
     p.add_argument("--mla", action="store_true")
-    p.add_argument("--nixl", default="cu13")
+    backend.add_args(p)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--pages", type=int, default=512)
     p.add_argument("--page-bytes", type=int, default=4096)
@@ -49,23 +78,23 @@ def main():
     common.claim_stdout()
     deadline = time.monotonic() + args.max_seconds
 
-    build = common.select_nixl(args.nixl)
+    backend.before_server_args(args)
     import numpy as np
 
-    common.publish_server_args("decode", args.tp_size, args.tp_rank, args.bootstrap_port)
+    common.publish_server_args("decode", args.tp_size, args.tp_rank, args.bootstrap_port, backend=backend.name)
     from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
-    from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVReceiver
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.runtime_context import get_server_args
 
+    manager_class, receiver_class = backend.classes()
     pools = common.HostPools(np, layers=args.layers, mla=args.mla, pages=args.pages, page_bytes=args.page_bytes, aux_slots=args.aux_slots)
     kv_args = pools.kv_args(KVArgs, engine_rank=args.tp_rank, page_size=args.page_size, mla=args.mla, kv_head_num=1, total_kv_head_num=2)
-    mgr = NixlKVManager(kv_args, DisaggregationMode.DECODE, get_server_args(), args.mla)
+    mgr = manager_class(kv_args, DisaggregationMode.DECODE, get_server_args(), args.mla)
     addr = f"127.0.0.1:{args.bootstrap_port}"
-    emit("decode_ready", pid=os.getpid(), port=mgr.rank_port, agent=mgr.agent.name, tp_rank=args.tp_rank,
-         tp_size=args.tp_size, mla=args.mla, nixl=build, libnixl=common.loaded_libnixl())
+    emit("decode_ready", pid=os.getpid(), port=mgr.rank_port, tp_rank=args.tp_rank, tp_size=args.tp_size,
+         mla=args.mla, **backend.ready_fields(mgr))
 
-    serve(mgr, NixlKVReceiver, KVPoll, pools, np, addr, deadline)
+    serve(mgr, receiver_class, KVPoll, pools, np, addr, deadline)
     os._exit(0)
 
 
