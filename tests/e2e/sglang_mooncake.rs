@@ -347,6 +347,44 @@ fn watched_a_healthy_run_with_idle_workers_raises_nothing_and_each_room_is_one_l
     assert_eq!([completed, stalled, failed, aborted, lost], [seen, 0, 0, 0, 0], "{}", summary(&lines));
     assert!((12..=12 + 2 * 2 * 3).contains(&seen), "{}", summary(&lines));
     assert_eq!(summary(&lines)["in_flight"], 0);
+    // The TCP transport's progress probe (ClientSession::writeBody, hit per
+    // chunk) is linked only near a stall: a healthy run never pays for it.
+    let probes = summary(&lines)["probes"].as_array().expect("probes").clone();
+    let write_body = probes.iter().find(|p| p["symbol"] == WRITE_BODY).expect("the writeBody probe");
+    assert_eq!((&write_body["attached"], &write_body["hits"]), (&"on_demand_idle".into(), &0.into()), "{write_body}");
+}
+
+/// Mooncake's TCP transport: a chunk of a request's body written to the
+/// peer's socket (the `sglang-mooncake` profile's progress probe).
+const WRITE_BODY: &str = "_ZN8mooncake13ClientSession9writeBodyEv";
+
+/// Every point the profile attaches in a process with the engine and
+/// libzmq mapped (tests/sglang/mooncake/bench_write.py, held before `go`)
+/// begins with an instruction the kernel emulates (a single-stepped one
+/// costs ~45 us a hit here), the TCP transport's progress probe too.
+#[test]
+fn every_sglang_mooncake_probe_lands_on_an_emulated_instruction() {
+    use stallwatch_tests::{Proc, agent_bin, run_to_end, sglang_python, wait_for};
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut loaded = Proc::spawn(
+        "bench_write.py, held before go",
+        Command::new(sglang_python()).arg(root.join("tests/sglang/mooncake/bench_write.py")).args(["--count", "1"]),
+    );
+    let ready = wait_for("the ready line", Duration::from_secs(180), || {
+        loaded.lines_now().iter().find_map(|line| line.json().filter(|v| v["event"] == "ready"))
+    });
+    let pid = ready["pid"].as_u64().expect("pid").to_string();
+    let (ok, out, err) =
+        run_to_end(Command::new(agent_bin()).args(["profile", "check", "sglang-mooncake", "--pid", &pid]));
+    loaded.write_line("quit");
+    assert!(ok, "profile check: {err}");
+    let points: Vec<&str> = out.lines().skip_while(|line| *line != "in the process:").skip(1).collect();
+    // freeBatchID, submitTransfer, openSegment, 6 libzmq signals, writeBody.
+    assert_eq!(points.len(), 10, "{out}");
+    for point in &points {
+        assert!(point.contains("(emulated") && !point.contains("single-stepped"), "{point}");
+    }
+    assert!(points.iter().any(|p| p.contains(WRITE_BODY) && p.contains(": push (emulated")), "{out}");
 }
 
 /// `alert` came within [timeout, timeout + lateness] of `since`, less
@@ -654,5 +692,52 @@ fn watched_a_room_held_across_an_agent_restart_is_reported_once_on_time() {
     assert!(
         latency + Duration::from_millis(200) >= LONGER && latency <= LONGER + LATENESS,
         "{alert} after {latency:?}"
+    );
+}
+
+/// A decode stopped before its room's first chunk: the batch's bytes fit
+/// in the stopped peer's socket, so nothing is written while the room
+/// hangs. Its `transfer_hung` alert says so from the TCP transport's
+/// progress probe, linked once the room was silent half the timeout (4 s
+/// here, so the probe has two seconds to be linked on a loaded host): no
+/// chunk written since, nothing completed to that decode (named by its
+/// session) or to any other, and the verdict: `no_progress` over a window
+/// long enough to tell, else `idle` (the probe linked late), never one
+/// that says bytes or batches moved.
+#[test]
+fn watched_a_hung_rooms_transport_evidence_says_no_bytes_moved_to_its_stopped_decode() {
+    let mut target = Target::mooncake("hang", &["--count", "3", "--decodes", "1", "--queue-size", "1"], Ipc::Msgpack);
+    let agent = target.watch_and_go("sglang-mooncake", "4s", &[]);
+    let fault = target.fault_room();
+    target.until("decode_stopped", Duration::from_secs(60));
+    let mut seen = Vec::new();
+    let hung = |seen: &[stallwatch_tests::Line]| {
+        alerts(seen, "stalled").any(|(_, a)| a["key"] == format!("{fault:#x}").as_str())
+    };
+    agent.wait_until("the fault room's stall", Duration::from_secs(30), &mut seen, hung);
+    seen.extend(agent.stop());
+    target.proc.write_line("quit");
+    let (_, alert) = of_room(&seen, "stalled", fault);
+    eprintln!("{alert}");
+    assert_eq!(field(&alert, "class"), Some("transfer_hung"), "{alert}");
+    let session = target.ready["decodes"][0]["session"].as_str().expect("the decode's session").to_owned();
+    let transport = &alert["transport"];
+    assert_eq!(transport["peer"].as_str(), Some(session.as_str()), "{alert}");
+    let completion = &transport["completion"];
+    assert_eq!((&completion["to_peer"], &completion["to_other_peers"]), (&0.into(), &0.into()), "{alert}");
+    assert_eq!(completion["since"], 0, "{alert}");
+    let progress = &transport["progress"];
+    assert_eq!(progress["since"], 0, "no chunk written since its submit: {alert}");
+    let window = progress["window_ms"].as_u64().expect("the progress probe was linked before the stall");
+    let verdict = transport["verdict"].as_str().expect("verdict");
+    // The window that tells no_progress: a quarter of the timeout.
+    if window >= 1_000 {
+        assert_eq!(verdict, "no_progress", "{alert}");
+    } else {
+        assert_eq!(verdict, "idle", "{alert}");
+    }
+    assert!(
+        transport["summary"].as_str().is_some_and(|s| s.contains(&format!("none to {session} completed"))),
+        "{alert}"
     );
 }

@@ -87,6 +87,13 @@ impl Peers {
         self.creating.insert((pid, tid), String::from_utf8_lossy(agent).into());
     }
 
+    /// Transfer `handle` of `pid`, to `peer`, was posted (a framework told
+    /// its peer from its own traffic, [`crate::frameworks::Framework::started_transfer`]):
+    /// its release counts as a completion to that peer.
+    pub fn started(&mut self, pid: u32, handle: u64, peer: &str) {
+        self.handles.insert((pid, handle), Handle { peer: peer.into(), posted: true, done: false });
+    }
+
     /// A handle a previous agent knew the peer of (`None`: it did not),
     /// taken over live: posted or not, its completion not seen yet.
     pub fn adopt(&mut self, pid: u32, handle: u64, peer: Option<&str>, posted: bool) {
@@ -252,6 +259,20 @@ mod tests {
         assert!(!peers.completions.contains_key(&4) && peers.handles.keys().all(|(pid, _)| *pid == 5));
         peers.forget(5);
         assert!(peers.handles.is_empty() && peers.creating.is_empty() && peers.completions.is_empty());
+    }
+
+    #[test]
+    fn a_transfer_a_framework_names_the_peer_of_counts_its_release_for_that_peer() {
+        let mut peers = Peers::new(2 * S);
+        // Two batches to two decodes, told by the framework (no creating thread).
+        peers.started(4, 0xb0, "127.0.0.1:15290");
+        peers.started(4, 0xc0, "127.0.0.1:15292");
+        peers.observe(30, &event(4, 0xc0, Stage::Released, 11 * S));
+        let hung = peers.since(4, 0xb0, 10 * S).expect("its peer is known");
+        assert_eq!((&*hung.peer, hung.to_peer, hung.to_others), ("127.0.0.1:15290", 0, 1));
+        // A failed one counts for nobody and is forgotten.
+        peers.observe(30, &event(4, 0xb0, Stage::Failed, 12 * S));
+        assert_eq!(peers.since(4, 0xb0, 10 * S), None);
     }
 
     #[test]

@@ -212,7 +212,17 @@ impl ProcessTransport {
         let total = newest.totals;
         let mut since = Totals::default();
         for kind in ActivityKind::ALL {
-            let calls = total.get(kind).calls.saturating_sub(before.totals.get(kind).calls);
+            // The sample before the event may be up to a period older than
+            // it: calls between the two are no calls since when the newest
+            // call of the kind was at or before the event (a worker's
+            // previous batch completing just before it submits the one
+            // that hangs is no sign that anything completes now).
+            let calls = match total.get(kind).last_ns {
+                Some(last_ns) if last_ns > request.last_ns => {
+                    total.get(kind).calls.saturating_sub(before.totals.get(kind).calls)
+                }
+                _ => 0,
+            };
             since.add(kind, calls, None);
         }
         // Progress only from when its probe went on, if that was later.
@@ -511,6 +521,24 @@ mod tests {
     /// 60 s), the process having `process_completions` completions since
     /// and `progress` progress calls over the window, its peer's counts
     /// `peer` (`None`: unknown).
+    #[test]
+    fn calls_between_the_sample_before_an_event_and_the_event_are_not_since() {
+        let judged = |completed_at_ns: u64| {
+            let mut tracker = Tracker::new(4 * S);
+            tracker.record(7, 10 * S, totals(0, 0, 0, 10 * S));
+            // One completion after that sample; the request's last event at 10.6 s.
+            tracker.record(7, 12 * S, totals(0, 1, 0, completed_at_ns));
+            let request = stalled(7, Stage::TransferPosted, 10 * S + 600_000_000);
+            tracker.evidence(&request, StallClass::TransferHung, None).unwrap()
+        };
+        // The worker's previous batch, done just before it submits the one that hangs.
+        let before = judged(10 * S + 500_000_000);
+        assert_eq!((before.since.get(ActivityKind::Completion).calls, before.verdict), (0, Verdict::Idle));
+        assert_eq!(before.total.get(ActivityKind::Completion).calls, 1);
+        let after = judged(10 * S + 700_000_000);
+        assert_eq!((after.since.get(ActivityKind::Completion).calls, after.verdict), (1, Verdict::OthersCompleting));
+    }
+
     fn judged_with_peer(process_completions: u64, progress: u64, peer: Option<(u64, u64)>) -> Evidence {
         let mut tracker = Tracker::new(60 * S);
         tracker.progress_attached(7, Some(10 * S));

@@ -93,6 +93,16 @@ pub trait Framework {
         None
     }
 
+    /// The transfer the signal just handed to [`Framework::signal`]
+    /// started, with its peer, where the framework tells the peer from its
+    /// own traffic rather than a signal naming it (a Mooncake batch: its
+    /// segment's session): `(pid, transfer key, peer)`, so
+    /// [`crate::evidence::peers`] counts that transfer's completion for
+    /// its peer. Taken once, after each signal the framework took.
+    fn started_transfer(&mut self) -> Option<(u32, u64, Box<str>)> {
+        None
+    }
+
     /// Whether a run under `profile` needs this framework (its signals
     /// are the profile's). Every framework by default.
     fn follows(&self, _profile: &Profile) -> bool {

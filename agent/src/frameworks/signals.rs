@@ -128,6 +128,9 @@ impl Signals {
         }
         for framework in &mut self.frameworks {
             if let Some(observation) = framework.signal(&spec, &signal) {
+                if let Some((pid, key, peer)) = framework.started_transfer() {
+                    self.peers.started(pid, key, &peer);
+                }
                 return observation;
             }
         }

@@ -97,6 +97,9 @@ pub struct SglangMooncake {
     pub unknown_segment: u64,
     /// Batches leaked (free refused).
     pub leaked: u64,
+    /// The batch the last submit started, with its peer, for the transport
+    /// evidence per peer ([`Framework::started_transfer`]).
+    started: Option<(u32, u64, Box<str>)>,
 }
 
 impl Default for SglangMooncake {
@@ -113,6 +116,7 @@ impl Default for SglangMooncake {
             learned: 0,
             unknown_segment: 0,
             leaked: 0,
+            started: None,
         }
     }
 }
@@ -182,6 +186,7 @@ impl SglangMooncake {
             }
             None => Some(posted),
         };
+        self.started = session.clone().map(|peer| (pid, batch, peer));
         let room = made.as_ref().filter(|made| made.key != batch).map(|made| made.key);
         self.batches.insert((pid, batch), Batch { room, session, submit_ns: signal.ts_ns });
         made
@@ -370,6 +375,10 @@ impl Framework for SglangMooncake {
         self.sglang.stalled_transfer(request)
     }
 
+    fn started_transfer(&mut self) -> Option<(u32, u64, Box<str>)> {
+        self.started.take()
+    }
+
     fn warn(&mut self) {
         self.sglang.warn();
     }
@@ -454,6 +463,9 @@ mod tests {
         for ts in [10, 20] {
             let posted = mc.signal(&submit_spec, &submit(4, 30, 0xb0, 1, ts)).unwrap().expect("room 7's");
             assert_eq!((posted.key, posted.stage, posted.ts_ns), (7, Stage::TransferPosted, ts));
+            // The batch and its peer, for the transport evidence per peer; once.
+            assert_eq!(mc.started_transfer(), Some((4, 0xb0, "127.0.0.1:15290".into())));
+            assert_eq!(mc.started_transfer(), None);
             let freed = mc.handle(30, free(4, 0xb0, Stage::Released, ts + 1)).expect("room 7 moves on");
             assert_eq!((freed.key, freed.stage), (7, Stage::TransferPosted));
         }
@@ -511,6 +523,7 @@ mod tests {
         let own = mc.signal(&submit_spec, &submit(4, 30, 0xa0, 3, 5)).unwrap().expect("its own");
         assert_eq!((own.key, own.stage), (0xa0, Stage::TransferPosted));
         assert_eq!(mc.unknown_segment, 1);
+        assert_eq!(mc.started_transfer(), None, "no peer known: no transfer for the evidence per peer");
         assert_eq!(mc.handle(30, free(4, 0xa0, Stage::Released, 6)), None, "its end, made by the agent");
         let freed = mc.pending().expect("its own end");
         assert_eq!((freed.key, freed.stage), (0xa0, Stage::Released));
