@@ -505,12 +505,18 @@ impl Agent {
 
     /// `signal` (SIGINT or SIGTERM), then every line up to and including
     /// the summary.
-    pub fn stop_with(mut self, signal: i32) -> Vec<Line> {
+    pub fn stop_with(self, signal: i32) -> Vec<Line> {
+        self.stop_logged(signal).0
+    }
+
+    /// [`Self::stop_with`], and what the agent logged (its stderr).
+    pub fn stop_logged(mut self, signal: i32) -> (Vec<Line>, String) {
         self.proc.signal(signal);
         let lines = self.proc.lines_until_exit(Duration::from_secs(20));
         let status = self.proc.wait(Duration::from_secs(5));
-        assert!(status.success(), "agent exited with {status}; stderr:\n{}", self.proc.stderr());
-        lines
+        let logged = self.proc.stderr();
+        assert!(status.success(), "agent exited with {status}; stderr:\n{logged}");
+        (lines, logged)
     }
 }
 

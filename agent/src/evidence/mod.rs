@@ -3,8 +3,10 @@
 //! ([`status`]), what its transports did since the request's last event
 //! ([`transport`], with the costly progress probes linked only near a stall
 //! by [`gate`]), and what each transfer's peer completed meanwhile
-//! ([`peers`]).
+//! ([`peers`]); and a single read of the target's memory a framework asks
+//! for ([`memory`]).
 pub mod gate;
+pub mod memory;
 pub mod peers;
 pub mod status;
 pub mod transport;

@@ -25,15 +25,21 @@
 //! id still held (its free missed) starts a new batch.
 //!
 //! An agent started after a session's `openSegment` does not know its
-//! segment id: the first batch to it is taken as its thread's room's (or
-//! the one bootstrapped room's) when that room has a single destination,
-//! which names the segment from then on ([`SglangMooncake::learned`]);
-//! until then such a batch is its own lifecycle, keyed by its id.
+//! segment id: at the first batch to it, the engine's own table of
+//! segments is read from the process ([`segments`]). Where that read
+//! fails, the batch is taken as its thread's room's (or the one
+//! bootstrapped room's) when that room has a single destination, which
+//! names the segment from then on ([`SglangMooncake::learned`]); until
+//! then such a batch is its own lifecycle, keyed by its id.
+pub mod segments;
 pub mod wire;
 
-use std::collections::{HashMap, VecDeque};
+use std::{
+    collections::{HashMap, HashSet, VecDeque, hash_map::Entry},
+    io,
+};
 
-use tracing::info;
+use tracing::{debug, info, warn};
 
 use super::{
     AdoptedHandle, Framework, HandOver,
@@ -41,6 +47,7 @@ use super::{
     signals::{Captured, Signal},
 };
 use crate::{
+    evidence::memory,
     lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, Stage, StageRead},
     profile::SignalSpec,
 };
@@ -91,7 +98,17 @@ pub struct SglangMooncake {
     /// transfer worker sends a room's status itself, after the room's last
     /// batch, so they were that room's ([`SglangMooncake::concluded`]).
     unknown: HashMap<(u32, u32), Vec<u64>>,
-    /// Segment ids learnt from a batch, not from their `openSegment`.
+    /// (pid, segment id) the engine's table was read for.
+    tried: HashSet<(u32, u64)>,
+    /// How a process's memory is read ([`memory::read`]).
+    reader: fn(u32, u64, &mut [u8]) -> io::Result<()>,
+    /// Segment ids read from the engine's table.
+    pub read_segments: u64,
+    /// Reads of the engine's table that failed, and the latest reason.
+    pub tables_unread: u64,
+    table_problem: Option<String>,
+    /// Segment ids learnt from a batch, not from their `openSegment` or
+    /// the engine's table.
     pub learned: u64,
     /// Batches to a segment id neither `openSegment` nor a room told.
     pub unknown_segment: u64,
@@ -113,6 +130,11 @@ impl Default for SglangMooncake {
             leaks: HashMap::new(),
             pending: VecDeque::new(),
             unknown: HashMap::new(),
+            tried: HashSet::new(),
+            reader: memory::read,
+            read_segments: 0,
+            tables_unread: 0,
+            table_problem: None,
             learned: 0,
             unknown_segment: 0,
             leaked: 0,
@@ -134,8 +156,12 @@ impl SglangMooncake {
             _ => None,
         };
         let mut session = target.and_then(|target| self.segments.get(&(pid, target)).cloned());
+        if let (None, Some(target)) = (&session, target) {
+            // A segment opened before this agent: the engine's table says.
+            session = self.session_in_table(pid, target, signal.ret as u64);
+        }
         if session.is_none() {
-            // A segment opened before this agent: the one peer it can be,
+            // The table could not be read: the one peer it can be,
             // of those a room about to transfer awaits that no other
             // segment id names already.
             let mut peers = self.sglang.rooms().guess(pid, tid);
@@ -190,6 +216,43 @@ impl SglangMooncake {
         let room = made.as_ref().filter(|made| made.key != batch).map(|made| made.key);
         self.batches.insert((pid, batch), Batch { room, session, submit_ns: signal.ts_ns });
         made
+    }
+
+    /// The session of segment `target`, from the table of the engine
+    /// whose `TransferMetadata` is at `metadata` (the submit's `extra`),
+    /// read once per segment not known: every segment it lists is known
+    /// from then on.
+    fn session_in_table(&mut self, pid: u32, target: u64, metadata: u64) -> Option<Box<str>> {
+        if metadata == 0 || !self.tried.insert((pid, target)) {
+            return None;
+        }
+        let reader = self.reader;
+        match segments::read(metadata, |addr, buf| reader(pid, addr, buf)) {
+            Ok(table) => {
+                let listed = table.len();
+                for (id, name) in table {
+                    if let Entry::Vacant(vacant) = self.segments.entry((pid, id)) {
+                        vacant.insert(name);
+                        self.read_segments += 1;
+                    }
+                }
+                debug!(pid, segment = target, listed, "the Mooncake engine's segments read from its table");
+            }
+            Err(problem) => {
+                self.tables_unread += 1;
+                if self.tables_unread == 1 {
+                    warn!(
+                        pid,
+                        segment = target,
+                        problem,
+                        "the Mooncake engine's segment table could not be read: batches to segments opened before \
+                         the agent are told from their rooms' statuses instead (counted in the summary)"
+                    );
+                }
+                self.table_problem = Some(format!("process {pid}: {problem}"));
+            }
+        }
+        self.segments.get(&(pid, target)).cloned()
     }
 
     /// Thread `tid` sent the status of `room` (SGLang's transfer worker
@@ -386,19 +449,24 @@ impl Framework for SglangMooncake {
     fn forget(&mut self, pid: u32) {
         self.sglang.forget(pid);
         self.segments.retain(|(p, _), _| *p != pid);
+        self.tried.retain(|(p, _)| *p != pid);
         self.batches.retain(|(p, _), _| *p != pid);
         self.leaks.retain(|(p, _), _| *p != pid);
     }
 
     fn finish(&mut self) {
         self.sglang.warn();
-        if self.learned + self.unknown_segment + self.leaked > 0 {
+        if self.read_segments + self.tables_unread + self.learned + self.unknown_segment + self.leaked > 0 {
             info!(
+                read_segments = self.read_segments,
+                tables_unread = self.tables_unread,
+                table_problem = self.table_problem.as_deref().unwrap_or_default(),
                 learned_segments = self.learned,
                 unknown_segment_batches = self.unknown_segment,
                 leaked_batches = self.leaked,
-                "Mooncake batches: segment ids learnt from a room rather than their openSegment (the agent started \
-                 after it), batches to a segment no room told (each followed as a lifecycle of its own), batches \
+                "Mooncake batches: segment ids read from the engine's table (opened before the agent started), \
+                 reads of that table that failed (table_problem: the latest), segment ids learnt from a room \
+                 instead, batches to a segment nothing told (each followed as a lifecycle of its own), batches \
                  whose free Mooncake refused"
             );
         }
@@ -513,6 +581,46 @@ mod tests {
         assert_eq!(mc.leaked, 1);
         mc.forget(4);
         assert!(mc.batches.is_empty() && mc.segments.is_empty() && mc.leaks.is_empty());
+    }
+
+    #[test]
+    fn segments_opened_before_the_agent_are_read_from_the_engines_table_in_the_process() {
+        // The engine's table, laid out as engine.so's (segments.rs), in this
+        // process's memory: metadata -> node(2) -> node(1), each node's
+        // descriptor starting with its name.
+        let names = ["127.0.0.1:15290", "127.0.0.1:15292"];
+        let descs: Vec<[u64; 2]> = names.iter().map(|n| [n.as_ptr() as u64, n.len() as u64]).collect();
+        let mut nodes = [[0u64; 3]; 2];
+        nodes[0] = [0, 1, descs[0].as_ptr() as u64];
+        nodes[1] = [nodes[0].as_ptr() as u64, 2, descs[1].as_ptr() as u64];
+        let mut metadata = [0u64; 30];
+        metadata[0xe0 / 8] = nodes[1].as_ptr() as u64;
+        metadata[0xe8 / 8] = 2;
+        let pid = std::process::id();
+        let mut mc = SglangMooncake::default();
+        let submit_spec = spec("mooncake_submit");
+        // Rooms 7 and 8 to two decodes, bootstrapped before any batch: a
+        // batch to segment 2 could be either's but for the table.
+        for (room, session) in [(7, names[0]), (8, names[1])] {
+            mc.sglang.rooms_mut().observe(pid, room, &destination(room, session)).expect("a room");
+        }
+        let at = |metadata: &[u64; 30]| Signal { ret: metadata.as_ptr() as i64, ..submit(pid, 30, 0xa0, 2, 5) };
+        let posted = mc.signal(&submit_spec, &at(&metadata)).unwrap().expect("room 8's");
+        assert_eq!((posted.key, posted.stage), (8, Stage::TransferPosted));
+        assert_eq!((mc.read_segments, mc.learned, mc.unknown_segment), (2, 0, 0));
+        assert_eq!(mc.segments.get(&(pid, 1)).map(|s| &**s), Some(names[0]));
+        // Read once per segment not known: a table that stopped reading
+        // (its count now too large) is not read again for a known one.
+        metadata[0xe8 / 8] = u64::MAX;
+        assert_eq!(mc.handle(30, free(pid, 0xa0, Stage::Released, 6)).map(|o| o.key), Some(8));
+        assert_eq!(mc.signal(&submit_spec, &at(&metadata)).unwrap().map(|o| o.key), Some(8));
+        assert_eq!(mc.tables_unread, 0);
+        // A segment the table does not list, in a table that cannot be
+        // read: counted with its reason, and the batch is its own.
+        let unread = Signal { ret: metadata.as_ptr() as i64, ..submit(pid, 31, 0xb0, 9, 7) };
+        assert_eq!(mc.signal(&submit_spec, &unread).unwrap().map(|o| o.key), Some(0xb0));
+        assert_eq!((mc.tables_unread, mc.unknown_segment), (1, 1));
+        assert!(mc.table_problem.as_deref().is_some_and(|p| p.contains("not the table")), "{:?}", mc.table_problem);
     }
 
     #[test]
