@@ -232,6 +232,15 @@ impl Proc {
         self.stderr.lock().expect("stderr lock").join("\n")
     }
 
+    /// All of stderr, once the process closed it (at its exit): what
+    /// [`Self::stderr`] holds may still lack the last lines then.
+    pub fn stderr_at_exit(&self, within: Duration) -> String {
+        wait_for(&format!("{} to close its stderr", self.name), within, || {
+            self.stderr_closed.load(Ordering::Acquire).then_some(())
+        });
+        self.stderr()
+    }
+
     /// Wait for a stderr line containing `needle`.
     pub fn wait_stderr(&self, needle: &str, within: Duration) {
         let deadline = Instant::now() + within;
@@ -514,7 +523,7 @@ impl Agent {
         self.proc.signal(signal);
         let lines = self.proc.lines_until_exit(Duration::from_secs(20));
         let status = self.proc.wait(Duration::from_secs(5));
-        let logged = self.proc.stderr();
+        let logged = self.proc.stderr_at_exit(Duration::from_secs(5));
         assert!(status.success(), "agent exited with {status}; stderr:\n{logged}");
         (lines, logged)
     }
