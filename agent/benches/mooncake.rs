@@ -30,32 +30,13 @@
 //! fails unless the agent followed every batch and every room.
 mod support;
 
-use std::{
-    collections::BTreeSet,
-    fs,
-    io::{BufRead as _, BufReader, Lines, Write as _},
-    path::Path,
-    process::{ChildStdout, Command, Stdio},
-};
+use std::{collections::BTreeSet, fs, path::Path};
 
 use anyhow::{Context as _, Result, bail};
 use stallwatch::profile::Profile;
-use support::{Agent, Config, Floor, median};
+use support::{Agent, Config, Driver, Floor, median};
 
 const PROFILE: &str = "sglang-mooncake";
-
-/// The next JSON line of a driver whose `event` is `event`.
-fn until(lines: &mut Lines<BufReader<ChildStdout>>, event: &str, what: &str) -> Result<serde_json::Value> {
-    for line in lines {
-        let line = line.with_context(|| format!("reading {what}'s stdout"))?;
-        if let Ok(value) = serde_json::from_str::<serde_json::Value>(&line)
-            && value["event"] == event
-        {
-            return Ok(value);
-        }
-    }
-    bail!("{what} exited before `{event}` (run it by hand with the SGLang venv's Python to see why)")
-}
 
 /// One run of a driver script watched so: its `done` line, and the CPU
 /// time of the watched process from `go` to `done` (ns).
@@ -67,17 +48,7 @@ fn drive(
     profile: &Profile,
     at_least: u64,
 ) -> Result<(serde_json::Value, u64)> {
-    let mut child = Command::new(python)
-        .arg(support::root().join(script))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .with_context(|| format!("starting {script} with {}", python.display()))?;
-    let mut stdin = child.stdin.take().context("driver stdin")?;
-    let mut lines = BufReader::new(child.stdout.take().context("driver stdout")?).lines();
-    let ready = until(&mut lines, "ready", script)?;
+    let (mut driver, ready) = Driver::spawn(python, script, args, &[])?;
     let pid = ready["pid"].as_u64().with_context(|| format!("ready without pid: {ready}"))? as u32;
     let (floor, agent) = match config {
         Config::Off | Config::Bpftrace => (None, None),
@@ -85,11 +56,10 @@ fn drive(
         Config::Agent(bin) => (None, Some((Agent::start(bin, pid, PROFILE)?, Floor::symbols(pid, profile)?))),
     };
     let cpu_before = support::cpu_ns(pid)?;
-    writeln!(stdin, "go")?;
-    let done = until(&mut lines, "done", script);
+    driver.go()?;
+    let done = driver.until("done");
     let cpu = support::cpu_ns(pid).map(|after| after - cpu_before).unwrap_or(0);
-    drop(stdin);
-    let _ = child.wait();
+    driver.finish();
     drop(floor);
     let done = done?;
     if let Some((agent, floor_symbols)) = agent {

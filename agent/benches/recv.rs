@@ -18,14 +18,9 @@
 //! the agent followed every request it was sent.
 mod support;
 
-use std::{
-    io::{BufRead as _, BufReader, Write as _},
-    process::{Command, Stdio},
-};
-
 use anyhow::{Context as _, Result, bail};
 use stallwatch::profile::Profile;
-use support::{Agent, Floor, median};
+use support::{Agent, Driver, Floor, median};
 
 /// Who watches the receiver in one column.
 enum Watch<'a> {
@@ -45,31 +40,19 @@ struct Workload {
 /// One run: microseconds per request received.
 fn run(workload: &Workload, count: u32, watch: &Watch<'_>) -> Result<f64> {
     let python = support::sglang_python()?;
-    let mut child = Command::new(&python)
-        .arg(support::root().join("tests/sglang/real/recv_cost.py"))
-        .args(["--count", &count.to_string(), "--tokens", &workload.tokens.to_string()])
-        .env("SGLANG_USE_PICKLE_IPC", if workload.ipc == "pickle" { "1" } else { "0" })
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .with_context(|| format!("starting tests/sglang/real/recv_cost.py with {}", python.display()))?;
-    let mut stdin = child.stdin.take().context("receiver stdin")?;
-    let mut lines = BufReader::new(child.stdout.take().context("receiver stdout")?).lines();
-    let ready: serde_json::Value = serde_json::from_str(
-        &lines.next().context("the receiver exited before ready (its stderr is discarded: run it by hand)")??,
-    )?;
+    let args = ["--count".to_owned(), count.to_string(), "--tokens".to_owned(), workload.tokens.to_string()];
+    let pickle = if workload.ipc == "pickle" { "1" } else { "0" };
+    let (mut driver, ready) =
+        Driver::spawn(&python, "tests/sglang/real/recv_cost.py", &args, &[("SGLANG_USE_PICKLE_IPC", pickle)])?;
     let pid = ready["pid"].as_u64().context("pid")? as u32;
     let (agent, floor) = match watch {
         Watch::Off => (None, None),
         Watch::Empty(profile) => (None, Some(Floor::attach(pid, profile)?)),
         Watch::Sglang => (Some(Agent::start(&support::agent_bin(), pid, "sglang")?), None),
     };
-    writeln!(stdin, "go")?;
-    let result: serde_json::Value =
-        serde_json::from_str(&lines.next().context("the receiver exited before its result")??)?;
-    drop(stdin);
-    let _ = child.wait();
+    driver.go()?;
+    let result = driver.until("result")?;
+    driver.finish();
     drop(floor);
     if result["ipc"] != workload.ipc {
         bail!("the receiver ran {} IPC, not {}: {result}", result["ipc"], workload.ipc);

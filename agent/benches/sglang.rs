@@ -20,16 +20,10 @@
 //! each, a few rooms), which fails unless the agent followed every room.
 mod support;
 
-use std::{
-    io::{BufRead as _, BufReader, Lines, Write as _},
-    os::unix::process::CommandExt as _,
-    path::PathBuf,
-    process::{Child, ChildStdout, Command, Stdio},
-    time::Instant,
-};
+use std::{path::Path, time::Instant};
 
 use anyhow::{Context as _, Result, bail};
-use support::{Agent, median};
+use support::{Agent, Driver, median};
 
 /// What one run measured.
 struct Run {
@@ -39,54 +33,19 @@ struct Run {
     wall_ms: f64,
 }
 
-/// The target's next JSON line whose `event` is `event` (other lines are
-/// read past); an error if the target exits first.
-fn until(lines: &mut Lines<BufReader<ChildStdout>>, event: &str) -> Result<serde_json::Value> {
-    for line in lines {
-        let line = line.context("reading the SGLang target's stdout")?;
-        if let Ok(value) = serde_json::from_str::<serde_json::Value>(&line)
-            && value["event"] == event
-        {
-            return Ok(value);
-        }
-    }
-    bail!("the SGLang target exited before `{event}` (run it by hand to see why: tests/sglang/real/prefill.py)")
-}
-
-/// The target killed when dropped, its decodes with it (its process group).
-struct Target(Child);
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        // SAFETY: signalling the process group of a child we have not reaped.
-        unsafe { libc::kill(-(self.0.id() as libc::pid_t), libc::SIGKILL) };
-        let _ = self.0.wait();
-    }
-}
-
 /// One run of `rooms` rooms under `profile` (`None`: off).
-fn run(python: &PathBuf, rooms: u64, profile: Option<&str>) -> Result<Run> {
-    let mut child = Command::new(python)
-        .arg(support::root().join("tests/sglang/real/prefill.py"))
-        .args(["--fault", "none", "--count", &rooms.to_string(), "--max-seconds", "300"])
-        // msgpack: the scheduler-request signal reads the room (SGLang's
-        // pickle default gives it nothing to read; see docs).
-        .env("SGLANG_USE_PICKLE_IPC", "0")
-        .process_group(0)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .with_context(|| format!("starting tests/sglang/real/prefill.py with {}", python.display()))?;
-    let mut stdin = child.stdin.take().context("target stdin")?;
-    let mut lines = BufReader::new(child.stdout.take().context("target stdout")?).lines();
-    let target = Target(child);
-    let ready = until(&mut lines, "ready")?;
+fn run(python: &Path, rooms: u64, profile: Option<&str>) -> Result<Run> {
+    // msgpack: the scheduler-request signal reads the room (SGLang's
+    // pickle default gives it nothing to read; see docs). The target is
+    // killed with its decodes when the driver is dropped.
+    let args = ["--fault", "none", "--count", &rooms.to_string(), "--max-seconds", "300"].map(String::from);
+    let (mut driver, ready) =
+        Driver::spawn(python, "tests/sglang/real/prefill.py", &args, &[("SGLANG_USE_PICKLE_IPC", "0")])?;
     let pid = ready["prefill_pid"].as_u64().context("ready without prefill_pid")? as u32;
     let agent = profile.map(|profile| Agent::start(&support::agent_bin(), pid, profile)).transpose()?;
     let (cpu_before, started) = (support::cpu_ns(pid)?, Instant::now());
-    writeln!(stdin, "go")?;
-    let done = until(&mut lines, "done")?;
+    driver.go()?;
+    let done = driver.until("done")?;
     let (cpu, wall) = (support::cpu_ns(pid)? - cpu_before, started.elapsed());
     if done["completed"].as_u64() != Some(rooms) {
         bail!("the SGLang target completed {} of {rooms} rooms: {done}", done["completed"]);
@@ -101,7 +60,7 @@ fn run(python: &PathBuf, rooms: u64, profile: Option<&str>) -> Result<Run> {
             bail!("the sglang agent followed {} of the {rooms} rooms to their end", summary.completed);
         }
     }
-    drop(target);
+    drop(driver);
     Ok(Run { cpu_us: cpu as f64 / 1e3 / rooms as f64, wall_ms: wall.as_secs_f64() * 1e3 / rooms as f64 })
 }
 

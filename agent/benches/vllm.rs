@@ -20,14 +20,9 @@
 //! agents saw the READs.
 mod support;
 
-use std::{
-    io::{BufRead as _, BufReader, Write as _},
-    process::{Command, Stdio},
-};
-
 use anyhow::{Context as _, Result, bail};
 use stallwatch::profile::Profile;
-use support::{Agent, Config, Floor, median};
+use support::{Agent, Config, Driver, Floor, median};
 
 struct Run {
     reads_per_s: f64,
@@ -40,27 +35,9 @@ struct Run {
 fn run(size: u64, count: u64, config: &Config, profile: &Profile) -> Result<Run> {
     let python = support::venv_python();
     let slots = if size > 1 << 20 { 2 } else { 16 };
-    let mut child = Command::new(&python)
-        .arg(support::root().join("tests/vllm/bench_read.py"))
-        .args(["--count", &count.to_string(), "--size", &size.to_string(), "--slots", &slots.to_string()])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .with_context(|| format!("starting tests/vllm/bench_read.py with {}", python.display()))?;
-    let mut stdin = child.stdin.take().context("bench stdin")?;
-    let mut lines = BufReader::new(child.stdout.take().context("bench stdout")?).lines();
-    let next = |lines: &mut std::io::Lines<BufReader<_>>, event: &str| -> Result<serde_json::Value> {
-        loop {
-            let line: String = lines.next().with_context(|| format!("the bench exited before `{event}`"))??;
-            if let Ok(value) = serde_json::from_str::<serde_json::Value>(&line)
-                && value["event"] == event
-            {
-                return Ok(value);
-            }
-        }
-    };
-    let ready = next(&mut lines, "ready")?;
+    let args =
+        ["--count", &count.to_string(), "--size", &size.to_string(), "--slots", &slots.to_string()].map(String::from);
+    let (mut driver, ready) = Driver::spawn(&python, "tests/vllm/bench_read.py", &args, &[])?;
     let pids: Vec<u32> = ["decode_pid", "prefill_pid"]
         .iter()
         .map(|name| ready[name].as_u64().map(|pid| pid as u32).with_context(|| format!("no {name}: {ready}")))
@@ -80,10 +57,9 @@ fn run(size: u64, count: u64, config: &Config, profile: &Profile) -> Result<Run>
             }
         }
     }
-    writeln!(stdin, "go")?;
-    let done = next(&mut lines, "done")?;
-    drop(stdin);
-    let _ = child.wait();
+    driver.go()?;
+    let done = driver.until("done")?;
+    driver.finish();
     drop(floors);
     let mut summaries = agents.into_iter().map(Agent::stop).collect::<Result<Vec<_>>>()?;
     if let Some(decode) = summaries.first_mut()

@@ -10,11 +10,11 @@
 
 use std::{
     fs,
-    io::{BufRead as _, BufReader, Read as _},
+    io::{BufRead as _, BufReader, Lines, Read as _, Write as _},
     num::NonZeroU32,
-    os::unix::fs::DirBuilderExt as _,
+    os::unix::{fs::DirBuilderExt as _, process::CommandExt as _},
     path::{Path, PathBuf},
-    process::{Child, ChildStdout, Command, Stdio},
+    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
     sync::mpsc,
     thread::{self, JoinHandle},
     time::{Duration, Instant},
@@ -429,4 +429,84 @@ pub fn median(values: &[f64]) -> f64 {
     let mut values = values.to_vec();
     values.sort_by(f64::total_cmp);
     values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// A bench's Python driver: a script that prints JSON lines with an
+/// `event` (`ready` first, with the pids to watch), waits for `go` on its
+/// stdin, and exits when its stdin closes. Its stderr is discarded (the
+/// errors say to run it by hand); it runs in a process group of its own,
+/// killed with the processes it started when dropped before [`Self::finish`].
+pub struct Driver {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Lines<BufReader<ChildStdout>>,
+    script: String,
+    finished: bool,
+}
+
+impl Driver {
+    /// `python` running `script` (a path under the repository) with `args`
+    /// and `env`, up to its `ready` line, which it returns.
+    pub fn spawn(
+        python: &Path,
+        script: &str,
+        args: &[String],
+        env: &[(&str, &str)],
+    ) -> Result<(Self, serde_json::Value)> {
+        let mut child = Command::new(python)
+            .arg(root().join(script))
+            .args(args)
+            .envs(env.iter().copied())
+            .process_group(0)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {script} with {}", python.display()))?;
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().with_context(|| format!("{script}'s stdout"))?;
+        let mut driver =
+            Self { child, stdin, lines: BufReader::new(stdout).lines(), script: script.to_owned(), finished: false };
+        let ready = driver.until("ready")?;
+        Ok((driver, ready))
+    }
+
+    /// Its next line whose `event` is `event` (other lines are skipped).
+    pub fn until(&mut self, event: &str) -> Result<serde_json::Value> {
+        for line in &mut self.lines {
+            let line = line.with_context(|| format!("reading {}'s stdout", self.script))?;
+            if let Ok(value) = serde_json::from_str::<serde_json::Value>(&line)
+                && value["event"] == event
+            {
+                return Ok(value);
+            }
+        }
+        bail!(
+            "{} exited before `{event}` (its stderr is discarded: run it by hand with the same Python to see why)",
+            self.script
+        )
+    }
+
+    /// `go`: the driver starts what it times.
+    pub fn go(&mut self) -> Result<()> {
+        let stdin = self.stdin.as_mut().with_context(|| format!("{}'s stdin is closed", self.script))?;
+        writeln!(stdin, "go").with_context(|| format!("telling {} to go", self.script))
+    }
+
+    /// Its stdin closed, its exit awaited.
+    pub fn finish(mut self) {
+        self.stdin = None;
+        let _ = self.child.wait();
+        self.finished = true;
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        if !self.finished {
+            // SAFETY: signalling the process group of a child not reaped yet.
+            unsafe { libc::kill(-(self.child.id() as libc::pid_t), libc::SIGKILL) };
+            let _ = self.child.wait();
+        }
+    }
 }
