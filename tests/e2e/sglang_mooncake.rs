@@ -329,16 +329,18 @@ mod watched {
     /// prefill, at the first batch to it, none told from a room's status
     /// or left unknown.
     pub fn segments_read_from_the_engine(logged: &str, decodes: usize) {
-        let line = logged.lines().find(|l| l.contains("Mooncake batches:")).unwrap_or_else(|| panic!("{logged}"));
-        let count = |name: &str| -> usize {
-            let at = line.find(&format!("{name}=")).unwrap_or_else(|| panic!("no {name}: {line}"));
-            let digits: String = line[at + name.len() + 1..].chars().take_while(char::is_ascii_digit).collect();
-            digits.parse().unwrap_or_else(|_| panic!("{name}: {line}"))
-        };
         // Every decode's, and the prefill engine's own (segment 0).
-        assert_eq!(count("read_segments"), decodes + 1, "{line}");
-        let others = ["tables_unread", "learned_segments", "unknown_segment_batches"].map(count);
-        assert_eq!(others, [0, 0, 0], "{line}");
+        assert_eq!(exit_count(logged, "read_segments"), decodes + 1, "{logged}");
+        let others = ["tables_unread", "learned_segments", "unknown_segment_batches"].map(|n| exit_count(logged, n));
+        assert_eq!(others, [0, 0, 0], "{logged}");
+    }
+
+    /// A count of the framework's exit line (`Mooncake batches: ...`).
+    pub fn exit_count(logged: &str, name: &str) -> usize {
+        let line = logged.lines().find(|l| l.contains("Mooncake batches:")).unwrap_or_else(|| panic!("{logged}"));
+        let at = line.find(&format!(" {name}=")).unwrap_or_else(|| panic!("no {name}: {line}"));
+        let digits: String = line[at + name.len() + 2..].chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().unwrap_or_else(|_| panic!("{name}: {line}"))
     }
 
     pub fn counts(lines: &[Line]) -> [Option<u64>; 6] {
@@ -363,12 +365,14 @@ fn watched_a_healthy_run_with_idle_workers_raises_nothing_and_each_room_is_one_l
     assert!(alert_lines(&lines).is_empty(), "a healthy run raised alerts: {:#?}", alert_lines(&lines));
     // Each room one lifecycle, released at its status. The segments the
     // warm-up rooms opened before the agent were read from the engine's
-    // table. A batch is given to the earliest bootstrapped room awaiting its
-    // decode; where SGLang's worker took a later room to the same decode
-    // first, that room's batches are lifecycles of their own, completed at
-    // their free (docs/frameworks/sglang-mooncake.md, "Attribution
-    // limits": 1 run in about 8 here, 2 batches).
+    // table; each decode's KV layout was learnt from rooms' first batches,
+    // so a batch is the room whose pages it writes, whatever order SGLang's
+    // worker takes rooms in. Until a layout is learnt a batch is the
+    // earliest bootstrapped room's: a room taken out of that order then
+    // (docs/frameworks/sglang-mooncake.md, "Attribution limits") has
+    // batches of their own, completed at their free.
     segments_read_from_the_engine(&logged, 2);
+    assert_eq!(exit_count(&logged, "kv_layouts"), 2, "{logged}");
     let [seen, completed, stalled, failed, aborted, lost] = counts(&lines).map(Option::unwrap);
     assert_eq!([completed, stalled, failed, aborted, lost], [seen, 0, 0, 0, 0], "{}", summary(&lines));
     assert!((12..=12 + 2 * 3).contains(&seen), "{}", summary(&lines));

@@ -600,12 +600,7 @@ impl Rooms {
                     (p == pid && writes).then_some(room)
                 }))
             });
-            let earliest = || {
-                let fresh = self.live.iter().filter(|&(&(p, room), r)| {
-                    p == pid && awaits(&room) && r.transfers == 0 && r.agents.len() >= r.ranks as usize
-                });
-                fresh.min_by_key(|(_, r)| r.seq).map(|(&(_, room), _)| room)
-            };
+            let earliest = || self.fresh(pid, agent).min_by_key(|(_, r)| r.seq).map(|(room, _)| room);
             let owner =
                 by_page.or_else(|| self.current.get(&(pid, tid)).copied().filter(|room| awaits(room))).or_else(|| {
                     if self.fifo {
@@ -652,6 +647,35 @@ impl Rooms {
         };
         let stage = if stage == Stage::Failed { Stage::Failed } else { Stage::TransferPosted };
         live.then(|| room_observation(pid, room, stage, ts_ns))
+    }
+
+    /// The live rooms of `pid` bootstrapped, awaiting `agent`, with no
+    /// transfer yet: those a transfer to `agent` may be the first of.
+    fn fresh<'a>(&'a self, pid: u32, agent: &'a str) -> impl Iterator<Item = (u64, &'a Room)> + 'a {
+        self.live
+            .iter()
+            .filter(move |&(&(p, _), r)| {
+                p == pid
+                    && r.agents.iter().any(|a| &**a == agent)
+                    && r.transfers == 0
+                    && r.agents.len() >= r.ranks as usize
+            })
+            .map(|(&(_, room), r)| (room, r))
+    }
+
+    /// The first KV page at `agent` of the one room a transfer to `agent`
+    /// can only be the first transfer of: none while a room of `pid`
+    /// awaiting `agent` has had a transfer (this may be its next chunk,
+    /// whichever thread it is on: a worker interleaves rooms), or when no
+    /// room or several are fresh for it.
+    pub fn sole_first_page(&self, pid: u32, agent: &str) -> Option<u32> {
+        let awaits = |r: &Room| r.agents.iter().any(|a| &**a == agent);
+        if self.live.iter().any(|(&(p, _), r)| p == pid && r.transfers > 0 && awaits(r)) {
+            return None;
+        }
+        let (_, r) = only(self.fresh(pid, agent))?;
+        let at = r.agents.iter().position(|a| &**a == agent)?;
+        r.pages.get(at)?.first().copied()
     }
 
     /// Thread `tid` worked a room of the shard `ports` (sent its status,

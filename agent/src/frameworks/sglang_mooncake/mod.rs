@@ -10,8 +10,10 @@
 //! `getBatchTransferStatus` (never probed), `freeBatchID`. No request
 //! identity reaches the engine: a batch is a room's through its segment id
 //! (the session `"ip:port"` it was opened for, `openSegment`) and the
-//! rooms awaiting that session ([`Rooms::handle`](super::sglang::Rooms::handle), in the order they were
-//! bootstrapped, [`Rooms::fifo`](super::sglang::Rooms::fifo)). Its submit makes the room
+//! rooms awaiting that session: the one whose destination pages include
+//! the page the batch writes, once the decode's KV layout is learnt
+//! ([`pages`]); else the thread's room, else the earliest bootstrapped
+//! ([`Rooms::handle`](super::sglang::Rooms::handle), [`Rooms::fifo`](super::sglang::Rooms::fifo)). Its submit makes the room
 //! `transfer_posted` (silence from then: a batch that never ends leaves
 //! the room `transfer_hung`, naming the batch and its peer); a free that
 //! succeeds is the room's progress; a free Mooncake refuses (`BatchBusy`:
@@ -31,6 +33,7 @@
 //! bootstrapped room's) when that room has a single destination, which
 //! names the segment from then on ([`SglangMooncake::learned`]); until
 //! then such a batch is its own lifecycle, keyed by its id.
+pub mod pages;
 pub mod segments;
 pub mod wire;
 
@@ -40,6 +43,8 @@ use std::{
 };
 
 use tracing::{debug, info, warn};
+
+use pages::Layout;
 
 use super::{
     AdoptedHandle, Framework, HandOver,
@@ -56,9 +61,12 @@ use crate::{
 /// (`mooncake_zmq_recv` ...), so SGLang-on-NIXL's tracker never takes them.
 const PREFIX: &str = "mooncake_";
 
-/// A `TransferRequest`'s `target_id` (the segment id), in the bytes the
+/// A `TransferRequest`'s `target_id` (the segment id), `target_offset`
+/// (the address written in the decode) and `length`, in the bytes the
 /// `mooncake_submit` signal reads at the first request.
 const TARGET_ID_AT: usize = 16;
+const TARGET_OFFSET_AT: usize = 24;
+const LENGTH_AT: usize = 32;
 
 /// Leaked batches kept for their alert, per process at most (each is a
 /// lifecycle that ends as it starts: its alert is written on the same
@@ -100,6 +108,11 @@ pub struct SglangMooncake {
     unknown: HashMap<(u32, u32), Vec<u64>>,
     /// (pid, segment id) the engine's table was read for.
     tried: HashSet<(u32, u64)>,
+    /// (pid, segment id) -> the decode's KV layout, learnt from batches:
+    /// which room a batch is, by the page it writes.
+    layouts: HashMap<(u32, u64), Layout>,
+    /// Layouts a batch contradicted, learnt again.
+    pub layouts_relearnt: u64,
     /// How a process's memory is read ([`memory::read`]).
     reader: fn(u32, u64, &mut [u8]) -> io::Result<()>,
     /// Segment ids read from the engine's table.
@@ -131,6 +144,8 @@ impl Default for SglangMooncake {
             pending: VecDeque::new(),
             unknown: HashMap::new(),
             tried: HashSet::new(),
+            layouts: HashMap::new(),
+            layouts_relearnt: 0,
             reader: memory::read,
             read_segments: 0,
             tables_unread: 0,
@@ -148,13 +163,11 @@ impl SglangMooncake {
     /// `transfer_posted`, or the batch's own when no room is its.
     fn submit(&mut self, signal: &Signal) -> Option<Observation> {
         let (pid, tid, batch) = (signal.pid, signal.tid, signal.value);
-        let target = match &signal.capture {
-            Captured::Bytes(bytes) => {
-                let at = &bytes[TARGET_ID_AT..TARGET_ID_AT + 8];
-                Some(u64::from_le_bytes(at.try_into().expect("8 bytes")))
-            }
+        let field = |at: usize| match &signal.capture {
+            Captured::Bytes(bytes) => Some(u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))),
             _ => None,
         };
+        let target = field(TARGET_ID_AT);
         let mut session = target.and_then(|target| self.segments.get(&(pid, target)).cloned());
         if let (None, Some(target)) = (&session, target) {
             // A segment opened before this agent: the engine's table says.
@@ -203,8 +216,12 @@ impl SglangMooncake {
         };
         let made = match &session {
             Some(peer) => {
+                let page = match (target, field(TARGET_OFFSET_AT), field(LENGTH_AT)) {
+                    (Some(target), Some(offset), Some(len)) => self.first_page(pid, target, peer, offset, len),
+                    _ => None,
+                };
                 let rooms = self.sglang.rooms_mut();
-                rooms.creating(pid, tid, peer.as_bytes(), None);
+                rooms.creating(pid, tid, peer.as_bytes(), page);
                 match rooms.handle(tid, Observation { stage: Stage::Enqueued, ..posted.clone() }) {
                     None => rooms.handle(tid, posted.clone()),
                     Some(_) => Some(posted),
@@ -216,6 +233,34 @@ impl SglangMooncake {
         let room = made.as_ref().filter(|made| made.key != batch).map(|made| made.key);
         self.batches.insert((pid, batch), Batch { room, session, submit_ns: signal.ts_ns });
         made
+    }
+
+    /// The page of its decode a batch to segment `target` (the session
+    /// `peer`) writes first, its first request at `offset`, `len` bytes
+    /// long, by the segment's layout; a batch that can only be its room's
+    /// first teaches the layout.
+    fn first_page(&mut self, pid: u32, target: u64, peer: &str, offset: u64, len: u64) -> Option<u32> {
+        let sole = self.sglang.rooms().sole_first_page(pid, peer);
+        let layout = self.layouts.entry((pid, target)).or_default();
+        if let Some(page) = sole {
+            let before = layout.fitted();
+            if layout.learn(offset, page) {
+                self.layouts_relearnt += 1;
+                debug!(
+                    pid,
+                    segment = target,
+                    ?before,
+                    offset,
+                    page,
+                    "a Mooncake batch contradicted its decode's KV layout"
+                );
+            } else if before.is_none()
+                && let Some(fit) = layout.fitted()
+            {
+                debug!(pid, segment = target, base = fit.base, item_len = fit.item_len, "a decode's KV layout learnt");
+            }
+        }
+        layout.page(offset, len)
     }
 
     /// The session of segment `target`, from the table of the engine
@@ -450,12 +495,14 @@ impl Framework for SglangMooncake {
         self.sglang.forget(pid);
         self.segments.retain(|(p, _), _| *p != pid);
         self.tried.retain(|(p, _)| *p != pid);
+        self.layouts.retain(|(p, _), _| *p != pid);
         self.batches.retain(|(p, _), _| *p != pid);
         self.leaks.retain(|(p, _), _| *p != pid);
     }
 
     fn finish(&mut self) {
         self.sglang.warn();
+        let layouts = self.layouts.values().filter(|layout| layout.fitted().is_some()).count();
         if self.read_segments + self.tables_unread + self.learned + self.unknown_segment + self.leaked > 0 {
             info!(
                 read_segments = self.read_segments,
@@ -463,11 +510,14 @@ impl Framework for SglangMooncake {
                 table_problem = self.table_problem.as_deref().unwrap_or_default(),
                 learned_segments = self.learned,
                 unknown_segment_batches = self.unknown_segment,
+                kv_layouts = layouts,
+                kv_layouts_relearnt = self.layouts_relearnt,
                 leaked_batches = self.leaked,
                 "Mooncake batches: segment ids read from the engine's table (opened before the agent started), \
                  reads of that table that failed (table_problem: the latest), segment ids learnt from a room \
-                 instead, batches to a segment nothing told (each followed as a lifecycle of its own), batches \
-                 whose free Mooncake refused"
+                 instead, batches to a segment nothing told (each followed as a lifecycle of its own), decodes \
+                 whose KV layout was learnt (a batch's room told by the page it writes) and layouts a batch \
+                 contradicted, batches whose free Mooncake refused"
             );
         }
     }
@@ -581,6 +631,55 @@ mod tests {
         assert_eq!(mc.leaked, 1);
         mc.forget(4);
         assert!(mc.batches.is_empty() && mc.segments.is_empty() && mc.leaks.is_empty());
+    }
+
+    #[test]
+    fn a_decodes_kv_layout_learnt_from_first_batches_tells_its_rooms_apart_by_page() {
+        const BASE: u64 = 0x7f00_0000_0000;
+        const ITEM: u64 = 8192;
+        let mut mc = SglangMooncake::default();
+        let (segment_spec, submit_spec) = (spec("mooncake_segment"), spec("mooncake_submit"));
+        let peer = "127.0.0.1:15290";
+        assert_eq!(mc.signal(&segment_spec, &segment(4, 1, peer)), Some(None));
+        let room = |mc: &mut SglangMooncake, room: u64, pages: &[u32]| {
+            let port = wire::session_port(peer.as_bytes()).unwrap();
+            let to = Bootstrap::Destination { room, port, agent: peer.into(), ranks: 1, pages: pages.into() };
+            mc.sglang.rooms_mut().observe(4, room, &to).expect("a room");
+        };
+        // A batch on `tid` whose first request writes `run` pages from `page`
+        // (or the aux: 64 bytes elsewhere).
+        let batch = |tid: u32, batch: u64, page: Option<u32>| {
+            let mut signal = submit(4, tid, batch, 1, 10);
+            let Captured::Bytes(bytes) = &mut signal.capture else { unreachable!() };
+            let (offset, len) = page.map_or((BASE - 4096, 64), |page| (BASE + u64::from(page) * ITEM, 2 * ITEM));
+            bytes[TARGET_OFFSET_AT..TARGET_OFFSET_AT + 8].copy_from_slice(&offset.to_le_bytes());
+            bytes[LENGTH_AT..LENGTH_AT + 8].copy_from_slice(&len.to_le_bytes());
+            signal
+        };
+        let post = |mc: &mut SglangMooncake, tid, id, page| {
+            let made = mc.signal(&submit_spec, &batch(tid, id, page)).unwrap().expect("an observation");
+            assert_eq!(mc.handle(tid, free(4, id, Stage::Released, 11)).map(|o| o.key), Some(made.key));
+            made.key
+        };
+        // Rooms 5 and 6, one at a time: their first batches can be no other
+        // room's, and give the decode's layout.
+        for (r, pages) in [(5, [2, 3]), (6, [4, 5])] {
+            room(&mut mc, r, &pages);
+            assert_eq!(post(&mut mc, 30, 0xa0, Some(pages[0])), r);
+            assert_eq!(post(&mut mc, 30, 0xa0, None), r, "its aux, the thread's room");
+            mc.sglang.rooms_mut().observe(4, 12, &Bootstrap::Status { room: r, status: 4 }).expect("released");
+        }
+        assert_eq!(mc.layouts[&(4, 1)].fitted(), Some(pages::Fit { base: BASE, item_len: ITEM }));
+        // Rooms 7 then 8 to the same decode; the worker takes 8 first, then
+        // interleaves 7's first chunk before 8's second: each batch is the
+        // room whose pages it writes, not the earliest bootstrapped or the
+        // thread's.
+        room(&mut mc, 7, &[10, 11, 12, 13]);
+        room(&mut mc, 8, &[20, 21, 22, 23]);
+        assert_eq!(post(&mut mc, 30, 0xb0, Some(20)), 8);
+        assert_eq!(post(&mut mc, 30, 0xb0, Some(10)), 7);
+        assert_eq!(post(&mut mc, 30, 0xb0, Some(22)), 8);
+        assert_eq!(mc.layouts_relearnt, 0);
     }
 
     #[test]
