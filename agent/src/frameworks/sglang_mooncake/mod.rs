@@ -37,10 +37,7 @@ pub mod pages;
 pub mod segments;
 pub mod wire;
 
-use std::{
-    collections::{HashMap, HashSet, VecDeque, hash_map::Entry},
-    io,
-};
+use std::collections::{HashMap, HashSet, VecDeque, hash_map::Entry};
 
 use tracing::{debug, info, warn};
 
@@ -113,8 +110,6 @@ pub struct SglangMooncake {
     layouts: HashMap<(u32, u64), Layout>,
     /// Layouts a batch contradicted, learnt again.
     pub layouts_relearnt: u64,
-    /// How a process's memory is read ([`memory::read`]).
-    reader: fn(u32, u64, &mut [u8]) -> io::Result<()>,
     /// Segment ids read from the engine's table.
     pub read_segments: u64,
     /// Reads of the engine's table that failed, and the latest reason.
@@ -146,7 +141,6 @@ impl Default for SglangMooncake {
             tried: HashSet::new(),
             layouts: HashMap::new(),
             layouts_relearnt: 0,
-            reader: memory::read,
             read_segments: 0,
             tables_unread: 0,
             table_problem: None,
@@ -271,8 +265,7 @@ impl SglangMooncake {
         if metadata == 0 || !self.tried.insert((pid, target)) {
             return None;
         }
-        let reader = self.reader;
-        match segments::read(metadata, |addr, buf| reader(pid, addr, buf)) {
+        match segments::read(metadata, |addr, buf| memory::read(pid, addr, buf)) {
             Ok(table) => {
                 let listed = table.len();
                 for (id, name) in table {
