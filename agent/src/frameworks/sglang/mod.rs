@@ -46,7 +46,7 @@ pub mod rooms;
 
 use std::collections::HashMap;
 
-use tracing::warn;
+use tracing::{debug, warn};
 
 pub use self::rooms::{Bootstrap, Rid, Rooms, output_rids, parse, pickled_record, room_of, scheduler};
 use super::{
@@ -315,6 +315,13 @@ impl Framework for Sglang {
 
     fn finish(&mut self) {
         self.warn();
+        if self.rooms.late > 0 {
+            debug!(
+                late = self.rooms.late,
+                "NIXL transfers created after their SGLang room was aborted or failed (a chunk its worker had taken \
+                 before): each was the room's, no lifecycle of its own"
+            );
+        }
         if self.rooms.too_large > 0 {
             warn!(
                 rooms = self.rooms.too_large,

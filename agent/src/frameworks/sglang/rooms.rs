@@ -3,7 +3,7 @@
 //! handles attributed to them, as lifecycles.
 mod held;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use self::held::{Held, decode, encode, encode_ended};
 use crate::{
@@ -230,6 +230,11 @@ fn tag_of(frame: &Frame) -> Option<&[u8]> {
 /// worker `sum(destination ports) % WORKERS`.
 const WORKERS: u32 = 4;
 
+/// How many rooms cut short ([`Rooms::cut_short`]) are remembered, across
+/// processes: a late transfer follows its room's end within one chunk of
+/// its worker, and rooms are cut short rarely.
+const CUT_SHORT_KEPT: usize = 64;
+
 /// A live room.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Room {
@@ -305,6 +310,17 @@ pub struct Rooms {
     pub fifo: bool,
     /// The next [`Room::seq`].
     next_seq: u64,
+    /// The latest rooms that ended before their transfers did (aborted or
+    /// failed, never released: a released room's transfers were all done),
+    /// oldest first, at most [`CUT_SHORT_KEPT`]. SGLang's worker checks a
+    /// room's status only as it takes the room's next chunk
+    /// (`transfer_worker`), so a chunk it took before the end still goes
+    /// out after it: that transfer, told by its page or its thread, is the
+    /// ended room's (nobody's lifecycle), not a live room's nor one of its
+    /// own.
+    cut_short: VecDeque<CutShort>,
+    /// Transfers created after their room was cut short.
+    pub late: u64,
     /// The last room a message ended, with what the room forgets as it
     /// ends: for a backend whose worker sends a room's status itself, to
     /// learn which peers that thread wrote to and which shard it works.
@@ -328,6 +344,15 @@ pub struct Ended {
     pub agents: Vec<Box<str>>,
     /// The sum of its destination ports: its worker's shard.
     pub ports: u32,
+}
+
+/// A room that ended before its transfers did ([`Rooms::cut_short`]):
+/// what tells its late transfers.
+struct CutShort {
+    pid: u32,
+    room: u64,
+    agents: Vec<Box<str>>,
+    pages: Vec<Box<[u32]>>,
 }
 
 /// Whether thread `tid` of `pid` runs ([`Rooms::threads`]).
@@ -435,7 +460,7 @@ impl Rooms {
             // Its rid goes with it, even when it ended before (a failed
             // transfer ends a room with its rid kept until its output).
             self.rids.retain(|(p, _), r| !(*p == pid && *r == room));
-            let ended = self.live.remove(&(pid, room))?;
+            let ended = self.end(pid, room, stage)?;
             self.dirty.insert((pid, room));
             self.last_ended = Some(Ended { pid, room, agents: ended.agents, ports: ended.ports });
         }
@@ -591,28 +616,36 @@ impl Rooms {
             let creating = self.creating.remove(&(pid, tid));
             let Some((agent, page)) = creating.as_ref() else { return Some(observation) };
             let awaits = |room: &u64| self.live.get(&(pid, *room)).is_some_and(|r| r.agents.contains(agent));
-            // The one room with that page at that decode rank; else the
-            // thread's room (its next transfer after a chunk is that room's
-            // aux); else the one room awaiting that rank.
+            // The one live room with that page at that decode rank; else the
+            // latest room cut short that had it (a late chunk: its page is
+            // the only sign, as its thread may be on to another room); else
+            // the thread's room (its next transfer after a chunk is that
+            // room's aux); else the one room awaiting that rank.
             let by_page = page.and_then(|page| {
                 only(self.live.iter().filter_map(|(&(p, room), r)| {
-                    let writes = r.agents.iter().zip(&r.pages).any(|(a, pages)| a == agent && pages.contains(&page));
-                    (p == pid && writes).then_some(room)
+                    (p == pid && writes(&r.agents, &r.pages, agent, page)).then_some(room)
                 }))
+                .or_else(|| {
+                    let mut cut_short = self.cut_short.iter().rev();
+                    cut_short.find(|c| c.pid == pid && writes(&c.agents, &c.pages, agent, page)).map(|c| c.room)
+                })
             });
             let earliest = || self.fresh(pid, agent).min_by_key(|(_, r)| r.seq).map(|(room, _)| room);
-            let owner =
-                by_page.or_else(|| self.current.get(&(pid, tid)).copied().filter(|room| awaits(room))).or_else(|| {
-                    if self.fifo {
-                        earliest()
-                    } else {
-                        only(self.live.keys().filter(|(p, room)| *p == pid && awaits(room)).map(|(_, room)| *room))
-                    }
-                });
+            let thread = || self.current.get(&(pid, tid)).copied().filter(|room| awaits(room));
+            let owner = by_page.or_else(thread).or_else(|| {
+                if self.fifo {
+                    earliest()
+                } else {
+                    only(self.live.keys().filter(|(p, room)| *p == pid && awaits(room)).map(|(_, room)| *room))
+                }
+            });
             let Some(room) = owner else {
                 self.unattributed += 1;
                 return Some(observation);
             };
+            if !self.live.contains_key(&(pid, room)) {
+                self.late += 1;
+            }
             let (ordinal, agent) = self.live.get_mut(&(pid, room)).map_or((0, None), |r| {
                 r.transfers += 1;
                 (r.transfers, r.agents.iter().position(|a| a == agent).and_then(|a| u8::try_from(a).ok()))
@@ -642,11 +675,25 @@ impl Rooms {
         }
         let live = match stage {
             Stage::TransferPosted | Stage::TransferDone => self.live.contains_key(&(pid, room)),
-            Stage::Failed => self.live.remove(&(pid, room)).is_some(),
+            Stage::Failed => self.end(pid, room, Stage::Failed).is_some(),
             _ => false,
         };
         let stage = if stage == Stage::Failed { Stage::Failed } else { Stage::TransferPosted };
         live.then(|| room_observation(pid, room, stage, ts_ns))
+    }
+
+    /// `room` of `pid` ended at `stage`: no longer live, and remembered
+    /// among the rooms [cut short](Rooms::cut_short) unless released.
+    fn end(&mut self, pid: u32, room: u64, stage: Stage) -> Option<Room> {
+        let ended = self.live.remove(&(pid, room))?;
+        if stage != Stage::Released {
+            if self.cut_short.len() == CUT_SHORT_KEPT {
+                self.cut_short.pop_front();
+            }
+            let (agents, pages) = (ended.agents.clone(), ended.pages.clone());
+            self.cut_short.push_back(CutShort { pid, room, agents, pages });
+        }
+        Some(ended)
     }
 
     /// The live rooms of `pid` bootstrapped, awaiting `agent`, with no
@@ -810,7 +857,7 @@ impl Rooms {
                     room.outstanding.remove(0);
                 }
                 Some(StageRead { stage: Stage::Failed, .. }) => {
-                    self.live.remove(&(silent.pid, silent.key));
+                    self.end(silent.pid, silent.key, Stage::Failed);
                     return Some(Some(StageRead { stage: Stage::Failed, ends: false }));
                 }
                 _ => return Some(None),
@@ -834,9 +881,16 @@ impl Rooms {
         self.shard_threads.retain(|(p, _), _| *p != pid);
         self.decodes.remove(&pid);
         self.rids.retain(|(p, _), _| *p != pid);
+        self.cut_short.retain(|c| c.pid != pid);
         // The kernel's tables drop all of the process's.
         self.dirty.retain(|(p, _)| *p != pid);
     }
+}
+
+/// Whether a room with destinations `agents` and their first `pages` has
+/// `page` at `agent`: a chunk writing it is that room's.
+fn writes(agents: &[Box<str>], pages: &[Box<[u32]>], agent: &str, page: u32) -> bool {
+    agents.iter().zip(pages).any(|(a, pages)| &**a == agent && pages.contains(&page))
 }
 
 /// The one item of `items`, if there is exactly one.
@@ -1416,6 +1470,53 @@ mod tests {
         assert_eq!(rooms.unattributed, 1);
         assert_eq!(rooms.live[&(4, 7)].transfers, 2);
         assert_eq!(rooms.live[&(4, 8)].transfers, 3);
+    }
+
+    #[test]
+    fn a_chunk_that_goes_out_after_its_room_was_cut_short_is_that_rooms_and_nobodys_lifecycle() {
+        use Stage::*;
+        let mut rooms = Rooms::default();
+        let to = |room, pages: &[u32]| Bootstrap::Destination {
+            room,
+            port: 1,
+            agent: "d".into(),
+            ranks: 1,
+            pages: pages.into(),
+        };
+        let chunk = |rooms: &mut Rooms, tid, handle, page| {
+            rooms.creating(4, tid, b"d", page);
+            let created = rooms.handle(tid, handle_event(4, handle, Enqueued, 3));
+            (created, rooms.handle(tid, handle_event(4, handle, TransferPosted, 4)).map(|o| o.key))
+        };
+        rooms.observe(4, 1, &to(7, &[10, 11])).expect("room 7");
+        rooms.observe(4, 1, &Bootstrap::Request { room: 8, rid: b"r-8".as_slice().into() }).expect("room 8");
+        rooms.observe(4, 2, &to(8, &[20, 21])).expect("room 8 answered");
+        rooms.observe(4, 2, &to(9, &[30, 31])).expect("room 9");
+        assert_eq!(chunk(&mut rooms, 30, 0xa0, Some(10)), (None, Some(7)), "thread 30 works room 7");
+        assert_eq!(chunk(&mut rooms, 31, 0xb0, Some(30)), (None, Some(9)), "thread 31 works room 9");
+        // Room 8 is aborted by its rid while thread 30 holds its first
+        // chunk: the chunk goes out after, on a thread whose room (7) awaits
+        // the same decode; and it is room 8's by its page.
+        let abort = Bootstrap::AbortRequest { rid: b"r-8".as_slice().into() };
+        assert_eq!(rooms.observe(4, 5, &abort).map(|o| (o.key, o.stage)), Some((8, Aborted)));
+        assert_eq!(chunk(&mut rooms, 30, 0xa1, Some(20)), (None, None));
+        assert_eq!(rooms.handle(30, handle_event(4, 0xa1, TransferDone, 6)), None);
+        assert_eq!(rooms.handle(30, handle_event(4, 0xa1, Released, 7)), None);
+        // Room 9 fails at its first chunk's handle: its next chunk, taken
+        // before, is room 9's too.
+        let failed = rooms.handle(31, handle_event(4, 0xb0, Failed, 8)).map(|o| (o.key, o.stage));
+        assert_eq!(failed, Some((9, Failed)));
+        assert_eq!(chunk(&mut rooms, 31, 0xb1, Some(31)), (None, None));
+        assert_eq!(rooms.late, 2);
+        // A released room's pages tell nothing: its transfers were all done.
+        rooms.observe(4, 9, &Bootstrap::Status { room: 7, status: SUCCESS }).expect("room 7 released");
+        rooms.observe(4, 9, &to(11, &[40])).expect("room 11");
+        rooms.observe(4, 9, &to(12, &[50])).expect("room 12");
+        let (created, _) = chunk(&mut rooms, 32, 0xc0, Some(10));
+        assert!(created.is_some(), "nobody's: two live rooms await the decode");
+        assert_eq!(rooms.unattributed, 1);
+        rooms.forget(4);
+        assert!(rooms.cut_short.is_empty());
     }
 
     #[test]
