@@ -178,10 +178,13 @@ fn an_exec_under_pid_ends_the_old_programs_requests_and_follows_the_new_one() {
     require_root();
     let demo_path = demo_bin();
     let demo_path = demo_path.to_str().expect("utf-8 path");
-    // The new program pins one request of its own, once the agent has had
-    // time to attach to it.
-    let mut demo =
-        exec_demo(&[demo_path, "--rate", "500", "--duration", "30s", "--inject-after", "3s", "--release-lost", "1"]);
+    // The new program starts once the agent has attached to it (a request
+    // it started before the agent read the exec would hit the old probes
+    // and end `process_exited` with the old program's: see
+    // docs/getting-started.md), then pins one request of its own.
+    let (rate, pin) = (["--rate", "500", "--duration", "30s"], ["--inject-after", "3s", "--release-lost", "1"]);
+    let new_program: Vec<&str> = [demo_path, "--wait-for-go"].into_iter().chain(rate).chain(pin).collect();
+    let mut demo = exec_demo(&new_program);
     let pid = demo.proc.pid();
     let agent = Agent::watch(pid, "demo", TIMEOUT, &["--ephemeral"]);
     demo.go();
@@ -193,6 +196,8 @@ fn an_exec_under_pid_ends_the_old_programs_requests_and_follows_the_new_one() {
         alerts(seen, "process_exited").count() >= 2
     });
     agent.proc.wait_stderr("exec'd a new program", Duration::from_secs(5));
+    agent.proc.wait_stderr_lines("stallwatch::run::session: watching", 2, Duration::from_secs(10));
+    demo.go();
     // Same pid, new program: attached again, its own stall reported.
     agent.wait_until("a stall of the new program", Duration::from_secs(10), &mut seen, |seen| {
         alerts(seen, "stalled").any(|(_, alert)| alert["class"] == "release_lost")

@@ -243,17 +243,22 @@ impl Proc {
 
     /// Wait for a stderr line containing `needle`.
     pub fn wait_stderr(&self, needle: &str, within: Duration) {
+        self.wait_stderr_lines(needle, 1, within);
+    }
+
+    /// Wait until `lines` lines of stderr contain `needle`.
+    pub fn wait_stderr_lines(&self, needle: &str, lines: usize, within: Duration) {
         let deadline = Instant::now() + within;
         while Instant::now() < deadline {
-            if self.stderr.lock().expect("stderr lock").iter().any(|line| line.contains(needle)) {
+            if self.stderr.lock().expect("stderr lock").iter().filter(|line| line.contains(needle)).count() >= lines {
                 return;
             }
             if self.stderr_closed.load(Ordering::Acquire) {
-                panic!("{} exited before printing `{needle}`; stderr:\n{}", self.name, self.stderr());
+                panic!("{} exited before printing `{needle}` {lines}x; stderr:\n{}", self.name, self.stderr());
             }
             thread::sleep(Duration::from_millis(20));
         }
-        panic!("{}: no `{needle}` on stderr within {within:?}; stderr:\n{}", self.name, self.stderr());
+        panic!("{}: `{needle}` not {lines}x on stderr within {within:?}; stderr:\n{}", self.name, self.stderr());
     }
 
     pub fn signal(&self, signal: i32) {
