@@ -346,6 +346,15 @@ pub struct Ended {
     pub ports: u32,
 }
 
+impl Room {
+    /// Bootstrapped (every decode rank sent its destination: only a
+    /// prefill receives them) with no transfer of its own yet: a transfer
+    /// to one of its peers may be its first.
+    fn awaits_first_transfer(&self) -> bool {
+        self.transfers == 0 && !self.agents.is_empty() && self.agents.len() >= self.ranks as usize
+    }
+}
+
 /// A room that ended before its transfers did ([`Rooms::cut_short`]):
 /// what tells its late transfers.
 struct CutShort {
@@ -702,10 +711,7 @@ impl Rooms {
         self.live
             .iter()
             .filter(move |&(&(p, _), r)| {
-                p == pid
-                    && r.agents.iter().any(|a| &**a == agent)
-                    && r.transfers == 0
-                    && r.agents.len() >= r.ranks as usize
+                p == pid && r.awaits_first_transfer() && r.agents.iter().any(|a| &**a == agent)
             })
             .map(|(&(_, room), r)| (room, r))
     }
@@ -746,9 +752,7 @@ impl Rooms {
         let mut peers: Vec<Box<str>> = self
             .live
             .iter()
-            .filter(|&(&(p, _), r)| {
-                p == pid && r.side == Side::Prefill && r.transfers == 0 && r.agents.len() >= r.ranks.max(1) as usize
-            })
+            .filter(|&(&(p, _), r)| p == pid && r.awaits_first_transfer())
             .flat_map(|(_, r)| r.agents.iter().cloned())
             .collect();
         peers.sort_unstable();
