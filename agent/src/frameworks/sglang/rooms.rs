@@ -315,7 +315,7 @@ pub struct Rooms {
     /// oldest first, at most [`CUT_SHORT_KEPT`]. SGLang's worker checks a
     /// room's status only as it takes the room's next chunk
     /// (`transfer_worker`), so a chunk it took before the end still goes
-    /// out after it: that transfer, told by its page or its thread, is the
+    /// out after it: that transfer, told by the page it writes, is the
     /// ended room's (nobody's lifecycle), not a live room's nor one of its
     /// own.
     cut_short: VecDeque<CutShort>,
