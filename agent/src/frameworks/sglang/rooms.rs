@@ -926,6 +926,12 @@ mod tests {
         Bootstrap::Destination { room, port: 1, agent: agent.into(), ranks, pages: Default::default() }
     }
 
+    /// The one decode rank `d`'s destination for `room`, its first KV
+    /// pages `pages`.
+    fn to_pages(room: u64, pages: &[u32]) -> Bootstrap {
+        Bootstrap::Destination { room, port: 1, agent: "d".into(), ranks: 1, pages: pages.into() }
+    }
+
     fn message(direction: Direction, frames: &[&[u8]]) -> Message {
         let frames = frames.iter().map(|bytes| Frame { bytes: (*bytes).into(), complete: true }).collect();
         Message { pid: 1, tid: 2, ts_ns: 3, direction, frames }
@@ -1445,15 +1451,8 @@ mod tests {
     fn a_chunk_is_its_rooms_by_the_decode_page_it_writes_however_many_rooms_await_that_decode() {
         use Stage::*;
         let mut rooms = Rooms::default();
-        let to = |room, pages: &[u32]| Bootstrap::Destination {
-            room,
-            port: 1,
-            agent: "d".into(),
-            ranks: 1,
-            pages: pages.into(),
-        };
-        rooms.observe(4, 1, &to(7, &[10, 11, 12, 13])).expect("room 7");
-        rooms.observe(4, 2, &to(8, &[20, 21, 22, 23])).expect("room 8");
+        rooms.observe(4, 1, &to_pages(7, &[10, 11, 12, 13])).expect("room 7");
+        rooms.observe(4, 2, &to_pages(8, &[20, 21, 22, 23])).expect("room 8");
         // Chunks interleaved on one worker: 7's, 8's, 7's second, 8's second.
         for (handle, page, room) in [(0xa0, 10, 7), (0xa1, 20, 8), (0xa2, 12, 7), (0xa3, 22, 8)] {
             rooms.creating(4, 30, b"d", Some(page));
@@ -1480,22 +1479,15 @@ mod tests {
     fn a_chunk_that_goes_out_after_its_room_was_cut_short_is_that_rooms_and_nobodys_lifecycle() {
         use Stage::*;
         let mut rooms = Rooms::default();
-        let to = |room, pages: &[u32]| Bootstrap::Destination {
-            room,
-            port: 1,
-            agent: "d".into(),
-            ranks: 1,
-            pages: pages.into(),
-        };
         let chunk = |rooms: &mut Rooms, tid, handle, page| {
             rooms.creating(4, tid, b"d", page);
             let created = rooms.handle(tid, handle_event(4, handle, Enqueued, 3));
             (created, rooms.handle(tid, handle_event(4, handle, TransferPosted, 4)).map(|o| o.key))
         };
-        rooms.observe(4, 1, &to(7, &[10, 11])).expect("room 7");
+        rooms.observe(4, 1, &to_pages(7, &[10, 11])).expect("room 7");
         rooms.observe(4, 1, &Bootstrap::Request { room: 8, rid: b"r-8".as_slice().into() }).expect("room 8");
-        rooms.observe(4, 2, &to(8, &[20, 21])).expect("room 8 answered");
-        rooms.observe(4, 2, &to(9, &[30, 31])).expect("room 9");
+        rooms.observe(4, 2, &to_pages(8, &[20, 21])).expect("room 8 answered");
+        rooms.observe(4, 2, &to_pages(9, &[30, 31])).expect("room 9");
         assert_eq!(chunk(&mut rooms, 30, 0xa0, Some(10)), (None, Some(7)), "thread 30 works room 7");
         assert_eq!(chunk(&mut rooms, 31, 0xb0, Some(30)), (None, Some(9)), "thread 31 works room 9");
         // Room 8 is aborted by its rid while thread 30 holds its first
@@ -1514,8 +1506,8 @@ mod tests {
         assert_eq!(rooms.late, 2);
         // A released room's pages tell nothing: its transfers were all done.
         rooms.observe(4, 9, &Bootstrap::Status { room: 7, status: SUCCESS }).expect("room 7 released");
-        rooms.observe(4, 9, &to(11, &[40])).expect("room 11");
-        rooms.observe(4, 9, &to(12, &[50])).expect("room 12");
+        rooms.observe(4, 9, &to_pages(11, &[40])).expect("room 11");
+        rooms.observe(4, 9, &to_pages(12, &[50])).expect("room 12");
         let (created, _) = chunk(&mut rooms, 32, 0xc0, Some(10));
         assert!(created.is_some(), "nobody's: two live rooms await the decode");
         assert_eq!(rooms.unattributed, 1);
