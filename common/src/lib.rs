@@ -264,9 +264,11 @@ pub struct SlotConfig {
     /// With [`slot_flags::EXT_MSGPACK`]: which element to capture.
     pub msgpack: MsgpackElement,
     /// With [`slot_flags::FILTER`]: the value a hit must satisfy
-    /// `filter_rule` with (read as a `u64`) to be an event.
+    /// `filter_rule` with (read as a `u64`, and-ed with `filter_mask`
+    /// unless it is 0) to be an event.
     pub filter: ValueSource,
     pub filter_rule: RetRule,
+    pub filter_mask: u64,
     /// With [`slot_flags::EXT_SELECT`]: the byte that picks where the
     /// capture is, the value that picks [`SlotConfig::ext`], and where it
     /// is otherwise.
@@ -316,7 +318,11 @@ pub struct StringWalk {
     pub items: u16,
     pub chunks: u16,
     pub list: u8,
-    pub _pad: [u8; 5],
+    /// The strings are bytes, not text: each chunk is read whole, NULs
+    /// and all ([`event_flags::RAW`]), where a text chunk ends at its
+    /// first NUL.
+    pub raw: u8,
+    pub _pad: [u8; 4],
 }
 
 /// What a chunk record of a [`StringWalk`] says in its `ret`: the string's
@@ -658,6 +664,9 @@ pub mod event_flags {
     /// `ext` holds one chunk of a string a [`StringWalk`](crate::StringWalk) found, `ret`
     /// says which ([`chunk::unpack`](super::chunk::unpack)).
     pub const CHUNK: u32 = 1 << 4;
+    /// With `CHUNK`: the chunk is raw bytes ([`StringWalk::raw`](crate::StringWalk::raw)),
+    /// as many as its place in the string says, NULs included.
+    pub const RAW: u32 = 1 << 5;
     /// Set when return rule `n` matched: `RULE_MATCHED << n`.
     pub const RULE_MATCHED: u32 = 1 << 8;
     /// A pickle record ([`slot_flags::EXT_PICKLE`](super::slot_flags::EXT_PICKLE))
@@ -804,8 +813,8 @@ pub const NOT_EMITTED: u32 = u32::MAX;
 /// agent knew of each request it made itself (an SGLang room's destinations,
 /// answers and transfer handles); [`SlotConfig`] grew (`filter`, `select`,
 /// `ext_else`, [`SlotConfig::strings`],
-/// [`SlotConfig::pickle`]) with new [`slot_flags`].
-pub const STATE_LAYOUT: u32 = 9;
+/// [`SlotConfig::pickle`]) with new [`slot_flags`]. 10: [`SlotConfig::filter_mask`].
+pub const STATE_LAYOUT: u32 = 10;
 
 /// How many bytes of a request's context [`HeldContext`] holds.
 pub const CONTEXT_BYTES: usize = 1016;

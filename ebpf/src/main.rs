@@ -230,15 +230,19 @@ pub fn lifecycle_return(ctx: RetProbeContext) -> u32 {
 }
 
 /// Whether a hit passes its slot's [`slot_flags::FILTER`] (true without
-/// one): the value there, read as a `u64`, satisfies the filter's rule. A
-/// value that cannot be read fails it.
+/// one): the value there, read as a `u64` and masked (a mask picks bits of
+/// the first bytes of a message, e.g. its format's markers), satisfies the
+/// filter's rule. A value that cannot be read fails it.
 #[inline(always)]
 fn filter_holds(cfg: &SlotConfig, args: &Args, ret: i64) -> bool {
     if cfg.flags & slot_flags::FILTER == 0 {
         return true;
     }
     match resolve(&cfg.filter, args, ret, 0) {
-        Some(value) => cfg.filter_rule.holds(value as i64),
+        Some(value) => {
+            let masked = if cfg.filter_mask == 0 { value } else { value & cfg.filter_mask };
+            cfg.filter_rule.holds(masked as i64)
+        }
         None => false,
     }
 }
@@ -972,7 +976,7 @@ fn send_chunk(s: &Strings, at: u64, last: bool) {
         ret: chunk::pack(s.len, s.seq.wrapping_sub(1), s.chunk, last),
         pid_tgid: s.owner,
         slot: s.slot,
-        flags: event_flags::HAS_EXT | event_flags::CHUNK,
+        flags: event_flags::HAS_EXT | event_flags::CHUNK | if s.w.raw != 0 { event_flags::RAW } else { 0 },
         stage: stage::SIGNAL,
     };
     let Some(mut entry) = reserve(&head) else { return };
@@ -981,8 +985,21 @@ fn send_chunk(s: &Strings, at: u64, last: bool) {
     // of `ext` but its tail is written here.
     unsafe {
         (*event).ext[0] = 0;
-        if at != 0 && bpf_probe_read_user_str_bytes(at as *const u8, &mut (*event).ext).is_err() {
-            bump(counter::EXT_UNREADABLE);
+        if at != 0 {
+            let read = if s.w.raw != 0 {
+                // Bytes, NULs and all: exactly the chunk's share, never
+                // past the string's end (which may end its mapping).
+                let left = s.len.saturating_sub(u64::from(s.chunk) * CHUNK_LEN).min(CHUNK_LEN) as usize;
+                match (*event).ext.get_mut(..left) {
+                    Some(dst) => bpf_probe_read_user_buf(at as *const u8, dst).is_ok(),
+                    None => false,
+                }
+            } else {
+                bpf_probe_read_user_str_bytes(at as *const u8, &mut (*event).ext).is_ok()
+            };
+            if !read {
+                bump(counter::EXT_UNREADABLE);
+            }
         }
     }
     submit(entry);

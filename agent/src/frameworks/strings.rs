@@ -7,7 +7,7 @@
 //! [`StringWalk`]: stallwatch_common::StringWalk
 use std::collections::HashMap;
 
-use stallwatch_common::{CHUNK_LEN, EXT_ID_LEN, Event, chunk};
+use stallwatch_common::{CHUNK_LEN, EXT_ID_LEN, Event, chunk, event_flags};
 
 /// One chunk record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,7 +26,13 @@ pub struct Chunk {
 impl Chunk {
     pub fn of(event: &Event) -> Self {
         let (len, item, index, last) = chunk::unpack(event.ret);
-        let end = event.ext.iter().position(|&b| b == 0).unwrap_or(EXT_ID_LEN);
+        let end = if event.flags & event_flags::RAW != 0 {
+            // Bytes: as many as this chunk's share of the string.
+            let left = u64::from(len).saturating_sub(u64::from(index) * CHUNK_LEN).min(CHUNK_LEN);
+            left as usize
+        } else {
+            event.ext.iter().position(|&b| b == 0).unwrap_or(EXT_ID_LEN)
+        };
         Self { len, item, index, last, text: event.ext[..end].into() }
     }
 }

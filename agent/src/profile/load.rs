@@ -456,7 +456,7 @@ struct RawSignal {
     bytes_else: Option<RawBytesElse>,
 }
 
-/// A signal's `when = { from, deref, add, is = "RULE" }`.
+/// A signal's `when = { from, deref, add, mask, is = "RULE" }`.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawFilter {
@@ -465,6 +465,7 @@ struct RawFilter {
     deref: Vec<i64>,
     #[serde(default)]
     add: i64,
+    mask: Option<u64>,
     is: String,
 }
 
@@ -499,6 +500,9 @@ struct RawStrings {
     nodes: Option<u16>,
     items: Option<u16>,
     bytes: u32,
+    /// Bytes, not text: read NULs and all.
+    #[serde(default)]
+    raw: bool,
 }
 
 fn std_string_length() -> i64 {
@@ -532,10 +536,12 @@ impl RawStrings {
                 bail!("`strings.nodes` and `strings.items` bound a list's walk: give `first` .. `stride` too")
             }
         };
-        if self.bytes == 0 || self.bytes > 4096 {
-            bail!("`strings.bytes = {}`: the most bytes read of a string, 1 to 4096", self.bytes);
+        // A chunk's number is 8 bits in its record (`chunk::pack`).
+        let most = 256 * CHUNK_LEN as u32;
+        if self.bytes == 0 || self.bytes > most {
+            bail!("`strings.bytes = {}`: the most bytes read of a string, 1 to {most} (256 chunks)", self.bytes);
         }
-        let strings = Strings { at: source, list, length: self.length, nodes, items, bytes: self.bytes };
+        let strings = Strings { at: source, list, length: self.length, nodes, items, bytes: self.bytes, raw: self.raw };
         if strings.turns() > u64::from(STRINGS_STEPS) {
             bail!(
                 "`strings` may take {} turns a hit (nodes x items x chunks of {CHUNK_LEN} bytes), past the kernel's \
@@ -682,7 +688,22 @@ impl RawFilter {
         if Values::held_by(&rule, RetType::I64).is_empty() {
             bail!("`when.is = \"{}\"` never holds for a 64-bit value: no hit would be a signal", self.is.trim());
         }
-        Ok(Filter { at: source, rule })
+        let mask = match self.mask {
+            Some(0) => {
+                bail!("`when.mask = 0` keeps no bit: every hit would compare 0; drop it or name the bits to keep")
+            }
+            Some(mask) => {
+                if rule.op == cmp::EQ && rule.value as u64 & !mask != 0 {
+                    bail!(
+                        "`when.is = \"{}\"` never holds for a value masked with {mask:#x}: compare bits the mask keeps",
+                        self.is.trim()
+                    );
+                }
+                mask
+            }
+            None => 0,
+        };
+        Ok(Filter { at: source, rule, mask })
     }
 }
 

@@ -220,6 +220,8 @@ pub struct SignalSpec {
 pub struct Filter {
     pub at: Source,
     pub rule: RetRule,
+    /// The bits of the value compared (0: all of them).
+    pub mask: u64,
 }
 
 /// A signal's `bytes_else = { at, unless_byte, is }`: its `bytes` are read
@@ -257,6 +259,9 @@ pub struct Strings {
     pub nodes: u16,
     pub items: u16,
     pub bytes: u32,
+    /// Bytes (a message on the wire), not text: every chunk read whole,
+    /// NULs and all.
+    pub raw: bool,
 }
 
 /// Where a [`Strings`] list keeps its nodes and their strings.
@@ -305,7 +310,8 @@ impl Strings {
             items: self.items,
             chunks: self.chunks() as u16,
             list: u8::from(self.list.is_some()),
-            _pad: [0; 5],
+            raw: u8::from(self.raw),
+            _pad: [0; 4],
         }
     }
 }
@@ -368,6 +374,7 @@ impl SignalSpec {
             flags |= slot_flags::FILTER;
             cfg.filter = when.at.lower();
             cfg.filter_rule = when.rule;
+            cfg.filter_mask = when.mask;
         }
         if let Some(extra) = &self.extra {
             // An entry value with no rules: every hit is the signal, its

@@ -630,6 +630,22 @@ fn the_vllm_profile_is_the_nixl_profile_with_vllms_notifications_read() {
 }
 
 #[test]
+fn a_filters_mask_keeps_the_bits_it_compares() {
+    let with = |when: &str| {
+        format!(
+            "{ONE_PROBE}[[signal]]\nname = \"s\"\nsymbol = \"g\"\nat = \"entry\"\nvalue = {{ from = \"arg0\" }}\nwhen = {when}\n"
+        )
+    };
+    let profile =
+        Profile::parse(&with("{ from = \"arg0\", deref = [0], mask = 255, is = \"== 7\" }"), "p.toml").expect("valid");
+    assert_eq!(profile.signals[0].slot_config().filter_mask, 255);
+    let err = error_of(&with("{ from = \"arg0\", mask = 0, is = \"== 7\" }"));
+    assert!(err.contains("`when.mask = 0` keeps no bit"), "{err}");
+    let err = error_of(&with("{ from = \"arg0\", mask = 15, is = \"== 16\" }"));
+    assert!(err.contains("never holds for a value masked with 0xf"), "{err}");
+}
+
+#[test]
 fn rules_parse_and_bad_ones_say_why() {
     assert_eq!(parse_rule(">= -3").unwrap(), RetRule { op: cmp::GE, stage: 0, _pad: [0; 6], value: -3 });
     assert_eq!(parse_rule("!=1").unwrap().op, cmp::NE);
