@@ -258,19 +258,19 @@ impl Floor {
         let mut wanted = Vec::new();
         // A probe's halves: its entry (also a return probe's, when it
         // reads arguments) and its return.
-        let mut halves = |object: Option<&'a str>, symbol: &'a str, at: At, args_read: u32| {
+        let mut halves = |object: Option<&'a str>, symbol: &'a str, at: At, args_read: u32, optional: bool| {
             if at == At::Entry || args_read > 0 {
-                wanted.push((object, symbol, "empty_entry", false));
+                wanted.push((object, symbol, "empty_entry", optional));
             }
             if at == At::Return {
-                wanted.push((object, symbol, "empty_return", false));
+                wanted.push((object, symbol, "empty_return", optional));
             }
         };
         for spec in &profile.probes {
-            halves(spec.object.as_deref(), &spec.symbol, spec.at, spec.args_read());
+            halves(spec.object.as_deref(), &spec.symbol, spec.at, spec.args_read(), false);
         }
         for spec in &profile.signals {
-            halves(spec.object.as_deref(), &spec.symbol, spec.at, spec.args_read());
+            halves(spec.object.as_deref(), &spec.symbol, spec.at, spec.args_read(), spec.optional);
         }
         for spec in profile.activity.iter().filter(|spec| spec.kind != ActivityKind::Progress) {
             wanted.push((spec.object.as_deref(), spec.symbol.as_str(), "empty_entry", spec.optional));
@@ -286,7 +286,7 @@ impl Floor {
                     path: mapped.host_path,
                     offset: resolved.file_offset,
                 }),
-                // As the agent does: an optional probe that is not there is skipped.
+                // As the agent does: an optional probe or signal that is not there is skipped.
                 Err(_) if optional => {}
                 Err(err) => return Err(err),
             }

@@ -416,7 +416,14 @@ impl Probes {
         for spec in &profile.signals {
             let target =
                 Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
-            self.attach_slot(image, &mut files, &target, spec.slot_config(), Role::Signal(Arc::new(spec.clone())))?;
+            let attached =
+                self.attach_slot(image, &mut files, &target, spec.slot_config(), Role::Signal(Arc::new(spec.clone())));
+            match attached {
+                Err(err) if spec.optional && err.downcast_ref::<Unresolved>().is_some() => {
+                    info!(pid = image.pid, signal = %spec.name, reason = %err, "optional signal skipped");
+                }
+                other => other?,
+            }
         }
         Ok(())
     }

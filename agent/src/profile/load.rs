@@ -454,6 +454,8 @@ struct RawSignal {
     when: Option<RawFilter>,
     extra: Option<RawSource>,
     bytes_else: Option<RawBytesElse>,
+    #[serde(default)]
+    optional: bool,
 }
 
 /// A signal's `when = { from, deref, add, mask, is = "RULE" }`.
@@ -677,6 +679,7 @@ impl RawSignal {
             extra,
             extra_if_else,
             bytes_else,
+            optional: self.optional,
         })
     }
 }

@@ -213,6 +213,10 @@ pub struct SignalSpec {
     /// `bytes_else`: where the `bytes` are when a byte says they are not
     /// where `bytes` points.
     pub bytes_else: Option<BytesElse>,
+    /// `optional = true`: skip it (and log) in a process that does not map
+    /// its object or lacks its symbol, where the profile's other probes
+    /// still serve (a NIXL process without pyzmq's libzmq).
+    pub optional: bool,
 }
 
 /// A signal's `when`: the value at `at` must satisfy `rule`.
