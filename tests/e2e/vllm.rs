@@ -214,9 +214,11 @@ fn agents_on_a_healthy_run_raise_nothing_and_follow_every_read() {
     let decode_summary = summary(&decode);
     assert_eq!(decode_summary["completed"], 3, "one READ lifecycle a request: {decode_summary}");
     assert_eq!(decode_summary["stalled"], 0);
-    // Single-consumer requests read at once: the prefill has nothing to hold
-    // them by (no heartbeat named them), so nothing of its own.
-    assert_eq!(summary(&prefill)["seen"], 0, "{}", shown(&prefill));
+    // The prefill holds each from its engine output to its notification.
+    let prefill_summary = summary(&prefill);
+    assert_eq!(prefill_summary["seen"], 3, "one held request each: {}", shown(&prefill));
+    assert_eq!(prefill_summary["completed"], 3, "each released by its notification: {prefill_summary}");
+    assert!(!shown(&prefill).contains("not seen held"), "every notification was for a request seen held");
 }
 
 #[test]
@@ -265,6 +267,7 @@ fn heartbeats_keep_a_held_request_waited_on_past_the_timeout() {
         (Some("waiting_for_peer"), Some("req-1"), Some("0/?")),
         "{alert}"
     );
+    assert_eq!(alert["vllm_held_since"], "engine output", "{alert}");
     assert!(alert["vllm_decode"].as_str().is_some_and(|v| v.starts_with("waited on")), "{alert}");
     let beats: u32 = alert["vllm_heartbeats"].as_str().and_then(|n| n.parse().ok()).expect("heartbeats");
     assert!(beats >= 2, "heartbeats seen by the alert: {alert}");
@@ -278,17 +281,44 @@ fn heartbeats_keep_a_held_request_waited_on_past_the_timeout() {
     assert!(alert_lines(&decode).iter().all(|a| a["alert"] != "stalled"), "decode:\n{}", shown(&decode));
 }
 
+/// The prefill's one held request alerted, as the never-read stall: held
+/// since its engine output, no consumer answered, no heartbeat, reported
+/// within the timeout + 1 s of that output.
+fn assert_never_read(prefill: &[Line]) -> Value {
+    let stalled: Vec<Value> = alerts(prefill, "stalled").map(|(_, v)| v).collect();
+    assert_eq!(stalled.len(), 1, "prefill:\n{}", shown(prefill));
+    let alert = stalled[0].clone();
+    assert_eq!(
+        (alert["class"].as_str(), alert["external_id"].as_str(), alert["vllm_request_id"].as_str()),
+        (Some("waiting_for_peer"), Some("req-1"), Some("req-1")),
+        "{alert}"
+    );
+    assert_eq!(
+        (
+            alert["vllm_held_since"].as_str(),
+            alert["vllm_consumers_answered"].as_str(),
+            alert["vllm_heartbeats"].as_str()
+        ),
+        (Some("engine output"), Some("0/?"), Some("0")),
+        "{alert}"
+    );
+    assert!(alert["vllm_decode"].as_str().is_some_and(|v| v.starts_with("never read")), "{alert}");
+    let silent = alert["silent_ms"].as_u64().expect("silent_ms");
+    assert!((2000..3000).contains(&silent), "reported within timeout + 1 s of its output: {alert}");
+    alert
+}
+
 #[test]
-fn a_request_no_decode_ever_names_is_not_seen_by_the_prefills_agent() {
-    // What the profile cannot see, checked: the prefill holds req-1 for its
-    // whole lease, and no NIXL call of either engine names it (no READ, no
-    // heartbeat, no notification): nothing native marks the moment vLLM
-    // holds it (docs/frameworks/vllm.md). The agent must not invent one.
+fn a_request_no_decode_ever_reads_is_alerted_on_the_prefill_as_never_read() {
+    // The decode never gets req-1: no NIXL call of either engine names it.
+    // The prefill's agent holds it from the engine's output (the moment
+    // vLLM holds its blocks) and alerts it before the 6 s lease frees it.
     let (target, prefill, decode) = watched("never_read", &["--count", "2", "--max-seconds", "12"]);
     assert!(held_s(&target.one("freed", "req-1")) >= LEASE - 0.2, "the lease freed req-1");
-    assert!(alert_lines(&prefill).is_empty(), "prefill:\n{}", shown(&prefill));
+    assert_never_read(&prefill);
     assert!(alert_lines(&decode).is_empty(), "decode:\n{}", shown(&decode));
-    assert_eq!(summary(&prefill)["seen"], 0);
+    let prefill_summary = summary(&prefill);
+    assert_eq!((prefill_summary["seen"].as_u64(), prefill_summary["completed"].as_u64()), (Some(2), Some(1)));
     assert_eq!(summary(&decode)["completed"], 1, "req-0's READ only");
 }
 
@@ -300,9 +330,12 @@ fn a_mismatched_notification_is_the_decodes_read_of_the_other_id() {
     // for an id it was never seen holding (nor was req-1 seen held).
     assert!(alert_lines(&decode).is_empty(), "decode:\n{}", shown(&decode));
     assert_eq!(summary(&decode)["completed"], 2);
-    assert!(alert_lines(&prefill).is_empty(), "prefill:\n{}", shown(&prefill));
-    let said = prefill.iter().any(|l| l.text.contains("not seen held") && l.text.contains("notifications=2"));
-    assert!(said, "req-0:1 and req-1-x:1 read, neither held:\n{}", shown(&prefill));
+    // req-1 was never read under its own id: its alert shows the id that
+    // came instead.
+    let alert = assert_never_read(&prefill);
+    assert_eq!(alert["vllm_recent_other_notifications"], "req-1-x:1", "{alert}");
+    let said = prefill.iter().any(|l| l.text.contains("not seen held") && l.text.contains("notifications=1"));
+    assert!(said, "req-1-x:1 read, never held:\n{}", shown(&prefill));
 }
 
 #[test]
@@ -311,6 +344,7 @@ fn a_decode_abort_is_its_notification_alone_and_raises_nothing() {
     assert!(held_s(&target.one("freed", "req-1")) < LEASE / 2.0);
     assert!(alert_lines(&prefill).is_empty(), "prefill:\n{}", shown(&prefill));
     assert!(alert_lines(&decode).is_empty(), "decode:\n{}", shown(&decode));
+    assert_eq!(summary(&prefill)["completed"], 2, "req-1 released by the abort's notification");
     assert_eq!(summary(&decode)["completed"], 1, "req-0's READ only: req-1 had none");
     let said = decode.iter().any(|l| l.text.contains("given up unread") && l.text.contains("request req-1"));
     assert!(said, "the decode's notify-only genNotif of req-1:\n{}", shown(&decode));

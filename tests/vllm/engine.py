@@ -25,7 +25,23 @@ What runs unchanged, from the vllm 0.33.0 wheel
   get_new_notifs / check_xfer_state / release_xfer_handle, heartbeats "HB:"
   and the lease in _reqs_to_send / _reap_expired_send_leases).
 - vllm.v1.request.Request with SamplingParams(extra_args={"kv_transfer_params":
-  ...}), as the API server builds it; KVCacheBlocks of KVCacheBlock.
+  ...}), as the API server builds it; KVCacheBlocks of KVCacheBlock. A
+  finished prefill goes through the Request's own append_output_token_ids,
+  vllm.v1.core.sched.utils.check_stop (-> FINISHED_LENGTH_CAPPED),
+  prefill_stats (PrefillStats.set / take_prefill_stats / finalize),
+  get_finished_reason, take_events, as update_from_output calls them.
+- The prefill's output path (role prefill, --output-path): vLLM's
+  EngineCoreProc.process_output_sockets, the engine core's output IO
+  thread, unchanged, in a daemon thread with ([--output-path], None, 0):
+  make_zmq_socket(PUSH, connect, linger 4000, SNDHWM 0),
+  MsgpackEncoder().encode_into with its reused buffers,
+  EngineCoreProc._send_msg_tracking_payload (socket.send copy=False,
+  track=True). What it sends: vllm.v1.engine.EngineCoreOutputs of
+  EngineCoreOutput (FinishReason), stamped by EngineCore._attach_weight_version
+  (run unchanged, as EngineCore.step runs it) and put on its output_queue
+  as (client_index 0, outputs), as _process_engine_step puts them. The
+  router (pd.py) binds the PULL and decodes with vLLM's
+  MsgpackDecoder(EngineCoreOutputs), as the frontend's core client does.
 
 What this process supplies instead of a server
 ----------------------------------------------
@@ -48,6 +64,27 @@ What this process supplies instead of a server
   are held (delay_free_blocks) until finished_sending names it. A decode
   request finishes once finished_recving names it (request_finished, blocks
   freed).
+- The end of Scheduler.update_from_output for the prefill: per finished
+  request one EngineCoreOutput with the fields the scheduler sets for it
+  (request_id, new_token_ids = the one "sampled" token, derived from the
+  request id as nothing is computed; finish_reason LENGTH; stop_reason,
+  events, trace_headers, num_nans_in_logits from the Request (None, None,
+  None, 0: log_stats off, as with --disable-log-stats, so no events and no
+  scheduler_stats); prefill_stats; kv_transfer_params = request_finished's
+  return plus remote_prefill_cached_tokens, as update_from_output adds it
+  when the params have do_remote_prefill), and one EngineCoreOutputs per
+  step with finished requests (finished_requests None: EngineCoreProc
+  builds the scheduler with include_finished_set = internal DP balancing,
+  False for DP=1). Put on the queue right after the step's finishes, before
+  build_connector_meta, as the real engine puts a step's outputs before the
+  next schedule() hands the held request to the worker. An abort
+  (EngineCore.abort_requests -> finish_requests) sends nothing: the
+  scheduler makes no EngineCoreOutput for it.
+- The EngineCoreProc that process_output_sockets runs on:
+  object.__new__(EngineCoreProc) (no __init__: no executor, no frontend
+  handshake, no input thread), with only output_queue = queue.Queue() (what
+  process_output_sockets reads) and _weight_version = "default"
+  (EngineCore.__init__'s value, read by _attach_weight_version).
 - Control: JSON lines on stdin ({"cmd": "prefill"|"decode"|"schedule"|
   "abort", ...}) from pd.py, events as JSON lines on stdout.
 
@@ -55,7 +92,8 @@ Checked on: vllm 0.33.0, torch 2.14.1 (vLLM's metadata pins 2.14.0; the
 wheel has no `vllm._C` by that name (it ships _C_stable_libtorch.abi3.so),
 so vLLM warns "Failed to import from vllm._C" and goes on; the connector
 runs on 2.14.1), CPython 3.11.7, nixl 1.5.1 (the meta package
-loads nixl_cu13 here, from torch.version.cuda 13.0), pyzmq 27.3.0.
+loads nixl_cu13 here, from torch.version.cuda 13.0), pyzmq 27.3.0 (its
+bundled libzmq 4.3.5, pyzmq.libs/libzmq-*.so.5.2.5), msgspec 0.23.0.
 """
 import argparse
 import json
@@ -106,7 +144,12 @@ def parse_args():
     p.add_argument("--lease", type=int, default=30, help="kv_lease_duration (s)")
     p.add_argument("--blocks", type=int, default=64)
     p.add_argument("--step", type=float, default=0.01, help="engine step period (s)")
-    return p.parse_args()
+    p.add_argument("--output-path", help="prefill: the zmq address of the router's PULL socket, where vLLM's "
+                   "process_output_sockets sends each step's EngineCoreOutputs (as the frontend's outputs[0])")
+    args = p.parse_args()
+    if args.role == "prefill" and not args.output_path:
+        p.error("--output-path is required for the prefill")
+    return args
 
 
 def build(args):
@@ -193,10 +236,37 @@ def pattern(request_id, layer):
     return float((sum(request_id.encode()) * 31 + layer) % 100003)
 
 
+def start_output_thread(output_path):
+    """vLLM's own output IO thread, EngineCoreProc.process_output_sockets,
+    unchanged, on an EngineCoreProc made without its __init__ (no executor,
+    no handshake with a frontend): it has only the attributes the methods
+    called on it use. Started as EngineCoreProc.__init__ starts it: a daemon
+    thread, args (addresses.outputs, addresses.coordinator_output,
+    engine_index), here ([output_path], None, 0) (DP=1, no coordinator)."""
+    import queue
+
+    from vllm.v1.engine.core import EngineCoreProc
+
+    core = object.__new__(EngineCoreProc)
+    # process_output_sockets: the (client_index, EngineCoreOutputs) items it
+    # sends (what _process_engine_step puts there after each step).
+    core.output_queue = queue.Queue()
+    # EngineCore._attach_weight_version, which EngineCore.step runs on every
+    # step's outputs: EngineCore.__init__'s value ("default" until a
+    # set_weight_version utility call).
+    core._weight_version = "default"
+    core.output_thread = threading.Thread(
+        target=core.process_output_sockets, args=([output_path], None, 0), daemon=True
+    )
+    core.output_thread.start()
+    return core
+
+
 class Engine:
     def __init__(self, args):
         self.args = args
         self.cfg, self.kv_cache_config, self.scheduler, self.worker, self.caches = build(args)
+        self.core = start_output_thread(args.output_path) if args.role == "prefill" else None
         self.free_blocks = list(range(1, self.kv_cache_config.num_blocks))  # block 0: vLLM's null block
         self.waiting = {}  # request id -> Request, admitted, not scheduled
         self.allowed = set()  # decode: ids the router let the scheduler run
@@ -230,6 +300,7 @@ class Engine:
     def schedule(self):
         from vllm.v1.request import RequestStatus
 
+        outputs = []  # this step's EngineCoreOutput, one per finished request
         runnable = [r for r in self.waiting if self.args.role == "prefill" or r in self.allowed]
         for request_id in runnable:
             request = self.waiting.pop(request_id)
@@ -238,26 +309,94 @@ class Engine:
             ids, blocks = self.allocate(tokens)
             self.scheduler.update_state_after_alloc(request, blocks, external or 0)
             if self.args.role == "prefill":
+                # Scheduler.schedule: the first scheduled prefill's stats
+                # (no local prefix cache in this block free list).
+                if request.prefill_stats and request.num_preemptions <= 0:
+                    request.prefill_stats.set(
+                        num_prompt_tokens=tokens, num_local_cached_tokens=0,
+                        num_external_cached_tokens=external or 0,
+                    )
                 # The forward pass: this request's KV, then it finishes.
                 for layer, name in enumerate(LAYERS):
                     self.caches[name][ids] = pattern(request_id, layer)
                 request.num_computed_tokens = tokens
-                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                delay, params = self.scheduler.request_finished(request, ids)
-                if delay:
-                    self.held[request_id] = (ids, time.time())
-                else:
-                    self.free(ids)
-                emit("finished", role="prefill", request=request_id, blocks=ids, delay_free=delay, params=params)
+                request.status = RequestStatus.RUNNING
+                outputs.append(self.finish_prefill(request, ids))
             else:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 self.running[request_id] = (request, ids)
                 emit("scheduled", role="decode", request=request_id, blocks=ids, external_tokens=external,
                      load_async=is_async)
+        if self.core is not None:
+            self.send_outputs(outputs)
+
+    def finish_prefill(self, request, ids):
+        """What Scheduler.update_from_output does with a prefill request whose
+        one sampled token meets max_tokens=1: _update_request_with_output
+        (append_output_token_ids, check_stop -> FINISHED_LENGTH_CAPPED),
+        take_prefill_stats + finalize, get_finished_reason,
+        _free_request -> the connector's request_finished (blocks held:
+        delay_free_blocks), remote_prefill_cached_tokens, and the
+        EngineCoreOutput it appends for the request."""
+        from vllm.v1.core.sched.utils import check_stop
+        from vllm.v1.engine import EngineCoreOutput
+
+        request_id = request.request_id
+        # The token the model would have sampled (nothing is computed).
+        token = sum(request_id.encode()) % MODEL["vocab_size"]
+        request.append_output_token_ids(token)
+        stopped = check_stop(request, self.cfg.model_config.max_model_len)
+        assert stopped and request.is_finished(), (request_id, request.status)
+        prefill_stats = request.take_prefill_stats()
+        if prefill_stats is not None:
+            # kv_cache_manager.estimate_cached_tokens: no block carries a
+            # prefix-cache hash here, so 0.
+            prefill_stats.finalize(0)
+        finish_reason = request.get_finished_reason()
+        delay, params = self.scheduler.request_finished(request, ids)
+        if prefill_stats is not None and params is not None and params.get("do_remote_prefill"):
+            params["remote_prefill_cached_tokens"] = prefill_stats.num_cached_tokens
+        if delay:
+            self.held[request_id] = (ids, time.time())
+        else:
+            self.free(ids)
+        emit("finished", role="prefill", request=request_id, blocks=ids, delay_free=delay, params=params,
+             token=token, finish_reason=str(finish_reason))
+        return EngineCoreOutput(
+            request_id=request_id,
+            new_token_ids=[token],
+            finish_reason=finish_reason,
+            stop_reason=request.stop_reason,
+            events=request.take_events(),
+            prefill_stats=prefill_stats,
+            kv_transfer_params=params,
+            trace_headers=request.trace_headers,
+            num_nans_in_logits=request.num_nans_in_logits,
+        )
+
+    def send_outputs(self, outputs):
+        """The end of update_from_output (one EngineCoreOutputs per client
+        with outputs, finished_requests when include_finished_set), then
+        EngineCore.step's _attach_weight_version and
+        EngineCoreProc._process_engine_step's output_queue.put_nowait, from
+        which vLLM's process_output_sockets thread encodes and sends it."""
+        from vllm.v1.engine import EngineCoreOutputs
+        from vllm.v1.engine.core import EngineCore
+
+        # No finished_requests: EngineCoreProc builds the scheduler with
+        # include_finished_set = internal DP balancing, False with DP=1.
+        engine_core_outputs = {0: EngineCoreOutputs(outputs=outputs)} if outputs else {}
+        EngineCore._attach_weight_version(self.core, engine_core_outputs)
+        for output in engine_core_outputs.items():
+            self.core.output_queue.put_nowait(output)
 
     def abort(self, request_id):
         """The API server aborts a request (client gone) before the scheduler
-        ran it: the scheduler finishes it as FINISHED_ABORTED."""
+        ran it: EngineCore.abort_requests -> Scheduler.finish_requests
+        (FINISHED_ABORTED) -> _free_request -> request_finished. That path
+        makes no EngineCoreOutput (the frontend finished the request itself
+        when it aborted it); with DP=1 the id is not queued for
+        finished_requests either, so nothing goes to the output socket."""
         from vllm.v1.request import RequestStatus
 
         request = self.waiting.pop(request_id, None)

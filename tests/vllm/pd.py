@@ -8,6 +8,17 @@ takes the kv_transfer_params the prefill's request_finished returns and
 hands them to the decode. What stands in for a server is listed in
 engine.py's header.
 
+The prefill's results reach the router as vLLM's frontend gets them: the
+router binds a zmq PULL (vLLM's make_zmq_socket, ipc:// in a fresh temp
+dir) before it starts the prefill, passes it as --output-path, and the
+prefill's EngineCoreProc.process_output_sockets (vLLM's, unchanged)
+connects a PUSH to it and sends each step's EngineCoreOutputs encoded by
+MsgpackEncoder. A thread here decodes every message with vLLM's
+MsgpackDecoder(EngineCoreOutputs), as the core client's output task does
+(ENGINE_CORE_DEAD aside), emits one "output" line per EngineCoreOutput and
+the router hands the decode that output's kv_transfer_params (not the
+prefill's "finished" JSON line, which is only a log).
+
 The flow, vLLM's own (pull_scheduler.py, pull_worker.py, base_worker.py):
 - Prefill: request_finished holds the request's blocks (delay_free_blocks)
   and stamps a lease (kv_lease_duration, default 30 s) in _reqs_need_send;
@@ -51,7 +62,10 @@ requests 1..count-1):
   and the prefill frees on that notification without any READ.
 
 stdout: JSON lines, those of both engines (with "role") and the router's
-own ("ready" with both pids and agent names; "routed", "signal", "done").
+own ("ready" with both pids and agent names; "output" per EngineCoreOutput
+decoded from the prefill's output socket, with request, finish_reason,
+has_kv_transfer_params, engine_index and in_frame (outputs in that
+message); "routed", "signal", "done").
 The router waits for "go" on stdin after "ready".
 """
 import argparse
@@ -70,9 +84,17 @@ FAULTS = ["healthy", "never_read", "mismatch", "heartbeat", "read_hung", "prefil
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+_out_lock = threading.Lock()
+
+
 def emit(event, **fields):
-    sys.stdout.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
-    sys.stdout.flush()
+    write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
+
+
+def write(line):
+    with _out_lock:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def free_port():
@@ -90,14 +112,15 @@ class Engine:
                "--engine-id", f"{role}-engine", "--side-port", str(free_port()),
                "--dist-port", str(free_port()), "--lease", str(args.lease),
                "--model-dir", args.model_dir]
+        if role == "prefill":
+            cmd += ["--output-path", args.output_path]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self.events = events
         threading.Thread(target=self.pump, daemon=True).start()
 
     def pump(self):
         for line in self.proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+            write(line)
             try:
                 value = json.loads(line)
             except ValueError:
@@ -113,11 +136,53 @@ class Engine:
             emit("send_failed", role=self.role, command=command)
 
 
+class Outputs:
+    """The frontend's side of the prefill's output socket (core_client.py):
+    a PULL that binds (make_zmq_socket), each multipart message decoded
+    with MsgpackDecoder(EngineCoreOutputs), as its output-queue task does.
+    Each EngineCoreOutput goes to `events` as an "output" event (with its
+    kv_transfer_params, which the JSON line leaves out)."""
+
+    def __init__(self, path, events):
+        import zmq
+        from vllm.utils.network_utils import make_zmq_socket
+
+        self.path = path
+        self.events = events
+        self.ctx = zmq.Context()
+        self.socket = make_zmq_socket(self.ctx, path, zmq.PULL)  # binds, before the prefill connects
+        threading.Thread(target=self.read, daemon=True).start()
+
+    def read(self):
+        from vllm.v1.engine import EngineCoreOutputs
+        from vllm.v1.engine.core import EngineCoreProc
+        from vllm.v1.serial_utils import MsgpackDecoder
+
+        decoder = MsgpackDecoder(EngineCoreOutputs)
+        while True:
+            frames = self.socket.recv_multipart(copy=False)
+            if len(frames) == 1 and frames[0].buffer == EngineCoreProc.ENGINE_CORE_DEAD:
+                emit("engine_core_dead", role="prefill")
+                continue
+            outputs = decoder.decode(frames)
+            for output in outputs.outputs:
+                fields = dict(
+                    request=output.request_id,
+                    finish_reason=None if output.finish_reason is None else str(output.finish_reason),
+                    has_kv_transfer_params=output.kv_transfer_params is not None,
+                    engine_index=outputs.engine_index,
+                    in_frame=len(outputs.outputs),
+                )
+                emit("output", **fields)
+                self.events.put(dict(event="output", kv_transfer_params=output.kv_transfer_params, **fields))
+
+
 class Router:
     def __init__(self, args):
         self.args = args
         self.events = queue.Queue()
         self.seen = []
+        self.outputs = Outputs(args.output_path, self.events)
         self.prefill = Engine("prefill", args, self.events)
         self.decode = Engine("decode", args, self.events)
 
@@ -157,9 +222,13 @@ class Router:
     def prefill_one(self, request_id):
         self.prefill.send(cmd="prefill", request=request_id, prompt_len=self.args.prompt_len,
                           params={"do_remote_decode": True})
-        done = self.need(f"prefill of {request_id}",
-                         lambda v: v.get("event") == "finished" and v.get("request") == request_id, 60)
-        return done["params"]
+        output = self.need(f"EngineCoreOutput of {request_id} from the prefill on {self.args.output_path}",
+                           lambda v: v.get("event") == "output" and v.get("request") == request_id, 60)
+        if output["kv_transfer_params"] is None:
+            emit("error", message=f"router: the prefill's EngineCoreOutput of {request_id} has no "
+                 f"kv_transfer_params (finish_reason {output['finish_reason']})")
+            raise SystemExit(2)
+        return output["kv_transfer_params"]
 
     def signal(self, engine, sig):
         emit("signal", role=engine.role, signal=sig.name, pid=engine.proc.pid)
@@ -253,6 +322,10 @@ def main():
     os.environ.setdefault("UCX_TLS", "tcp,self")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     args.model_dir = tempfile.mkdtemp(prefix="stallwatch-vllm-model-")
+    # The frontend's output address for the prefill (its PULL binds there).
+    args.output_path = "ipc://" + os.path.join(tempfile.mkdtemp(prefix="stallwatch-vllm-pd-"), "output.ipc")
+    # vLLM's imports (serial_utils, network_utils) on the CPU platform.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     router = Router(args)
     try:
         router.run()

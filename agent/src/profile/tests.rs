@@ -622,11 +622,25 @@ fn a_strings_capture_walks_a_bounded_list_or_one_string_and_bad_ones_name_their_
 fn the_vllm_profile_is_the_nixl_profile_with_vllms_notifications_read() {
     let vllm = Profile::load("vllm").expect("the vllm profile");
     let names: Vec<&str> = vllm.signals.iter().map(|s| s.name.as_str()).collect();
-    assert_eq!(names, ["vllm_read", "vllm_notif_sent", "vllm_notifs"]);
+    assert_eq!(names, ["vllm_read", "vllm_notif_sent", "vllm_notifs", "vllm_outputs"]);
     let nixl = Profile::load("nixl").expect("nixl");
     assert_eq!(vllm.probes.len(), nixl.probes.len(), "every probe the nixl profile's");
-    assert!(vllm.signals[1].strings.as_ref().is_some_and(|s| s.list.is_none()));
+    assert!(vllm.signals[1].strings.as_ref().is_some_and(|s| s.list.is_none() && !s.raw));
     assert!(vllm.signals[2].strings.as_ref().is_some_and(|s| s.list.is_some() && s.turns() <= 4096));
+    // The engine's outputs: raw bytes, only of a frame that starts as an
+    // EngineCoreOutputs does (a fixarray, then a positive fixint).
+    let outputs = vllm.signals[3].slot_config();
+    assert!(vllm.signals[3].strings.as_ref().is_some_and(|s| s.raw && s.bytes == 16128 && s.chunks() == 256));
+    assert!(vllm.signals[3].optional && !vllm.signals[2].optional, "only libzmq's may be missing");
+    assert_eq!(outputs.strings.raw, 1);
+    assert_eq!((outputs.filter_mask, outputs.filter_rule.op, outputs.filter_rule.value), (0x80f0, cmp::EQ, 0x90));
+    let passes = |first: &[u8]| {
+        let mut word = [0u8; 8];
+        word[..first.len()].copy_from_slice(first);
+        outputs.filter_rule.holds((u64::from_le_bytes(word) & outputs.filter_mask) as i64)
+    };
+    assert!(passes(&[0x95, 0x00, 0x91]) && passes(&[0x9a, 0x03]));
+    assert!(!passes(&[0x95, 0xa5]) && !passes(&[0x95, 0xd9]) && !passes(&[0xdc, 0x00]) && !passes(&[0x82, 0x00]));
 }
 
 #[test]

@@ -18,18 +18,24 @@
 //!
 //! **Prefill.** The prefill makes no transfer: it holds the request's KV
 //! blocks until every consumer's notification arrives (or its lease
-//! expires, in Python, unseen). Every notification it reads comes back
-//! from NIXL `getNotifs` in an `unordered_map<agent, vector<string>>`,
-//! whose strings the kernel walks at the call's return (`vllm_notifs`). A
-//! request is followed, keyed by its id, from the first notification that
-//! names it while it is held: a heartbeat (the decode waits on it), or one
-//! consumer's notification of several (`k/N` answered); it ends released
+//! expires, in Python, unseen). A request is followed, keyed by its id,
+//! from the engine core's output that finishes it with params for a
+//! decode to read its blocks ([`outputs`]: the `EngineCoreOutputs` frame
+//! the output thread sends, read whole by the kernel at `zmq_msg_send`,
+//! `vllm_outputs`). Every notification it reads comes back from NIXL
+//! `getNotifs` in an `unordered_map<agent, vector<string>>`, whose strings
+//! the kernel walks at the call's return (`vllm_notifs`); a request first
+//! named there (its output not seen: an agent started later) is followed
+//! from that notification: a heartbeat (the decode waits on it), or one
+//! consumer's notification of several (`k/N` answered). It ends released
 //! at its last consumer's notification. Its alert says how many consumers
 //! answered and what heartbeats came: one held with heartbeats is waited
-//! on, one whose heartbeats stopped is abandoned. A request no decode ever
-//! names (the decode never got it, or notified another id: vLLM PR 36958)
-//! is not seen here: nothing native marks the moment vLLM holds it (see
-//! the docs).
+//! on, one whose heartbeats stopped is abandoned, one no decode ever named
+//! was never read (the decode never got it, or notified another id: vLLM
+//! PR 36958, whose id shows among the other notifications). With TP > 1
+//! the notifications arrive in the worker processes, not the engine core
+//! that sent the output: a notification for an id no request of its own
+//! process holds goes to the process that holds it.
 //!
 //! **Push** (`NixlPushConnector`): the prefill WRITEs, its notification
 //! `"<decode's request id>:<world size>"` (`push_worker.py`); a WRITE's
@@ -39,6 +45,8 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use tracing::{info, warn};
+
+mod outputs;
 
 use super::{
     AdoptedHandle, Framework, HandOver,
@@ -111,9 +119,11 @@ struct Transfer {
     agent: Box<str>,
 }
 
-/// A request a prefill holds, as its notifications tell.
+/// A request a prefill holds, as its output and notifications tell.
 #[derive(Default)]
 struct Held {
+    /// Seen from the engine's output (else from a notification).
+    from_output: bool,
     consumers: Option<u32>,
     answered: u32,
     heartbeats: u32,
@@ -172,6 +182,9 @@ pub struct Vllm {
     aborts: u64,
     last_abort: Option<String>,
     pending: VecDeque<Observation>,
+    /// Engine outputs cut at the capture's bound (outputs past the cut
+    /// unknown).
+    outputs_cut: u64,
     unparsed: u64,
     last_unparsed: Option<String>,
     warned: Warned,
@@ -204,11 +217,51 @@ impl Vllm {
         }
     }
 
+    /// An engine core's `EngineCoreOutputs` frame: each request it
+    /// finishes for a decode to read is held from now.
+    fn output(&mut self, pid: u32, ts_ns: u64, whole: &Whole) {
+        let outputs = match outputs::read(&whole.text, whole.complete) {
+            Ok(outputs) => outputs,
+            Err(outputs::NotOutputs::Other) => return,
+            Err(outputs::NotOutputs::Unreadable(why)) => {
+                self.unparsed(format!("pid {pid}: engine output: {why}"));
+                return;
+            }
+        };
+        self.outputs_cut += u64::from(outputs.cut);
+        for id in outputs.held {
+            let key = (pid, key_of(&id));
+            if self.held.contains_key(&key) {
+                continue;
+            }
+            self.pending.push_back(Observation {
+                pid,
+                key: key.1,
+                stage: Stage::Enqueued,
+                ts_ns,
+                external_id: Some(id.as_str().into()),
+                ends: false,
+            });
+            self.held.insert(key, (id.into(), Held { from_output: true, ..Held::default() }));
+        }
+    }
+
+    /// The process a notification read in `pid` about request `key` is
+    /// for: `pid` when it holds the request (one engine process, TP 1),
+    /// else the engine core that sent the request's output (TP > 1: the
+    /// workers read the notifications).
+    fn holder(&self, pid: u32, key: u64) -> u32 {
+        if self.held.contains_key(&(pid, key)) {
+            return pid;
+        }
+        self.held.iter().find(|((_, k), (_, held))| *k == key && held.from_output).map_or(pid, |((p, _), _)| *p)
+    }
+
     /// A string the prefill read with `getNotifs`: the observations it
     /// makes go to `pending`.
-    fn received(&mut self, pid: u32, ts_ns: u64, whole: &Whole) {
+    fn received(&mut self, reader: u32, ts_ns: u64, whole: &Whole) {
         let text = String::from_utf8_lossy(&whole.text);
-        let observe = |id: &str, stage| Observation {
+        let observe = |pid: u32, id: &str, stage| Observation {
             pid,
             key: key_of(id),
             stage,
@@ -219,8 +272,9 @@ impl Vllm {
         match parse(&text, whole.complete) {
             Ok(Notif::Heartbeat(ids)) => {
                 for id in ids {
+                    let pid = self.holder(reader, key_of(id));
                     let (_, held) = self.held.entry((pid, key_of(id))).or_insert_with(|| {
-                        self.pending.push_back(observe(id, Stage::Enqueued));
+                        self.pending.push_back(observe(pid, id, Stage::Enqueued));
                         (id.into(), Held::default())
                     });
                     if held.heartbeats == 0 {
@@ -231,10 +285,11 @@ impl Vllm {
                 }
             }
             Ok(Notif::Consumer { id, consumers }) => {
+                let pid = self.holder(reader, key_of(id));
                 let key = (pid, key_of(id));
                 let known = self.held.contains_key(&key);
                 if !known && consumers == 1 {
-                    let recent = self.unseen.entry(pid).or_default();
+                    let recent = self.unseen.entry(reader).or_default();
                     if recent.len() == RECENT {
                         recent.pop_front();
                     }
@@ -244,18 +299,18 @@ impl Vllm {
                 }
                 if !known {
                     // One consumer of several: the others are awaited.
-                    self.pending.push_back(observe(id, Stage::Enqueued));
+                    self.pending.push_back(observe(pid, id, Stage::Enqueued));
                 }
                 let (_, held) = self.held.entry(key).or_insert_with(|| (id.into(), Held::default()));
                 held.consumers = Some(consumers);
                 held.answered += 1;
                 if held.answered >= consumers {
                     self.held.remove(&key);
-                    self.pending.push_back(observe(id, Stage::Released));
+                    self.pending.push_back(observe(pid, id, Stage::Released));
                 }
             }
             Ok(Notif::PushRegistration) => {}
-            Err(why) => self.unparsed(format!("pid {pid}: getNotifs: {why}")),
+            Err(why) => self.unparsed(format!("pid {reader}: getNotifs: {why}")),
         }
     }
 
@@ -283,15 +338,17 @@ impl Framework for Vllm {
                 }
                 Some(None)
             }
-            "vllm_notif_sent" | "vllm_notifs" => {
+            "vllm_notif_sent" | "vllm_notifs" | "vllm_outputs" => {
                 if let Captured::Chunk(chunk) = &signal.capture {
                     let slot = spec.line as u32;
                     if let Some(whole) = self.strings.chunk(signal.pid, signal.tid, slot, chunk) {
-                        if spec.name == "vllm_notifs" {
-                            self.received(signal.pid, signal.ts_ns, &whole);
-                        } else {
-                            self.decodes.insert(signal.pid);
-                            self.sent(signal.pid, signal.ts_ns, &whole);
+                        match spec.name.as_str() {
+                            "vllm_notifs" => self.received(signal.pid, signal.ts_ns, &whole),
+                            "vllm_outputs" => self.output(signal.pid, signal.ts_ns, &whole),
+                            _ => {
+                                self.decodes.insert(signal.pid);
+                                self.sent(signal.pid, signal.ts_ns, &whole);
+                            }
                         }
                     }
                 }
@@ -379,6 +436,7 @@ impl Framework for Vllm {
         };
         let mut fields = vec![
             ("vllm_request_id", id.to_string()),
+            ("vllm_held_since", if held.from_output { "engine output" } else { "first notification" }.into()),
             ("vllm_held_s", secs(request.first_ns, now)),
             ("vllm_consumers_answered", answered),
             ("vllm_heartbeats", held.heartbeats.to_string()),
@@ -391,6 +449,8 @@ impl Framework for Vllm {
             "waited on: the decode still sends heartbeats for it"
         } else if held.heartbeats > 0 {
             "abandoned: its heartbeats stopped"
+        } else if held.from_output && held.answered == 0 {
+            "never read: no decode has named it (no READ notification, no heartbeat)"
         } else {
             "abandoned: no heartbeat"
         };
@@ -421,8 +481,10 @@ impl Framework for Vllm {
                 new,
                 unparsed = self.unparsed,
                 cut_short = self.strings.cut,
+                outputs_cut = self.outputs_cut,
                 latest = self.last_unparsed.as_deref().unwrap_or_default(),
-                "vLLM notifications that could not be read whole (raise the profile's `strings.bytes` if cut short)"
+                "vLLM notifications or engine outputs that could not be read whole (raise the profile's \
+                 `strings.bytes` if cut short: an engine output's requests past its cut are not followed)"
             );
         }
     }

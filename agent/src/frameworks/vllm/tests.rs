@@ -66,6 +66,93 @@ fn a_prefill_follows_a_request_from_its_heartbeat_to_its_last_consumer() {
     assert_eq!(vllm.read(&silent, &mut |_| panic!("no memory of its own")), Some(None));
 }
 
+/// An `EngineCoreOutputs` frame finishing `ids` as pull-mode prefills.
+fn outputs_frame(ids: &[&str]) -> Whole {
+    use rmpv::Value;
+    let output = |id: &str| {
+        let params = vec![
+            (Value::from("do_remote_prefill"), Value::from(true)),
+            (Value::from("remote_block_ids"), Value::Array(vec![Value::Array(vec![Value::from(4)])])),
+            (Value::from("remote_request_id"), Value::from(id)),
+            (Value::from("transfer_mode"), Value::from("pull")),
+        ];
+        let mut fields = vec![Value::from(id), Value::Array(vec![Value::from(3)])];
+        fields.extend([Value::Nil, Value::Nil, Value::Nil, Value::from(1), Value::Nil, Value::Nil]);
+        fields.push(Value::Map(params));
+        Value::Array(fields)
+    };
+    let frame = Value::Array(vec![Value::from(0), Value::Array(ids.iter().map(|id| output(id)).collect())]);
+    let mut text = Vec::new();
+    rmpv::encode::write_value(&mut text, &frame).expect("encode");
+    Whole { text, complete: true }
+}
+
+fn snapshot(pid: u32, id: &str, first_ns: u64) -> RequestSnapshot {
+    RequestSnapshot {
+        pid,
+        key: key_of(id),
+        external_id: Some(id.into()),
+        stage: Stage::Enqueued,
+        stage_ns: [Some(first_ns), None, None, None],
+        first_ns,
+        last_ns: first_ns,
+        stalled: None,
+        inferred: Default::default(),
+    }
+}
+
+#[test]
+fn a_prefill_holds_a_request_from_its_engine_output_and_one_never_named_was_never_read() {
+    let mut vllm = Vllm::default();
+    vllm.output(9, 100, &outputs_frame(&["req-0", "req-1"]));
+    let held: Vec<Observation> = std::iter::from_fn(|| vllm.pending()).collect();
+    assert_eq!(held.len(), 2);
+    assert_eq!(
+        (held[0].key, held[0].stage, held[0].ts_ns, held[0].external_id.as_deref()),
+        (key_of("req-0"), Stage::Enqueued, 100, Some("req-0"))
+    );
+    // The same output again (it cannot be, but a second read of it) holds nothing new.
+    vllm.output(9, 101, &outputs_frame(&["req-0"]));
+    assert_eq!(vllm.pending(), None);
+    // req-0's only consumer reads it: released, not "unseen".
+    vllm.received(9, 150, &whole("req-0:1"));
+    let released = vllm.pending().expect("released");
+    assert_eq!((released.key, released.stage), (key_of("req-0"), Stage::Released));
+    assert_eq!(vllm.unseen_count, 0);
+    // A decode notifies another id (vLLM PR 36958): it shows beside req-1.
+    vllm.received(9, 160, &whole("req-1-x:1"));
+    assert_eq!(vllm.pending(), None);
+    let fields: HashMap<_, _> = vllm.context(&snapshot(9, "req-1", 100)).into_iter().collect();
+    assert_eq!(fields["vllm_held_since"], "engine output");
+    assert_eq!(fields["vllm_consumers_answered"], "0/?");
+    assert!(fields["vllm_decode"].starts_with("never read"), "{fields:?}");
+    assert_eq!(fields["vllm_recent_other_notifications"], "req-1-x:1");
+    // Frames that are no engine output, or unreadable ones, hold nothing;
+    // the unreadable one is counted.
+    vllm.output(9, 170, &whole("\u{92}\u{1}\u{91}\u{a1}x"));
+    vllm.output(9, 170, &Whole { text: vec![0x92, 0x00, 0x92, 0x91, 0xa1, b'x', 0x05], complete: true });
+    assert_eq!(vllm.pending(), None);
+    assert_eq!(vllm.unparsed, 1, "{:?}", vllm.last_unparsed);
+}
+
+#[test]
+fn with_tp_above_one_a_workers_notification_answers_the_engine_cores_request() {
+    let mut vllm = Vllm::default();
+    // The engine core (pid 9) sends the output; its worker (pid 12) reads
+    // the notifications.
+    vllm.output(9, 100, &outputs_frame(&["req-1", "req-2"]));
+    assert_eq!(std::iter::from_fn(|| vllm.pending()).count(), 2);
+    vllm.received(12, 200, &whole("HB:req-2"));
+    assert_eq!(vllm.pending(), None, "a heartbeat of a request held by the engine core");
+    assert_eq!(vllm.held[&(9, key_of("req-2"))].1.heartbeats, 1);
+    vllm.received(12, 210, &whole("req-1:1"));
+    let released = vllm.pending().expect("released");
+    assert_eq!((released.pid, released.key, released.stage), (9, key_of("req-1"), Stage::Released));
+    // An id no process holds stays the reader's.
+    vllm.received(12, 220, &whole("req-5:2"));
+    assert_eq!(vllm.pending().map(|o| (o.pid, o.stage)), Some((12, Stage::Enqueued)));
+}
+
 #[test]
 fn a_request_of_several_consumers_waits_for_the_rest() {
     let mut vllm = Vllm::default();
