@@ -15,7 +15,9 @@
 //! Printed per size: the decode's READs/s (each column against the off run
 //! of its round, median and range), and the prefill's time per getNotifs
 //! call, empty and with notifications (the kernel's walk of the map), as
-//! the target measures it around the call. Without `--bench` (as under
+//! the target measures it around the call, and its time per send of an
+//! EngineCoreOutputs-shaped frame of four outputs (1.3 KB, read whole by
+//! the `vllm_outputs` capture). Without `--bench` (as under
 //! `cargo test --all-targets`) a short smoke run, which fails unless the
 //! agents saw the READs.
 mod support;
@@ -30,6 +32,8 @@ struct Run {
     /// The prefill's ns per getNotifs call: empty, and with notifications.
     empty_ns: f64,
     busy_ns: f64,
+    /// The prefill's ns per EngineCoreOutputs-shaped frame sent.
+    send_ns: f64,
 }
 
 fn run(size: u64, count: u64, config: &Config, profile: &Profile) -> Result<Run> {
@@ -73,6 +77,7 @@ fn run(size: u64, count: u64, config: &Config, profile: &Profile) -> Result<Run>
         gb_per_s: done["gb_per_s"].as_f64().context("gb_per_s")?,
         empty_ns: prefill["empty_ns_per_call"].as_f64().context("empty_ns_per_call")?,
         busy_ns: prefill["busy_ns_per_call"].as_f64().context("busy_ns_per_call")?,
+        send_ns: prefill["send_ns_per_output"].as_f64().context("send_ns_per_output")?,
     })
 }
 
@@ -104,21 +109,25 @@ fn main() -> Result<()> {
         }
         let off = &results[0];
         println!(
-            "{label}: off {:.0} READs/s ({:.2} GB/s); prefill getNotifs off: {:.1} us empty, {:.1} us with notifications",
+            "{label}: off {:.0} READs/s ({:.2} GB/s); prefill getNotifs off: {:.1} us empty, {:.1} us with \
+             notifications; engine output send off: {:.1} us",
             median(&off.iter().map(|r| r.reads_per_s).collect::<Vec<_>>()),
             median(&off.iter().map(|r| r.gb_per_s).collect::<Vec<_>>()),
             median(&off.iter().map(|r| r.empty_ns / 1e3).collect::<Vec<_>>()),
             median(&off.iter().map(|r| r.busy_ns / 1e3).collect::<Vec<_>>()),
+            median(&off.iter().map(|r| r.send_ns / 1e3).collect::<Vec<_>>()),
         );
         for (n, (name, _)) in columns.iter().enumerate().skip(1) {
             let ratios: Vec<f64> =
                 results[n].iter().zip(off).map(|(on, off)| on.reads_per_s / off.reads_per_s).collect();
             let (low, high) = ratios.iter().fold((f64::MAX, f64::MIN), |(low, high), v| (low.min(*v), high.max(*v)));
             println!(
-                "  {name:<10} READs {:.2}x ({low:.2}-{high:.2}); prefill getNotifs {:.1} us empty, {:.1} us with notifications",
+                "  {name:<10} READs {:.2}x ({low:.2}-{high:.2}); prefill getNotifs {:.1} us empty, {:.1} us with \
+                 notifications; engine output send {:.1} us",
                 median(&ratios),
                 median(&results[n].iter().map(|r| r.empty_ns / 1e3).collect::<Vec<_>>()),
                 median(&results[n].iter().map(|r| r.busy_ns / 1e3).collect::<Vec<_>>()),
+                median(&results[n].iter().map(|r| r.send_ns / 1e3).collect::<Vec<_>>()),
             );
         }
     }

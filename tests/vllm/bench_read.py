@@ -12,7 +12,12 @@ the same shape, as fast as they go, so what watching them costs shows.
 - prefill (a child process): NIXL getNotifs in a loop, as vLLM's worker
   polls it every engine step (`get_new_notifs`), timing every call: the
   empty ones (most) and those that return notifications, each of which the
-  `vllm` profile's kernel walk reads.
+  `vllm` profile's kernel walk reads. Each step it also sends one
+  EngineCoreOutputs-shaped frame (msgpack `[0, [output x4], None, timestamp, None x5]`, four
+  outputs of one token with kv_transfer_params and no finish_reason, about
+  1.3 KB: nothing held) with pyzmq as vLLM's output thread does
+  (`send(copy=False, track=True)` on a PUSH socket), timing the send: the
+  `vllm_outputs` capture reads every such frame whole.
 
 stdout: JSON lines: "ready" (both pids), then after "go" on stdin, "done"
 with the decode's transfers/s and the prefill's time per getNotifs call.
@@ -21,6 +26,7 @@ import argparse
 import json
 import os
 import select
+import struct
 import subprocess
 import sys
 import tempfile
@@ -39,8 +45,45 @@ def make_agent(name):
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=False))
 
 
+def msgpack(value):
+    """The msgpack of None, bool, int >= 0, float, str, list and dict, as
+    msgspec writes them (no msgpack library in this venv)."""
+    if isinstance(value, float):
+        return b"\xcb" + struct.pack(">d", value)
+    if value is None:
+        return b"\xc0"
+    if isinstance(value, bool):
+        return b"\xc3" if value else b"\xc2"
+    if isinstance(value, int):
+        return bytes([value]) if value < 128 else b"\xcd" + value.to_bytes(2, "big")
+    if isinstance(value, str):
+        data = value.encode()
+        return (bytes([0xa0 | len(data)]) if len(data) < 32 else b"\xd9" + bytes([len(data)])) + data
+    if isinstance(value, list):
+        head = bytes([0x90 | len(value)]) if len(value) < 16 else b"\xdc" + len(value).to_bytes(2, "big")
+        return head + b"".join(msgpack(v) for v in value)
+    if isinstance(value, dict):
+        return bytes([0x80 | len(value)]) + b"".join(msgpack(k) + msgpack(v) for k, v in value.items())
+    raise TypeError(value)
+
+
+def engine_outputs(n):
+    """An EngineCoreOutputs of `n` streaming outputs (vllm 0.33.0's field
+    order, all 19 fields of each, as msgspec writes them), none finished."""
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
+              "remote_engine_id": "0f0e0d0c-0b0a-0908-0706-050403020100", "remote_request_id": "",
+              "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1, "transfer_mode": "pull"}
+    outputs = []
+    for k in range(n):
+        request_id = f"cmpl-bench-{k:032d}-0"
+        output = [request_id, [300 + k], None, None, None, None, None, None, dict(params, remote_request_id=request_id)]
+        outputs.append(output + [None] * 4 + [0] + [None] * 5)
+    return msgpack([0, outputs, None, time.monotonic()] + [None] * 5)
+
+
 def prefill(args):
     import numpy as np
+    import zmq
 
     buf = np.full(args.size * args.slots, 7, dtype=np.uint8)
     agent = make_agent("bench-prefill")
@@ -48,8 +91,15 @@ def prefill(args):
     with open(os.path.join(args.workdir, "prefill.md"), "wb") as f:
         f.write(agent.get_agent_metadata())
     emit("meta", addr=buf.ctypes.data, pid=os.getpid())
-    calls = empty = notifs = 0
-    empty_ns = busy_ns = 0
+    ctx = zmq.Context()
+    sink = ctx.socket(zmq.PULL)
+    address = "ipc://" + os.path.join(args.workdir, "outputs.ipc")
+    sink.bind(address)
+    out = ctx.socket(zmq.PUSH)
+    out.connect(address)
+    frame = bytearray(engine_outputs(4))
+    calls = empty = notifs = sends = 0
+    empty_ns = busy_ns = send_ns = 0
     while True:
         readable, _, _ = select.select([sys.stdin], [], [], 0)
         if readable:
@@ -65,10 +115,16 @@ def prefill(args):
         else:
             empty += 1
             empty_ns += dt
+        t0 = time.perf_counter_ns()
+        out.send(frame, 0, copy=False, track=True)
+        send_ns += time.perf_counter_ns() - t0
+        sends += 1
+        sink.recv(copy=False)
         if args.step:
             time.sleep(args.step)
     emit("prefill", calls=calls, empty=empty, notifs=notifs,
-         empty_ns_per_call=empty_ns / max(empty, 1), busy_ns_per_call=busy_ns / max(calls - empty, 1))
+         empty_ns_per_call=empty_ns / max(empty, 1), busy_ns_per_call=busy_ns / max(calls - empty, 1),
+         output_bytes=len(frame), send_ns_per_output=send_ns / max(sends, 1))
 
 
 def next_event(stream, event):
