@@ -72,6 +72,7 @@ import argparse
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -97,20 +98,40 @@ def write(line):
         sys.stdout.flush()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n):
+    """`n` distinct free TCP ports for the engines' side channels and gloo
+    stores, below the kernel's ephemeral range
+    (net.ipv4.ip_local_port_range): a port bind(0) picks comes from that
+    range, and any process's outgoing connection (an engine's ZMQ or gloo
+    client, started meanwhile) could take it before the engine binds it
+    (EADDRINUSE). Each is held bound until all are chosen, so none repeats."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    held = []
+    try:
+        while len(held) < n:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", random.randrange(10000, ephemeral_low)))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 class Engine:
     """One engine process; its JSON lines go to `events` and are echoed."""
 
-    def __init__(self, role, args, events):
+    def __init__(self, role, args, events, ports):
         self.role = role
+        side_port, dist_port = ports
         cmd = [sys.executable, os.path.join(HERE, "engine.py"), "--role", role,
-               "--engine-id", f"{role}-engine", "--side-port", str(free_port()),
-               "--dist-port", str(free_port()), "--lease", str(args.lease),
+               "--engine-id", f"{role}-engine", "--side-port", str(side_port),
+               "--dist-port", str(dist_port), "--lease", str(args.lease),
                "--model-dir", args.model_dir]
         if role == "prefill":
             cmd += ["--output-path", args.output_path]
@@ -183,8 +204,9 @@ class Router:
         self.events = queue.Queue()
         self.seen = []
         self.outputs = Outputs(args.output_path, self.events)
-        self.prefill = Engine("prefill", args, self.events)
-        self.decode = Engine("decode", args, self.events)
+        ports = free_ports(4)
+        self.prefill = Engine("prefill", args, self.events, ports[:2])
+        self.decode = Engine("decode", args, self.events, ports[2:])
 
     def wait(self, match, within):
         """The first event (seen before or arriving within `within`) that
