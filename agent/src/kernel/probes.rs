@@ -406,24 +406,14 @@ impl Probes {
                 Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
             let attached =
                 self.attach_slot(image, &mut files, &target, ActivitySpec::slot_config(), Role::Activity(spec.kind));
-            match attached {
-                Err(err) if spec.optional && err.downcast_ref::<Unresolved>().is_some() => {
-                    info!(pid = image.pid, symbol = %spec.symbol, reason = %err, "optional transport probe skipped");
-                }
-                other => other?,
-            }
+            skip_if_optional(attached, spec.optional, image.pid, &spec.symbol, "optional transport probe skipped")?;
         }
         for spec in &profile.signals {
             let target =
                 Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
             let attached =
                 self.attach_slot(image, &mut files, &target, spec.slot_config(), Role::Signal(Arc::new(spec.clone())));
-            match attached {
-                Err(err) if spec.optional && err.downcast_ref::<Unresolved>().is_some() => {
-                    info!(pid = image.pid, signal = %spec.name, reason = %err, "optional signal skipped");
-                }
-                other => other?,
-            }
+            skip_if_optional(attached, spec.optional, image.pid, &spec.symbol, "optional signal skipped")?;
         }
         Ok(())
     }
@@ -962,6 +952,18 @@ fn release(path: &Path) -> Result<()> {
         .with_context(|| format!("opening the previous agent's probe link {}", path.display()))?;
     drop(link.unpin().with_context(|| format!("unpinning {}", path.display()))?);
     Ok(())
+}
+
+/// An attachment's result, with an optional one whose object or symbol
+/// is not in the process (`Unresolved`) skipped and logged as `skipped`.
+fn skip_if_optional(attached: Result<()>, optional: bool, pid: u32, symbol: &str, skipped: &'static str) -> Result<()> {
+    match attached {
+        Err(err) if optional && err.downcast_ref::<Unresolved>().is_some() => {
+            info!(pid, symbol = %symbol, reason = %err, "{skipped}");
+            Ok(())
+        }
+        other => other,
+    }
 }
 
 #[cfg(test)]
