@@ -8,7 +8,7 @@ use std::{
 };
 
 use serde_json::Value;
-use stallwatch_tests::{agent_bin, require_root, run_to_end};
+use stallwatch_tests::{Demo, Proc, agent_bin, require_root, run_to_end, test_socket};
 
 fn doctor_json(command: &mut Command) -> (bool, Value, String) {
     let (ok, stdout, stderr) = run_to_end(command.args(["doctor", "--json"]));
@@ -174,4 +174,73 @@ fn without_privileges_doctor_fails_and_says_what_to_grant() {
     // What does not need privileges is still judged as it is.
     assert_eq!(check(&report, "uprobe_pmu")["status"], "ok");
     assert!(stderr.contains("required checks missing: privileges"), "{stderr}");
+}
+
+/// The agent run by `setpriv` keeping only `caps` (setpriv's names:
+/// `sys_admin`) in the bounding set: as root, exec then gives it exactly
+/// those.
+fn with_only(caps: &[String]) -> Command {
+    let bounding = std::iter::once("-all".to_owned())
+        .chain(caps.iter().map(|cap| format!("+{cap}")))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut command = Command::new("setpriv");
+    command.args(["--inh-caps", "-all", "--bounding-set", &bounding, "--"]).arg(agent_bin());
+    command
+}
+
+/// `run --pid` arguments for `pid`, on a socket of its own, pinning nothing.
+fn run_args(pid: u32) -> Vec<String> {
+    let socket = test_socket().to_str().expect("UTF-8 socket path").to_owned();
+    ["run", "--profile", "demo", "--timeout", "1s", "--ephemeral", "--socket", &socket, "--pid", &pid.to_string()]
+        .map(str::to_owned)
+        .to_vec()
+}
+
+/// Issue 41: with CAP_SYS_ADMIN alone doctor passed and `run` then failed
+/// on a root process ("is pid N a kernel thread?"): the kernel refuses
+/// its /proc/PID/exe without CAP_SYS_PTRACE to a process holding more
+/// capabilities. Doctor now fails naming what is missing, and with what
+/// its fixes name added, it passes and `run` really attaches.
+#[test]
+fn with_cap_sys_admin_alone_doctor_fails_as_run_does_and_its_fix_makes_run_attach() {
+    require_root();
+    let demo = Demo::start(&["--rate", "100", "--duration", "60s"]);
+    let pid = demo.proc.pid();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("demo status");
+    assert!(status.contains("CapEff:\t000001ff"), "the demo is a root process with every capability:\n{status}");
+    let admin = vec!["sys_admin".to_owned()];
+
+    // What `run` says with CAP_SYS_ADMIN alone, on this kernel.
+    let (ok, _, stderr) = run_to_end(with_only(&admin).args(run_args(pid)));
+    assert!(!ok, "run attached with CAP_SYS_ADMIN alone: doctor need not ask for more\n{stderr}");
+    assert!(stderr.contains(&format!("/proc/{pid}/exe")) && stderr.contains("Permission denied"), "{stderr}");
+
+    // Doctor says so, naming the capability.
+    let (ok, report, _) = doctor_json(&mut with_only(&admin));
+    assert!(!ok, "doctor passed with CAP_SYS_ADMIN alone:\n{report:#}");
+    assert_eq!(report["failed_required"], serde_json::json!(["ptrace"]), "{report:#}");
+    let fixes: Vec<&str> = report["checks"]
+        .as_array()
+        .expect("checks")
+        .iter()
+        .filter(|c| c["required"] == true && c["status"] == "missing")
+        .filter_map(|c| c["fix"].as_str())
+        .collect();
+    let named: Vec<String> = fixes
+        .iter()
+        .flat_map(|fix| fix.split(|c: char| !c.is_ascii_alphanumeric() && c != '_'))
+        .filter_map(|word| word.strip_prefix("CAP_"))
+        .map(str::to_lowercase)
+        .collect();
+    assert_eq!(named, ["sys_ptrace"], "the fixes: {fixes:?}");
+
+    // With what the fix names added: doctor passes, and `run` attaches.
+    let fixed: Vec<String> = admin.iter().chain(&named).cloned().collect();
+    let (ok, report, stderr) = doctor_json(&mut with_only(&fixed));
+    assert!(ok, "doctor failed with {fixed:?}:\n{report:#}\n{stderr}");
+    let mut agent = Proc::spawn("stallwatch", with_only(&fixed).args(run_args(pid)));
+    agent.wait_stderr(&format!("watching pid={pid}"), std::time::Duration::from_secs(30));
+    agent.signal(libc::SIGINT);
+    assert!(agent.wait(std::time::Duration::from_secs(20)).success(), "{}", agent.stderr());
 }

@@ -13,7 +13,7 @@ use std::{
 };
 
 use serde_json::Value;
-use stallwatch_tests::{Agent, Demo, agent_bin, require_root, run_to_end};
+use stallwatch_tests::{Agent, Demo, METRICS, agent_bin, otlp::http_get, require_root, run_to_end};
 
 const TIMEOUT_MS: u64 = 2000;
 
@@ -262,4 +262,54 @@ fn a_garbled_answer_is_reported_as_such() {
     assert!(!ok);
     assert!(stderr.contains("garbled answer") && stderr.contains(path_arg(&socket)), "{stderr}");
     let _ = server.join();
+}
+
+/// Raise this process's open-file limit to at least `n` (up to its hard
+/// limit), for the idle connections a test holds.
+fn allow_open_files(n: u64) {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes into the struct we own.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) }, 0, "getrlimit");
+    if limit.rlim_cur < n {
+        assert!(limit.rlim_max >= n, "the hard limit on open files ({}) is below {n}", limit.rlim_max);
+        limit.rlim_cur = n;
+        // SAFETY: setrlimit reads the struct we pass.
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) }, 0, "setrlimit");
+    }
+}
+
+/// Issue 41: with 1 000 idle connections held on `/metrics`, 3 scrapes of
+/// 7 got an empty reply (512 places, each held 2 s), and `inflight` was
+/// refused while 4 idle connections were held on the query socket (4
+/// places, 5 s). Idle connections now give way to a new client, so each
+/// round, with fresh idle connections held (as many as the agent has
+/// places and more), a scrape and a query are answered.
+#[test]
+fn idle_connections_never_keep_a_scrape_or_an_inflight_query_out() {
+    require_root();
+    const IDLE_TCP: usize = 1000;
+    const IDLE_UNIX: usize = 16;
+    allow_open_files(2 * (IDLE_TCP + IDLE_UNIX) as u64 + 256);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = socket_in(&dir);
+    let demo = Demo::start(&["--rate", "100", "--duration", "60s"]);
+    let agent = Agent::watch(demo.proc.pid(), "demo", "2s", &[METRICS[0], METRICS[1], "--socket", path_arg(&socket)]);
+    let port = agent.metrics_port();
+    for round in 0..7 {
+        // Held, sending nothing, until the next round's replace them.
+        let idle_tcp: Vec<std::net::TcpStream> = (0..IDLE_TCP)
+            .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).expect("an idle connection to /metrics"))
+            .collect();
+        let idle_unix: Vec<std::os::unix::net::UnixStream> = (0..IDLE_UNIX)
+            .map(|_| std::os::unix::net::UnixStream::connect(&socket).expect("an idle connection to the socket"))
+            .collect();
+        let (status, body) = http_get(port, "/metrics", None);
+        assert_eq!(status, "HTTP/1.1 200 OK", "round {round}: scrape not answered ({body:?})");
+        assert!(body.contains("stallwatch_build_info"), "round {round}: {body}");
+        let answer = inflight_json(&socket);
+        assert_eq!(answer["agent_pid"], agent.proc.pid(), "round {round}: {answer}");
+        drop((idle_tcp, idle_unix));
+    }
+    let stderr = agent.proc.stderr();
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }

@@ -2,6 +2,8 @@
 //! and with `--pid` where it lands in the running process.
 use std::io::Write;
 
+use stallwatch_common::MAX_SLOTS;
+
 use crate::{
     profile::{self, Profile, resolve::ProbePoint},
     util::text,
@@ -36,6 +38,13 @@ pub fn points_report(points: &[ProbePoint], out: &mut dyn Write) -> std::io::Res
 pub fn check_report(profile: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
     use text::escaped;
     writeln!(out, "profile {}: ok", escaped(&profile.name))?;
+    let slots = profile.slots_needed();
+    let most = MAX_SLOTS as usize / slots.max(1);
+    writeln!(
+        out,
+        "  takes {slots} of an agent's {MAX_SLOTS} probe slots per process: it watches {most} process{} at most",
+        if most == 1 { "" } else { "es" }
+    )?;
     if let Some(base) = &profile.extends {
         writeln!(out, "  extends {}", escaped(base))?;
     }

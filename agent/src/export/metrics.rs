@@ -43,8 +43,8 @@ use prometheus_client::{
 };
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
-    net::{TcpListener, TcpStream},
-    sync::{Semaphore, mpsc, oneshot},
+    net::{TcpListener, TcpSocket, TcpStream},
+    sync::{mpsc, oneshot},
 };
 use tracing::{debug, warn};
 
@@ -54,7 +54,10 @@ use crate::{
     export::workload::Directory,
     kernel::ring::Losses,
     lifecycle::{Engine, EngineStats, Outcome, Report, Stage, StallClass},
-    util::build_info,
+    util::{
+        build_info,
+        connections::{Admitted, Connections},
+    },
 };
 
 /// Buckets of `stallwatch_stall_duration_seconds`: a stall lasts at least
@@ -614,16 +617,23 @@ impl Scrape {
 /// loop (milliseconds), below a liveness probe's usual timeout.
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Connections served at once; more are closed at once. Many, so that
-/// idle or slow clients (the endpoint may listen on every interface) never
-/// hold every slot: each costs a task and a 1 KiB buffer, for at most
-/// [`REQUEST_TIMEOUT`].
+/// Connections open at once, each a task and a 1 KiB buffer. Past it the
+/// oldest one that has not sent its request yet is closed to make room
+/// ([`Connections`]): idle or slow clients (the endpoint may listen on
+/// every interface) never keep a scrape out, however many they hold.
 const MAX_CONNECTIONS: usize = 512;
+/// Connections the kernel holds for the accept loop (capped by
+/// `net.core.somaxconn`, 4096 by default).
+const BACKLOG: u32 = 1024;
 /// How long a client may take to send its request head: a scraper sends it
 /// at once, and this is well under any scrape interval (15 s and up), so a
-/// half-sent request frees its slot long before the next scrape.
+/// half-sent request frees its place long before the next scrape.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 const MAX_REQUEST: usize = 8 * 1024;
+/// How long a client may take to read its answer: it holds a place
+/// meanwhile, and is no longer idle (it sent its request), so nothing
+/// else frees that place.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The listening socket and the queue of scrapes it forwards.
 pub struct MetricsServer {
@@ -635,7 +645,7 @@ pub struct MetricsServer {
 impl MetricsServer {
     /// Listen on `addr` and serve from a task on the current runtime.
     pub async fn bind(addr: SocketAddr) -> Result<Self> {
-        let listener = TcpListener::bind(addr).await.with_context(|| {
+        let listener = listen(addr).with_context(|| {
             format!("binding the metrics endpoint to {addr} (--metrics-addr): is the port in use, or the address not on this host?")
         })?;
         let addr = listener.local_addr().context("reading the metrics endpoint's address")?;
@@ -661,8 +671,21 @@ impl MetricsServer {
     }
 }
 
+/// Listen on `addr` with room for [`BACKLOG`] connections not accepted
+/// yet: the default (128) overflows when a burst of clients connects
+/// faster than the loop accepts, and a dropped connection's client
+/// retries only a second later.
+fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }?;
+    // As `TcpListener::bind` does: a restarted agent binds its port again
+    // at once, whatever connections of the last one linger.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(BACKLOG)
+}
+
 async fn accept(listener: TcpListener, scrapes: mpsc::Sender<Scrape>, ready: Arc<AtomicBool>) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let connections = Connections::new(MAX_CONNECTIONS);
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -672,41 +695,93 @@ async fn accept(listener: TcpListener, scrapes: mpsc::Sender<Scrape>, ready: Arc
                 continue;
             }
         };
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-            debug!(%peer, "metrics endpoint: too many connections, closing one");
+        let Some(admitted) = connections.admit() else {
+            debug!(%peer, "metrics endpoint: {MAX_CONNECTIONS} requests are being answered, closing a new connection");
             continue;
         };
         let scrapes = scrapes.clone();
         let ready = Arc::clone(&ready);
         tokio::spawn(async move {
-            if let Err(err) = serve(stream, scrapes, &ready).await {
+            if let Err(err) = serve(stream, admitted, scrapes, &ready).await {
                 debug!(%peer, "metrics endpoint: {err:#}");
             }
-            drop(slot);
         });
     }
 }
 
-async fn serve(mut stream: TcpStream, scrapes: mpsc::Sender<Scrape>, ready: &AtomicBool) -> Result<()> {
+/// One connection: its request head read (unless it is closed first to
+/// make room for a newer one), answered, closed.
+async fn serve(
+    mut stream: TcpStream,
+    mut place: Admitted,
+    scrapes: mpsc::Sender<Scrape>,
+    ready: &AtomicBool,
+) -> Result<()> {
     let mut request = Vec::with_capacity(1024);
-    let head = tokio::time::timeout(REQUEST_TIMEOUT, async {
-        let mut buf = [0; 1024];
-        loop {
-            let n = stream.read(&mut buf).await?;
-            request.extend_from_slice(&buf[..n]);
-            if let Some(end) = request.windows(4).position(|w| w == b"\r\n\r\n") {
-                return Ok::<_, std::io::Error>(Some(end));
-            }
-            if n == 0 || request.len() > MAX_REQUEST {
-                return Ok(None);
-            }
+    let head = tokio::select! {
+        head = tokio::time::timeout(REQUEST_TIMEOUT, read_head(&mut stream, &mut request)) => head,
+        () = place.evicted() => {
+            debug!("metrics endpoint: closing a connection that sent nothing, to make room for a newer one");
+            return Ok(());
         }
-    })
-    .await;
-    let Ok(Ok(Some(end))) = head else {
-        return respond(&mut stream, "400 Bad Request", "text/plain", "bad request\n", false).await;
     };
-    let head = String::from_utf8_lossy(&request[..end]);
+    place.busy();
+    let response = match head {
+        Ok(Ok(Some(end))) => answer(&String::from_utf8_lossy(&request[..end]), &scrapes, ready).await?,
+        _ => Response::text("400 Bad Request", "bad request\n"),
+    };
+    tokio::time::timeout(WRITE_TIMEOUT, response.write(&mut stream))
+        .await
+        .context("the client did not read its answer in time")?
+}
+
+/// Read up to the end of the request head: its length, or `None` when the
+/// client closed first or sent too much.
+async fn read_head(stream: &mut TcpStream, request: &mut Vec<u8>) -> std::io::Result<Option<usize>> {
+    let mut buf = [0; 1024];
+    loop {
+        let n = stream.read(&mut buf).await?;
+        request.extend_from_slice(&buf[..n]);
+        if let Some(end) = request.windows(4).position(|w| w == b"\r\n\r\n") {
+            return Ok(Some(end));
+        }
+        if n == 0 || request.len() > MAX_REQUEST {
+            return Ok(None);
+        }
+    }
+}
+
+/// What a request is answered.
+struct Response {
+    status: &'static str,
+    content_type: &'static str,
+    body: String,
+    /// `HEAD`: the head a `GET` has (its `Content-Length` too), no body.
+    head_only: bool,
+}
+
+impl Response {
+    fn text(status: &'static str, body: impl Into<String>) -> Self {
+        Self { status, content_type: "text/plain", body: body.into(), head_only: false }
+    }
+
+    async fn write(self, stream: &mut TcpStream) -> Result<()> {
+        let Self { status, content_type, body, head_only } = self;
+        let head = format!(
+            "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        stream.write_all(head.as_bytes()).await?;
+        if !head_only {
+            stream.write_all(body.as_bytes()).await?;
+        }
+        stream.shutdown().await?;
+        Ok(())
+    }
+}
+
+/// The answer to a request head.
+async fn answer(head: &str, scrapes: &mpsc::Sender<Scrape>, ready: &AtomicBool) -> Result<Response> {
     let mut lines = head.split("\r\n");
     let mut first = lines.next().unwrap_or_default().split_whitespace();
     let (method, path) = (first.next().unwrap_or_default(), first.next().unwrap_or_default());
@@ -716,15 +791,15 @@ async fn serve(mut stream: TcpStream, scrapes: mpsc::Sender<Scrape>, ready: &Ato
         .map_or("", |(_, value)| value.trim());
     let head_only = method == "HEAD";
     if method != "GET" && !head_only {
-        return respond(&mut stream, "405 Method Not Allowed", "text/plain", "only GET (or HEAD)\n", false).await;
+        return Ok(Response::text("405 Method Not Allowed", "only GET (or HEAD)\n"));
     }
-    match path.split('?').next() {
+    let response = match path.split('?').next() {
         Some("/metrics") => {
             let format = Format::from_accept(accept);
             let (reply, answer) = oneshot::channel();
             scrapes.send(Scrape { ask: Ask::Metrics(format), reply }).await.context("the agent is shutting down")?;
             let body = answer.await.context("the agent is shutting down")?;
-            respond(&mut stream, "200 OK", format.content_type(), &body, head_only).await
+            Response { status: "200 OK", content_type: format.content_type(), body, head_only: false }
         }
         Some("/healthz") => {
             let (reply, answer) = oneshot::channel();
@@ -733,57 +808,23 @@ async fn serve(mut stream: TcpStream, scrapes: mpsc::Sender<Scrape>, ready: &Ato
                 answer.await.ok()
             };
             match tokio::time::timeout(HEALTH_TIMEOUT, asked).await {
-                Ok(Some(body)) => respond(&mut stream, "200 OK", "text/plain", &body, head_only).await,
-                Ok(None) => {
-                    respond(
-                        &mut stream,
-                        "503 Service Unavailable",
-                        "text/plain",
-                        "the agent is shutting down\n",
-                        head_only,
-                    )
-                    .await
-                }
-                Err(_) => {
-                    let body = format!("the event loop did not answer within {}s\n", HEALTH_TIMEOUT.as_secs());
-                    respond(&mut stream, "503 Service Unavailable", "text/plain", &body, head_only).await
-                }
+                Ok(Some(body)) => Response::text("200 OK", body),
+                Ok(None) => Response::text("503 Service Unavailable", "the agent is shutting down\n"),
+                Err(_) => Response::text(
+                    "503 Service Unavailable",
+                    format!("the event loop did not answer within {}s\n", HEALTH_TIMEOUT.as_secs()),
+                ),
             }
         }
-        Some("/readyz") if ready.load(Ordering::Acquire) => {
-            respond(&mut stream, "200 OK", "text/plain", "ready\n", head_only).await
-        }
-        Some("/readyz") => {
-            let body = "not ready: attaching the probes and taking over the previous agent's pinned state\n";
-            respond(&mut stream, "503 Service Unavailable", "text/plain", body, head_only).await
-        }
-        Some("/") => {
-            respond(&mut stream, "200 OK", "text/plain", "stallwatch: /metrics, /healthz, /readyz\n", head_only).await
-        }
-        _ => {
-            respond(
-                &mut stream,
-                "404 Not Found",
-                "text/plain",
-                "not found: try /metrics, /healthz or /readyz\n",
-                head_only,
-            )
-            .await
-        }
-    }
-}
-
-async fn respond(stream: &mut TcpStream, status: &str, content_type: &str, body: &str, head_only: bool) -> Result<()> {
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    if !head_only {
-        stream.write_all(body.as_bytes()).await?;
-    }
-    stream.shutdown().await?;
-    Ok(())
+        Some("/readyz") if ready.load(Ordering::Acquire) => Response::text("200 OK", "ready\n"),
+        Some("/readyz") => Response::text(
+            "503 Service Unavailable",
+            "not ready: attaching the probes and taking over the previous agent's pinned state\n",
+        ),
+        Some("/") => Response::text("200 OK", "stallwatch: /metrics, /healthz, /readyz\n"),
+        _ => Response::text("404 Not Found", "not found: try /metrics, /healthz or /readyz\n"),
+    };
+    Ok(Response { head_only, ..response })
 }
 
 #[cfg(test)]
@@ -979,5 +1020,27 @@ mod tests {
         assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
         assert!(response.contains("application/openmetrics-text"), "{response}");
         assert!(response.ends_with("\r\n\r\nx 1\n# EOF\n"), "{response}");
+    }
+
+    #[tokio::test]
+    async fn idle_connections_past_the_limit_never_keep_a_scrape_out() {
+        let mut server = MetricsServer::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
+        let addr = server.local_addr();
+        // More than the limit, holding their places and sending nothing.
+        let mut idle = Vec::new();
+        for _ in 0..MAX_CONNECTIONS + 64 {
+            idle.push(TcpStream::connect(addr).await.expect("connect"));
+        }
+        for _ in 0..3 {
+            let client = tokio::spawn(get(addr, "/metrics"));
+            let scrape = server.next().await.expect("a scrape");
+            scrape.answer("x 1\n".into());
+            let response = client.await.expect("client");
+            assert!(response.starts_with("HTTP/1.1 200 OK\r\n") && response.ends_with("x 1\n"), "{response}");
+        }
+        // The oldest idle ones were closed to make room: they read an end.
+        let mut first = idle.swap_remove(0);
+        let mut byte = [0; 1];
+        assert_eq!(first.read(&mut byte).await.expect("read"), 0);
     }
 }

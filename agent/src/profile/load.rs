@@ -2,6 +2,7 @@
 //! every check the kernel side cannot make, each error naming the file, the
 //! line and what to write instead.
 use std::{
+    collections::{HashMap, HashSet},
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -9,8 +10,8 @@ use std::{
 use anyhow::{Context as _, Result, anyhow, bail};
 use serde::Deserialize;
 use stallwatch_common::{
-    CHUNK_LEN, MAX_DEREF, MAX_RET_RULES, MSGPACK_STEPS, MSGPACK_TAG_LEN, PICKLE_KEYS, PICKLE_NAME_LEN, PICKLE_TAGS,
-    RetRule, SAVED_ARGS, STRINGS_STEPS, cmp,
+    CHUNK_LEN, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS, MSGPACK_STEPS, MSGPACK_TAG_LEN, PICKLE_KEYS, PICKLE_NAME_LEN,
+    PICKLE_TAGS, RetRule, SAVED_ARGS, STRINGS_STEPS, cmp,
 };
 use toml::Spanned;
 
@@ -86,10 +87,14 @@ impl Profile {
             );
         }
         let raw: RawProfile = toml::from_str(text).map_err(|err| anyhow!("profile {origin}: {err}"))?;
+        // Before anything is checked table by table: what this file adds
+        // alone may be more than the kernel side can hold.
+        check_slots(origin, raw.probe.len(), raw.activity.len(), raw.signal.len())?;
+        let lines = Lines::of(text);
         let here: Arc<str> = origin.into();
         let base = match raw.extends {
             Some(spanned) => {
-                let line = line_of(text, spanned.span().start);
+                let line = lines.at(spanned.span().start);
                 let spec = spanned.into_inner();
                 let at = format!("profile {origin}, line {line} (`extends = \"{spec}\"`)");
                 Some(Self::load_named(&spec, &at, origin, dir, chain)?)
@@ -100,10 +105,10 @@ impl Profile {
             .probe
             .into_iter()
             .map(|spanned| {
-                let line = line_of(text, spanned.span().start);
+                let line = lines.at(spanned.span().start);
                 let raw = spanned.into_inner();
                 let symbol = raw.symbol.clone();
-                raw.validate(here.clone(), line, |span| line_of(text, span.start))
+                raw.validate(here.clone(), line, |span| lines.at(span.start))
                     .map_err(|err| anyhow!("profile {origin}, line {line} ([[probe]] for `{symbol}`): {err}"))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -111,7 +116,7 @@ impl Profile {
             .activity
             .into_iter()
             .map(|spanned| {
-                let line = line_of(text, spanned.span().start);
+                let line = lines.at(spanned.span().start);
                 let raw = spanned.into_inner();
                 if raw.symbol.trim().is_empty() {
                     bail!("profile {origin}, line {line} ([[activity]]): `symbol` is empty");
@@ -131,10 +136,10 @@ impl Profile {
         let own_status = raw
             .status
             .map(|spanned| {
-                let line = line_of(text, spanned.span().start);
+                let line = lines.at(spanned.span().start);
                 spanned
                     .into_inner()
-                    .validate(here.clone(), line, |span| line_of(text, span.start))
+                    .validate(here.clone(), line, |span| lines.at(span.start))
                     .map_err(|err| anyhow!("profile {origin}, line {line} ([status]): {err}"))
             })
             .transpose()?;
@@ -142,7 +147,7 @@ impl Profile {
             .signal
             .into_iter()
             .map(|spanned| {
-                let line = line_of(text, spanned.span().start);
+                let line = lines.at(spanned.span().start);
                 let raw = spanned.into_inner();
                 let name = raw.name.clone();
                 raw.validate(here.clone(), line)
@@ -153,8 +158,8 @@ impl Profile {
         // takes it (for a name it collides on).
         let mut taken: Vec<(usize, SignalSpec)> = Vec::new();
         for spanned in raw.signals_from {
-            let line = line_of(text, spanned.span().start);
-            for signal in spanned.into_inner().take(text, origin, line, dir, chain)? {
+            let line = lines.at(spanned.span().start);
+            for signal in spanned.into_inner().take(&lines, origin, line, dir, chain)? {
                 taken.push((line, signal));
             }
         }
@@ -165,7 +170,7 @@ impl Profile {
         let own_complete_at = raw
             .complete_at
             .map(|spanned| {
-                let line = line_of(text, spanned.span().start);
+                let line = lines.at(spanned.span().start);
                 CompleteAt::parse(spanned.get_ref())
                     .map(|at| (at, line))
                     .map_err(|err| anyhow!("profile {origin}, line {line}: {err}"))
@@ -174,7 +179,7 @@ impl Profile {
         let own_layout = raw
             .layout
             .map(|spanned| {
-                let line = line_of(text, spanned.span().start);
+                let line = lines.at(spanned.span().start);
                 let raw = spanned.into_inner();
                 let bad = |why: String| anyhow!("profile {origin}, line {line} ([layout]): {why}");
                 if raw.object.trim().is_empty() {
@@ -200,23 +205,18 @@ impl Profile {
             .transpose()?;
         let (mut probes, activity, mut signals, status, extends, complete_at, layout) = match base {
             Some(base) => {
-                let mut probes: Vec<ProbeSpec> = base
-                    .probes
-                    .into_iter()
-                    .filter(|probe| !own_probes.iter().any(|own| own.function() == probe.function()))
-                    .collect();
+                // Looked up in sets: a profile's tables may be many.
+                let own: HashSet<_> = own_probes.iter().map(ProbeSpec::function).collect();
+                let mut probes: Vec<ProbeSpec> =
+                    base.probes.into_iter().filter(|probe| !own.contains(&probe.function())).collect();
                 probes.extend(own_probes);
-                let mut activity: Vec<ActivitySpec> = base
-                    .activity
-                    .into_iter()
-                    .filter(|spec| !own_activity.iter().any(|own| own.function() == spec.function()))
-                    .collect();
+                let own: HashSet<_> = own_activity.iter().map(ActivitySpec::function).collect();
+                let mut activity: Vec<ActivitySpec> =
+                    base.activity.into_iter().filter(|spec| !own.contains(&spec.function())).collect();
                 activity.extend(own_activity);
-                let mut signals: Vec<SignalSpec> = base
-                    .signals
-                    .into_iter()
-                    .filter(|spec| !own_signals.iter().any(|own| own.name == spec.name))
-                    .collect();
+                let own: HashSet<&str> = own_signals.iter().map(|own| own.name.as_str()).collect();
+                let mut signals: Vec<SignalSpec> =
+                    base.signals.into_iter().filter(|spec| !own.contains(spec.name.as_str())).collect();
                 signals.extend(own_signals);
                 let complete_at = own_complete_at.map(|(at, _)| at).unwrap_or(base.complete_at);
                 (
@@ -241,8 +241,10 @@ impl Profile {
         };
         // A signal taken from another profile is added, never in place of
         // one: its name is new to this profile, or an error.
+        let mut named: HashMap<String, usize> =
+            signals.iter().enumerate().map(|(i, signal)| (signal.name.clone(), i)).collect();
         for (line, spec) in taken {
-            if let Some(earlier) = signals.iter().find(|e| e.name == spec.name) {
+            if let Some(earlier) = named.get(&spec.name).map(|&i| &signals[i]) {
                 let (what, place) = if *earlier.origin == *origin {
                     ("the [[signal]]", format!("on line {}", earlier.line))
                 } else {
@@ -255,8 +257,11 @@ impl Profile {
                     spec.name
                 );
             }
+            named.insert(spec.name.clone(), signals.len());
             signals.push(spec);
         }
+        // Before the checks that compare tables with one another.
+        check_slots(origin, probes.len(), activity.len(), signals.len())?;
         for probe in &mut probes {
             probe.ends = probe.ends_under(complete_at, origin).map_err(|err| {
                 anyhow!("profile {}, line {} ([[probe]] for `{}`): {err}", probe.origin, probe.line, probe.symbol)
@@ -276,13 +281,19 @@ impl Profile {
         if probes.is_empty() {
             bail!("profile {origin}: no [[probe]] tables; a profile needs at least one lifecycle point");
         }
-        for (i, probe) in probes.iter().enumerate() {
-            if let Some(err) = probes[..i].iter().find_map(|earlier| probe.conflict_with(earlier)) {
+        // Only probes of one function's same end can conflict: compared
+        // within those, not each with every other.
+        let mut ends: HashMap<(Option<&str>, &str, At), Vec<&ProbeSpec>> = HashMap::new();
+        for probe in &probes {
+            let earlier = ends.entry((probe.object.as_deref(), probe.symbol.as_str(), probe.at)).or_default();
+            if let Some(err) = earlier.iter().find_map(|earlier| probe.conflict_with(earlier)) {
                 bail!("profile {}, line {} ([[probe]] for `{}`): {err}", probe.origin, probe.line, probe.symbol);
             }
+            earlier.push(probe);
         }
-        for (i, spec) in activity.iter().enumerate() {
-            if let Some(earlier) = activity[..i].iter().find(|e| e.function() == spec.function()) {
+        let mut counted: HashMap<(Option<&str>, &str), &ActivitySpec> = HashMap::new();
+        for spec in &activity {
+            if let Some(earlier) = counted.insert(spec.function(), spec) {
                 bail!(
                     "profile {}, line {} ([[activity]] for `{}`): the [[activity]] on line {} counts the same \
                      function already, so every call would count twice: keep one",
@@ -293,8 +304,9 @@ impl Profile {
                 );
             }
         }
-        for (i, spec) in signals.iter().enumerate() {
-            if let Some(earlier) = signals[..i].iter().find(|e| e.name == spec.name) {
+        let mut named: HashMap<&str, &SignalSpec> = HashMap::new();
+        for spec in &signals {
+            if let Some(earlier) = named.insert(&spec.name, spec) {
                 bail!(
                     "profile {}, line {} ([[signal]] `{}`): the [[signal]] on line {} has the same name, and \
                      consumers tell signals apart by name: rename one",
@@ -341,8 +353,43 @@ impl Profile {
     }
 }
 
-fn line_of(text: &str, offset: usize) -> usize {
-    text.as_bytes()[..offset.min(text.len())].iter().filter(|&&b| b == b'\n').count() + 1
+/// Where a profile's lines start, to name the line of a table by the
+/// byte offset toml gives: found once per file, each table's then looked
+/// up, where counting the newlines before every table took time
+/// quadratic in the file's size (seconds for a 4 MiB profile).
+struct Lines {
+    /// The offset of every newline, in order.
+    newlines: Vec<usize>,
+}
+
+impl Lines {
+    fn of(text: &str) -> Self {
+        Self { newlines: text.bytes().enumerate().filter(|&(_, b)| b == b'\n').map(|(i, _)| i).collect() }
+    }
+
+    /// The line (from 1) of the byte at `offset`.
+    fn at(&self, offset: usize) -> usize {
+        self.newlines.partition_point(|&newline| newline < offset) + 1
+    }
+}
+
+/// Refuse a profile whose probes take more slots than the kernel side
+/// has: every [[probe]], [[activity]] and [[signal]] is a slot of its own
+/// in every process watched (a return probe's entry and return share
+/// one), and an agent has [`MAX_SLOTS`] for all its processes. Said
+/// here, when the profile is read, rather than by the attach that runs
+/// out of them after linking a thousand uprobes.
+fn check_slots(origin: &str, probes: usize, activity: usize, signals: usize) -> Result<()> {
+    let needed = probes + activity + signals;
+    if needed > MAX_SLOTS as usize {
+        bail!(
+            "profile {origin}: it needs {needed} probe slots per process ({probes} [[probe]], {activity} [[activity]] \
+             and {signals} [[signal]] tables, one slot each) and an agent has {MAX_SLOTS} in all: probe fewer \
+             functions (at most {MAX_SLOTS} tables, fewer for an agent that watches several processes: each takes \
+             its own)"
+        );
+    }
+    Ok(())
 }
 
 #[derive(Deserialize)]
@@ -384,10 +431,11 @@ struct RawSignalsFrom {
 impl RawSignalsFrom {
     /// The signals taken, in the order of `names`, each as its profile
     /// wrote it (its origin and line, for errors and `profile check`) but
-    /// for its name. `line` is the table's in `text`, profile `origin`.
+    /// for its name. `line` is the table's in the text of profile
+    /// `origin`, whose `lines` those are.
     fn take(
         self,
-        text: &str,
+        lines: &Lines,
         origin: &str,
         line: usize,
         dir: Option<&Path>,
@@ -399,15 +447,17 @@ impl RawSignalsFrom {
             bail!("{at}: `names` is empty: list the signals to take (`stallwatch profile check {spec}` lists them)");
         }
         let from = Profile::load_named(spec, &at, origin, dir, chain)?;
+        let signals: HashMap<&str, &SignalSpec> =
+            from.signals.iter().map(|signal| (signal.name.as_str(), signal)).collect();
+        let mut seen: HashSet<&str> = HashSet::with_capacity(self.names.len());
         let mut taken: Vec<SignalSpec> = Vec::with_capacity(self.names.len());
-        for (i, spanned) in self.names.iter().enumerate() {
+        for spanned in &self.names {
             let name = spanned.get_ref();
-            let at =
-                format!("profile {origin}, line {} ([[signals_from]] `{spec}`)", line_of(text, spanned.span().start));
-            if self.names[..i].iter().any(|earlier| earlier.get_ref() == name) {
+            let at = format!("profile {origin}, line {} ([[signals_from]] `{spec}`)", lines.at(spanned.span().start));
+            if !seen.insert(name) {
                 bail!("{at}: `names` has `{name}` twice: keep one");
             }
-            let Some(signal) = from.signals.iter().find(|signal| signal.name == *name) else {
+            let Some(&signal) = signals.get(name.as_str()) else {
                 let known: Vec<&str> = from.signals.iter().map(|signal| signal.name.as_str()).collect();
                 bail!(
                     "{at}: `{spec}` has no signal named `{name}`; its signals are {}",

@@ -449,7 +449,7 @@ pub(super) fn args_read<'a>(sources: impl Iterator<Item = &'a Source>) -> u32 {
 }
 
 /// Entry or return of the probed function.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum At {
     Entry,
@@ -599,6 +599,15 @@ impl Profile {
     /// not a probe's (the `marker` profile's are keyed by room too).
     pub fn follows_rooms(&self) -> bool {
         self.signals.iter().any(|spec| spec.name == "zmq_recv" || spec.name == "mooncake_zmq_recv")
+    }
+
+    /// The probe slots each process watched under this profile takes: one
+    /// per [[probe]], [[activity]] and [[signal]] (a return probe's entry
+    /// and return share theirs), fewer only where an optional one's
+    /// function is missing. Loading refuses a profile that needs more than
+    /// the agent has ([`stallwatch_common::MAX_SLOTS`]).
+    pub fn slots_needed(&self) -> usize {
+        self.probes.len() + self.activity.len() + self.signals.len()
     }
 }
 

@@ -1152,3 +1152,51 @@ fn bad_signals_from_name_the_line_and_the_fix() {
     assert!(err.contains("prfix"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// `n` entry probes on functions of their own, as a profile file has them.
+fn probes(n: usize) -> String {
+    (0..n)
+        .map(|i| {
+            format!(
+                "[[probe]]\nsymbol = \"_ZN3xfr4post{i:06}EPKcm\"\nat = \"entry\"\nevent = \"enqueued\"\n\
+                 key = {{ from = \"arg1\", deref = [16] }}\n\n"
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_profile_with_more_probes_than_slots_is_refused_naming_both_counts() {
+    use stallwatch_common::MAX_SLOTS;
+    let slots = MAX_SLOTS as usize;
+    // The largest profile the agent can attach, one slot a table: checked
+    // in full.
+    let activity = "[[activity]]\nsymbol = \"ucp_put_nbx\"\nkind = \"post\"\n\n";
+    let signal = "[[signal]]\nname = \"s\"\nsymbol = \"g\"\nat = \"entry\"\nvalue = { from = \"arg0\" }\n\n";
+    let fits = format!("{}{activity}{signal}", probes(slots - 2));
+    let profile = Profile::parse(&fits, "fits.toml").expect("fits");
+    assert_eq!(profile.slots_needed(), slots);
+    assert_eq!(profile.probes.last().map(|probe| probe.line), Some(6 * (slots - 3) + 1), "lines still right");
+    // One more table, of any kind, is one slot too many.
+    let err = error_of(&format!("{}{activity}{signal}", probes(slots - 1)));
+    assert!(
+        err.contains(&format!(
+            "it needs {} probe slots per process ({} [[probe]], 1 [[activity]] and 1 [[signal]]",
+            slots + 1,
+            slots - 1
+        )) && err.contains(&format!("an agent has {slots} in all")),
+        "{err}"
+    );
+    // What an extension adds to its base's counts too: 600 + 600 more.
+    let own: String = probes(1200).split_inclusive("\n\n").skip(600).collect();
+    let dir = profile_dir(&[("base.toml", &probes(600)), ("child.toml", &format!("extends = \"base.toml\"\n{own}"))]);
+    let err = format!("{:#}", Profile::load(dir.join("child.toml").to_str().unwrap()).unwrap_err());
+    assert!(err.contains("it needs 1200 probe slots per process (1200 [[probe]]"), "{err}");
+    // A 4 MiB file of 36 162 probes (issue 41's) is refused for its count,
+    // before any table is checked one by one (or against the others, which
+    // took time quadratic in their number: 24 s of CPU).
+    let big = probes(36_162);
+    assert!(big.len() > 3 << 20, "{}", big.len());
+    let err = error_of(&big);
+    assert!(err.contains("it needs 36162 probe slots per process") && err.contains("has 1024 in all"), "{err}");
+}

@@ -10,7 +10,6 @@ use std::{
     io::ErrorKind,
     os::unix::fs::{FileTypeExt as _, MetadataExt as _, PermissionsExt as _},
     path::{Path, PathBuf},
-    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -18,7 +17,7 @@ use anyhow::{Context as _, Result, bail};
 use tokio::{
     io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader},
     net::{UnixListener, UnixStream},
-    sync::{Semaphore, mpsc, oneshot},
+    sync::{mpsc, oneshot},
 };
 use tracing::{debug, info, warn};
 
@@ -28,11 +27,17 @@ use crate::{
     export::workload::Directory,
     frameworks::signals::Signals,
     lifecycle::{Engine, RequestSnapshot},
-    util::clock::Clock,
-    util::trusted_dir::TrustedDir,
+    util::{
+        clock::Clock,
+        connections::{Admitted, Connections},
+        trusted_dir::TrustedDir,
+    },
 };
 
-/// Connections served at once; more get a "busy" answer.
+/// Connections open at once. Past it the oldest one that has not sent its
+/// query yet is closed to make room ([`Connections`]), so idle clients,
+/// however many, never keep a query out; a new one is told "busy" only
+/// when every place is answering a query.
 pub const MAX_CONNECTIONS: usize = 4;
 /// How long a client may take to send its query.
 const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -140,7 +145,7 @@ impl QueryServer {
 }
 
 async fn accept(listener: UnixListener, queries: mpsc::Sender<Pending>) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let connections = Connections::new(MAX_CONNECTIONS);
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -150,7 +155,7 @@ async fn accept(listener: UnixListener, queries: mpsc::Sender<Pending>) {
                 continue;
             }
         };
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+        let Some(place) = connections.admit() else {
             // Non-blocking: a short line into an empty socket buffer.
             let _ = stream.try_write(&wire::encode_error(&format!(
                 "busy: {MAX_CONNECTIONS} queries are being answered, try again"
@@ -159,19 +164,30 @@ async fn accept(listener: UnixListener, queries: mpsc::Sender<Pending>) {
         };
         let queries = queries.clone();
         tokio::spawn(async move {
-            if let Err(err) = serve(stream, queries).await {
+            if let Err(err) = serve(stream, place, queries).await {
                 debug!("query socket: {err:#}");
             }
-            drop(slot);
         });
     }
 }
 
-async fn serve(stream: UnixStream, queries: mpsc::Sender<Pending>) -> Result<()> {
+/// One connection: its query read (unless it is closed first to make room
+/// for a newer one), answered, closed.
+async fn serve(stream: UnixStream, mut place: Admitted, queries: mpsc::Sender<Pending>) -> Result<()> {
     let (read, mut write) = stream.into_split();
     let mut line = Vec::new();
-    let read =
-        tokio::time::timeout(QUERY_TIMEOUT, BufReader::new(read.take(MAX_QUERY)).read_until(b'\n', &mut line)).await;
+    let mut query = BufReader::new(read.take(MAX_QUERY));
+    let read = tokio::select! {
+        read = tokio::time::timeout(QUERY_TIMEOUT, query.read_until(b'\n', &mut line)) => read,
+        () = place.evicted() => {
+            // Non-blocking, as the "busy" answer: a short line into an
+            // empty socket buffer.
+            let refusal = "closed: no query came, and a newer client needed the connection";
+            let _ = write.as_ref().try_write(&wire::encode_error(refusal));
+            return Ok(());
+        }
+    };
+    place.busy();
     let answer = match read {
         Err(_) => wire::encode_error(&format!("no query within {QUERY_TIMEOUT:?}")),
         Ok(Err(err)) => return Err(err).context("reading the query"),
@@ -523,5 +539,29 @@ mod tests {
         // A query without its newline (the client closed its side) is read too.
         let answer = ask(&rt, &mut server, &engine, b"{\"query\":\"inflight\"}");
         assert_eq!(wire::decode_inflight(&answer).expect("answer").requests.len(), 3);
+    }
+
+    #[test]
+    fn idle_connections_past_the_limit_never_keep_a_query_out() {
+        let tmp = TempDir::new();
+        let rt = runtime();
+        let _guard = rt.enter();
+        let mut server = bind(&tmp.0.join("agent.sock")).expect("bind");
+        let engine = engine();
+        // Four times the limit, connected and sending nothing.
+        let mut idle: Vec<std::os::unix::net::UnixStream> = (0..4 * MAX_CONNECTIONS)
+            .map(|_| std::os::unix::net::UnixStream::connect(server.path()).expect("connect"))
+            .collect();
+        for _ in 0..3 {
+            let answer = ask(&rt, &mut server, &engine, b"{\"query\":\"inflight\"}\n");
+            assert_eq!(wire::decode_inflight(&answer).expect("an answer, not busy").requests.len(), 3);
+        }
+        // The oldest idle one was closed to make room, and told why.
+        let mut told = Vec::new();
+        idle.remove(0).read_to_end(&mut told).expect("read");
+        match wire::decode_inflight(&told) {
+            Err(wire::AnswerError::Refused(why)) => assert!(why.contains("a newer client needed"), "{why}"),
+            other => panic!("{other:?}"),
+        }
     }
 }

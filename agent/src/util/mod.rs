@@ -1,6 +1,7 @@
 //! Small helpers any layer may use; none of them knows a request.
 pub mod build_info;
 pub mod clock;
+pub mod connections;
 pub mod files;
 pub mod text;
 pub mod tls;

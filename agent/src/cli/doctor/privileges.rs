@@ -8,8 +8,12 @@ use crate::kernel::caps::{self, CAP_SYS_PTRACE, Caps};
 pub(super) const MEMCG_ACCOUNTING: KernelVersion = KernelVersion { major: 5, minor: 11, patch: 0 };
 
 pub fn privileges_check(euid: u32, caps: Option<Caps>, cap_last: Option<u32>, error: Option<&String>) -> Check {
-    let check =
-        Check::new("privileges", true, "loading eBPF programs (bpf(2)) and attaching uprobes (perf_event_open(2))");
+    let check = Check::new(
+        "privileges",
+        true,
+        "loading eBPF programs (bpf(2)), attaching uprobes (perf_event_open(2)) and opening the libraries a process \
+         mapped through /proc/PID/map_files (CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE)",
+    );
     let caps = caps.ok_or_else(|| error.map_or("unknown error", String::as_str));
     match caps::attach_verdict(euid, caps, cap_last) {
         Ok(detail) => check.ok(detail),
@@ -17,16 +21,27 @@ pub fn privileges_check(euid: u32, caps: Option<Caps>, cap_last: Option<u32>, er
     }
 }
 
+/// Required: the kernel lets a process read another's /proc/PID/exe,
+/// maps and map_files only with ptrace read access, which without
+/// CAP_SYS_PTRACE it has only to processes of its own uid that hold no
+/// capability it lacks. A root agent with a few capabilities is refused
+/// every root process (they hold them all): measured on 6.18 with
+/// CAP_SYS_ADMIN alone, `run` fails reading the target's /proc/PID/exe
+/// (tests/e2e/doctor.rs).
 pub fn ptrace_check(euid: u32, caps: Option<Caps>) -> Check {
     let check = Check::new(
         "ptrace",
-        false,
-        "watching processes of other users: reading their /proc/PID/maps and their files through /proc/PID/root",
+        true,
+        "attaching to a process: reading its /proc/PID/exe, maps and map_files and its files through /proc/PID/root, \
+         which the kernel allows only with ptrace read access to it",
     );
     match caps {
         Some(caps) if caps.has(CAP_SYS_PTRACE) => check.ok("CAP_SYS_PTRACE: processes of any user can be watched"),
         _ => check.missing(
-            format!("no CAP_SYS_PTRACE: only processes running as uid {euid} can be watched"),
+            format!(
+                "no CAP_SYS_PTRACE: only processes of uid {euid} holding no capability this process lacks can be \
+                 watched; any other, a root process among them, is refused (`run` fails reading its /proc/PID/exe)"
+            ),
             "add CAP_SYS_PTRACE (run as root; in a container `privileged: true` or `capabilities: {add: [SYS_PTRACE]}`)",
         ),
     }
@@ -103,10 +118,13 @@ mod tests {
         assert!(old.fix.as_deref().is_some_and(|f| f.contains("predates CAP_BPF")), "{old:?}");
         let unreadable = privileges_check(0, None, None, Some(&"no CapEff".to_owned()));
         assert!(unreadable.failed() && unreadable.detail.contains("no CapEff"));
-        let ptrace = ptrace_check(1000, Some(Caps(1 << CAP_SYS_ADMIN)));
-        assert_eq!(ptrace.status, Status::Missing);
-        assert!(!ptrace.failed(), "not required");
-        assert!(ptrace.detail.contains("uid 1000"));
+        // CAP_SYS_ADMIN alone loads and attaches, but may not read a root
+        // process's /proc/PID/exe: `run` needs CAP_SYS_PTRACE too.
+        let ptrace = ptrace_check(0, Some(Caps(1 << CAP_SYS_ADMIN)));
+        assert!(ptrace.failed(), "required: {ptrace:?}");
+        assert!(ptrace.detail.contains("uid 0") && ptrace.detail.contains("a root process"), "{}", ptrace.detail);
+        assert!(ptrace.fix.as_deref().is_some_and(|f| f.contains("CAP_SYS_PTRACE")), "{ptrace:?}");
+        assert_eq!(ptrace_check(0, Some(Caps((1 << CAP_SYS_ADMIN) | (1 << CAP_SYS_PTRACE)))).status, Status::Ok);
     }
 
     #[test]
