@@ -411,6 +411,17 @@ impl Agent {
     }
 
     fn start(target: &[&str], profile: &str, timeout: &str, extra: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::start_contained(target, profile, timeout, extra, env, None)
+    }
+
+    fn start_contained(
+        target: &[&str],
+        profile: &str,
+        timeout: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        cgroup: Option<&MemoryCgroup>,
+    ) -> Self {
         let mut command = Command::new(agent_bin());
         command
             .arg("run")
@@ -437,6 +448,9 @@ impl Agent {
             }
         }
         command.envs(env.iter().copied());
+        if let Some(cgroup) = cgroup {
+            cgroup.contain(&mut command);
+        }
         Self { proc: Proc::spawn("stallwatch", &mut command), bpf_dir }
     }
 
@@ -599,4 +613,117 @@ pub fn metric(body: &str, series: &str) -> u64 {
     body.lines()
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
         .unwrap_or_else(|| panic!("no `{series}` in:\n{body}"))
+}
+
+/// A memory cgroup of its own for a process a test starts: its memory is
+/// capped as a node's agent is, and its peak read back. cgroup v2
+/// (`memory.max`, `memory.peak`) where the host's unified hierarchy has
+/// the memory controller, else the v1 memory hierarchy
+/// (`memory.limit_in_bytes`, `memory.max_usage_in_bytes`), in the group
+/// this test process is in.
+pub struct MemoryCgroup {
+    dir: PathBuf,
+    v2: bool,
+}
+
+impl MemoryCgroup {
+    /// A new group whose processes may hold at most `limit` bytes.
+    pub fn new(limit: u64) -> Self {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let name = format!("stallwatch-tests-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+        let unified = Path::new("/sys/fs/cgroup");
+        let v2 = std::fs::read_to_string(unified.join("cgroup.controllers"))
+            .is_ok_and(|controllers| controllers.split_whitespace().any(|c| c == "memory"));
+        let (dir, limit_file) = if v2 {
+            // The root may hold processes and children both; the memory
+            // controller must be on for its children.
+            std::fs::write(unified.join("cgroup.subtree_control"), "+memory").unwrap_or_else(|err| {
+                panic!("enabling the memory controller for {}'s children: {err}", unified.display())
+            });
+            (unified.join(&name), "memory.max")
+        } else {
+            let own = std::fs::read_to_string("/proc/self/cgroup").expect("reading /proc/self/cgroup");
+            let group = own
+                .lines()
+                .find_map(|line| {
+                    let (_, rest) = line.split_once(':')?;
+                    let (controllers, path) = rest.split_once(':')?;
+                    controllers.split(',').any(|c| c == "memory").then(|| path.trim_start_matches('/').to_owned())
+                })
+                .unwrap_or_else(|| panic!("no memory controller in cgroup v2 nor v1 here (/proc/self/cgroup:\n{own})"));
+            (Path::new("/sys/fs/cgroup/memory").join(group).join(&name), "memory.limit_in_bytes")
+        };
+        std::fs::create_dir(&dir).unwrap_or_else(|err| panic!("creating the cgroup {}: {err}", dir.display()));
+        let group = Self { dir, v2 };
+        std::fs::write(group.dir.join(limit_file), limit.to_string())
+            .unwrap_or_else(|err| panic!("capping {} at {limit} bytes: {err}", group.dir.display()));
+        group
+    }
+
+    /// Make the process `command` starts join the group before it runs
+    /// its program, so every byte it ever holds is counted.
+    pub fn contain(&self, command: &mut Command) {
+        use std::os::unix::{ffi::OsStrExt as _, process::CommandExt as _};
+        let procs = std::ffi::CString::new(self.dir.join("cgroup.procs").as_os_str().as_bytes()).expect("no NUL");
+        // SAFETY: the closure runs in the child between fork and exec and
+        // only makes system calls on memory allocated before the fork.
+        unsafe {
+            command.pre_exec(move || {
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // "0": the writing process itself.
+                let written = libc::write(fd, b"0".as_ptr().cast(), 1);
+                let err = std::io::Error::last_os_error();
+                libc::close(fd);
+                if written == 1 { Ok(()) } else { Err(err) }
+            });
+        }
+    }
+
+    /// The most memory the group's processes held at once, in bytes (the
+    /// kernel's count: their pages, the page cache they read through, and
+    /// kernel memory charged to them).
+    pub fn peak(&self) -> u64 {
+        let file = self.dir.join(if self.v2 { "memory.peak" } else { "memory.max_usage_in_bytes" });
+        let text = std::fs::read_to_string(&file).unwrap_or_else(|err| panic!("reading {}: {err}", file.display()));
+        text.trim().parse().unwrap_or_else(|err| panic!("{} holds {text:?}: {err}", file.display()))
+    }
+}
+
+impl Drop for MemoryCgroup {
+    /// The group is removed once its processes are gone (the test kills
+    /// them first: a cgroup holding a process cannot be removed).
+    fn drop(&mut self) {
+        for _ in 0..100 {
+            if std::fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Agent {
+    /// `stallwatch run --pid PID` with `--output json`, a socket and bpf
+    /// directory of its own (as [`Agent::watch`] starts it), in `cgroup`
+    /// from its first instruction; nothing waited for.
+    pub fn start_in(cgroup: &MemoryCgroup, pid: u32, profile: &str, timeout: &str) -> Self {
+        Self::start_contained(&["--pid", &pid.to_string()], profile, timeout, &[], &[], Some(cgroup))
+    }
+
+    /// [`Agent::discover`], the agent in `cgroup` from its first
+    /// instruction.
+    pub fn discover_in(
+        cgroup: &MemoryCgroup,
+        selectors: &[&str],
+        profile: &str,
+        timeout: &str,
+        extra: &[&str],
+    ) -> Self {
+        let agent = Self::start_contained(selectors, profile, timeout, extra, &[], Some(cgroup));
+        agent.proc.wait_stderr("serving `stallwatch inflight`", Duration::from_secs(30));
+        agent
+    }
 }

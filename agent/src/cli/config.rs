@@ -29,7 +29,7 @@ use crate::{
         telemetry::TelemetryOptions,
     },
     kernel::state,
-    profile::{self, Profile},
+    profile::{self, Profile, plan::Trust},
     query,
     run::discovery::Selector,
     run::{OnExit, Target},
@@ -130,6 +130,14 @@ pub struct RunSettings {
     /// for the next agent (keep), or detach everything [default: keep].
     #[arg(long, value_enum, value_name = "WHAT", env = "STALLWATCH_ON_EXIT")]
     pub on_exit: Option<OnExit>,
+    /// Also read, and probe, watched processes' libraries on FUSE
+    /// filesystems. Off, such a process is not watched (and said so): a
+    /// FUSE server, which a tenant can run, could hold the agent's read or
+    /// the kernel's uprobe attach forever, past every signal. Turn it on
+    /// for a FUSE filesystem the node runs itself (a lazy-pulling image
+    /// snapshotter).
+    #[arg(long, env = "STALLWATCH_TRUST_FUSE")]
+    pub trust_fuse: bool,
 }
 
 impl RunSettings {
@@ -170,6 +178,7 @@ impl RunSettings {
             bpf_dir: self.bpf_dir.or(file.bpf_dir),
             ephemeral: self.ephemeral || file.ephemeral,
             on_exit: self.on_exit.or(file.on_exit),
+            trust_fuse: self.trust_fuse || file.trust_fuse,
         }
     }
 
@@ -215,6 +224,7 @@ impl RunSettings {
             socket: self.socket.unwrap_or_else(|| PathBuf::from(query::DEFAULT_SOCKET)),
             bpf_dir: (!self.ephemeral).then(|| self.bpf_dir.unwrap_or_else(|| PathBuf::from(state::DEFAULT_BPF_DIR))),
             on_exit: self.on_exit.unwrap_or_default(),
+            trust: Trust { fuse: self.trust_fuse },
         })
     }
 }
@@ -233,6 +243,7 @@ pub struct RunConfig {
     /// `None`: `--ephemeral`.
     pub bpf_dir: Option<PathBuf>,
     pub on_exit: OnExit,
+    pub trust: Trust,
 }
 
 /// The flags over the file (if any) over the defaults.
@@ -344,6 +355,7 @@ impl ConfigFile {
             bpf_dir,
             ephemeral: raw.ephemeral.is_some_and(Spanned::into_inner),
             on_exit: raw.on_exit.map(|o| o.into_inner().0),
+            trust_fuse: raw.trust_fuse.is_some_and(Spanned::into_inner),
         };
         Ok(Self { path: path.to_path_buf(), settings })
     }
@@ -446,6 +458,7 @@ impl ConfigFile {
                 },
             ),
             ("on_exit", or_default(s.on_exit.map(choice_name), choice_name(OnExit::default()))),
+            ("trust_fuse", s.trust_fuse.to_string()),
         ];
         let mut out = match path {
             Some(path) => format!("config file {}: ok\n", path.display()),
@@ -474,6 +487,7 @@ struct RawConfig {
     bpf_dir: Option<Spanned<String>>,
     ephemeral: Option<Spanned<bool>>,
     on_exit: Option<Spanned<Choice<OnExit>>>,
+    trust_fuse: Option<Spanned<bool>>,
     otlp: Option<RawOtlp>,
     metrics: Option<RawMetrics>,
     kubernetes: Option<Spanned<String>>,
@@ -604,11 +618,16 @@ impl<'de> Deserialize<'de> for Pid {
 }
 
 /// A positive count on the command line, as the config file takes it
-/// ([`Count`]): 0 would track nothing and is refused by both.
+/// ([`Count`]): 0 would track nothing and is refused by both. A count
+/// past what a number holds (`--max-tracked 99999999999999999999`, "no
+/// limit") saturates, as `18446744073709551615` does: the engine caps
+/// either at the most it can track (2^32 - 2).
 fn parse_count(text: &str) -> Result<usize, String> {
-    match text.trim().parse::<i64>().ok().map(usize::try_from) {
-        Some(Ok(count)) if count > 0 => Ok(count),
-        _ => Err(format!("{text} is not a positive count (1 or more)")),
+    match text.trim().parse::<u64>() {
+        Ok(0) => Err(format!("{text} is not a positive count (1 or more): 0 would track nothing")),
+        Ok(count) => Ok(usize::try_from(count).unwrap_or(usize::MAX)),
+        Err(err) if *err.kind() == std::num::IntErrorKind::PosOverflow => Ok(usize::MAX),
+        Err(_) => Err(format!("{text} is not a positive count (1 or more)")),
     }
 }
 
@@ -695,6 +714,7 @@ output = "json"
 socket = "/run/sw/agent.sock"
 bpf_dir = "/sys/fs/bpf/sw"
 on_exit = "detach"
+trust_fuse = true
 
 [otlp]
 endpoint = "http://collector:4317"
@@ -729,6 +749,7 @@ addr = "0.0.0.0:9464"
                 bpf_dir: Some(PathBuf::from("/sys/fs/bpf/sw")),
                 ephemeral: false,
                 on_exit: Some(OnExit::Detach),
+                trust_fuse: true,
             }
         );
     }
@@ -848,6 +869,9 @@ addr = "0.0.0.0:9464"
             assert!(parse_count(bad).is_err_and(|err| err.contains("not a positive count")), "{bad}");
         }
         assert_eq!(parse_count("5"), Ok(5));
+        // "As many as you can": taken, and capped by the engine.
+        assert_eq!(parse_count("18446744073709551615"), Ok(usize::MAX));
+        assert_eq!(parse_count("99999999999999999999999"), Ok(usize::MAX));
         let err = error("max_tracked = 0\n");
         assert!(err.contains("not a positive count"), "{err}");
         let err = error("max_tracked = -1\n");

@@ -37,6 +37,14 @@ pub struct Cli {
 pub enum Command {
     /// Watch a process: attach a probe profile and alert on every request
     /// silent past the timeout, while it is still stuck.
+    ///
+    /// SIGTERM, SIGINT and every other signal that would end the process
+    /// (SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM...) stop it the same
+    /// way: the last alerts, the summary, and the probes and in-flight
+    /// state left for the next agent as --on-exit says. SIGHUP does not
+    /// reload: restart the agent (the next one takes the requests over).
+    /// A stop during start-up ends it at once, leaving nothing of its own.
+    #[command(verbatim_doc_comment)]
     Run {
         /// Settings from this TOML file (see docs/deploying.md); a flag or
         /// variable given here wins over the file.

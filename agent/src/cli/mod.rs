@@ -55,6 +55,7 @@ fn dispatch(cli: Cli) -> Result<()> {
                 socket,
                 bpf_dir,
                 on_exit,
+                trust,
             } = config::resolve(config.as_deref(), flags)?;
             let profile = Profile::load(&profile)?;
             let runtime = tokio::runtime::Builder::new_current_thread()
@@ -72,6 +73,7 @@ fn dispatch(cli: Cli) -> Result<()> {
                 socket,
                 bpf_dir,
                 on_exit,
+                trust,
             };
             runtime.block_on(run::run(options, std::io::stdout()))
         }

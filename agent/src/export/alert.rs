@@ -24,6 +24,21 @@ pub enum Format {
     Json,
 }
 
+/// What the agent's own outputs lost in a run, and the processes it could
+/// not watch: the summary's own counts.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Shortfalls {
+    /// Spans (or the reports they came from) that never reached the OTLP
+    /// collector; 0 without OTLP.
+    pub export_drops: u64,
+    /// Alert lines dropped because stdout did not drain.
+    pub alert_lines_dropped: u64,
+    /// Alert lines whose write to stdout failed (a full disk, say).
+    pub alert_lines_failed: u64,
+    /// Processes a selector matched that could not be watched.
+    pub refused_processes: u64,
+}
+
 pub struct AlertWriter<W> {
     out: W,
     format: Format,
@@ -91,6 +106,10 @@ impl<W: Write> AlertWriter<W> {
         &self.out
     }
 
+    pub fn output_mut(&mut self) -> &mut W {
+        &mut self.out
+    }
+
     pub fn name_process(&mut self, pid: u32, name: &str) {
         self.names.insert(pid, name.into());
     }
@@ -115,9 +134,9 @@ impl<W: Write> AlertWriter<W> {
         self.write_line(&line)
     }
 
-    /// The end-of-run summary. `export_drops`: spans (or the reports they
-    /// came from) that never reached the OTLP collector, 0 without OTLP;
-    /// `alert_drops`: alert lines dropped because stdout did not drain.
+    /// The end-of-run summary, written and returned (to be written
+    /// elsewhere if stdout does not take it). `outputs`: what the agent's
+    /// own outputs lost, and the processes it could not watch.
     /// Every attached probe's hit count follows (a `PROBE` line each, or a
     /// `probes` array in JSON): a probe that never fired is visible.
     /// `status`: how the reads of the profile's `[status]` went, if it has one.
@@ -125,17 +144,17 @@ impl<W: Write> AlertWriter<W> {
         &mut self,
         stats: &EngineStats,
         losses: &Losses,
-        export_drops: u64,
-        alert_drops: u64,
+        outputs: &Shortfalls,
         probes: &[ProbeHits],
         status: Option<&StatusReads>,
-    ) -> std::io::Result<()> {
+    ) -> std::io::Result<String> {
         let kernel = &losses.kernel;
         let line = match self.format {
             Format::Human => format!(
                 "SUMMARY seen={} restored={} completed={} (unreleased={}) stalled={} recovered={} failed={} aborted={} process_exited={} \
                  evicted={} end_unseen={} resyncs={} in_flight={} lost_events={} (ringbuf_full={} key_unreadable={} args_missing={} no_slot={} undecodable={}) \
-                 ext_unreadable={} stale_events={} duplicate_events={} caught_up_repeats={} export_drops={} alert_lines_dropped={} state_full={} withheld={} caught_up={}",
+                 ext_unreadable={} stale_events={} duplicate_events={} caught_up_repeats={} export_drops={} alert_lines_dropped={} alert_lines_failed={} \
+                 refused_processes={} state_full={} withheld={} caught_up={}",
                 stats.seen,
                 stats.restored,
                 stats.completed,
@@ -159,8 +178,10 @@ impl<W: Write> AlertWriter<W> {
                 stats.stale_events,
                 stats.duplicate_events,
                 stats.caught_up_repeats,
-                export_drops,
-                alert_drops,
+                outputs.export_drops,
+                outputs.alert_lines_dropped,
+                outputs.alert_lines_failed,
+                outputs.refused_processes,
                 kernel.state_full,
                 kernel.withheld,
                 stats.caught_up,
@@ -216,8 +237,10 @@ impl<W: Write> AlertWriter<W> {
                 "stale_events": stats.stale_events,
                 "duplicate_events": stats.duplicate_events,
                 "caught_up_repeats": stats.caught_up_repeats,
-                "export_drops": export_drops,
-                "alert_lines_dropped": alert_drops,
+                "export_drops": outputs.export_drops,
+                "alert_lines_dropped": outputs.alert_lines_dropped,
+                "alert_lines_failed": outputs.alert_lines_failed,
+                "refused_processes": outputs.refused_processes,
                 "state_full": kernel.state_full,
                 "withheld": kernel.withheld,
                 "caught_up": stats.caught_up,
@@ -237,7 +260,7 @@ impl<W: Write> AlertWriter<W> {
             })
             .to_string(),
         };
-        self.write_line(&line)
+        self.write_line(&line).map(|()| line)
     }
 
     fn human(&self, alert: &Alert<'_>) -> String {
@@ -549,7 +572,9 @@ mod tests {
         let mut stopping = AlertWriter::new(Closed, Format::Json, Clock::new());
         stopping.stopping();
         stopping.report(&report, None, &[]).expect("at the stop a closed stdout is no error");
-        stopping.summary(&EngineStats::default(), &Losses::default(), 0, 0, &[], None).expect("nor for the summary");
+        stopping
+            .summary(&EngineStats::default(), &Losses::default(), &Shortfalls::default(), &[], None)
+            .expect("nor for the summary");
         assert!(stopping.is_closed());
     }
 }

@@ -10,6 +10,11 @@
 //! `stallwatch_alert_lines_dropped_total` metric): a human line is dropped,
 //! never a detection (the engine, spans, metrics and the kernel's tables
 //! already have it).
+//!
+//! A write that fails for another reason than a reader gone (a full disk
+//! under a redirected stdout, an I/O error) loses that line only, counted
+//! ([`LineQueue::failed`]): the agent goes on detecting, and its summary
+//! goes to stderr if stdout does not take it ([`LineQueue::finish`]).
 use std::{
     collections::VecDeque,
     io::{self, Write},
@@ -35,7 +40,9 @@ struct State {
     /// The writer is asked to stop once the queue is empty.
     finished: bool,
     dropped: u64,
-    /// Why the last write failed, other than a closed pipe.
+    /// Lines whose write failed (other than for a closed pipe).
+    failed: u64,
+    /// Why the last of those failed.
     error: Option<String>,
 }
 
@@ -92,16 +99,21 @@ impl LineQueue {
                     }
                 };
                 let written = out.write_all(&line).and_then(|()| out.flush());
-                if let Err(err) = written {
-                    let mut state = writer.lock();
-                    if err.kind() != io::ErrorKind::BrokenPipe {
+                match written {
+                    Ok(()) => {}
+                    Err(err) if err.kind() == io::ErrorKind::BrokenPipe => {
+                        let mut state = writer.lock();
+                        state.closed = true;
+                        state.lines.clear();
+                        state.writing = false;
+                        writer.idle.notify_all();
+                        return;
+                    }
+                    Err(err) => {
+                        let mut state = writer.lock();
+                        state.failed += 1;
                         state.error = Some(err.to_string());
                     }
-                    state.closed = true;
-                    state.lines.clear();
-                    state.writing = false;
-                    writer.idle.notify_all();
-                    return;
                 }
             }
         })?;
@@ -113,8 +125,22 @@ impl LineQueue {
         self.shared.lock().dropped
     }
 
-    /// Wait until every queued line is written, at most `within`; whether
-    /// they were. Then the writer stops.
+    /// Lines whose write failed so far (not for a closed pipe), and why the
+    /// last one did.
+    pub fn failed(&self) -> (u64, Option<String>) {
+        let state = self.shared.lock();
+        (state.failed, state.error.clone())
+    }
+
+    /// From now on no line gives way: the stop's last reports and summary
+    /// are all kept (as many as requests were in flight), so the summary's
+    /// count of dropped lines is the whole count.
+    pub fn keep_every_line(&mut self) {
+        self.capacity = usize::MAX;
+    }
+
+    /// Wait until every queued line is written or failed, at most
+    /// `within`; whether they were. Then the writer stops.
     pub fn finish(&self, within: Duration) -> bool {
         let deadline = Instant::now() + within;
         let mut state = self.shared.lock();
@@ -134,12 +160,21 @@ impl LineQueue {
     /// stops, as a pipeline's writer does. Seen here as soon as the writer
     /// saw it, not at the next line the agent has to write.
     pub fn is_closed(&self) -> bool {
-        let state = self.shared.lock();
-        state.closed && state.error.is_none()
+        self.shared.lock().closed
     }
 
-    /// Lines still waiting for stdout.
+    /// Lines not yet written: those queued, and the one being written (a
+    /// write that never returns loses it too).
     pub fn waiting(&self) -> usize {
+        let state = self.shared.lock();
+        state.lines.len() + usize::from(state.writing)
+    }
+}
+
+#[cfg(test)]
+impl LineQueue {
+    /// Lines queued, not counting the one being written.
+    fn queued(&self) -> usize {
         self.shared.lock().lines.len()
     }
 }
@@ -154,10 +189,7 @@ impl Write for LineQueue {
         let mut state = self.shared.lock();
         if state.closed {
             self.pending.clear();
-            return Err(match &state.error {
-                Some(error) => io::Error::other(format!("writing to stdout: {error}")),
-                None => io::ErrorKind::BrokenPipe.into(),
-            });
+            return Err(io::ErrorKind::BrokenPipe.into());
         }
         if self.pending.is_empty() {
             return Ok(());
@@ -202,14 +234,15 @@ mod tests {
         let mut queue = LineQueue::with_capacity(Gate { go: gate, out: out.clone() }, 3).expect("queue");
         writeln!(queue, "line 0").and_then(|()| queue.flush()).expect("queued");
         // The writer took it and is stuck writing it.
-        wait(|| queue.waiting() == 0);
+        wait(|| queue.queued() == 0);
         let started = Instant::now();
         for n in 1..10 {
             writeln!(queue, "line {n}").and_then(|()| queue.flush()).expect("queued");
         }
         assert!(started.elapsed() < Duration::from_secs(1), "writes never wait for the output");
         // One line taken by the blocked writer, three held; six dropped.
-        wait(|| queue.waiting() == 3);
+        wait(|| queue.queued() == 3);
+        assert_eq!(queue.waiting(), 4, "the three queued and the one being written");
         assert_eq!(queue.dropped(), 6);
         assert!(!queue.finish(Duration::from_millis(50)), "the output still does not drain");
         for _ in 0..4 {
@@ -237,6 +270,62 @@ mod tests {
         let err = writeln!(queue, "second").and_then(|()| queue.flush()).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::BrokenPipe);
         assert!(queue.finish(Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn a_failing_output_loses_only_the_lines_it_fails_and_counts_them() {
+        /// Fails every other line, as a disk filling and freeing would.
+        struct Full {
+            n: usize,
+            out: Arc<Mutex<Vec<u8>>>,
+        }
+        impl Write for Full {
+            fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+                self.n += 1;
+                if self.n.is_multiple_of(2) {
+                    return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+                }
+                self.out.lock().expect("out").extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let out = Arc::new(Mutex::new(Vec::new()));
+        let mut queue = LineQueue::start(Full { n: 0, out: out.clone() }).expect("queue");
+        for n in 0..6 {
+            writeln!(queue, "line {n}").and_then(|()| queue.flush()).expect("a failing disk is no error to the agent");
+        }
+        assert!(queue.finish(Duration::from_secs(5)));
+        assert!(!queue.is_closed(), "the agent goes on");
+        let (failed, error) = queue.failed();
+        assert_eq!(failed, 3);
+        assert!(error.expect("why").contains("No space left on device"));
+        let written = String::from_utf8(out.lock().expect("out").clone()).expect("utf-8");
+        assert_eq!(written, "line 0\nline 2\nline 4\n");
+    }
+
+    #[test]
+    fn once_stopping_no_line_gives_way() {
+        let (go, gate) = mpsc::channel();
+        let out = Arc::new(Mutex::new(Vec::new()));
+        let mut queue = LineQueue::with_capacity(Gate { go: gate, out: out.clone() }, 2).expect("queue");
+        writeln!(queue, "line 0").and_then(|()| queue.flush()).expect("queued");
+        wait(|| queue.queued() == 0);
+        for n in 1..4 {
+            writeln!(queue, "line {n}").and_then(|()| queue.flush()).expect("queued");
+        }
+        assert_eq!(queue.dropped(), 1, "line 1 gave way to line 3");
+        queue.keep_every_line();
+        writeln!(queue, "summary").and_then(|()| queue.flush()).expect("queued");
+        assert_eq!(queue.dropped(), 1, "the summary pushed nothing out: its count is the whole count");
+        for _ in 0..4 {
+            go.send(()).expect("go");
+        }
+        assert!(queue.finish(Duration::from_secs(5)));
+        let written = String::from_utf8(out.lock().expect("out").clone()).expect("utf-8");
+        assert_eq!(written, "line 0\nline 2\nline 3\nsummary\n");
     }
 
     fn wait(mut done: impl FnMut() -> bool) {

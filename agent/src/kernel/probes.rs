@@ -50,7 +50,8 @@ use super::{
 };
 use crate::profile::{
     ActivityKind, ActivitySpec, At, ProbeSpec, Profile, SignalSpec,
-    resolve::{ElfFile, FirstInsn, ProcessImage},
+    plan::{Missing, Plan},
+    resolve::FirstInsn,
 };
 
 /// The eBPF object built by `build.rs`.
@@ -312,12 +313,14 @@ impl Probes {
     /// probes already attached for this call are detached again.
     /// Returns how many probes were attached (optional transport probes
     /// whose library or symbol is missing are skipped).
-    pub fn attach(&mut self, pid: u32, profile: &Profile) -> Result<usize> {
-        let image = ProcessImage::read(pid)?;
+    /// `plan` is what was read of the process's files for `profile` (or
+    /// for the profile it was cut from, [`Profile::without_offsets`]).
+    pub fn attach(&mut self, plan: &Plan, profile: &Profile) -> Result<usize> {
+        let pid = plan.image.pid;
         if self.links.contains_key(&pid) || self.gated.contains_key(&pid) {
             bail!("pid {pid} is attached already");
         }
-        let result = self.attach_all(&image, profile).and_then(|()| self.arm(pid));
+        let result = self.attach_all(plan, profile).and_then(|()| self.arm(pid));
         if result.is_err() {
             // On the loop, as the attach itself is.
             self.detach_now(pid);
@@ -364,8 +367,9 @@ impl Probes {
             .collect()
     }
 
-    /// A slot for a new probe: a freed one (its counts zeroed), or the next.
-    fn allocate_slot(&mut self) -> Result<u32> {
+    /// A slot for a new probe of `pid`: a freed one (its counts zeroed), or
+    /// the next. None left: an error saying where they went.
+    fn allocate_slot(&mut self, pid: u32) -> Result<u32> {
         if let Some(index) = self.free.pop() {
             for map in [&mut self.hits, &mut self.seen] {
                 let cpus = map.get(&index, 0).context("reading a reused slot's counters")?.len();
@@ -376,7 +380,7 @@ impl Probes {
         }
         let index = u32::try_from(self.slots.len())?;
         if index >= MAX_SLOTS {
-            bail!("all {MAX_SLOTS} probe slots are in use: watch fewer processes per agent");
+            return Err(out_of_slots(&self.slots, pid));
         }
         self.slots.push(None);
         Ok(index)
@@ -390,8 +394,8 @@ impl Probes {
         self.quiet_ns = ns;
     }
 
-    fn attach_all(&mut self, image: &ProcessImage, profile: &Profile) -> Result<()> {
-        let mut files = ElfCache::default();
+    fn attach_all(&mut self, plan: &Plan, profile: &Profile) -> Result<()> {
+        let pid = plan.image.pid;
         for spec in &profile.probes {
             let mut cfg = spec.slot_config();
             if cfg.flags & slot_flags::QUIET != 0 {
@@ -399,41 +403,33 @@ impl Probes {
             }
             let target =
                 Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
-            self.attach_slot(image, &mut files, &target, cfg, Role::Lifecycle(Arc::new(spec.clone())))?;
+            self.attach_slot(plan, &target, cfg, Role::Lifecycle(Arc::new(spec.clone())))?;
         }
         for spec in &profile.activity {
             let target =
                 Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
-            let attached =
-                self.attach_slot(image, &mut files, &target, ActivitySpec::slot_config(), Role::Activity(spec.kind));
-            skip_if_optional(attached, spec.optional, image.pid, &spec.symbol, "optional transport probe skipped")?;
+            let attached = self.attach_slot(plan, &target, ActivitySpec::slot_config(), Role::Activity(spec.kind));
+            skip_if_optional(attached, spec.optional, pid, &spec.symbol, "optional transport probe skipped")?;
         }
         for spec in &profile.signals {
             let target =
                 Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
-            let attached =
-                self.attach_slot(image, &mut files, &target, spec.slot_config(), Role::Signal(Arc::new(spec.clone())));
-            skip_if_optional(attached, spec.optional, image.pid, &spec.symbol, "optional signal skipped")?;
+            let attached = self.attach_slot(plan, &target, spec.slot_config(), Role::Signal(Arc::new(spec.clone())));
+            skip_if_optional(attached, spec.optional, pid, &spec.symbol, "optional signal skipped")?;
         }
         Ok(())
     }
 
-    /// Resolve one probe, write its slot config, attach its program(s).
-    fn attach_slot(
-        &mut self,
-        image: &ProcessImage,
-        files: &mut ElfCache,
-        target: &Target<'_>,
-        cfg: SlotConfig,
-        role: Role,
-    ) -> Result<()> {
-        let pid = image.pid;
-        let object = image.find(target.object).map_err(|err| Unresolved(format!("{err:#}")))?;
-        let resolved = files
-            .open(&object.host_path)?
-            .resolve(target.symbol)
-            .map_err(|err| Unresolved(format!("profile {}, line {}: {err:#}", target.origin, target.line)))?;
-        let index = self.allocate_slot()?;
+    /// Write one probe's slot config and attach its program(s) where the
+    /// plan found its function.
+    fn attach_slot(&mut self, plan: &Plan, target: &Target<'_>, cfg: SlotConfig, role: Role) -> Result<()> {
+        let pid = plan.image.pid;
+        let found = plan.target(target.object, target.symbol).map_err(|missing| match missing {
+            Missing::Unresolved(why) => anyhow::Error::new(Unresolved(why)),
+            Missing::Unreadable(why) => anyhow!(why),
+        })?;
+        let (object, resolved) = (found.object, found.symbol);
+        let index = self.allocate_slot(pid)?;
         self.slots_map.set(index, cfg, 0).context("writing the slot config map")?;
         let at = match &role {
             Role::Lifecycle(spec) => spec.at,
@@ -852,19 +848,6 @@ impl std::fmt::Display for Unresolved {
 
 impl std::error::Error for Unresolved {}
 
-/// ELF files read once per attach call, shared by the probes in them.
-#[derive(Default)]
-struct ElfCache(HashMap<PathBuf, ElfFile>);
-
-impl ElfCache {
-    fn open(&mut self, path: &std::path::Path) -> Result<&ElfFile> {
-        match self.0.entry(path.to_owned()) {
-            std::collections::hash_map::Entry::Occupied(entry) => Ok(entry.into_mut()),
-            std::collections::hash_map::Entry::Vacant(entry) => Ok(entry.insert(ElfFile::open(path)?)),
-        }
-    }
-}
-
 /// What the kernel side could not do, summed over CPUs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KernelCounters {
@@ -909,6 +892,44 @@ fn take_map_data(ebpf: &mut Ebpf, name: &str) -> Result<MapData> {
         aya::maps::Map::HashMap(data) => Ok(data),
         _ => bail!("the eBPF object's map `{name}` is not a hash map"),
     }
+}
+
+/// Why no slot is left for another probe of `pid` (attached part way),
+/// from who holds them: every process watched takes one per table of the
+/// profile, so the processes attached in full say what it needs, and `pid`
+/// needs at least one more than it holds. Loading refuses a profile that
+/// needs more than [`MAX_SLOTS`] for one process; this is several.
+fn out_of_slots(slots: &[Option<Slot>], pid: u32) -> anyhow::Error {
+    let mut held: std::collections::BTreeMap<u32, usize> = std::collections::BTreeMap::new();
+    for slot in slots.iter().flatten() {
+        *held.entry(slot.pid).or_default() += 1;
+    }
+    let gone = slots.len() - held.values().sum::<usize>();
+    let own = held.remove(&pid).unwrap_or(0);
+    let full = held.values().copied().max().unwrap_or(0);
+    let needs = full.max(own + 1);
+    const SHOWN: usize = 8;
+    let mut list: Vec<String> =
+        held.iter().take(SHOWN).map(|(holder, count)| format!("pid {holder} {count}")).collect();
+    if held.len() > SHOWN {
+        list.push(format!("{} more", held.len() - SHOWN));
+    }
+    list.push(format!("pid {pid} (being attached) {own} so far"));
+    let gone = if gone > 0 {
+        format!("; {gone} more are held by a previous agent's links or a gone process's, until they are released")
+    } else {
+        String::new()
+    };
+    let processes = |n: usize| if n == 1 { "1 process".to_owned() } else { format!("{n} processes") };
+    anyhow!(
+        "all {MAX_SLOTS} probe slots are in use: this profile needs {}{needs} per process (a slot per [[probe]], \
+         [[activity]] and [[signal]]; `stallwatch profile check` counts them) and {} watched ({}){gone}: \
+         watch at most {} per agent (split them over several agents), or probe fewer functions",
+        if needs > full { "at least " } else { "" },
+        processes(held.len() + 1),
+        list.join(", "),
+        processes(MAX_SLOTS as usize / needs)
+    )
 }
 
 /// Pin `link` at `path`; it then stays attached after the agent exits.
@@ -1015,5 +1036,49 @@ mod tests {
                     || !slots.iter().any(|(_, cfg)| cfg.flags & slot_flags::COUNT_ONLY != 0)
             );
         }
+    }
+
+    #[test]
+    fn running_out_of_slots_says_what_the_profile_needs_and_who_holds_them() {
+        let slot = |pid| {
+            Some(Slot {
+                pid,
+                role: Role::Activity(ActivityKind::Post),
+                symbol: "f".into(),
+                object: PathBuf::from("/bin/true"),
+                file_offset: 0,
+                first_insn: crate::profile::resolve::FirstInsn::Push,
+            })
+        };
+        // Two processes attached in full, a third part way, and slots a
+        // gone process's links still hold.
+        let mut slots: Vec<Option<Slot>> = Vec::new();
+        slots.extend((0..340).map(|_| slot(11)));
+        slots.extend((0..340).map(|_| slot(12)));
+        slots.extend((0..24).map(|_| None));
+        slots.extend((0..320).map(|_| slot(13)));
+        assert_eq!(slots.len(), MAX_SLOTS as usize);
+        let err = out_of_slots(&slots, 13).to_string();
+        let watched = "and 3 processes watched (pid 11 340, pid 12 340, pid 13 (being attached) 320 so far); \
+                       24 more are held";
+        assert!(
+            err.starts_with("all 1024 probe slots are in use: this profile needs 340 per process (a slot per")
+                && err.contains(watched)
+                && err.ends_with(
+                    "watch at most 3 processes per agent (split them over several agents), or probe fewer functions"
+                ),
+            "{err}"
+        );
+        // The first process alone, behind a previous agent's slots: its
+        // need is known only to be more than it got.
+        let mut slots: Vec<Option<Slot>> = (0..1000).map(|_| None).collect();
+        slots.extend((0..24).map(|_| slot(7)));
+        let err = out_of_slots(&slots, 7).to_string();
+        assert!(
+            err.contains("needs at least 25 per process")
+                && err.contains("1 process watched (pid 7 (being attached) 24 so far); 1000 more")
+                && err.contains("watch at most 40 processes per agent"),
+            "{err}"
+        );
     }
 }

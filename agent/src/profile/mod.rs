@@ -9,6 +9,7 @@
 //! [`returns`] compares return values as the kernel does, [`resolve`] finds
 //! each probe's function in a process.
 mod load;
+pub mod plan;
 pub mod resolve;
 mod returns;
 mod schema;

@@ -11,7 +11,6 @@ use aya::maps::{MapData, RingBuf};
 use aya_log::EbpfLogger;
 use tokio::{
     io::unix::{AsyncFd, AsyncFdReadyMutGuard},
-    signal::unix::{Signal, SignalKind, signal},
     sync::mpsc,
     time::{Interval, Sleep},
 };
@@ -22,12 +21,15 @@ use super::{
     discovery::{Pending, Selector},
     ingest::warn_on_loss,
     processes::{Gone, process_name},
+    reads::{Read, Reads},
     session::{Session, Synced, withheld_in},
+    stops::Stops,
 };
 use crate::{
     evidence::status::{self, StatusReader},
     export::metrics::Scrape,
     kernel::{KernelCounters, Releasing, detach::Detached, reactor},
+    profile::plan::Trust,
     query::{QueryServer, SocketPlace, server::Pending as QueryPending},
     util::clock::{Clock, monotonic_ns},
 };
@@ -42,30 +44,6 @@ pub const COUNTER_PERIOD: Duration = Duration::from_secs(1);
 /// spares the idle agent a wake per tick; this bounds the staleness
 /// between. `stallwatch inflight` and a metrics scrape read the ring first.
 const MAX_UNREAD: Duration = Duration::from_millis(100);
-
-/// SIGINT and SIGTERM, installed before anything else: a stop asked for
-/// during start-up is taken at the first turn of the loop, never the
-/// default death that leaves no summary.
-pub struct Stops {
-    interrupt: Signal,
-    terminate: Signal,
-}
-
-impl Stops {
-    pub fn install() -> Result<Self> {
-        Ok(Self {
-            interrupt: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
-            terminate: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
-        })
-    }
-
-    async fn next(&mut self) {
-        tokio::select! {
-            _ = self.interrupt.recv() => {}
-            _ = self.terminate.recv() => {}
-        }
-    }
-}
 
 /// Whether the loop goes on after an arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,6 +64,8 @@ pub struct EventLoop {
     /// Processes that exec'd and may match the selector once they load
     /// their libraries.
     pending: Pending,
+    /// Processes whose objects are being read, to be watched once read.
+    reads: Reads,
     queries: QueryServer,
     /// The previous agent's links, being released.
     releasing: Option<Releasing>,
@@ -100,15 +80,18 @@ pub struct EventLoop {
 
 impl EventLoop {
     /// Attach to the target (or every process the selector matches), take
-    /// over what a previous agent left, then serve queries.
-    pub fn start(
+    /// over what a previous agent left, then serve queries. `None` when a
+    /// stop signal came first: the session is dropped then, which detaches
+    /// what it attached and leaves a previous agent's state as it was.
+    pub async fn start(
         mut session: Session,
         exits: mpsc::UnboundedReceiver<u32>,
         target: Target,
         socket: SocketPlace,
         clock: Clock,
-        stops: Stops,
-    ) -> Result<Self> {
+        mut stops: Stops,
+        trust: Trust,
+    ) -> Result<Option<Self>> {
         let logger = EbpfLogger::init(session.probes.ebpf_mut()).context("setting up eBPF logging")?;
         let mut logger = reactor::register(logger, "the eBPF log buffer")?;
         // The programs' own log lines: forwarded as they come, by a task of
@@ -127,6 +110,7 @@ impl EventLoop {
                 }
             }
         });
+        let mut reads = Reads::new(trust);
         let (execs, selector) = match target {
             Target::Pid(pid) => {
                 // First, so an exec during the attach is heard of too.
@@ -141,7 +125,12 @@ impl EventLoop {
                         None
                     }
                 };
-                session.watch(pid)?;
+                reads.start(pid, &session.profile)?;
+                let Some(read) = stops.unless_stopped("reading the target's objects", reads.next()).await else {
+                    return Ok(None);
+                };
+                let (plan, exited) = read.plan?;
+                session.watch(&plan, exited)?;
                 (execs, None)
             }
             Target::Select(selector) => {
@@ -149,7 +138,18 @@ impl EventLoop {
                 let execs = reactor::register(session.probes.watch_execs()?, "the EXECS ring buffer")?;
                 info!(selector = %selector.describe(), profile = %session.profile.name, "discovering processes");
                 for pid in selector.scan()? {
-                    session.watch_or_log(pid);
+                    if let Err(err) = reads.start(pid, &session.profile) {
+                        session.refused += 1;
+                        error!(pid, "not watching: {err:#}");
+                    }
+                }
+                // Each read on its own deadline: one process whose files
+                // do not answer delays the others by that much at most.
+                while !reads.is_empty() {
+                    let Some(read) = stops.unless_stopped("reading the selected processes", reads.next()).await else {
+                        return Ok(None);
+                    };
+                    session.watch_or_log(read);
                 }
                 (Some(execs), Some(selector))
             }
@@ -174,12 +174,13 @@ impl EventLoop {
         session.telemetry.set_ready();
         let config = session.engine.config();
         let unread_ns = unread_ns(config.timeout_ns, config.tick_ns);
-        Ok(Self {
+        Ok(Some(Self {
             session,
             selector,
             exits,
             execs,
             pending: Pending::default(),
+            reads,
             queries,
             releasing,
             stops,
@@ -188,12 +189,32 @@ impl EventLoop {
             recheck: tokio::time::interval(Duration::from_nanos(Pending::RECHECK_NS)),
             reported: KernelCounters::default(),
             unread_ns,
-        })
+        }))
     }
 
     /// Until stopped (a signal, stdout closed, or with `--pid` the target
-    /// gone); then the session, for [`Session::finish`].
-    pub async fn run(mut self) -> Result<Session> {
+    /// gone) or failed; then the session, for [`Session::finish`], which
+    /// leaves the state for the next agent whichever way the loop ended,
+    /// and how it ended.
+    pub async fn run(mut self) -> (Session, Result<()>) {
+        let mut ended = self.turns().await;
+        // The links of processes gone too: their slots are then free, and
+        // none of them still fires when the next agent reuses a slot.
+        while self.session.detacher.under_way() > 0 {
+            let detached = self.session.detacher.detached().await;
+            self.on_detached(&detached);
+        }
+        // The previous agent's links go before this one's state is left.
+        if let Some(mut releasing) = self.releasing.take() {
+            let released = releasing.done().await.and_then(|()| self.session.probes.released(releasing));
+            if let Err(err) = released {
+                ended = ended.and(Err(err.context("releasing the previous agent's links")));
+            }
+        }
+        (self.session, ended)
+    }
+
+    async fn turns(&mut self) -> Result<()> {
         loop {
             let flow = tokio::select! {
                 ready = self.session.reader.readable() => {
@@ -206,6 +227,7 @@ impl EventLoop {
                 Some(pid) = self.exits.recv() => self.on_exit(pid),
                 pids = next_execs(&mut self.execs) => self.on_execs(pids?)?,
                 _ = self.recheck.tick(), if !self.pending.is_empty() => self.on_recheck(),
+                read = self.reads.next() => self.on_read(read)?,
                 scrape = self.session.telemetry.scrape() => self.on_scrape(scrape),
                 query = self.queries.next() => self.on_query(query),
                 linked = self.session.opener.linked() => {
@@ -215,24 +237,15 @@ impl EventLoop {
                 }
                 detached = self.session.detacher.detached() => self.on_detached(&detached),
                 released = released(&mut self.releasing) => self.on_released(released)?,
-                () = self.stops.next() => Flow::Stop,
+                signal = self.stops.next() => {
+                    info!(signal, "stopping");
+                    Flow::Stop
+                }
             };
             if flow == Flow::Stop || self.after_turn()? == Flow::Stop {
-                break;
+                return Ok(());
             }
         }
-        // The links of processes gone too: their slots are then free, and
-        // none of them still fires when the next agent reuses a slot.
-        while self.session.detacher.under_way() > 0 {
-            let detached = self.session.detacher.detached().await;
-            self.on_detached(&detached);
-        }
-        // The previous agent's links go before this one's state is left.
-        if let Some(mut releasing) = self.releasing.take() {
-            releasing.done().await.context("releasing the previous agent's links")?;
-            self.session.probes.released(releasing)?;
-        }
-        Ok(self.session)
     }
 
     /// A stall can be due: the clock first, so every event submitted
@@ -270,8 +283,8 @@ impl EventLoop {
     }
 
     /// Processes exec'd: a watched one's probes and requests went with its
-    /// old image; a selected one is watched in its new program, one that
-    /// may match later waits in `pending`.
+    /// old image; a selected one is read to be watched in its new program,
+    /// one that may match later waits in `pending`.
     fn on_execs(&mut self, pids: Vec<u32>) -> Result<Flow> {
         for pid in pids {
             let was_watched = self.session.processes.contains(pid);
@@ -280,25 +293,16 @@ impl EventLoop {
                 self.queries.forget_process(pid);
             }
             match &self.selector {
-                // A selected process that could not be watched is logged,
-                // not left for the pending arm.
-                Some(selector) if selector.matches(pid) => self.watch_or_log(pid),
+                Some(selector) if selector.matches(pid) => self.read(pid),
                 Some(_) => self.pending.add(pid, monotonic_ns()),
                 // `--pid`: follow the target into its new program if the
-                // profile attaches to it; else stop, as when it exits.
-                None if was_watched => match self.session.watch(pid) {
-                    Ok(()) => self.queries.name_process(pid, &process_name(pid)),
-                    Err(err) => {
-                        error!(
-                            pid,
-                            "not watching the target's new program, stopping as when it exits (to follow a process \
-                             that loads the profile's library after an exec, select it with --exe, --lib or \
-                             --cmdline instead of --pid): {err:#}"
-                        );
-                        self.session.emit()?;
-                        return Ok(Flow::Stop);
+                // profile attaches to it ([`Self::on_read`]); else stop, as
+                // when it exits.
+                None if was_watched => {
+                    if let Err(err) = self.reads.start(pid, &self.session.profile) {
+                        return self.target_lost(pid, &err);
                     }
-                },
+                }
                 None => {}
             }
         }
@@ -309,16 +313,50 @@ impl EventLoop {
     fn on_recheck(&mut self) -> Flow {
         if let Some(selector) = &self.selector {
             for pid in self.pending.recheck(selector, monotonic_ns()) {
-                self.watch_or_log(pid);
+                self.read(pid);
             }
         }
         Flow::Continue
     }
 
-    fn watch_or_log(&mut self, pid: u32) {
-        if self.session.watch_or_log(pid) {
-            self.queries.name_process(pid, &process_name(pid));
+    /// Begin reading a selected process's objects; one that cannot even be
+    /// begun (gone already) is logged and counted as one that could not be
+    /// watched.
+    fn read(&mut self, pid: u32) {
+        if let Err(err) = self.reads.start(pid, &self.session.profile) {
+            self.session.refused += 1;
+            error!(pid, "not watching: {err:#}");
         }
+    }
+
+    /// A process's objects read: watch it. With `--pid`, a target whose new
+    /// program cannot be watched ends the agent, as its exit would.
+    fn on_read(&mut self, read: Read) -> Result<Flow> {
+        let pid = read.pid;
+        if self.selector.is_some() {
+            if self.session.watch_or_log(read) {
+                self.queries.name_process(pid, &process_name(pid));
+            }
+            return Ok(Flow::Continue);
+        }
+        match read.plan.and_then(|(plan, exited)| self.session.watch(&plan, exited)) {
+            Ok(()) => {
+                self.queries.name_process(pid, &process_name(pid));
+                Ok(Flow::Continue)
+            }
+            Err(err) => self.target_lost(pid, &err),
+        }
+    }
+
+    /// `--pid`: the target exec'd a program the profile cannot watch.
+    fn target_lost(&mut self, pid: u32, err: &anyhow::Error) -> Result<Flow> {
+        error!(
+            pid,
+            "not watching the target's new program, stopping as when it exits (to follow a process that loads the \
+             profile's library after an exec, select it with --exe, --lib or --cmdline instead of --pid): {err:#}"
+        );
+        self.session.emit()?;
+        Ok(Flow::Stop)
     }
 
     /// A metrics scrape: counts up to the scrape, not to the last drain.

@@ -152,7 +152,7 @@ mod tests {
 
     use super::*;
     use crate::{
-        export::alert::{AlertWriter, Format},
+        export::alert::{AlertWriter, Format, Shortfalls},
         kernel::ring::Losses,
         lifecycle::{EngineConfig, EngineStats},
         util::clock::Clock,
@@ -231,7 +231,7 @@ mod tests {
             undecodable: ingest.undecodable,
         };
         AlertWriter::new(&mut out, Format::Json, Clock::new())
-            .summary(&EngineStats::default(), &losses, 0, 0, &[], None)
+            .summary(&EngineStats::default(), &losses, &Shortfalls::default(), &[], None)
             .expect("summary");
         let summary: Value = serde_json::from_slice(&out).expect("JSON summary");
         assert_eq!(

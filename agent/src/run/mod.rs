@@ -6,30 +6,30 @@
 //! [`session`] holds what one run holds and the steps taken on it,
 //! [`processes`] the process table, [`ingest`] turns ring-buffer records
 //! into observations, [`event_loop`] waits on everything that can wake the
-//! agent, one method per arm; [`discovery`] finds the processes to watch.
+//! agent, one method per arm; [`discovery`] finds the processes to watch,
+//! [`reads`] reads their objects off the loop; [`stops`] are the signals
+//! that end the agent.
 pub mod discovery;
 mod event_loop;
 mod ingest;
 mod processes;
+mod reads;
 mod session;
+mod stops;
 
 use std::{io::Write, path::PathBuf, time::Duration};
 
 use anyhow::{Result, bail};
 
-use self::{
-    discovery::Selector,
-    event_loop::{EventLoop, Stops},
-    session::Session,
-};
+use self::{discovery::Selector, event_loop::EventLoop, session::Session, stops::Stops};
 use crate::{
     export::{
         alert::Format,
         telemetry::{Telemetry, TelemetryOptions},
     },
-    kernel::state::BpfDir,
+    kernel::{Probes, state::BpfDir},
     lifecycle::EngineConfig,
-    profile::Profile,
+    profile::{Profile, plan::Trust},
     query::SocketPlace,
     util::clock::Clock,
 };
@@ -59,6 +59,9 @@ pub struct Options {
     pub bpf_dir: Option<PathBuf>,
     /// What to leave at exit for the next agent (`--on-exit`).
     pub on_exit: OnExit,
+    /// Which filesystems' objects are read besides the host's own
+    /// (`--trust-fuse`).
+    pub trust: Trust,
 }
 
 /// What an agent stopped by a signal leaves pinned.
@@ -73,25 +76,56 @@ pub enum OnExit {
 }
 
 pub async fn run(options: Options, out: impl Write + Send + 'static) -> Result<()> {
-    let Options { target, profile, timeout, tick, max_tracked, format, telemetry, socket, bpf_dir, on_exit } = options;
+    let Options { target, profile, timeout, tick, max_tracked, format, telemetry, socket, bpf_dir, on_exit, trust } =
+        options;
     if timeout < tick {
         bail!("--timeout {timeout:?} is shorter than --tick {tick:?}: raise the timeout or lower the tick");
     }
     // Before anything is created (the bpf and socket directories would
     // then belong to an unprivileged user, and root agents refuse them).
     crate::kernel::caps::require_privileges()?;
-    let stops = Stops::install()?;
-    // Before loading anything: a bad endpoint fails fast.
+    // A stop from here on ends the agent at once, whatever start-up is
+    // doing; before anything is attached nothing is left behind.
+    let mut stops = Stops::install()?;
+    tracing::info!(version = crate::util::build_info::VERSION, profile = %profile.name, "starting");
     let clock = Clock::new();
-    let telemetry = Telemetry::start(&telemetry, clock).await?;
-    // Before anything is pinned or attached: a socket directory another
-    // user could change is refused.
-    let socket = SocketPlace::check(&socket)?;
-    let bpf_dir = bpf_dir.as_deref().map(BpfDir::open).transpose()?;
+    let started = stops
+        .unless_stopped("starting", async {
+            // Before loading anything: a bad endpoint fails fast.
+            let telemetry = Telemetry::start(&telemetry, clock).await?;
+            // Before anything is pinned or attached: a socket directory
+            // another user could change is refused.
+            let socket = SocketPlace::check(&socket)?;
+            let bpf_dir = bpf_dir.as_deref().map(BpfDir::open).transpose()?;
+            anyhow::Ok((telemetry, socket, load(bpf_dir).await?))
+        })
+        .await;
+    let Some((telemetry, socket, probes)) = started.transpose()? else { return Ok(()) };
     let limits = EngineConfig { timeout_ns: duration_ns(timeout), max_tracked, tick_ns: duration_ns(tick) };
-    let (session, exits) = Session::start(profile, limits, format, out, clock, telemetry, bpf_dir)?;
-    let session = EventLoop::start(session, exits, target, socket, clock, stops)?.run().await?;
-    session.finish(on_exit)
+    let (session, exits) = Session::start(profile, limits, format, out, clock, telemetry, probes)?;
+    let Some(event_loop) = EventLoop::start(session, exits, target, socket, clock, stops, trust).await? else {
+        return Ok(());
+    };
+    let (session, ended) = event_loop.run().await;
+    if let Err(err) = &ended {
+        tracing::error!("the agent stops on an error; its state is left as --on-exit says: {err:#}");
+    }
+    let finished = session.finish(on_exit);
+    ended.and(finished)
+}
+
+/// Load the eBPF object on a thread of its own (the verifier takes a
+/// second or more on a loaded host), so a stop signal meanwhile is taken
+/// at once: the thread is then left to end with the process.
+async fn load(bpf_dir: Option<BpfDir>) -> Result<Probes> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("stallwatch-load".into())
+        .spawn(move || {
+            let _ = tx.send(Probes::load(bpf_dir));
+        })
+        .map_err(|err| anyhow::anyhow!("starting the thread that loads the eBPF object: {err}"))?;
+    rx.await.map_err(|_| anyhow::anyhow!("loading the eBPF object: the loading thread ended without a word"))?
 }
 
 /// A duration in nanoseconds, as the engine and the kernel count time;

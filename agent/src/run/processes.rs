@@ -13,10 +13,7 @@ use tracing::warn;
 
 use crate::{
     kernel::reactor,
-    profile::{
-        Profile,
-        resolve::{ElfFile, ProcessImage},
-    },
+    profile::{Profile, plan::Plan},
 };
 
 /// One attached process.
@@ -93,21 +90,22 @@ impl Processes {
     /// `release_lost`). Warned about once per library file and build. A
     /// process that does not map the library is not judged here: its
     /// probes on it fail to attach, saying so.
-    pub fn foreign_build(&mut self, pid: u32, profile: &Profile) -> bool {
+    /// `plan` holds the library's build id, read with the process's other
+    /// objects.
+    pub fn foreign_build(&mut self, plan: &Plan, profile: &Profile) -> bool {
         let Some(layout) = &profile.layout else { return false };
-        let Ok(object) = ProcessImage::read(pid).and_then(|image| image.find(Some(&layout.object))) else {
-            return false;
-        };
-        let build = match ElfFile::open(&object.host_path).and_then(|elf| elf.build_id()) {
-            Ok(Some(id)) if layout.knows(&id) => return false,
+        let Some((path, build)) = &plan.layout_build else { return false };
+        let pid = plan.image.pid;
+        let build = match build {
+            Ok(Some(id)) if layout.knows(id) => return false,
             Ok(Some(id)) => format!("build id {id}"),
             Ok(None) => "no build id".to_owned(),
-            Err(err) => format!("a build id that could not be read ({err:#})"),
+            Err(err) => format!("a build id that could not be read ({err})"),
         };
-        if self.foreign_builds.insert((object.path.clone(), build.clone())) {
+        if self.foreign_builds.insert((path.clone(), build.clone())) {
             warn!(
                 pid,
-                library = %crate::util::text::value(&object.path.display().to_string()),
+                library = %crate::util::text::value(&path.display().to_string()),
                 "{} has {build}, not a build profile {} (line {} of {}) was checked against ({}): its status reads, \
                  read_status and external ids are off for processes mapping it, their stalls classified by the probes \
                  alone. To use them, check that the build lays its structs out as the profile's offsets say (see \

@@ -2,17 +2,18 @@
 //! kernel's table, the evidence readers, the outputs) and the steps the
 //! event loop takes on it: watch and unwatch a process, take over what a
 //! previous agent left, read the ring buffer, judge silence, emit reports.
-use std::{collections::HashMap, io::Write, time::Duration};
+use std::{collections::HashMap, io::Write, os::fd::OwnedFd, time::Duration};
 
 use anyhow::{Context as _, Result};
 use stallwatch_common::Event;
-use tokio::sync::mpsc;
+use tokio::{io::unix::AsyncFd, sync::mpsc};
 use tracing::{error, info, warn};
 
 use super::{
     OnExit,
     ingest::Ingest,
-    processes::{Gone, Processes, pidfd, process_name},
+    processes::{Gone, Processes, process_name},
+    reads::Read,
 };
 use crate::{
     evidence::{
@@ -21,19 +22,19 @@ use crate::{
         transport::Tracker,
     },
     export::{
-        alert::{AlertWriter, Format},
+        alert::{AlertWriter, Format, Shortfalls},
         queue::{self, LineQueue},
         telemetry::Telemetry,
     },
     frameworks::signals::Signals,
     kernel::{
-        Probes,
+        KernelCounters, Probes,
         detach::Detacher,
         ring::{EventReader, Losses},
-        state::{BpfDir, KernelState},
+        state::KernelState,
     },
     lifecycle::{Engine, EngineConfig, Observation, Report, Restored, Side, Silent, Withheld},
-    profile::Profile,
+    profile::{Profile, plan::Plan},
     util::clock::{Clock, monotonic_ns, process_start_ns},
     util::warned::Warned,
 };
@@ -52,6 +53,8 @@ pub(super) struct Session {
     pub(super) alerts: AlertWriter<LineQueue>,
     /// Dropped alert lines the last warning covered.
     pub(super) alert_drops: Warned,
+    /// Alert lines whose write failed, likewise.
+    pub(super) alert_failures: Warned,
     pub(super) telemetry: Telemetry,
     pub(super) probes: Probes,
     /// The kernel's in-flight table, kept in step with the reports.
@@ -69,6 +72,8 @@ pub(super) struct Session {
     pub(super) signals: Signals,
     /// The kernel's loss counts the engine was last brought in step with.
     pub(super) synced: Synced,
+    /// Processes a selector matched that could not be watched.
+    pub(super) refused: u64,
 }
 
 /// The kernel counts that say whether the engine is in step with the
@@ -84,9 +89,9 @@ pub(super) struct Synced {
 }
 
 impl Session {
-    /// Load the eBPF object (taking over a previous agent's pinned maps in
-    /// `bpf_dir`), and everything the steps need; no process is watched
-    /// yet. Also the stream of watched pids that exit.
+    /// Everything the steps need, around the loaded eBPF object
+    /// ([`Probes::load`], which took over a previous agent's pinned maps);
+    /// no process is watched yet. Also the stream of watched pids that exit.
     pub(super) fn start(
         profile: Profile,
         limits: EngineConfig,
@@ -94,9 +99,8 @@ impl Session {
         out: impl Write + Send + 'static,
         clock: Clock,
         telemetry: Telemetry,
-        bpf_dir: Option<BpfDir>,
+        mut probes: Probes,
     ) -> Result<(Self, mpsc::UnboundedReceiver<u32>)> {
-        let mut probes = Probes::load(bpf_dir)?;
         probes.set_quiet_gap(limits.timeout_ns / 2);
         let state = probes.kernel_state()?;
         let reader = EventReader::new(&mut probes)?;
@@ -115,6 +119,7 @@ impl Session {
             detacher: Detacher::default(),
             alerts,
             alert_drops: Warned::default(),
+            alert_failures: Warned::default(),
             telemetry,
             probes,
             state,
@@ -126,26 +131,28 @@ impl Session {
             reports: Vec::new(),
             ingest: Ingest::default(),
             synced: Synced::default(),
+            refused: 0,
         };
         Ok((session, exits))
     }
 
     /// Attach the profile to `pid` and learn when it exits.
-    pub(super) fn watch(&mut self, pid: u32) -> Result<()> {
+    /// `plan` is what was read of its objects ([`super::reads`]), `exited`
+    /// its pidfd, opened before that read: if the pid is reused after an
+    /// exit, the pidfd still refers to the process read.
+    pub(super) fn watch(&mut self, plan: &Plan, exited: AsyncFd<OwnedFd>) -> Result<()> {
+        let pid = plan.image.pid;
         if self.processes.contains(pid) {
             return Ok(());
         }
-        // Open the pidfd first: if the pid is reused after an exit, the
-        // pidfd still refers to the process we attached to.
-        let exited = pidfd(pid)?;
-        let probes = if self.processes.foreign_build(pid, &self.profile) {
-            let probes = self.probes.attach(pid, &self.profile.without_offsets())?;
+        let probes = if self.processes.foreign_build(plan, &self.profile) {
+            let probes = self.probes.attach(plan, &self.profile.without_offsets())?;
             if let Some(status) = &mut self.status {
                 status.turn_off(pid);
             }
             probes
         } else {
-            self.probes.attach(pid, &self.profile)?
+            self.probes.attach(plan, &self.profile)?
         };
         let name = process_name(pid);
         self.alerts.name_process(pid, &name);
@@ -163,13 +170,15 @@ impl Session {
     }
 
     /// [`Self::watch`] for discovered processes: one that cannot be
-    /// attached (it lacks a symbol, it exited meanwhile) is logged, and the
-    /// agent goes on with the others.
-    pub(super) fn watch_or_log(&mut self, pid: u32) -> bool {
-        match self.watch(pid) {
+    /// watched (its objects could not be read in time, it lacks a symbol,
+    /// it exited meanwhile) is logged once and counted, and the agent goes
+    /// on with the others. Whether it is watched.
+    pub(super) fn watch_or_log(&mut self, read: Read) -> bool {
+        match read.plan.and_then(|(plan, exited)| self.watch(&plan, exited)) {
             Ok(()) => true,
             Err(err) => {
-                error!(pid, "not watching: {err:#}");
+                self.refused += 1;
+                error!(pid = read.pid, "not watching: {err:#}");
                 false
             }
         }
@@ -572,52 +581,86 @@ impl Session {
         Ok(())
     }
 
+    /// The stop: the last reports, the summary, and the state left as
+    /// `on_exit` says. Every step is taken whatever the others did: a
+    /// stdout that fails (a full disk) costs its lines, counted, never the
+    /// hand-over to the next agent; the summary then goes to stderr.
     pub(super) fn finish(mut self, on_exit: OnExit) -> Result<()> {
         self.alerts.stopping();
+        self.alerts.output_mut().keep_every_line();
         self.sync();
         // Every stall due by now, however many: the loop's latency no
         // longer matters, and this agent's alerts should be complete.
         self.advance(monotonic_ns(), usize::MAX);
-        self.emit()?;
+        let mut failures = Vec::new();
+        if let Err(err) = self.emit() {
+            failures.push(err.context("the last reports"));
+        }
         if let Some(status) = &mut self.status {
             status.warn();
         }
-        let losses = Losses { kernel: self.probes.counters()?, undecodable: self.ingest.undecodable };
+        let kernel = self.probes.counters().unwrap_or_else(|err| {
+            failures.push(err.context("reading the kernel's loss counters for the summary"));
+            KernelCounters::default()
+        });
+        let probe_hits = self.probes.probe_hits().unwrap_or_else(|err| {
+            failures.push(err.context("reading the probes' hit counts for the summary"));
+            Vec::new()
+        });
+        let losses = Losses { kernel, undecodable: self.ingest.undecodable };
         self.ingest.warn_undecodable();
         self.signals.finish();
         self.warn_alert_drops();
         let export = self.telemetry.finish();
-        let alert_drops = self.alerts.output().dropped();
-        self.alerts
-            .summary(
-                &self.engine.stats(),
-                &losses,
-                export.dropped(),
-                alert_drops,
-                &self.probes.probe_hits()?,
-                self.status.as_ref().map(StatusReader::reads).as_ref(),
-            )
-            .context("writing the summary")?;
-        if let Some(dir) = self.probes.finish(on_exit == OnExit::Keep)? {
-            info!(
+        let (failed_before, _) = self.alerts.output().failed();
+        let outputs = Shortfalls {
+            export_drops: export.dropped(),
+            alert_lines_dropped: self.alerts.output().dropped(),
+            alert_lines_failed: failed_before,
+            refused_processes: self.refused,
+        };
+        let status = self.status.as_ref().map(StatusReader::reads);
+        let summary = self.alerts.summary(&self.engine.stats(), &losses, &outputs, &probe_hits, status.as_ref());
+        // The hand-over before the wait on stdout: it never waits on a
+        // stdout that does not drain, and never depends on one that fails.
+        match self.probes.finish(on_exit == OnExit::Keep) {
+            Ok(Some(dir)) => info!(
                 dir = %dir.display(),
                 "probes left attached and in-flight state pinned for the next agent; `stallwatch state clear` removes them"
-            );
+            ),
+            Ok(None) => {}
+            Err(err) => failures.push(err.context("leaving the state for the next agent")),
         }
-        // Last: the hand-over above never waits on a stdout that does not drain.
         let output = self.alerts.output();
-        if !output.finish(queue::STOP_GRACE) {
+        let drained = output.finish(queue::STOP_GRACE);
+        let (failed, error) = output.failed();
+        if !drained || failed > failed_before {
             warn!(
-                lines = output.waiting(),
-                "stdout did not take the last alert lines (the summary among them) within {:?}: they are not written",
+                lines_not_written = output.waiting() as u64 + failed - failed_before,
+                error = error.as_deref().unwrap_or("stdout did not drain"),
+                "stdout did not take the last alert lines within {:?}: the summary follows here",
                 queue::STOP_GRACE
             );
+            if let Ok(line) = &summary {
+                let mut stderr = std::io::stderr().lock();
+                let _ = writeln!(stderr, "{line}");
+            }
         }
-        Ok(())
+        if let Err(err) = summary {
+            // A closed stdout is no error at the stop ([`AlertWriter::stopping`]).
+            failures.push(anyhow::Error::new(err).context("writing the summary"));
+        }
+        let mut failures = failures.into_iter();
+        let Some(first) = failures.next() else { return Ok(()) };
+        for other in failures {
+            error!("at the stop: {other:#}");
+        }
+        Err(first.context("stopping"))
     }
 
     /// One warning a counter period for the alert lines dropped since the
-    /// last one, because stdout did not drain.
+    /// last one (stdout did not drain), and one for those whose write
+    /// failed (a full disk under stdout).
     pub(super) fn warn_alert_drops(&mut self) {
         if let Some(new) = self.alert_drops.news(self.alerts.output().dropped()) {
             warn!(
@@ -625,6 +668,16 @@ impl Session {
                 total = self.alerts.output().dropped(),
                 "stdout is not draining: the oldest alert lines were dropped (detections still go to the metrics, spans, \
                  `stallwatch inflight` and the summary); check what reads the agent's stdout"
+            );
+        }
+        let (failed, error) = self.alerts.output().failed();
+        if let Some(new) = self.alert_failures.news(failed) {
+            warn!(
+                new,
+                total = failed,
+                error = error.as_deref().unwrap_or_default(),
+                "writing alert lines to stdout fails: those lines are lost (detections still go to the metrics, spans, \
+                 `stallwatch inflight` and the summary); check where stdout goes (a full disk?)"
             );
         }
     }

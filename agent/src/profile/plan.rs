@@ -1,0 +1,186 @@
+//! Everything an attach reads from a process's files, read before the
+//! attach: which mapped object each probe of a profile names, where its
+//! function lies in that object, and the build of the profile's `[layout]`
+//! library.
+//!
+//! The files are the watched process's, so a hostile tenant controls what
+//! reading them costs (a library on a filesystem that never answers, say).
+//! A [`Plan`] is therefore made by [`Plan::read`] on a thread of its own,
+//! under a deadline ([`Plan::read_within`]): the event loop waits on it
+//! without blocking, a signal still stops the agent, and a process whose
+//! files do not answer is refused while every other one is watched. The
+//! attach itself ([`crate::kernel::Probes::attach`]) then only asks the
+//! kernel.
+use std::{collections::HashMap, path::PathBuf, time::Duration};
+
+use anyhow::{Result, anyhow, bail};
+
+use super::{
+    Profile,
+    resolve::{ElfFile, MappedObject, ProcessImage, ResolvedSymbol},
+};
+
+/// How long reading one process's objects may take before the process is
+/// refused. Reading the symbol tables of a large library (libtorch_cpu's
+/// run to tens of megabytes) takes well under a second here; five allow
+/// for a loaded host.
+pub const READ_DEADLINE: Duration = Duration::from_secs(5);
+
+/// A probe's function, found in a process.
+#[derive(Debug, Clone)]
+pub struct Found {
+    pub object: MappedObject,
+    pub symbol: ResolvedSymbol,
+}
+
+/// Why a probe's function was not found.
+#[derive(Debug, Clone)]
+pub enum Missing {
+    /// The object is not mapped, or has no such function: the probe is
+    /// skipped when it is optional.
+    Unresolved(String),
+    /// The object is mapped but could not be read: the process is refused.
+    Unreadable(String),
+}
+
+/// What [`Plan::read`] found in one process for one profile.
+#[derive(Debug)]
+pub struct Plan {
+    pub image: ProcessImage,
+    /// By (object as the profile names it, symbol).
+    targets: HashMap<(Option<String>, String), Result<Found, Missing>>,
+    /// The profile's `[layout]` library as mapped, and its GNU build id
+    /// (`Ok(None)`: it has none); `None` when the process does not map it.
+    pub layout_build: Option<(PathBuf, Result<Option<String>, String>)>,
+}
+
+impl Plan {
+    /// Read what attaching `profile` to `pid` needs (blocking: see
+    /// [`Self::read_within`]).
+    pub fn read(pid: u32, profile: &Profile, trust: Trust) -> Result<Self> {
+        let image = ProcessImage::read(pid)?;
+        let mut files = Files { trust, opened: HashMap::new() };
+        let wanted = profile
+            .probes
+            .iter()
+            .map(|p| (&p.object, &p.symbol, &p.origin, p.line))
+            .chain(profile.signals.iter().map(|s| (&s.object, &s.symbol, &s.origin, s.line)))
+            .chain(profile.activity.iter().map(|a| (&a.object, &a.symbol, &a.origin, a.line)));
+        let mut targets = HashMap::new();
+        for (object, symbol, origin, line) in wanted {
+            let key = (object.clone(), symbol.clone());
+            if targets.contains_key(&key) {
+                continue;
+            }
+            let found = match image.find(object.as_deref()) {
+                Err(err) => Err(Missing::Unresolved(format!("{err:#}"))),
+                Ok(mapped) => match open(&mut files, &mapped) {
+                    Err(err) => Err(Missing::Unreadable(err)),
+                    Ok(elf) => elf
+                        .resolve(symbol)
+                        .map(|symbol| Found { object: mapped, symbol })
+                        .map_err(|err| Missing::Unresolved(format!("profile {origin}, line {line}: {err:#}"))),
+                },
+            };
+            targets.insert(key, found);
+        }
+        let layout_build = profile.layout.as_ref().and_then(|layout| {
+            let mapped = image.find(Some(&layout.object)).ok()?;
+            let build = open(&mut files, &mapped).and_then(|elf| elf.build_id().map_err(|err| format!("{err:#}")));
+            Some((mapped.path, build))
+        });
+        Ok(Self { image, targets, layout_build })
+    }
+
+    /// [`Self::read`] on a thread of its own, given up after `deadline`
+    /// (the thread is left to finish or hang on its own: nothing waits for
+    /// it, and it holds nothing of the agent's).
+    pub async fn read_within(pid: u32, profile: Profile, trust: Trust, deadline: Duration) -> Result<Self> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name(format!("stallwatch-read-{pid}"))
+            .spawn(move || {
+                let _ = tx.send(Self::read(pid, &profile, trust));
+            })
+            .map_err(|err| anyhow!("starting the thread that reads pid {pid}'s objects: {err}"))?;
+        match tokio::time::timeout(deadline, rx).await {
+            Ok(Ok(plan)) => plan,
+            Ok(Err(_)) => bail!("reading pid {pid}'s mapped objects failed: the reading thread ended without a word"),
+            Err(_) => bail!(
+                "reading its mapped objects took longer than {deadline:?} (a library on a filesystem that does not \
+                 answer?); the agent goes on with the other processes"
+            ),
+        }
+    }
+
+    /// Where the profile's probe on `symbol` in `object` goes.
+    pub fn target(&self, object: Option<&str>, symbol: &str) -> Result<Found, Missing> {
+        match self.targets.get(&(object.map(str::to_owned), symbol.to_owned())) {
+            Some(found) => found.clone(),
+            None => Err(Missing::Unreadable(format!(
+                "`{symbol}` was not read from pid {}'s objects (a plan made for another profile)",
+                self.image.pid
+            ))),
+        }
+    }
+}
+
+/// Which objects the agent reads besides those on the host's own
+/// filesystems (`--trust-fuse`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Trust {
+    /// Objects on FUSE filesystems ([`MappedObject::on_fuse`]).
+    pub fuse: bool,
+}
+
+/// The objects a plan opened, each once, by the path they were opened at.
+struct Files {
+    trust: Trust,
+    opened: HashMap<PathBuf, Result<ElfFile, String>>,
+}
+
+fn open<'a>(files: &'a mut Files, object: &MappedObject) -> Result<&'a ElfFile, String> {
+    let trust = files.trust;
+    files
+        .opened
+        .entry(object.host_path.clone())
+        .or_insert_with(|| {
+            if object.on_fuse() && !trust.fuse {
+                return Err(format!(
+                    "{} is on a FUSE filesystem ({}), not read: its server, which a tenant can run, could hold a \
+                     read of it, or the kernel's uprobe attach, forever, and no signal ends such a wait; to watch \
+                     processes whose libraries are on a FUSE filesystem you trust (a lazy-pulling image \
+                     snapshotter), run with --trust-fuse",
+                    object.path.display(),
+                    object.filesystem.as_deref().unwrap_or("fuse")
+                ));
+            }
+            ElfFile::open(&object.host_path).map_err(|err| format!("{err:#}"))
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_finds_a_profiles_functions_and_says_which_are_missing() {
+        // This test binary maps libc: a profile on one of its functions and
+        // on one it lacks.
+        let profile = Profile::parse(
+            "name = \"t\"\n[[probe]]\nobject = \"libc.so\"\nsymbol = \"getpid\"\nat = \"entry\"\n\
+             event = \"enqueued\"\nkey = { from = \"arg0\" }\n\
+             [[probe]]\nobject = \"libc.so\"\nsymbol = \"no_such_function_here\"\nat = \"entry\"\n\
+             event = \"released\"\nkey = { from = \"arg0\" }\n",
+            "test",
+        )
+        .expect("profile");
+        let plan = Plan::read(std::process::id(), &profile, Trust::default()).expect("read");
+        let found = plan.target(Some("libc.so"), "getpid").expect("getpid found");
+        assert!(found.object.path.to_string_lossy().contains("libc.so"));
+        assert!(matches!(plan.target(Some("libc.so"), "no_such_function_here"), Err(Missing::Unresolved(_))));
+        assert!(matches!(plan.target(None, "elsewhere"), Err(Missing::Unreadable(_))));
+    }
+}

@@ -1,0 +1,142 @@
+//! However the agent is stopped it ends the same way: its summary written
+//! where it can still go, and its state left for the next agent as
+//! `--on-exit` says. A signal whose default would kill it (SIGHUP from a
+//! closed terminal, a stray SIGUSR1), a stop during start-up, a stdout on
+//! a full disk.
+use std::{
+    io::{BufRead as _, BufReader, Read as _},
+    path::Path,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use stallwatch_tests::{Agent, Demo, agent_bin, require_root, run_to_end, summary, test_bpf_dir, test_socket};
+
+/// Links pinned under `dir`, in whatever layout version's directory.
+fn pinned_links(dir: &Path) -> usize {
+    let Ok(layouts) = std::fs::read_dir(dir) else { return 0 };
+    layouts
+        .filter_map(Result::ok)
+        .filter_map(|layout| std::fs::read_dir(layout.path().join("links")).ok())
+        .map(|links| links.count())
+        .sum()
+}
+
+/// `stallwatch state clear` on `dir`: whether it found probes to detach.
+fn clear(dir: &Path) -> bool {
+    let (ok, stdout, stderr) =
+        run_to_end(Command::new(agent_bin()).arg("state").arg("clear").arg("--bpf-dir").arg(dir));
+    assert!(ok, "state clear --bpf-dir {}: {stderr}", dir.display());
+    stdout.contains("probes are detached")
+}
+
+#[test]
+fn every_signal_that_would_kill_the_agent_ends_it_as_sigterm_does() {
+    require_root();
+    let demo = Demo::start(&["--duration", "60s"]);
+    for (name, signal) in [("SIGHUP", libc::SIGHUP), ("SIGQUIT", libc::SIGQUIT), ("SIGUSR1", libc::SIGUSR1)] {
+        let dir = test_bpf_dir();
+        let mut agent = Agent::watch(demo.proc.pid(), "demo", "5s", &["--bpf-dir", dir.to_str().expect("utf-8")]);
+        agent.bpf_dir = None;
+        let (lines, logged) = agent.stop_logged(signal);
+        assert_eq!(summary(&lines)["alert"], "summary", "{name}: no summary");
+        assert!(
+            logged.contains(&format!("signal=\"{name}\"")) || logged.contains(&format!("signal={name}")),
+            "{logged}"
+        );
+        assert!(pinned_links(&dir) > 0, "{name}: the probes were not left for the next agent:\n{logged}");
+        assert!(clear(&dir), "{name}: nothing was pinned");
+    }
+}
+
+#[test]
+fn a_stop_during_start_up_ends_the_agent_at_once_and_leaves_nothing_behind() {
+    require_root();
+    let demo = Demo::start(&["--duration", "60s"]);
+    let dir = test_bpf_dir();
+    let mut agent = Command::new(agent_bin())
+        .args(["run", "--pid", &demo.proc.pid().to_string(), "--profile", "demo", "--bpf-dir"])
+        .arg(&dir)
+        .arg("--socket")
+        .arg(test_socket())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting stallwatch");
+    // As soon as it has installed its handlers: its first log line is
+    // written after that, before the eBPF object is loaded.
+    let mut log = BufReader::new(agent.stderr.take().expect("piped stderr"));
+    let mut first = String::new();
+    assert!(log.read_line(&mut first).expect("stderr") > 0, "the agent exited at once");
+    let sent = Instant::now();
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    let mut rest = String::new();
+    log.read_to_string(&mut rest).expect("stderr");
+    let status = agent.wait().expect("waiting for stallwatch");
+    let took = sent.elapsed();
+    eprintln!("stopped {took:?} after SIGTERM during start-up");
+    assert!(status.success(), "{status}: {first}{rest}");
+    assert!(took < Duration::from_secs(10), "a stop during start-up waited for the start-up: {took:?}");
+    if rest.contains("stopped while") {
+        // Stopped before watching: nothing attached is left.
+        assert!(!rest.contains("watching pid"), "{rest}");
+        assert_eq!(pinned_links(&dir), 0, "{rest}");
+    }
+    let _ = clear(&dir);
+}
+
+#[test]
+fn a_full_disk_under_stdout_costs_the_lines_not_the_agent_nor_its_state() {
+    require_root();
+    let dir = test_bpf_dir();
+    let mut demo = Demo::start(&["--duration", "60s", "--inject-after", "100ms", "--waiting-for-peer", "1"]);
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").expect("/dev/full");
+    let mut agent = Command::new(agent_bin())
+        .args(["run", "--pid", &demo.proc.pid().to_string(), "--profile", "demo", "--timeout", "500ms"])
+        .args(["--output", "json", "--bpf-dir"])
+        .arg(&dir)
+        .arg("--socket")
+        .arg(test_socket())
+        .stdin(Stdio::null())
+        .stdout(full)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting stallwatch");
+    let mut log = BufReader::new(agent.stderr.take().expect("piped stderr"));
+    let mut stderr = String::new();
+    let mut wait_for = |needle: &str| {
+        while !stderr.contains(needle) {
+            assert!(log.read_line(&mut stderr).expect("stderr") > 0, "the agent exited before `{needle}`:\n{stderr}");
+        }
+    };
+    wait_for("watching");
+    demo.go();
+    // The stall alert's write fails; the agent goes on and says so.
+    wait_for("writing alert lines to stdout fails");
+    assert!(agent.try_wait().expect("try_wait").is_none(), "the agent ended:\n{stderr}");
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    log.read_to_string(&mut stderr).expect("stderr");
+    let status = agent.wait().expect("waiting for stallwatch");
+    assert!(status.success(), "{status}:\n{stderr}");
+    // The summary, on stderr since stdout would not take it, counts the
+    // lines lost.
+    let last: serde_json::Value = stderr
+        .lines()
+        .find_map(|line| serde_json::from_str::<serde_json::Value>(line).ok().filter(|v| v["alert"] == "summary"))
+        .unwrap_or_else(|| panic!("no summary on stderr:\n{stderr}"));
+    assert!(last["alert_lines_failed"].as_u64().unwrap_or(0) >= 1, "the stall's line: {last}");
+    assert_eq!(last["stalled"], 1, "{last}");
+    assert!(stderr.contains("probes left attached"), "--on-exit keep was not honoured:\n{stderr}");
+    assert!(pinned_links(&dir) > 0);
+
+    // The next agent takes the stuck request over.
+    let mut next = Agent::watch_on(demo.proc.pid(), &dir, "500ms", &[]);
+    next.proc.wait_stderr("took over the requests in flight", Duration::from_secs(10));
+    next.bpf_dir = None;
+    let lines = next.stop_with(libc::SIGTERM);
+    assert_eq!(summary(&lines)["restored"], 1, "{}", summary(&lines));
+    assert!(clear(&dir));
+}
