@@ -374,7 +374,7 @@ impl Lines {
 }
 
 /// Refuse a profile whose probes take more slots than the kernel side
-/// has: every [[probe]], [[activity]] and [[signal]] is a slot of its own
+/// has: every `[[probe]]`, `[[activity]]` and `[[signal]]` is a slot of its own
 /// in every process watched (a return probe's entry and return share
 /// one), and an agent has [`MAX_SLOTS`] for all its processes. Said
 /// here, when the profile is read, rather than by the attach that runs

@@ -602,7 +602,7 @@ impl Profile {
     }
 
     /// The probe slots each process watched under this profile takes: one
-    /// per [[probe]], [[activity]] and [[signal]] (a return probe's entry
+    /// per `[[probe]]`, `[[activity]]` and `[[signal]]` (a return probe's entry
     /// and return share theirs), fewer only where an optional one's
     /// function is missing. Loading refuses a profile that needs more than
     /// the agent has ([`stallwatch_common::MAX_SLOTS`]).
