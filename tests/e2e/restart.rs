@@ -16,8 +16,8 @@ use std::{
 
 use serde_json::Value;
 use stallwatch_tests::{
-    Agent, Demo, Line, METRICS, agent_bin, alerts, require_root, run_to_end, summary, test_bpf_dir, test_socket,
-    wait_for,
+    Agent, Demo, Line, METRICS, agent_bin, alerts, pinned_links, require_root, run_to_end, summary, test_bpf_dir,
+    test_socket, wait_for,
 };
 
 const TIMEOUT: &str = "1s";
@@ -42,16 +42,6 @@ fn crash(agent: Agent) {
     let mut agent = agent;
     agent.bpf_dir = None;
     let _ = agent.proc.wait(Duration::from_secs(5));
-}
-
-/// Links pinned under `dir`, in whatever layout version's directory.
-fn pinned_links(dir: &Path) -> usize {
-    let Ok(layouts) = std::fs::read_dir(dir) else { return 0 };
-    layouts
-        .filter_map(Result::ok)
-        .filter_map(|layout| std::fs::read_dir(layout.path().join("links")).ok())
-        .map(|links| links.count())
-        .sum()
 }
 
 /// Removes the shared bpf directory when the test ends, pass or fail.

@@ -10,17 +10,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use stallwatch_tests::{Agent, Demo, agent_bin, require_root, run_to_end, summary, test_bpf_dir, test_socket};
-
-/// Links pinned under `dir`, in whatever layout version's directory.
-fn pinned_links(dir: &Path) -> usize {
-    let Ok(layouts) = std::fs::read_dir(dir) else { return 0 };
-    layouts
-        .filter_map(Result::ok)
-        .filter_map(|layout| std::fs::read_dir(layout.path().join("links")).ok())
-        .map(|links| links.count())
-        .sum()
-}
+use stallwatch_tests::{
+    Agent, Demo, agent_bin, pinned_links, require_root, run_to_end, summary, test_bpf_dir, test_socket,
+};
 
 /// `stallwatch state clear` on `dir`: whether it found probes to detach.
 fn clear(dir: &Path) -> bool {

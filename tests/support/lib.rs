@@ -727,3 +727,14 @@ impl Agent {
         agent
     }
 }
+
+/// Links pinned under the bpf directory `dir` (an agent's `--bpf-dir`), in
+/// whatever layout version's directory.
+pub fn pinned_links(dir: &Path) -> usize {
+    let Ok(layouts) = std::fs::read_dir(dir) else { return 0 };
+    layouts
+        .filter_map(Result::ok)
+        .filter_map(|layout| std::fs::read_dir(layout.path().join("links")).ok())
+        .map(|links| links.count())
+        .sum()
+}
