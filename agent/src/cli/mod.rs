@@ -141,7 +141,7 @@ fn dispatch(cli: Cli) -> Result<()> {
             ProfileCommand::Check { path, pid } => {
                 let path = path.to_str().context("profile path is not UTF-8")?;
                 let profile = Profile::load(path)?;
-                let points = pid.map(|pid| profile::resolve::probe_points(&profile, pid)).transpose()?;
+                let points = pid.map(|pid| profile::plan::probe_points(&profile, pid)).transpose()?;
                 print(|out| {
                     profile_check::check_report(&profile, out)?;
                     points.map_or(Ok(()), |points| profile_check::points_report(&points, out))

@@ -5,7 +5,7 @@ use std::io::Write;
 use stallwatch_common::MAX_SLOTS;
 
 use crate::{
-    profile::{self, Profile, resolve::ProbePoint},
+    profile::{self, Profile, plan::ProbePoint},
     util::text,
 };
 

@@ -425,7 +425,10 @@ impl Probes {
     fn attach_slot(&mut self, plan: &Plan, target: &Target<'_>, cfg: SlotConfig, role: Role) -> Result<()> {
         let pid = plan.image.pid;
         let found = plan.target(target.object, target.symbol).map_err(|missing| match missing {
-            Missing::Unresolved(why) => anyhow::Error::new(Unresolved(why)),
+            Missing::NotMapped(why) => anyhow::Error::new(Unresolved(why)),
+            Missing::NoSymbol(why) => {
+                anyhow::Error::new(Unresolved(format!("profile {}, line {}: {why}", target.origin, target.line)))
+            }
             Missing::Unreadable(why) => anyhow!(why),
         })?;
         let (object, resolved) = (found.object, found.symbol);

@@ -33,14 +33,24 @@ pub struct Found {
     pub symbol: ResolvedSymbol,
 }
 
-/// Why a probe's function was not found.
+/// Why a probe's function was not found. The messages name no profile
+/// line: several probes may share a target, and each says its own.
 #[derive(Debug, Clone)]
 pub enum Missing {
-    /// The object is not mapped, or has no such function: the probe is
-    /// skipped when it is optional.
-    Unresolved(String),
+    /// The object is not mapped: the probe is skipped when it is optional.
+    NotMapped(String),
+    /// The object has no such function: likewise.
+    NoSymbol(String),
     /// The object is mapped but could not be read: the process is refused.
     Unreadable(String),
+}
+
+impl Missing {
+    pub fn message(&self) -> &str {
+        match self {
+            Self::NotMapped(why) | Self::NoSymbol(why) | Self::Unreadable(why) => why,
+        }
+    }
 }
 
 /// What [`Plan::read`] found in one process for one profile.
@@ -63,23 +73,23 @@ impl Plan {
         let wanted = profile
             .probes
             .iter()
-            .map(|p| (&p.object, &p.symbol, &p.origin, p.line))
-            .chain(profile.signals.iter().map(|s| (&s.object, &s.symbol, &s.origin, s.line)))
-            .chain(profile.activity.iter().map(|a| (&a.object, &a.symbol, &a.origin, a.line)));
+            .map(|p| (&p.object, &p.symbol))
+            .chain(profile.signals.iter().map(|s| (&s.object, &s.symbol)))
+            .chain(profile.activity.iter().map(|a| (&a.object, &a.symbol)));
         let mut targets = HashMap::new();
-        for (object, symbol, origin, line) in wanted {
+        for (object, symbol) in wanted {
             let key = (object.clone(), symbol.clone());
             if targets.contains_key(&key) {
                 continue;
             }
             let found = match image.find(object.as_deref()) {
-                Err(err) => Err(Missing::Unresolved(format!("{err:#}"))),
+                Err(err) => Err(Missing::NotMapped(format!("{err:#}"))),
                 Ok(mapped) => match open(&mut files, &mapped) {
                     Err(err) => Err(Missing::Unreadable(err)),
                     Ok(elf) => elf
                         .resolve(symbol)
                         .map(|symbol| Found { object: mapped, symbol })
-                        .map_err(|err| Missing::Unresolved(format!("profile {origin}, line {line}: {err:#}"))),
+                        .map_err(|err| Missing::NoSymbol(format!("{err:#}"))),
                 },
             };
             targets.insert(key, found);
@@ -123,6 +133,41 @@ impl Plan {
             ))),
         }
     }
+}
+
+/// Where each probe of `profile` would land in process `pid`, and what the
+/// kernel does with the instruction there (`stallwatch profile check
+/// --pid`): every lifecycle probe, signal and transport probe, in profile
+/// order, as (profile line, symbol, object, where or why not). Read as
+/// `run` reads it ([`Plan::read`]), FUSE objects included: an operator's
+/// check of a process they name.
+pub fn probe_points(profile: &Profile, pid: u32) -> Result<Vec<ProbePoint>> {
+    let plan = Plan::read(pid, profile, Trust { fuse: true })?;
+    let targets = profile
+        .probes
+        .iter()
+        .map(|p| (p.line, &p.symbol, &p.object))
+        .chain(profile.signals.iter().map(|s| (s.line, &s.symbol, &s.object)))
+        .chain(profile.activity.iter().map(|a| (a.line, &a.symbol, &a.object)));
+    Ok(targets
+        .map(|(line, symbol, object)| {
+            let found = plan
+                .target(object.as_deref(), symbol)
+                .map(|found| (found.object.path, found.symbol))
+                .map_err(|missing| missing.message().to_owned());
+            ProbePoint { line, symbol: symbol.clone(), object: object.clone(), found }
+        })
+        .collect())
+}
+
+/// One probe of a profile, resolved in a process (see [`probe_points`]).
+#[derive(Debug)]
+pub struct ProbePoint {
+    pub line: usize,
+    pub symbol: String,
+    pub object: Option<String>,
+    /// The mapped file and where in it, or why it was not found.
+    pub found: Result<(PathBuf, ResolvedSymbol), String>,
 }
 
 /// Which objects the agent reads besides those on the host's own
@@ -180,7 +225,7 @@ mod tests {
         let plan = Plan::read(std::process::id(), &profile, Trust::default()).expect("read");
         let found = plan.target(Some("libc.so"), "getpid").expect("getpid found");
         assert!(found.object.path.to_string_lossy().contains("libc.so"));
-        assert!(matches!(plan.target(Some("libc.so"), "no_such_function_here"), Err(Missing::Unresolved(_))));
+        assert!(matches!(plan.target(Some("libc.so"), "no_such_function_here"), Err(Missing::NoSymbol(_))));
         assert!(matches!(plan.target(None, "elsewhere"), Err(Missing::Unreadable(_))));
     }
 }

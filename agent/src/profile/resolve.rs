@@ -531,43 +531,6 @@ impl fmt::Display for FirstInsn {
     }
 }
 
-/// Where each probe of `profile` would land in process `pid`, and what the
-/// kernel does with the instruction there (`stallwatch profile check
-/// --pid`): every lifecycle probe, signal and transport probe, in profile
-/// order, as (profile line, symbol, object, where or why not).
-pub fn probe_points(profile: &super::Profile, pid: u32) -> Result<Vec<ProbePoint>> {
-    let image = ProcessImage::read(pid)?;
-    let mut files: std::collections::HashMap<PathBuf, Result<ElfFile, String>> = std::collections::HashMap::new();
-    let targets = profile
-        .probes
-        .iter()
-        .map(|p| (p.line, &p.symbol, &p.object))
-        .chain(profile.signals.iter().map(|s| (s.line, &s.symbol, &s.object)))
-        .chain(profile.activity.iter().map(|a| (a.line, &a.symbol, &a.object)));
-    let mut points = Vec::new();
-    for (line, symbol, object) in targets {
-        let found = image.find(object.as_deref()).map_err(|err| format!("{err:#}")).and_then(|mapped| {
-            let elf = files
-                .entry(mapped.host_path.clone())
-                .or_insert_with(|| ElfFile::open(&mapped.host_path).map_err(|err| format!("{err:#}")));
-            let elf = elf.as_ref().map_err(Clone::clone)?;
-            elf.resolve(symbol).map(|resolved| (mapped.path, resolved)).map_err(|err| format!("{err:#}"))
-        });
-        points.push(ProbePoint { line, symbol: symbol.clone(), object: object.clone(), found });
-    }
-    Ok(points)
-}
-
-/// One probe of a profile, resolved in a process (see [`probe_points`]).
-#[derive(Debug)]
-pub struct ProbePoint {
-    pub line: usize,
-    pub symbol: String,
-    pub object: Option<String>,
-    /// The mapped file and where in it, or why it was not found.
-    pub found: Result<(PathBuf, ResolvedSymbol), String>,
-}
-
 /// A function found in an ELF file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResolvedSymbol {
