@@ -139,8 +139,7 @@ impl EventLoop {
                 info!(selector = %selector.describe(), profile = %session.profile.name, "discovering processes");
                 for pid in selector.scan()? {
                     if let Err(err) = reads.start(pid, &session.profile) {
-                        session.refused += 1;
-                        error!(pid, "not watching: {err:#}");
+                        session.refuse(pid, &err);
                     }
                 }
                 // Each read on its own deadline: one process whose files
@@ -324,8 +323,7 @@ impl EventLoop {
     /// watched.
     fn read(&mut self, pid: u32) {
         if let Err(err) = self.reads.start(pid, &self.session.profile) {
-            self.session.refused += 1;
-            error!(pid, "not watching: {err:#}");
+            self.session.refuse(pid, &err);
         }
     }
 

@@ -177,11 +177,17 @@ impl Session {
         match read.plan.and_then(|(plan, exited)| self.watch(&plan, exited)) {
             Ok(()) => true,
             Err(err) => {
-                self.refused += 1;
-                error!(pid = read.pid, "not watching: {err:#}");
+                self.refuse(read.pid, &err);
                 false
             }
         }
+    }
+
+    /// A selected process that cannot be watched: said once, counted in
+    /// the summary's `refused_processes`.
+    pub(super) fn refuse(&mut self, pid: u32, err: &anyhow::Error) {
+        self.refused += 1;
+        error!(pid, "not watching: {err:#}");
     }
 
     /// Take over the requests the kernel's in-flight table holds (a
