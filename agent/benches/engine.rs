@@ -162,7 +162,7 @@ impl Workload {
             stage,
             ts_ns: self.now_ns,
             external_id,
-            ends: false,
+            ends: None,
         }));
     }
 
@@ -383,7 +383,7 @@ fn status_ticks(n: usize, reads: Reads, state: &KernelState) -> StatusTicks {
             stage: Stage::TransferPosted,
             ts_ns: START_NS + i as u64,
             external_id: None,
-            ends: false,
+            ends: None,
         };
         engine.observe(observation, &mut out);
     }

@@ -174,7 +174,7 @@ fn event_path(endpoint: Option<&str>, n: u64) -> Cost {
             {
                 let external_id = (stage == Stage::Enqueued).then(|| format!("room-{id}").into_boxed_str());
                 engine.observe(
-                    Observation { pid: 4242, key: *id, stage, ts_ns: ts + i as u64 * 1_000, external_id, ends: false },
+                    Observation { pid: 4242, key: *id, stage, ts_ns: ts + i as u64 * 1_000, external_id, ends: None },
                     &mut reports,
                 );
             }

@@ -224,7 +224,7 @@ mod tests {
         let gate = Gate::new(60 * S, 10 * MS);
         let mut engine = Engine::new(EngineConfig { timeout_ns: 60 * S, max_tracked: 100, tick_ns: 10 * MS });
         let mut reports = Vec::new();
-        let event = |pid, key, stage, ts_ns| Observation { pid, key, stage, ts_ns, external_id: None, ends: false };
+        let event = |pid, key, stage, ts_ns| Observation { pid, key, stage, ts_ns, external_id: None, ends: None };
         engine.observe(event(7, 1, Stage::Enqueued, 10 * S), &mut reports);
         engine.observe(event(8, 1, Stage::Enqueued, 30 * S), &mut reports);
         let near = |engine: &Engine, now: u64| engine.pids_silent_since(gate.cutoff(now));

@@ -109,7 +109,7 @@ impl Peers {
     /// its lifecycle (a profile that completes at `transfer_done`; its
     /// release, if seen, is then no handle's).
     pub fn observe(&mut self, tid: u32, observation: &Observation) {
-        let &Observation { pid, key, stage, ts_ns, ends, .. } = observation;
+        let &Observation { pid, key, stage, ts_ns, ref ends, .. } = observation;
         let completed = match stage {
             Stage::Enqueued => {
                 // A handle address is reused after its release: a new handle
@@ -136,7 +136,7 @@ impl Peers {
                 None
             }
         };
-        if ends {
+        if ends.is_some() {
             self.handles.remove(&(pid, key));
         }
         if let Some(peer) = completed {
@@ -190,12 +190,13 @@ impl Peers {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lifecycle::Outcome;
 
     const MS: u64 = 1_000_000;
     const S: u64 = 1_000 * MS;
 
     fn event(pid: u32, key: u64, stage: Stage, ts_ns: u64) -> Observation {
-        Observation { pid, key, stage, ts_ns, external_id: None, ends: false }
+        Observation { pid, key, stage, ts_ns, external_id: None, ends: None }
     }
 
     /// Handle `key` of pid 4 created on thread `tid` to `peer` and posted at `at`.
@@ -244,7 +245,10 @@ mod tests {
         // Complete at transfer_done (the lifecycle ends there): counted
         // once, the handle forgotten, its later release no one's.
         posted(&mut peers, 21, 0xb4, "decode-1", 17 * S);
-        peers.observe(21, &Observation { ends: true, ..event(4, 0xb4, Stage::TransferDone, 17 * S) });
+        peers.observe(
+            21,
+            &Observation { ends: Some(Outcome::Completed), ..event(4, 0xb4, Stage::TransferDone, 17 * S) },
+        );
         assert_eq!(counts(&peers, 0xb4, 0), None);
         peers.observe(21, &event(4, 0xb4, Stage::Released, 17 * S + 10 * MS));
         assert_eq!(counts(&peers, 0xa0, 10 * S), Some(("decode-0".into(), 1, 3)));

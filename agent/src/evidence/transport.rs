@@ -470,7 +470,7 @@ mod tests {
                 stage: Stage::TransferDone,
                 ts_ns: 20 * S,
                 external_id: None,
-                ends: false,
+                ends: None,
             });
         }
         tracker.record(7, 80 * S, totals(4, 0, 40, 20 * S));
@@ -505,7 +505,7 @@ mod tests {
             stage: Stage::TransferDone,
             ts_ns: 19 * S,
             external_id: None,
-            ends: false,
+            ends: None,
         });
         tracker.observe_end(&released(3, [Some(S), Some(11 * S), Some(19 * S), Some(20 * S)], StageSet::EMPTY, 20 * S));
         tracker.observe_end(&released(4, [Some(S), None, None, Some(20 * S)], StageSet::EMPTY, 20 * S));
@@ -591,7 +591,7 @@ mod tests {
             stage: Stage::TransferDone,
             ts_ns: S,
             external_id: None,
-            ends: false,
+            ends: None,
         });
         assert_eq!(tracker.evidence(&stalled(8, Stage::Enqueued, S), StallClass::WaitingForPeer, None), None);
     }

@@ -152,7 +152,7 @@ impl<W: Write> AlertWriter<W> {
         let line = match self.format {
             Format::Human => format!(
                 "SUMMARY seen={} restored={} completed={} (unreleased={}) stalled={} recovered={} failed={} aborted={} process_exited={} \
-                 evicted={} end_unseen={} resyncs={} in_flight={} lost_events={} (ringbuf_full={} key_unreadable={} args_missing={} no_slot={} undecodable={}) \
+                 evicted={} end_unseen={} lease_expired={} kv_read_after_release={} resyncs={} in_flight={} lost_events={} (ringbuf_full={} key_unreadable={} args_missing={} no_slot={} undecodable={}) \
                  ext_unreadable={} stale_events={} duplicate_events={} caught_up_repeats={} export_drops={} alert_lines_dropped={} alert_lines_failed={} \
                  refused_processes={} state_full={} withheld={} caught_up={}",
                 stats.seen,
@@ -166,6 +166,8 @@ impl<W: Write> AlertWriter<W> {
                 stats.process_exited,
                 stats.evicted,
                 stats.end_unseen,
+                stats.lease_expired,
+                stats.kv_read_after_release,
                 stats.resyncs,
                 stats.in_flight,
                 losses.lost(),
@@ -225,6 +227,8 @@ impl<W: Write> AlertWriter<W> {
                 "process_exited": stats.process_exited,
                 "evicted": stats.evicted,
                 "end_unseen": stats.end_unseen,
+                "lease_expired": stats.lease_expired,
+                "kv_read_after_release": stats.kv_read_after_release,
                 "resyncs": stats.resyncs,
                 "in_flight": stats.in_flight,
                 "lost_events": losses.lost(),
@@ -244,15 +248,7 @@ impl<W: Write> AlertWriter<W> {
                 "state_full": kernel.state_full,
                 "withheld": kernel.withheld,
                 "caught_up": stats.caught_up,
-                "status_reads": status.map(|r| json!({
-                    "total": r.total(),
-                    "answered": r.answered,
-                    "not_held": r.not_held,
-                    "process_gone": r.process_gone,
-                    "unreadable": r.unreadable,
-                    "unrecognised": r.unrecognised,
-                    "off": r.off,
-                })),
+                "status_reads": status.map(status_json),
                 "probes": probes
                     .iter()
                     .map(|p| json!({"pid": p.pid, "role": p.role, "hits": p.hits, "attached": p.attached.as_str(), "symbol": p.symbol}))
@@ -390,6 +386,8 @@ impl<'a> Alert<'a> {
                     // are counted (a pause can lose thousands of ends).
                     Outcome::EndUnseen if request.stalled.is_some() => "end_unseen",
                     Outcome::EndUnseen => return None,
+                    Outcome::LeaseExpired => "lease_expired",
+                    Outcome::KvReadAfterRelease => "kv_read_after_release",
                     Outcome::Released | Outcome::Completed | Outcome::Aborted => return None,
                 };
                 Some(Self {
@@ -404,6 +402,19 @@ impl<'a> Alert<'a> {
             }
         }
     }
+}
+
+/// The summary's `status_reads`.
+fn status_json(reads: &StatusReads) -> Value {
+    json!({
+        "total": reads.total(),
+        "answered": reads.answered,
+        "not_held": reads.not_held,
+        "process_gone": reads.process_gone,
+        "unreadable": reads.unreadable,
+        "unrecognised": reads.unrecognised,
+        "off": reads.off,
+    })
 }
 
 /// `{"verdict": .., "summary": .., "post": {"since": n, "total": n, "last_ago_ms": n|null}, ..}`;

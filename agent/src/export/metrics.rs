@@ -308,6 +308,8 @@ impl Collector for Snapshot {
                     Outcome::ProcessExited => e.process_exited,
                     Outcome::Evicted => e.evicted,
                     Outcome::EndUnseen => e.end_unseen,
+                    Outcome::LeaseExpired => e.lease_expired,
+                    Outcome::KvReadAfterRelease => e.kv_read_after_release,
                 };
                 (outcome.as_str(), n)
             })
@@ -837,8 +839,7 @@ mod tests {
         let mut engine = Engine::new(EngineConfig { timeout_ns: 1_000, max_tracked: 100, tick_ns: 10 });
         let mut reports = Vec::new();
         for (key, stage) in [(1, Stage::Enqueued), (2, Stage::TransferPosted), (3, Stage::TransferPosted)] {
-            engine
-                .observe(Observation { pid: 1, key, stage, ts_ns: 100, external_id: None, ends: false }, &mut reports);
+            engine.observe(Observation { pid: 1, key, stage, ts_ns: 100, external_id: None, ends: None }, &mut reports);
         }
         engine.advance(5_000, &mut reports);
         engine
@@ -950,10 +951,8 @@ mod tests {
             (Stage::TransferDone, 10 * ms),
             (Stage::Released, 12 * ms),
         ] {
-            engine.observe(
-                Observation { pid: 1, key: 1, stage, ts_ns: at, external_id: None, ends: false },
-                &mut reports,
-            );
+            engine
+                .observe(Observation { pid: 1, key: 1, stage, ts_ns: at, external_id: None, ends: None }, &mut reports);
         }
         let mut metrics = Metrics::default();
         for report in &reports {

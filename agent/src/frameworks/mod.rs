@@ -17,6 +17,7 @@ use self::signals::Signal;
 use crate::{
     lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, StageRead},
     profile::{Profile, SignalSpec},
+    util::lineage::Lineage,
 };
 
 /// A serving framework's tracker. It sees every signal hit and every
@@ -107,6 +108,22 @@ pub trait Framework {
     /// are the profile's). Every framework by default.
     fn follows(&self, _profile: &Profile) -> bool {
         true
+    }
+
+    /// Process `pid` is watched from now; `lineage` is its command line
+    /// and its ancestors', for a framework whose configuration is there
+    /// (vLLM's KV lease). Nothing by default.
+    fn attached(&mut self, _pid: u32, _lineage: &Lineage) {}
+
+    /// Requests the framework ends on its own judgement by `now_ns` (a
+    /// lease that ran out): each an observation for
+    /// [`Framework::pending`]. Nothing by default.
+    fn expire(&mut self, _now_ns: u64) {}
+
+    /// When [`Framework::expire`] next has one to end, for the event loop
+    /// to wake then.
+    fn next_expiry(&self) -> Option<u64> {
+        None
     }
 }
 

@@ -20,7 +20,7 @@ use crate::{
     kernel::{Role, Slot},
     lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, StageRead},
     profile::SignalSpec,
-    util::text,
+    util::{lineage::Lineage, text},
 };
 
 /// One signal hit, as its consumer sees it.
@@ -264,6 +264,26 @@ impl Signals {
         self.frameworks.iter_mut().find_map(|framework| framework.pending())
     }
 
+    /// Process `pid` is watched from now ([`Framework::attached`]).
+    pub fn attached(&mut self, pid: u32, lineage: &Lineage) {
+        for framework in &mut self.frameworks {
+            framework.attached(pid, lineage);
+        }
+    }
+
+    /// What the frameworks end on their own by `now_ns`
+    /// ([`Framework::expire`]), taken with [`Signals::pending`].
+    pub fn expire(&mut self, now_ns: u64) {
+        for framework in &mut self.frameworks {
+            framework.expire(now_ns);
+        }
+    }
+
+    /// When a framework next ends one on its own.
+    pub fn next_expiry(&self) -> Option<u64> {
+        self.frameworks.iter().filter_map(|framework| framework.next_expiry()).min()
+    }
+
     /// At exit: what could not be routed or read, if anything.
     pub fn finish(&mut self) {
         for framework in &mut self.frameworks {
@@ -372,7 +392,7 @@ mod tests {
         let mut signals = Signals::with(1_000_000_000, vec![Box::new(sglang)]);
         // Every handle event comes on thread 10 of pid 9.
         let on_thread = event(0, b"");
-        let handle = |key, stage, ts_ns| Observation { pid: 9, key, stage, ts_ns, external_id: None, ends: false };
+        let handle = |key, stage, ts_ns| Observation { pid: 9, key, stage, ts_ns, external_id: None, ends: None };
         let consume = |signals: &mut Signals, key, stage, ts_ns| {
             signals.consume(&on_thread, Some(handle(key, stage, ts_ns)), None)
         };

@@ -4,7 +4,7 @@
 use anyhow::{Result, anyhow, bail};
 use stallwatch_common::{EXT_ID_LEN, Event, event_flags};
 
-use crate::lifecycle::{Observation, Stage};
+use crate::lifecycle::{Observation, Outcome, Stage};
 
 /// A record as the kernel wrote it.
 pub fn decode(bytes: &[u8]) -> Result<Event> {
@@ -33,7 +33,7 @@ pub fn observe(event: &Event) -> Result<Observation> {
         stage,
         ts_ns: event.ts_ns,
         external_id: external_id(event),
-        ends: event.flags & event_flags::ENDS != 0,
+        ends: (event.flags & event_flags::ENDS != 0).then_some(Outcome::Completed),
     })
 }
 

@@ -391,7 +391,7 @@ impl<T: Tables> KernelState<T> {
     fn try_hold(&mut self, o: &Observation) -> Result<()> {
         let key = RequestKey { key: o.key, pid: o.pid, _pad: 0 };
         let entry = self.tables.inflight(&key)?;
-        if o.stage.is_terminal() || o.ends {
+        if o.stage.is_terminal() || o.ends.is_some() {
             return match entry {
                 // Kept for the agent's stall alert, as the kernel keeps it.
                 Some(entry) if self.tables.alerted(&key)?.is_some() => self.tables.put_inflight(
@@ -547,7 +547,12 @@ impl<T: Tables> KernelState<T> {
                     // status, or a done one where done is complete): the kernel saw no end and still holds it as
                     // live, which the next agent would take over and end
                     // again. Its entry, not a next lifecycle's.
-                    Outcome::Released | Outcome::Completed | Outcome::Aborted | Outcome::Failed
+                    Outcome::Released
+                    | Outcome::Completed
+                    | Outcome::Aborted
+                    | Outcome::Failed
+                    | Outcome::LeaseExpired
+                    | Outcome::KvReadAfterRelease
                         if request.inferred.contains(request.stage) =>
                     {
                         if self.tables.inflight(&key)?.is_some_and(|entry| entry.first_ns <= request.last_ns) {
@@ -557,12 +562,24 @@ impl<T: Tables> KernelState<T> {
                     // The kernel already dropped it, unless it kept it for
                     // the stall alert: collect that (not a next lifecycle
                     // of the key that began since).
-                    Outcome::Released | Outcome::Completed | Outcome::Aborted | Outcome::Failed if marked => {
+                    Outcome::Released
+                    | Outcome::Completed
+                    | Outcome::Aborted
+                    | Outcome::Failed
+                    | Outcome::LeaseExpired
+                    | Outcome::KvReadAfterRelease
+                        if marked =>
+                    {
                         if self.tables.inflight(&key)?.is_some_and(|entry| entry.ended != 0) {
                             self.tables.forget_inflight(&key)?;
                         }
                     }
-                    Outcome::Released | Outcome::Completed | Outcome::Aborted | Outcome::Failed => {}
+                    Outcome::Released
+                    | Outcome::Completed
+                    | Outcome::Aborted
+                    | Outcome::Failed
+                    | Outcome::LeaseExpired
+                    | Outcome::KvReadAfterRelease => {}
                     Outcome::Evicted => self.tables.forget_inflight(&key)?,
                     // The kernel holds none of it (or a later lifecycle of
                     // the key, which is not this one's to drop).
@@ -753,7 +770,7 @@ mod tests {
                 stage: decode::stage(stage).expect("stage"),
                 ts_ns: ts,
                 external_id: None,
-                ends,
+                ends: ends.then_some(Outcome::Completed),
             });
             if ends || stage >= stage::FIRST_TERMINAL {
                 if self.alerted.contains_key(&id) {
@@ -1007,7 +1024,7 @@ mod tests {
                     stage: decode::stage(stage).expect("stage"),
                     ts_ns: ts,
                     external_id: Some(key.to_string().into()),
-                    ends,
+                    ends: ends.then_some(Outcome::Completed),
                 };
                 let unheld = state.unheld;
                 state.hold(&observation);

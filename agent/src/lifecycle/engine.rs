@@ -216,7 +216,7 @@ impl Engine {
                 self.stalled.push_back(self.slab.records_mut(), i);
             }
         }
-        if let Some(outcome) = Outcome::of_event(stage, ended) {
+        if let Some(outcome) = Outcome::of_event(stage, ended.then_some(Outcome::Completed)) {
             self.end(i, outcome, last_ns, last_ns, out);
         } else if self.slab.get(i).place() == Place::Detached {
             self.arm(i, last_ns);
@@ -334,7 +334,7 @@ impl Engine {
     /// terminal one, or one that ends the lifecycle, ends it at the read.
     /// Returns whether the request is still tracked.
     fn apply_read(&mut self, i: u32, StageRead { stage, ends }: StageRead, now_ns: u64, out: &mut Vec<Report>) -> bool {
-        let Some(outcome) = Outcome::of_event(stage, ends) else {
+        let Some(outcome) = Outcome::of_event(stage, ends.then_some(Outcome::Completed)) else {
             self.slab.get_mut(i).infer_stage(stage, now_ns);
             return true;
         };
@@ -467,7 +467,7 @@ impl Engine {
                         }
                         seen.sort_unstable();
                         for (ts_ns, stage) in seen {
-                            let observation = Observation { pid, key, stage, ts_ns, external_id: None, ends: false };
+                            let observation = Observation { pid, key, stage, ts_ns, external_id: None, ends: None };
                             self.observe_tracked(i, observation, out);
                         }
                     } else {
@@ -481,7 +481,14 @@ impl Engine {
                     let ts_ns = k.last_ns.max(last_ns);
                     self.observe_tracked(
                         i,
-                        Observation { pid, key, stage: k.stage, ts_ns, external_id: None, ends: true },
+                        Observation {
+                            pid,
+                            key,
+                            stage: k.stage,
+                            ts_ns,
+                            external_id: None,
+                            ends: Some(Outcome::Completed),
+                        },
                         out,
                     );
                 }
@@ -608,6 +615,11 @@ impl Engine {
             return;
         }
 
+        if let Some(outcome) = outcome.filter(|outcome| outcome.is_judgement()) {
+            let end_ns = self.slab.get(i).last_ns;
+            self.end(i, outcome, ts_ns.max(end_ns), end_ns, out);
+            return;
+        }
         let r = self.slab.get_mut(i);
         if r.external_id.is_none() {
             r.external_id = external_id;
@@ -692,6 +704,8 @@ impl Engine {
             Outcome::ProcessExited => &mut self.stats.process_exited,
             Outcome::Evicted => &mut self.stats.evicted,
             Outcome::EndUnseen => &mut self.stats.end_unseen,
+            Outcome::LeaseExpired => &mut self.stats.lease_expired,
+            Outcome::KvReadAfterRelease => &mut self.stats.kv_read_after_release,
         };
         *counter += 1;
         out.push(Report::Ended { request, outcome, at_ns });

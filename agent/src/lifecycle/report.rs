@@ -21,11 +21,14 @@ pub struct Observation {
     /// A cross-node identity (bootstrap room, notification message) if the
     /// probe captured one.
     pub external_id: Option<Box<str>>,
-    /// The event ends the lifecycle at its live stage ([`Outcome::Completed`]):
-    /// its probe's profile completes lifecycles there (`complete_at`), for
-    /// a framework that releases what is done only lazily, if ever. Terminal
-    /// stages end it whatever this says.
-    pub ends: bool,
+    /// How the event ends the lifecycle when its stage does not say, or
+    /// says otherwise: [`Outcome::Completed`] at a live stage its probe's
+    /// profile completes lifecycles at (`complete_at`, for a framework that
+    /// releases what is done only lazily, if ever); a framework's own
+    /// outcome ([`Outcome::LeaseExpired`], [`Outcome::KvReadAfterRelease`])
+    /// at any stage. `None`: its stage says (a terminal stage ends it, a
+    /// live one leaves it live).
+    pub ends: Option<Outcome>,
 }
 
 /// What a read of the target's memory says of a request whose stall is
@@ -190,8 +193,8 @@ impl Report {
 /// Counters since the engine was created (plus the `in_flight` gauge).
 ///
 /// Lifecycle counters count requests: `seen` = `completed` + `failed` +
-/// `aborted` + `process_exited` + `evicted` + `end_unseen` + `in_flight`
-/// always holds.
+/// `aborted` + `process_exited` + `evicted` + `end_unseen` +
+/// `lease_expired` + `kv_read_after_release` + `in_flight` always holds.
 /// `stalled` and `recovered` count episodes (a request can stall and recover
 /// several times). The `_events` counters count observations the engine
 /// dropped.
@@ -219,6 +222,12 @@ pub struct EngineStats {
     /// Lifecycles a resynchronisation found ended in the kernel, their end
     /// event lost ([`Outcome::EndUnseen`]).
     pub end_unseen: u64,
+    /// Lifecycles a framework ended when the prefill's lease on their KV
+    /// ran out, never read ([`Outcome::LeaseExpired`]).
+    pub lease_expired: u64,
+    /// Lifecycles that were a read of KV already freed
+    /// ([`Outcome::KvReadAfterRelease`]).
+    pub kv_read_after_release: u64,
     /// Resynchronisations with the kernel's in-flight table after events
     /// were lost ([`Engine::resync`](super::Engine::resync)).
     pub resyncs: u64,

@@ -261,11 +261,23 @@ pub enum Outcome {
     /// longer holds it (or holds a later lifecycle of its key). It ended;
     /// how is not known, so it is neither completed nor failed.
     EndUnseen,
+    /// A framework's judgement, not an event of the target: the prefill
+    /// freed the request's KV when the lease its framework gives a decode
+    /// to read it ran out, and no decode had read it (vLLM's
+    /// `kv_lease_duration`). It ends the lifecycle where it stands; a
+    /// stalled request ends stalled.
+    LeaseExpired,
+    /// A decode read the request's KV after its prefill had freed it (its
+    /// lease had expired, or the prefill had released it): the decode
+    /// served tokens from blocks that may hold another request's KV. On
+    /// the decode, its READ's end; on the prefill, the notification of
+    /// that READ, a lifecycle of its own.
+    KvReadAfterRelease,
 }
 
 impl Outcome {
     /// Every outcome.
-    pub const ALL: [Outcome; 7] = [
+    pub const ALL: [Outcome; 9] = [
         Outcome::Released,
         Outcome::Completed,
         Outcome::Aborted,
@@ -273,6 +285,8 @@ impl Outcome {
         Outcome::ProcessExited,
         Outcome::Evicted,
         Outcome::EndUnseen,
+        Outcome::LeaseExpired,
+        Outcome::KvReadAfterRelease,
     ];
 
     /// The stable name used in reports and metrics.
@@ -285,14 +299,29 @@ impl Outcome {
             Outcome::ProcessExited => "process_exited",
             Outcome::Evicted => "evicted",
             Outcome::EndUnseen => "end_unseen",
+            Outcome::LeaseExpired => "lease_expired",
+            Outcome::KvReadAfterRelease => "kv_read_after_release",
         }
     }
 
     /// The outcome of an event at `stage` that `ends` the lifecycle (see
     /// [`Observation::ends`](super::Observation::ends)) or is terminal;
     /// `None` for one that leaves it live.
-    pub fn of_event(stage: Stage, ends: bool) -> Option<Outcome> {
-        Outcome::for_stage(stage).or(ends.then_some(Outcome::Completed))
+    /// A terminal stage says more than [`Outcome::Completed`] (a release
+    /// after `complete_at` is a release); a framework's own outcome says
+    /// more than the stage.
+    pub fn of_event(stage: Stage, ends: Option<Outcome>) -> Option<Outcome> {
+        match ends {
+            None | Some(Outcome::Completed) => Outcome::for_stage(stage).or(ends),
+            Some(outcome) => Some(outcome),
+        }
+    }
+
+    /// Whether an observation ending a lifecycle with this outcome is a
+    /// judgement of the agent's, not the target's activity: it ends the
+    /// request as it stands, never reviving a stalled one.
+    pub fn is_judgement(self) -> bool {
+        self == Outcome::LeaseExpired
     }
 
     /// The outcome a terminal stage means; `None` for live stages.

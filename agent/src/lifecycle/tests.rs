@@ -42,7 +42,7 @@ impl H {
 
     fn obs_ext(&mut self, pid: u32, key: u64, stage: Stage, ts_ns: u64, ext: Option<&str>) -> Vec<Report> {
         let mut out = Vec::new();
-        self.e.observe(Observation { pid, key, stage, ts_ns, external_id: ext.map(Into::into), ends: false }, &mut out);
+        self.e.observe(Observation { pid, key, stage, ts_ns, external_id: ext.map(Into::into), ends: None }, &mut out);
         out
     }
 
@@ -165,7 +165,17 @@ fn class_and_outcome_names() {
     );
     assert_eq!(
         Outcome::ALL.map(|o| o.to_string()),
-        ["released", "completed", "aborted", "failed", "process_exited", "evicted", "end_unseen"]
+        [
+            "released",
+            "completed",
+            "aborted",
+            "failed",
+            "process_exited",
+            "evicted",
+            "end_unseen",
+            "lease_expired",
+            "kv_read_after_release"
+        ]
     );
     assert_eq!(Stage::ALL.map(StallClass::for_stage), [Some(WFP), Some(HUNG), Some(LOST), None, None, None]);
     assert_eq!(
@@ -228,6 +238,48 @@ fn full_lifecycle_ends_released() {
         stats(|s| {
             s.seen = 1;
             s.completed = 1;
+        })
+    );
+}
+
+#[test]
+fn a_framework_judgement_ends_a_request_where_it_stands_and_its_own_outcome_is_activity() {
+    let mut h = H::new();
+    let end = |h: &mut H, key, stage, ts_ns, outcome| {
+        let mut out = Vec::new();
+        let observation = Observation { pid: 1, key, stage, ts_ns, external_id: None, ends: Some(outcome) };
+        h.e.observe(observation, &mut out);
+        out
+    };
+    // Stalled, then its lease runs out: it ends stalled, never recovered,
+    // at its stage, its last activity unchanged.
+    h.obs(1, 0xA, ENQ, 100);
+    let stuck = snap(1, 0xA, ENQ, [Some(100), None, None, None], 100, 100, Some(WFP));
+    assert_eq!(h.adv(1_100), vec![stalled(stuck.clone(), WFP, 1_000, 1_100)]);
+    assert_eq!(end(&mut h, 0xA, ENQ, 1_500, Outcome::LeaseExpired), vec![ended(stuck, Outcome::LeaseExpired, 1_500)]);
+    // Not stalled: ended likewise, no timer left.
+    h.obs(1, 0xB, ENQ, 2_000);
+    let quiet = snap(1, 0xB, ENQ, [Some(2_000), None, None, None], 2_000, 2_000, None);
+    assert_eq!(end(&mut h, 0xB, ENQ, 2_500, Outcome::LeaseExpired), vec![ended(quiet, Outcome::LeaseExpired, 2_500)]);
+    assert_eq!(h.adv(10_000), vec![]);
+    // A judgement of a request never seen is stale.
+    assert_eq!(end(&mut h, 0xC, ENQ, 3_000, Outcome::LeaseExpired), vec![]);
+    // A framework's outcome on a real event (a READ's release that read
+    // freed KV) is that event: the release is timed, the outcome its own.
+    h.obs(1, 0xD, ENQ, 4_000);
+    let read = snap(1, 0xD, REL, [Some(4_000), None, None, Some(4_200)], 4_000, 4_200, None);
+    assert_eq!(
+        end(&mut h, 0xD, REL, 4_200, Outcome::KvReadAfterRelease),
+        vec![ended(read, Outcome::KvReadAfterRelease, 4_200)]
+    );
+    assert_eq!(
+        h.stats(),
+        stats(|s| {
+            s.seen = 3;
+            s.stalled = 1;
+            s.lease_expired = 2;
+            s.kv_read_after_release = 1;
+            s.stale_events = 1;
         })
     );
 }
@@ -983,8 +1035,13 @@ fn random_ops(seed: u64, n: usize, step: u64) -> Vec<Op> {
                 ts_ns: (clock + jitter).saturating_sub(20),
                 external_id: (rng.below(10) == 0).then(|| format!("id-{}", rng.below(5)).into()),
                 // A third of the keys come from a profile that completes
-                // at transfer_done.
-                ends: stage == DONE && key < 0x1000 + 64 * 4,
+                // at transfer_done; now and then a framework ends one
+                // with its own judgement (a lease ran out) or outcome.
+                ends: match rng.below(40) {
+                    0 => Some(Outcome::LeaseExpired),
+                    1 => Some(Outcome::KvReadAfterRelease),
+                    _ => (stage == DONE && key < 0x1000 + 64 * 4).then_some(Outcome::Completed),
+                },
             };
             last = Some(obs.clone());
             Op::Observe(obs)
@@ -1030,6 +1087,8 @@ impl Model {
             Outcome::ProcessExited => self.stats.process_exited += 1,
             Outcome::Evicted => self.stats.evicted += 1,
             Outcome::EndUnseen => self.stats.end_unseen += 1,
+            Outcome::LeaseExpired => self.stats.lease_expired += 1,
+            Outcome::KvReadAfterRelease => self.stats.kv_read_after_release += 1,
         }
         out.push(ended(request, outcome, at_ns));
     }
@@ -1046,6 +1105,11 @@ impl Model {
                 }
                 if slot.is_some_and(|i| r.stage_ns[i] == Some(ts)) || (o.stage == r.stage && ts == r.last_ns) {
                     self.stats.duplicate_events += 1;
+                    return;
+                }
+                if let Some(outcome) = o.ends.filter(|outcome| outcome.is_judgement()) {
+                    let end_ns = r.last_ns;
+                    self.end(k, outcome, ts.max(end_ns), end_ns, out);
                     return;
                 }
                 let Some(r) = self.reqs.get_mut(&k) else {
@@ -1069,13 +1133,13 @@ impl Model {
                     }
                 }
                 let end_ns = r.last_ns;
-                let outcome = Outcome::for_stage(o.stage).or(o.ends.then_some(Outcome::Completed));
+                let outcome = Outcome::of_event(o.stage, o.ends);
                 if let Some(outcome) = outcome {
                     self.end(k, outcome, ts, end_ns, out);
                 }
             }
             None => {
-                if o.stage.is_terminal() || o.ends || self.ended_after(o.pid, o.key, ts) {
+                if o.stage.is_terminal() || o.ends.is_some() || self.ended_after(o.pid, o.key, ts) {
                     self.stats.stale_events += 1;
                     return;
                 }
@@ -1273,7 +1337,17 @@ fn cap_is_never_exceeded_and_invariants_hold() {
             for k in after.keys() {
                 assert!(before.contains_key(k) || Some(*k) == observed);
             }
-            assert_eq!(st.seen, st.completed + st.failed + st.aborted + st.process_exited + st.evicted + st.in_flight);
+            assert_eq!(
+                st.seen,
+                st.completed
+                    + st.failed
+                    + st.aborted
+                    + st.process_exited
+                    + st.evicted
+                    + st.lease_expired
+                    + st.kv_read_after_release
+                    + st.in_flight
+            );
             assert_eq!(ended_total, st.seen - st.in_flight);
         }
         assert!(h.stats().evicted > 100, "{:?}", h.stats());
@@ -1648,7 +1722,10 @@ impl H {
     /// An observation whose probe ends lifecycles at its stage.
     fn obs_ending(&mut self, pid: u32, key: u64, stage: Stage, ts_ns: u64) -> Vec<Report> {
         let mut out = Vec::new();
-        self.e.observe(Observation { pid, key, stage, ts_ns, external_id: None, ends: true }, &mut out);
+        self.e.observe(
+            Observation { pid, key, stage, ts_ns, external_id: None, ends: Some(Outcome::Completed) },
+            &mut out,
+        );
         out
     }
 }
@@ -2017,7 +2094,7 @@ fn a_carried_time_already_caught_up_is_no_duplicate() {
     h.e.advance_checking(1100, usize::MAX, &mut |_| Some(seen), &mut |s, a| a.extend(s.iter().map(|_| None)), &mut out);
     assert!(out.is_empty(), "active within the timeout: {out:?}");
     // The release record carries the post's time again.
-    let post = Observation { pid: 1, key: 7, stage: POST, ts_ns: 600, external_id: None, ends: false };
+    let post = Observation { pid: 1, key: 7, stage: POST, ts_ns: 600, external_id: None, ends: None };
     h.e.observe_carried(post.clone(), &mut out);
     assert_eq!((h.stats().caught_up_repeats, h.stats().duplicate_events), (1, 0));
     // Delivered twice as an event of its own: a duplicate.

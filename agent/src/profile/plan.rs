@@ -19,6 +19,7 @@ use super::{
     Profile,
     resolve::{ElfFile, MappedObject, ProcessImage, ResolvedSymbol},
 };
+use crate::util::lineage::Lineage;
 
 /// How long reading one process's objects may take before the process is
 /// refused. Reading the symbol tables of a large library (libtorch_cpu's
@@ -62,6 +63,9 @@ pub struct Plan {
     /// The profile's `[layout]` library as mapped, and its GNU build id
     /// (`Ok(None)`: it has none); `None` when the process does not map it.
     pub layout_build: Option<(PathBuf, Result<Option<String>, String>)>,
+    /// Its command line and its ancestors': what a framework learns of
+    /// its configuration (see [`crate::frameworks::Framework::attached`]).
+    pub lineage: Lineage,
 }
 
 impl Plan {
@@ -99,7 +103,7 @@ impl Plan {
             let build = open(&mut files, &mapped).and_then(|elf| elf.build_id().map_err(|err| format!("{err:#}")));
             Some((mapped.path, build))
         });
-        Ok(Self { image, targets, layout_build })
+        Ok(Self { image, targets, layout_build, lineage: Lineage::read(pid) })
     }
 
     /// [`Self::read`] on a thread of its own, given up after `deadline`

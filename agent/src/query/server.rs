@@ -390,7 +390,7 @@ mod tests {
             (2, Stage::TransferPosted, 1_000_000_000),
             (3, Stage::Enqueued, 2_000_000_000),
         ] {
-            engine.observe(Observation { pid: 42, key, stage, ts_ns, external_id: None, ends: false }, &mut reports);
+            engine.observe(Observation { pid: 42, key, stage, ts_ns, external_id: None, ends: None }, &mut reports);
         }
         engine.advance(3_500_000_000, &mut reports);
         engine

@@ -77,15 +77,7 @@ impl Ingest {
                 // `route(None)` hands over the rest, in order.
                 let mut next = made.or_else(|| route(None));
                 while let Some((observation, side)) = next {
-                    if side == Side::Decode {
-                        engine.set_side(observation.pid, side);
-                    }
-                    transport.observe(&observation);
-                    if carried {
-                        engine.observe_carried(observation, reports);
-                    } else {
-                        engine.observe(observation, reports);
-                    }
+                    apply(observation, side, carried, transport, engine, reports);
                     next = route(None);
                 }
             }
@@ -97,6 +89,19 @@ impl Ingest {
     }
 
     /// One warning for the records that failed since the last one.
+    /// An observation a framework made on its own, not of a record (a
+    /// request it ended at its lease): to the engine as any other.
+    pub fn made(
+        &mut self,
+        observation: Observation,
+        side: Side,
+        transport: &mut Tracker,
+        engine: &mut Engine,
+        reports: &mut Vec<Report>,
+    ) {
+        apply(observation, side, false, transport, engine, reports);
+    }
+
     pub fn warn_undecodable(&mut self) {
         if let Some(new) = self.warned.news(self.undecodable) {
             warn!(
@@ -110,6 +115,28 @@ impl Ingest {
 }
 
 /// Log each new loss the kernel counted, as it happens.
+/// One observation of a process on `side` to the transport tracker and
+/// the engine; `carried`: a stage time a record carried besides its own
+/// event ([`Engine::observe_carried`]).
+fn apply(
+    observation: Observation,
+    side: Side,
+    carried: bool,
+    transport: &mut Tracker,
+    engine: &mut Engine,
+    reports: &mut Vec<Report>,
+) {
+    if side == Side::Decode {
+        engine.set_side(observation.pid, side);
+    }
+    transport.observe(&observation);
+    if carried {
+        engine.observe_carried(observation, reports);
+    } else {
+        engine.observe(observation, reports);
+    }
+}
+
 pub fn warn_on_loss(probes: &Probes, before: KernelCounters) -> Result<KernelCounters> {
     let now = probes.counters()?;
     if now.lost() > before.lost() {

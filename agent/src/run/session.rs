@@ -154,6 +154,7 @@ impl Session {
         } else {
             self.probes.attach(plan, &self.profile)?
         };
+        self.signals.attached(pid, &plan.lineage);
         let name = process_name(pid);
         self.alerts.name_process(pid, &name);
         self.telemetry.name_process(pid);
@@ -447,7 +448,22 @@ impl Session {
         if self.probes.gates().next().is_some() {
             next = next.min(self.gate.next_ns());
         }
+        if let Some(expiry) = self.signals.next_expiry() {
+            next = next.min(expiry.max(now));
+        }
         next
+    }
+
+    /// What the frameworks end on their own by `now` (a request past its
+    /// lease), to the engine as every framework-made observation goes:
+    /// before silence is judged at `now`.
+    fn expire(&mut self, now: u64) {
+        self.signals.expire(now);
+        while let Some(made) = self.signals.pending() {
+            self.state.hold(&made);
+            let side = self.signals.side(made.pid);
+            self.ingest.made(made, side, &mut self.transport, &mut self.engine, &mut self.reports);
+        }
     }
 
     /// Link the progress probes of processes that now hold a request near
@@ -482,6 +498,7 @@ impl Session {
     /// them live (a released request's memory is not its own any more), at
     /// most `budget` of them (the rest wait for the next calls).
     pub(super) fn advance(&mut self, now: u64, budget: usize) {
+        self.expire(now);
         let Session { engine, status, state, reports, signals, .. } = self;
         // What `quiet` probes kept in the kernel's table comes first: a
         // request they moved along is not silent.

@@ -325,6 +325,13 @@ impl SpanMaker {
                 }
                 let status = match (outcome, request.stalled) {
                     (Outcome::Failed, _) => Status::error(format!("failed after {}", progress(&request))),
+                    (Outcome::LeaseExpired, _) => Status::error(format!(
+                        "the prefill's lease on the KV ran out at {}: blocks freed, never read",
+                        request.stage
+                    )),
+                    (Outcome::KvReadAfterRelease, _) => {
+                        Status::error("KV read after the prefill freed it: the decode may serve another request's KV")
+                    }
                     (_, Some(class)) => {
                         Status::error(format!("{outcome} while stalled ({class}) at {}", request.stage))
                     }
@@ -334,7 +341,9 @@ impl SpanMaker {
                     _ => Status::Unset,
                 };
                 let error_type = match (outcome, request.stalled) {
-                    (Outcome::Failed, _) => Some(outcome.as_str()),
+                    (Outcome::Failed | Outcome::LeaseExpired | Outcome::KvReadAfterRelease, _) => {
+                        Some(outcome.as_str())
+                    }
                     (_, Some(class)) => Some(class.as_str()),
                     (Outcome::ProcessExited, None) => Some(outcome.as_str()),
                     _ => None,

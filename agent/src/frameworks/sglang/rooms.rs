@@ -673,7 +673,7 @@ impl Rooms {
             return Some(observation);
         };
         self.dirty.insert((pid, room));
-        if stage.is_terminal() || ends {
+        if stage.is_terminal() || ends.is_some() {
             self.handles.remove(&(pid, key));
         }
         if let Some(r) = self.live.get_mut(&(pid, room)) {
@@ -908,7 +908,7 @@ fn only<T>(mut items: impl Iterator<Item = T>) -> Option<T> {
 /// An event of `room`: keyed by the room, its external id the room in
 /// decimal.
 fn room_observation(pid: u32, room: u64, stage: Stage, ts_ns: u64) -> Observation {
-    Observation { pid, key: room, stage, ts_ns, external_id: Some(room.to_string().into()), ends: false }
+    Observation { pid, key: room, stage, ts_ns, external_id: Some(room.to_string().into()), ends: None }
 }
 
 /// Whether a request is an SGLang room: keyed by its room, its external id
@@ -920,6 +920,7 @@ pub fn room_of(key: u64, external_id: Option<&str>) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lifecycle::Outcome;
 
     /// A decode rank's destination for `room` on port 1, no pages read.
     fn destination(room: u64, agent: &str, ranks: u32) -> Bootstrap {
@@ -1386,7 +1387,7 @@ mod tests {
     }
 
     fn handle_event(pid: u32, handle: u64, stage: Stage, ts_ns: u64) -> Observation {
-        Observation { pid, key: handle, stage, ts_ns, external_id: None, ends: false }
+        Observation { pid, key: handle, stage, ts_ns, external_id: None, ends: None }
     }
 
     #[test]
@@ -1555,7 +1556,7 @@ mod tests {
         assert_eq!(rooms.context(4, 3), fields(&[("answered", "1/2"), ("waiting_on", "peer")]), "a missing peer first");
         assert_eq!(rooms.context(4, 99), Vec::new(), "no such room");
         // Done at the post's return, ending the handle's lifecycle (`complete_at`).
-        let done = Observation { ends: true, ..handle_event(4, 0xa1, TransferDone, 15) };
+        let done = Observation { ends: Some(Outcome::Completed), ..handle_event(4, 0xa1, TransferDone, 15) };
         assert_eq!(rooms.handle(20, done).map(|o| (o.key, o.stage)), Some((1, TransferPosted)));
         assert!(!rooms.handles.contains_key(&(4, 0xa1)), "an ended handle is no room's any more");
         assert_eq!(

@@ -50,7 +50,7 @@ use super::{
 };
 use crate::{
     evidence::memory,
-    lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, Stage, StageRead},
+    lifecycle::{Observation, Outcome, RequestSnapshot, Restored, Side, Silent, Stage, StageRead},
     profile::SignalSpec,
 };
 
@@ -196,7 +196,7 @@ impl SglangMooncake {
                 stage: Stage::Released,
                 ts_ns: signal.ts_ns,
                 external_id: None,
-                ends: false,
+                ends: None,
             };
             let _ = self.sglang.rooms_mut().handle(tid, over);
         }
@@ -206,7 +206,7 @@ impl SglangMooncake {
             stage: Stage::TransferPosted,
             ts_ns: signal.ts_ns,
             external_id: None,
-            ends: false,
+            ends: None,
         };
         let made = match &session {
             Some(peer) => {
@@ -326,7 +326,7 @@ impl SglangMooncake {
         }
         let Batch { room, session, submit_ns } = batch;
         self.leaks.insert((pid, key), Leak { room, session, submit_ns, free_ns });
-        let own = |stage, ts_ns| Observation { pid, key, stage, ts_ns, external_id: None, ends: false };
+        let own = |stage, ts_ns| Observation { pid, key, stage, ts_ns, external_id: None, ends: None };
         if !started {
             self.pending.push_back(own(Stage::TransferPosted, submit_ns));
         }
@@ -385,7 +385,7 @@ impl Framework for SglangMooncake {
             Stage::Released => self
                 .sglang
                 .rooms_mut()
-                .handle(tid, Observation { stage: Stage::TransferDone, ends: true, ..observation }),
+                .handle(tid, Observation { stage: Stage::TransferDone, ends: Some(Outcome::Completed), ..observation }),
             Stage::Failed if own => {
                 self.leak(pid, key, batch, ts_ns, true);
                 // Its own lifecycle, started at its submit, ends with the
@@ -550,7 +550,7 @@ mod tests {
     }
 
     fn free(pid: u32, batch: u64, stage: Stage, ts_ns: u64) -> Observation {
-        Observation { pid, key: batch, stage, ts_ns, external_id: None, ends: false }
+        Observation { pid, key: batch, stage, ts_ns, external_id: None, ends: None }
     }
 
     fn destination(room: u64, session: &str) -> Bootstrap {

@@ -37,6 +37,17 @@
 //! that sent the output: a notification for an id no request of its own
 //! process holds goes to the process that holds it.
 //!
+//! **The lease** ([`lease`]). The prefill frees a request's blocks when
+//! the lease its config gives a decode to read them runs out, unread: the
+//! agent keeps the same deadline from the request's output and the
+//! heartbeats it sees, and ends a request still held past it
+//! `lease_expired`. A READ of a request whose KV was freed (past its
+//! lease, or released already) is `kv_read_after_release`: on the decode,
+//! its READ ends so; on the prefill, its notification is a lifecycle of
+//! its own that ends so, in the same trace (the request id). Both sides
+//! are seen only where one agent watches both (one node); a decode alone
+//! cannot know its prefill's lease.
+//!
 //! **Push** (`NixlPushConnector`): the prefill WRITEs, its notification
 //! `"<decode's request id>:<world size>"` (`push_worker.py`); a WRITE's
 //! handle takes that id as its external id. A push decode's `PUSH_REG:`
@@ -46,17 +57,20 @@ use std::collections::{HashMap, HashSet, VecDeque};
 
 use tracing::{info, warn};
 
+mod lease;
 mod outputs;
+mod recall;
 
+use self::{lease::Lease, recall::Recall};
 use super::{
     AdoptedHandle, Framework, HandOver,
     signals::{Captured, Signal},
     strings::{Assembler, Whole},
 };
 use crate::{
-    lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, Stage, StageRead},
+    lifecycle::{Observation, Outcome, RequestSnapshot, Restored, Side, Silent, Stage, StageRead},
     profile::SignalSpec,
-    util::{clock::monotonic_ns, warned::Warned},
+    util::{clock::monotonic_ns, lineage::Lineage, warned::Warned},
 };
 
 /// NIXL's `nixl_xfer_op_t`: `NIXL_READ`.
@@ -129,6 +143,11 @@ struct Held {
     heartbeats: u32,
     first_beat_ns: u64,
     last_beat_ns: u64,
+    /// When the prefill frees its blocks unless a decode reads them: from
+    /// its output, moved on by heartbeats ([`lease`]). `None` for one
+    /// first seen from a notification (its output's time, where the lease
+    /// began, is unknown).
+    deadline_ns: Option<u64>,
 }
 
 impl Held {
@@ -162,6 +181,29 @@ struct Sent {
 /// this many remembered per process.
 const RECENT: usize = 8;
 
+/// How long past its deadline a held request is still taken as held: the
+/// agent's deadline runs from the output's send, a little after vLLM's
+/// stamp, and a step's notifications are taken before its expired leases
+/// are reaped.
+const LEASE_GRACE_NS: u64 = 100_000_000;
+
+/// A request whose KV its prefill freed.
+struct Freed {
+    /// The engine process that held it.
+    holder: u32,
+    at_ns: u64,
+    /// Freed at its lease (else released: every consumer had answered).
+    by_lease: Option<Lease>,
+    /// A READ of it was reported on the prefill already.
+    reported: bool,
+}
+
+/// A decode's READ of a request that completed.
+struct ReadDone {
+    decode: u32,
+    at_ns: u64,
+}
+
 #[derive(Default)]
 pub struct Vllm {
     strings: Assembler,
@@ -182,6 +224,10 @@ pub struct Vllm {
     aborts: u64,
     last_abort: Option<String>,
     pending: VecDeque<Observation>,
+    /// Each watched process's lease, from its lineage.
+    leases: HashMap<u32, Lease>,
+    freed: Recall<Freed>,
+    reads_done: Recall<ReadDone>,
     /// Engine outputs cut at the capture's bound (outputs past the cut
     /// unknown).
     outputs_cut: u64,
@@ -240,10 +286,69 @@ impl Vllm {
                 stage: Stage::Enqueued,
                 ts_ns,
                 external_id: Some(id.as_str().into()),
-                ends: false,
+                ends: None,
             });
-            self.held.insert(key, (id.into(), Held { from_output: true, ..Held::default() }));
+            let deadline_ns = Some(ts_ns.saturating_add(self.lease(pid).duration_ns()));
+            self.held.insert(key, (id.into(), Held { from_output: true, deadline_ns, ..Held::default() }));
         }
+    }
+
+    /// The lease of the process `pid` (vLLM's default until its lineage is
+    /// read: a process is attached before its first event).
+    fn lease(&self, pid: u32) -> Lease {
+        self.leases.get(&pid).cloned().unwrap_or_else(|| Lease::of(&Lineage::default()))
+    }
+
+    /// End the held request (`pid`, `key`) at its lease's deadline if that
+    /// passed before `ts_ns`: the prefill freed its blocks unread. Whether
+    /// it did.
+    fn lapse(&mut self, pid: u32, key: u64, ts_ns: u64) -> bool {
+        let lapsed = self
+            .held
+            .get(&(pid, key))
+            .and_then(|(_, held)| held.deadline_ns)
+            .filter(|&deadline| deadline.saturating_add(LEASE_GRACE_NS) <= ts_ns);
+        let Some(deadline) = lapsed else { return false };
+        let Some((id, _)) = self.held.remove(&(pid, key)) else { return false };
+        self.pending.push_back(Observation {
+            pid,
+            key,
+            stage: Stage::Enqueued,
+            ts_ns: deadline,
+            external_id: None,
+            ends: Some(Outcome::LeaseExpired),
+        });
+        let lease = Some(self.lease(pid));
+        self.freed.insert(&id, Freed { holder: pid, at_ns: deadline, by_lease: lease, reported: false });
+        true
+    }
+
+    /// Whether the KV of request `id` was freed at or before `ts_ns`, as
+    /// far as the prefills this agent watches tell.
+    fn freed_by(&self, id: &str, ts_ns: u64) -> bool {
+        if self.freed.get(id).is_some_and(|freed| freed.at_ns <= ts_ns) {
+            return true;
+        }
+        let key = key_of(id);
+        self.held.iter().any(|(&(_, k), (_, held))| {
+            k == key && held.deadline_ns.is_some_and(|deadline| deadline.saturating_add(LEASE_GRACE_NS) <= ts_ns)
+        })
+    }
+
+    /// A consumer's notification for request `id`, which the prefill
+    /// no longer holds: if it freed the KV, the READ it ends read freed
+    /// KV, a lifecycle of its own on the prefill (once per request).
+    /// Whether it was one.
+    fn read_after_release(&mut self, id: &str, ts_ns: u64) -> bool {
+        let Some(freed) = self.freed.get_mut(id).filter(|freed| freed.at_ns <= ts_ns && !freed.reported) else {
+            return false;
+        };
+        freed.reported = true;
+        let (pid, key) = (freed.holder, key_of(id));
+        let observe = |stage, ends| Observation { pid, key, stage, ts_ns, external_id: Some(id.into()), ends };
+        self.pending.push_back(observe(Stage::Enqueued, None));
+        self.pending.push_back(observe(Stage::Released, Some(Outcome::KvReadAfterRelease)));
+        true
     }
 
     /// The process a notification read in `pid` about request `key` is
@@ -267,12 +372,19 @@ impl Vllm {
             stage,
             ts_ns,
             external_id: (stage == Stage::Enqueued).then(|| id.into()),
-            ends: false,
+            ends: None,
         };
         match parse(&text, whole.complete) {
             Ok(Notif::Heartbeat(ids)) => {
                 for id in ids {
                     let pid = self.holder(reader, key_of(id));
+                    if self.lapse(pid, key_of(id), ts_ns) || self.freed.get(id).is_some() {
+                        // The decode still waits on KV already freed (or
+                        // a late heartbeat): its READ, if it comes, is the
+                        // alert.
+                        continue;
+                    }
+                    let extension = self.lease(pid).extension_ns();
                     let (_, held) = self.held.entry((pid, key_of(id))).or_insert_with(|| {
                         self.pending.push_back(observe(pid, id, Stage::Enqueued));
                         (id.into(), Held::default())
@@ -282,12 +394,17 @@ impl Vllm {
                     }
                     held.heartbeats += 1;
                     held.last_beat_ns = ts_ns;
+                    held.deadline_ns = held.deadline_ns.map(|deadline| deadline.max(ts_ns.saturating_add(extension)));
                 }
             }
             Ok(Notif::Consumer { id, consumers }) => {
                 let pid = self.holder(reader, key_of(id));
                 let key = (pid, key_of(id));
+                self.lapse(pid, key.1, ts_ns);
                 let known = self.held.contains_key(&key);
+                if !known && self.read_after_release(id, ts_ns) {
+                    return;
+                }
                 if !known && consumers == 1 {
                     let recent = self.unseen.entry(reader).or_default();
                     if recent.len() == RECENT {
@@ -307,11 +424,38 @@ impl Vllm {
                 if held.answered >= consumers {
                     self.held.remove(&key);
                     self.pending.push_back(observe(pid, id, Stage::Released));
+                    self.freed.insert(id, Freed { holder: pid, at_ns: ts_ns, by_lease: None, reported: false });
                 }
             }
             Ok(Notif::PushRegistration) => {}
             Err(why) => self.unparsed(format!("pid {reader}: getNotifs: {why}")),
         }
+    }
+
+    /// What is known of a request's freed KV, for the request that ended
+    /// at its lease, the prefill's notification of a READ after it, or
+    /// the decode's READ that read it after it was freed.
+    fn freed_context(&self, request: &RequestSnapshot) -> Vec<(&'static str, String)> {
+        let Some(id) = request.external_id.as_deref() else { return Vec::new() };
+        let Some(freed) = self.freed.get(id) else { return Vec::new() };
+        let shown = if request.key == key_of(id) {
+            freed.by_lease.is_some() || request.first_ns > freed.at_ns
+        } else {
+            freed.at_ns <= request.last_ns
+        };
+        if !shown {
+            return Vec::new();
+        }
+        let how = match &freed.by_lease {
+            Some(lease) => format!("at its lease: {} s ({}), never read", lease.secs, lease.from),
+            None => "released: every consumer had answered".to_owned(),
+        };
+        let mut fields =
+            vec![("vllm_request_id", id.to_owned()), ("vllm_kv_freed", format!("by pid {} {how}", freed.holder))];
+        if request.last_ns > freed.at_ns {
+            fields.push(("vllm_read_after_freed_s", secs(freed.at_ns, request.last_ns)));
+        }
+        fields
     }
 
     /// The held request a snapshot is, if it is one.
@@ -382,8 +526,17 @@ impl Framework for Vllm {
                 observation.external_id = Some(transfer.id.clone());
                 self.transfers.insert(key, transfer);
             }
-        } else if observation.stage.is_terminal() || observation.ends {
-            self.transfers.remove(&key);
+        } else if observation.stage.is_terminal() || observation.ends.is_some() {
+            let done = matches!(
+                Outcome::of_event(observation.stage, observation.ends),
+                Some(Outcome::Released | Outcome::Completed)
+            );
+            if let Some(transfer) = self.transfers.remove(&key).filter(|transfer| transfer.read && done) {
+                if self.freed_by(&transfer.id, observation.ts_ns) {
+                    observation.ends = Some(Outcome::KvReadAfterRelease);
+                }
+                self.reads_done.insert(&transfer.id, ReadDone { decode: key.0, at_ns: observation.ts_ns });
+            }
         }
         Some(observation)
     }
@@ -429,7 +582,7 @@ impl Framework for Vllm {
             }
             return fields;
         }
-        let Some((id, held)) = self.held_of(request) else { return Vec::new() };
+        let Some((id, held)) = self.held_of(request) else { return self.freed_context(request) };
         let answered = match held.consumers {
             Some(n) => format!("{}/{n}", held.answered),
             None => format!("{}/?", held.answered),
@@ -444,8 +597,21 @@ impl Framework for Vllm {
         if held.heartbeats > 0 {
             fields.push(("vllm_last_heartbeat_s_ago", secs(held.last_beat_ns, now)));
         }
+        if let Some(deadline) = held.deadline_ns {
+            let lease = self.lease(request.pid);
+            fields.push(("vllm_lease", format!("{} s ({})", lease.secs, lease.from)));
+            fields.push(("vllm_lease_left_s", secs(now, deadline)));
+        }
+        let read = self.reads_done.get(id);
         let waited_on = held.waited_on(now, now.saturating_sub(request.last_ns));
-        let verdict = if waited_on {
+        let verdict = if let Some(read) = read {
+            &*format!(
+                "read: the decode (pid {}) finished its READ {} s ago, but the prefill has not taken its \
+                 notification (its engine core does not step: stopped, or busy?)",
+                read.decode,
+                secs(read.at_ns, now)
+            )
+        } else if waited_on {
             "waited on: the decode still sends heartbeats for it"
         } else if held.heartbeats > 0 {
             "abandoned: its heartbeats stopped"
@@ -454,7 +620,7 @@ impl Framework for Vllm {
         } else {
             "abandoned: no heartbeat"
         };
-        fields.push(("vllm_decode", verdict.into()));
+        fields.push(("vllm_decode", verdict.to_owned()));
         if let Some(recent) = self.unseen.get(&request.pid).filter(|recent| !recent.is_empty()) {
             let list: Vec<&str> = recent.iter().map(|id| &**id).collect();
             fields.push(("vllm_recent_other_notifications", list.join(" ")));
@@ -489,8 +655,38 @@ impl Framework for Vllm {
         }
     }
 
+    /// A process's lease, read from its lineage once (its ancestors'
+    /// command lines, as a retitled engine core shows none).
+    fn attached(&mut self, pid: u32, lineage: &Lineage) {
+        let lease = Lease::of(lineage);
+        if let Some(problem) = &lease.problem {
+            warn!(pid, problem = %problem, lease_s = lease.secs, "vLLM's --kv-transfer-config could not be read: its default lease assumed");
+        }
+        self.leases.insert(pid, lease);
+    }
+
+    /// Every held request past its lease at `now` ends `lease_expired`.
+    fn expire(&mut self, now_ns: u64) {
+        let lapsed: Vec<(u32, u64)> = self
+            .held
+            .iter()
+            .filter(|(_, (_, held))| held.deadline_ns.is_some_and(|d| d.saturating_add(LEASE_GRACE_NS) <= now_ns))
+            .map(|(&key, _)| key)
+            .collect();
+        for (pid, key) in lapsed {
+            self.lapse(pid, key, now_ns);
+        }
+    }
+
+    /// The earliest lease to run out. A scan: a prefill holds a few
+    /// hundred requests at most, and this runs once a wake.
+    fn next_expiry(&self) -> Option<u64> {
+        self.held.values().filter_map(|(_, held)| held.deadline_ns).min().map(|d| d.saturating_add(LEASE_GRACE_NS))
+    }
+
     fn forget(&mut self, pid: u32) {
         self.strings.forget(pid);
+        self.leases.remove(&pid);
         self.creating.retain(|(p, _), _| *p != pid);
         self.transfers.retain(|(p, _), _| *p != pid);
         self.held.retain(|(p, _), _| *p != pid);

@@ -186,7 +186,7 @@ fn a_decode_read_takes_the_prefills_request_id_from_its_notification() {
         stage,
         ts_ns: 1,
         external_id: external_id.map(Into::into),
-        ends: false,
+        ends: None,
     };
     vllm.creating.insert((4, 40), (NIXL_READ, "prefill-agent".into()));
     vllm.decodes.insert(4);
@@ -257,4 +257,149 @@ fn a_long_heartbeat_is_read_across_its_chunks() {
     }
     let started: Vec<_> = std::iter::from_fn(|| vllm.pending()).filter_map(|o| o.external_id).collect();
     assert_eq!(started.iter().map(|id| id.to_string()).collect::<Vec<_>>(), ids);
+}
+
+const S: u64 = 1_000_000_000;
+
+/// A vLLM prefill whose engine core (pid 9) has a 12 s lease on its API
+/// server's command line, and whose worker (pid 12) reads notifications;
+/// a decode worker (pid 4) on the same node.
+fn with_lease() -> Vllm {
+    use crate::util::lineage::Generation;
+    let mut vllm = Vllm::default();
+    let server = Generation {
+        pid: 1,
+        args: [
+            "vllm",
+            "serve",
+            "m",
+            "--kv-transfer-config",
+            r#"{"kv_connector_extra_config":{"kv_lease_duration":12}}"#,
+        ]
+        .map(String::from)
+        .to_vec(),
+    };
+    let engine = Generation { pid: 9, args: vec!["VLLM::EngineCore".into()] };
+    vllm.attached(9, &Lineage(vec![engine, server]));
+    vllm
+}
+
+#[test]
+fn a_request_never_read_ends_at_its_lease_and_heartbeats_move_the_lease_on() {
+    let mut vllm = with_lease();
+    vllm.output(9, 100 * S, &outputs_frame(&["req-1", "req-2"]));
+    assert_eq!(std::iter::from_fn(|| vllm.pending()).count(), 2);
+    assert_eq!(vllm.next_expiry(), Some(112 * S + LEASE_GRACE_NS));
+    let fields: HashMap<_, _> = vllm.context(&snapshot(9, "req-1", 100 * S)).into_iter().collect();
+    assert_eq!(fields["vllm_lease"], "12 s (pid 1's --kv-transfer-config)");
+    // req-2's decode sends a heartbeat at 110 s: its lease runs to 118 s
+    // (two thirds of 12 s, whole seconds, from the heartbeat).
+    vllm.received(12, 110 * S, &whole("HB:req-2"));
+    assert_eq!(vllm.pending(), None);
+    // At the deadline itself, within the grace: nothing ends.
+    vllm.expire(112 * S);
+    assert_eq!(vllm.pending(), None);
+    vllm.expire(112 * S + LEASE_GRACE_NS);
+    let expired = vllm.pending().expect("req-1 past its lease");
+    assert_eq!(
+        (expired.pid, expired.key, expired.ts_ns, expired.ends),
+        (9, key_of("req-1"), 112 * S, Some(Outcome::LeaseExpired))
+    );
+    assert_eq!(vllm.pending(), None, "req-2's heartbeat moved its lease on");
+    assert_eq!(vllm.next_expiry(), Some(118 * S + LEASE_GRACE_NS));
+    // The lease_expired alert says how it was freed.
+    let fields: HashMap<_, _> = vllm.context(&snapshot(9, "req-1", 100 * S)).into_iter().collect();
+    assert_eq!(fields["vllm_kv_freed"], "by pid 9 at its lease: 12 s (pid 1's --kv-transfer-config), never read");
+    // A late heartbeat of the freed request follows nothing anew.
+    vllm.received(12, 113 * S, &whole("HB:req-1"));
+    assert_eq!(vllm.pending(), None);
+}
+
+#[test]
+fn a_read_after_the_lease_is_an_alert_on_both_sides_in_one_trace() {
+    let mut vllm = with_lease();
+    vllm.output(9, 100 * S, &outputs_frame(&["req-1"]));
+    vllm.pending();
+    // The decode's READ of req-1, made at 115 s, done at 115.2 s: the
+    // agent has not expired req-1 yet (no wake between), but its lease ran
+    // out at 112 s.
+    let read = |stage, ts_ns, external_id: Option<&str>| Observation {
+        pid: 4,
+        key: 0xa0,
+        stage,
+        ts_ns,
+        external_id: external_id.map(Into::into),
+        ends: None,
+    };
+    vllm.creating.insert((4, 40), (NIXL_READ, "prefill-agent".into()));
+    vllm.handle(40, read(Stage::Enqueued, 115 * S, Some("req-1:1")));
+    let done = vllm.handle(40, read(Stage::Released, 115 * S + S / 5, None)).expect("passed on");
+    assert_eq!(done.ends, Some(Outcome::KvReadAfterRelease), "the decode read freed KV");
+    // Its notification reaches the prefill's worker: the held request ends
+    // at its lease first, then the READ is a lifecycle of its own.
+    vllm.received(12, 115 * S + S / 2, &whole("req-1:1"));
+    let made: Vec<Observation> = std::iter::from_fn(|| vllm.pending()).collect();
+    let seen: Vec<_> = made.iter().map(|o| (o.pid, o.key, o.stage, o.ts_ns, o.ends)).collect();
+    let key = key_of("req-1");
+    assert_eq!(
+        seen,
+        [
+            (9, key, Stage::Enqueued, 112 * S, Some(Outcome::LeaseExpired)),
+            (9, key, Stage::Enqueued, 115 * S + S / 2, None),
+            (9, key, Stage::Released, 115 * S + S / 2, Some(Outcome::KvReadAfterRelease)),
+        ]
+    );
+    assert_eq!(made[1].external_id.as_deref(), Some("req-1"), "the prefill's side in the request's trace");
+    // Both alerts say when the KV was freed.
+    let mut prefill = snapshot(9, "req-1", 115 * S + S / 2);
+    prefill.stage = Stage::Released;
+    let fields: HashMap<_, _> = vllm.context(&prefill).into_iter().collect();
+    assert_eq!(fields["vllm_read_after_freed_s"], "3.5");
+    let decode = RequestSnapshot { pid: 4, key: 0xa0, first_ns: 115 * S, last_ns: 115 * S + S / 5, ..prefill };
+    let fields: HashMap<_, _> = vllm.context(&decode).into_iter().collect();
+    assert_eq!(fields["vllm_read_after_freed_s"], "3.2");
+    // A second notification of it (another consumer) is not a second alert.
+    vllm.received(12, 116 * S, &whole("req-1:1"));
+    assert!(std::iter::from_fn(|| vllm.pending()).all(|o| o.ends != Some(Outcome::KvReadAfterRelease)));
+}
+
+#[test]
+fn a_read_in_time_is_a_release_and_a_second_read_after_it_reads_freed_kv() {
+    let mut vllm = with_lease();
+    vllm.output(9, 100 * S, &outputs_frame(&["req-1"]));
+    vllm.pending();
+    vllm.received(12, 105 * S, &whole("req-1:1"));
+    let released = vllm.pending().expect("released");
+    assert_eq!((released.stage, released.ends), (Stage::Released, None));
+    // Its own span says nothing of freed KV: it was read, then released.
+    let mut own = snapshot(9, "req-1", 100 * S);
+    own.last_ns = 105 * S;
+    assert!(vllm.context(&own).is_empty());
+    // A READ of it after the release read blocks the prefill freed.
+    vllm.received(12, 106 * S, &whole("req-1:1"));
+    let made: Vec<Observation> = std::iter::from_fn(|| vllm.pending()).collect();
+    assert_eq!(made.last().map(|o| o.ends), Some(Some(Outcome::KvReadAfterRelease)));
+    let fields: HashMap<_, _> = vllm.context(&snapshot(9, "req-1", 106 * S)).into_iter().collect();
+    assert_eq!(fields["vllm_kv_freed"], "by pid 9 released: every consumer had answered");
+}
+
+#[test]
+fn a_request_read_whose_notification_the_prefill_has_not_taken_says_so() {
+    let mut vllm = with_lease();
+    vllm.output(9, 100 * S, &outputs_frame(&["req-1"]));
+    vllm.pending();
+    vllm.creating.insert((4, 40), (NIXL_READ, "prefill-agent".into()));
+    let read = |stage, external_id: Option<&str>| Observation {
+        pid: 4,
+        key: 0xa0,
+        stage,
+        ts_ns: 101 * S,
+        external_id: external_id.map(Into::into),
+        ends: None,
+    };
+    vllm.handle(40, read(Stage::Enqueued, Some("req-1:1")));
+    let done = vllm.handle(40, read(Stage::Released, None)).expect("passed on");
+    assert_eq!(done.ends, None, "read within the lease");
+    let fields: HashMap<_, _> = vllm.context(&snapshot(9, "req-1", 100 * S)).into_iter().collect();
+    assert!(fields["vllm_decode"].starts_with("read: the decode (pid 4) finished its READ"), "{fields:?}");
 }
