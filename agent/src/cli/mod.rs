@@ -142,9 +142,11 @@ fn dispatch(cli: Cli) -> Result<()> {
                 let path = path.to_str().context("profile path is not UTF-8")?;
                 let profile = Profile::load(path)?;
                 let points = pid.map(|pid| profile::plan::probe_points(&profile, pid)).transpose()?;
+                let family = pid.map(|pid| profile_check::Family::read(&profile, pid));
                 print(|out| {
                     profile_check::check_report(&profile, out)?;
-                    points.map_or(Ok(()), |points| profile_check::points_report(&points, out))
+                    points.map_or(Ok(()), |points| profile_check::points_report(&points, out))?;
+                    family.map_or(Ok(()), |family| profile_check::role_report(&profile, &family, out))
                 })
             }
         },

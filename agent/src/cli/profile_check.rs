@@ -5,9 +5,84 @@ use std::io::Write;
 use stallwatch_common::MAX_SLOTS;
 
 use crate::{
-    profile::{self, Profile, plan::ProbePoint},
-    util::text,
+    profile::{self, Profile, plan::ProbePoint, roles::Deployment},
+    util::{
+        lineage::{Generation, Lineage, descendants},
+        text,
+    },
 };
+
+/// A process's lineage and its deployment's processes, for
+/// [`role_report`].
+pub struct Family {
+    lineage: Lineage,
+    descendants: Vec<Generation>,
+}
+
+impl Family {
+    pub fn read(profile: &Profile, pid: u32) -> Self {
+        let lineage = Lineage::read(pid);
+        let descendants = Deployment::server_pid(profile, &lineage).map(descendants).unwrap_or_default();
+        Self { lineage, descendants }
+    }
+}
+
+/// `stallwatch profile check --pid`, with a profile that has `[[process]]`
+/// tables: which process of its deployment this is, what fires there, and
+/// which others a request's life also runs in.
+pub fn role_report(profile: &Profile, family: &Family, out: &mut dyn Write) -> std::io::Result<()> {
+    if profile.processes.is_empty() {
+        return Ok(());
+    }
+    let Some(deployment) = Deployment::of(profile, &family.lineage, &family.descendants) else {
+        return writeln!(out, "the process: gone (its command line could not be read)");
+    };
+    let this = &deployment.this;
+    match this.role {
+        Some(role) => {
+            writeln!(
+                out,
+                "the process: pid {} `{}`: {}",
+                this.pid,
+                text::escaped(&this.title),
+                text::escaped(&role.is)
+            )?;
+            writeln!(out, "  fires here: {}", role.firing())?;
+        }
+        None => writeln!(
+            out,
+            "the process: pid {} `{}`: none of the profile's [[process]] kinds: {}",
+            this.pid,
+            text::escaped(&this.title),
+            profile.processes.iter().map(|role| text::escaped(&role.is).into_owned()).collect::<Vec<_>>().join("; ")
+        )?,
+    }
+    if let Some(server) = &deployment.server {
+        writeln!(out, "  of the deployment of pid {} `{}`", server.pid, text::escaped(&server.title))?;
+    }
+    let Some(role) = this.role else {
+        return writeln!(
+            out,
+            "  the profile does not say what fires in such a process: `in the process` above says what can"
+        );
+    };
+    let verdict = match (role.fires(), deployment.partial()) {
+        (true, false) => {
+            "watch it: the profile's probes fire here and in no other process of its deployment".to_owned()
+        }
+        (true, true) => format!(
+            "watch it with the others, not alone (a request's life also runs in {}): select them all (`--lib`, \
+             `--cmdline`) rather than --pid",
+            text::escaped(&deployment.others_text())
+        ),
+        (false, true) => format!(
+            "not worth watching: none of the profile's probes fire here; they fire in {}",
+            text::escaped(&deployment.others_text())
+        ),
+        (false, false) => "not worth watching: none of the profile's probes fire here".to_owned(),
+    };
+    writeln!(out, "  {verdict}")
+}
 
 /// `stallwatch profile check --pid`: where each probe lands in the process.
 pub fn points_report(points: &[ProbePoint], out: &mut dyn Write) -> std::io::Result<()> {

@@ -203,6 +203,7 @@ impl Profile {
                 })
             })
             .transpose()?;
+        let base_processes = base.as_ref().map(|base| base.processes.clone()).unwrap_or_default();
         let (mut probes, activity, mut signals, status, extends, complete_at, layout) = match base {
             Some(base) => {
                 // Looked up in sets: a profile's tables may be many.
@@ -317,6 +318,20 @@ impl Profile {
                 );
             }
         }
+        // A profile's own [[process]] tables replace its base's: they
+        // describe one deployment.
+        let mut processes = Vec::with_capacity(raw.process.len());
+        for spanned in raw.process {
+            let line = lines.at(spanned.span().start);
+            let role = spanned
+                .into_inner()
+                .validate(here.clone(), line, &signals)
+                .map_err(|err| anyhow!("profile {origin}, line {line} ([[process]]): {err}"))?;
+            processes.push(role);
+        }
+        if processes.is_empty() {
+            processes = base_processes;
+        }
         Ok(Self {
             name: raw.name.unwrap_or_else(|| origin.to_owned()),
             origin: origin.to_owned(),
@@ -327,6 +342,7 @@ impl Profile {
             status,
             complete_at,
             layout,
+            processes,
         })
     }
 
@@ -412,6 +428,47 @@ struct RawProfile {
     /// Signals of another profile, taken by name, renamed with a prefix.
     #[serde(default)]
     signals_from: Vec<Spanned<RawSignalsFrom>>,
+    #[serde(default)]
+    process: Vec<Spanned<RawProcess>>,
+}
+
+/// A `[[process]]` table ([`ProcessRole`]).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProcess {
+    title: String,
+    is: String,
+    /// Signal names, and `transfers` for the profile's probes.
+    #[serde(default)]
+    fires: Vec<String>,
+}
+
+impl RawProcess {
+    /// Checked against the profile's signals, by name.
+    fn validate(self, origin: Arc<str>, line: usize, signals: &[SignalSpec]) -> Result<ProcessRole> {
+        let title = regex::Regex::new(&self.title)
+            .map_err(|err| anyhow!("`title` {:?} is not a valid regular expression: {err}", self.title))?;
+        if self.is.trim().is_empty() {
+            bail!("`is` is empty: say what the process is (\"vLLM's engine core\")");
+        }
+        let mut transfers = false;
+        let mut named = Vec::new();
+        for name in self.fires {
+            if name == "transfers" {
+                transfers = true;
+            } else if signals.iter().any(|signal| signal.name == name) {
+                named.push(name);
+            } else {
+                let known: Vec<&str> = signals.iter().map(|signal| signal.name.as_str()).collect();
+                bail!(
+                    "`fires` names `{name}`, which is no signal of the profile: use `transfers` (its probes) or one \
+                     of: {}",
+                    known.join(", ")
+                );
+            }
+        }
+        Ok(ProcessRole { origin, line, title, is: self.is, signals: named, transfers })
+    }
 }
 
 /// A `[[signals_from]]` table: the signals `names` of profile `profile`

@@ -12,6 +12,7 @@ mod load;
 pub mod plan;
 pub mod resolve;
 mod returns;
+pub mod roles;
 mod schema;
 #[cfg(test)]
 mod tests;

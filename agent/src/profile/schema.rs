@@ -31,6 +31,57 @@ pub struct Profile {
     /// The builds of a library whose memory layout the profile's offsets
     /// were checked against (`[layout]`).
     pub layout: Option<Layout>,
+    /// The processes a deployment of the framework runs, told apart by
+    /// their command line (`[[process]]`): which of the profile's probes
+    /// fire in each. Empty: the profile does not say.
+    pub processes: Vec<ProcessRole>,
+}
+
+/// A `[[process]]` table: one kind of process of a framework's deployment
+/// (vLLM's engine core, retitled `VLLM::EngineCore`), and the signals
+/// (and whether the probes) that fire there. A framework spreads one
+/// request over several such processes: `profile check --pid` says which
+/// one a process is, and `run --pid` which others a request also needs.
+#[derive(Debug, Clone)]
+pub struct ProcessRole {
+    pub origin: Arc<str>,
+    pub line: usize,
+    /// Matched against the command line, its arguments joined by spaces
+    /// (after any setproctitle, its title).
+    pub title: regex::Regex,
+    /// What the process is, for a person: "vLLM's engine core".
+    pub is: String,
+    /// The profile's signals that fire there, by name.
+    pub signals: Vec<String>,
+    /// Whether the profile's `[[probe]]` and `[[activity]]` tables (the
+    /// transfers) fire there.
+    pub transfers: bool,
+}
+
+impl PartialEq for ProcessRole {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.origin, self.line, self.title.as_str(), &self.is, &self.signals, self.transfers)
+            == (&other.origin, other.line, other.title.as_str(), &other.is, &other.signals, other.transfers)
+    }
+}
+
+impl Eq for ProcessRole {}
+
+impl ProcessRole {
+    /// Whether any of the profile's probes fire in such a process.
+    pub fn fires(&self) -> bool {
+        self.transfers || !self.signals.is_empty()
+    }
+
+    /// What fires there, for a person: "the transfers, vllm_notifs".
+    pub fn firing(&self) -> String {
+        let mut what: Vec<&str> = Vec::new();
+        if self.transfers {
+            what.push("the transfers");
+        }
+        what.extend(self.signals.iter().map(String::as_str));
+        if what.is_empty() { "none of the profile's probes".to_owned() } else { what.join(", ") }
+    }
 }
 
 /// The `[layout]` table: the offsets a profile reads in a library's
@@ -593,6 +644,13 @@ impl EntryStatus {
 }
 
 impl Profile {
+    /// The `[[process]]` a process with command line `args` is, if the
+    /// profile says: the first whose title matches.
+    pub fn role_of(&self, args: &[String]) -> Option<&ProcessRole> {
+        let line = args.join(" ");
+        self.processes.iter().find(|role| role.title.is_match(&line))
+    }
+
     /// Whether the agent follows SGLang's rooms under this profile (it
     /// reads the bootstrap ZMQ messages, [`crate::frameworks::sglang`]): a request the
     /// kernel holds that is keyed by its room is then one of those rooms,

@@ -1200,3 +1200,34 @@ fn a_profile_with_more_probes_than_slots_is_refused_naming_both_counts() {
     let err = error_of(&big);
     assert!(err.contains("it needs 36162 probe slots per process") && err.contains("has 1024 in all"), "{err}");
 }
+
+#[test]
+fn process_tables_name_what_fires_where_and_an_extension_keeps_its_bases() {
+    let text = format!(
+        "{ENTRY_F}[[signal]]\nname = \"s\"\nsymbol = \"h\"\nat = \"entry\"\nvalue = {{ from = \"arg0\" }}\n\n\
+         [[process]]\ntitle = '^X::Engine'\nis = \"the engine\"\nfires = [\"s\", \"transfers\"]\n\n\
+         [[process]]\ntitle = 'serve'\nis = \"the server\"\n"
+    );
+    let profile = Profile::parse(&text, "p.toml").expect("valid");
+    let engine = profile.role_of(&["X::Engine_DP0".to_owned()]).expect("the engine");
+    assert_eq!(
+        (engine.is.as_str(), engine.signals.as_slice(), engine.transfers, engine.line),
+        ("the engine", &["s".to_owned()][..], true, 13)
+    );
+    assert_eq!(engine.firing(), "the transfers, s");
+    let server = profile.role_of(&["python".to_owned(), "serve".to_owned()]).expect("the server");
+    assert!(!server.fires() && server.firing() == "none of the profile's probes");
+    assert!(profile.role_of(&["other".to_owned()]).is_none());
+    let dir = profile_dir(&[("base.toml", &text), ("child.toml", "extends = \"base.toml\"\n")]);
+    let child = Profile::load(dir.join("child.toml").to_str().expect("path")).expect("valid");
+    let titles = |p: &Profile| p.processes.iter().map(|r| (r.title.as_str().to_owned(), r.line)).collect::<Vec<_>>();
+    assert_eq!(titles(&child), titles(&profile));
+    assert!(child.processes[0].origin.ends_with("base.toml"), "where an inherited table comes from");
+
+    let err = error_of(&format!("{ENTRY_F}[[process]]\ntitle = '('\nis = \"x\"\n"));
+    assert!(err.contains("line 7 ([[process]])") && err.contains("not a valid regular expression"), "{err}");
+    let err = error_of(&format!("{ENTRY_F}[[process]]\ntitle = 'x'\nis = \"x\"\nfires = [\"nope\"]\n"));
+    assert!(err.contains("`fires` names `nope`") && err.contains("use `transfers`"), "{err}");
+    let err = error_of(&format!("{ENTRY_F}[[process]]\ntitle = 'x'\nis = \" \"\n"));
+    assert!(err.contains("`is` is empty"), "{err}");
+}

@@ -17,7 +17,7 @@ use tokio::{
 use tracing::{error, info, warn};
 
 use super::{
-    Target,
+    Target, deployment,
     discovery::{Pending, Selector},
     ingest::warn_on_loss,
     processes::{Gone, process_name},
@@ -131,6 +131,7 @@ impl EventLoop {
                 };
                 let (plan, exited) = read.plan?;
                 session.watch(&plan, exited)?;
+                deployment::warn_if_partial(&session.profile, &plan.lineage).await;
                 (execs, None)
             }
             Target::Select(selector) => {

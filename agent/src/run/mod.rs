@@ -9,6 +9,7 @@
 //! agent, one method per arm; [`discovery`] finds the processes to watch,
 //! [`reads`] reads their objects off the loop; [`stops`] are the signals
 //! that end the agent.
+mod deployment;
 pub mod discovery;
 mod event_loop;
 mod ingest;

@@ -44,9 +44,33 @@ impl Lineage {
     }
 
     /// Every generation, the process first.
-    pub fn iter(&self) -> impl Iterator<Item = &Generation> {
+    pub fn iter(&self) -> std::slice::Iter<'_, Generation> {
         self.0.iter()
     }
+}
+
+/// The process `root` and every process descending from it now, each with
+/// its command line, by pid (`/proc` scanned once: each process's parent,
+/// then the command lines of `root`'s family only). Blocking, as
+/// [`Lineage::read`].
+pub fn descendants(root: u32) -> Vec<Generation> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    let parents: Vec<(u32, u32)> = dir
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| Some((pid, parent(pid)?)))
+        .collect();
+    let mut family = vec![root];
+    let mut found: Vec<Generation> = cmdline(root).map(|args| Generation { pid: root, args }).into_iter().collect();
+    while let Some(parent_pid) = family.pop() {
+        for &(pid, _) in parents.iter().filter(|&&(pid, parent)| parent == parent_pid && pid != root) {
+            family.push(pid);
+            if let Some(args) = cmdline(pid) {
+                found.push(Generation { pid, args });
+            }
+        }
+    }
+    found.sort_by_key(|generation| generation.pid);
+    found
 }
 
 fn cmdline(pid: u32) -> Option<Vec<String>> {
@@ -57,9 +81,12 @@ fn cmdline(pid: u32) -> Option<Vec<String>> {
 }
 
 /// A `/proc/PID/cmdline`'s arguments: NUL-separated, the last NUL optional.
-/// A retitled process may have one argument with spaces in it.
+/// A retitled process may have one argument with spaces in it, padded
+/// with spaces or NULs to the length of the command line it replaced
+/// (setproctitle): the padding is not part of it.
 pub fn split_cmdline(raw: &[u8]) -> Vec<String> {
-    let raw = raw.strip_suffix(b"\0").unwrap_or(raw);
+    let end = raw.iter().rposition(|&b| b != 0 && !b.is_ascii_whitespace()).map_or(0, |last| last + 1);
+    let raw = &raw[..end];
     if raw.is_empty() {
         return Vec::new();
     }
@@ -86,6 +113,8 @@ mod tests {
     fn a_command_line_splits_at_its_nuls_and_a_retitled_one_is_one_argument() {
         assert_eq!(split_cmdline(b"vllm\0serve\0/m\0"), ["vllm", "serve", "/m"]);
         assert_eq!(split_cmdline(b"VLLM::EngineCore"), ["VLLM::EngineCore"]);
+        assert_eq!(split_cmdline(b"VLLM::Worker      \0\0"), ["VLLM::Worker"]);
+        assert_eq!(split_cmdline(b"python\0\0x\0"), ["python", "", "x"]);
         assert!(split_cmdline(b"").is_empty());
     }
 
@@ -94,6 +123,17 @@ mod tests {
         assert_eq!(parent_of_stat("42 (a) b) S 7 42 42 0 -1"), Some(7));
         assert_eq!(parent_of_stat("42 (VLLM::Worker_TP0) R 41 1 1"), Some(41));
         assert_eq!(parent_of_stat("garbage"), None);
+    }
+
+    #[test]
+    fn a_child_is_among_its_parents_descendants() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("sleep");
+        let found = descendants(std::process::id());
+        let _ = child.kill();
+        let _ = child.wait();
+        let sleep = found.iter().find(|g| g.pid == child.id()).expect("the child");
+        assert_eq!(sleep.args, ["sleep", "30"]);
+        assert!(found.iter().any(|g| g.pid == std::process::id()), "the root itself");
     }
 
     #[test]

@@ -231,6 +231,8 @@ pub struct Vllm {
     /// Engine outputs cut at the capture's bound (outputs past the cut
     /// unknown).
     outputs_cut: u64,
+    /// Engine outputs of a shape not checked ([`outputs::CHECKED_ON`]).
+    unknown_shapes: u64,
     unparsed: u64,
     last_unparsed: Option<String>,
     warned: Warned,
@@ -275,6 +277,19 @@ impl Vllm {
             }
         };
         self.outputs_cut += u64::from(outputs.cut);
+        if let Some(why) = outputs.unknown_shape {
+            self.unknown_shapes += 1;
+            if self.unknown_shapes == 1 {
+                warn!(
+                    pid,
+                    shape = %why,
+                    checked_on = outputs::CHECKED_ON,
+                    "vLLM engine outputs of a shape the vllm profile was not checked on: held requests are not \
+                     followed from them (a request a decode names is still followed from its notifications); \
+                     said once, counted at exit"
+                );
+            }
+        }
         for id in outputs.held {
             let key = (pid, key_of(&id));
             if self.held.contains_key(&key) {
@@ -697,6 +712,13 @@ impl Framework for Vllm {
 
     fn finish(&mut self) {
         self.warn();
+        if self.unknown_shapes > 0 {
+            warn!(
+                frames = self.unknown_shapes,
+                checked_on = outputs::CHECKED_ON,
+                "vLLM engine outputs of a shape the vllm profile was not checked on were not read"
+            );
+        }
         if self.aborts > 0 {
             info!(
                 requests = self.aborts,

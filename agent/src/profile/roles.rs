@@ -1,0 +1,123 @@
+//! Which process of a framework's deployment a process is, and which
+//! others a request's life also runs in, as the profile's `[[process]]`
+//! tables say ([`ProcessRole`]). A vLLM server is an API server, an
+//! engine core and a worker per rank, each retitled: the one an operator
+//! finds first is rarely the one, or the only one, where the probes fire.
+use super::{ProcessRole, Profile};
+use crate::util::lineage::{Generation, Lineage};
+
+/// A process seen through the profile's `[[process]]` tables.
+#[derive(Debug)]
+pub struct Placed<'a> {
+    pub pid: u32,
+    /// Its command line, joined.
+    pub title: String,
+    pub role: Option<&'a ProcessRole>,
+}
+
+/// The deployment a process belongs to: the topmost process of its
+/// lineage the profile knows (the server), and what descends from it.
+#[derive(Debug)]
+pub struct Deployment<'a> {
+    pub this: Placed<'a>,
+    /// The server process, when the process is not it.
+    pub server: Option<Placed<'a>>,
+    /// The server's other processes where some of the profile's probes
+    /// fire, `this` excluded.
+    pub others: Vec<Placed<'a>>,
+}
+
+impl<'a> Deployment<'a> {
+    /// `lineage` (the process first) and `family` (the server process and
+    /// its descendants, see [`Self::server_pid`]) as `profile` tells
+    /// them.
+    pub fn of(profile: &'a Profile, lineage: &Lineage, family: &[Generation]) -> Option<Self> {
+        let place = |generation: &Generation| Placed {
+            pid: generation.pid,
+            title: generation.args.join(" "),
+            role: profile.role_of(&generation.args),
+        };
+        let this = place(lineage.iter().next()?);
+        let server = lineage.iter().skip(1).rfind(|g| profile.role_of(&g.args).is_some()).map(place);
+        let others = family
+            .iter()
+            .filter(|g| g.pid != this.pid)
+            .map(place)
+            .filter(|placed| placed.role.is_some_and(ProcessRole::fires))
+            .collect();
+        Some(Self { this, server, others })
+    }
+
+    /// Whose descendants make the deployment of the process `lineage`
+    /// starts with: its topmost ancestor the profile knows, else itself.
+    pub fn server_pid(profile: &Profile, lineage: &Lineage) -> Option<u32> {
+        let mut known = lineage.iter().filter(|g| profile.role_of(&g.args).is_some());
+        known.next_back().or_else(|| lineage.iter().next()).map(|g| g.pid)
+    }
+
+    /// Whether watching this process alone misses part of its requests'
+    /// lives: the profile knows the process and other processes of its
+    /// deployment fire.
+    pub fn partial(&self) -> bool {
+        !self.others.is_empty()
+    }
+
+    /// The others, for a person: "pid 12 (VLLM::Worker_TP0: a vLLM
+    /// worker: the transfers, vllm_notifs)".
+    pub fn others_text(&self) -> String {
+        let text: Vec<String> = self
+            .others
+            .iter()
+            .map(|placed| match placed.role {
+                Some(role) => format!("pid {} ({}: {}: {})", placed.pid, placed.title, role.is, role.firing()),
+                None => format!("pid {} ({})", placed.pid, placed.title),
+            })
+            .collect();
+        text.join(", ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn generation(pid: u32, args: &[&str]) -> Generation {
+        Generation { pid, args: args.iter().map(|a| (*a).to_owned()).collect() }
+    }
+
+    fn vllm() -> Profile {
+        Profile::load("vllm").expect("built-in vllm")
+    }
+
+    #[test]
+    fn an_engine_core_is_placed_in_its_server_beside_its_worker() {
+        let profile = vllm();
+        let server = generation(10, &["/venv/bin/python3", "/venv/bin/vllm", "serve", "/m"]);
+        let engine = generation(20, &["VLLM::EngineCore"]);
+        let worker = generation(30, &["VLLM::Worker_TP0"]);
+        let lineage = Lineage(vec![engine.clone(), server.clone(), generation(1, &["/sbin/init"])]);
+        assert_eq!(Deployment::server_pid(&profile, &lineage), Some(10));
+        let deployment = Deployment::of(&profile, &lineage, &[engine, worker]).expect("placed");
+        assert!(deployment.this.role.is_some_and(|role| role.signals.contains(&"vllm_outputs".to_owned())));
+        assert_eq!(deployment.server.as_ref().map(|s| s.pid), Some(10));
+        assert_eq!(deployment.others.iter().map(|p| p.pid).collect::<Vec<_>>(), [30]);
+        assert!(deployment.partial());
+        assert!(deployment.others_text().starts_with("pid 30 (VLLM::Worker_TP0: "), "{}", deployment.others_text());
+    }
+
+    #[test]
+    fn the_api_server_fires_nothing_and_names_the_processes_that_do() {
+        let profile = vllm();
+        let server = generation(10, &["/venv/bin/python3", "/venv/bin/vllm", "serve", "/m"]);
+        let lineage = Lineage(vec![server]);
+        let family = [generation(20, &["VLLM::EngineCore"]), generation(30, &["VLLM::Worker_TP0"])];
+        let deployment = Deployment::of(&profile, &lineage, &family).expect("placed");
+        assert!(deployment.this.role.is_some_and(|role| !role.fires()));
+        assert_eq!(deployment.others.len(), 2);
+        assert!(deployment.partial());
+        // A process the profile does not know, alone: nothing to say.
+        let lone = Lineage(vec![generation(40, &["python3", "bench.py"])]);
+        let deployment = Deployment::of(&profile, &lone, &[]).expect("placed");
+        assert!(deployment.this.role.is_none() && !deployment.partial());
+    }
+}
