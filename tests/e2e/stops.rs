@@ -11,7 +11,7 @@ use std::{
 };
 
 use stallwatch_tests::{
-    Agent, Demo, agent_bin, pinned_links, require_root, run_to_end, summary, test_bpf_dir, test_socket,
+    Agent, Demo, METRICS, agent_bin, pinned_links, require_root, run_to_end, summary, test_bpf_dir, test_socket,
 };
 
 /// `stallwatch state clear` on `dir`: whether it found probes to detach.
@@ -131,4 +131,72 @@ fn a_full_disk_under_stdout_costs_the_lines_not_the_agent_nor_its_state() {
     let lines = next.stop_with(libc::SIGTERM);
     assert_eq!(summary(&lines)["restored"], 1, "{}", summary(&lines));
     assert!(clear(&dir));
+}
+
+#[test]
+fn detaching_gone_processes_and_stopping_the_agent_are_timed() {
+    require_root();
+    // The real vLLM server's three processes exit together: their probes'
+    // links go together, each waiting for the kernel's grace periods
+    // (agent/src/kernel/detach.rs). The times are printed, not bounded:
+    // they are the kernel's, on a shared host. Nothing pinned
+    // (`--ephemeral`): the stop detaches every link of the processes still
+    // watched, the slowest stop there is.
+    const GROUP: usize = 3;
+    const ARGS: &[&str] = &["--rate", "200", "--duration", "41s"];
+    let agent = Agent::discover(
+        &["--cmdline", "demo-prefill .*--duration 41s"],
+        "demo",
+        "5s",
+        &["--on-exit", "detach", "--ephemeral", METRICS[0], METRICS[1]],
+    );
+    let mut demos: Vec<Demo> = (0..GROUP * 2).map(|_| Demo::start(ARGS)).collect();
+    for demo in &mut demos {
+        agent.wait_watching(demo.proc.pid());
+        demo.go();
+    }
+    // Their probes firing (a busy process's links take longest to go).
+    agent.wait_completed(200);
+    let gone: Vec<Demo> = demos.drain(..GROUP).collect();
+    for demo in &gone {
+        demo.proc.signal(libc::SIGKILL);
+    }
+    let pids: Vec<u32> = gone.iter().map(|demo| demo.proc.pid()).collect();
+    for mut demo in gone {
+        let _ = demo.proc.wait(Duration::from_secs(10));
+    }
+    let reaped = Instant::now();
+    for pid in &pids {
+        agent.proc.wait_stderr(&format!("detached pid={pid} links="), Duration::from_secs(60));
+    }
+    let to_last_detach = reaped.elapsed();
+    let logged = agent.proc.stderr();
+    let detach_ms: Vec<&str> = logged
+        .lines()
+        .filter(|line| line.contains("probes of a process gone detached"))
+        .filter_map(|line| line.split("pid=").nth(1))
+        .collect();
+    eprintln!(
+        "{GROUP} processes killed together: the last detached {:.0} ms after they were reaped (at most, the \
+         check polls every 20 ms); each: {detach_ms:?}",
+        to_last_detach.as_secs_f64() * 1e3
+    );
+    let watched: usize = logged
+        .lines()
+        .filter(|line| {
+            line.contains("watching pid=") && demos.iter().any(|d| line.contains(&format!("pid={} ", d.proc.pid())))
+        })
+        .filter_map(|line| line.split("probes=").nth(1)?.split_whitespace().next()?.parse::<usize>().ok())
+        .sum();
+    let stopping = Instant::now();
+    let lines = agent.stop_with(libc::SIGTERM);
+    let stop = stopping.elapsed();
+    eprintln!(
+        "SIGTERM to exit with {} processes still watched ({watched} probes), every link detached at the stop: {:.0} ms",
+        demos.len(),
+        stop.as_secs_f64() * 1e3
+    );
+    let summary = summary(&lines);
+    assert_eq!(summary["alert"], "summary", "{summary}");
+    assert_eq!(detach_ms.len(), GROUP, "{logged}");
 }

@@ -44,7 +44,7 @@ use tracing::{info, warn};
 
 use super::{
     caps::{CAP_SYS_ADMIN, Caps},
-    detach::{Detached, Detaching, Detachings},
+    detach::{Detached, Detaching, Detachings, drop_all, drop_together},
     state::{BpfDir, BpfTables, KernelState, OldLink, PINNED_MAPS},
     uprobe_link::{Linked, Opening, Openings, UprobeLink},
 };
@@ -101,11 +101,6 @@ enum Link {
 }
 
 impl Link {
-    /// Detach now, pinned or not.
-    fn detach(self) {
-        drop(self.unpin());
-    }
-
     /// Remove its pin, if it has one (quick: a file removed), leaving the
     /// probe attached until what is returned is dropped (slow, see
     /// [`super::detach`]). `None`: the pin could not be removed, and the
@@ -290,18 +285,39 @@ impl Probes {
     pub fn finish(mut self, keep: bool) -> Result<Option<PathBuf>> {
         // Detached below, or kept: either way nothing is left for `drop`.
         let Some(dir) = self.dir.take() else {
+            // Nothing pinned (`--ephemeral`): every link goes with the
+            // agent; all together here, not one after another as `drop`
+            // would.
+            self.detach_every();
             return Ok(None);
         };
         if keep && dir.has_links()? {
-            // Dropping pinned links leaves them attached.
+            // Dropping pinned links leaves them attached. The progress
+            // probes' are never pinned: they go now, together.
+            let gates: Vec<u32> = self.gated.keys().copied().collect();
+            drop_all(gates.into_iter().flat_map(|pid| self.close_gate(pid)).collect());
             return Ok(Some(dir.path().to_owned()));
         }
-        let pids: Vec<u32> = self.links.keys().copied().collect();
-        for pid in pids {
-            self.detach_now(pid);
-        }
+        self.detach_every();
         dir.remove()?;
         Ok(None)
+    }
+
+    /// Detach every process's probes at the agent's end: every slot
+    /// silenced, then every link dropped together (each link waits for the
+    /// kernel's grace periods, one after another ~0.1 s a link: seconds
+    /// for a few processes, see [`super::detach`]).
+    fn detach_every(&mut self) {
+        let pids: HashSet<u32> = self.links.keys().chain(self.gated.keys()).copied().collect();
+        for &pid in &pids {
+            if let Err(err) = self.disarm(pid) {
+                warn!(pid, "silencing the probes of a process at the stop: {err:#}");
+            }
+        }
+        let detachings = pids.into_iter().map(|pid| self.detach(pid)).collect();
+        for detached in drop_together(detachings) {
+            self.detached(&detached);
+        }
     }
 
     /// The loaded object, for taking its ring buffer and log maps.
@@ -694,6 +710,9 @@ impl Probes {
     /// matter (a failed attach, on the loop as the attach is; the agent's
     /// end).
     fn detach_now(&mut self, pid: u32) {
+        // Its links go together: silenced first (a failed attach may have
+        // armed some).
+        let _ = self.disarm(pid);
         let detached = self.detach(pid).drop_links();
         self.detached(&detached);
     }
@@ -769,9 +788,12 @@ impl Drop for Probes {
         let Some(dir) = self.dir.take() else {
             return;
         };
-        for link in self.links.drain().flat_map(|(_, links)| links) {
-            link.detach();
+        // Together (see [`super::detach`]); the slots silenced first.
+        let pids: Vec<u32> = self.links.keys().copied().collect();
+        for pid in pids {
+            let _ = self.disarm(pid);
         }
+        drop_all(self.links.drain().flat_map(|(_, links)| links).filter_map(Link::unpin).collect());
         if let Ok(false) = dir.has_links() {
             if let Err(err) = dir.remove() {
                 warn!("removing the unused bpf directory: {err:#}");
