@@ -20,7 +20,7 @@ use super::{
     Target, deployment,
     discovery::{Pending, Selector},
     ingest::warn_on_loss,
-    processes::{Gone, process_name},
+    processes::Gone,
     reads::{Read, Reads},
     session::{Session, Synced, withheld_in},
     stops::Stops,
@@ -166,7 +166,7 @@ impl EventLoop {
         // when another agent serves this socket (a second agent fails here).
         let mut queries = QueryServer::bind(socket, clock)?.with_workloads(session.telemetry.workloads());
         for pid in session.processes.pids() {
-            queries.name_process(pid, &process_name(pid));
+            queries.name_process(pid, session.processes.name(pid).unwrap_or("?"));
         }
         session.transport.sample(&session.probes, monotonic_ns())?;
         // Attached, and a previous agent's requests taken over: a rolling
@@ -334,13 +334,13 @@ impl EventLoop {
         let pid = read.pid;
         if self.selector.is_some() {
             if self.session.watch_or_log(read) {
-                self.queries.name_process(pid, &process_name(pid));
+                self.queries.name_process(pid, self.session.processes.name(pid).unwrap_or("?"));
             }
             return Ok(Flow::Continue);
         }
         match read.plan.and_then(|(plan, exited)| self.session.watch(&plan, exited)) {
             Ok(()) => {
-                self.queries.name_process(pid, &process_name(pid));
+                self.queries.name_process(pid, self.session.processes.name(pid).unwrap_or("?"));
                 Ok(Flow::Continue)
             }
             Err(err) => self.target_lost(pid, &err),

@@ -14,6 +14,7 @@ use tracing::warn;
 use crate::{
     kernel::reactor,
     profile::{Profile, plan::Plan},
+    util::lineage::Lineage,
 };
 
 /// One attached process.
@@ -150,6 +151,23 @@ fn thread_group_of(tid: u32) -> Option<u32> {
     status.lines().find_map(|line| line.strip_prefix("Tgid:")?.trim().parse().ok()).filter(|&tgid| tgid != tid)
 }
 
+/// The name a watched process is shown by: its `comm`, or where that is
+/// its title cut at the kernel's 15 bytes (setproctitle sets both:
+/// `VLLM::EngineCor`), the title's first word, up to 64 bytes.
+pub fn shown_name(pid: u32, lineage: &Lineage) -> String {
+    shown(process_name(pid), lineage)
+}
+
+fn shown(comm: String, lineage: &Lineage) -> String {
+    let title = lineage.iter().next().and_then(|own| own.args.first()).and_then(|arg| arg.split_whitespace().next());
+    match title {
+        Some(title) if comm.len() == 15 && title.len() > 15 && title.starts_with(&comm) => {
+            title.chars().take(64).collect()
+        }
+        _ => comm,
+    }
+}
+
 /// The process's name (`comm`), as the process set it: any bytes, made
 /// UTF-8 (invalid sequences replaced); printed through [`crate::util::text`].
 pub fn process_name(pid: u32) -> String {
@@ -157,4 +175,20 @@ pub fn process_name(pid: u32) -> String {
         |_| "?".to_owned(),
         |bytes| String::from_utf8_lossy(bytes.strip_suffix(b"\n").unwrap_or(&bytes)).into_owned(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::util::lineage::Generation;
+
+    #[test]
+    fn a_retitled_process_is_shown_by_its_title_not_its_cut_comm() {
+        let lineage = |title: &str| Lineage(vec![Generation { pid: 7, args: vec![title.to_owned()] }]);
+        assert_eq!(shown("VLLM::EngineCor".into(), &lineage("VLLM::EngineCore")), "VLLM::EngineCore");
+        assert_eq!(shown("VLLM::Worker_TP".into(), &lineage("VLLM::Worker_TP0 x")), "VLLM::Worker_TP0");
+        assert_eq!(shown("python".into(), &lineage("/usr/bin/python3")), "python");
+        assert_eq!(shown("abcdefghijklmno".into(), &lineage("other-title-longer")), "abcdefghijklmno");
+        assert_eq!(shown("python".into(), &Lineage::default()), "python");
+    }
 }

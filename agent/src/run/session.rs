@@ -12,7 +12,7 @@ use tracing::{error, info, warn};
 use super::{
     OnExit,
     ingest::Ingest,
-    processes::{Gone, Processes, process_name},
+    processes::{Gone, Processes, process_name, shown_name},
     reads::Read,
 };
 use crate::{
@@ -155,7 +155,7 @@ impl Session {
             self.probes.attach(plan, &self.profile)?
         };
         self.signals.attached(pid, &plan.lineage);
-        let name = process_name(pid);
+        let name = shown_name(pid, &plan.lineage);
         self.alerts.name_process(pid, &name);
         self.telemetry.name_process(pid);
         self.processes.insert(pid, name.clone(), exited);

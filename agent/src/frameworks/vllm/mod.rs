@@ -131,6 +131,11 @@ struct Transfer {
     read: bool,
     consumers: u32,
     agent: Box<str>,
+    /// When it was made: a READ made after its prefill freed the KV read
+    /// freed blocks. (Its end may well come after the prefill's release:
+    /// the READ's own notification releases the request before the
+    /// decode releases the READ's handle.)
+    made_ns: u64,
 }
 
 /// A request a prefill holds, as its output and notifications tell.
@@ -338,10 +343,10 @@ impl Vllm {
         true
     }
 
-    /// Whether the KV of request `id` was freed at or before `ts_ns`, as
-    /// far as the prefills this agent watches tell.
+    /// Whether the KV of request `id` was freed before `ts_ns`, as far as
+    /// the prefills this agent watches tell.
     fn freed_by(&self, id: &str, ts_ns: u64) -> bool {
-        if self.freed.get(id).is_some_and(|freed| freed.at_ns <= ts_ns) {
+        if self.freed.get(id).is_some_and(|freed| freed.at_ns < ts_ns) {
             return true;
         }
         let key = key_of(id);
@@ -532,9 +537,13 @@ impl Framework for Vllm {
             // Pull: the decode's READ; push: the prefill's WRITE
             // (`push_worker.py`: `"<remote request id>:<world size>"`).
             let transfer = match parse(notif, true) {
-                Ok(Notif::Consumer { id, consumers }) => {
-                    Some(Transfer { id: id.into(), read: op == NIXL_READ, consumers, agent })
-                }
+                Ok(Notif::Consumer { id, consumers }) => Some(Transfer {
+                    id: id.into(),
+                    read: op == NIXL_READ,
+                    consumers,
+                    agent,
+                    made_ns: observation.ts_ns,
+                }),
                 _ => None,
             };
             if let Some(transfer) = transfer {
@@ -547,7 +556,7 @@ impl Framework for Vllm {
                 Some(Outcome::Released | Outcome::Completed)
             );
             if let Some(transfer) = self.transfers.remove(&key).filter(|transfer| transfer.read && done) {
-                if self.freed_by(&transfer.id, observation.ts_ns) {
+                if self.freed_by(&transfer.id, transfer.made_ns) {
                     observation.ends = Some(Outcome::KvReadAfterRelease);
                 }
                 self.reads_done.insert(&transfer.id, ReadDone { decode: key.0, at_ns: observation.ts_ns });

@@ -384,22 +384,31 @@ fn a_read_in_time_is_a_release_and_a_second_read_after_it_reads_freed_kv() {
 }
 
 #[test]
-fn a_request_read_whose_notification_the_prefill_has_not_taken_says_so() {
+fn a_read_ending_after_its_own_release_is_none_of_freed_kv_and_one_not_taken_says_so() {
     let mut vllm = with_lease();
-    vllm.output(9, 100 * S, &outputs_frame(&["req-1"]));
-    vllm.pending();
-    vllm.creating.insert((4, 40), (NIXL_READ, "prefill-agent".into()));
-    let read = |stage, external_id: Option<&str>| Observation {
+    vllm.output(9, 100 * S, &outputs_frame(&["req-1", "req-2"]));
+    while vllm.pending().is_some() {}
+    let read = |key, stage, ts_ns, external_id: Option<&str>| Observation {
         pid: 4,
-        key: 0xa0,
+        key,
         stage,
-        ts_ns: 101 * S,
+        ts_ns,
         external_id: external_id.map(Into::into),
         ends: None,
     };
-    vllm.handle(40, read(Stage::Enqueued, Some("req-1:1")));
-    let done = vllm.handle(40, read(Stage::Released, None)).expect("passed on");
-    assert_eq!(done.ends, None, "read within the lease");
-    let fields: HashMap<_, _> = vllm.context(&snapshot(9, "req-1", 100 * S)).into_iter().collect();
+    vllm.creating.insert((4, 40), (NIXL_READ, "prefill-agent".into()));
+    vllm.handle(40, read(0xa0, Stage::Enqueued, 101 * S, Some("req-1:1")));
+    // Its notification releases req-1 at the prefill before the decode
+    // releases the READ's handle: a READ made in time, nothing freed.
+    vllm.received(12, 101 * S, &whole("req-1:1"));
+    assert_eq!(vllm.pending().map(|o| o.stage), Some(Stage::Released));
+    let done = vllm.handle(40, read(0xa0, Stage::Released, 101 * S + S / 10, None)).expect("passed on");
+    assert_eq!(done.ends, None, "released after the prefill's release, made before it");
+    // req-2's READ completes, but the prefill takes no notification (its
+    // engine core does not step): its alert says it was read.
+    vllm.creating.insert((4, 40), (NIXL_READ, "prefill-agent".into()));
+    vllm.handle(40, read(0xb0, Stage::Enqueued, 102 * S, Some("req-2:1")));
+    assert_eq!(vllm.handle(40, read(0xb0, Stage::Released, 102 * S, None)).and_then(|o| o.ends), None);
+    let fields: HashMap<_, _> = vllm.context(&snapshot(9, "req-2", 100 * S)).into_iter().collect();
     assert!(fields["vllm_decode"].starts_with("read: the decode (pid 4) finished its READ"), "{fields:?}");
 }
