@@ -9,6 +9,13 @@
 //!
 //! Every run uses a 6 s `kv_lease_duration` (heartbeats every 1 s, each
 //! extending the lease to now + 4 s), request 0 healthy first.
+//!
+//! A healthy run, a request never read and the lease are the real
+//! server's tests (tests/e2e/vllm_serve.rs: `vllm serve`, three processes a
+//! server, one agent on the node); what stays here is what needs a fault
+//! seeded inside vLLM's own classes (a mismatched notification id, a read
+//! held while the prefill is stopped, a decode's abort, heartbeats for a
+//! held request, a prefill killed mid-read).
 use std::time::Duration;
 
 use serde_json::Value;
@@ -30,57 +37,6 @@ fn run(fault: &str, extra: &[&str]) -> Target {
 
 fn held_s(freed: &Value) -> f64 {
     freed["held_s"].as_f64().unwrap_or_else(|| panic!("no held_s: {freed}"))
-}
-
-/// Read by the decode, its KV equal to what the prefill wrote, and freed by
-/// the prefill on the decode's notification well before the lease.
-fn assert_read_and_freed(target: &Target, request: &str) {
-    let received = target.one("received", request);
-    assert_eq!(
-        (received["failed"].as_bool(), received["kv_matches"].as_bool()),
-        (Some(false), Some(true)),
-        "{received}"
-    );
-    let freed = target.one("freed", request);
-    assert!(held_s(&freed) < LEASE / 2.0, "{request} freed by its notification, not the lease: {freed}");
-}
-
-#[test]
-fn healthy_run_reads_and_frees_every_request() {
-    let target = run("healthy", &["--count", "3"]);
-    for request in ["req-0", "req-1", "req-2"] {
-        let finished = target.one("finished", request);
-        assert_eq!(finished["delay_free"], true, "the prefill holds the blocks for the decode: {finished}");
-        let params = &finished["params"];
-        assert_eq!(
-            (
-                params["remote_request_id"].as_str(),
-                params["transfer_mode"].as_str(),
-                params["do_remote_prefill"].as_bool()
-            ),
-            (Some(request), Some("pull"), Some(true)),
-            "{params}"
-        );
-        assert_eq!(target.one("read_posted", request)["handles"], 1);
-        assert_read_and_freed(&target, request);
-    }
-    assert!(!target.logged("Releasing expired KV blocks"), "no lease expired in a healthy run");
-    assert!(!target.logged("Potentially invalid KV blocks"), "no unrecognized notification in a healthy run");
-}
-
-#[test]
-fn decode_never_reads_prefill_frees_at_lease_expiry() {
-    let target = run("never_read", &["--count", "2", "--max-seconds", "12"]);
-    assert_read_and_freed(&target, "req-0");
-    assert!(target.events("read_posted", Some("req-1")).is_empty(), "the decode never had req-1");
-    let freed = target.one("freed", "req-1");
-    let held = held_s(&freed);
-    assert!((LEASE - 0.2..LEASE + 2.0).contains(&held), "req-1 held for the lease ({LEASE} s), not {held} s: {freed}");
-    assert!(
-        target.logged("Releasing expired KV blocks for request req-1 which were retrieved by 0 remote worker(s)"),
-        "vLLM's lease-expiry warning: {}",
-        target.proc.stderr()
-    );
 }
 
 #[test]
@@ -207,21 +163,6 @@ fn shown(lines: &[Line]) -> String {
 }
 
 #[test]
-fn agents_on_a_healthy_run_raise_nothing_and_follow_every_read() {
-    let (_target, prefill, decode) = watched("healthy", &["--count", "3"]);
-    assert!(alert_lines(&prefill).is_empty(), "prefill:\n{}", shown(&prefill));
-    assert!(alert_lines(&decode).is_empty(), "decode:\n{}", shown(&decode));
-    let decode_summary = summary(&decode);
-    assert_eq!(decode_summary["completed"], 3, "one READ lifecycle a request: {decode_summary}");
-    assert_eq!(decode_summary["stalled"], 0);
-    // The prefill holds each from its engine output to its notification.
-    let prefill_summary = summary(&prefill);
-    assert_eq!(prefill_summary["seen"], 3, "one held request each: {}", shown(&prefill));
-    assert_eq!(prefill_summary["completed"], 3, "each released by its notification: {prefill_summary}");
-    assert!(!shown(&prefill).contains("not seen held"), "every notification was for a request seen held");
-}
-
-#[test]
 fn a_read_hung_on_a_stopped_prefill_stalls_the_decodes_read_with_the_request_id() {
     let (_target, _prefill, decode) = watched("read_hung", &["--hold", "4", "--max-seconds", "12"]);
     let stalled: Vec<Value> = alerts(&decode, "stalled").map(|(_, v)| v).collect();
@@ -306,20 +247,6 @@ fn assert_never_read(prefill: &[Line]) -> Value {
     let silent = alert["silent_ms"].as_u64().expect("silent_ms");
     assert!((2000..3000).contains(&silent), "reported within timeout + 1 s of its output: {alert}");
     alert
-}
-
-#[test]
-fn a_request_no_decode_ever_reads_is_alerted_on_the_prefill_as_never_read() {
-    // The decode never gets req-1: no NIXL call of either engine names it.
-    // The prefill's agent holds it from the engine's output (the moment
-    // vLLM holds its blocks) and alerts it before the 6 s lease frees it.
-    let (target, prefill, decode) = watched("never_read", &["--count", "2", "--max-seconds", "12"]);
-    assert!(held_s(&target.one("freed", "req-1")) >= LEASE - 0.2, "the lease freed req-1");
-    assert_never_read(&prefill);
-    assert!(alert_lines(&decode).is_empty(), "decode:\n{}", shown(&decode));
-    let prefill_summary = summary(&prefill);
-    assert_eq!((prefill_summary["seen"].as_u64(), prefill_summary["completed"].as_u64()), (Some(2), Some(1)));
-    assert_eq!(summary(&decode)["completed"], 1, "req-0's READ only");
 }
 
 #[test]
