@@ -40,7 +40,7 @@ use aya::{
     },
 };
 use stallwatch_common::{MAX_SLOTS, SlotConfig, cmp, counter, slot_flags};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::{
     caps::{CAP_SYS_ADMIN, Caps},
@@ -412,6 +412,7 @@ impl Probes {
 
     fn attach_all(&mut self, plan: &Plan, profile: &Profile) -> Result<()> {
         let pid = plan.image.pid;
+        let mut skipped = Vec::new();
         for spec in &profile.probes {
             let mut cfg = spec.slot_config();
             if cfg.flags & slot_flags::QUIET != 0 {
@@ -425,13 +426,22 @@ impl Probes {
             let target =
                 Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
             let attached = self.attach_slot(plan, &target, ActivitySpec::slot_config(), Role::Activity(spec.kind));
-            skip_if_optional(attached, spec.optional, pid, &spec.symbol, "optional transport probe skipped")?;
+            skip_if_optional(attached, spec.optional, pid, &spec.symbol, &mut skipped)?;
         }
         for spec in &profile.signals {
             let target =
                 Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
             let attached = self.attach_slot(plan, &target, spec.slot_config(), Role::Signal(Arc::new(spec.clone())));
-            skip_if_optional(attached, spec.optional, pid, &spec.symbol, "optional signal skipped")?;
+            skip_if_optional(attached, spec.optional, pid, &spec.symbol, &mut skipped)?;
+        }
+        if !skipped.is_empty() {
+            // One line a process, not one a probe with every library the
+            // process maps (the reasons, whole, are at debug level).
+            info!(
+                pid,
+                skipped = %skipped.join(", "),
+                "optional probes skipped: their library or function is not in the process (a transport it does not use)"
+            );
         }
         Ok(())
     }
@@ -1001,11 +1011,19 @@ fn release(path: &Path) -> Result<()> {
 }
 
 /// An attachment's result, with an optional one whose object or symbol
-/// is not in the process (`Unresolved`) skipped and logged as `skipped`.
-fn skip_if_optional(attached: Result<()>, optional: bool, pid: u32, symbol: &str, skipped: &'static str) -> Result<()> {
+/// is not in the process (`Unresolved`) skipped: its symbol added to
+/// `skipped`, its reason logged at debug level.
+fn skip_if_optional(
+    attached: Result<()>,
+    optional: bool,
+    pid: u32,
+    symbol: &str,
+    skipped: &mut Vec<String>,
+) -> Result<()> {
     match attached {
         Err(err) if optional && err.downcast_ref::<Unresolved>().is_some() => {
-            info!(pid, symbol = %symbol, reason = %err, "{skipped}");
+            debug!(pid, symbol = %symbol, reason = %err, "optional probe skipped");
+            skipped.push(symbol.to_owned());
             Ok(())
         }
         other => other,
