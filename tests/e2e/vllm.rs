@@ -1,11 +1,11 @@
-//! The vLLM target (tests/vllm/) checked on its own, before any profile
-//! watches it: vLLM 0.33.0's NixlPullConnector, scheduler and worker,
-//! unchanged from the wheel, in a prefill and a decode engine on CPU, with
-//! real NIXL READs over UCX loopback and the real ZMQ side-channel
-//! handshake. Each seeded stall must come out as vLLM really behaves, read
-//! from what the engines did (their JSON lines) and what vLLM logged, so
-//! the `vllm` profile's tests stand on a checked target. Nothing here
-//! loads eBPF; the agent is not involved.
+//! The `vllm` profile on the vLLM target (tests/vllm/): vLLM 0.33.0's
+//! NixlPullConnector, scheduler and worker, unchanged from the wheel, in a
+//! prefill and a decode engine on CPU, with real NIXL READs over UCX
+//! loopback and the real ZMQ side-channel handshake, one agent on each
+//! engine. Each test seeds a stall inside vLLM's own classes, checks that
+//! it came out as vLLM really behaves (read from what the engines did,
+//! their JSON lines, and what vLLM logged: the `target_*` checks, so the
+//! agents' verdicts stand on a checked target), then what the agents said.
 //!
 //! Every run uses a 6 s `kv_lease_duration` (heartbeats every 1 s, each
 //! extending the lease to now + 4 s), request 0 healthy first.
@@ -28,20 +28,13 @@ use stallwatch_tests::{
 
 const LEASE: f64 = 6.0;
 
-fn run(fault: &str, extra: &[&str]) -> Target {
-    let mut target = Target::start(fault, &[&["--lease", "6"], extra].concat());
-    target.go();
-    target.run_to_done(Duration::from_secs(120));
-    target
-}
-
 fn held_s(freed: &Value) -> f64 {
     freed["held_s"].as_f64().unwrap_or_else(|| panic!("no held_s: {freed}"))
 }
 
-#[test]
-fn mismatched_notification_leaves_blocks_held_to_the_lease() {
-    let target = run("mismatch", &["--count", "2", "--max-seconds", "12"]);
+/// What vLLM does with each seeded fault, checked in the test that
+/// watches it.
+fn target_mismatched_notification_leaves_blocks_held_to_the_lease(target: &Target) {
     let received = target.one("received", "req-1");
     assert_eq!(received["kv_matches"], true, "the READ itself succeeds: {received}");
     assert!(
@@ -54,9 +47,7 @@ fn mismatched_notification_leaves_blocks_held_to_the_lease() {
     assert!(target.logged("Releasing expired KV blocks for request req-1 which were retrieved by 0"));
 }
 
-#[test]
-fn heartbeats_keep_a_waiting_request_past_its_lease() {
-    let target = run("heartbeat", &["--count", "2", "--hold", "10", "--max-seconds", "12"]);
+fn target_heartbeats_keep_a_waiting_request_past_its_lease(target: &Target) {
     let extended = target.events("lease", Some("req-1")).into_iter().filter(|(_, v)| v["extended"] == true).count();
     assert!(extended >= 5, "a heartbeat about every second for 10 s, each extending the lease: {extended}");
     let held = held_s(&target.one("freed", "req-1"));
@@ -66,9 +57,7 @@ fn heartbeats_keep_a_waiting_request_past_its_lease() {
     assert!(!target.logged("Releasing expired KV blocks for request req-1"), "the lease never expired");
 }
 
-#[test]
-fn decode_read_hangs_while_the_prefill_is_stopped() {
-    let target = run("read_hung", &["--hold", "4", "--max-seconds", "12"]);
+fn target_decode_read_hangs_while_the_prefill_is_stopped(target: &Target) {
     let signal_at = |name: &str| {
         let found = target.events("signal", None).into_iter().find(|(_, v)| v["signal"] == name);
         found.unwrap_or_else(|| panic!("no {name} from the router")).0
@@ -86,9 +75,7 @@ fn decode_read_hangs_while_the_prefill_is_stopped() {
     assert!(held_s(&target.one("freed", "req-1")) >= 4.0);
 }
 
-#[test]
-fn prefill_killed_mid_read_fails_the_decode_read() {
-    let target = run("prefill_dies", &["--hold", "2", "--max-seconds", "10"]);
+fn target_prefill_killed_mid_read_fails_the_decode_read(target: &Target) {
     let posted = target.events("read_posted", Some("req-1"))[0].0;
     let killed = target.events("signal", None).into_iter().find(|(_, v)| v["signal"] == "SIGKILL");
     let killed = killed.expect("the router killed the prefill").0;
@@ -105,9 +92,7 @@ fn prefill_killed_mid_read_fails_the_decode_read() {
     assert!(target.logged("Skipping KV post-processing for failed request req-1"), "{}", target.proc.stderr());
 }
 
-#[test]
-fn aborted_decode_request_notifies_the_prefill_without_a_read() {
-    let target = run("decode_abort", &["--count", "2", "--max-seconds", "12"]);
+fn target_aborted_decode_request_notifies_the_prefill_without_a_read(target: &Target) {
     assert_eq!(target.one("aborted", "req-1")["role"], "decode");
     assert!(target.events("read_posted", Some("req-1")).is_empty(), "no READ for an aborted request");
     let held = held_s(&target.one("freed", "req-1"));
@@ -116,7 +101,7 @@ fn aborted_decode_request_notifies_the_prefill_without_a_read() {
 }
 
 // ---------------------------------------------------------------------
-// The `vllm` profile on the same target: one agent on the prefill, one on
+// The agents: one on the prefill, one on
 // the decode, each with a 2 s timeout (below the 6 s lease, as the docs
 // say it must be).
 // ---------------------------------------------------------------------
@@ -164,7 +149,8 @@ fn shown(lines: &[Line]) -> String {
 
 #[test]
 fn a_read_hung_on_a_stopped_prefill_stalls_the_decodes_read_with_the_request_id() {
-    let (_target, _prefill, decode) = watched("read_hung", &["--hold", "4", "--max-seconds", "12"]);
+    let (target, _prefill, decode) = watched("read_hung", &["--hold", "4", "--max-seconds", "12"]);
+    target_decode_read_hangs_while_the_prefill_is_stopped(&target);
     let stalled: Vec<Value> = alerts(&decode, "stalled").map(|(_, v)| v).collect();
     assert_eq!(stalled.len(), 1, "decode:\n{}", shown(&decode));
     let alert = &stalled[0];
@@ -183,7 +169,8 @@ fn a_read_hung_on_a_stopped_prefill_stalls_the_decodes_read_with_the_request_id(
 
 #[test]
 fn a_prefill_killed_mid_read_fails_the_decodes_read() {
-    let (_target, _prefill, decode) = watched("prefill_dies", &["--hold", "3", "--max-seconds", "10"]);
+    let (target, _prefill, decode) = watched("prefill_dies", &["--hold", "3", "--max-seconds", "10"]);
+    target_prefill_killed_mid_read_fails_the_decode_read(&target);
     let stalled: Vec<Value> = alerts(&decode, "stalled").map(|(_, v)| v).collect();
     assert_eq!(stalled.len(), 1, "hung while the prefill was stopped:\n{}", shown(&decode));
     assert_eq!(
@@ -197,7 +184,8 @@ fn a_prefill_killed_mid_read_fails_the_decodes_read() {
 
 #[test]
 fn heartbeats_keep_a_held_request_waited_on_past_the_timeout() {
-    let (_target, prefill, decode) = watched("heartbeat", &["--count", "2", "--hold", "10", "--max-seconds", "12"]);
+    let (target, prefill, decode) = watched("heartbeat", &["--count", "2", "--hold", "10", "--max-seconds", "12"]);
+    target_heartbeats_keep_a_waiting_request_past_its_lease(&target);
     // The prefill holds req-1 for 10 s with the decode's heartbeats: past
     // the 2 s timeout it is reported, as waited on, not abandoned.
     let stalled: Vec<Value> = alerts(&prefill, "stalled").map(|(_, v)| v).collect();
@@ -252,6 +240,7 @@ fn assert_never_read(prefill: &[Line]) -> Value {
 #[test]
 fn a_mismatched_notification_is_the_decodes_read_of_the_other_id() {
     let (target, prefill, decode) = watched("mismatch", &["--count", "2", "--max-seconds", "12"]);
+    target_mismatched_notification_leaves_blocks_held_to_the_lease(&target);
     assert!(target.logged("Potentially invalid KV blocks for unrecognized request req-1-x"));
     // The decode READ req-1-x, completed; the prefill read its notification,
     // for an id it was never seen holding (nor was req-1 seen held).
@@ -268,6 +257,7 @@ fn a_mismatched_notification_is_the_decodes_read_of_the_other_id() {
 #[test]
 fn a_decode_abort_is_its_notification_alone_and_raises_nothing() {
     let (target, prefill, decode) = watched("decode_abort", &["--count", "2", "--max-seconds", "12"]);
+    target_aborted_decode_request_notifies_the_prefill_without_a_read(&target);
     assert!(held_s(&target.one("freed", "req-1")) < LEASE / 2.0);
     assert!(alert_lines(&prefill).is_empty(), "prefill:\n{}", shown(&prefill));
     assert!(alert_lines(&decode).is_empty(), "decode:\n{}", shown(&decode));
