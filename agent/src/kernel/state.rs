@@ -543,43 +543,31 @@ impl<T: Tables> KernelState<T> {
                     self.tables.forget_alerted(&key)?;
                 }
                 match outcome {
-                    // Ended by a read of the target's memory (an error
-                    // status, or a done one where done is complete): the kernel saw no end and still holds it as
-                    // live, which the next agent would take over and end
-                    // again. Its entry, not a next lifecycle's.
                     Outcome::Released
                     | Outcome::Completed
                     | Outcome::Aborted
                     | Outcome::Failed
                     | Outcome::LeaseExpired
-                    | Outcome::KvReadAfterRelease
-                        if request.inferred.contains(request.stage) =>
-                    {
-                        if self.tables.inflight(&key)?.is_some_and(|entry| entry.first_ns <= request.last_ns) {
-                            self.tables.forget_inflight(&key)?;
+                    | Outcome::KvReadAfterRelease => {
+                        if request.inferred.contains(request.stage) {
+                            // Ended by a read of the target's memory (an
+                            // error status, or a done one where done is
+                            // complete): the kernel saw no end and still
+                            // holds it as live, which the next agent would
+                            // take over and end again. Its entry, not a
+                            // next lifecycle's.
+                            if self.tables.inflight(&key)?.is_some_and(|entry| entry.first_ns <= request.last_ns) {
+                                self.tables.forget_inflight(&key)?;
+                            }
+                        } else if marked {
+                            // The kernel already dropped it, unless it kept
+                            // it for the stall alert: collect that (not a
+                            // next lifecycle of the key that began since).
+                            if self.tables.inflight(&key)?.is_some_and(|entry| entry.ended != 0) {
+                                self.tables.forget_inflight(&key)?;
+                            }
                         }
                     }
-                    // The kernel already dropped it, unless it kept it for
-                    // the stall alert: collect that (not a next lifecycle
-                    // of the key that began since).
-                    Outcome::Released
-                    | Outcome::Completed
-                    | Outcome::Aborted
-                    | Outcome::Failed
-                    | Outcome::LeaseExpired
-                    | Outcome::KvReadAfterRelease
-                        if marked =>
-                    {
-                        if self.tables.inflight(&key)?.is_some_and(|entry| entry.ended != 0) {
-                            self.tables.forget_inflight(&key)?;
-                        }
-                    }
-                    Outcome::Released
-                    | Outcome::Completed
-                    | Outcome::Aborted
-                    | Outcome::Failed
-                    | Outcome::LeaseExpired
-                    | Outcome::KvReadAfterRelease => {}
                     Outcome::Evicted => self.tables.forget_inflight(&key)?,
                     // The kernel holds none of it (or a later lifecycle of
                     // the key, which is not this one's to drop).
