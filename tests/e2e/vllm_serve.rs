@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use stallwatch_tests::{
     Agent, Line, alerts, summary,
-    vllm_serve::{Deployment, LEASE_S, deployment, maps, rss_mib},
+    vllm_serve::{self, Deployment, LEASE_S, Stopped, deployment, maps, rss_mib},
 };
 
 const TIMEOUT: Duration = Duration::from_secs(3);
@@ -24,7 +24,7 @@ const LATENESS: Duration = Duration::from_secs(1);
 
 /// The agent on the node: every process that maps libnixl.so.
 fn node_agent() -> Agent {
-    Agent::discover(&["--lib", "libnixl.so"], "vllm", "3s", &[])
+    vllm_serve::node_agent(&["--lib", "libnixl.so"], "vllm", "3s")
 }
 
 /// The alert lines (not the summary).
@@ -157,37 +157,290 @@ fn requests_no_decode_reads_are_alerted_on_the_prefill_as_waiting_for_peer() {
     assert!(TIMEOUT.as_secs() * 2 < LEASE_S, "the test ends before vLLM frees the requests at the lease");
 }
 
-/// A request the decode reads only after the prefill's lease freed its KV
-/// (the proxy holds the decode's request LEASE_S + 3 s): vLLM answers 200
-/// from freed blocks. Today: what the agent says is printed (the alerts of
-/// that request, the summary); asserted: it is alerted `waiting_for_peer`
-/// on the prefill at the timeout, and the decode's READ of freed KV is
-/// reported (`kv_read_after_release`).
-#[test]
-fn the_decode_reading_after_the_lease_is_reported_as_a_read_of_freed_kv() {
-    let mut d = deployment();
-    let agent = node_agent();
-    let command = format!(r#"{{"cmd": "delayed", "n": 1, "delay": {}}}"#, LEASE_S + 3);
-    let requests = d.scenario(&command, Duration::from_secs(120));
-    let request = &requests[0].1;
-    eprintln!("request: {request}");
-    assert_eq!(request["decode_status"], 200, "vLLM answers a READ of freed blocks: {request}");
-    let id = request["request_id"].as_str().expect("request_id").to_owned();
-    // One timeout more for what the READ brings.
-    std::thread::sleep(TIMEOUT + LATENESS);
-    let lines = agent.stop();
-    for line in &lines {
-        if !line.text.contains("\"summary\"") {
-            eprintln!("agent: {}", line.text);
-        }
+/// Every agent line but the summary, printed (what the agent said).
+fn print_agent(lines: &[Line]) {
+    for line in lines.iter().filter(|l| !l.text.contains("\"alert\":\"summary\"")) {
+        eprintln!("agent: {}", line.text);
     }
-    let summary = summary(&lines);
+}
+
+/// The summary without its probes, printed.
+fn counts(summary: &Value) -> Value {
     let mut counts = summary.clone();
     counts.as_object_mut().expect("summary object").remove("probes");
     eprintln!("summary (no probes): {counts}");
+    counts
+}
+
+/// The summary's `keys`, for one assertion.
+fn numbers<const N: usize>(summary: &Value, keys: [&str; N]) -> [Option<u64>; N] {
+    keys.map(|k| summary[k].as_u64())
+}
+
+/// The alerts of `kind` about request `id` (its external id), with when
+/// the test saw each.
+fn about<'a>(lines: &'a [Line], kind: &'a str, id: &'a str) -> Vec<(Instant, Value)> {
+    alerts(lines, kind).filter(|(_, a)| a["external_id"] == id).collect()
+}
+
+fn pid(alert: &Value) -> u32 {
+    alert["pid"].as_u64().expect("pid") as u32
+}
+
+fn id_of(request: &Value) -> String {
+    request["request_id"].as_str().expect("request_id").to_owned()
+}
+
+/// `at` is within [`LATENESS`] of `after + delay` (either side).
+fn assert_near(what: &str, at: Instant, after: Instant, delay: Duration, alert: &Value) {
+    let took = at.saturating_duration_since(after);
+    assert!(
+        took <= delay + LATENESS && took + LATENESS >= delay,
+        "{what}: {took:?} after, not {delay:?} (+-{LATENESS:?}): {alert}"
+    );
+}
+
+/// One healthy request through both servers: it makes the prefill's engine
+/// core step, and so its worker take the notifications that came while it
+/// was idle (an idle prefill takes none).
+fn step_the_prefill(d: &mut Deployment) -> Instant {
+    let requests = d.scenario(r#"{"cmd": "healthy", "n": 1}"#, Duration::from_secs(60));
+    assert!(requests.iter().all(|(_, r)| r["error"].is_null()), "{requests:?}");
+    requests[0].0
+}
+
+/// A request the decode reads only after the prefill's lease freed its KV
+/// (the proxy holds the decode's request LEASE_S + 3 s): vLLM answers 200
+/// from freed blocks. The prefill's request is alerted `stalled`
+/// `waiting_for_peer` at the timeout, then ends `lease_expired` on the
+/// prefill's engine core LEASE_S after its engine output; the decode's READ
+/// ends `kv_read_after_release` on the decode's worker. The prefill takes
+/// the READ's notification only when its engine core steps (an idle prefill
+/// does not): one healthy request after it makes it step, and that
+/// notification, a lifecycle of its own on the prefill with the same
+/// external id, ends `kv_read_after_release` too.
+#[test]
+fn the_decode_reading_after_the_lease_is_reported_as_a_read_of_freed_kv() {
+    let started = Instant::now();
+    let mut d = deployment();
+    let (prefill, decode) = (d.prefill.pids(), d.decode.pids());
+    let agent = node_agent();
+    let from = d.send(&format!(r#"{{"cmd": "delayed", "n": 1, "delay": {}}}"#, LEASE_S + 3));
+    let (answered, _) = d.event("prefill", Duration::from_secs(60));
+    let requests = d.done(from, Duration::from_secs(120));
+    let (read_answered, request) = &requests[0];
+    eprintln!("request: {request}");
+    assert_eq!(request["decode_status"], 200, "vLLM answers a READ of freed blocks: {request}");
+    let id = id_of(request);
+    let kicked = step_the_prefill(&mut d);
+    let mut seen = Vec::new();
+    agent.wait_until("the lease's end and both reads of freed KV", TIMEOUT + LATENESS, &mut seen, |seen| {
+        !about(seen, "lease_expired", &id).is_empty() && about(seen, "kv_read_after_release", &id).len() >= 2
+    });
+    let lines = [seen, agent.stop()].concat();
+    print_agent(&lines);
+    let summary = counts(&summary(&lines));
+
+    let [(stalled_at, stalled)] = &about(&lines, "stalled", &id)[..] else { panic!("one stall of {id}") };
+    assert_eq!((stalled["class"].as_str(), pid(stalled)), (Some("waiting_for_peer"), prefill.engine_core), "{stalled}");
+    assert!(stalled["vllm_decode"].as_str().is_some_and(|v| v.starts_with("never read")), "{stalled}");
+    assert_near("stalled", *stalled_at, answered, TIMEOUT, stalled);
+
+    let [(expired_at, expired)] = &about(&lines, "lease_expired", &id)[..] else { panic!("one lease end of {id}") };
+    assert_eq!(pid(expired), prefill.engine_core, "{expired}");
+    assert_near("lease_expired", *expired_at, answered, Duration::from_secs(LEASE_S), expired);
+
+    let reads = about(&lines, "kv_read_after_release", &id);
+    let on = |p: u32| reads.iter().find(|(_, a)| pid(a) == p).unwrap_or_else(|| panic!("none on pid {p}: {reads:?}"));
+    let (decode_at, on_decode) = on(decode.worker);
+    assert!(*decode_at <= *read_answered + LATENESS, "the decode's READ of freed KV reported late: {on_decode}");
+    let (prefill_at, on_prefill) = on(prefill.engine_core);
+    assert!(*prefill_at <= kicked + LATENESS, "the prefill's notification reported late: {on_prefill}");
+    assert_eq!(reads.len(), 2, "{reads:?}");
+
     let raised = ours(&d, alert_lines(&lines));
-    let of = |kind: &str| raised.iter().filter(|a| a["alert"] == kind && a["external_id"] == id.as_str()).count();
-    assert_eq!(of("stalled"), 1, "{raised:?}");
-    assert!(summary["lease_expired"].as_u64() >= Some(1), "{counts}");
-    assert!(summary["kv_read_after_release"].as_u64() >= Some(1), "{counts}");
+    assert_eq!(raised.len(), 4, "only the stall, the lease's end and the two reads of freed KV: {raised:?}");
+    // 5 lifecycles: the prefill's request (lease_expired), the decode's READ
+    // and the prefill's notification of it (kv_read_after_release each), and
+    // the request that made the prefill step (held and released, READ).
+    let keys = ["seen", "completed", "stalled", "lease_expired", "kv_read_after_release", "in_flight", "lost_events"];
+    let expected = [Some(5), Some(2), Some(1), Some(1), Some(2), Some(0), Some(0)];
+    assert_eq!(numbers(&summary, keys), expected, "{summary}");
+    eprintln!("took {:.1?}", started.elapsed());
+}
+
+/// The decode's engine core SIGSTOPped, 2 requests through the proxy: the
+/// prefill answers them, the decode (whose engine core schedules its READs)
+/// hangs. Each is alerted on the prefill's engine core `stalled`
+/// `waiting_for_peer`, "never read", at the timeout after the prefill's
+/// answer. SIGCONT: the decode reads them and answers 200; the prefill,
+/// holding them, steps and takes their notifications: each `recovered`,
+/// released, before the decode's answer reaches the proxy (+1 s).
+#[test]
+fn the_decode_engine_core_stopped_leaves_the_prefills_requests_never_read_until_it_resumes() {
+    let started = Instant::now();
+    let mut d = deployment();
+    let prefill = d.prefill.pids();
+    let agent = node_agent();
+    let stopped = Stopped::new(d.decode.pids().engine_core);
+    let from = d.send(r#"{"cmd": "healthy", "n": 2}"#);
+    let answered = [d.event("prefill", Duration::from_secs(60)), d.event("prefill", Duration::from_secs(60))];
+    let mut seen = Vec::new();
+    agent.wait_alerts("stalled", 2, TIMEOUT + LATENESS * 3, &mut seen);
+    drop(stopped);
+    let requests = d.done(from, Duration::from_secs(60));
+    assert!(requests.iter().all(|(_, r)| r["decode_status"] == 200), "{requests:?}");
+    let ids: Vec<String> = requests.iter().map(|(_, r)| id_of(r)).collect();
+    agent.wait_until("both recovered", TIMEOUT, &mut seen, |seen| {
+        ids.iter().all(|id| !about(seen, "recovered", id).is_empty())
+    });
+    let lines = [seen, agent.stop()].concat();
+    print_agent(&lines);
+    let summary = counts(&summary(&lines));
+    for (answered_at, answer) in &answered {
+        let id = id_of(answer);
+        let [(at, stalled)] = &about(&lines, "stalled", &id)[..] else { panic!("one stall of {id}") };
+        assert_eq!(
+            (stalled["class"].as_str(), pid(stalled)),
+            (Some("waiting_for_peer"), prefill.engine_core),
+            "{stalled}"
+        );
+        assert!(stalled["vllm_decode"].as_str().is_some_and(|v| v.starts_with("never read")), "{stalled}");
+        assert_near("stalled", *at, *answered_at, TIMEOUT, stalled);
+        let [(at, recovered)] = &about(&lines, "recovered", &id)[..] else { panic!("one recovery of {id}") };
+        assert_eq!((recovered["class"].as_str(), pid(recovered)), (Some("waiting_for_peer"), prefill.engine_core));
+        assert_eq!(recovered["stage"], "released", "{recovered}");
+        let (decoded, _) = requests.iter().find(|(_, r)| r["request_id"] == id.as_str()).expect("its request line");
+        assert!(*at <= *decoded + LATENESS, "{recovered} reported late");
+    }
+    let raised = ours(&d, alert_lines(&lines));
+    assert_eq!(raised.len(), 4, "only the two stalls and their recoveries: {raised:?}");
+    // 2 requests, each held then released on the prefill and READ by the
+    // decode.
+    let keys = ["seen", "completed", "stalled", "recovered", "in_flight", "lost_events", "lease_expired"];
+    assert_eq!(numbers(&summary, keys), [Some(4), Some(4), Some(2), Some(2), Some(0), Some(0), Some(0)], "{summary}");
+    eprintln!("took {:.1?}", started.elapsed());
+}
+
+/// A request through both servers with the prefill's engine core (or more)
+/// stopped from the prefill's answer on, the decode's request sent 1.5 s
+/// later (the proxy's `delayed`). First one healthy request, before the
+/// agent: the decode's NIXL handshake with this prefill is served by the
+/// prefill's ENGINE CORE (vLLM 0.32.0,
+/// distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py:
+/// `_nixl_handshake_listener` runs in the scheduler's process, "the same
+/// process that stamps the block expiry deadline"), and the decode's worker
+/// caches it per engine id (pull_worker.py `_read_blocks_for_req`); a
+/// decode meeting the prefill first while its engine core is stopped would
+/// wait in the handshake and never start its READ. Returns the request's
+/// prefill answer (when the test saw it, its id) and the `Stopped` guards.
+fn stopped_after_the_answer(d: &mut Deployment, pids: &[u32]) -> (usize, Instant, String, Vec<Stopped>) {
+    let from = d.send(r#"{"cmd": "delayed", "n": 1, "delay": 1.5}"#);
+    let (answered, request) = d.event("prefill", Duration::from_secs(60));
+    let stopped = pids.iter().map(|&p| Stopped::new(p)).collect();
+    (from, answered, id_of(&request), stopped)
+}
+
+/// The prefill's engine core SIGSTOPped after its answer, before the decode
+/// reads: the decode's READ is served by the prefill's worker (its NIXL
+/// agent, UCX progress) and completes, the decode answers 200; the prefill's
+/// worker takes the READ's notification only when its engine core steps, so
+/// the request is alerted on the prefill's engine core `stalled`
+/// `waiting_for_peer` at the timeout, its `vllm_decode` saying "read: the
+/// decode (pid N) finished its READ ..." (not "never read"). SIGCONT: the
+/// engine core, holding a request, steps at once (measured: no other
+/// request needed), its worker takes the notification: `recovered`,
+/// released.
+#[test]
+fn the_prefill_engine_core_stopped_while_the_decode_reads_is_told_apart_from_never_read() {
+    let started = Instant::now();
+    let mut d = deployment();
+    let (prefill, decode) = (d.prefill.pids(), d.decode.pids());
+    step_the_prefill(&mut d);
+    let agent = node_agent();
+    let (from, answered, id, stopped) = stopped_after_the_answer(&mut d, &[prefill.engine_core]);
+    let requests = d.done(from, Duration::from_secs(60));
+    assert_eq!(requests[0].1["decode_status"], 200, "the decode read with the engine core stopped: {requests:?}");
+    let mut seen = Vec::new();
+    agent.wait_until("the stall", TIMEOUT + LATENESS * 2, &mut seen, |seen| !about(seen, "stalled", &id).is_empty());
+    drop(stopped);
+    let resumed = Instant::now();
+    agent.wait_until("the recovery", TIMEOUT, &mut seen, |seen| !about(seen, "recovered", &id).is_empty());
+    let lines = [seen, agent.stop()].concat();
+    print_agent(&lines);
+    let summary = counts(&summary(&lines));
+    let [(at, stalled)] = &about(&lines, "stalled", &id)[..] else { panic!("one stall of {id}") };
+    assert_eq!(stalled["class"], "waiting_for_peer", "{stalled}");
+    assert_eq!(pid(stalled), prefill.engine_core, "{stalled}");
+    let read = format!("read: the decode (pid {}) finished its READ", decode.worker);
+    assert!(stalled["vllm_decode"].as_str().is_some_and(|v| v.starts_with(&read)), "{stalled}");
+    assert_near("stalled", *at, answered, TIMEOUT, stalled);
+    let [(at, recovered)] = &about(&lines, "recovered", &id)[..] else { panic!("one recovery of {id}") };
+    assert_eq!((pid(recovered), recovered["stage"].as_str()), (prefill.engine_core, Some("released")), "{recovered}");
+    assert!(*at <= resumed + LATENESS, "recovered {:?} after SIGCONT: {recovered}", at.duration_since(resumed));
+    let raised = ours(&d, alert_lines(&lines));
+    assert_eq!(raised.len(), 2, "only the stall and its recovery: {raised:?}");
+    // The prefill's request and the decode's READ.
+    let keys = ["seen", "completed", "stalled", "recovered", "in_flight", "lost_events", "lease_expired"];
+    assert_eq!(numbers(&summary, keys), [Some(2), Some(2), Some(1), Some(1), Some(0), Some(0), Some(0)], "{summary}");
+    eprintln!("took {:.1?}", started.elapsed());
+}
+
+/// The prefill's engine core AND worker SIGSTOPped after its answer, before
+/// the decode reads: nothing serves the decode's READ (UCX over TCP needs the
+/// prefill's worker to progress). The decode's READ is alerted on the
+/// decode's worker `stalled` `transfer_hung` (verdict `peer_unresponsive`)
+/// with the request id, 1.5 s + timeout after the prefill's answer; the
+/// prefill's request `stalled` `waiting_for_peer` on its engine core at the
+/// timeout, its `vllm_decode` naming the decode whose READ of it is posted
+/// (the same agent saw the decode's worker post it 1.5 s before). SIGCONT
+/// both: the READ completes, the decode answers 200, the prefill takes the
+/// notification; both `recovered`, released.
+#[test]
+fn the_prefill_engine_core_and_worker_stopped_hang_the_decodes_read() {
+    let started = Instant::now();
+    let mut d = deployment();
+    let (prefill, decode) = (d.prefill.pids(), d.decode.pids());
+    step_the_prefill(&mut d);
+    let agent = node_agent();
+    let (from, answered, id, stopped) = stopped_after_the_answer(&mut d, &[prefill.engine_core, prefill.worker]);
+    let mut seen = Vec::new();
+    agent.wait_until("both stalls", Duration::from_millis(1500) + TIMEOUT + LATENESS * 2, &mut seen, |seen| {
+        about(seen, "stalled", &id).len() >= 2
+    });
+    drop(stopped);
+    let resumed = Instant::now();
+    let requests = d.done(from, Duration::from_secs(60));
+    assert_eq!(requests[0].1["decode_status"], 200, "{requests:?}");
+    agent.wait_until("both recoveries", TIMEOUT, &mut seen, |seen| about(seen, "recovered", &id).len() >= 2);
+    let lines = [seen, agent.stop()].concat();
+    print_agent(&lines);
+    let summary = counts(&summary(&lines));
+    let stalls = about(&lines, "stalled", &id);
+    let on = |p: u32| stalls.iter().find(|(_, a)| pid(a) == p).unwrap_or_else(|| panic!("none on {p}: {stalls:?}"));
+    let (at, hung) = on(decode.worker);
+    assert_eq!(hung["class"], "transfer_hung", "{hung}");
+    assert_eq!(hung["vllm_request_id"], id.as_str(), "{hung}");
+    assert_eq!(hung["transport"]["verdict"], "peer_unresponsive", "{hung}");
+    assert_near("the decode's stall", *at, answered, Duration::from_millis(1500) + TIMEOUT, hung);
+    let (at, held) = on(prefill.engine_core);
+    assert_eq!(held["class"], "waiting_for_peer", "{held}");
+    assert_near("the prefill's stall", *at, answered, TIMEOUT, held);
+    for (at, recovered) in about(&lines, "recovered", &id) {
+        assert_eq!(recovered["stage"], "released", "{recovered}");
+        assert!(at <= resumed + LATENESS, "recovered {:?} after SIGCONT: {recovered}", at.duration_since(resumed));
+    }
+    let raised = ours(&d, alert_lines(&lines));
+    assert_eq!(raised.len(), 4, "only the two stalls and their recoveries: {raised:?}");
+    let keys = ["seen", "completed", "stalled", "recovered", "in_flight", "lost_events", "lease_expired"];
+    assert_eq!(numbers(&summary, keys), [Some(2), Some(2), Some(2), Some(2), Some(0), Some(0), Some(0)], "{summary}");
+    // Last (the rest is asserted first): what the prefill says of a request
+    // whose READ the decode has posted.
+    let verdict = held["vllm_decode"].as_str().unwrap_or_default();
+    assert!(
+        verdict.starts_with("being read") && verdict.contains(&format!("pid {}", decode.worker)),
+        "the decode (pid {}) posted its READ of {id} before this verdict: {held}",
+        decode.worker
+    );
+    eprintln!("took {:.1?}", started.elapsed());
 }

@@ -22,7 +22,7 @@ use std::{
 
 use serde_json::Value;
 
-use crate::{Line, Proc, require_root, root, vllm_serve_python, wait_for};
+use crate::{Agent, Line, Proc, agent_bin, require_root, root, test_bpf_dir, test_socket, vllm_serve_python, wait_for};
 
 /// The prefill's `kv_lease_duration` (s): how long it keeps a request's KV
 /// blocks for a decode that has not read them (vLLM's default is 30 s).
@@ -77,6 +77,38 @@ impl Server {
         let out = Command::new("ps").args(["-o", "pid,ppid,rss,comm,args", "-p", &list]).output().expect("ps");
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
+}
+
+/// How long an agent on the node may take to attach to every process of
+/// both servers: 6 processes, 10-18 probes each; measured 5-25 s a process
+/// while the machine's other core built and tested the agent.
+const ATTACH_WITHIN: Duration = Duration::from_secs(180);
+
+/// `stallwatch run` on the node, found by discovery (`selectors`, no
+/// `--pid`), with the `profile` and `timeout`, JSON output, its own query
+/// socket and bpf directory: [`Agent::discover`] with room for a slow
+/// attach (within 180 s). Ready once it serves its query socket.
+pub fn node_agent(selectors: &[&str], profile: &str, timeout: &str) -> Agent {
+    let bpf_dir = test_bpf_dir();
+    let mut command = Command::new(agent_bin());
+    command
+        .arg("run")
+        .args(selectors)
+        .args(["--profile", profile, "--timeout", timeout, "--output", "json"])
+        .arg("--socket")
+        .arg(test_socket())
+        .arg("--bpf-dir")
+        .arg(&bpf_dir);
+    for (name, _) in std::env::vars() {
+        if name.starts_with("OTEL_") || name.starts_with("K8S_") {
+            command.env_remove(name);
+        }
+    }
+    let started = Instant::now();
+    let agent = Agent { proc: Proc::spawn("stallwatch", &mut command), bpf_dir: Some(bpf_dir) };
+    agent.proc.wait_stderr("serving `stallwatch inflight`", ATTACH_WITHIN);
+    eprintln!("the agent attached in {:.1?}", started.elapsed());
+    agent
 }
 
 /// The prefill and decode servers, the model they serve and the proxy.
@@ -160,12 +192,60 @@ impl Deployment {
     /// Run one proxy command (`{"cmd": ...}`) to its `done` line; its
     /// `request` lines with when the test saw each.
     pub fn scenario(&mut self, command: &str, within: Duration) -> Vec<(Instant, Value)> {
+        let from = self.send(command);
+        self.done(from, within)
+    }
+
+    /// Send one proxy command without waiting for it; where its lines start
+    /// in [`Self::lines`] (for [`Self::done`]).
+    pub fn send(&mut self, command: &str) -> usize {
         self.proxy.write_line(command);
-        let from = self.lines.len();
-        self.proxy.until_event("done", within, &mut self.lines);
+        self.lines.len()
+    }
+
+    /// The proxy's next line whose `event` is `event` (`prefill`, `request`,
+    /// `done`), with when the test saw it; the lines before it kept.
+    pub fn event(&mut self, event: &str, within: Duration) -> (Instant, Value) {
+        let value = self.proxy.until_event(event, within, &mut self.lines);
+        (self.lines.last().expect("the line just read").at, value)
+    }
+
+    /// Read the command sent at `from` (see [`Self::send`]) to its `done`
+    /// line; its `request` lines with when the test saw each.
+    pub fn done(&mut self, from: usize, within: Duration) -> Vec<(Instant, Value)> {
+        if !self.lines[from..].iter().any(|l| l.json().is_some_and(|v| v["event"] == "done")) {
+            self.proxy.until_event("done", within, &mut self.lines);
+        }
         let lines = &self.lines[from..];
         lines.iter().filter_map(|l| l.json().filter(|v| v["event"] == "request").map(|v| (l.at, v))).collect()
     }
+}
+
+/// A process stopped (SIGSTOP) until this is dropped (SIGCONT), so a test
+/// that fails leaves the shared deployment running.
+pub struct Stopped(u32);
+
+impl Stopped {
+    /// Stop `pid` and wait until the kernel says it is stopped.
+    pub fn new(pid: u32) -> Self {
+        // SAFETY: kill(2) on a process of the deployment this binary started.
+        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        wait_for(&format!("pid {pid} stopped"), Duration::from_secs(5), || (state(pid) == Some('T')).then_some(()));
+        Self(pid)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        // SAFETY: as in `new`.
+        unsafe { libc::kill(self.0 as i32, libc::SIGCONT) };
+    }
+}
+
+/// The process's state letter (/proc/PID/stat: `R`, `S`, `T` ...).
+fn state(pid: u32) -> Option<char> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().next()?.chars().next()
 }
 
 /// A server spawned, not yet known to answer.

@@ -31,6 +31,10 @@ Output, one JSON object per line on stdout:
    in X-Request-Id), "prefill_sent", "prefill_answered", "prefill_status",
    "decode_sent", "decode_answered", "decode_status", "text", "error"}
    (times: Unix seconds; decode_* null for prefill_only)
+  {"event": "prefill", "cmd", "seq", "request_id", "x_request_id",
+   "prefill_answered"}                      as soon as the prefill answered a
+                                            request (before its decode is
+                                            sent): tests stop a process there
   {"event": "done", "cmd", "n", "ok"}       after the last request of a command
 
 Usage: python proxy.py --prefill http://127.0.0.1:P --decode http://127.0.0.1:D
@@ -109,6 +113,8 @@ def one(args, model, cmd, delay):
             rec["error"] = f"prefill answered {status} without kv_transfer_params: {str(body)[:300]}"
             return rec
         rec["request_id"] = params.get("remote_request_id")
+        emit({"event": "prefill", "cmd": cmd, "seq": seq, "request_id": rec["request_id"],
+              "x_request_id": x_id, "prefill_answered": rec["prefill_answered"]})
         if cmd == "prefill_only":
             return rec
         if delay:

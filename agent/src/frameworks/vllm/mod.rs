@@ -627,6 +627,7 @@ impl Framework for Vllm {
             fields.push(("vllm_lease_left_s", secs(now, deadline)));
         }
         let read = self.reads_done.get(id);
+        let reading = self.transfers.iter().find(|(_, transfer)| transfer.read && &*transfer.id == id);
         let waited_on = held.waited_on(now, now.saturating_sub(request.last_ns));
         let verdict = if let Some(read) = read {
             &*format!(
@@ -634,6 +635,12 @@ impl Framework for Vllm {
                  notification (its engine core does not step: stopped, or busy?)",
                 read.decode,
                 secs(read.at_ns, now)
+            )
+        } else if let Some(((decode, handle), transfer)) = reading {
+            &*format!(
+                "being read: the decode (pid {decode}) made its READ {} s ago and it has not completed (handle \
+                 {handle:#x}: its own alert says where it stopped)",
+                secs(transfer.made_ns, now)
             )
         } else if waited_on {
             "waited on: the decode still sends heartbeats for it"

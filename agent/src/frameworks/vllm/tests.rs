@@ -404,7 +404,14 @@ fn a_read_ending_after_its_own_release_is_none_of_freed_kv_and_one_not_taken_say
     assert_eq!(vllm.pending().map(|o| o.stage), Some(Stage::Released));
     let done = vllm.handle(40, read(0xa0, Stage::Released, 101 * S + S / 10, None)).expect("passed on");
     assert_eq!(done.ends, None, "released after the prefill's release, made before it");
-    // req-2's READ completes, but the prefill takes no notification (its
+    // req-2's READ is made and hangs: the prefill's alert says it is
+    // being read, not never read.
+    vllm.creating.insert((4, 40), (NIXL_READ, "prefill-agent".into()));
+    vllm.handle(40, read(0xb0, Stage::Enqueued, 102 * S, Some("req-2:1")));
+    let fields: HashMap<_, _> = vllm.context(&snapshot(9, "req-2", 100 * S)).into_iter().collect();
+    assert!(fields["vllm_decode"].starts_with("being read: the decode (pid 4) made its READ"), "{fields:?}");
+    assert!(fields["vllm_decode"].contains("handle 0xb0"), "{fields:?}");
+    // Then it completes, but the prefill takes no notification (its
     // engine core does not step): its alert says it was read.
     vllm.creating.insert((4, 40), (NIXL_READ, "prefill-agent".into()));
     vllm.handle(40, read(0xb0, Stage::Enqueued, 102 * S, Some("req-2:1")));
