@@ -7,7 +7,7 @@ use stallwatch_common::MAX_SLOTS;
 use crate::{
     profile::{self, Profile, plan::ProbePoint, roles::Deployment},
     util::{
-        lineage::{Generation, Lineage, descendants},
+        lineage::{Generation, Lineage},
         text,
     },
 };
@@ -22,7 +22,7 @@ pub struct Family {
 impl Family {
     pub fn read(profile: &Profile, pid: u32) -> Self {
         let lineage = Lineage::read(pid);
-        let descendants = Deployment::server_pid(profile, &lineage).map(descendants).unwrap_or_default();
+        let descendants = Deployment::family(profile, &lineage);
         Self { lineage, descendants }
     }
 }

@@ -4,7 +4,7 @@
 //! engine core and a worker per rank, each retitled: the one an operator
 //! finds first is rarely the one, or the only one, where the probes fire.
 use super::{ProcessRole, Profile};
-use crate::util::lineage::{Generation, Lineage};
+use crate::util::lineage::{Generation, Lineage, descendants};
 
 /// A process seen through the profile's `[[process]]` tables.
 #[derive(Debug)]
@@ -53,6 +53,13 @@ impl<'a> Deployment<'a> {
     pub fn server_pid(profile: &Profile, lineage: &Lineage) -> Option<u32> {
         let mut known = lineage.iter().filter(|g| profile.role_of(&g.args).is_some());
         known.next_back().or_else(|| lineage.iter().next()).map(|g| g.pid)
+    }
+
+    /// The server process of the process `lineage` starts with and every
+    /// process descending from it, read from `/proc` now (blocking: off
+    /// the event loop).
+    pub fn family(profile: &Profile, lineage: &Lineage) -> Vec<Generation> {
+        Self::server_pid(profile, lineage).map(descendants).unwrap_or_default()
     }
 
     /// Whether watching this process alone misses part of its requests'

@@ -7,10 +7,7 @@ use tracing::warn;
 
 use crate::{
     profile::{Profile, plan::READ_DEADLINE, roles::Deployment},
-    util::{
-        lineage::{Lineage, descendants},
-        text,
-    },
+    util::{lineage::Lineage, text},
 };
 
 /// Warn when the process `lineage` starts with is one of several of its
@@ -23,7 +20,7 @@ pub async fn warn_if_partial(profile: &Profile, lineage: &Lineage) {
     }
     let (profile, lineage) = (profile.clone(), lineage.clone());
     let said = spawn_blocking(move || {
-        let family = descendants(Deployment::server_pid(&profile, &lineage)?);
+        let family = Deployment::family(&profile, &lineage);
         let deployment = Deployment::of(&profile, &lineage, &family)?;
         if !deployment.partial() {
             return None;

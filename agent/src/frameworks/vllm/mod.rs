@@ -156,6 +156,17 @@ struct Held {
 }
 
 impl Held {
+    /// When the agent takes the prefill to have freed it unread: its
+    /// lease's deadline and the grace after it ([`LEASE_GRACE_NS`]).
+    fn freed_at(&self) -> Option<u64> {
+        self.deadline_ns.map(|deadline| deadline.saturating_add(LEASE_GRACE_NS))
+    }
+
+    /// Whether its lease ran out by `ts_ns`.
+    fn lapsed_by(&self, ts_ns: u64) -> bool {
+        self.freed_at().is_some_and(|freed| freed <= ts_ns)
+    }
+
     /// Whether the decode still waits on the request at `now`: its last
     /// heartbeat came within twice the interval its heartbeats keep
     /// (kv_lease_duration/6), or with one heartbeat seen, within the
@@ -323,12 +334,8 @@ impl Vllm {
     /// passed before `ts_ns`: the prefill freed its blocks unread. Whether
     /// it did.
     fn lapse(&mut self, pid: u32, key: u64, ts_ns: u64) -> bool {
-        let lapsed = self
-            .held
-            .get(&(pid, key))
-            .and_then(|(_, held)| held.deadline_ns)
-            .filter(|&deadline| deadline.saturating_add(LEASE_GRACE_NS) <= ts_ns);
-        let Some(deadline) = lapsed else { return false };
+        let lapsed = self.held.get(&(pid, key)).filter(|(_, held)| held.lapsed_by(ts_ns));
+        let Some(deadline) = lapsed.and_then(|(_, held)| held.deadline_ns) else { return false };
         let Some((id, _)) = self.held.remove(&(pid, key)) else { return false };
         self.pending.push_back(Observation {
             pid,
@@ -350,9 +357,7 @@ impl Vllm {
             return true;
         }
         let key = key_of(id);
-        self.held.iter().any(|(&(_, k), (_, held))| {
-            k == key && held.deadline_ns.is_some_and(|deadline| deadline.saturating_add(LEASE_GRACE_NS) <= ts_ns)
-        })
+        self.held.iter().any(|(&(_, k), (_, held))| k == key && held.lapsed_by(ts_ns))
     }
 
     /// A consumer's notification for request `id`, which the prefill
@@ -698,12 +703,8 @@ impl Framework for Vllm {
 
     /// Every held request past its lease at `now` ends `lease_expired`.
     fn expire(&mut self, now_ns: u64) {
-        let lapsed: Vec<(u32, u64)> = self
-            .held
-            .iter()
-            .filter(|(_, (_, held))| held.deadline_ns.is_some_and(|d| d.saturating_add(LEASE_GRACE_NS) <= now_ns))
-            .map(|(&key, _)| key)
-            .collect();
+        let lapsed: Vec<(u32, u64)> =
+            self.held.iter().filter(|(_, (_, held))| held.lapsed_by(now_ns)).map(|(&key, _)| key).collect();
         for (pid, key) in lapsed {
             self.lapse(pid, key, now_ns);
         }
@@ -712,7 +713,7 @@ impl Framework for Vllm {
     /// The earliest lease to run out. A scan: a prefill holds a few
     /// hundred requests at most, and this runs once a wake.
     fn next_expiry(&self) -> Option<u64> {
-        self.held.values().filter_map(|(_, held)| held.deadline_ns).min().map(|d| d.saturating_add(LEASE_GRACE_NS))
+        self.held.values().filter_map(|(_, held)| held.freed_at()).min()
     }
 
     fn forget(&mut self, pid: u32) {
