@@ -181,6 +181,67 @@ fn a_stall_that_begins_while_no_agent_runs_is_reported_by_the_next_once() {
     assert_eq!(summary(&lines)["lost_events"], 0, "{}", summary(&lines));
 }
 
+/// A restart inside the timeout: 40 requests pinned (half never posted,
+/// half hung), the agent SIGKILLed a moment later, well before any stall
+/// is due, and the next agent started on the same bpf directory. It takes
+/// the previous agent's verified programs over (no verifier pass, which
+/// alone took 1 to 5 s of a start on this host) and reports every request
+/// once, each within the timeout plus 1 s of its own last activity: the
+/// restart makes no stall later.
+#[test]
+fn forty_requests_held_across_a_restart_are_each_reported_within_a_second_of_their_timeout() {
+    const HELD: usize = 40;
+    const TIMEOUT_3S: Duration = Duration::from_secs(3);
+    require_root();
+    let dir = test_bpf_dir();
+    let _cleanup = Cleanup(&dir);
+    let mut demo = Demo::start(&[
+        "--rate",
+        "500",
+        "--duration",
+        "30s",
+        "--inject-after",
+        "300ms",
+        "--waiting-for-peer",
+        "20",
+        "--transfer-hung",
+        "20",
+    ]);
+    let pid = demo.proc.pid();
+    let first = Agent::watch_on(pid, &dir, "3s", &[]);
+    demo.go();
+    let injected = demo.wait_injected(HELD, &mut Vec::new());
+    crash(first);
+    let restarted = Instant::now();
+    let second = Agent::watch_on(pid, &dir, "3s", &[]);
+    let started = restarted.elapsed();
+    second.proc.wait_stderr("taken over from a previous agent of this build", Duration::from_secs(1));
+    let mut seen = Vec::new();
+    second.wait_alerts("stalled", HELD, TIMEOUT_3S + Duration::from_secs(5), &mut seen);
+    let lines: Vec<Line> = seen.into_iter().chain(second.stop()).collect();
+    eprintln!("the second agent was watching {started:?} after the first's kill");
+    let counts = counted(&lines, "stalled");
+    assert_eq!(counts.len(), HELD, "{counts:?}");
+    assert!(counts.values().all(|&n| n == 1), "each stall reported once: {counts:?}");
+    let mut late = Vec::new();
+    for (at, alert) in alerts(&lines, "stalled") {
+        let pinned = injected.get(&key_of(&alert)).unwrap_or_else(|| panic!("stall of a healthy request: {alert}"));
+        assert_eq!(alert["class"], pinned.stall.as_str(), "{alert}");
+        // `at` is when the test read the alert, `pinned.at` when it read
+        // the demo's line, just after the request's last event.
+        let after = at.saturating_duration_since(pinned.at);
+        assert!(
+            after + Duration::from_millis(200) >= TIMEOUT_3S,
+            "reported before its timeout: {alert} after {after:?}"
+        );
+        if after > TIMEOUT_3S + Duration::from_secs(1) {
+            late.push((after, alert));
+        }
+    }
+    assert!(late.is_empty(), "stalls later than timeout + 1 s across the restart: {late:?}");
+    assert_eq!(summary(&lines)["lost_events"], 0, "{}", summary(&lines));
+}
+
 #[test]
 fn sigterm_hands_over_a_second_agent_is_refused_and_state_clear_detaches() {
     require_root();

@@ -1,15 +1,17 @@
-//! The kernel interface: the eBPF object and its slots ([`probes`]), what
+//! The kernel interface: the eBPF object and its slots ([`probes`]), its
+//! programs verified once per build ([`programs`]), what
 //! outlives an agent for the next one ([`state`]), the ring-buffer reader
 //! ([`ring`]) and how a kernel record reads as an observation ([`decode`]).
 //!
 //! Inside, each module uses only the ones listed before it: `decode` <-
-//! `state` <- `probes` <- `ring`; [`reactor`] registers kernel file
+//! `state` <- `programs` <- `probes` <- `ring`; [`reactor`] registers kernel file
 //! descriptors with tokio, [`caps`] says whether this process may load and
 //! attach; [`uprobe_link`] links and [`detach`] unlinks probes off the
 //! event loop (the kernel can take seconds at either).
 pub mod caps;
 pub mod decode;
 pub mod detach;
+mod programs;
 pub mod probes;
 pub mod reactor;
 pub mod ring;

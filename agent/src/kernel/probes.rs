@@ -34,7 +34,7 @@ use aya::{
     Btf, Ebpf, EbpfLoader,
     maps::{Array, MapData, PerCpuArray, PerCpuValues, RingBuf},
     programs::{
-        BtfTracePoint, UProbe,
+        BtfTracePoint,
         links::{FdLink, PinnedLink},
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeScope},
     },
@@ -45,6 +45,7 @@ use tracing::{debug, info, warn};
 use super::{
     caps::{CAP_SYS_ADMIN, Caps},
     detach::{Detached, Detaching, Detachings, drop_all, drop_together},
+    programs::{self, Programs},
     state::{BpfDir, BpfTables, KernelState, OldLink, PINNED_MAPS},
     uprobe_link::{Linked, Opening, Openings, UprobeLink},
 };
@@ -59,8 +60,8 @@ pub fn ebpf_object() -> &'static [u8] {
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/stallwatch"))
 }
 
-const ENTRY_PROGRAM: &str = "lifecycle_entry";
-const RETURN_PROGRAM: &str = "lifecycle_return";
+const ENTRY_PROGRAM: &str = programs::ENTRY;
+const RETURN_PROGRAM: &str = programs::RETURN;
 const EXEC_PROGRAM: &str = "process_exec";
 
 /// What a slot's hits mean.
@@ -122,6 +123,8 @@ impl Link {
 /// The loaded eBPF object, its slots and their attachments.
 pub struct Probes {
     ebpf: Ebpf,
+    /// The lifecycle programs probes are linked to.
+    programs: Programs,
     slots_map: Array<MapData, SlotConfig>,
     counters: PerCpuArray<MapData, u64>,
     hits: PerCpuArray<MapData, u64>,
@@ -177,11 +180,7 @@ impl Probes {
                  CAP_PERFMON) and a kernel with BPF ring buffers (5.8+){stale}"
             )
         })?;
-        for name in [ENTRY_PROGRAM, RETURN_PROGRAM] {
-            let program: &mut UProbe =
-                ebpf.program_mut(name).ok_or_else(|| anyhow!("the eBPF object has no program `{name}`"))?.try_into()?;
-            program.load().with_context(|| format!("the kernel verifier rejected `{name}`"))?;
-        }
+        let programs = Programs::load(&mut ebpf, ebpf_object(), dir.as_ref())?;
         let slots_map = Array::try_from(take_map(&mut ebpf, "SLOTS")?)?;
         let counters = PerCpuArray::try_from(take_map(&mut ebpf, "COUNTERS")?)?;
         let hits = PerCpuArray::try_from(take_map(&mut ebpf, "HITS")?)?;
@@ -192,6 +191,7 @@ impl Probes {
         };
         let mut probes = Self {
             ebpf,
+            programs,
             slots_map,
             counters,
             hits,
@@ -556,11 +556,7 @@ impl Probes {
         file_offset: u64,
     ) -> Result<UProbeLink> {
         let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).ok_or_else(|| anyhow!("pid 0 is not a process"))?);
-        let program: &mut UProbe = self
-            .ebpf
-            .program_mut(name)
-            .ok_or_else(|| anyhow!("the eBPF object has no program `{name}`"))?
-            .try_into()?;
+        let program = self.programs.get_mut(&mut self.ebpf, name)?;
         let point = UProbeAttachPoint {
             location: UProbeAttachLocation::AbsoluteOffset(file_offset),
             cookie: Some(u64::from(index)),
@@ -603,9 +599,8 @@ impl Probes {
             return Ok(None);
         }
         let program = self
-            .ebpf
-            .program(ENTRY_PROGRAM)
-            .ok_or_else(|| anyhow!("the eBPF object has no program `{ENTRY_PROGRAM}`"))?
+            .programs
+            .get_mut(&mut self.ebpf, ENTRY_PROGRAM)?
             .fd()
             .context("the entry program's fd")?
             .try_clone()

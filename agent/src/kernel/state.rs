@@ -21,7 +21,7 @@
 use std::{
     collections::HashSet,
     fs::File,
-    os::fd::AsRawFd as _,
+    os::{fd::AsRawFd as _, unix::fs::DirBuilderExt as _},
     path::{Path, PathBuf},
 };
 
@@ -47,9 +47,14 @@ const BPFFS_MOUNT: &str = "/sys/fs/bpf";
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 /// The maps a restarted agent takes over, by their names in the eBPF
-/// object. The exec ring buffer and the log buffer are per agent.
-pub const PINNED_MAPS: [&str; 10] =
-    ["EVENTS", "SLOTS", "COUNTERS", "HITS", "SEEN", "SAVED", "LAST", "INFLIGHT", "ALERTED", "CONTEXT"];
+/// object: every map the lifecycle programs use that the agent reads, so
+/// a next agent can take the programs over too ([`BpfDir::program_dir`]);
+/// the log buffer as well, since a taken-over program writes its logs to
+/// the one it was loaded with. The exec ring buffer is per agent (its
+/// program is loaded by each), and the walkers' per-CPU scratch is the
+/// programs' own.
+pub const PINNED_MAPS: [&str; 11] =
+    ["EVENTS", "SLOTS", "COUNTERS", "HITS", "SEEN", "SAVED", "LAST", "INFLIGHT", "ALERTED", "CONTEXT", "AYA_LOGS"];
 
 /// An agent's bpf directory, locked for as long as the agent runs.
 pub struct BpfDir {
@@ -101,7 +106,7 @@ impl BpfDir {
         }
         let root = dir.create_child(&format!("v{STATE_LAYOUT}"))?;
         discard_other_layouts(dir.path(), root.path())?;
-        for sub in ["maps", "links"] {
+        for sub in ["maps", "links", "programs"] {
             root.create_child(sub)?;
         }
         Ok(Self { base: dir.path().to_owned(), root: root.path().to_owned(), _lock: lock })
@@ -119,6 +124,28 @@ impl BpfDir {
     /// Where the link of `slot`'s `program` for `pid` is pinned.
     pub fn link_path(&self, slot: u32, pid: u32, program: &str) -> PathBuf {
         self.root.join("links").join(format!("slot{slot}-pid{pid}-{program}"))
+    }
+
+    /// Where the lifecycle programs of eBPF object `build` are pinned (made
+    /// now if need be, mode 0700 below this directory's trusted root),
+    /// after the programs of every other build are unpinned: only the
+    /// running build's are worth keeping, and a previous build's go on
+    /// running only as long as its links do.
+    pub fn program_dir(&self, build: &str) -> Result<PathBuf> {
+        let programs = self.root.join("programs");
+        for entry in std::fs::read_dir(&programs).with_context(|| format!("listing {}", programs.display()))? {
+            let path = entry.with_context(|| format!("listing {}", programs.display()))?.path();
+            if path.file_name().is_some_and(|name| name != build) {
+                remove_all(&path)?;
+            }
+        }
+        let dir = programs.join(build);
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Err(err) if err.kind() != std::io::ErrorKind::AlreadyExists => {
+                Err(err).with_context(|| format!("creating {}", dir.display()))
+            }
+            _ => Ok(dir),
+        }
     }
 
     /// The links pinned now (a previous agent's, before this one attaches).
