@@ -9,6 +9,11 @@
 //! libnixl.so`, no `--pid`), the `vllm` profile, a 3 s timeout (the
 //! prefill's lease is [`LEASE_S`]).
 //!
+//! The test that kills the decode runs last (libtest runs a binary's tests
+//! in name order; with `--test-threads=1` one after another): no test
+//! after it in a full run pays for the decode's restart, which
+//! [`deployment`] does for one that comes after it (a filtered run).
+//!
 //! Run: `cargo build --release -p stallwatch --bins && cargo test --release
 //! -p stallwatch-tests --test vllm_serve -- --test-threads=1` (as root).
 use std::time::{Duration, Instant};
@@ -16,7 +21,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use stallwatch_tests::{
     Agent, Line, alerts, summary,
-    vllm_serve::{self, Deployment, LEASE_S, Stopped, deployment, maps, rss_mib},
+    vllm_serve::{self, Deployment, LEASE_S, Stopped, deployment, inflight, maps, rss_mib},
 };
 
 const TIMEOUT: Duration = Duration::from_secs(3);
@@ -36,7 +41,12 @@ fn alert_lines(lines: &[Line]) -> Vec<Value> {
 /// processes of the node (the selector watches them too) printed, not
 /// judged.
 fn ours(d: &Deployment, alerts: Vec<Value>) -> Vec<Value> {
-    let pids = d.pids();
+    among(&d.pids(), alerts)
+}
+
+/// The alerts on `pids` (a deployment's processes, some maybe gone); the
+/// others printed, not judged.
+fn among(pids: &[u32], alerts: Vec<Value>) -> Vec<Value> {
     let (ours, foreign): (Vec<Value>, Vec<Value>) =
         alerts.into_iter().partition(|a| a["pid"].as_u64().is_some_and(|p| pids.contains(&(p as u32))));
     if !foreign.is_empty() {
@@ -442,5 +452,169 @@ fn the_prefill_engine_core_and_worker_stopped_hang_the_decodes_read() {
         "the decode (pid {}) posted its READ of {id} before this verdict: {held}",
         decode.worker
     );
+    eprintln!("took {:.1?}", started.elapsed());
+}
+
+/// The request `id` as the agent has it in flight now (`stallwatch
+/// inflight`), if it does.
+fn in_flight(agent: &Agent, id: &str) -> Option<Value> {
+    let now = inflight(agent);
+    now["requests"].as_array()?.iter().find(|r| r["external_id"] == id).cloned()
+}
+
+/// A field of what the agent says of a request (its alert, or its
+/// `context` in flight), as a number.
+fn number(fields: &Value, name: &str) -> f64 {
+    fields[name].as_str().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no number {name}: {fields}"))
+}
+
+/// The decode at capacity: every sequence slot (`--max-num-seqs`
+/// [`DECODE_SEQS`](vllm_serve::DECODE_SEQS)) taken by the proxy's `hog` completions, one request
+/// through the proxy. The prefill answers it; the decode queues it (vLLM's
+/// scheduler takes no request past `--max-num-seqs`, as none past its free
+/// KV blocks), so it makes no READ, but its engine core heartbeats it to
+/// the prefill every kv_lease_duration/6 (`HB:<id>` notifications, vLLM
+/// 0.32.0 nixl/base_scheduler.py `build_connector_meta`) and the
+/// prefill's worker extends its lease to 2/3 of kv_lease_duration from
+/// each (base_worker.py `_handle_heartbeat`). The request is not lost: the
+/// decode still wants it. The agent says so: the prefill's request is
+/// alerted `stalled` `waiting_for_peer` at the timeout (its user waits past
+/// it: worth an alert), its verdict "waited on" naming the decode's worker
+/// that heartbeats it; past the lease from the prefill's answer it is still
+/// held as vLLM still holds it (the agent moves its lease with the
+/// heartbeats: no `lease_expired`, which vLLM confirms by freeing nothing).
+/// The hogs released, the decode reads it and answers 200: `recovered`,
+/// released, no `kv_read_after_release`.
+#[test]
+fn the_decode_at_capacity_heartbeats_its_queued_request_past_the_timeout_and_the_lease() {
+    let started = Instant::now();
+    let mut d = deployment();
+    let (prefill, decode) = (d.prefill.pids(), d.decode.pids());
+    // The decode's NIXL handshake with the prefill is done first: its
+    // heartbeats go through from the first (the first would only start it).
+    step_the_prefill(&mut d);
+    let agent = node_agent();
+    d.hog();
+    let from = d.send(r#"{"cmd": "healthy", "n": 1}"#);
+    let (answered, request) = d.event("prefill", Duration::from_secs(60));
+    let id = id_of(&request);
+    let mut seen = Vec::new();
+    agent.wait_until("the stall", TIMEOUT + LATENESS * 2, &mut seen, |seen| !about(seen, "stalled", &id).is_empty());
+    // The scenario's point: the request held past the lease it had from
+    // the prefill's answer (time is what is awaited here).
+    std::thread::sleep((answered + Duration::from_secs(LEASE_S + 2)).saturating_duration_since(Instant::now()));
+    let held = in_flight(&agent, &id).unwrap_or_else(|| panic!("{id} no longer in flight past its first lease"));
+    eprintln!("past its first lease: {held}");
+    let full = d.unhog();
+    let requests = d.done(from, Duration::from_secs(60));
+    assert!(full, "a hog completion ended on its own: the decode had a free slot before the release");
+    let (decoded, request) = &requests[0];
+    assert_eq!(request["decode_status"], 200, "{request}");
+    agent.wait_until("the recovery", TIMEOUT, &mut seen, |seen| !about(seen, "recovered", &id).is_empty());
+    let lines = [seen, agent.stop()].concat();
+    print_agent(&lines);
+    let summary = counts(&summary(&lines));
+
+    let [(at, stalled)] = &about(&lines, "stalled", &id)[..] else { panic!("one stall of {id}") };
+    assert_eq!((stalled["class"].as_str(), pid(stalled)), (Some("waiting_for_peer"), prefill.engine_core), "{stalled}");
+    assert_near("stalled", *at, answered, TIMEOUT, stalled);
+    let waited = format!("waited on: the decode (pid {}) still sends heartbeats", decode.worker);
+    assert!(stalled["vllm_decode"].as_str().is_some_and(|v| v.starts_with(&waited)), "{stalled}");
+    assert!(number(stalled, "vllm_heartbeats") >= 1.0, "{stalled}");
+    // Past the lease from its answer: held, heartbeated, its lease moved on.
+    let context = &held["context"];
+    assert_eq!(held["class"], "waiting_for_peer", "{held}");
+    assert!(context["vllm_decode"].as_str().is_some_and(|v| v.starts_with(&waited)), "{held}");
+    assert!(number(context, "vllm_heartbeats") >= 3.0, "a heartbeat every {} s: {held}", LEASE_S / 6);
+    assert!(number(context, "vllm_lease_left_s") > 0.0, "{held}");
+    let [(at, recovered)] = &about(&lines, "recovered", &id)[..] else { panic!("one recovery of {id}") };
+    assert_eq!((pid(recovered), recovered["stage"].as_str()), (prefill.engine_core, Some("released")), "{recovered}");
+    assert!(*at <= *decoded + LATENESS, "recovered late: {recovered}");
+    // vLLM freed nothing at a lease either (it logs each request it frees
+    // so, as the next test sees).
+    let freed = format!("Releasing expired KV blocks for request {id}");
+    assert!(!d.prefill.logged(&freed), "vLLM freed {id} at its lease");
+    let raised = ours(&d, alert_lines(&lines));
+    assert_eq!(raised.len(), 2, "only the stall and its recovery: {raised:?}");
+    // The prefill's request and the decode's READ.
+    let keys = ["seen", "completed", "stalled", "recovered", "lease_expired", "kv_read_after_release", "in_flight"];
+    assert_eq!(numbers(&summary, keys), [Some(2), Some(2), Some(1), Some(1), Some(0), Some(0), Some(0)], "{summary}");
+    assert_eq!(numbers(&summary, ["lost_events", "process_exited"]), [Some(0), Some(0)], "{summary}");
+    eprintln!("took {:.1?}", started.elapsed());
+}
+
+/// The timeout of the agent watching the decode's death: long enough that
+/// the decode's first heartbeats (one every kv_lease_duration/6, 2 s) reach
+/// the prefill and the decode is killed before the requests' stalls are
+/// due.
+const KILL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The decode killed (SIGKILL to its API server, engine core and worker, as
+/// an OOM kill or a lost pod) while 2 requests wait in its queue (every
+/// sequence slot taken, [`DECODE_SEQS`](vllm_serve::DECODE_SEQS)) and it heartbeats them to the
+/// prefill. The prefill still holds them: each is alerted `stalled`
+/// `waiting_for_peer` on the prefill's engine core at the timeout after
+/// its answer, its verdict naming the decode's worker that heartbeated it
+/// and its exit (not "waited on": the heartbeats came seconds ago, from a
+/// process gone since); then vLLM's prefill frees each at its lease (from
+/// its answer: the last heartbeat's 2/3 lease ends before it) and the
+/// agent ends each `lease_expired` then. Nothing on the decode's side (no
+/// READ was made). Last in the file (libtest runs tests in name order):
+/// the next test, if any, waits for the decode to start again
+/// ([`deployment`]).
+#[test]
+fn when_the_decode_is_killed_its_queued_requests_are_abandoned_on_the_prefill_until_its_lease() {
+    let started = Instant::now();
+    let mut d = deployment();
+    let (prefill, decode) = (d.prefill.pids(), d.decode.pids());
+    let pids = d.pids();
+    step_the_prefill(&mut d);
+    let agent = vllm_serve::node_agent(&["--lib", "libnixl.so"], "vllm", "5s");
+    d.hog();
+    let from = d.send(r#"{"cmd": "healthy", "n": 2}"#);
+    let answered = [d.event("prefill", Duration::from_secs(60)), d.event("prefill", Duration::from_secs(60))];
+    let ids: Vec<String> = answered.iter().map(|(_, r)| id_of(r)).collect();
+    // The agent has seen the decode heartbeat both (it waits on them).
+    stallwatch_tests::wait_for("the decode's heartbeats of both requests", KILL_TIMEOUT, || {
+        ids.iter()
+            .all(|id| in_flight(&agent, id).is_some_and(|r| number(&r["context"], "vllm_heartbeats") >= 1.0))
+            .then_some(())
+    });
+    let killed = d.kill_decode();
+    let first = answered.iter().map(|(at, _)| *at).min().expect("two answers");
+    assert!(killed < first + KILL_TIMEOUT, "the decode was killed after the stalls were due: {:?}", killed - first);
+    let mut seen = Vec::new();
+    agent.wait_until("both lease ends", Duration::from_secs(LEASE_S) + LATENESS * 2, &mut seen, |seen| {
+        ids.iter().all(|id| !about(seen, "lease_expired", id).is_empty())
+    });
+    let requests = d.done(from, Duration::from_secs(60));
+    assert!(requests.iter().all(|(_, r)| r["decode_status"].is_null() && !r["error"].is_null()), "{requests:?}");
+    let lines = [seen, agent.stop()].concat();
+    print_agent(&lines);
+    let summary = counts(&summary(&lines));
+    let gone = format!("abandoned: the decode (pid {}) that sent its heartbeats exited", decode.worker);
+    for (answered_at, answer) in &answered {
+        let id = id_of(answer);
+        let [(at, stalled)] = &about(&lines, "stalled", &id)[..] else { panic!("one stall of {id}") };
+        assert_eq!(
+            (stalled["class"].as_str(), pid(stalled)),
+            (Some("waiting_for_peer"), prefill.engine_core),
+            "{stalled}"
+        );
+        assert!(stalled["vllm_decode"].as_str().is_some_and(|v| v.starts_with(&gone)), "{stalled}");
+        assert_near("stalled", *at, *answered_at, KILL_TIMEOUT, stalled);
+        let [(at, expired)] = &about(&lines, "lease_expired", &id)[..] else { panic!("one lease end of {id}") };
+        assert_eq!(pid(expired), prefill.engine_core, "{expired}");
+        assert_near("lease_expired", *at, *answered_at, Duration::from_secs(LEASE_S), expired);
+        // vLLM's prefill freed it too, and said so.
+        let freed = format!("Releasing expired KV blocks for request {id}");
+        stallwatch_tests::wait_for(&format!("vLLM's `{freed}`"), LATENESS * 5, || {
+            d.prefill.logged(&freed).then_some(())
+        });
+    }
+    let raised = among(&pids, alert_lines(&lines));
+    assert_eq!(raised.len(), 4, "only the two stalls and their lease ends: {raised:?}");
+    let keys = ["seen", "completed", "stalled", "lease_expired", "in_flight", "lost_events", "process_exited"];
+    assert_eq!(numbers(&summary, keys), [Some(2), Some(0), Some(2), Some(2), Some(0), Some(0), Some(0)], "{summary}");
     eprintln!("took {:.1?}", started.elapsed());
 }

@@ -33,6 +33,18 @@ const CORE: &str = "1";
 /// How long one server may take to start: 40-110 s measured alone, two
 /// at once on one core on a busy machine take longer.
 const START_WITHIN: Duration = Duration::from_secs(400);
+/// The longest sequence either server takes (the model's
+/// `max_position_embeddings`, tests/vllm/serve/make_model.py): long enough
+/// for the proxy's `hog` completions to outlast a scenario.
+const MAX_MODEL_LEN: &str = "4096";
+/// The decode's sequence slots (`--max-num-seqs`; vLLM's CPU default is
+/// 128): as many as the proxy's concurrency, so that the healthy runs never
+/// queue at the decode, and as many [`Deployment::hog`] completions fill it.
+pub const DECODE_SEQS: &str = "4";
+/// What each `hog` completion may generate: with [`DECODE_SEQS`] of them
+/// on the shared core, minutes at this machine's decode rate (the proxy
+/// reports any that ended before `unhog`).
+const HOG_TOKENS: usize = 4000;
 
 /// One `vllm serve` server.
 pub struct Server {
@@ -42,6 +54,9 @@ pub struct Server {
     pub side_channel_port: u16,
     /// How long from its spawn to its `/health` answering 200.
     pub started_in: Duration,
+    /// What vLLM logged so far (its logger writes to stdout; uvicorn and
+    /// Python's warnings to stderr, kept by [`Proc`]).
+    log: Vec<String>,
 }
 
 /// The three processes of one vLLM server (CPU, TP 1).
@@ -67,6 +82,13 @@ impl Server {
             descendants(engine_core).into_iter().find(|&p| title(p).starts_with("VLLM::Worker"))
         });
         ServerPids { api, engine_core, worker }
+    }
+
+    /// Whether vLLM has logged a line containing `needle` (in any of the
+    /// server's processes) so far.
+    pub fn logged(&mut self, needle: &str) -> bool {
+        self.log.extend(self.proc.lines_now().into_iter().map(|line| line.text));
+        self.log.iter().any(|line| line.contains(needle))
     }
 
     /// Every process of the server (its process tree), with `ps`'s view.
@@ -119,6 +141,8 @@ pub struct Deployment {
     pub model: tempfile::TempDir,
     /// Every proxy line read so far.
     pub lines: Vec<Line>,
+    /// The proxy's `hog` completions fill the decode (until [`Self::unhog`]).
+    hogged: bool,
 }
 
 /// The pgids to kill at exit (each server's own process group).
@@ -142,12 +166,25 @@ extern "C" fn clean_up() {
 }
 
 /// The deployment of this test binary, started on first use; the guard
-/// serialises the tests that share it.
+/// serialises the tests that share it. What a test before left behind is
+/// undone first: the decode's `hog` completions released (a test that
+/// failed while they filled it), a decode that was killed started again
+/// (on its ports, so the proxy needs nothing new).
 pub fn deployment() -> MutexGuard<'static, Deployment> {
     static DEPLOYMENT: OnceLock<Mutex<Deployment>> = OnceLock::new();
     let lock = DEPLOYMENT.get_or_init(|| Mutex::new(Deployment::start()));
-    lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    let mut deployment = lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if deployment.hogged {
+        deployment.unhog();
+    }
+    if deployment.decode.proc.child.try_wait().expect("the decode's status").is_some() {
+        deployment.restart_decode();
+    }
+    deployment
 }
+
+/// The arguments that make a `vllm serve` the deployment's decode.
+const DECODE_ARGS: [&str; 2] = ["--max-num-seqs", DECODE_SEQS];
 
 impl Deployment {
     fn start() -> Self {
@@ -163,8 +200,8 @@ impl Deployment {
         );
         made.lines_until_exit(Duration::from_secs(120));
         let ports = free_ports(4);
-        let prefill = Server::spawn(&python, model.path(), "prefill", "kv_producer", ports[0], ports[1]);
-        let decode = Server::spawn(&python, model.path(), "decode", "kv_consumer", ports[2], ports[3]);
+        let prefill = Server::spawn(&python, model.path(), "prefill", "kv_producer", ports[0], ports[1], &[]);
+        let decode = Server::spawn(&python, model.path(), "decode", "kv_consumer", ports[2], ports[3], &DECODE_ARGS);
         let (prefill, decode) = (prefill.ready(), decode.ready());
         let proxy = Proc::spawn(
             "vllm serve proxy",
@@ -175,7 +212,54 @@ impl Deployment {
         );
         let mut lines = Vec::new();
         proxy.until_event("ready", Duration::from_secs(30), &mut lines);
-        Self { prefill, decode, proxy, model, lines }
+        Self { prefill, decode, proxy, model, lines, hogged: false }
+    }
+
+    /// The decode killed (SIGKILL to its process group: API server, engine
+    /// core, worker, as an OOM kill or a lost pod ends them) and gone; when.
+    /// The next [`deployment`] starts it again.
+    pub fn kill_decode(&mut self) -> Instant {
+        let pids = self.decode.pids();
+        // SAFETY: kill(2) on the process group this binary made for the decode.
+        unsafe { libc::kill(-(self.decode.proc.pid() as i32), libc::SIGKILL) };
+        let killed = Instant::now();
+        self.decode.proc.wait(Duration::from_secs(10));
+        for pid in [pids.engine_core, pids.worker] {
+            wait_for(&format!("pid {pid} gone"), Duration::from_secs(10), || state(pid).is_none().then_some(()));
+        }
+        killed
+    }
+
+    /// A decode killed by [`Self::kill_decode`] started again on its ports.
+    fn restart_decode(&mut self) {
+        let (port, side) = (self.decode.port, self.decode.side_channel_port);
+        eprintln!("the decode was killed by an earlier test: starting it again");
+        let python = vllm_serve_python();
+        self.decode =
+            Server::spawn(&python, self.model.path(), "decode", "kv_consumer", port, side, &DECODE_ARGS).ready();
+    }
+
+    /// Fill every sequence slot of the decode with the proxy's `hog`
+    /// completions ([`DECODE_SEQS`], each streamed until [`Self::unhog`]):
+    /// the P/D requests sent next wait in the decode's queue (vLLM's
+    /// scheduler takes no request past `--max-num-seqs`) while its engine
+    /// core heartbeats them to the prefill, as a decode at capacity does.
+    pub fn hog(&mut self) {
+        self.send(&format!(r#"{{"cmd": "hog", "n": {DECODE_SEQS}, "tokens": {HOG_TOKENS}}}"#));
+        self.hogged = true;
+        let (_, hog) = self.event("hog", Duration::from_secs(120));
+        assert_eq!(hog["errors"], serde_json::json!([]), "the decode took not every hog: {hog}");
+    }
+
+    /// The `hog` completions closed (vLLM aborts them); whether every one
+    /// still ran (none had ended on its own: the decode was full all
+    /// along), and the tokens each streamed (the decode's rate, printed).
+    pub fn unhog(&mut self) -> bool {
+        self.send(r#"{"cmd": "unhog"}"#);
+        self.hogged = false;
+        let (_, unhogged) = self.event("unhogged", Duration::from_secs(60));
+        eprintln!("released the decode's hog completions: {unhogged}");
+        unhogged["ended_early"] == 0
     }
 
     /// Every process of both servers (API servers, engine cores, workers).
@@ -242,6 +326,35 @@ impl Drop for Stopped {
     }
 }
 
+/// What `agent` has in flight (`stallwatch inflight --json` on the socket
+/// its command line names): its requests and what the frameworks say of
+/// each.
+pub fn inflight(agent: &Agent) -> Value {
+    let args = fs::read(format!("/proc/{}/cmdline", agent.proc.pid())).expect("the agent's command line");
+    let args: Vec<&[u8]> = args.split(|&b| b == 0).collect();
+    let socket = args
+        .iter()
+        .position(|&a| a == b"--socket")
+        .and_then(|i| args.get(i + 1))
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .expect("an agent started with --socket");
+    let out = Command::new(agent_bin())
+        .args(["inflight", "--json", "--socket", &socket])
+        .output()
+        .expect("running stallwatch inflight");
+    assert!(out.status.success(), "stallwatch inflight: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("inflight --json")
+}
+
+/// CPU time `pid` has used so far (utime + stime, /proc/PID/stat), in
+/// clock ticks; `None` once it is gone.
+pub fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    // After `pid (comm)`: state is field 3, utime 14, stime 15 (proc(5)).
+    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+}
+
 /// The process's state letter (/proc/PID/stat: `R`, `S`, `T` ...).
 fn state(pid: u32) -> Option<char> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -255,7 +368,15 @@ struct Starting {
 }
 
 impl Server {
-    fn spawn(python: &Path, model: &Path, role: &'static str, kv_role: &str, port: u16, side: u16) -> Starting {
+    fn spawn(
+        python: &Path,
+        model: &Path,
+        role: &'static str,
+        kv_role: &str,
+        port: u16,
+        side: u16,
+        extra: &[&str],
+    ) -> Starting {
         let config = format!(
             r#"{{"kv_connector":"NixlConnector","kv_role":"{kv_role}","kv_buffer_device":"cpu","kv_connector_extra_config":{{"kv_lease_duration":{LEASE_S}}}}}"#
         );
@@ -268,8 +389,9 @@ impl Server {
             .arg(model)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .args(["--served-model-name", "tiny-llama", "--enforce-eager", "--dtype", "float32"])
-            .args(["--max-model-len", "256", "--kv-cache-memory-bytes", "67108864"])
+            .args(["--max-model-len", MAX_MODEL_LEN, "--kv-cache-memory-bytes", "67108864"])
             .args(["--kv-transfer-config", &config])
+            .args(extra)
             .env("UCX_TLS", "tcp,self")
             .env("UCX_NET_DEVICES", "lo")
             .env("VLLM_NIXL_SIDE_CHANNEL_PORT", side.to_string())
@@ -281,7 +403,10 @@ impl Server {
         let spawned = Instant::now();
         let proc = Proc::spawn(&format!("vllm serve {role}"), &mut command);
         GROUPS.lock().expect("groups").push(proc.pid() as i32);
-        Starting { server: Server { role, proc, port, side_channel_port: side, started_in: Duration::ZERO }, spawned }
+        Starting {
+            server: Server { role, proc, port, side_channel_port: side, started_in: Duration::ZERO, log: Vec::new() },
+            spawned,
+        }
     }
 }
 

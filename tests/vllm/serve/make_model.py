@@ -40,7 +40,7 @@ def main(out):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=512,
+        max_position_embeddings=4096,
         bos_token_id=vocab["<s>"],
         eos_token_id=vocab["</s>"],
         torch_dtype="float32",

@@ -30,12 +30,14 @@
 //! consumer's notification of several (`k/N` answered). It ends released
 //! at its last consumer's notification. Its alert says how many consumers
 //! answered and what heartbeats came: one held with heartbeats is waited
-//! on, one whose heartbeats stopped is abandoned, one no decode ever named
-//! was never read (the decode never got it, or notified another id: vLLM
-//! PR 36958, whose id shows among the other notifications). With TP > 1
-//! the notifications arrive in the worker processes, not the engine core
-//! that sent the output: a notification for an id no request of its own
-//! process holds goes to the process that holds it.
+//! on (naming the decode that sends them, where this agent saw it: queued
+//! there, a decode at capacity), one whose heartbeats stopped is abandoned
+//! (by a decode that exited, where this agent saw it go), one no decode
+//! ever named was never read (the decode never got it, or notified another
+//! id: vLLM PR 36958, whose id shows among the other notifications). With
+//! TP > 1 the notifications arrive in the worker processes, not the engine
+//! core that sent the output: a notification for an id no request of its
+//! own process holds goes to the process that holds it.
 //!
 //! **The lease** ([`lease`]). The prefill frees a request's blocks when
 //! the lease its config gives a decode to read them runs out, unread: the
@@ -214,6 +216,16 @@ struct Freed {
     reported: bool,
 }
 
+/// A decode that exited while it sent heartbeats for a request: the
+/// request's heartbeats stopped because their sender is gone (vLLM frees
+/// it at its lease, extended by the last of them), not because the decode
+/// gave it up or read it elsewhere.
+struct Departed {
+    /// The decode's process that sent them (its worker).
+    decode: u32,
+    at_ns: u64,
+}
+
 /// A decode's READ of a request that completed.
 struct ReadDone {
     decode: u32,
@@ -244,6 +256,7 @@ pub struct Vllm {
     leases: HashMap<u32, Lease>,
     freed: Recall<Freed>,
     reads_done: Recall<ReadDone>,
+    departed: Recall<Departed>,
     /// Engine outputs cut at the capture's bound (outputs past the cut
     /// unknown).
     outputs_cut: u64,
@@ -483,6 +496,16 @@ impl Vllm {
         fields
     }
 
+    /// The decode process this agent saw send heartbeats for request `id`
+    /// last (one agent on the node sees both sides).
+    fn heartbeater(&self, id: &str) -> Option<u32> {
+        self.sent
+            .iter()
+            .filter(|((_, sent_id), sent)| &**sent_id == id && sent.heartbeats > 0)
+            .max_by_key(|(_, sent)| sent.last_beat_ns)
+            .map(|((decode, _), _)| *decode)
+    }
+
     /// The held request a snapshot is, if it is one.
     fn held_of(&self, request: &RequestSnapshot) -> Option<(&str, &Held)> {
         self.held.get(&(request.pid, request.key)).map(|(id, held)| (&**id, held))
@@ -647,8 +670,23 @@ impl Framework for Vllm {
                  {handle:#x}: its own alert says where it stopped)",
                 secs(transfer.made_ns, now)
             )
+        } else if let Some(gone) =
+            self.departed.get(id).filter(|gone| held.heartbeats > 0 && held.last_beat_ns <= gone.at_ns)
+        {
+            &*format!(
+                "abandoned: the decode (pid {}) that sent its heartbeats exited {} s ago; the prefill frees it at \
+                 its lease",
+                gone.decode,
+                secs(gone.at_ns, now)
+            )
         } else if waited_on {
-            "waited on: the decode still sends heartbeats for it"
+            match self.heartbeater(id) {
+                Some(decode) => &*format!(
+                    "waited on: the decode (pid {decode}) still sends heartbeats for it and has not made its READ \
+                     (queued: no free sequence slot or KV blocks there?)"
+                ),
+                None => "waited on: the decode still sends heartbeats for it",
+            }
         } else if held.heartbeats > 0 {
             "abandoned: its heartbeats stopped"
         } else if held.from_output && held.answered == 0 {
@@ -716,7 +754,17 @@ impl Framework for Vllm {
         self.held.values().filter_map(|(_, held)| held.freed_at()).min()
     }
 
+    /// A decode's exit is remembered for the requests it sent heartbeats
+    /// for (their prefill's alert says why they stopped).
     fn forget(&mut self, pid: u32) {
+        if self.decodes.contains(&pid) {
+            let at_ns = monotonic_ns();
+            for ((decode, id), sent) in &self.sent {
+                if *decode == pid && sent.heartbeats > 0 && !sent.aborted {
+                    self.departed.insert(id, Departed { decode: pid, at_ns });
+                }
+            }
+        }
         self.strings.forget(pid);
         self.leases.remove(&pid);
         self.creating.retain(|(p, _), _| *p != pid);

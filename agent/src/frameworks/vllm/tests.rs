@@ -419,3 +419,48 @@ fn a_read_ending_after_its_own_release_is_none_of_freed_kv_and_one_not_taken_say
     let fields: HashMap<_, _> = vllm.context(&snapshot(9, "req-2", 100 * S)).into_iter().collect();
     assert!(fields["vllm_decode"].starts_with("read: the decode (pid 4) finished its READ"), "{fields:?}");
 }
+
+/// The real server's decode at capacity: its engine core heartbeats the
+/// request it queues, the prefill (pid 9) holds it. One agent sees both:
+/// the stall names the decode that waits on it; once that decode's process
+/// exits, the heartbeats' stop is its exit, not a decode that gave up.
+#[test]
+fn a_request_waited_on_names_its_decode_and_says_when_that_decode_exited() {
+    let s = 1_000_000_000;
+    let mut vllm = Vllm::default();
+    let now = monotonic_ns();
+    let start = now - 3 * s;
+    vllm.output(9, start, &outputs_frame(&["req-1"]));
+    assert_eq!(std::iter::from_fn(|| vllm.pending()).count(), 1);
+    // The decode's worker (pid 5) sends two heartbeats 1 s apart, the
+    // prefill reads each.
+    vllm.decodes.insert(5);
+    for at in [start + s, start + 2 * s] {
+        vllm.sent(5, at, &whole("HB:req-1"));
+        vllm.received(9, at, &whole("HB:req-1"));
+    }
+    assert_eq!(vllm.pending(), None, "heartbeats are evidence, not progress");
+    let verdict = |vllm: &Vllm| {
+        let fields: HashMap<_, _> = vllm.context(&snapshot(9, "req-1", start)).into_iter().collect();
+        fields["vllm_decode"].clone()
+    };
+    let waited = verdict(&vllm);
+    assert!(waited.starts_with("waited on: the decode (pid 5) still sends heartbeats"), "{waited}");
+    // The decode is killed: its exit is the verdict, at once.
+    vllm.forget(5);
+    let gone = verdict(&vllm);
+    assert!(gone.starts_with("abandoned: the decode (pid 5) that sent its heartbeats exited"), "{gone}");
+    // Another decode heartbeats it later (the router sent it again): waited
+    // on again.
+    vllm.decodes.insert(6);
+    let later = monotonic_ns();
+    vllm.sent(6, later, &whole("HB:req-1"));
+    vllm.received(9, later, &whole("HB:req-1"));
+    let again = verdict(&vllm);
+    assert!(again.starts_with("waited on: the decode (pid 6)"), "{again}");
+    // A decode that exits without having heartbeated a request leaves no
+    // verdict about it.
+    vllm.decodes.insert(7);
+    vllm.forget(7);
+    assert!(vllm.departed.get("req-2").is_none());
+}
