@@ -11,8 +11,8 @@
 pub mod caps;
 pub mod decode;
 pub mod detach;
-mod programs;
 pub mod probes;
+mod programs;
 pub mod reactor;
 pub mod ring;
 pub mod state;
