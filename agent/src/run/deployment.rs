@@ -1,7 +1,9 @@
 //! `--pid` of one process of a deployment whose requests run in several
-//! (a vLLM server's engine core and workers): said once at start, naming
-//! the others, since a request seen in part is judged wrong (a prefill's
-//! requests look never read when its worker is not watched).
+//! (a vLLM server's engine core and workers, an SGLang server's main
+//! process and its schedulers): said once at start, naming the others,
+//! since a request seen in part is judged wrong (a prefill's requests look
+//! never read when its worker is not watched) and a process where nothing
+//! fires sees none (an SGLang server's main process).
 use tokio::task::spawn_blocking;
 use tracing::warn;
 
@@ -19,6 +21,7 @@ pub async fn warn_if_partial(profile: &Profile, lineage: &Lineage) {
         return;
     }
     let (profile, lineage) = (profile.clone(), lineage.clone());
+    let selector = Deployment::selector(&profile);
     let said = spawn_blocking(move || {
         let family = Deployment::family(&profile, &lineage);
         let deployment = Deployment::of(&profile, &lineage, &family)?;
@@ -36,10 +39,12 @@ pub async fn warn_if_partial(profile: &Profile, lineage: &Lineage) {
             pid,
             process = %text::value(&this),
             others = %text::value(&others),
+            selector = %text::value(&selector),
             "--pid watches one process of a deployment whose requests also run in others: each request is seen in \
-             part and may be judged wrong (a prefill's requests look never read); watch them all with a selector on \
-             what they share instead of --pid (--lib libnixl.so for vLLM; `stallwatch profile check PROFILE --pid \
-             PID` says what each process is)"
+             part, or not at all where this process fires nothing, and may be judged wrong (a prefill's requests look \
+             never read); watch them all with a selector instead of --pid (`selector`: the processes where the \
+             profile's probes fire, by their titles; add --lib or --cgroup to keep to one server's; `stallwatch \
+             profile check PROFILE --pid PID` says what each process is)"
         );
     }
 }
