@@ -456,10 +456,11 @@ fn watched_a_room_whose_decode_never_answers_waits_for_its_peer() {
 /// as it is bootstrapped: the room is `transfer_hung` on its batch, naming
 /// the batch and the stopped decode's session, timed from the batch's
 /// submit (its first chunk); the rooms queued behind it on the worker say
-/// `behind` it, `waiting_on=worker`: those not started `waiting_for_peer`
+/// `behind` it, `waiting_on=worker`, `waiting_for_peer`: those not started
 /// with both ranks answered, and one the worker had begun (another
 /// decode's room, whose first chunk went before the fault room's and whose
-/// next ones are queued behind it) `transfer_hung` with no batch of its own.
+/// next ones are queued behind it) too, with no batch of its own: one hung
+/// batch is one `transfer_hung`.
 #[test]
 fn watched_a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so() {
     let (mut target, agent) =
@@ -509,14 +510,11 @@ fn watched_a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_
         let (_, alert) = of_room(&seen, "stalled", *room);
         assert_eq!(
             (field(&alert, "class"), field(&alert, "behind"), field(&alert, "waiting_on")),
-            (
-                Some(if begun.contains(room) { "transfer_hung" } else { "waiting_for_peer" }),
-                Some(fault.to_string().as_str()),
-                Some("worker")
-            ),
-            "room {room} ({} chunks, {} queued): {alert}",
+            (Some("waiting_for_peer"), Some(fault.to_string().as_str()), Some("worker")),
+            "room {room} ({} chunks, {} queued, begun: {}): {alert}",
             target.chunks(*room),
             queued(*room),
+            begun.contains(room),
         );
         assert_eq!(field(&alert, "batch"), None, "its next chunk is queued, no batch of its own: {alert}");
     }
@@ -560,9 +558,9 @@ fn watched_a_transfer_worker_that_dies_leaves_its_rooms_waiting_on_it_and_says_s
 
 /// MC_TRANSFER_TIMEOUT 5 s: the fault room is `transfer_hung` at 2 s, then
 /// its batch's free is refused at 5 s: the room `failed` once, and the
-/// batch, leaked, is a finding of its own (`leaked=batch`, its room and
-/// peer, `after_ms` from its submit); the rooms behind it recover and
-/// complete.
+/// batch, leaked, is a finding of its own (a `leaked` alert, `leaked=batch`,
+/// its room and peer, `release=refused`, `after_ms` from its submit),
+/// counted `leaked`; the rooms behind it recover and complete.
 #[test]
 fn watched_a_batch_that_times_out_fails_its_room_once_and_leaks() {
     let (mut target, agent) =
@@ -576,18 +574,19 @@ fn watched_a_batch_that_times_out_fails_its_room_once_and_leaks() {
     assert_eq!(field(&hung, "class"), Some("transfer_hung"), "{hung}");
     let failed: Vec<Value> = alerts(&seen, "failed").map(|(_, a)| a).collect();
     let rooms_failed: Vec<&Value> = failed.iter().filter(|a| a["external_id"].is_string()).collect();
-    assert_eq!(rooms_failed.len(), 1, "the room fails once: {failed:#?}");
+    assert_eq!((rooms_failed.len(), failed.len()), (1, 1), "the room fails once: {failed:#?}");
     assert_eq!(rooms_failed[0]["key"], format!("{fault:#x}").as_str(), "{failed:#?}");
-    let leaks: Vec<&Value> = failed.iter().filter(|a| field(a, "leaked") == Some("batch")).collect();
-    assert_eq!(leaks.len(), 1, "one leaked batch: {failed:#?}");
-    let leak = leaks[0];
+    let leaks: Vec<Value> = alerts(&seen, "leaked").map(|(_, a)| a).collect();
+    let [leak] = &leaks[..] else { panic!("one leaked batch: {leaks:#?}") };
+    assert_eq!((field(leak, "leaked"), field(leak, "release")), (Some("batch"), Some("refused")), "{leak}");
     assert_eq!(field(leak, "room"), Some(fault.to_string().as_str()), "{leak}");
     assert_eq!(field(leak, "batch"), field(&hung, "batch"), "the hung batch leaked: {leak}");
     assert_eq!(field(leak, "peer"), field(&hung, "peer"), "{leak}");
     let after: u64 = field(leak, "after_ms").and_then(|ms| ms.parse().ok()).unwrap_or_else(|| panic!("{leak}"));
     assert!((4800..9000).contains(&after), "refused at MC_TRANSFER_TIMEOUT after its submit: {leak}");
     let [seen_n, completed, _, failed_n, aborted, lost] = counts(&seen).map(Option::unwrap);
-    assert_eq!([failed_n, aborted, lost], [2, 0, 0], "the room and its leaked batch: {}", summary(&seen));
+    assert_eq!([failed_n, aborted, lost], [1, 0, 0], "the room: {}", summary(&seen));
+    assert_eq!(summary(&seen)["leaked"], 1, "its batch: {}", summary(&seen));
     assert_eq!(completed + 2, seen_n, "{}", summary(&seen));
 }
 
@@ -606,15 +605,16 @@ fn watched_a_decode_killed_after_answering_fails_its_room_once_and_leaks_its_bat
     target.proc.write_line("quit");
     // The rooms SGLang failed (the fault room; a room of the other decode
     // whose batch the kill broke too, when it happens): each alerted
-    // `failed` once, and each leaked its batch.
+    // `failed` once, and each leaked its batch (a `leaked` alert).
     let failed: Vec<Value> = alerts(&seen, "failed").map(|(_, a)| a).collect();
     let mut rooms_failed: Vec<u64> = failed.iter().filter_map(|a| a["external_id"].as_str()?.parse().ok()).collect();
     rooms_failed.sort_unstable();
     assert_eq!(rooms_failed, target.rooms_in(&holding, "failed"), "{failed:#?}\n{holding}");
     assert!(rooms_failed.contains(&fault), "{failed:#?}");
-    let leaks: Vec<&Value> = failed.iter().filter(|a| field(a, "leaked") == Some("batch")).collect();
+    let leaks: Vec<Value> = alerts(&seen, "leaked").map(|(_, a)| a).collect();
+    assert!(leaks.iter().all(|a| field(a, "leaked") == Some("batch")), "{leaks:#?}");
     let leak = leaks.iter().find(|a| field(a, "room") == Some(fault.to_string().as_str()));
-    let leak = leak.unwrap_or_else(|| panic!("the fault room's batch leaked: {failed:#?}"));
+    let leak = leak.unwrap_or_else(|| panic!("the fault room's batch leaked: {leaks:#?}"));
     let after: u64 = field(leak, "after_ms").and_then(|ms| ms.parse().ok()).unwrap_or_else(|| panic!("{leak}"));
     assert!(after < 2000, "a dead peer fails the batch at once: {leak}");
     for room in &unanswered {

@@ -3,7 +3,12 @@
 //! DECODE), NixlKVSender and NixlKVReceiver, unchanged from the wheel, over
 //! real NIXL (UCX on loopback) and real ZMQ, the tokenizer handing each
 //! request to the scheduler with SGLang's own `sock_send` / `sock_recv`
-//! (what the target supplies instead of a server is listed in its header).
+//! (what the target supplies instead of a server is listed in its header),
+//! in SGLang's process layout: a main process with the bootstrap server and
+//! the tokenizer, a scheduler process per prefill rank retitled
+//! `sglang::scheduler...` (tests/sglang/real/launcher.py), the prefill's
+//! agent attached as the README says (`--lib libnixl.so --cmdline
+//! '^sglang::scheduler'`, kept to the target's cgroup as to a pod's).
 //!
 //! Each seeded stall is asserted on its room: the class, what it waits on,
 //! timed within timeout + 1 s of the room's last activity, and nothing else
@@ -12,6 +17,7 @@
 //! with `required_dst_info_num = 2`) run.
 use std::{
     collections::HashMap,
+    process::Command,
     time::{Duration, Instant},
 };
 
@@ -108,6 +114,96 @@ fn a_healthy_run_of_300_rooms_with_idle_workers_raises_nothing() {
     healthy(300, &["--decode-shape", "mixed"], Ipc::Msgpack);
 }
 
+/// `stallwatch profile check sglang --pid PID`'s report.
+fn profile_check(pid: u32) -> String {
+    let (ok, stdout, stderr) =
+        run_to_end(Command::new(agent_bin()).args(["profile", "check", "sglang", "--pid", &pid.to_string()]));
+    assert!(ok, "profile check --pid {pid} failed: {stderr}");
+    stdout
+}
+
+/// The hits of the probes on `pid` whose symbol contains `symbol`, from
+/// the summary.
+fn hits(summary: &Value, pid: u32, symbol: &str) -> u64 {
+    let probes = summary["probes"].as_array().unwrap_or_else(|| panic!("no probes: {summary}"));
+    probes
+        .iter()
+        .filter(|p| p["pid"] == pid && p["symbol"].as_str().is_some_and(|s| s.contains(symbol)))
+        .filter_map(|p| p["hits"].as_u64())
+        .sum()
+}
+
+/// SGLang's own layout at prefill TP2, as an operator meets it: a main
+/// process (the bootstrap server and the tokenizer; where `pgrep -f
+/// 'sglang.*disaggregation-mode prefill'` lands), two schedulers retitled
+/// `sglang::scheduler_TP0` and `_TP1`, each with its own NIXL agent, KV
+/// share and rooms, and a detokenizer. `profile check --pid` tells each
+/// apart (the main process and the detokenizer not worth watching, each
+/// scheduler to be watched with the other); `run --pid` of the main
+/// process warns once, naming both schedulers and the selector; the
+/// README's selector watches both, and a healthy run over TP1 and TP2
+/// decodes raises nothing, each scheduler transferring and following
+/// every room.
+#[test]
+fn a_tp2_prefill_is_told_apart_process_by_process_and_both_schedulers_follow_every_room() {
+    let rooms: u64 = 12;
+    // A TP2 decode (MLA): decode rank N takes every room's KV from prefill
+    // rank N, so both prefill ranks transfer every room. (A TP1 decode of
+    // an MLA model takes it from one prefill rank, its destination at the
+    // other `is_dummy`, which that rank never transfers nor answers; an
+    // MHA model's heterogeneous TP to host memory NIXL refuses.)
+    let extra = ["--prefill-tp", "2", "--decode-shape", "tp2", "--count", "12"];
+    let mut target = Target::start("none", &extra, Ipc::Msgpack);
+    let schedulers = target.schedulers();
+    let titles: Vec<&str> = schedulers.iter().map(|(_, title)| title.as_str()).collect();
+    assert_eq!(titles, ["sglang::scheduler_TP0", "sglang::scheduler_TP1"], "{}", target.ready);
+    let names_both = |text: &str| {
+        schedulers.iter().all(|(pid, title)| text.contains(&format!("pid {pid} ({title}: an SGLang scheduler")))
+    };
+    let main = profile_check(target.prefill());
+    assert!(main.contains(&format!("the process: pid {} `", target.prefill())), "{main}");
+    assert!(main.contains("SGLang's main process"), "{main}");
+    assert!(main.contains("not worth watching: none of the profile's probes fire here; they fire in"), "{main}");
+    assert!(names_both(&main), "{main}");
+    for (i, (pid, title)) in schedulers.iter().enumerate() {
+        let report = profile_check(*pid);
+        let (other, other_title) = &schedulers[1 - i];
+        assert!(report.contains(&format!("the process: pid {pid} `{title}`: an SGLang scheduler")), "{report}");
+        assert!(report.contains("fires here: the transfers, "), "{report}");
+        assert!(report.contains(&format!("of the deployment of pid {} `", target.prefill())), "{report}");
+        let with =
+            format!("watch it with the others, not alone (a request's life also runs in pid {other} ({other_title}: ");
+        assert!(report.contains(&with), "{report}");
+    }
+    let detokenizer = profile_check(target.detokenizer());
+    assert!(detokenizer.contains("`sglang::detokenizer`: an SGLang helper process"), "{detokenizer}");
+    assert!(detokenizer.contains("not worth watching: none of the profile's probes fire here"), "{detokenizer}");
+    // `--pid` of the main process: said once, naming both schedulers.
+    let lone = Agent::watch(target.prefill(), "sglang", "2s", &[]);
+    lone.proc.wait_stderr("--pid watches one process of a deployment", Duration::from_secs(10));
+    let (_, logged) = lone.stop_logged(libc::SIGINT);
+    let warnings: Vec<&str> =
+        logged.lines().filter(|line| line.contains("--pid watches one process of a deployment")).collect();
+    let [warning] = &warnings[..] else { panic!("one warning: {logged}") };
+    assert!(names_both(warning) && warning.contains("^sglang::scheduler"), "{warning}");
+    // The README's selector: both schedulers, every room each.
+    let agent = target.watch_and_go("sglang", "2s", &[]);
+    let done = target.until("done", Duration::from_secs(120));
+    assert_eq!((done["completed"].as_u64(), done["verified"].as_u64()), (Some(rooms), Some(rooms)), "{done}");
+    std::thread::sleep(TIMEOUT * 2 + LATENESS);
+    let lines = agent.stop();
+    let raised = alert_lines(&lines);
+    assert!(raised.is_empty(), "a healthy run raised alerts: {raised:?}");
+    let summary = summary(&lines);
+    for (pid, title) in &schedulers {
+        assert!(hits(&summary, *pid, "postXferReq") > 0, "{title} (pid {pid}) posted nothing watched: {summary}");
+    }
+    assert_eq!(target.rooms().len() as u64, rooms);
+    eprintln!("summary: {summary}");
+    assert_counts(&lines, 2 * target.rooms().len(), 2 * rooms, 0, 0, 0);
+    assert_eq!(summary["in_flight"], 0, "{lines:?}");
+}
+
 /// The stalls within timeout + 5 s, then one timeout more for anything
 /// else, then the agent's every line.
 fn stalls_then_quiet(agent: Agent, n: usize) -> Vec<Line> {
@@ -199,6 +295,8 @@ fn a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so()
             (Some("waiting_for_peer"), Some("1/1"), Some(room.to_string().as_str()), Some("worker")),
             "{alert}"
         );
+        // Judged by the transfer its worker is stuck on: the stopped decode.
+        assert_eq!(alert["transport"]["peer"].as_str(), Some(peer.as_str()), "{alert}");
         timed_from(&alert, at, target.at("bootstrapped", *r), Duration::from_millis(500));
     }
     for r in &unanswered {
@@ -405,7 +503,7 @@ fn both_sides_of_a_hung_room_are_alerted_in_one_trace() {
     let collector = Collector::start();
     let endpoint = collector.http_endpoint();
     let mut target = Target::start("hang", &[], Ipc::Msgpack);
-    let prefill = Agent::watch(target.prefill(), "sglang", "2s", &["--otlp-endpoint", &endpoint]);
+    let prefill = target.watch("sglang", "2s", &["--otlp-endpoint", &endpoint]);
     let decodes: HashMap<u64, u32> = (0..2).map(|i| (i, target.decode(i).0)).collect();
     let decode_agents: Vec<Agent> =
         decodes.values().map(|pid| Agent::watch(*pid, "sglang", "2s", &["--otlp-endpoint", &endpoint])).collect();
@@ -432,7 +530,9 @@ fn both_sides_of_a_hung_room_are_alerted_in_one_trace() {
     let [waiting] = &waiting[..] else { panic!("the stopped decode's stall of room {room}: {decode_alerts:#?}") };
     assert_eq!(waiting["pid"], stopped_pid, "{waiting}");
     let side = (waiting["class"].as_str(), waiting["side"].as_str(), waiting["waiting_on"].as_str());
-    assert_eq!(side, (Some("waiting_for_kv"), Some("decode"), Some("prefill")), "{waiting}");
+    // The decode is the one stopped: its own agent says it waits on itself.
+    assert_eq!(side, (Some("waiting_for_kv"), Some("decode"), Some("self")), "{waiting}");
+    assert_eq!(waiting["transport"]["verdict"], "process_stopped", "{waiting}");
     assert_both_sides_stalled_in_the_rooms_trace(collector, room);
 }
 
@@ -465,8 +565,7 @@ fn a_room_held_across_an_agent_restart_is_reported_once_on_time() {
     let dir = first.bpf_dir.take().expect("its own bpf directory");
     first.proc.signal(libc::SIGKILL);
     let _ = first.proc.wait(Duration::from_secs(5));
-    let mut second =
-        Agent::watch(target.prefill(), "sglang", "6s", &["--bpf-dir", dir.to_str().expect("utf-8 bpf dir")]);
+    let mut second = target.watch("sglang", "6s", &["--bpf-dir", dir.to_str().expect("utf-8 bpf dir")]);
     second.bpf_dir = Some(dir);
     let mut seen = Vec::new();
     second.wait_until("the room's stall", LONGER + Duration::from_secs(5), &mut seen, |seen| {
@@ -533,7 +632,7 @@ fn rooms_taken_over_after_an_agent_restart_keep_what_they_wait_on() {
     let mut target = Target::start("hang", &[], Ipc::Msgpack);
     // The decode the fault stops (rank 0 of instance 0) is watched too.
     let (decode_pid, peer) = target.decode(0);
-    let mut first = Agent::watch(target.prefill(), "sglang", "12s", &["--socket", &socket_arg]);
+    let mut first = target.watch("sglang", "12s", &["--socket", &socket_arg]);
     let mut first_decode = Agent::watch(decode_pid, "sglang", "12s", &["--socket", &decode_socket_arg]);
     target.proc.write_line("go");
     let stopped = target.until("decode_stopped", Duration::from_secs(60));
@@ -596,12 +695,11 @@ fn rooms_taken_over_after_an_agent_restart_keep_what_they_wait_on() {
     let second_decode_socket = test_socket();
     let second_decode_arg = second_decode_socket.to_str().expect("utf-8 socket").to_owned();
     // Both at once, as a node's agents restart each on its own.
-    let prefill = target.prefill();
     let (mut second, mut second_decode) = std::thread::scope(|scope| {
         let decode = scope.spawn(|| {
             Agent::watch(decode_pid, "sglang", "12s", &["--bpf-dir", &decode_dir_arg, "--socket", &second_decode_arg])
         });
-        let prefill = Agent::watch(prefill, "sglang", "12s", &["--bpf-dir", &dir_arg, "--socket", &second_arg]);
+        let prefill = target.watch("sglang", "12s", &["--bpf-dir", &dir_arg, "--socket", &second_arg]);
         (prefill, decode.join().expect("the decode's agent"))
     });
     second.bpf_dir = Some(dir);
@@ -666,7 +764,12 @@ fn rooms_taken_over_after_an_agent_restart_keep_what_they_wait_on() {
     assert_eq!(raised.len(), n, "{raised:#?}");
     for alert in &raised {
         let context = before_decode.get(alert["key"].as_str().expect("key")).unwrap_or_else(|| panic!("{alert}"));
-        assert_eq!((&waits_on(alert, context), alert["class"].as_str()), (context, Some("waiting_for_kv")), "{alert}");
+        // Stopped, the decode waits on itself, whatever the first agent
+        // read of its traffic before the stop.
+        let mut context = context.clone();
+        context["waiting_on"] = Value::from("self");
+        assert_eq!((waits_on(alert, &context), alert["class"].as_str()), (context, Some("waiting_for_kv")), "{alert}");
+        assert_eq!(alert["process_state"], "stopped", "{alert}");
     }
     let waiting = raised.iter().find(|a| a["key"] == format!("{room:#x}").as_str()).expect("the hung room's");
     let asked = target
@@ -683,4 +786,167 @@ fn rooms_taken_over_after_an_agent_restart_keep_what_they_wait_on() {
         latency + Duration::from_millis(500) >= LONGER && latency <= LONGER + LATENESS,
         "{waiting} after {latency:?}"
     );
+}
+
+/// The prefill itself SIGSTOPped (fault `prefill-stops`: its process stops
+/// itself, every thread, right after handing the fault room's first chunk
+/// to its transfer worker), watched by its own agent and the fault room's
+/// decode by another. Every alert the prefill's agent raises, on every
+/// request it held at the stop (each of them stalls: nothing moves in a
+/// stopped process), says the prefill waits on itself: `process_state`
+/// `stopped`, `waiting_on=self`, verdict `process_stopped`, never a peer
+/// blamed (`peer_unresponsive`) nor the room alone stuck
+/// (`others_completing`), within timeout + 1 s of the stop. The decode's
+/// agent, whose process runs, points at the prefill: the fault room
+/// `waiting_for_kv`, `side=decode`, `waiting_on=prefill`, never
+/// `process_stopped`.
+#[test]
+fn a_prefill_stopped_itself_says_so_in_every_alert_and_its_decode_points_at_it() {
+    let socket = test_socket();
+    let socket_arg = socket.to_str().expect("utf-8 socket").to_owned();
+    let mut target = Target::start("prefill-stops", &[], Ipc::Msgpack);
+    let (decode_pid, _) = target.decode(0);
+    // The process that stops itself is the scheduler (its rooms' and
+    // transfers' process), which the README's selector watches.
+    let (scheduler, _) = target.schedulers()[0];
+    let prefill = target.watch("sglang", "2s", &["--socket", &socket_arg]);
+    let decode = Agent::watch(decode_pid, "sglang", "2s", &[]);
+    target.proc.write_line("go");
+    let stopping = target.until("prefill_stopping", Duration::from_secs(60));
+    let stopped_at = Instant::now();
+    let room = target.fault_room();
+    assert_eq!((stopping["room"].as_u64(), stopping["pid"].as_u64()), (Some(room), Some(u64::from(scheduler))));
+    let key = format!("{room:#x}");
+    // The fault room's stall first; then every request the agent follows
+    // (nothing begins or ends in a stopped process) has its own.
+    let mut seen = Vec::new();
+    prefill.wait_until("the fault room's stall", TIMEOUT + Duration::from_secs(5), &mut seen, |seen| {
+        alerts(seen, "stalled").any(|(_, a)| a["key"] == key.as_str())
+    });
+    let held = contexts(&socket);
+    assert!(held.contains_key(&key), "{held:?}");
+    prefill.wait_until(&format!("{} stalls", held.len()), TIMEOUT + Duration::from_secs(5), &mut seen, |seen| {
+        alerts(seen, "stalled").count() >= held.len()
+    });
+    let mut decode_seen = Vec::new();
+    decode.wait_until(
+        "the decode's stall of the fault room",
+        TIMEOUT + Duration::from_secs(5),
+        &mut decode_seen,
+        |seen| alerts(seen, "stalled").any(|(_, a)| a["key"] == key.as_str()),
+    );
+    seen.extend(prefill.stop());
+    decode_seen.extend(decode.stop());
+    let raised = alert_lines(&seen);
+    for alert in &raised {
+        eprintln!(
+            "prefill stopped: {} {} {} waiting_on={}",
+            alert["alert"], alert["key"], alert["class"], alert["waiting_on"]
+        );
+        // Every alert, a stall or not (a handle the stopped process could
+        // not release, judged `leaked` by time), says who stopped.
+        assert_eq!(
+            (alert["waiting_on"].as_str(), alert["process_state"].as_str()),
+            (Some("self"), Some("stopped")),
+            "{alert}"
+        );
+    }
+    let stalls: Vec<&Value> = raised.iter().filter(|a| a["alert"] == "stalled").collect();
+    let mut alerted: Vec<&str> = stalls.iter().filter_map(|a| a["key"].as_str()).collect();
+    alerted.sort_unstable();
+    let mut followed: Vec<&str> = held.keys().map(String::as_str).collect();
+    followed.sort_unstable();
+    assert_eq!(alerted, followed, "each request held at the stop alerted once: {raised:#?}");
+    for (at, alert) in alerts(&seen, "stalled") {
+        assert_eq!(
+            (alert["transport"]["verdict"].as_str(), alert["transport"]["process_state"].as_str()),
+            (Some("process_stopped"), Some("stopped")),
+            "{alert}"
+        );
+        assert_eq!(
+            (alert["waiting_on"].as_str(), alert["process_state"].as_str()),
+            (Some("self"), Some("stopped")),
+            "{alert}"
+        );
+        assert!(alert.get("behind").is_none(), "a stopped worker is nobody's queue: {alert}");
+        assert!(
+            alert["transport"]["summary"].as_str().is_some_and(|s| s.starts_with("process stopped (all ")),
+            "{alert}"
+        );
+        assert!(at.saturating_duration_since(stopped_at) <= TIMEOUT + LATENESS, "{alert} after the stop");
+    }
+    // The fault room, mid-way through its chunks, is classed by what it
+    // does: a transfer of its own out (the chunk just handed over, if the
+    // worker posted it before the stop), or none yet.
+    let hung = raised.iter().find(|a| a["key"] == key.as_str()).expect("the fault room");
+    assert!(matches!(hung["class"].as_str(), Some("transfer_hung" | "waiting_for_peer")), "{hung}");
+    // The decode runs: it points at the prefill.
+    let waiting: Vec<Value> = alert_lines(&decode_seen).into_iter().filter(|a| a["key"] == key.as_str()).collect();
+    let [waiting] = &waiting[..] else { panic!("the decode's stall of room {room}: {decode_seen:?}") };
+    assert_eq!(waiting["pid"], decode_pid, "{waiting}");
+    let side = (waiting["class"].as_str(), waiting["side"].as_str(), waiting["waiting_on"].as_str());
+    assert_eq!(side, (Some("waiting_for_kv"), Some("decode"), Some("prefill")), "{waiting}");
+    for alert in alert_lines(&decode_seen) {
+        assert_ne!(alert["transport"]["verdict"], "process_stopped", "{alert}");
+        assert!(alert.get("process_state").is_none(), "{alert}");
+    }
+    // Resumed, it goes on (its teardown is the harness's).
+    // SAFETY: kill(2) on the target this test started.
+    unsafe { libc::kill(scheduler as i32, libc::SIGCONT) };
+}
+
+/// A room's NIXL handles never released (`--fault leak`: the target keeps
+/// references to the fault room's last handles, its last chunk's and its
+/// aux, as a debugger or a kept traceback would, once the room completed;
+/// SGLang's worker then moves on to later rooms and drops its own): each
+/// handle is reported once, `leaked` (`leaked=handle`, the handle, its room
+/// and its peer, `release=never`), a timeout after its worker moved on, and
+/// counted in the summary and the metrics. Nothing else is raised: the
+/// room completed, and every other worker's last handles, kept by their
+/// idle workers, are no leak.
+#[test]
+fn a_rooms_handles_never_released_are_each_reported_leaked_once_with_its_room_and_peer() {
+    // `--hold`: the scheduler stays up after its last room (its handles are
+    // judged a timeout after the worker moved on; a process gone takes its
+    // handles with it).
+    let (mut target, agent) = watched("leak", &["--count", "12", "--hold"], &stallwatch_tests::METRICS);
+    let fault = target.fault_room();
+    let held = target.until("handles_held", Duration::from_secs(120));
+    let strs = |v: &Value| -> Vec<String> {
+        v.as_array().unwrap_or_else(|| panic!("{held}")).iter().filter_map(|s| Some(s.as_str()?.to_owned())).collect()
+    };
+    let (mut handles, agents) = (strs(&held["handles"]), strs(&held["agents"]));
+    handles.sort_unstable();
+    assert!(!handles.is_empty() && agents.len() == 1, "{held}");
+    let done = target.until("done", Duration::from_secs(120));
+    assert_eq!(done["completed"].as_u64(), Some(12), "{done}");
+    let mut seen = Vec::new();
+    agent.wait_until("the leaks", TIMEOUT + Duration::from_secs(10), &mut seen, |seen| {
+        alerts(seen, "leaked").count() >= handles.len()
+    });
+    let ended = |outcome: &str| agent.metric(&format!("stallwatch_requests_ended_total{{outcome=\"{outcome}\"}}"));
+    let leaked_metric = ended("leaked");
+    // One timeout more: nothing else, no leak twice.
+    std::thread::sleep(TIMEOUT + LATENESS);
+    seen.extend(agent.stop());
+    let leaks: Vec<Value> = alerts(&seen, "leaked").map(|(_, a)| a).collect();
+    let mut leaked: Vec<String> = leaks.iter().filter_map(|a| Some(a["handle"].as_str()?.to_owned())).collect();
+    leaked.sort_unstable();
+    assert_eq!(leaked, handles, "each held handle leaked, once: {leaks:#?}");
+    for leak in &leaks {
+        let fields = ["leaked", "room", "peer", "release"].map(|f| leak[f].as_str().map(str::to_owned));
+        let expected =
+            [Some("handle".to_owned()), Some(fault.to_string()), Some(agents[0].clone()), Some("never".into())];
+        assert_eq!(fields, expected, "{leak}");
+        assert_eq!(leak["key"], leak["handle"], "a lifecycle of its own, keyed by the handle: {leak}");
+    }
+    let raised = alert_lines(&seen);
+    assert_eq!(raised.len(), handles.len(), "only the leaks: {raised:#?}");
+    let summary = summary(&seen);
+    assert_eq!(summary["leaked"].as_u64(), Some(handles.len() as u64), "{summary}");
+    assert_eq!(leaked_metric, handles.len() as u64);
+    // Every room one lifecycle, completed; each leak one more, its own.
+    assert_eq!(target.rooms().len(), 12);
+    let counts = ["seen", "completed", "stalled", "failed", "aborted", "lost_events"].map(|k| summary[k].as_u64());
+    assert_eq!(counts, [12 + handles.len() as u64, 12, 0, 0, 0, 0].map(Some), "{summary}");
 }

@@ -691,6 +691,12 @@ impl MemoryCgroup {
         }
     }
 
+    /// The group's name, which ends its line in `/proc/PID/cgroup` of
+    /// every process in it (followed by a newline there).
+    pub fn name(&self) -> String {
+        self.dir.file_name().expect("a group's directory has a name").to_string_lossy().into_owned()
+    }
+
     /// The most memory the group's processes held at once, in bytes (the
     /// kernel's count: their pages, the page cache they read through, and
     /// kernel memory charged to them).

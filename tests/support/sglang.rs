@@ -1,8 +1,13 @@
 //! tests/sglang/real/prefill.py, SGLang 0.5.23's own disaggregation code
 //! (bootstrap server, NixlKVManager, NixlKVSender and NixlKVReceiver from
-//! the wheel, real NIXL over UCX on loopback, real ZMQ), or its Mooncake
-//! twin tests/sglang/mooncake/prefill.py, driven as the tests drive it: started, set up (its decode processes too), watched,
-//! then told `go`; its JSON lines kept with when they were seen.
+//! the wheel, real NIXL over UCX on loopback, real ZMQ) in SGLang's process
+//! layout (tests/sglang/real/launcher.py: a main process with the bootstrap
+//! server and the tokenizer, a scheduler process per prefill rank retitled
+//! `sglang::scheduler...`), or its Mooncake twin
+//! tests/sglang/mooncake/prefill.py (every class in one process), driven as
+//! the tests drive it: started, set up (its decode processes too), watched
+//! as the README says, then told `go`; its JSON lines kept with when they
+//! were seen.
 use std::{
     process::Command,
     time::{Duration, Instant},
@@ -10,7 +15,17 @@ use std::{
 
 use serde_json::Value;
 
-use crate::{Agent, Line, Proc, require_root, root, sglang_python};
+use crate::{Agent, Line, MemoryCgroup, Proc, require_root, root, sglang_python};
+
+/// The README's selector for an SGLang server's processes where the
+/// `sglang` profile's probes fire: every scheduler (`--pid` of the main
+/// process sees no transfer, and warns).
+pub const SCHEDULERS: [&str; 4] = ["--lib", "libnixl.so", "--cmdline", "^sglang::scheduler"];
+
+/// How much memory the target's cgroup lets its processes hold: the group
+/// is there to tell one server's processes apart (as a pod's is), not to
+/// cap them.
+const GROUP_LIMIT: u64 = 64 << 30;
 
 /// How SGLang's tokenizer hands a request to its scheduler (and the
 /// scheduler its output to the detokenizer): msgpack
@@ -29,14 +44,25 @@ pub struct Target {
     pub proc: Proc,
     pub ready: Value,
     pub lines: Vec<Line>,
+    /// The SGLang-layout target's own cgroup, as a server's pod would have
+    /// one: the agent keeps to this server's schedulers with `--cgroup`
+    /// (other tests' servers may run on this host). Last: removed once the
+    /// processes are gone.
+    group: Option<MemoryCgroup>,
 }
 
 impl Target {
     /// Set up with `fault` (12 rooms; `extra` arguments appended), not yet
     /// running.
+    /// SGLang's layout (`--processes sglang`), the main process's command
+    /// line an SGLang prefill's (`--disaggregation-mode prefill`), in a
+    /// cgroup of its own.
     pub fn start(fault: &str, extra: &[&str], ipc: Ipc) -> Self {
         require_root();
-        Self::spawn("sglang real prefill", "tests/sglang/real/prefill.py", fault, extra, ipc)
+        let group = MemoryCgroup::new(GROUP_LIMIT);
+        let layout = ["--processes", "sglang", "--disaggregation-mode", "prefill"];
+        let extra: Vec<&str> = layout.into_iter().chain(extra.iter().copied()).collect();
+        Self::spawn("sglang real prefill", "tests/sglang/real/prefill.py", fault, &extra, ipc, Some(group))
     }
 
     /// The same on SGLang's Mooncake backend (tests/sglang/mooncake/
@@ -44,34 +70,82 @@ impl Target {
     /// TCP on loopback); its faults add `timeout`. No `--count` default:
     /// give one in `extra`.
     pub fn mooncake(fault: &str, extra: &[&str], ipc: Ipc) -> Self {
-        Self::spawn("sglang mooncake prefill", "tests/sglang/mooncake/prefill.py", fault, extra, ipc)
+        Self::spawn("sglang mooncake prefill", "tests/sglang/mooncake/prefill.py", fault, extra, ipc, None)
     }
 
-    fn spawn(name: &str, script: &str, fault: &str, extra: &[&str], ipc: Ipc) -> Self {
+    fn spawn(name: &str, script: &str, fault: &str, extra: &[&str], ipc: Ipc, group: Option<MemoryCgroup>) -> Self {
         let count: &[&str] = if extra.contains(&"--count") { &[] } else { &["--count", "12"] };
-        let proc = Proc::spawn(
-            name,
-            Command::new(sglang_python())
-                .arg(root().join(script))
-                .args(["--fault", fault, "--max-seconds", "90"])
-                .args(count)
-                .args(extra)
-                .env("SGLANG_USE_PICKLE_IPC", if ipc == Ipc::Pickle { "1" } else { "0" }),
-        );
+        let mut command = Command::new(sglang_python());
+        command
+            .arg(root().join(script))
+            .args(["--fault", fault, "--max-seconds", "90"])
+            .args(count)
+            .args(extra)
+            .env("SGLANG_USE_PICKLE_IPC", if ipc == Ipc::Pickle { "1" } else { "0" });
+        if let Some(group) = &group {
+            group.contain(&mut command);
+        }
+        let proc = Proc::spawn(name, &mut command);
         let mut lines = Vec::new();
-        let ready = proc.until_event("ready", Duration::from_secs(120), &mut lines);
-        Self { proc, ready, lines }
+        // Set-up imports torch and SGLang in every process (main, schedulers,
+        // decodes) at once, on a host whose cores other tests share.
+        let ready = proc.until_event("ready", Duration::from_secs(240), &mut lines);
+        Self { proc, ready, lines, group }
     }
 
     /// The agent attached to the prefill (`profile`, `timeout`), then `go`.
     pub fn watch_and_go(&mut self, profile: &str, timeout: &str, agent_extra: &[&str]) -> Agent {
-        let agent = Agent::watch(self.prefill(), profile, timeout, agent_extra);
+        let agent = self.watch(profile, timeout, agent_extra);
         self.proc.write_line("go");
         agent
     }
 
+    /// The agent on the prefill, attached as the README says: on SGLang's
+    /// layout the selector [`SCHEDULERS`] (kept to this server's cgroup,
+    /// as `--cgroup <pod UID>` keeps a node's agent to one pod), ready
+    /// once it watches every scheduler; on the one-process Mooncake target
+    /// `--pid` of it.
+    pub fn watch(&self, profile: &str, timeout: &str, agent_extra: &[&str]) -> Agent {
+        if self.group.is_none() {
+            return Agent::watch(self.prefill(), profile, timeout, agent_extra);
+        }
+        let selectors = self.selectors();
+        let selectors: Vec<&str> = selectors.iter().map(String::as_str).collect();
+        let agent = Agent::discover(&selectors, profile, timeout, agent_extra);
+        for (pid, _) in self.schedulers() {
+            agent.wait_watching(pid);
+        }
+        agent
+    }
+
+    /// [`SCHEDULERS`], with `--cgroup` of this server's group: the whole
+    /// name as its `/proc/PID/cgroup` line ends it (`...-1` is in
+    /// `...-12` too).
+    pub fn selectors(&self) -> Vec<String> {
+        let group = self.group.as_ref().expect("the SGLang-layout target has its cgroup");
+        let mut selectors: Vec<String> = SCHEDULERS.iter().map(|s| (*s).to_owned()).collect();
+        selectors.extend(["--cgroup".to_owned(), format!("{}\n", group.name())]);
+        selectors
+    }
+
+    /// The main process (SGLang's layout: bootstrap server, tokenizer; the
+    /// Mooncake target: everything).
     pub fn prefill(&self) -> u32 {
         self.ready["prefill_pid"].as_u64().expect("prefill_pid") as u32
+    }
+
+    /// The scheduler processes, by TP rank: pid and title.
+    pub fn schedulers(&self) -> Vec<(u32, String)> {
+        let schedulers = self.ready["schedulers"].as_array().unwrap_or_else(|| panic!("no schedulers: {}", self.ready));
+        schedulers
+            .iter()
+            .map(|s| (s["pid"].as_u64().expect("pid") as u32, s["title"].as_str().expect("title").to_owned()))
+            .collect()
+    }
+
+    /// The detokenizer process's pid.
+    pub fn detokenizer(&self) -> u32 {
+        self.ready["detokenizer"]["pid"].as_u64().unwrap_or_else(|| panic!("no detokenizer: {}", self.ready)) as u32
     }
 
     pub fn fault_room(&self) -> u64 {

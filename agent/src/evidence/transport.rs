@@ -25,12 +25,16 @@
 //! completed anything, the process's counts decide, except that
 //! completions of handles with no known peer never make a known peer that
 //! completed nothing `others_completing`.
+//!
+//! Above all of that, a process that is itself stopped, throttled or not
+//! scheduled ([`crate::evidence::sched`]) is `process_stopped`: its
+//! transport is silent because it is, and no peer is to blame.
 use std::collections::{HashMap, VecDeque};
 
 use anyhow::Result;
 
 use crate::{
-    evidence::peers::PeerCompletions,
+    evidence::{peers::PeerCompletions, sched::Halt},
     kernel::{Probes, Role},
     lifecycle::{Observation, Outcome, Report, RequestSnapshot, Stage, StallClass},
     profile::ActivityKind,
@@ -82,6 +86,9 @@ pub struct Evidence {
     /// The peer of the stalled transfer and the completions per peer since
     /// the request's last event, where the profile names peers.
     pub peer: Option<PeerCompletions>,
+    /// How the process itself was held when the stall was judged, if it
+    /// was (then the verdict is [`Verdict::ProcessStopped`]).
+    pub halt: Option<Halt>,
     pub verdict: Verdict,
 }
 
@@ -89,7 +96,8 @@ impl Evidence {
     /// One line for people: "last post 57.0s ago, last completion 57.0s
     /// ago, 120000 progress calls in the last 30.0s, none completed"; with
     /// a known peer the completions are told per peer: "none to decode-0
-    /// completed, 14 to other peers".
+    /// completed, 14 to other peers"; a process held itself says so first:
+    /// "process stopped (all 57 threads in state T); last post ...".
     pub fn summary(&self) -> String {
         let ago = |kind: ActivityKind| match self.total.get(kind).last_ns {
             Some(ns) => format!("{:.1}s ago", self.at_ns.saturating_sub(ns) as f64 / 1e9),
@@ -111,8 +119,9 @@ impl Evidence {
             ),
             None => "progress not watched".to_owned(),
         };
+        let halt = self.halt.map(|halt| format!("{}; ", halt.summary())).unwrap_or_default();
         format!(
-            "last post {}, last completion {}, {progress}, {completed}",
+            "{halt}last post {}, last completion {}, {progress}, {completed}",
             ago(ActivityKind::Post),
             ago(ActivityKind::Completion)
         )
@@ -132,6 +141,11 @@ pub enum Verdict {
     OthersCompleting,
     /// The process's transport has done nothing since: it is idle.
     Idle,
+    /// The process itself is stopped (SIGSTOP, a tracer), throttled by its
+    /// cgroup's CPU limit or not scheduled: whatever its transport shows
+    /// follows from that, and the request waits on this process, not on a
+    /// peer.
+    ProcessStopped,
 }
 
 impl Verdict {
@@ -141,13 +155,27 @@ impl Verdict {
             Self::NoProgress => "no_progress",
             Self::OthersCompleting => "others_completing",
             Self::Idle => "idle",
+            Self::ProcessStopped => "process_stopped",
         }
     }
 
     /// `progress_known`: a progress probe was attached over a window long
     /// enough that no calls in it mean nobody drives progress. `peer`: what
     /// the stalled transfer's peer and the process's other peers completed.
-    fn of(class: StallClass, since: &Totals, progress_known: bool, peer: Option<&PeerCompletions>) -> Self {
+    /// `halted`: the process itself is held ([`Halt`]), which outranks
+    /// everything its transport did: a stopped process completes nothing
+    /// and drives no progress, which would otherwise read as its peer's
+    /// fault.
+    fn of(
+        class: StallClass,
+        since: &Totals,
+        progress_known: bool,
+        peer: Option<&PeerCompletions>,
+        halted: bool,
+    ) -> Self {
+        if halted {
+            return Self::ProcessStopped;
+        }
         match peer {
             Some(peer) if peer.to_peer > 0 => return Self::OthersCompleting,
             Some(peer) if peer.to_others > 0 => return Self::PeerUnresponsive,
@@ -204,6 +232,19 @@ impl ProcessTransport {
         class: StallClass,
         peer: Option<PeerCompletions>,
     ) -> Option<Evidence> {
+        self.judged(request, class, peer, None)
+    }
+
+    /// [`Self::evidence`], with how the process itself was held (`halt`,
+    /// from [`crate::evidence::sched`]), which decides the verdict when
+    /// it is held.
+    pub fn judged(
+        &self,
+        request: &RequestSnapshot,
+        class: StallClass,
+        peer: Option<PeerCompletions>,
+        halt: Option<Halt>,
+    ) -> Option<Evidence> {
         if !self.has_activity_probe {
             return None;
         }
@@ -243,8 +284,8 @@ impl ProcessTransport {
             }
         };
         let progress_known = progress_window_ns.is_some_and(|ns| ns >= self.min_window_ns);
-        let verdict = Verdict::of(class, &since, progress_known, peer.as_ref());
-        Some(Evidence { total, since, progress_window_ns, at_ns: newest.at_ns, peer, verdict })
+        let verdict = Verdict::of(class, &since, progress_known, peer.as_ref(), halt.is_some());
+        Some(Evidence { total, since, progress_window_ns, at_ns: newest.at_ns, peer, halt, verdict })
     }
 
     /// The last sample at or before `at_ns` (samples are in time order:
@@ -386,16 +427,37 @@ impl Tracker {
     }
 
     /// The evidence a report's alert carries: stalls only, judged per
-    /// peer where `peer_of` knows the stalled transfer's.
+    /// peer where `peer_of` knows the stalled transfer's, and on how the
+    /// process itself is held (`halt`, [`crate::evidence::sched`]).
     pub fn for_report(
         &self,
         report: &Report,
         peer_of: impl FnOnce(&RequestSnapshot) -> Option<PeerCompletions>,
+        halt: Option<Halt>,
     ) -> Option<Evidence> {
         match report {
-            Report::Stalled { request, class, .. } => self.evidence(request, *class, peer_of(request)),
+            Report::Stalled { request, class, .. } => {
+                self.processes.get(&request.pid)?.judged(request, *class, peer_of(request), halt)
+            }
             _ => None,
         }
+    }
+}
+
+/// The class of a stall refined by what its framework knows of its
+/// transfers (`own_transfer`, [`crate::frameworks::Framework::stalled_transfer`]:
+/// `Some(None)` is a request of the framework's with no transfer of its
+/// own out). A request at `transfer_posted` with none out is between its
+/// transfers: an SGLang room whose chunk is done and whose next chunk waits
+/// on its forward pass or in its worker's queue (behind another room's hung
+/// transfer). Nothing of its own hangs, so it is no second `transfer_hung`
+/// beside the room whose transfer does: it waits, as a room not started
+/// does (`waiting_for_peer`, with what it waits on in its alert's
+/// `waiting_on`/`behind`).
+pub fn refined_class(class: StallClass, own_transfer: Option<Option<u64>>) -> StallClass {
+    match (class, own_transfer) {
+        (StallClass::TransferHung, Some(None)) => StallClass::WaitingForPeer,
+        _ => class,
     }
 }
 
@@ -580,6 +642,67 @@ mod tests {
             evidence.summary()
         );
         assert_eq!(evidence.peer.as_ref().map(|p| &*p.peer), Some("decode-0"));
+    }
+
+    /// The stopped prefill of issue 40: with its own threads stopped, what
+    /// its transport shows (a peer that completed nothing while others did,
+    /// progress driven before the stop, completions just before it) never
+    /// blames a peer, and the summary says why first.
+    #[test]
+    fn a_process_held_itself_is_process_stopped_whatever_its_transport_shows() {
+        let halt = Halt::Stopped { threads: 57 };
+        let judged = |process_completions, progress, peer: Option<(u64, u64)>, class, stage| {
+            let mut tracker = Tracker::new(60 * S);
+            tracker.progress_attached(7, Some(10 * S));
+            tracker.record(7, 10 * S, totals(1, 0, 0, 10 * S));
+            tracker.record(7, 70 * S, totals(1, process_completions, progress, 60 * S));
+            let peer = peer.map(|(to_peer, to_others)| PeerCompletions { peer: "decode-0".into(), to_peer, to_others });
+            let report =
+                Report::Stalled { request: stalled(7, stage, 10 * S), class, silent_ns: 60 * S, at_ns: 70 * S };
+            tracker.for_report(&report, |_| peer, Some(halt)).expect("transport probes")
+        };
+        for (completions, progress, peer) in
+            [(14, 500, Some((0, 14))), (3, 500, Some((2, 1))), (0, 0, None), (5, 9, None)]
+        {
+            for (class, stage) in [
+                (StallClass::TransferHung, Stage::TransferPosted),
+                (StallClass::ReleaseLost, Stage::TransferDone),
+                (StallClass::WaitingForPeer, Stage::Enqueued),
+            ] {
+                let evidence = judged(completions, progress, peer, class, stage);
+                assert_eq!(evidence.verdict, Verdict::ProcessStopped, "{completions} {progress} {peer:?} {class:?}");
+                assert_eq!(evidence.halt, Some(halt));
+            }
+        }
+        let evidence = judged(14, 500, Some((0, 14)), StallClass::TransferHung, Stage::TransferPosted);
+        assert_eq!(
+            evidence.summary(),
+            "process stopped (all 57 threads in state T); last post 10.0s ago, last completion 10.0s ago, 500 \
+             progress calls in the last 60.0s, none to decode-0 completed, 14 to other peers"
+        );
+        assert_eq!(Verdict::ProcessStopped.as_str(), "process_stopped");
+        // Not held: judged by its transport as before.
+        let mut tracker = Tracker::new(60 * S);
+        tracker.record(7, 10 * S, totals(1, 0, 0, 10 * S));
+        tracker.record(7, 70 * S, totals(1, 0, 0, 60 * S));
+        let request = stalled(7, Stage::TransferPosted, 10 * S);
+        let report = Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 60 * S, at_ns: 70 * S };
+        let evidence = tracker.for_report(&report, |_| None, None).expect("transport probes");
+        assert_ne!(evidence.verdict, Verdict::ProcessStopped);
+        assert!(evidence.summary().starts_with("last post"), "{}", evidence.summary());
+    }
+
+    #[test]
+    fn a_request_with_no_transfer_of_its_own_out_is_never_transfer_hung() {
+        use StallClass::*;
+        // A room between its chunks (its framework says none of its own is out).
+        assert_eq!(refined_class(TransferHung, Some(None)), WaitingForPeer);
+        // Its own transfer out, or a request no framework knows: its stage's class.
+        assert_eq!(refined_class(TransferHung, Some(Some(0x7f00))), TransferHung);
+        assert_eq!(refined_class(TransferHung, None), TransferHung);
+        for class in [WaitingForPeer, ReleaseLost, WaitingForKv] {
+            assert_eq!(refined_class(class, Some(None)), class);
+        }
     }
 
     #[test]

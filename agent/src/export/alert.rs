@@ -152,7 +152,7 @@ impl<W: Write> AlertWriter<W> {
         let line = match self.format {
             Format::Human => format!(
                 "SUMMARY seen={} restored={} completed={} (unreleased={}) stalled={} recovered={} failed={} aborted={} process_exited={} \
-                 evicted={} end_unseen={} lease_expired={} kv_read_after_release={} resyncs={} in_flight={} lost_events={} (ringbuf_full={} key_unreadable={} args_missing={} no_slot={} undecodable={}) \
+                 evicted={} end_unseen={} lease_expired={} kv_read_after_release={} leaked={} resyncs={} in_flight={} lost_events={} (ringbuf_full={} key_unreadable={} args_missing={} no_slot={} undecodable={}) \
                  ext_unreadable={} stale_events={} duplicate_events={} caught_up_repeats={} export_drops={} alert_lines_dropped={} alert_lines_failed={} \
                  refused_processes={} state_full={} withheld={} caught_up={}",
                 stats.seen,
@@ -168,6 +168,7 @@ impl<W: Write> AlertWriter<W> {
                 stats.end_unseen,
                 stats.lease_expired,
                 stats.kv_read_after_release,
+                stats.leaked,
                 stats.resyncs,
                 stats.in_flight,
                 losses.lost(),
@@ -229,6 +230,7 @@ impl<W: Write> AlertWriter<W> {
                 "end_unseen": stats.end_unseen,
                 "lease_expired": stats.lease_expired,
                 "kv_read_after_release": stats.kv_read_after_release,
+                "leaked": stats.leaked,
                 "resyncs": stats.resyncs,
                 "in_flight": stats.in_flight,
                 "lost_events": losses.lost(),
@@ -249,10 +251,7 @@ impl<W: Write> AlertWriter<W> {
                 "withheld": kernel.withheld,
                 "caught_up": stats.caught_up,
                 "status_reads": status.map(status_json),
-                "probes": probes
-                    .iter()
-                    .map(|p| json!({"pid": p.pid, "role": p.role, "hits": p.hits, "attached": p.attached.as_str(), "symbol": p.symbol}))
-                    .collect::<Vec<_>>(),
+                "probes": probes.iter().map(probe_json).collect::<Vec<_>>(),
             })
             .to_string(),
         };
@@ -388,6 +387,9 @@ impl<'a> Alert<'a> {
                     Outcome::EndUnseen => return None,
                     Outcome::LeaseExpired => "lease_expired",
                     Outcome::KvReadAfterRelease => "kv_read_after_release",
+                    // A transfer of an ended request never released: its
+                    // own finding, apart from the request's outcome.
+                    Outcome::Leaked => "leaked",
                     Outcome::Released | Outcome::Completed | Outcome::Aborted => return None,
                 };
                 Some(Self {
@@ -402,6 +404,12 @@ impl<'a> Alert<'a> {
             }
         }
     }
+}
+
+/// One probe of the summary's `probes` (apart from the summary's
+/// `json!`, which is at the macro's recursion limit).
+fn probe_json(p: &ProbeHits) -> Value {
+    json!({"pid": p.pid, "role": p.role, "hits": p.hits, "attached": p.attached.as_str(), "symbol": p.symbol})
 }
 
 /// The summary's `status_reads`.
@@ -419,10 +427,13 @@ fn status_json(reads: &StatusReads) -> Value {
 
 /// `{"verdict": .., "summary": .., "post": {"since": n, "total": n, "last_ago_ms": n|null}, ..}`;
 /// `progress` also has `window_ms`: how far back its `since` counts
-/// (`null`: no progress probe was attached).
+/// (`null`: no progress probe was attached). `process_state` says how the
+/// process itself was held (`stopped`, `throttled`, `not_scheduled`;
+/// `null`: it was not), the reason of a `process_stopped` verdict.
 fn evidence_json(evidence: &Evidence) -> Value {
     let mut object = Map::new();
     object.insert("verdict".to_owned(), json!(evidence.verdict.as_str()));
+    object.insert("process_state".to_owned(), json!(evidence.halt.map(|halt| halt.as_str())));
     object.insert("summary".to_owned(), json!(evidence.summary()));
     for kind in ActivityKind::ALL {
         let total = evidence.total.get(kind);
@@ -507,6 +518,7 @@ mod tests {
             progress_window_ns: None,
             at_ns: 9_000,
             peer: Some(peer),
+            halt: None,
             verdict: crate::evidence::transport::Verdict::PeerUnresponsive,
         };
         let write = |format| {
@@ -556,6 +568,70 @@ mod tests {
         let json: Value = serde_json::from_str(&line(Format::Json, &release_lost(StageSet::EMPTY))).expect("JSON");
         assert_eq!(json["inferred"], json!([]), "{json}");
         assert!(!line(Format::Human, &release_lost(StageSet::EMPTY)).contains("inferred"));
+    }
+
+    /// A stopped prefill's stall: the verdict and `waiting_on` its agent
+    /// sets (the fields as [`crate::evidence::sched::say_halt`] leaves
+    /// them), in both formats, the peer of its transfer still named (it is
+    /// where the transfer goes, not who is blamed).
+    #[test]
+    fn a_stall_of_a_stopped_process_says_so_and_waits_on_itself() {
+        use crate::evidence::{
+            peers::PeerCompletions,
+            sched::{Halt, say_halt},
+            transport::Verdict,
+        };
+        let halt = Halt::Stopped { threads: 57 };
+        let evidence = Evidence {
+            total: Default::default(),
+            since: Default::default(),
+            progress_window_ns: None,
+            at_ns: 9_000,
+            peer: Some(PeerCompletions { peer: "decode-0".into(), to_peer: 0, to_others: 3 }),
+            halt: Some(halt),
+            verdict: Verdict::ProcessStopped,
+        };
+        let mut fields =
+            vec![("answered", "1/1".to_owned()), ("behind", "17".to_owned()), ("waiting_on", "worker".to_owned())];
+        say_halt(&mut fields, halt);
+        let write = |format| {
+            let mut out = Vec::new();
+            AlertWriter::new(&mut out, format, Clock::new())
+                .report(&release_lost(StageSet::EMPTY), Some(&evidence), &fields)
+                .expect("write");
+            String::from_utf8(out).expect("UTF-8")
+        };
+        let json: Value = serde_json::from_str(&write(Format::Json)).expect("JSON");
+        assert_eq!(
+            (
+                &json["transport"]["verdict"],
+                &json["transport"]["process_state"],
+                &json["waiting_on"],
+                &json["process_state"]
+            ),
+            (&json!("process_stopped"), &json!("stopped"), &json!("self"), &json!("stopped")),
+            "{json}"
+        );
+        assert!(json.get("behind").is_none(), "{json}");
+        assert!(
+            json["transport"]["summary"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("process stopped (all 57 threads in state T); ")),
+            "{json}"
+        );
+        let human = write(Format::Human);
+        assert!(
+            human.contains(" waiting_on=self process_state=stopped verdict=process_stopped peer=decode-0 "),
+            "{human}"
+        );
+        // Not held: `process_state` null.
+        let evidence = Evidence { halt: None, verdict: Verdict::PeerUnresponsive, ..evidence.clone() };
+        let mut out = Vec::new();
+        AlertWriter::new(&mut out, Format::Json, Clock::new())
+            .report(&release_lost(StageSet::EMPTY), Some(&evidence), &[])
+            .expect("write");
+        let json: Value = serde_json::from_slice(&out).expect("JSON");
+        assert!(json["transport"]["process_state"].is_null(), "{json}");
     }
 
     /// stdout with its reader gone.

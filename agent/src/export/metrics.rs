@@ -310,6 +310,7 @@ impl Collector for Snapshot {
                     Outcome::EndUnseen => e.end_unseen,
                     Outcome::LeaseExpired => e.lease_expired,
                     Outcome::KvReadAfterRelease => e.kv_read_after_release,
+                    Outcome::Leaked => e.leaked,
                 };
                 (outcome.as_str(), n)
             })

@@ -76,6 +76,15 @@ pub trait Framework {
     /// framework's request (`Some(None)`: its, with no transfer).
     fn stalled_transfer(&self, request: &RequestSnapshot) -> Option<Option<u64>>;
 
+    /// The transfer a request of this framework with none of its own out
+    /// waits behind, if it does (an SGLang room queued on its transfer
+    /// worker behind another room's hung transfer: that transfer), so its
+    /// stall is judged by that transfer's peer, the one the worker is stuck
+    /// on, rather than with no peer at all. None by default.
+    fn queued_behind(&self, _request: &RequestSnapshot) -> Option<u64> {
+        None
+    }
+
     /// One warning for what could not be read since the last one (called
     /// once per counter period).
     fn warn(&mut self);
@@ -109,6 +118,11 @@ pub trait Framework {
     fn follows(&self, _profile: &Profile) -> bool {
         true
     }
+
+    /// The agent's stall timeout, told once before anything is observed:
+    /// for a framework that judges by it (a transfer left unreleased that
+    /// long is a leak). Nothing by default.
+    fn timeout(&mut self, _timeout_ns: u64) {}
 
     /// Process `pid` is watched from now; `lineage` is its command line
     /// and its ancestors', for a framework whose configuration is there

@@ -107,7 +107,10 @@ impl Signals {
     }
 
     /// With these frameworks only.
-    pub fn with(timeout_ns: u64, frameworks: Vec<Box<dyn Framework>>) -> Self {
+    pub fn with(timeout_ns: u64, mut frameworks: Vec<Box<dyn Framework>>) -> Self {
+        for framework in &mut frameworks {
+            framework.timeout(timeout_ns);
+        }
         Self { unrouted: 0, peers: Peers::new(timeout_ns), frameworks }
     }
 
@@ -232,14 +235,24 @@ impl Signals {
     /// What the peer of `request`'s stalled transfer, and the other peers
     /// of its process, completed since its last event: the transfer is the
     /// request's own handle, or the one a framework says it is stalled on
-    /// ([`Framework::stalled_transfer`]). `None` when that transfer's peer
-    /// is unknown.
+    /// ([`Framework::stalled_transfer`]), or, for one with none of its own
+    /// out, the transfer it waits behind ([`Framework::queued_behind`]: a
+    /// worker-wide stall names the peer its worker is stuck on). `None`
+    /// when that transfer's peer is unknown.
     pub fn peer_completions(&self, request: &RequestSnapshot) -> Option<PeerCompletions> {
-        let handle = match self.frameworks.iter().find_map(|framework| framework.stalled_transfer(request)) {
-            Some(handle) => handle?,
+        let handle = match self.stalled_transfer(request) {
+            Some(Some(handle)) => handle,
+            Some(None) => self.frameworks.iter().find_map(|framework| framework.queued_behind(request))?,
             None => request.key,
         };
         self.peers.since(request.pid, handle, request.last_ns)
+    }
+
+    /// The transfer handle `request` is stalled on, if a framework follows
+    /// it ([`Framework::stalled_transfer`]; `Some(None)`: its, with no
+    /// transfer of its own out), `None` for a request no framework follows.
+    pub fn stalled_transfer(&self, request: &RequestSnapshot) -> Option<Option<u64>> {
+        self.frameworks.iter().find_map(|framework| framework.stalled_transfer(request))
     }
 
     /// One warning for what could not be read since the last one (called
@@ -389,6 +402,22 @@ mod tests {
                 },
             )
             .expect("room 7");
+        // Room 8, to decode-2 on the same port (so the same transfer
+        // worker: SGLang's sum of ports % 4), answered, queued behind it.
+        sglang
+            .rooms_mut()
+            .observe(
+                9,
+                2,
+                &Bootstrap::Destination {
+                    room: 8,
+                    port: 1,
+                    agent: "decode-2".into(),
+                    ranks: 1,
+                    pages: Default::default(),
+                },
+            )
+            .expect("room 8");
         let mut signals = Signals::with(1_000_000_000, vec![Box::new(sglang)]);
         // Every handle event comes on thread 10 of pid 9.
         let on_thread = event(0, b"");
@@ -441,12 +470,24 @@ mod tests {
         assert_eq!(of(stalled(7, Some("7"), 20)), Some(("decode-0".into(), 0, 1)), "the room's hung handle's peer");
         assert_eq!(of(stalled(0xc0, None, 25)), Some(("decode-1".into(), 1, 0)), "the handle's own");
         assert_eq!(of(stalled(0xd0, None, 25)), None, "a handle whose peer no thread named");
-        assert_eq!(of(stalled(8, Some("8"), 25)), None, "a room with no transfer");
+        // A room with no transfer of its own, queued on its worker behind
+        // room 7's hung one: judged by that transfer's peer (the one its
+        // worker is stuck on), as its alert says it is `behind` room 7.
+        assert_eq!(
+            signals.context(&stalled(8, Some("8"), 25)),
+            [("answered", "1/1".to_owned()), ("behind", "7".to_owned()), ("waiting_on", "worker".to_owned())]
+        );
+        assert_eq!(of(stalled(8, Some("8"), 25)), Some(("decode-0".into(), 0, 1)), "queued behind room 7");
+        assert_eq!(of(stalled(6, Some("6"), 25)), None, "no such room");
 
         // The next agent, handed what this one knew: room 7's hung handle
         // is its own again, with its peer; the others' are not.
-        let held = signals.held();
-        let [HandOver { pid: 9, key: 7, context: Some(context) }] = &held[..] else { panic!("{held:?}") };
+        let mut held = signals.held();
+        held.sort_by_key(|h| h.key);
+        // (Room 8 is handed over too: its context, queued behind room 7.)
+        let [HandOver { pid: 9, key: 7, context: Some(context) }, HandOver { pid: 9, key: 8, .. }] = &held[..] else {
+            panic!("{held:?}")
+        };
         assert!(signals.held().is_empty(), "handed over once");
         let mut next = Signals::with(1_000_000_000, vec![Box::new(Sglang::default())]);
         let restored = |key, external_id: Option<&str>| Restored {

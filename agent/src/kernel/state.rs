@@ -575,7 +575,8 @@ impl<T: Tables> KernelState<T> {
                     | Outcome::Aborted
                     | Outcome::Failed
                     | Outcome::LeaseExpired
-                    | Outcome::KvReadAfterRelease => {
+                    | Outcome::KvReadAfterRelease
+                    | Outcome::Leaked => {
                         if request.inferred.contains(request.stage) {
                             // Ended by a read of the target's memory (an
                             // error status, or a done one where done is

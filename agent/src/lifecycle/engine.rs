@@ -545,6 +545,21 @@ impl Engine {
         EngineStats { in_flight: self.slab.len() as u64, ..self.stats }
     }
 
+    /// The stalled request (pid, key) is of `class`: what its framework
+    /// knows refined the class its stage gave it (a room between its
+    /// chunks is no `transfer_hung`, [`crate::evidence::transport::refined_class`]),
+    /// so its recovery, the kernel's table and `inflight` say what its
+    /// alert said. Returns whether it was a stalled request.
+    pub fn reclass(&mut self, pid: u32, key: u64, class: StallClass) -> bool {
+        let Some(i) = self.index.find(self.slab.records(), pid, key) else { return false };
+        let r = self.slab.get_mut(i);
+        if r.stalled().is_none() {
+            return false;
+        }
+        r.set_place(Place::Stalled(class));
+        true
+    }
+
     /// The tracked request (pid, key), if any.
     pub fn get(&self, pid: u32, key: u64) -> Option<RequestSnapshot> {
         self.index.find(self.slab.records(), pid, key).map(|i| self.slab.get(i).snapshot())
@@ -706,6 +721,7 @@ impl Engine {
             Outcome::EndUnseen => &mut self.stats.end_unseen,
             Outcome::LeaseExpired => &mut self.stats.lease_expired,
             Outcome::KvReadAfterRelease => &mut self.stats.kv_read_after_release,
+            Outcome::Leaked => &mut self.stats.leaked,
         };
         *counter += 1;
         out.push(Report::Ended { request, outcome, at_ns });

@@ -25,8 +25,8 @@ pub struct Observation {
     /// says otherwise: [`Outcome::Completed`] at a live stage its probe's
     /// profile completes lifecycles at (`complete_at`, for a framework that
     /// releases what is done only lazily, if ever); a framework's own
-    /// outcome ([`Outcome::LeaseExpired`], [`Outcome::KvReadAfterRelease`])
-    /// at any stage. `None`: its stage says (a terminal stage ends it, a
+    /// outcome ([`Outcome::LeaseExpired`], [`Outcome::KvReadAfterRelease`],
+    /// [`Outcome::Leaked`]) at any stage. `None`: its stage says (a terminal stage ends it, a
     /// live one leaves it live).
     pub ends: Option<Outcome>,
 }
@@ -194,7 +194,8 @@ impl Report {
 ///
 /// Lifecycle counters count requests: `seen` = `completed` + `failed` +
 /// `aborted` + `process_exited` + `evicted` + `end_unseen` +
-/// `lease_expired` + `kv_read_after_release` + `in_flight` always holds.
+/// `lease_expired` + `kv_read_after_release` + `leaked` + `in_flight`
+/// always holds.
 /// `stalled` and `recovered` count episodes (a request can stall and recover
 /// several times). The `_events` counters count observations the engine
 /// dropped.
@@ -228,6 +229,9 @@ pub struct EngineStats {
     /// Lifecycles that were a read of KV already freed
     /// ([`Outcome::KvReadAfterRelease`]).
     pub kv_read_after_release: u64,
+    /// Lifecycles that were a transfer its framework found leaked: never
+    /// released once its request ended ([`Outcome::Leaked`]).
+    pub leaked: u64,
     /// Resynchronisations with the kernel's in-flight table after events
     /// were lost ([`Engine::resync`](super::Engine::resync)).
     pub resyncs: u64,

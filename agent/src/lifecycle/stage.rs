@@ -273,11 +273,18 @@ pub enum Outcome {
     /// the decode, its READ's end; on the prefill, the notification of
     /// that READ, a lifecycle of its own.
     KvReadAfterRelease,
+    /// A transfer (a NIXL handle, a Mooncake batch) of a request that
+    /// ended, never released when it should have been: its registered
+    /// memory and descriptors are held for good, and it may still write
+    /// into its peer's pages. A framework's judgement, a lifecycle of its
+    /// own (the transfer's), so its request's outcome stands as it was and
+    /// the leak is counted and alerted apart (`leaked`).
+    Leaked,
 }
 
 impl Outcome {
     /// Every outcome.
-    pub const ALL: [Outcome; 9] = [
+    pub const ALL: [Outcome; 10] = [
         Outcome::Released,
         Outcome::Completed,
         Outcome::Aborted,
@@ -287,6 +294,7 @@ impl Outcome {
         Outcome::EndUnseen,
         Outcome::LeaseExpired,
         Outcome::KvReadAfterRelease,
+        Outcome::Leaked,
     ];
 
     /// The stable name used in reports and metrics.
@@ -301,6 +309,7 @@ impl Outcome {
             Outcome::EndUnseen => "end_unseen",
             Outcome::LeaseExpired => "lease_expired",
             Outcome::KvReadAfterRelease => "kv_read_after_release",
+            Outcome::Leaked => "leaked",
         }
     }
 
@@ -321,7 +330,7 @@ impl Outcome {
     /// judgement of the agent's, not the target's activity: it ends the
     /// request as it stands, never reviving a stalled one.
     pub fn is_judgement(self) -> bool {
-        self == Outcome::LeaseExpired
+        matches!(self, Outcome::LeaseExpired | Outcome::Leaked)
     }
 
     /// The outcome a terminal stage means; `None` for live stages.

@@ -174,7 +174,8 @@ fn class_and_outcome_names() {
             "evicted",
             "end_unseen",
             "lease_expired",
-            "kv_read_after_release"
+            "kv_read_after_release",
+            "leaked"
         ]
     );
     assert_eq!(Stage::ALL.map(StallClass::for_stage), [Some(WFP), Some(HUNG), Some(LOST), None, None, None]);
@@ -280,6 +281,29 @@ fn a_framework_judgement_ends_a_request_where_it_stands_and_its_own_outcome_is_a
             s.lease_expired = 2;
             s.kv_read_after_release = 1;
             s.stale_events = 1;
+        })
+    );
+}
+
+/// A leaked transfer (its framework's judgement, a lifecycle of its own
+/// started just before): ended where it stood, counted apart from
+/// failures, and never stalled first, although its start was long ago.
+#[test]
+fn a_leaked_transfer_is_its_own_outcome_counted_apart() {
+    let mut h = H::new();
+    let mut out = Vec::new();
+    h.e.observe(Observation { pid: 1, key: 0xE, stage: DONE, ts_ns: 100, external_id: None, ends: None }, &mut out);
+    let leak =
+        Observation { pid: 1, key: 0xE, stage: DONE, ts_ns: 5_000, external_id: None, ends: Some(Outcome::Leaked) };
+    h.e.observe(leak, &mut out);
+    let done = snap(1, 0xE, DONE, [None, None, Some(100), None], 100, 100, None);
+    assert_eq!(out, vec![ended(done, Outcome::Leaked, 5_000)]);
+    assert_eq!(h.adv(100_000), vec![], "no timer left");
+    assert_eq!(
+        h.stats(),
+        stats(|s| {
+            s.seen = 1;
+            s.leaked = 1;
         })
     );
 }
@@ -573,6 +597,23 @@ fn recovered_then_stalled_again() {
             s.in_flight = 1;
         })
     );
+}
+
+/// A stall's class refined after the fact (a room between its chunks is
+/// no `transfer_hung`, `evidence::transport::refined_class`) is the one
+/// its request keeps: `inflight` and its recovery say what its alert said.
+#[test]
+fn a_reclassed_stall_keeps_its_new_class_to_its_recovery() {
+    let mut h = H::new();
+    h.obs(1, 1, ENQ, 0);
+    h.obs(1, 1, POST, 10);
+    assert!(!h.e.reclass(1, 1, WFP), "not stalled yet");
+    assert_eq!(h.adv(1010).len(), 1);
+    assert!(h.e.reclass(1, 1, WFP));
+    assert!(!h.e.reclass(1, 2, WFP), "no such request");
+    assert_eq!(h.get(1, 1).and_then(|r| r.stalled), Some(WFP));
+    let s = snap(1, 1, REL, [Some(0), Some(10), None, Some(1200)], 0, 1200, None);
+    assert_eq!(h.obs(1, 1, REL, 1200), vec![recovered(s.clone(), WFP, 1190), ended(s, Outcome::Released, 1200)]);
 }
 
 #[test]
@@ -1040,6 +1081,7 @@ fn random_ops(seed: u64, n: usize, step: u64) -> Vec<Op> {
                 ends: match rng.below(40) {
                     0 => Some(Outcome::LeaseExpired),
                     1 => Some(Outcome::KvReadAfterRelease),
+                    2 => Some(Outcome::Leaked),
                     _ => (stage == DONE && key < 0x1000 + 64 * 4).then_some(Outcome::Completed),
                 },
             };
@@ -1089,6 +1131,7 @@ impl Model {
             Outcome::EndUnseen => self.stats.end_unseen += 1,
             Outcome::LeaseExpired => self.stats.lease_expired += 1,
             Outcome::KvReadAfterRelease => self.stats.kv_read_after_release += 1,
+            Outcome::Leaked => self.stats.leaked += 1,
         }
         out.push(ended(request, outcome, at_ns));
     }
@@ -1346,6 +1389,7 @@ fn cap_is_never_exceeded_and_invariants_hold() {
                     + st.evicted
                     + st.lease_expired
                     + st.kv_read_after_release
+                    + st.leaked
                     + st.in_flight
             );
             assert_eq!(ended_total, st.seen - st.in_flight);

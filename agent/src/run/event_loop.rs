@@ -270,7 +270,9 @@ impl EventLoop {
         if let Some(status) = &mut session.status {
             status.warn();
         }
-        session.transport.sample(&session.probes, monotonic_ns())?;
+        let now = monotonic_ns();
+        session.transport.sample(&session.probes, now)?;
+        session.sample_scheduling(now);
         Ok(Flow::Continue)
     }
 

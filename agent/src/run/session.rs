@@ -18,8 +18,9 @@ use super::{
 use crate::{
     evidence::{
         gate::{Change, Gate, Opener},
+        sched::{self, Scheduling},
         status::StatusReader,
-        transport::Tracker,
+        transport::{self, Tracker},
     },
     export::{
         alert::{AlertWriter, Format, Shortfalls},
@@ -33,7 +34,7 @@ use crate::{
         ring::{EventReader, Losses},
         state::KernelState,
     },
-    lifecycle::{Engine, EngineConfig, Observation, Report, Restored, Side, Silent, Withheld},
+    lifecycle::{Engine, EngineConfig, Observation, Outcome, Report, Restored, Side, Silent, Withheld},
     profile::{Profile, plan::Plan},
     util::clock::{Clock, monotonic_ns, process_start_ns},
     util::warned::Warned,
@@ -43,6 +44,9 @@ use crate::{
 pub(super) struct Session {
     pub(super) engine: Engine,
     pub(super) transport: Tracker,
+    /// Whether a watched process is itself stopped, throttled or not
+    /// scheduled, read when its stalls are judged.
+    pub(super) sched: Scheduling,
     /// When each process's progress probes are linked.
     pub(super) gate: Gate,
     /// Links them off the loop.
@@ -114,6 +118,7 @@ impl Session {
         let session = Self {
             engine: Engine::new(limits),
             transport: Tracker::new(limits.timeout_ns),
+            sched: Scheduling::default(),
             gate: Gate::new(limits.timeout_ns, limits.tick_ns),
             opener: Opener::default(),
             detacher: Detacher::default(),
@@ -466,6 +471,16 @@ impl Session {
         }
     }
 
+    /// Keep a recent scheduling sample of each process holding a request
+    /// near its stall (silent for half the timeout, as the gate counts),
+    /// so its stalls can tell throttling and starvation over a window
+    /// ([`crate::evidence::sched`]); once a counter period, off the path
+    /// of every event.
+    pub(super) fn sample_scheduling(&mut self, now: u64) {
+        let near_stall = self.engine.pids_silent_since(self.gate.cutoff(now));
+        self.sched.keep_sampling(&near_stall, now);
+    }
+
     /// Link the progress probes of processes that now hold a request near
     /// its stall (off the loop: they come on when [`Opener::linked`]
     /// says), unlink those of processes that hold none (see
@@ -574,6 +589,7 @@ impl Session {
         self.detacher.start(self.probes.detach(pid));
         // Its requests' reports carry no transport evidence (only stalls do).
         self.transport.forget(pid);
+        self.sched.forget(pid);
         self.signals.forget(pid);
         self.opener.forget(pid);
         if let Some(status) = &mut self.status {
@@ -588,10 +604,33 @@ impl Session {
             // Judge stalls on fresh counts, not the last periodic sample.
             self.transport.sample(&self.probes, monotonic_ns())?;
         }
-        for report in self.reports.drain(..) {
+        let now = monotonic_ns();
+        for mut report in self.reports.drain(..) {
             self.transport.observe_end(&report);
-            let evidence = self.transport.for_report(&report, |request| self.signals.peer_completions(request));
-            let fields = self.signals.context(report.request());
+            // A stall is judged on what its framework knows of its
+            // transfers, and on whether its process is itself held (then
+            // it waits on itself, whatever its transport and traffic say).
+            if let Report::Stalled { request, class, .. } = &mut report {
+                let refined = transport::refined_class(*class, self.signals.stalled_transfer(request));
+                if refined != *class && self.engine.reclass(request.pid, request.key, refined) {
+                    (*class, request.stalled) = (refined, Some(refined));
+                }
+            }
+            // Judged on every alert a lapse of time raises (a stall; a
+            // lease or a release that ran out), never on one an event of
+            // the process raised: a process that made one is not stopped.
+            let halt = match &report {
+                Report::Stalled { request, .. }
+                | Report::Ended { request, outcome: Outcome::LeaseExpired | Outcome::Leaked, .. } => {
+                    self.sched.judge(request.pid, now)
+                }
+                _ => None,
+            };
+            let evidence = self.transport.for_report(&report, |request| self.signals.peer_completions(request), halt);
+            let mut fields = self.signals.context(report.request());
+            if let Some(halt) = halt {
+                sched::say_halt(&mut fields, halt);
+            }
             self.alerts.report(&report, evidence.as_ref(), &fields).context("writing an alert to stdout")?;
             // After the alert: an agent that dies in between reports the
             // stall again rather than never. A failure costs only restart

@@ -1,11 +1,23 @@
 #!/usr/bin/env python3
-"""SGLang's real disaggregation code as a test target: this process is an
-SGLang prefill rank (the one stallwatch watches) running SGLang's own
-NixlKVBootstrapServer, NixlKVManager (PREFILL) and NixlKVSender, imported
-unchanged from the sglang 0.5.23 wheel (PyPI), with real NIXL over UCX on
-loopback and real pyzmq, on CPU. It starts the decode ranks as separate
-processes (decode.py: NixlKVManager (DECODE) and NixlKVReceiver), each with
-its own pid.
+"""SGLang's real disaggregation code as a test target: an SGLang prefill
+server running SGLang's own NixlKVBootstrapServer, NixlKVManager (PREFILL)
+and NixlKVSender, imported unchanged from the sglang 0.5.23 wheel (PyPI),
+with real NIXL over UCX on loopback and real pyzmq, on CPU. It starts the
+decode ranks as separate processes (decode.py: NixlKVManager (DECODE) and
+NixlKVReceiver), each with its own pid.
+
+Processes (--processes). `sglang` (what the tests run): the classes in the
+processes sglang 0.5.23's launcher puts them in (entrypoints/engine.py
+Engine._launch_subprocesses; launcher.py says how and what it supplies):
+this main process runs the bootstrap server, the tokenizer side of the
+scheduler IPC and the router; one scheduler process per prefill TP rank
+(--prefill-tp), spawned and retitled `sglang::scheduler` /
+`sglang::scheduler_TP<rank>` as SGLang does, runs that rank's KV manager,
+transfer workers, senders and the scheduler loop below; a detokenizer
+process takes the outputs. `one` (the class default, PROCESSES; the
+Mooncake target's): everything in this process, the scheduler loop on its
+main thread. Below, "the scheduler" is the scheduler process's main thread
+in the first, this process's in the second.
 
 Checked on: sglang 0.5.23, torch 2.14.1 (CUDA 13 build, no GPU), CPython
 3.11.7, nixl / nixl-cu12 / nixl-cu13 1.5.1, pyzmq 27.3.0 (bundled libzmq),
@@ -144,6 +156,23 @@ Seeded faults (--fault), on --fault-room:
                    sender.abort() are downstream of an AbortReq). The next
                    chunk waits until the abort is taken (bounded 5 s), so
                    the abort always races the room's last chunk.
+  prefill-stops    right after the room's first chunk is handed to its
+                   transfer worker, this process SIGSTOPs itself (every
+                   thread: scheduler, bootstrap thread, transfer workers)
+                   after printing prefill_stopping {room, pid}; the rooms
+                   it holds stay where they were, their decodes wait.
+                   SIGCONT resumes it.
+  leak             a reference to the room's NIXL handles is kept outside
+                   SGLang, as a debugger, a trace hook or a log record that
+                   keeps a traceback would keep one: the room waits until
+                   every earlier room concluded, and once it completed (its
+                   worker idle, holding its last chunk's and its aux
+                   handles, unreleased as SGLang leaves them) this process
+                   takes the worker's `handles` from its frame
+                   (sys._current_frames) and keeps them; then the later
+                   rooms go, the worker drops its own references, and the
+                   handles are never released (releaseXferReq never called):
+                   handles_held {room, handles: ["0x..."], agents} says which.
 Default fault room: the first room of decode instance 0 after the middle of
 the run (abort: its last room). With hang and decode-dies the requests after
 the fault room are issued once the fault is in place.
@@ -179,6 +208,7 @@ Example:
   PY=~/.cache/stallwatch/venv-sglang-<hash>/bin/python   (support::sglang_python())
   $PY tests/sglang/real/prefill.py --count 10 --no-wait
   $PY tests/sglang/real/prefill.py --decode-shape tp2 --fault hang --nixl cu12
+  $PY tests/sglang/real/prefill.py --processes sglang --prefill-tp 2 --decode-shape mixed --no-wait
 
 What the real code does, as measured
 ------------------------------------
@@ -321,7 +351,8 @@ sys.path.insert(0, HERE)
 import common  # noqa: E402
 from common import emit, log  # noqa: E402
 
-FAULTS = ("none", "no-answer", "bootstrap-timeout", "decode-dies", "hang", "abort", "prefill-abort")
+FAULTS = ("none", "no-answer", "bootstrap-timeout", "decode-dies", "hang", "abort", "prefill-abort", "prefill-stops",
+          "leak")
 WARMUP_ROOM = 10**12
 
 
@@ -371,6 +402,15 @@ def build_parser(prog="prefill.py", transfer="NIXL", faults=FAULTS):
     p.add_argument("--no-wait", action="store_true")
     p.add_argument("--ucx-tls", default=None)
     p.add_argument("--max-seconds", type=float, default=120.0, help="from 'ready' on (set-up: 180 s, warm-up: 120 s)")
+    p.add_argument("--processes", choices=("sglang", "one"), default=None,
+                   help="sglang: SGLang's layout (launcher.py: this main process with the bootstrap server and the "
+                   "tokenizer, a scheduler process per prefill TP rank); one: everything in this process "
+                   "[default: the target's PROCESSES]")
+    p.add_argument("--prefill-tp", type=int, default=1, help="prefill TP ranks, one scheduler process each "
+                   "(--processes sglang)")
+    p.add_argument("--disaggregation-mode", choices=("prefill",), default="prefill",
+                   help="SGLang's own flag, so the main process's command line reads as an SGLang prefill's "
+                   "(`pgrep -f 'sglang.*disaggregation-mode prefill'` finds it, as it finds SGLang's)")
     return p
 
 
@@ -389,8 +429,12 @@ class Target:
     # Faults whose room waits, once bootstrapped, until every earlier room
     # of any decode concluded (the fault then meets a worker that moved
     # every room before it); later rooms wait for it as for the others.
-    QUIET_FAULTS = ()
+    QUIET_FAULTS = ("leak",)
     DECODE_SCRIPT = os.path.join(HERE, "decode.py")
+    # The process layout without --processes: "one" (every class in this
+    # process) until the tests that attach to this process by pid move to
+    # SGLang's ("sglang", launcher.py).
+    PROCESSES = "one"
 
     @staticmethod
     def configure_env(args):
@@ -410,10 +454,19 @@ class Target:
         """Select the NIXL build, publish the prefill's ServerArgs; SGLang's
         (bootstrap server, KV manager, sender) classes for this backend."""
         self.build = common.select_nixl(self.args.nixl)
-        common.publish_server_args("prefill", 1, 0, self.bootstrap_port)
+        common.publish_server_args("prefill", self.tp_size, self.tp_rank, self.bootstrap_port)
         from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager, NixlKVSender
 
         return NixlKVBootstrapServer, NixlKVManager, NixlKVSender
+
+    def bootstrap_server_class(self):
+        """The bootstrap server's class, for the main process (launcher.py):
+        SGLang's start_disagg_service imports it from the backend's conn
+        module, which imports the library (nixl: libnixl.so is mapped)."""
+        self.build = common.select_nixl(self.args.nixl)
+        from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer
+
+        return NixlKVBootstrapServer
 
     def decode_args(self):
         """Backend flags for decode.py."""
@@ -445,6 +498,8 @@ class Target:
         self.to_tokenizer = queue.Queue()
         self.abort_seen = set()
         self.exit_code = None
+        self.tp_rank, self.tp_size = 0, 1  # this process's prefill rank (launcher.py: one per scheduler)
+        self.tokenizer_binds = False  # SGLang's tokenizer binds its PUSH (launcher.py); here the scheduler binds
 
     # ---- set-up ----------------------------------------------------------
     def start(self):
@@ -493,7 +548,12 @@ class Target:
         to_detokenizer.connect(self.detokenizer_ipc)
         self.to_detokenizer = SenderWrapper(to_detokenizer)
         threading.Thread(target=self.detokenizer, daemon=True).start()
+        self.start_decodes()
 
+    def start_decodes(self):
+        """The decode processes (each a decode rank), started and ready."""
+        a = self.args
+        mla = self.mla
         tp1 = a.decodes if a.decode_shape in ("tp1", "mixed") else 0
         shapes = [1] * tp1 + ([2] if a.decode_shape in ("tp2", "mixed") else [])
         for n, tp in enumerate(shapes):
@@ -590,7 +650,7 @@ class Target:
         from sglang.srt.managers.io_struct import BatchTokenizedGenerateReqInput
 
         push = self.zmq_ctx.socket(zmq.PUSH)
-        push.connect(self.ipc_name)
+        push.bind(self.ipc_name) if self.tokenizer_binds else push.connect(self.ipc_name)
         tokens = self.args.pages_per_request * self.args.page_size
 
         def tokenized(room):
@@ -670,14 +730,20 @@ class Target:
                 req = self.sock_recv(self.from_tokenizer, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if isinstance(req, AbortReq):
-                self.abort_request(req.rid)
-            elif isinstance(req, BatchTokenizedGenerateReqInput):
-                # Scheduler.handle_batch_generate_request: each in turn.
-                for one in req:
-                    self.new_room(one.bootstrap_room, one.rid)
-            else:
-                self.new_room(req.bootstrap_room, req.rid)
+            self.handle_request(req)
+
+    def handle_request(self, req):
+        """One request the scheduler received (Scheduler.process_input_requests)."""
+        from sglang.srt.managers.io_struct import AbortReq, BatchTokenizedGenerateReqInput
+
+        if isinstance(req, AbortReq):
+            self.abort_request(req.rid)
+        elif isinstance(req, BatchTokenizedGenerateReqInput):
+            # Scheduler.handle_batch_generate_request: each in turn.
+            for one in req:
+                self.new_room(one.bootstrap_room, one.rid)
+        else:
+            self.new_room(req.bootstrap_room, req.rid)
 
     def abort_request(self, rid):
         for st in self.rooms.values():
@@ -724,6 +790,58 @@ class Target:
         send_kv_chunk does."""
         st["sender"].send(pages)
 
+    def fault_decode(self, st):
+        """The fault on the room's decode (rank 0 of its instance): stopped
+        (STOP_FAULTS) or killed (KILL_FAULTS), before its chunks go. The
+        router's doing (launcher.py: the main process's)."""
+        a = self.args
+        room = st["room"]
+        if a.fault == "leak":
+            # Called once the room completed and its handles are held
+            # (hold_handles), in the process the router runs in.
+            self.fault_in_place = True
+            return
+        index = self.instances[st["instance"]]["ranks"][0]
+        pid = self.decodes[index]["proc"].pid
+        if a.fault in self.STOP_FAULTS:
+            os.kill(pid, signal.SIGSTOP)
+            self.stopped.append(pid)
+            emit("decode_stopped", decode=index, pid=pid, room=room)
+        elif a.fault in self.KILL_FAULTS:
+            os.kill(pid, signal.SIGKILL)
+            self.decodes[index]["proc"].wait()
+            emit("decode_killed", decode=index, pid=pid, room=room)
+        self.fault_in_place = True
+
+    def hold_handles(self, st):
+        """leak: keep the NIXL handles the room's transfer worker still
+        holds (its `handles`: the last chunk's and the aux), taken from the
+        worker's frame while it idles (no later room went yet), so that they
+        are never released."""
+        room = st["room"]
+        held, agents = [], set()
+        deadline = time.monotonic() + 5.0
+        while not held and time.monotonic() < deadline:
+            for frame in sys._current_frames().values():
+                while frame is not None:
+                    if frame.f_code.co_name == "transfer_worker":
+                        # A snapshot of every local, kept on the frame: cleared
+                        # once read, or it would keep (leak) the handles of
+                        # whatever room each other worker last had.
+                        local = frame.f_locals
+                        if local.get("room") == room:
+                            held.extend(local.get("handles") or ())
+                            agents.update(i.agent_name for i in local.get("reqs_to_be_processed") or ())
+                        local.clear()
+                    frame = frame.f_back
+            if not held:
+                time.sleep(0.001)  # its worker has not bound them yet
+        if not held:
+            raise SystemExit(f"leak: no transfer worker holds room {room}'s handles")
+        self.held_handles = held
+        emit("handles_held", room=room, handles=[f"{h._handle:#x}" for h in held], agents=sorted(agents))
+        self.fault_decode(st)  # the later rooms may go
+
     def earlier_rooms_done(self, st):
         every = self.args.fault in self.QUIET_FAULTS
         return all(o["phase"] in ("completed", "failed") for o in self.rooms.values()
@@ -756,18 +874,9 @@ class Target:
                         emit("bootstrapped", room=room, worker=worker)
             elif phase == "fault-wait":
                 if self.earlier_rooms_done(st):
-                    index = self.instances[st["instance"]]["ranks"][0]
-                    pid = self.decodes[index]["proc"].pid
-                    if a.fault in self.STOP_FAULTS:
-                        os.kill(pid, signal.SIGSTOP)
-                        self.stopped.append(pid)
-                        emit("decode_stopped", decode=index, pid=pid, room=room)
-                    elif a.fault in self.KILL_FAULTS:
-                        os.kill(pid, signal.SIGKILL)
-                        self.decodes[index]["proc"].wait()
-                        emit("decode_killed", decode=index, pid=pid, room=room)
+                    if a.fault != "leak":  # leak: once the room completed
+                        self.fault_decode(st)
                     st["phase"] = "forward"
-                    self.fault_in_place = True
             elif phase == "forward" and now >= st["next"]:
                 if (a.fault == "abort" and room == self.fault_room and st["chunk"] >= 1
                         and self.mgr.request_status.get(room) != KVPoll.Failed and now < st["next"] + 5.0):
@@ -794,6 +903,9 @@ class Target:
                     emit("chunk", room=room, chunk=k, last=last, pages=len(chunk_pages))
                 if k == 0 and room == self.fault_room and a.fault == "prefill-abort":
                     self.to_tokenizer.put(("abort", st["rid"]))
+                if k == 0 and room == self.fault_room and a.fault == "prefill-stops":
+                    emit("prefill_stopping", room=room, pid=os.getpid())
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 if last or st["sender"].conclude_state == KVPoll.Failed:
                     st["phase"] = "inflight"
             elif phase == "inflight":
@@ -804,6 +916,8 @@ class Target:
                     self.mark(room, "RELEASED")
                     self.stream_output(st, self.FINISH_LENGTH(length=0))
                     self.conclude(st, "completed")
+                    if room == self.fault_room and a.fault == "leak":
+                        self.hold_handles(st)
                 elif poll == KVPoll.Failed:
                     self.fail(st)
 
@@ -875,10 +989,14 @@ class Target:
         return "max-seconds"
 
     def holding(self):
+        emit("holding", **self.holding_state())
+
+    def holding_state(self):
+        """What this scheduler holds: its rooms' states, and the rooms whose
+        chunks wait in each worker's FastQueue (read, not taken)."""
         rooms = {str(r): st["phase"] for r, st in self.rooms.items() if r < WARMUP_ROOM}
-        # rooms whose chunks wait in each worker's FastQueue (read, not taken)
         workers = {str(i): [c.room for c in list(q._buf) if c.room < WARMUP_ROOM] for i, q in enumerate(self.mgr.transfer_queues)}
-        emit("holding", rooms=rooms, workers=workers, **self.holding_fields())
+        return {"rooms": rooms, "workers": workers, **self.holding_fields()}
 
     def holding_fields(self):
         """What a backend's `holding` line says besides rooms and workers."""
@@ -888,6 +1006,12 @@ class Target:
 def main(argv, target_class=Target, args=None):
     if args is None:
         args = parse_args(argv)
+    if (args.processes or target_class.PROCESSES) == "sglang":
+        import launcher
+
+        target_class = launcher.front(target_class)
+    elif args.prefill_tp != 1:
+        raise SystemExit(f"--prefill-tp {args.prefill_tp} needs --processes sglang (a scheduler process per rank)")
     target_class.configure_env(args)
     if args.fault == "bootstrap-timeout":
         os.environ["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] = str(args.bootstrap_timeout)

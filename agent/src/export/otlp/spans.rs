@@ -84,8 +84,13 @@ pub mod attr {
     pub const SILENT_MS: &str = "stallwatch.stall.silent_ms";
     /// How long a recovered request had been stuck (`recovered` events).
     pub const STUCK_MS: &str = "stallwatch.stall.stuck_ms";
-    /// The transport's verdict on a stall (`peer_unresponsive`, ...).
+    /// The transport's verdict on a stall (`peer_unresponsive`, ...;
+    /// `process_stopped` when the process itself was held).
     pub const TRANSPORT_VERDICT: &str = "stallwatch.transport.verdict";
+    /// How the process itself was held when its stall was judged
+    /// (`stopped`, `throttled`, `not_scheduled`): the reason of a
+    /// `process_stopped` verdict. Absent: it was not held.
+    pub const TRANSPORT_PROCESS_STATE: &str = "stallwatch.transport.process_state";
     /// "last post 57.0s ago, last completion 57.0s ago, 120000 progress calls in the last 30.0s, none completed".
     pub const TRANSPORT_SUMMARY: &str = "stallwatch.transport.summary";
     /// Calls of each kind since the request's last event.
@@ -332,6 +337,9 @@ impl SpanMaker {
                     (Outcome::KvReadAfterRelease, _) => {
                         Status::error("KV read after the prefill freed it: the decode may serve another request's KV")
                     }
+                    (Outcome::Leaked, _) => {
+                        Status::error("a transfer of an ended request never released: its memory is held for good")
+                    }
                     (_, Some(class)) => {
                         Status::error(format!("{outcome} while stalled ({class}) at {}", request.stage))
                     }
@@ -341,7 +349,7 @@ impl SpanMaker {
                     _ => Status::Unset,
                 };
                 let error_type = match (outcome, request.stalled) {
-                    (Outcome::Failed | Outcome::LeaseExpired | Outcome::KvReadAfterRelease, _) => {
+                    (Outcome::Failed | Outcome::LeaseExpired | Outcome::KvReadAfterRelease | Outcome::Leaked, _) => {
                         Some(outcome.as_str())
                     }
                     (_, Some(class)) => Some(class.as_str()),
@@ -460,6 +468,9 @@ fn transport_attributes(evidence: &Evidence) -> Vec<KeyValue> {
     ];
     if let Some(window_ns) = evidence.progress_window_ns {
         attributes.push(KeyValue::new(attr::TRANSPORT_PROGRESS_WINDOW_MS, ms(window_ns)));
+    }
+    if let Some(halt) = evidence.halt {
+        attributes.push(KeyValue::new(attr::TRANSPORT_PROCESS_STATE, halt.as_str()));
     }
     if let Some(peer) = &evidence.peer {
         let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
@@ -652,6 +663,32 @@ mod tests {
         assert_eq!(attribute(stall, attr::TRANSPORT_PEER_COMPLETIONS_SINCE).as_deref(), Some("0"));
         assert_eq!(attribute(stall, attr::TRANSPORT_OTHER_PEERS_COMPLETIONS_SINCE).as_deref(), Some("14"));
         assert_eq!(attribute(stall, attr::TRANSPORT_VERDICT).as_deref(), Some("peer_unresponsive"));
+        assert_eq!(attribute(stall, attr::TRANSPORT_PROCESS_STATE), None, "not held");
+    }
+
+    /// A stopped prefill's stall span says so, as its alert does: the
+    /// verdict, the process's state, and `waiting_on=self` among the fields.
+    #[test]
+    fn a_stall_span_of_a_stopped_process_says_it_waits_on_itself() {
+        use crate::evidence::sched::{Halt, say_halt};
+        let request = snapshot(Stage::TransferPosted, Some("room-3"));
+        let mut tracker = crate::evidence::transport::Tracker::new(2_000_000_000);
+        tracker.record_for_test(7, request.last_ns, crate::evidence::transport::Totals::default());
+        tracker.record_for_test(7, request.last_ns + 2_000_000_000, crate::evidence::transport::Totals::default());
+        let peer = crate::evidence::peers::PeerCompletions { peer: "decode-0".into(), to_peer: 0, to_others: 14 };
+        let at_ns = request.last_ns + 2_000_000_000;
+        let report = Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns };
+        let halt = Halt::Stopped { threads: 12 };
+        let evidence = tracker.for_report(&report, |_| Some(peer), Some(halt));
+        let mut fields = vec![("handle", "0x7f00".to_owned())];
+        say_halt(&mut fields, halt);
+        let mut maker = SpanMaker::new("node-a".into(), Clock::new());
+        let mut spans = Vec::new();
+        maker.push(report, evidence, &fields, &mut spans);
+        let [stall] = spans.as_slice() else { panic!("{spans:?}") };
+        assert_eq!(attribute(stall, attr::TRANSPORT_VERDICT).as_deref(), Some("process_stopped"));
+        assert_eq!(attribute(stall, attr::TRANSPORT_PROCESS_STATE).as_deref(), Some("stopped"));
+        assert_eq!(attribute(stall, "stallwatch.sglang.waiting_on").as_deref(), Some("self"));
     }
 
     #[test]

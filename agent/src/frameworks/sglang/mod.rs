@@ -39,15 +39,24 @@
 //! `transfer_hung`), and the handle raises no lifecycle of its own. A
 //! handle that cannot be attributed unambiguously stays its own lifecycle.
 //!
+//! A room's handles are followed on to their release ([`leaks`]): one its
+//! worker left behind, or whose release NIXL refused, unreleased a timeout
+//! after, its room ended, is reported once as a leak of that room
+//! (`leaked=handle`). The release is probed at its entry, where the
+//! handle's status is read, so a transfer that failed is `failed` however
+//! soon it is released.
+//!
 //! [`rooms`] holds the rooms and the bootstrap wire format; this module is
 //! SGLang's [`Framework`]: which signals are SGLang's, and how a scheduler's
 //! request is paired from its two halves.
+pub mod leaks;
 pub mod rooms;
 
 use std::collections::HashMap;
 
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
+use self::leaks::Leaks;
 pub use self::rooms::{Bootstrap, Rid, Rooms, output_rids, parse, pickled_record, room_of, scheduler};
 use super::{
     AdoptedHandle, Framework, HandOver,
@@ -55,7 +64,7 @@ use super::{
     zmq::{Assembler, Hit, Message},
 };
 use crate::{
-    lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, StageRead},
+    lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, Stage, StageRead},
     profile::SignalSpec,
     util::warned::Warned,
 };
@@ -67,11 +76,16 @@ use crate::{
 pub struct Dialect {
     pub prefix: &'static str,
     pub parse: fn(&Message) -> Result<Option<Bootstrap>, String>,
+    /// Its transfers are NIXL handles whose releases the profile probes,
+    /// followed to their release for leaks ([`leaks`]). A backend whose
+    /// transfers end otherwise (a Mooncake batch at its free) tells its
+    /// own leaks.
+    pub leaks: bool,
 }
 
 /// SGLang on NIXL: signals named as they are, `NixlMsgGuard`-tagged
 /// bootstrap messages.
-pub const NIXL: Dialect = Dialect { prefix: "", parse };
+pub const NIXL: Dialect = Dialect { prefix: "", parse, leaks: true };
 
 /// SGLang's tracker: ZMQ frames made messages, messages made rooms.
 pub struct Sglang {
@@ -90,6 +104,10 @@ pub struct Sglang {
     /// `zmq_msg_close`), as two signals in either order
     /// ([`Sglang::request`]).
     requests: HashMap<(u32, u32), RequestHalf>,
+    /// The rooms' handles until their release, and the leaks among them:
+    /// from the agent's timeout on ([`Framework::timeout`]), for a
+    /// dialect with [`Dialect::leaks`].
+    leaks: Option<Leaks>,
 }
 
 /// One half of a request the scheduler received.
@@ -115,6 +133,7 @@ impl Sglang {
             last_unparsed: None,
             warned: Warned::default(),
             requests: HashMap::new(),
+            leaks: None,
         }
     }
 
@@ -134,7 +153,14 @@ impl Sglang {
         let (room, rid) = match (self.requests.remove(&(pid, tid)), half) {
             (Some(RequestHalf::Rid(rid)), RequestHalf::Room(room))
             | (Some(RequestHalf::Room(room)), RequestHalf::Rid(rid)) => (room, rid),
-            (_, half) => {
+            (before, half) => {
+                if before.is_some() {
+                    // Two halves of one kind in a row: the other of the first
+                    // never came (its capture failed). Said in the debug log: a
+                    // half missing at the wrong moment pairs a rid with the next
+                    // request's room, and that rid's output would end that room.
+                    debug!(pid, tid, "a scheduler request's room or rid came without its other half");
+                }
                 self.requests.insert((pid, tid), half);
                 return None;
             }
@@ -236,9 +262,47 @@ impl Framework for Sglang {
     }
 
     /// A NIXL handle attributed to a room makes the room's event
-    /// ([`Rooms::handle`]).
+    /// ([`Rooms::handle`]); its release, to its end, is followed for a
+    /// leak ([`Leaks::event`]), which takes the release's return.
     fn handle(&mut self, tid: u32, observation: Observation) -> Option<Observation> {
-        self.rooms.handle(tid, observation)
+        let Self { rooms, leaks, .. } = self;
+        let Some(leaks) = leaks else { return rooms.handle(tid, observation) };
+        let Observation { pid, key, stage, ts_ns, .. } = observation;
+        if stage == Stage::Enqueued {
+            let creating = rooms.creating_of(pid, tid).map(|(agent, kv)| (Box::<str>::from(agent), kv));
+            let made = rooms.handle(tid, observation);
+            if let (Some((agent, kv)), Some(room)) = (creating, rooms.attributed_room(pid, key)) {
+                leaks.created(pid, tid, key, leaks::Made { room, peer: &agent, kv }, ts_ns);
+            }
+            return made;
+        }
+        if leaks.event(pid, key, stage, ts_ns) {
+            return None;
+        }
+        rooms.handle(tid, observation)
+    }
+
+    fn timeout(&mut self, timeout_ns: u64) {
+        if self.dialect.leaks {
+            self.leaks = Some(Leaks::new(timeout_ns));
+        }
+    }
+
+    /// Handles left unreleased past the timeout are leaks ([`Leaks::expire`]).
+    fn expire(&mut self, now_ns: u64) {
+        let Self { rooms, leaks, .. } = self;
+        if let Some(leaks) = leaks {
+            leaks.expire(now_ns, |pid, room| rooms.is_live(pid, room));
+        }
+    }
+
+    fn next_expiry(&self) -> Option<u64> {
+        self.leaks.as_ref()?.next_expiry()
+    }
+
+    /// A leaked handle's lifecycle, its start and its end.
+    fn pending(&mut self) -> Option<Observation> {
+        self.leaks.as_mut()?.pending()
     }
 
     /// A room (what [`crate::kernel::state::KernelState::hold`] kept of
@@ -270,7 +334,7 @@ impl Framework for Sglang {
     fn context(&self, request: &RequestSnapshot) -> Vec<(&'static str, String)> {
         match room_of(request.key, request.external_id.as_deref()) {
             Some(room) => self.rooms.context(request.pid, room),
-            None => Vec::new(),
+            None => self.leaks.as_ref().map(|leaks| leaks.context(request.pid, request.key)).unwrap_or_default(),
         }
     }
 
@@ -286,6 +350,16 @@ impl Framework for Sglang {
     /// A room's oldest transfer posted and not done ([`Rooms::hung_handle`]).
     fn stalled_transfer(&self, request: &RequestSnapshot) -> Option<Option<u64>> {
         room_of(request.key, request.external_id.as_deref()).map(|room| self.rooms.hung_handle(request.pid, room))
+    }
+
+    /// The hung transfer of the room a room is `behind` on its worker, as
+    /// its alert names it ([`Rooms::context`]): read from that context, so
+    /// the peer judged is the one of the room the alert names.
+    fn queued_behind(&self, request: &RequestSnapshot) -> Option<u64> {
+        let room = room_of(request.key, request.external_id.as_deref())?;
+        let context = self.rooms.context(request.pid, room);
+        let behind = context.into_iter().find_map(|(name, value)| (name == "behind").then_some(value))?;
+        self.rooms.hung_handle(request.pid, behind.parse().ok()?)
     }
 
     /// A profile with this dialect's ZMQ signals (`zmq_recv`, or with its
@@ -311,10 +385,21 @@ impl Framework for Sglang {
         self.requests.retain(|(p, _), _| *p != pid);
         self.zmq.forget(pid);
         self.rooms.forget(pid);
+        if let Some(leaks) = &mut self.leaks {
+            leaks.forget(pid);
+        }
     }
 
     fn finish(&mut self) {
         self.warn();
+        if let Some(leaks) = self.leaks.as_ref().filter(|leaks| leaks.leaked + leaks.untracked > 0) {
+            info!(
+                leaked_handles = leaks.leaked,
+                untracked_handles = leaks.untracked,
+                "NIXL handles of SGLang rooms never released once their room ended and their worker moved on (or \
+                 their release refused), each alerted `leaked`; handles not followed for leaks (too many unreleased)"
+            );
+        }
         if self.rooms.late > 0 {
             debug!(
                 late = self.rooms.late,
@@ -363,5 +448,89 @@ mod tests {
         sglang.request(9, 12, 8, RequestHalf::Room(30));
         sglang.forget(9);
         assert!(sglang.requests.is_empty());
+    }
+
+    const S: u64 = 1_000_000_000;
+
+    /// Rooms 7 and 8 to decode agent `dec` (pages 0.. and 100..), as a
+    /// NIXL tracker with a 2 s timeout sees them.
+    fn two_rooms() -> Sglang {
+        let mut sglang = Sglang::default();
+        sglang.timeout(2 * S);
+        for (room, page) in [(7, 0), (8, 100)] {
+            let to = Bootstrap::Destination { room, port: 9000, agent: "dec".into(), ranks: 1, pages: [page].into() };
+            sglang.rooms.observe(1, 1, &to).expect("a room");
+        }
+        sglang
+    }
+
+    fn handle_event(key: u64, stage: Stage, ts_ns: u64) -> Observation {
+        Observation { pid: 1, key, stage, ts_ns, external_id: None, ends: None }
+    }
+
+    /// Thread 10 creates handle `key` writing `page` (a KV chunk) or none
+    /// (an aux transfer) to `dec`.
+    fn create(sglang: &mut Sglang, key: u64, page: Option<u32>, ts_ns: u64) -> Option<Observation> {
+        sglang.rooms.creating(1, 10, b"dec", page);
+        sglang.handle(10, handle_event(key, Stage::Enqueued, ts_ns))
+    }
+
+    #[test]
+    fn a_rooms_handle_its_worker_left_behind_unreleased_leaks_once_naming_room_and_peer() {
+        let mut sglang = two_rooms();
+        assert_eq!(create(&mut sglang, 0xa, Some(0), S), None, "room 7's chunk");
+        let done = Observation {
+            ends: Some(crate::lifecycle::Outcome::Completed),
+            ..handle_event(0xa, Stage::TransferDone, S)
+        };
+        assert_eq!(sglang.handle(10, done).map(|o| (o.key, o.stage)), Some((7, Stage::TransferPosted)));
+        sglang.rooms.observe(1, 2 * S, &Bootstrap::Status { room: 7, status: 4 }).expect("room 7 released");
+        // Idle: its last handle stays with the worker, no leak.
+        sglang.expire(10 * S);
+        assert_eq!((sglang.pending(), sglang.next_expiry()), (None, None));
+        // The worker takes room 8's chunk without releasing 0xa.
+        assert_eq!(create(&mut sglang, 0xb, Some(100), 11 * S), None, "room 8's");
+        assert_eq!(sglang.next_expiry(), Some(13 * S));
+        sglang.expire(13 * S);
+        let leak: Vec<_> = std::iter::from_fn(|| sglang.pending()).map(|o| (o.key, o.stage, o.ends)).collect();
+        let leaked = Some(crate::lifecycle::Outcome::Leaked);
+        assert_eq!(leak, [(0xa, Stage::TransferDone, None), (0xa, Stage::TransferDone, leaked)]);
+        let snapshot = RequestSnapshot {
+            pid: 1,
+            key: 0xa,
+            external_id: None,
+            stage: Stage::TransferDone,
+            stage_ns: [None; 4],
+            first_ns: S,
+            last_ns: S,
+            stalled: None,
+            inferred: Default::default(),
+        };
+        let context = sglang.context(&snapshot);
+        let field = |name: &str| context.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_str());
+        assert_eq!(
+            ["leaked", "handle", "room", "peer", "release"].map(field),
+            [Some("handle"), Some("0xa"), Some("7"), Some("dec"), Some("never")]
+        );
+        sglang.expire(100 * S);
+        assert_eq!(sglang.pending(), None, "once");
+    }
+
+    #[test]
+    fn a_failed_transfer_released_fails_its_room_and_the_releases_return_is_nobodys() {
+        let mut sglang = two_rooms();
+        create(&mut sglang, 0xa, Some(0), S);
+        assert_eq!(sglang.handle(10, handle_event(0xa, Stage::TransferPosted, S + 1)).map(|o| o.key), Some(7));
+        // Released soon after its last poll answered an error: the status
+        // read at the release's entry says failed.
+        let failed = sglang.handle(10, handle_event(0xa, Stage::Failed, S + 2)).expect("room 7 fails");
+        assert_eq!((failed.key, failed.stage), (7, Stage::Failed));
+        // The release's return (NIXL released it) is the tracker's.
+        assert_eq!(sglang.handle(10, handle_event(0xa, Stage::Released, S + 3)), None);
+        // A release NIXL refused is no event of anybody's either.
+        create(&mut sglang, 0xb, Some(100), 2 * S);
+        assert_eq!(sglang.handle(10, handle_event(0xb, Stage::Released, 3 * S)), None, "room 8 goes on");
+        assert_eq!(sglang.handle(10, handle_event(0xb, Stage::TransferPosted, 3 * S + 1)), None, "refused");
+        assert_eq!(sglang.next_expiry(), Some(5 * S + 1));
     }
 }

@@ -457,11 +457,25 @@ impl Rooms {
                     let r = self.live.get(&(pid, room))?;
                     (r.agents.is_empty() || r.agents.len() < r.ranks as usize).then_some(room)
                 };
-                (rids.iter().find_map(unanswered)?, Stage::Failed)
+                let room = rids.iter().find_map(unanswered)?;
+                // Why a room fails, in the debug log: a failure the target
+                // never said is the one a false alert would be.
+                let r = self.live.get(&(pid, room));
+                tracing::debug!(
+                    pid,
+                    room,
+                    answered = r.map_or(0, |r| r.agents.len()),
+                    ranks = r.map_or(0, |r| r.ranks),
+                    "an SGLang room fails: its scheduler streamed its output before every decode rank answered"
+                );
+                (room, Stage::Failed)
             }
             Bootstrap::Abort { room } => (room, Stage::Aborted),
             Bootstrap::Status { room, status: SUCCESS } => (room, Stage::Released),
-            Bootstrap::Status { room, status: FAILED } => (room, Stage::Failed),
+            Bootstrap::Status { room, status: FAILED } => {
+                tracing::debug!(pid, room, "an SGLang room fails: its KV_STATUS Failed");
+                (room, Stage::Failed)
+            }
             // Bootstrapping .. Transferring: not an end.
             Bootstrap::Status { .. } => return None,
         };
@@ -610,6 +624,24 @@ impl Rooms {
         self.creating.insert((pid, tid), (String::from_utf8_lossy(agent).into(), page));
     }
 
+    /// What thread `tid` of `pid` is creating, as its signal named it: the
+    /// remote agent, and whether it is a KV chunk (`makeXferReq`, whose
+    /// first remote page was read) rather than an aux transfer.
+    pub fn creating_of(&self, pid: u32, tid: u32) -> Option<(&str, bool)> {
+        self.creating.get(&(pid, tid)).map(|(agent, page)| (&**agent, page.is_some()))
+    }
+
+    /// The room handle `key` of `pid` is attributed to, live or ended,
+    /// until the handle is done.
+    pub fn attributed_room(&self, pid: u32, key: u64) -> Option<u64> {
+        self.handles.get(&(pid, key)).map(|attributed| attributed.room)
+    }
+
+    /// Whether `room` of `pid` is live (has not ended).
+    pub fn is_live(&self, pid: u32, room: u64) -> bool {
+        self.live.contains_key(&(pid, room))
+    }
+
     /// A NIXL handle's lifecycle event, seen on thread `tid`: the room's
     /// event it is if the handle is a room's, none if it is the handle of a
     /// room that ended, else the handle's own. A handle is attributed when
@@ -684,7 +716,15 @@ impl Rooms {
         }
         let live = match stage {
             Stage::TransferPosted | Stage::TransferDone => self.live.contains_key(&(pid, room)),
-            Stage::Failed => self.end(pid, room, Stage::Failed).is_some(),
+            Stage::Failed => {
+                tracing::debug!(
+                    pid,
+                    room,
+                    handle = format_args!("{key:#x}"),
+                    "an SGLang room fails: a transfer of it failed"
+                );
+                self.end(pid, room, Stage::Failed).is_some()
+            }
             _ => false,
         };
         let stage = if stage == Stage::Failed { Stage::Failed } else { Stage::TransferPosted };
@@ -861,6 +901,12 @@ impl Rooms {
                     room.outstanding.remove(0);
                 }
                 Some(StageRead { stage: Stage::Failed, .. }) => {
+                    tracing::debug!(
+                        pid = silent.pid,
+                        room = silent.key,
+                        handle = format_args!("{handle:#x}"),
+                        "an SGLang room fails: its silent transfer's status read an error"
+                    );
                     self.end(silent.pid, silent.key, Stage::Failed);
                     return Some(Some(StageRead { stage: Stage::Failed, ends: false }));
                 }

@@ -20,7 +20,8 @@
 //! the batch's tasks are not all finished, after a timeout or a failed
 //! write) fails the room, and the batch, leaked (it is never freed and
 //! may still write into the decode's pages), is a lifecycle of its own
-//! that ends `failed` at once, its alert saying `leaked`.
+//! that ends `leaked` at once (`leaked=batch`, as a NIXL handle an SGLang
+//! worker never releases is `leaked=handle`).
 //!
 //! Batch ids are `BatchDesc` addresses the allocator hands out again at
 //! once: an id is a batch from its submit to its free, and a submit of an
@@ -129,7 +130,7 @@ pub struct SglangMooncake {
 
 impl Default for SglangMooncake {
     fn default() -> Self {
-        let mut sglang = Sglang::with(Dialect { prefix: PREFIX, parse: wire::parse });
+        let mut sglang = Sglang::with(Dialect { prefix: PREFIX, parse: wire::parse, leaks: false });
         sglang.rooms_mut().fifo = true;
         Self {
             sglang,
@@ -317,7 +318,7 @@ impl SglangMooncake {
     }
 
     /// The leaked batch `key` of `pid`, as its own lifecycle: posted at
-    /// its submit, failed at the refused free.
+    /// its submit, [`Outcome::Leaked`] at the refused free.
     /// (`started`: the batch is its own lifecycle already, from its submit.)
     fn leak(&mut self, pid: u32, key: u64, batch: Batch, free_ns: u64, started: bool) {
         self.leaked += 1;
@@ -330,7 +331,7 @@ impl SglangMooncake {
         if !started {
             self.pending.push_back(own(Stage::TransferPosted, submit_ns));
         }
-        self.pending.push_back(own(Stage::Failed, free_ns));
+        self.pending.push_back(Observation { ends: Some(Outcome::Leaked), ..own(Stage::TransferPosted, free_ns) });
     }
 }
 
@@ -440,7 +441,7 @@ impl Framework for SglangMooncake {
                 let mut fields = vec![("leaked", "batch".to_owned()), ("batch", hex(key))];
                 fields.extend(leak.room.map(|room| ("room", room.to_string())));
                 fields.extend(leak.session.as_ref().map(|peer| ("peer", peer.to_string())));
-                fields.push(("free", "refused".to_owned()));
+                fields.push(("release", "refused".to_owned()));
                 fields.push(("after_ms", (leak.free_ns.saturating_sub(leak.submit_ns) / 1_000_000).to_string()));
                 return fields;
             }
@@ -474,6 +475,10 @@ impl Framework for SglangMooncake {
 
     fn stalled_transfer(&self, request: &RequestSnapshot) -> Option<Option<u64>> {
         self.sglang.stalled_transfer(request)
+    }
+
+    fn queued_behind(&self, request: &RequestSnapshot) -> Option<u64> {
+        self.sglang.queued_behind(request)
     }
 
     fn started_transfer(&mut self) -> Option<(u32, u64, Box<str>)> {
@@ -608,11 +613,13 @@ mod tests {
         // leaks, a lifecycle of its own from its submit to the refusal.
         let failed = mc.handle(30, free(4, 0xb0, Stage::Failed, 5030)).expect("room 8 fails");
         assert_eq!((failed.key, failed.stage), (8, Stage::Failed));
-        let leak: Vec<_> = std::iter::from_fn(|| mc.pending()).map(|o| (o.key, o.stage, o.ts_ns)).collect();
-        assert_eq!(leak, [(0xb0, Stage::TransferPosted, 30), (0xb0, Stage::Failed, 5030)]);
+        let leak: Vec<_> = std::iter::from_fn(|| mc.pending()).map(|o| (o.key, o.stage, o.ts_ns, o.ends)).collect();
+        let posted = Stage::TransferPosted;
+        assert_eq!(leak, [(0xb0, posted, 30, None), (0xb0, posted, 5030, Some(Outcome::Leaked))]);
         let leaked = mc.context(&snapshot(0xb0, None));
         assert_eq!(field(&leaked, "leaked").as_deref(), Some("batch"), "{leaked:?}");
         assert_eq!(field(&leaked, "room").as_deref(), Some("8"));
+        assert_eq!(field(&leaked, "release").as_deref(), Some("refused"));
         assert_eq!(field(&leaked, "after_ms").as_deref(), Some("0"), "5000 ns");
         assert_eq!(
             mc.sglang.rooms_mut().observe(4, 5031, &Bootstrap::Status { room: 8, status: 0 }),
