@@ -194,7 +194,7 @@ impl Halt {
     }
 }
 
-/// An alert's fields ([`crate::frameworks::Signals::context`]) for a
+/// An alert's fields ([`crate::frameworks::signals::Signals::context`]) for a
 /// request of a process that is `halt`ed itself: it waits on itself,
 /// `waiting_on=self`, whatever its framework read from its traffic (a
 /// peer that "has not answered" may well have: the stopped process did not
