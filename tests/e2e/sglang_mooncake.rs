@@ -412,7 +412,12 @@ fn every_sglang_mooncake_probe_lands_on_an_emulated_instruction() {
         run_to_end(Command::new(agent_bin()).args(["profile", "check", "sglang-mooncake", "--pid", &pid]));
     loaded.write_line("quit");
     assert!(ok, "profile check: {err}");
-    let points: Vec<&str> = out.lines().skip_while(|line| *line != "in the process:").skip(1).collect();
+    let points: Vec<&str> = out
+        .lines()
+        .skip_while(|line| *line != "in the process:")
+        .skip(1)
+        .take_while(|line| line.starts_with("  line "))
+        .collect();
     // freeBatchID, submitTransfer, openSegment, 6 libzmq signals, writeBody.
     assert_eq!(points.len(), 10, "{out}");
     for point in &points {
@@ -684,7 +689,9 @@ fn watched_both_sides_of_a_hung_room_are_alerted_in_one_trace() {
     let [waiting] = &waiting[..] else { panic!("the stopped decode's stall of room {room}: {decode_alerts:#?}") };
     assert_eq!(waiting["pid"], stopped_pid, "{waiting}");
     let side = (field(waiting, "class"), field(waiting, "side"), field(waiting, "waiting_on"));
-    assert_eq!(side, (Some("waiting_for_kv"), Some("decode"), Some("prefill")), "{waiting}");
+    // The decode is the one stopped: its own agent says it waits on itself.
+    assert_eq!(side, (Some("waiting_for_kv"), Some("decode"), Some("self")), "{waiting}");
+    assert_eq!(waiting["transport"]["verdict"], "process_stopped", "{waiting}");
     assert_both_sides_stalled_in_the_rooms_trace(collector, room);
 }
 
