@@ -8,9 +8,9 @@ mod setup;
 mod steps;
 mod tools;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, Result};
+use anyhow::{Context as _, Result, anyhow};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -50,24 +50,60 @@ enum Command {
 
 fn main() -> Result<()> {
     match Cli::parse().command {
-        Command::Setup { python } => setup::all(python).map(drop),
-        Command::Build => setup::all(false).and_then(|_| steps::build().map(drop)),
+        Command::Setup { python } => {
+            setup::rust()?;
+            if python {
+                setup::python()?;
+            }
+            Ok(())
+        }
+        Command::Build => setup::rust().and_then(|()| steps::build().map(drop)),
         Command::Demo { duration, timeout } => {
-            setup::all(false)?;
+            setup::rust()?;
             let built = steps::build()?;
             steps::demo(&built, duration, timeout)
         }
         Command::Test => {
-            let venvs = setup::all(true)?.context("the set-up made no venvs")?;
+            let python = in_background("the Python venvs and the manifest tools", || {
+                let venvs = setup::python()?;
+                Ok((venvs, tools::ensure()?))
+            });
+            setup::rust()?;
             steps::lint()?;
-            let tools = tools::ensure()?;
             let built = steps::build()?;
+            let (venvs, tools) = python()?;
             steps::test(&built, &tools, &venvs)
         }
         Command::Bench => {
-            let venvs = setup::all(true)?.context("the set-up made no venvs")?;
+            let python = in_background("the Python venvs", setup::python);
+            setup::rust()?;
             let built = steps::build()?;
-            steps::bench(&built, &venvs.sglang)
+            steps::bench(&built, &python()?.sglang)
         }
+    }
+}
+
+/// Runs `work` on a thread of its own while the caller goes on to compile,
+/// and returns what waits for it. The Python set-up is downloads and
+/// unpacking (network and disk: several GB of wheels on a fresh machine)
+/// and the Rust side is compiling (CPU), so the two overlap instead of
+/// adding up. Every apt-get call stays on the one thread (`work`), so two
+/// never wait on dpkg's lock. The wait says how long the compile side
+/// waited, which a CI log then shows.
+fn in_background<T: Send + 'static>(
+    what: &'static str,
+    work: impl FnOnce() -> Result<T> + Send + 'static,
+) -> impl FnOnce() -> Result<T> {
+    let started = Instant::now();
+    let worker = std::thread::spawn(move || {
+        let result = work();
+        eprintln!("xtask: {what} ready after {:.0?}", started.elapsed());
+        result
+    });
+    move || {
+        let waiting = Instant::now();
+        let result = worker.join().map_err(|_| anyhow!("setting up {what}: its thread panicked"))?;
+        eprintln!("xtask: waited {:.0?} for {what}", waiting.elapsed());
+        result.with_context(|| format!("setting up {what}"))
     }
 }

@@ -22,14 +22,16 @@ pub struct Venvs {
     pub phoenix: PathBuf,
 }
 
-/// Everything the build needs, and with `python` the venvs; returns the
-/// paths of those outside the repo then (tests and benches are told them).
-pub fn all(python: bool) -> Result<Option<Venvs>> {
+/// What the build needs: the nightly's `rust-src` and bpf-linker.
+pub fn rust() -> Result<()> {
     rust_src()?;
-    bpf_linker()?;
-    if !python {
-        return Ok(None);
-    }
+    bpf_linker()
+}
+
+/// The venvs the tests and benches run their targets in (the paths of
+/// those outside the repo, which they are told of). Downloads and
+/// unpacking, mostly: [`crate::in_background`] runs it beside the build.
+pub fn python() -> Result<Venvs> {
     venv()?;
     let sglang = sglang_venv()?;
     mooncake(&sglang)?;
@@ -37,7 +39,7 @@ pub fn all(python: bool) -> Result<Option<Venvs>> {
     // Tests find it through its pointer file (`vllm_serve_python()` in
     // tests/support/lib.rs).
     vllm_serve_venv()?;
-    Ok(Some(Venvs { sglang, vllm, phoenix: phoenix_venv()? }))
+    Ok(Venvs { sglang, vllm, phoenix: phoenix_venv()? })
 }
 
 /// `rust-src` for the nightly toolchain: `-Z build-std=core` needs it.
