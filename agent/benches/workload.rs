@@ -1,6 +1,7 @@
 //! What workload identity costs the agent: the memory of 1 000 pods'
 //! metadata cached (one PodList from a local HTTP server answering as the
-//! API server does, the agent's own `Directory` listing and indexing it),
+//! API server does, the agent's own `Directory` listing and indexing it,
+//! then watching, the watch held open without an event),
 //! the time of that list and of a cached lookup, and a `/metrics` render
 //! with 10 000 per-workload series (`stallwatch_workload_requests_stalled`).
 //!
@@ -68,23 +69,42 @@ fn pod_list(pods: usize) -> String {
             })
         })
         .collect();
-    serde_json::json!({"kind": "PodList", "apiVersion": "v1", "items": items}).to_string()
+    serde_json::json!({"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": items})
+        .to_string()
 }
 
-/// Serve `body` to every request on a loopback port, from a thread.
+/// Serve `body` to every list on a loopback port, a thread a connection
+/// (a client may connect and send its request later: the in-process
+/// directories' watches, whose runtime runs only in `block_on`); a watch
+/// is held open with no event (the pods do not change).
 fn serve(body: String) -> Result<u16> {
     let listener = TcpListener::bind("127.0.0.1:0").context("binding the API server")?;
     let port = listener.local_addr()?.port();
+    let body = Arc::new(body);
     std::thread::spawn(move || {
         for stream in listener.incoming().take(32) {
             let Ok(mut stream) = stream else { continue };
-            let mut reader = BufReader::new(stream.try_clone().expect("clone"));
-            let mut line = String::new();
-            while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
-                line.clear();
-            }
-            let _ =
-                write!(stream, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+            let body = Arc::clone(&body);
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+                let (mut line, mut request) = (String::new(), String::new());
+                while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
+                    request.push_str(&line);
+                    line.clear();
+                }
+                if request.contains("watch=true") {
+                    let _ = write!(stream, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n");
+                    // Held open until the bench ends.
+                    loop {
+                        std::thread::park();
+                    }
+                }
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            });
         }
     });
     Ok(port)
@@ -107,7 +127,8 @@ fn main() -> Result<()> {
     let body = pod_list(pods);
     let port = serve(body.clone())?;
     let source = Source::parse(&format!("http://127.0.0.1:{port}"), Some("gpu-node-1".into()), None)?;
-    let directory = Directory::new(source.clone())?;
+    // Its watch runs on the runtime, while the runtime runs.
+    let directory = runtime.block_on(async { Directory::new(source.clone()) })?;
     let ids = |n: usize| Workload { container_id: Some(container_id(n)), ..Workload::default() };
     let started = Instant::now();
     let first = runtime.block_on(directory.lookup(ids(0)));
@@ -120,7 +141,7 @@ fn main() -> Result<()> {
     let before = rss_bytes()?;
     let mut copies = Vec::with_capacity(COPIES);
     for _ in 0..COPIES {
-        let copy = Directory::new(source.clone())?;
+        let copy = runtime.block_on(async { Directory::new(source.clone()) })?;
         ensure!(runtime.block_on(copy.lookup(ids(1))).pod.is_some(), "a copy found its pod");
         copies.push(copy);
     }
@@ -258,7 +279,10 @@ fn agent_rss(port: u16) -> Result<()> {
             let deadline = Instant::now() + Duration::from_secs(30);
             let named = loop {
                 let text = log.lock().expect("log").clone();
-                if let Some(line) = text.lines().find(|l| l.contains(" workload ") || l.contains("workload=")) {
+                // With the API, the line that names the pod (one with the
+                // container id alone may come first).
+                let pod = if kubernetes == "off" { "workload" } else { "prefill-7d9f8-00007" };
+                if let Some(line) = text.lines().find(|l| l.contains("workload") && l.contains(pod)) {
                     break line.to_owned();
                 }
                 if Instant::now() > deadline || child.0.try_wait()?.is_some() {

@@ -80,7 +80,9 @@ fn config_check_refuses_what_run_refuses_from_the_environment() {
     );
     assert!(ok, "{stderr}");
     assert!(stdout.contains(&format!("config file {}: ok", config.display())), "{stdout}");
-    assert!(stdout.contains("timeout      5s\n"), "the variable over the file's default: {stdout}");
+    assert!(stdout.contains("timeout      5s (from STALLWATCH_TIMEOUT)\n"), "the variable over the default: {stdout}");
+    assert!(stdout.contains("watch        1 (from the config file)\n"), "{stdout}");
+    assert!(stdout.contains("tick         10ms (default)\n"), "{stdout}");
     assert!(
         stdout.contains("http://collector:4318/in (http/protobuf, from OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)"),
         "{stdout}"
@@ -88,7 +90,20 @@ fn config_check_refuses_what_run_refuses_from_the_environment() {
     // A flag wins over its variable.
     let (_, stdout, _) =
         run_to_end(agent().args(["config", "check", "--timeout", "7s"]).arg(&config).env("STALLWATCH_TIMEOUT", "5s"));
-    assert!(stdout.contains("timeout      7s\n"), "{stdout}");
+    assert!(stdout.contains("timeout      7s (from --timeout)\n"), "{stdout}");
+    // The file's [otlp] endpoint wins over OTEL_EXPORTER_OTLP_ENDPOINT only
+    // when it is there, and check says which one is used.
+    let env = [("OTEL_EXPORTER_OTLP_ENDPOINT", "http://from-env:4318")];
+    let (_, stdout, _) = run_to_end(agent().args(["config", "check"]).arg(&config).envs(env));
+    assert!(
+        stdout.contains("http://from-env:4318/v1/traces (http/protobuf, from OTEL_EXPORTER_OTLP_ENDPOINT)"),
+        "{stdout}"
+    );
+    let with_endpoint = dir.path().join("with-endpoint.toml");
+    std::fs::write(&with_endpoint, "profile = \"demo\"\npid = 1\n[otlp]\nendpoint = \"http://from-file:4318\"\n")
+        .expect("config");
+    let (_, stdout, _) = run_to_end(agent().args(["config", "check"]).arg(&with_endpoint).envs(env));
+    assert!(stdout.contains("http://from-file:4318/v1/traces (http/protobuf, from the config file)"), "{stdout}");
     // A bad value in a variable names the variable.
     let (ok, _, stderr) = run_to_end(agent().args(["config", "check"]).arg(&config).env("STALLWATCH_TIMEOUT", "soon"));
     assert!(!ok && stderr.contains("--timeout") && stderr.contains("is not a duration"), "{stderr}");

@@ -11,7 +11,8 @@ use std::{
 
 use serde_json::Value;
 use stallwatch_tests::{
-    Demo, Proc, agent_bin, require_root, root, run_to_end, summary, test_bpf_dir, test_socket, venv_python,
+    Agent, Demo, Proc, agent_bin, require_root, root, run_to_end, summary, test_bpf_dir, test_socket, venv_python,
+    wait_for,
 };
 
 /// A file of the kustomize base (the Dockerfile is one level up).
@@ -175,12 +176,41 @@ fn run_takes_its_settings_from_the_config_file_and_flags_win() {
     );
 }
 
+/// `stallwatch config check` on the base's config.toml with the
+/// DaemonSet's own variables set, as in the pod (and the ones Kubernetes
+/// sets in every container): what the agent in the pod would use.
+fn check_in_the_pod(ds: &Value) -> String {
+    let env = ds["spec"]["template"]["spec"]["containers"][0]["env"].as_array().expect("env").clone();
+    let mut command = Command::new(agent_bin());
+    command.args(["config", "check"]).arg(deploy("config.toml"));
+    for var in env.iter().filter(|e| e["name"].as_str().is_some_and(|n| n.starts_with("STALLWATCH_"))) {
+        command.env(var["name"].as_str().expect("name"), var["value"].as_str().expect("a plain value"));
+    }
+    command.envs([("KUBERNETES_SERVICE_HOST", "10.96.0.1"), ("KUBERNETES_SERVICE_PORT", "443")]);
+    command.env("K8S_NODE_NAME", "gpu-node-1");
+    let (ok, check, stderr) = run_to_end(&mut command);
+    assert!(ok, "config check in the pod: {stderr}");
+    check
+}
+
+/// The value of setting `name` in `config check`'s output.
+fn setting<'a>(check: &'a str, name: &str) -> &'a str {
+    check
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(name).filter(|rest| rest.starts_with(' ')))
+        .map(str::trim)
+        .unwrap_or_else(|| panic!("no `{name}` in:\n{check}"))
+}
+
 #[test]
-fn the_daemonset_runs_the_agent_privileged_on_gpu_nodes_with_the_config() {
+fn the_daemonset_runs_the_agent_privileged_on_every_node_with_the_config() {
     let ds = daemonset();
     let pod = &ds["spec"]["template"]["spec"];
     assert_eq!(pod["hostPID"], true);
-    assert_eq!(pod["nodeSelector"]["nvidia.com/gpu.present"], "true");
+    // No GPU label by default: on a cluster without NVIDIA's feature
+    // discovery it would schedule no pod at all (components/gpu-nodes adds it).
+    let selector = pod["nodeSelector"].as_object().expect("nodeSelector");
+    assert_eq!(selector.keys().collect::<Vec<_>>(), ["kubernetes.io/arch", "kubernetes.io/os"], "{selector:?}");
     assert_eq!(pod["nodeSelector"]["kubernetes.io/arch"], "amd64", "the kernel side is x86-64 only");
     // Every taint tolerated (a GPU taint, a cordon, a drain), as node agents do.
     let tolerations = pod["tolerations"].as_array().expect("tolerations");
@@ -188,7 +218,9 @@ fn the_daemonset_runs_the_agent_privileged_on_gpu_nodes_with_the_config() {
         tolerations.iter().any(|t| t["operator"] == "Exists" && t.get("key").is_none() && t.get("effect").is_none()),
         "{pod:#}"
     );
-    assert_eq!(pod["priorityClassName"], "system-node-critical");
+    // The cluster's default priority: GKE refuses system-node-critical
+    // outside kube-system without a quota (components/node-critical).
+    assert!(pod.get("priorityClassName").is_none(), "{pod:#}");
     let containers = pod["containers"].as_array().expect("containers");
     assert_eq!(containers.len(), 1);
     let agent = &containers[0];
@@ -232,16 +264,27 @@ fn the_daemonset_runs_the_agent_privileged_on_gpu_nodes_with_the_config() {
     }
     // A bpffs the agent mounts reaches the host, so its pins outlive the pod.
     assert_eq!(mount_of("/sys/fs/bpf")["mountPropagation"], "Bidirectional");
-    let (ok, check, stderr) =
-        run_to_end(Command::new(agent_bin()).args(["config", "check"]).arg(deploy("config.toml")));
-    assert!(ok, "{stderr}");
-    let socket = check.lines().find_map(|l| l.trim().strip_prefix("socket")).map(str::trim).expect("socket line");
+    let check = check_in_the_pod(&ds);
+    let socket = setting(&check, "socket");
     assert!(socket.starts_with("/run/stallwatch/"), "the agent's socket is in the mounted /run/stallwatch: {socket}");
 
-    // The metrics port the config serves is the one the pod declares.
-    let metrics = check.lines().find_map(|l| l.trim().strip_prefix("metrics")).map(str::trim).expect("metrics line");
+    // The agent listens on every interface at the port the pod declares
+    // (the probes' and the Service's), set beside it.
     let port = agent["ports"].as_array().and_then(|p| p.iter().find(|p| p["name"] == "metrics")).expect("metrics port");
-    assert!(metrics.ends_with(&format!(":{}/metrics", port["containerPort"])), "{metrics} vs {port}");
+    assert_eq!(
+        setting(&check, "metrics"),
+        format!("http://0.0.0.0:{}/metrics (from STALLWATCH_METRICS_ADDR)", port["containerPort"])
+    );
+    // Pods named from the API server, with the pod's service account.
+    let kubernetes = setting(&check, "kubernetes");
+    assert!(
+        kubernetes.starts_with("https://10.96.0.1:443 (token /var/run/secrets/kubernetes.io/serviceaccount/token")
+            && kubernetes.ends_with("from STALLWATCH_KUBERNETES)"),
+        "{kubernetes}"
+    );
+    assert_eq!(pod["automountServiceAccountToken"], true);
+    // No collector hard-coded: the OTEL_* variables decide.
+    assert!(setting(&check, "otlp").starts_with("off (no --otlp-endpoint"), "{check}");
 }
 
 #[test]
@@ -266,9 +309,9 @@ fn probes_ask_the_agent_over_http_and_the_init_check_runs_doctor_from_the_image(
     let ds = daemonset();
     let pod = &ds["spec"]["template"]["spec"];
     let agent = &pod["containers"][0];
-    // Liveness and readiness are HTTP on the metrics port: no eBPF loaded
-    // per probe, as `doctor` would.
-    for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+    // Start-up, liveness and readiness are HTTP on the metrics port: no
+    // eBPF loaded per probe, as `doctor` would.
+    for (probe, path) in [("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
         assert_eq!(agent[probe]["httpGet"]["path"], path, "{probe}: {agent:#}");
         assert_eq!(agent[probe]["httpGet"]["port"], "metrics", "{probe}: {agent:#}");
         assert!(agent[probe].get("exec").is_none(), "{probe}");
@@ -286,4 +329,53 @@ fn probes_ask_the_agent_over_http_and_the_init_check_runs_doctor_from_the_image(
     assert!(dockerfile.contains(&format!("ENTRYPOINT [\"{binary}\"]")), "the image's entrypoint is {binary}");
     assert!(dockerfile.contains("cargo run --release -p xtask -- build"), "the image builds through xtask");
     assert!(dockerfile.contains("COPY agent/deploy/base/config.toml /etc/stallwatch/config.toml"), "{dockerfile}");
+    // The context has no .git: the commit comes in as a build argument,
+    // into the variables vergen reads (agent/build.rs), and the built
+    // binary is checked to say it.
+    assert!(dockerfile.lines().any(|l| l == "ARG GIT_SHA"), "{dockerfile}");
+    assert!(dockerfile.contains("VERGEN_GIT_SHA=\"$GIT_SHA\" VERGEN_GIT_DIRTY=\"$GIT_DIRTY\""), "{dockerfile}");
+    assert!(dockerfile.contains("stallwatch --version | grep -Fx \"commit: $GIT_SHA\""), "{dockerfile}");
+    assert!(dockerfile.contains("org.opencontainers.image.revision=\"$GIT_SHA\""), "{dockerfile}");
+    let (_, version, _) = run_to_end(Command::new(agent_bin()).arg("--version"));
+    assert!(version.lines().any(|l| l.starts_with("commit: ")), "the line the Dockerfile checks: {version}");
+    let docs = std::fs::read_to_string(root().join("docs/deploying.md")).expect("deploying.md");
+    assert!(docs.contains("--build-arg GIT_SHA=$(git rev-parse HEAD)"), "deploying.md shows the build argument");
+}
+
+#[test]
+fn a_selecting_agent_says_its_skipped_optional_probes_once() {
+    require_root();
+    // As the DaemonSet's agent on a node without InfiniBand: every process
+    // the profile watches lacks the same optional transport library.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let profile = dir.path().join("optional.toml");
+    std::fs::write(
+        &profile,
+        "name = \"demo-optional\"\nextends = \"demo\"\n\n[[activity]]\nobject = \"libuct_ib.so\"\n\
+         symbol = \"uct_rc_verbs_ep_put_zcopy\"\nkind = \"post\"\noptional = true\n",
+    )
+    .expect("profile");
+    // Two processes the selector (and nothing another test runs, nor the
+    // agent: `13[1]` is not itself a match) matches.
+    let demos =
+        [Demo::start(&["--rate", "131", "--duration", "9s"]), Demo::start(&["--rate", "131", "--duration", "9s"])];
+    let agent = Agent::discover(
+        &["--cmdline", "demo-prefill --wait-for-go --rate 13[1] "],
+        profile.to_str().expect("UTF-8"),
+        "5s",
+        &[],
+    );
+    let pids = demos.each_ref().map(|demo| demo.proc.pid());
+    let stderr = wait_for("both processes watched", Duration::from_secs(30), || {
+        let stderr = agent.proc.stderr();
+        pids.iter().all(|pid| stderr.contains(&format!("watching pid={pid} "))).then_some(stderr)
+    });
+    let said: Vec<&str> = stderr.lines().filter(|l| l.contains("optional probes skipped")).collect();
+    assert_eq!(said.len(), 1, "one line an agent, not one a process:\n{stderr}");
+    assert!(
+        said[0].contains("skipped=uct_rc_verbs_ep_put_zcopy") && said[0].len() < 400,
+        "one short line: {}",
+        said[0]
+    );
+    assert!(!said[0].contains("mapped libraries"), "{}", said[0]);
 }

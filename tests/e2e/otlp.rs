@@ -692,6 +692,10 @@ fn an_untrusted_collector_certificate_is_an_error_that_names_the_fix() {
         // Why, not only a hint: rustls's verdict on the certificate.
         assert!(line.contains("UnknownIssuer"), "{protocol}: the cause is lost: {line}");
         eprintln!("{protocol}: {line}");
+        // Said once, by the agent: not an ERROR line of the TLS library's
+        // per refused handshake (each export's retries make several).
+        assert!(!stderr.contains("rustls_platform_verifier"), "{protocol}: {stderr}");
+        assert_eq!(stderr.matches("OTLP export failed").count(), 1, "{protocol}: {stderr}");
         drop(agent);
     }
     assert!(stall_spans(collector.spans()).is_empty(), "nothing may pass an untrusted certificate");

@@ -100,14 +100,16 @@ fn helm() -> PathBuf {
 /// `helm template` of the chart into namespace `stallwatch`, with `--set`
 /// `values`, as JSON documents.
 fn helm_template(values: &str) -> Vec<Value> {
-    let (ok, yaml, stderr) =
-        run_to_end(Command::new(helm()).args(["template", "stallwatch"]).arg(deploy("helm/stallwatch")).args([
-            "--namespace",
-            "stallwatch",
-            "--set",
-            values,
-        ]));
-    assert!(ok, "helm template --set {values} failed:\n{stderr}");
+    let chart = deploy("helm/stallwatch");
+    let chart = chart.to_str().expect("UTF-8 path");
+    helm_run(&["template", "stallwatch", chart, "--namespace", "stallwatch", "--set", values])
+}
+
+/// `helm ARGS` (a `template`, from the repository's root), its output as
+/// JSON documents in the order Helm renders (and installs) them.
+fn helm_run(args: &[&str]) -> Vec<Value> {
+    let (ok, yaml, stderr) = run_to_end(Command::new(helm()).args(args).current_dir(root()));
+    assert!(ok, "helm {args:?} failed:\n{stderr}");
     let file = tempfile::Builder::new().suffix(".yaml").tempfile().expect("temp file");
     std::fs::write(file.path(), &yaml).expect("writing the rendered chart");
     yaml_documents(file.path())
@@ -155,15 +157,17 @@ fn the_helm_chart_lints_and_renders_what_kustomize_renders() {
     let (ok, stdout, stderr) =
         run_to_end(Command::new(helm()).args(["lint", "--strict"]).arg(deploy("helm/stallwatch")));
     assert!(ok, "helm lint --strict:\n{stdout}{stderr}");
-    let everything = "workloadIdentity.enabled=true,serviceMonitor.enabled=true,prometheusRule.enabled=true,\
-                      grafanaDashboard.enabled=true";
+    let everything = "serviceMonitor.enabled=true,prometheusRule.enabled=true,grafanaDashboard.enabled=true,\
+                      priorityClassName=system-node-critical,priorityClassQuota.enabled=true";
     for (overlay, values) in
         [("base", ""), ("overlays/capabilities", "privileged=false"), ("overlays/full", everything)]
     {
-        let values = ["namespace.create=true", values].join(",").trim_end_matches(',').to_owned();
-        let chart = helm_template(&values);
+        let chart = helm_template(values);
         validate_core(&chart);
-        let (chart, kustomized) = (comparable(chart), comparable(render(overlay)));
+        // The Namespace is kustomize's alone: Helm's --create-namespace
+        // makes the release's (see the next test).
+        let kustomized = render(overlay).into_iter().filter(|d| d["kind"] != "Namespace").collect();
+        let (chart, kustomized) = (comparable(chart), comparable(kustomized));
         assert_eq!(
             chart.keys().collect::<Vec<_>>(),
             kustomized.keys().collect::<Vec<_>>(),
@@ -176,10 +180,8 @@ fn the_helm_chart_lints_and_renders_what_kustomize_renders() {
             );
         }
     }
-    // Values reach the objects: the image, extra environment, a namespace
-    // the chart does not create.
+    // Values reach the objects: the image, extra environment.
     let chart = helm_template("image.tag=0.2.0,env[0].name=OTEL_EXPORTER_OTLP_ENDPOINT,env[0].value=http://c:4318");
-    assert!(chart.iter().all(|d| d["kind"] != "Namespace"), "the release's namespace is not the chart's by default");
     let container = &of_kind(&chart, "DaemonSet")["spec"]["template"]["spec"]["containers"][0];
     assert_eq!(container["image"], "stallwatch:0.2.0");
     let env = container["env"].as_array().expect("env");
@@ -215,7 +217,7 @@ fn debians_kubectl_renders_the_base() {
     let docs = render_with(&debian, "base");
     assert_eq!(
         docs.iter().map(|d| d["kind"].as_str().unwrap_or_default()).collect::<Vec<_>>(),
-        ["Namespace", "ConfigMap", "DaemonSet"]
+        ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet"]
     );
     // The same DaemonSet, but for the ConfigMap's name: each kustomize
     // version hashes the contents its own way.
@@ -251,7 +253,9 @@ fn the_prometheus_operator_overlay_scrapes_the_agents_and_loads_the_dashboard() 
     }
     assert_eq!(monitor["spec"]["endpoints"][0]["port"], port["name"]);
     assert_eq!(monitor["spec"]["endpoints"][0]["path"], "/metrics");
-    assert_eq!(monitor["spec"]["namespaceSelector"]["matchNames"][0], ds["metadata"]["namespace"]);
+    // None: the Service is looked for in the ServiceMonitor's own
+    // namespace, whichever it is installed in.
+    assert!(monitor["spec"].get("namespaceSelector").is_none(), "{monitor:#}");
     // The job label Prometheus gives the targets (the Service's name) is the
     // one the AgentDown alert watches.
     let rule = of_kind(&docs, "PrometheusRule").to_string();
@@ -285,13 +289,13 @@ fn the_capabilities_overlay_drops_privileged_for_its_capabilities() {
 }
 
 #[test]
-fn workload_identity_may_only_list_pods_in_cluster_with_its_service_account() {
-    let docs = render("overlays/full");
+fn the_base_names_pods_in_cluster_and_may_only_read_them() {
+    let docs = render("base");
     let role = of_kind(&docs, "ClusterRole");
     assert_eq!(
         role["rules"],
-        serde_json::json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]),
-        "least privilege: list pods, nothing else"
+        serde_json::json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]),
+        "least privilege: read pods, nothing else"
     );
     let binding = of_kind(&docs, "ClusterRoleBinding");
     let account = of_kind(&docs, "ServiceAccount");
@@ -306,9 +310,222 @@ fn workload_identity_may_only_list_pods_in_cluster_with_its_service_account() {
     let env = pod["containers"][0]["env"].as_array().expect("env");
     let var = |name: &str| env.iter().find(|e| e["name"] == name).and_then(|e| e["value"].as_str());
     assert_eq!(var("STALLWATCH_KUBERNETES"), Some("in-cluster"));
-    assert_eq!(var("STALLWATCH_KUBERNETES_SERVICE_ACCOUNT"), Some("/var/run/secrets/kubernetes.io/serviceaccount"));
     let containers = pod["containers"].as_array().expect("containers");
     assert_eq!(containers.len(), 1, "no sidecar: {containers:#?}");
+}
+
+/// The install command docs/deploying.md shows, as its words.
+fn documented_helm_install() -> Vec<String> {
+    let docs = std::fs::read_to_string(root().join("docs/deploying.md")).expect("deploying.md");
+    let start = docs.find("helm install ").expect("deploying.md shows `helm install`");
+    let command = docs[start..].split("\n```").next().expect("the code block");
+    command.replace("\\\n", " ").split_whitespace().map(str::to_owned).collect()
+}
+
+#[test]
+fn the_documented_helm_install_works_on_a_fresh_cluster() {
+    // `helm install ... --namespace X --create-namespace`, as the docs
+    // write it, rendered as Helm orders it: Helm creates X, stores the
+    // release there, then applies these in this order. A Namespace among
+    // them would collide with the one --create-namespace made.
+    let words = documented_helm_install();
+    assert!(words.windows(2).any(|w| w == ["--namespace", "stallwatch"]), "{words:?}");
+    assert!(words.iter().any(|w| w == "--create-namespace"), "{words:?}");
+    let args: Vec<&str> = words[1..].iter().map(|w| if w == "install" { "template" } else { w.as_str() }).collect();
+    let docs = helm_run(&args);
+    let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap_or_default()).collect();
+    assert!(!kinds.contains(&"Namespace"), "the chart must not make the release's namespace: {kinds:?}");
+    let cluster_scoped = ["ClusterRole", "ClusterRoleBinding"];
+    for doc in &docs {
+        let kind = doc["kind"].as_str().unwrap_or_default();
+        let namespace = &doc["metadata"]["namespace"];
+        if cluster_scoped.contains(&kind) {
+            assert!(namespace.is_null(), "{kind} is cluster-scoped: {doc:#}");
+        } else {
+            assert_eq!(namespace, "stallwatch", "{kind} {} in the release's namespace", doc["metadata"]["name"]);
+        }
+    }
+    assert_eq!(of_kind(&docs, "ClusterRoleBinding")["subjects"][0]["namespace"], "stallwatch");
+    // What the pods need exists before the DaemonSet makes them.
+    let at = |kind: &str| kinds.iter().position(|k| *k == kind).unwrap_or_else(|| panic!("no {kind}: {kinds:?}"));
+    for kind in ["ServiceAccount", "ConfigMap", "ClusterRole", "ClusterRoleBinding"] {
+        assert!(at(kind) < at("DaemonSet"), "{kind} after the DaemonSet: {kinds:?}");
+    }
+    // And with the node-critical option, its quota before the pods too.
+    let critical = helm_template("priorityClassName=system-node-critical,priorityClassQuota.enabled=true");
+    let kinds: Vec<&str> = critical.iter().map(|d| d["kind"].as_str().unwrap_or_default()).collect();
+    let quota = of_kind(&critical, "ResourceQuota");
+    assert_eq!(quota["spec"]["scopeSelector"]["matchExpressions"][0]["values"][0], "system-node-critical");
+    assert_eq!(quota["metadata"]["namespace"], "stallwatch");
+    assert!(kinds.iter().position(|k| *k == "ResourceQuota") < kinds.iter().position(|k| *k == "DaemonSet"));
+    let pod = &of_kind(&critical, "DaemonSet")["spec"]["template"]["spec"];
+    assert_eq!(pod["priorityClassName"], "system-node-critical");
+    // The default: no priority class, no quota, no GPU label.
+    let pod = &of_kind(&docs, "DaemonSet")["spec"]["template"]["spec"];
+    assert!(pod.get("priorityClassName").is_none() && !kinds_of(&docs).contains(&"ResourceQuota".to_owned()));
+    assert!(pod["nodeSelector"].get("nvidia.com/gpu.present").is_none(), "{pod:#}");
+}
+
+fn kinds_of(docs: &[Value]) -> Vec<String> {
+    docs.iter().map(|d| d["kind"].as_str().unwrap_or_default().to_owned()).collect()
+}
+
+/// Every value in `doc` under a key named `key`, at any depth.
+fn values_of<'a>(doc: &'a Value, key: &str, found: &mut Vec<&'a Value>) {
+    match doc {
+        Value::Object(map) => {
+            for (k, v) in map {
+                if k == key {
+                    found.push(v);
+                }
+                values_of(v, key, found);
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|v| values_of(v, key, found)),
+        _ => {}
+    }
+}
+
+#[test]
+fn the_documented_kustomization_moves_every_object_and_image() {
+    // What docs/deploying.md ("Your image") tells a platform team to write
+    // over an overlay: its own namespace, its registry's image, GPU nodes,
+    // its collector. Rendered where its paths lead: beside a checkout
+    // named `stallwatch`.
+    let docs = std::fs::read_to_string(root().join("docs/deploying.md")).expect("deploying.md");
+    let start =
+        docs.find("```yaml\napiVersion: kustomize.config.k8s.io/v1beta1").expect("the kustomization in the docs");
+    let yaml = docs[start + "```yaml\n".len()..].split("```").next().expect("its end");
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::os::unix::fs::symlink(root(), dir.path().join("stallwatch")).expect("a checkout named stallwatch");
+    let mine = dir.path().join("mine");
+    std::fs::create_dir(&mine).expect("mine/");
+    std::fs::write(mine.join("kustomization.yaml"), yaml).expect("kustomization.yaml");
+    let (ok, rendered, stderr) = run_to_end(Command::new(kubectl()).arg("kustomize").arg(&mine));
+    assert!(ok, "kubectl kustomize of the docs' kustomization:\n{stderr}\n{yaml}");
+    let file = tempfile::Builder::new().suffix(".yaml").tempfile().expect("temp file");
+    std::fs::write(file.path(), &rendered).expect("writing");
+    let docs = yaml_documents(file.path());
+    validate_core(&docs);
+    // No object, selector or subject is left in `stallwatch`.
+    for doc in &docs {
+        let mut namespaces = Vec::new();
+        values_of(doc, "namespace", &mut namespaces);
+        values_of(doc, "matchNames", &mut namespaces);
+        assert!(!namespaces.iter().any(|n| n.to_string().contains("\"stallwatch\"")), "{doc:#}");
+    }
+    assert_eq!(of_kind(&docs, "Namespace")["metadata"]["name"], "observability");
+    assert_eq!(of_kind(&docs, "ServiceMonitor")["metadata"]["namespace"], "observability");
+    assert_eq!(of_kind(&docs, "ClusterRoleBinding")["subjects"][0]["namespace"], "observability");
+    let pod = &of_kind(&docs, "DaemonSet")["spec"]["template"]["spec"];
+    for container in [&pod["containers"][0], &pod["initContainers"][0]] {
+        assert_eq!(container["image"], "registry.example.com/infra/stallwatch:0.1.0");
+    }
+    assert_eq!(pod["nodeSelector"]["nvidia.com/gpu.present"], "true");
+    let env = pod["containers"][0]["env"].as_array().expect("env");
+    assert!(env.iter().any(|e| e["name"] == "OTEL_EXPORTER_OTLP_ENDPOINT"), "{env:?}");
+}
+
+#[test]
+fn every_chart_knob_reaches_the_objects() {
+    let values = serde_json::json!({
+        "fullnameOverride": "sw",
+        "nameOverride": "stallwatch-a",
+        "image": {"registry": "registry.example.com/", "repository": "infra/stallwatch",
+                  "digest": "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "podAnnotations": {"team.example.com/owner": "ml-infra"},
+        "podLabels": {"team": "ml-infra"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}]}}},
+        "extraVolumes": [{"name": "collector-ca", "configMap": {"name": "collector-ca"}}],
+        "extraVolumeMounts": [{"name": "collector-ca", "mountPath": "/etc/collector-ca", "readOnly": true}],
+        "serviceAccount": {"create": true, "name": "node-agent", "annotations": {"iam.example.com/role": "r"}},
+        "startupProbe": {"failureThreshold": 120},
+        "livenessProbe": {"periodSeconds": 11},
+        "readinessProbe": {"timeoutSeconds": 4},
+        "metricsPort": 9100,
+        "otlp": {"endpoint": "http://collector.observability:4317", "protocol": "grpc"},
+        "serviceMonitor": {"enabled": true},
+        "prometheusRule": {"enabled": true, "runbookUrl": "https://wiki.example.com/stallwatch/"},
+    });
+    let file = tempfile::Builder::new().suffix(".yaml").tempfile().expect("temp values");
+    std::fs::write(file.path(), values.to_string()).expect("values");
+    let chart = deploy("helm/stallwatch");
+    let docs = helm_run(&[
+        "template",
+        "rel",
+        chart.to_str().expect("UTF-8"),
+        "--namespace",
+        "agents",
+        "-f",
+        file.path().to_str().expect("UTF-8"),
+    ]);
+    validate_core(&docs);
+    let ds = of_kind(&docs, "DaemonSet");
+    assert_eq!(ds["metadata"]["name"], "sw");
+    assert_eq!(ds["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"], "stallwatch-a");
+    let template = &ds["spec"]["template"];
+    let pod = &template["spec"];
+    assert_eq!(template["metadata"]["annotations"]["team.example.com/owner"], "ml-infra");
+    assert_eq!(template["metadata"]["labels"]["team"], "ml-infra");
+    assert_eq!(pod["imagePullSecrets"], serde_json::json!([{"name": "regcred"}]));
+    assert_eq!(pod["tolerations"], values["tolerations"]);
+    assert_eq!(pod["affinity"], values["affinity"]);
+    assert_eq!(pod["serviceAccountName"], "node-agent");
+    let image =
+        "registry.example.com/infra/stallwatch@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    let agent = &pod["containers"][0];
+    assert_eq!((&agent["image"], &pod["initContainers"][0]["image"]), (&Value::from(image), &Value::from(image)));
+    assert!(pod["volumes"].as_array().expect("volumes").contains(&values["extraVolumes"][0]));
+    assert!(agent["volumeMounts"].as_array().expect("mounts").contains(&values["extraVolumeMounts"][0]));
+    // Probes merged field by field with the defaults.
+    assert_eq!(agent["startupProbe"]["failureThreshold"], 120);
+    assert_eq!(agent["startupProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(agent["livenessProbe"]["periodSeconds"], 11);
+    assert_eq!(agent["readinessProbe"]["timeoutSeconds"], 4);
+    assert_eq!(agent["readinessProbe"]["httpGet"]["path"], "/readyz");
+    // metricsPort is the listener's port, the container's and the Service's.
+    let env = agent["env"].as_array().expect("env");
+    let var = |name: &str| env.iter().find(|e| e["name"] == name).and_then(|e| e["value"].as_str());
+    assert_eq!(var("STALLWATCH_METRICS_ADDR"), Some(":9100"));
+    assert_eq!(var("OTEL_EXPORTER_OTLP_ENDPOINT"), Some("http://collector.observability:4317"));
+    assert_eq!(var("OTEL_EXPORTER_OTLP_PROTOCOL"), Some("grpc"));
+    assert_eq!(agent["ports"][0]["containerPort"], 9100);
+    let service = of_kind(&docs, "Service");
+    assert_eq!(
+        (&service["metadata"]["name"], &service["spec"]["ports"][0]["port"]),
+        (&"sw-metrics".into(), &9100.into())
+    );
+    let account = of_kind(&docs, "ServiceAccount");
+    assert_eq!(account["metadata"]["name"], "node-agent");
+    assert_eq!(account["metadata"]["annotations"]["iam.example.com/role"], "r");
+    let binding = of_kind(&docs, "ClusterRoleBinding");
+    assert_eq!(
+        (&binding["metadata"]["name"], &binding["subjects"][0]["name"]),
+        (&"sw-pod-reader".into(), &"node-agent".into())
+    );
+    assert_eq!(binding["subjects"][0]["namespace"], "agents");
+    assert_eq!(of_kind(&docs, "ConfigMap")["metadata"]["name"], "sw-config");
+    assert!(pod["volumes"].as_array().expect("volumes").iter().any(|v| v["configMap"]["name"] == "sw-config"));
+    // The rules: the runbook where it is published, AgentDown on this Service's job.
+    let rule = of_kind(&docs, "PrometheusRule").to_string();
+    assert!(rule.contains("https://wiki.example.com/stallwatch#stallwatchagentdown"), "{rule}");
+    assert!(!rule.contains("stallwatch.example"), "{rule}");
+    assert!(rule.contains("up{job=\\\"sw-metrics\\\"}"), "{rule}");
+
+    // Kubernetes lookup off: no RBAC, no token; a service account made elsewhere.
+    let off = helm_template("kubernetes=off,serviceAccount.create=false,serviceAccount.name=existing");
+    assert!(!kinds_of(&off).iter().any(|k| k.starts_with("ClusterRole") || k == "ServiceAccount"), "{off:#?}");
+    let pod = &of_kind(&off, "DaemonSet")["spec"]["template"]["spec"];
+    assert_eq!((&pod["serviceAccountName"], &pod["automountServiceAccountToken"]), (&"existing".into(), &false.into()));
+    // A tag, and the chart's appVersion without one.
+    assert_eq!(
+        of_kind(&helm_template("image.registry=r.example.com,image.tag=1.2.3"), "DaemonSet")["spec"]["template"]["spec"]
+            ["containers"][0]["image"],
+        "r.example.com/stallwatch:1.2.3"
+    );
 }
 
 fn capabilities(security_context: &Value) -> Vec<String> {
@@ -437,8 +654,18 @@ fn the_dashboard_is_well_formed_and_its_queries_parse() {
         }
         for target in panel["targets"].as_array().expect("targets") {
             assert!(target["refId"].is_string() && target["expr"].is_string(), "{target:#}");
+            // `$job` and `$node` filter every panel.
+            let expr = target["expr"].as_str().unwrap_or_default();
+            assert!(expr.contains(r#"job=~"$job""#) && expr.contains(r#"node=~"$node""#), "{}: {expr}", panel["title"]);
         }
     }
+    // A panel says which pod is stuck.
+    let by_workload = |p: &&Value| p["targets"][0]["expr"].as_str().is_some_and(|e| e.contains("k8s_pod_name"));
+    assert!(panels.iter().any(|p| by_workload(&p)), "no per-workload panel");
+    // The chart ships the same file (Helm cannot read the component's).
+    let chart = std::fs::read_to_string(deploy("helm/stallwatch/files/stallwatch.json")).expect("the chart's");
+    let chart: Value = serde_json::from_str(&chart).expect("the chart's dashboard is JSON");
+    assert!(chart == dashboard, "helm/stallwatch/files/stallwatch.json differs from the component's: edit both");
     // Every query parses: promtool checks them as recording rules.
     let rules: Vec<Value> = dashboard_queries()
         .iter()

@@ -1,22 +1,25 @@
 //! Which workload is stuck: the demo target moved into a cgroup laid out as
 //! the kubelet lays out a pod's container (`kubepods/burstable/pod<UID>/<ID>`,
 //! made here in the host's cgroup v1 `pids` hierarchy), and a local HTTP
-//! server answering `GET /api/v1/pods` with a PodList as the API server
-//! (behind `kubectl proxy`) does. In-cluster, the same server checks the
-//! bearer token and is reached over real TLS (`tls_front.py`, a certificate
-//! for 127.0.0.1 from a CA the openssl CLI makes here), with a service
-//! account directory (`token`, `ca.crt`) the test writes. The agent must
+//! server answering `GET /api/v1/pods` (a PodList) and its `watch=true`
+//! (the events since a resource version, then each as it comes) as the API
+//! server (behind `kubectl proxy`) does. A pod created after the agent
+//! started is named from the watch before its first stall. In-cluster,
+//! the same server checks the bearer token and is reached over real TLS
+//! (`tls_front.py`, a certificate for 127.0.0.1 from a CA the openssl CLI
+//! makes here), with a service account directory (`token`, `ca.crt`) the
+//! test writes. The agent must
 //! name the pod on its alerts, `inflight` rows, spans (their resource) and
 //! metrics; without the API, the container id alone; on an API error (a
 //! refusal, an untrusted certificate, no token), that and a warning that
 //! names the fix, never a failure.
 use std::{
     io::{BufRead as _, BufReader, Write as _},
-    net::TcpListener,
+    net::{TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::Command,
-    sync::{Arc, Mutex},
-    time::Duration,
+    sync::{Arc, Condvar, Mutex},
+    time::{Duration, Instant},
 };
 
 use serde_json::{Value, json};
@@ -75,61 +78,152 @@ impl Drop for PodCgroup {
     }
 }
 
-/// A local HTTP server answering every request with `status` and `body`
-/// (with a token to check, 401 to a request without `Authorization:
-/// Bearer TOKEN`, as the API server does); the request lines it got.
+/// The API server stand-in: `GET /api/v1/pods` answers the pods it has
+/// (a PodList at its resource version); with `watch=true`, the events
+/// after the `resourceVersion` asked for, then each new one as it comes,
+/// on a connection held open, as the API server does. With a token to
+/// check, 401 to a request without `Authorization: Bearer TOKEN`; when
+/// refusing, that status to everything.
 struct ApiServer {
     port: u16,
-    requests: Arc<Mutex<Vec<String>>>,
+    state: Arc<(Mutex<ApiState>, Condvar)>,
+}
+
+#[derive(Default)]
+struct ApiState {
+    /// The request lines, in order.
+    requests: Vec<String>,
+    pods: Vec<Value>,
+    /// Each event's resource version and line.
+    events: Vec<(u64, String)>,
+    version: u64,
 }
 
 impl ApiServer {
-    fn start(status: &'static str, body: String) -> Self {
-        Self::start_checking(status, body, None)
+    /// With `pods` at resource version 1.
+    fn start(pods: Vec<Value>, token: Option<&'static str>) -> Self {
+        Self::serve(pods, token, None)
     }
 
-    fn start_checking(status: &'static str, body: String, token: Option<&'static str>) -> Self {
+    fn refusing(status: &'static str, body: String) -> Self {
+        Self::serve(Vec::new(), None, Some((status, body)))
+    }
+
+    fn serve(pods: Vec<Value>, token: Option<&'static str>, refuse: Option<(&'static str, String)>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("binding the API server");
         let port = listener.local_addr().expect("addr").port();
-        let requests = Arc::new(Mutex::new(Vec::new()));
-        let seen = Arc::clone(&requests);
+        let state = Arc::new((Mutex::new(ApiState { pods, version: 1, ..ApiState::default() }), Condvar::new()));
+        let shared = Arc::clone(&state);
         std::thread::spawn(move || {
-            // Bounded: the agent lists at most every 5 s; a test asks few.
+            // Bounded: the agent lists and watches a few times a test.
             for stream in listener.incoming().take(50) {
-                let Ok(mut stream) = stream else { continue };
-                let mut reader = BufReader::new(stream.try_clone().expect("clone"));
-                let mut line = String::new();
-                if reader.read_line(&mut line).is_err() {
-                    continue;
-                }
-                // The rest of the head.
-                let mut header = String::new();
-                let mut bearer = None;
-                while reader.read_line(&mut header).is_ok_and(|n| n > 2) {
-                    if let Some((name, value)) = header.split_once(':') {
-                        if name.eq_ignore_ascii_case("authorization") {
-                            bearer = value.trim().strip_prefix("Bearer ").map(str::to_owned);
-                        }
-                    }
-                    header.clear();
-                }
-                seen.lock().expect("lock").push(line.trim().to_owned());
-                let (status, body) = match token {
-                    Some(token) if bearer.as_deref() != Some(token) => (
-                        "401 Unauthorized",
-                        json!({"kind": "Status", "status": "Failure", "reason": "Unauthorized", "code": 401})
-                            .to_string(),
-                    ),
-                    _ => (status, body.clone()),
-                };
-                let _ = write!(
-                    stream,
-                    "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
+                let Ok(stream) = stream else { continue };
+                let (state, refuse) = (Arc::clone(&shared), refuse.clone());
+                std::thread::spawn(move || Self::answer(stream, &state, token, refuse));
             }
         });
-        Self { port, requests }
+        Self { port, state }
+    }
+
+    /// One request: recorded, then answered (a watch until the agent goes).
+    fn answer(
+        mut stream: TcpStream,
+        state: &(Mutex<ApiState>, Condvar),
+        token: Option<&str>,
+        refuse: Option<(&'static str, String)>,
+    ) {
+        let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+        let mut line = String::new();
+        if reader.read_line(&mut line).is_err() {
+            return;
+        }
+        // The rest of the head.
+        let mut header = String::new();
+        let mut bearer = None;
+        while reader.read_line(&mut header).is_ok_and(|n| n > 2) {
+            if let Some((name, value)) = header.split_once(':') {
+                if name.eq_ignore_ascii_case("authorization") {
+                    bearer = value.trim().strip_prefix("Bearer ").map(str::to_owned);
+                }
+            }
+            header.clear();
+        }
+        let (lock, changed) = state;
+        lock.lock().expect("lock").requests.push(line.trim().to_owned());
+        changed.notify_all();
+        let refused = match (refuse, token) {
+            (Some(refusal), _) => Some(refusal),
+            (None, Some(token)) if bearer.as_deref() != Some(token) => Some((
+                "401 Unauthorized",
+                json!({"kind": "Status", "status": "Failure", "reason": "Unauthorized", "code": 401}).to_string(),
+            )),
+            _ => None,
+        };
+        let path = line.split_whitespace().nth(1).unwrap_or_default();
+        let since = path.split(['?', '&']).find_map(|pair| pair.strip_prefix("resourceVersion="));
+        let body = match (refused, since) {
+            (Some((status, body)), _) => (status, body),
+            (None, Some(since)) => {
+                let mut sent: u64 = since.parse().expect("a resourceVersion we gave");
+                let _ =
+                    write!(stream, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n");
+                loop {
+                    let mut api = lock.lock().expect("lock");
+                    while api.version <= sent {
+                        api = changed.wait(api).expect("lock");
+                    }
+                    let lines: String = api
+                        .events
+                        .iter()
+                        .filter(|(version, _)| *version > sent)
+                        .map(|(_, line)| line.as_str())
+                        .collect();
+                    sent = api.version;
+                    drop(api);
+                    if stream.write_all(lines.as_bytes()).and_then(|()| stream.flush()).is_err() {
+                        return;
+                    }
+                }
+            }
+            (None, None) => {
+                let api = lock.lock().expect("lock");
+                let list = json!({"kind": "PodList", "apiVersion": "v1",
+                                  "metadata": {"resourceVersion": api.version.to_string()}, "items": api.pods});
+                ("200 OK", list.to_string())
+            }
+        };
+        let (status, body) = body;
+        let _ = write!(
+            stream,
+            "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+    }
+
+    /// A pod added or changed (`ADDED`, `MODIFIED`), to its watchers too.
+    fn event(&self, kind: &str, mut pod: Value) {
+        let (lock, changed) = &*self.state;
+        let mut api = lock.lock().expect("lock");
+        api.version += 1;
+        pod["metadata"]["resourceVersion"] = json!(api.version.to_string());
+        let uid = pod["metadata"]["uid"].clone();
+        api.pods.retain(|p| p["metadata"]["uid"] != uid);
+        api.pods.push(pod.clone());
+        let version = api.version;
+        api.events.push((version, format!("{}\n", json!({"type": kind, "object": pod}))));
+        changed.notify_all();
+    }
+
+    /// Wait until the agent watches.
+    fn wait_watch(&self) {
+        let (lock, changed) = &*self.state;
+        let api = lock.lock().expect("lock");
+        let (api, waited) = changed
+            .wait_timeout_while(api, Duration::from_secs(10), |api| {
+                !api.requests.iter().any(|r| r.contains("watch=true"))
+            })
+            .expect("lock");
+        assert!(!waited.timed_out(), "the agent did not watch the pods within 10 s: {:?}", api.requests);
     }
 
     fn url(&self) -> String {
@@ -137,28 +231,36 @@ impl ApiServer {
     }
 
     fn requests(&self) -> Vec<String> {
-        self.requests.lock().expect("lock").clone()
+        self.state.0.lock().expect("lock").requests.clone()
     }
 }
 
-/// A PodList with one pod of a Deployment `prefill`, its container
-/// `sglang` being `id`.
-fn pod_list(id: &str, uid: &str) -> String {
+/// The list, then the watch from its version, of this node's pods.
+fn list_then_watch() -> [String; 2] {
+    let pods = format!("GET /api/v1/pods?fieldSelector=spec.nodeName%3D{NODE}");
+    [
+        format!("{pods} HTTP/1.1"),
+        format!("{pods}&watch=true&resourceVersion=1&allowWatchBookmarks=true&timeoutSeconds=290 HTTP/1.1"),
+    ]
+}
+
+/// A pod of a Deployment `prefill`, service `sglang-prefill` by its
+/// `app.kubernetes.io/name` label; its container `sglang`, once started,
+/// being `id`.
+fn pod(uid: &str, id: Option<&str>) -> Value {
+    let statuses: Vec<Value> = id
+        .map(|id| json!({"name": "sglang", "containerID": format!("containerd://{id}"), "ready": true}))
+        .into_iter()
+        .collect();
     json!({
-        "kind": "PodList",
-        "apiVersion": "v1",
-        "metadata": {"resourceVersion": "1"},
-        "items": [{
-            "metadata": {
-                "name": POD, "namespace": NAMESPACE, "uid": uid,
-                "labels": {"app": "prefill", "pod-template-hash": "7d9f8"},
-                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "prefill-7d9f8", "uid": "x", "controller": true}]
-            },
-            "spec": {"nodeName": NODE, "containers": [{"name": "sglang", "image": "sglang"}]},
-            "status": {"phase": "Running", "containerStatuses": [{"name": "sglang", "containerID": format!("containerd://{id}"), "ready": true}]}
-        }]
+        "metadata": {
+            "name": POD, "namespace": NAMESPACE, "uid": uid,
+            "labels": {"app.kubernetes.io/name": "sglang-prefill", "app": "prefill", "pod-template-hash": "7d9f8"},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "prefill-7d9f8", "uid": "x", "controller": true}]
+        },
+        "spec": {"nodeName": NODE, "containers": [{"name": "sglang", "image": "sglang"}]},
+        "status": {"phase": if id.is_some() { "Running" } else { "Pending" }, "containerStatuses": statuses}
     })
-    .to_string()
 }
 
 fn stalled_demo() -> Demo {
@@ -172,7 +274,8 @@ fn alerts_spans_and_metrics_name_the_pod_from_the_api() {
     let mut demo = stalled_demo();
     let pid = demo.proc.pid();
     let _cgroup = PodCgroup::enter(pid, &uid, &id);
-    let api = ApiServer::start("200 OK", pod_list(&id, &uid));
+    // The pod does not exist yet when the agent starts.
+    let api = ApiServer::start(Vec::new(), None);
     let mut collector = Collector::start();
     let endpoint = collector.http_endpoint();
     let dir = tempfile::tempdir().expect("temp dir");
@@ -194,6 +297,15 @@ fn alerts_spans_and_metrics_name_the_pod_from_the_api() {
         ],
         &[("K8S_NODE_NAME", NODE), ("K8S_POD_NAME", "stallwatch-x2k4q"), ("K8S_NAMESPACE_NAME", "monitoring")],
     );
+    // Created after the agent started: scheduled (its container not
+    // started, so no id yet), then started, as the kubelet reports them;
+    // the agent names the process from the watch, not at a later list.
+    api.wait_watch();
+    let created = Instant::now();
+    api.event("ADDED", pod(&uid, None));
+    api.event("MODIFIED", pod(&uid, Some(&id)));
+    agent.proc.wait_stderr(&format!("workload={NAMESPACE}/{POD}/sglang"), Duration::from_secs(10));
+    eprintln!("a pod created after the agent started: named {:?} after it was", created.elapsed());
     demo.go();
     let mut seen = Vec::new();
     let stalled = agent.wait_alerts("stalled", 1, Duration::from_secs(10), &mut seen);
@@ -247,11 +359,16 @@ fn alerts_spans_and_metrics_name_the_pod_from_the_api() {
     assert_eq!(resource("k8s.node.name"), Some(NODE));
     assert_eq!(resource("container.id"), Some(id.as_str()));
     assert_eq!(resource("process.pid"), Some(pid.to_string().as_str()));
-    assert_eq!(resource("service.name"), Some("stallwatch"));
+    // The workload's own service (its `app.kubernetes.io/name`), the agent
+    // as the SDK that saw it.
+    assert_eq!(resource("service.name"), Some("sglang-prefill"), "{span:#?}");
+    assert_eq!(resource("service.namespace"), Some(NAMESPACE));
+    assert_eq!(resource("service.instance.id"), Some(format!("{NAMESPACE}.{POD}.sglang").as_str()));
+    assert_eq!(resource("telemetry.sdk.name"), Some("stallwatch"));
 
-    // One list, of this node's pods only.
+    // One list and one watch, of this node's pods only.
     let requests = api.requests();
-    assert_eq!(requests, [format!("GET /api/v1/pods?fieldSelector=spec.nodeName%3D{NODE} HTTP/1.1")], "{requests:?}");
+    assert_eq!(requests, list_then_watch(), "{requests:?}");
     drop(agent);
     let _ = collector.stop();
 }
@@ -281,7 +398,7 @@ fn without_the_api_the_container_id_and_on_its_error_a_warning() {
     let (id, uid) = ids(3);
     let mut demo = stalled_demo();
     let _cgroup = PodCgroup::enter(demo.proc.pid(), &uid, &id);
-    let api = ApiServer::start("403 Forbidden", json!({"kind": "Status", "reason": "Forbidden"}).to_string());
+    let api = ApiServer::refusing("403 Forbidden", json!({"kind": "Status", "reason": "Forbidden"}).to_string());
     let agent = Agent::watch(demo.proc.pid(), "demo", "1s", &["--kubernetes", &api.url()]);
     demo.go();
     let mut seen = Vec::new();
@@ -348,7 +465,7 @@ fn in_cluster_the_api_is_asked_over_tls_with_the_service_account_token() {
     let mut demo = stalled_demo();
     let pid = demo.proc.pid();
     let _cgroup = PodCgroup::enter(pid, &uid, &id);
-    let api = ApiServer::start_checking("200 OK", pod_list(&id, &uid), Some(TOKEN));
+    let api = ApiServer::start(vec![pod(&uid, Some(&id))], Some(TOKEN));
     let front = TlsFront::in_front_of(&[api.port]);
     let dir = tempfile::tempdir().expect("temp dir");
     let account = dir.path().join("serviceaccount");
@@ -363,10 +480,11 @@ fn in_cluster_the_api_is_asked_over_tls_with_the_service_account_token() {
     assert_eq!(workload["k8s.container.name"], "sglang");
     assert_eq!(workload["k8s.owner.name"], "prefill");
     assert_eq!(workload["container.id"], Value::String(id));
-    // One list of this node's pods, over TLS, with the token (the server
-    // answers 401 to anything else).
+    // One list and one watch of this node's pods, over TLS, with the token
+    // (the server answers 401 to anything else).
+    api.wait_watch();
     let requests = api.requests();
-    assert_eq!(requests, [format!("GET /api/v1/pods?fieldSelector=spec.nodeName%3D{NODE} HTTP/1.1")], "{requests:?}");
+    assert_eq!(requests, list_then_watch(), "{requests:?}");
     assert!(front.received().contains(&format!("authorization: Bearer {TOKEN}\r\n")), "{:?}", front.received());
     let stderr = agent.proc.stderr();
     assert!(!stderr.contains("workload identity:"), "{stderr}");
@@ -375,7 +493,7 @@ fn in_cluster_the_api_is_asked_over_tls_with_the_service_account_token() {
 #[test]
 fn in_cluster_an_untrusted_server_or_a_missing_or_refused_token_leaves_the_container_id() {
     require_root();
-    let api = ApiServer::start_checking("200 OK", json!({"kind": "PodList", "items": []}).to_string(), Some(TOKEN));
+    let api = ApiServer::start(Vec::new(), Some(TOKEN));
     let front = TlsFront::in_front_of(&[api.port]);
     let dir = tempfile::tempdir().expect("temp dir");
     let (wrong_ca, ca) = (front.wrong_ca(), front.ca());
@@ -410,9 +528,9 @@ fn in_cluster_an_untrusted_server_or_a_missing_or_refused_token_leaves_the_conta
             assert!(line.contains(text), "{case}: {text:?} not in {line}");
         }
         eprintln!("{case}: {line}");
-        // Only the refused token reached the server.
+        // Only the refused token reached the server (again with backoff).
         let asked = api.requests().len() - before;
-        assert_eq!(asked, usize::from(case == "refused"), "{case}: {:?}", api.requests());
+        assert_eq!(asked > 0, case == "refused", "{case}: {:?}", api.requests());
         drop(agent);
     }
 }

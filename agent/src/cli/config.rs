@@ -9,6 +9,7 @@
 //! table (executable, library, command line, cgroup) for the DaemonSet,
 //! where no pid is known in advance; one or the other.
 use std::{
+    collections::BTreeMap,
     fmt,
     net::SocketAddr,
     path::{Path, PathBuf},
@@ -16,7 +17,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, anyhow, bail};
-use clap::ValueEnum;
+use clap::{Args as _, ValueEnum, parser::ValueSource};
 use serde::{Deserialize, Deserializer, de};
 use toml::Spanned;
 
@@ -25,7 +26,7 @@ use crate::{
     export::{
         alert::Format,
         metrics,
-        otlp::{OtlpOptions, Protocol},
+        otlp::{self, OtlpOptions, Protocol},
         telemetry::TelemetryOptions,
     },
     kernel::state,
@@ -95,8 +96,9 @@ pub struct RunSettings {
     /// OTLP transport (default: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL, else http).
     #[arg(long, value_enum, value_name = "PROTOCOL", env = "STALLWATCH_OTLP_PROTOCOL")]
     pub otlp_protocol: Option<Protocol>,
-    /// Serve Prometheus metrics at /metrics on PORT (127.0.0.1) or
-    /// ADDRESS:PORT.
+    /// Serve Prometheus metrics at /metrics on PORT (127.0.0.1), :PORT
+    /// (every IPv4 interface, as in a pod) or ADDRESS:PORT (`[::]:PORT` for
+    /// IPv6 too).
     #[arg(long, value_name = "[ADDRESS:]PORT", value_parser = metrics::parse_addr, env = "STALLWATCH_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
     /// Serve `stallwatch inflight` on this unix socket (its directory is
@@ -141,6 +143,35 @@ pub struct RunSettings {
 }
 
 impl RunSettings {
+    /// The ids (clap's, the field names) of the settings given here.
+    fn given(&self) -> Vec<&'static str> {
+        [
+            ("pid", self.pid.is_some()),
+            ("exe", self.exe.is_some()),
+            ("lib", self.lib.is_some()),
+            ("cmdline", self.cmdline.is_some()),
+            ("cgroup", self.cgroup.is_some()),
+            ("profile", self.profile.is_some()),
+            ("timeout", self.timeout.is_some()),
+            ("tick", self.tick.is_some()),
+            ("max_tracked", self.max_tracked.is_some()),
+            ("output", self.output.is_some()),
+            ("otlp_endpoint", self.otlp_endpoint.is_some()),
+            ("otlp_protocol", self.otlp_protocol.is_some()),
+            ("metrics_addr", self.metrics_addr.is_some()),
+            ("socket", self.socket.is_some()),
+            ("bpf_dir", self.bpf_dir.is_some()),
+            ("kubernetes", self.kubernetes.is_some()),
+            ("kubernetes_service_account", self.kubernetes_service_account.is_some()),
+            ("ephemeral", self.ephemeral),
+            ("on_exit", self.on_exit.is_some()),
+            ("trust_fuse", self.trust_fuse),
+        ]
+        .into_iter()
+        .filter_map(|(id, given)| given.then_some(id))
+        .collect()
+    }
+
     fn has_selector(&self) -> bool {
         self.exe.is_some() || self.lib.is_some() || self.cmdline.is_some() || self.cgroup.is_some()
     }
@@ -213,7 +244,7 @@ impl RunSettings {
             max_tracked: self.max_tracked.unwrap_or(DEFAULT_MAX_TRACKED),
             output: self.output.unwrap_or(DEFAULT_OUTPUT),
             telemetry: TelemetryOptions {
-                otlp: OtlpOptions { endpoint: self.otlp_endpoint, protocol: self.otlp_protocol },
+                otlp: OtlpOptions { endpoint: self.otlp_endpoint, protocol: self.otlp_protocol, endpoint_from: None },
                 metrics_addr: self.metrics_addr,
                 kubernetes: workload::Source::parse(
                     self.kubernetes.as_deref().unwrap_or("off"),
@@ -226,6 +257,60 @@ impl RunSettings {
             on_exit: self.on_exit.unwrap_or_default(),
             trust: Trust { fuse: self.trust_fuse },
         })
+    }
+}
+
+/// Which of the [`RunSettings`] the command line set and which their
+/// variables did: `config check` names where each value it shows comes
+/// from, as an operator must know which of four places to edit.
+#[derive(Debug, Clone, Default)]
+pub struct Origins(BTreeMap<String, String>);
+
+impl Origins {
+    /// From the matches of a command that flattens [`RunSettings`]: by
+    /// setting id, `--FLAG` or the variable's name.
+    pub fn of(matches: &clap::ArgMatches) -> Self {
+        let definitions = RunSettings::augment_args(clap::Command::new("run"));
+        let origins = definitions.get_arguments().filter_map(|arg| {
+            let id = arg.get_id().as_str();
+            let origin = match matches.value_source(id)? {
+                ValueSource::CommandLine => format!("--{}", arg.get_long()?),
+                ValueSource::EnvVariable => arg.get_env()?.to_str()?.to_owned(),
+                _ => return None,
+            };
+            Some((id.to_owned(), origin))
+        });
+        Self(origins.collect())
+    }
+
+    /// Where a set `--otlp-endpoint` came from, as the exporter's messages
+    /// name it (`from=` in the agent's log, its errors).
+    fn otlp_endpoint(&self) -> &'static str {
+        match self.0.get("otlp_endpoint").map(String::as_str) {
+            Some("--otlp-endpoint") => "--otlp-endpoint",
+            Some(_) => "STALLWATCH_OTLP_ENDPOINT",
+            None => "[otlp] endpoint in the config file",
+        }
+    }
+
+    /// Where setting `id` of `merged` came from: its flag or variable, the
+    /// file (`in_file`: the ids the file gives), or the default.
+    fn of_setting(&self, id: &str, in_file: &[&str]) -> String {
+        match self.0.get(id) {
+            Some(origin) => format!("from {origin}"),
+            None if in_file.contains(&id) => "from the config file".to_owned(),
+            None => "default".to_owned(),
+        }
+    }
+}
+
+/// `value` with where it came from: inside its own parentheses if it ends
+/// with some (`nixl (built-in profile ..., from the config file)`), else in
+/// its own (`60s (default)`).
+fn with_origin(value: &str, origin: &str) -> String {
+    match value.strip_suffix(')') {
+        Some(open) if open.contains('(') => format!("{open}, {origin})"),
+        _ => format!("{value} ({origin})"),
     }
 }
 
@@ -246,13 +331,16 @@ pub struct RunConfig {
     pub trust: Trust,
 }
 
-/// The flags over the file (if any) over the defaults.
-pub fn resolve(config: Option<&Path>, flags: RunSettings) -> Result<RunConfig> {
+/// The flags over the file (if any) over the defaults; `origins` tells
+/// the flags from their variables, for the messages that name a source.
+pub fn resolve(config: Option<&Path>, flags: RunSettings, origins: &Origins) -> Result<RunConfig> {
     let file = match config {
         Some(path) => ConfigFile::load(path)?.settings,
         None => RunSettings::default(),
     };
-    flags.over(file).finish()
+    let mut run = flags.over(file).finish()?;
+    run.telemetry.otlp.endpoint_from = Some(origins.otlp_endpoint());
+    Ok(run)
 }
 
 /// A parsed and checked config file.
@@ -303,9 +391,13 @@ impl ConfigFile {
             let protocol = otlp.protocol.as_ref().map(|p| p.get_ref().0);
             // The endpoint alone, as the flag would be checked (no
             // environment): a typo fails here, with its line.
-            OtlpOptions { endpoint: Some(endpoint.get_ref().clone()), protocol }
-                .resolve_with(|_| None)
-                .map_err(|err| anyhow!("{}: [otlp] endpoint: {err:#}", at(endpoint.span())))?;
+            OtlpOptions {
+                endpoint: Some(endpoint.get_ref().clone()),
+                protocol,
+                endpoint_from: Some("[otlp] endpoint"),
+            }
+            .resolve_with(|_| None)
+            .map_err(|err| anyhow!("{}: {err:#}", at(endpoint.span())))?;
         }
         let beside = |name: String| match path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
             Some(dir) if Path::new(&name).is_relative() => dir.join(&name).display().to_string(),
@@ -362,16 +454,19 @@ impl ConfigFile {
 
     /// `stallwatch config check`: everything [`parse`](Self::parse) checks,
     /// plus that the profile loads, with `flags` (the command line and the
-    /// `STALLWATCH_*` variables) over the file and the `OTEL_*` variables
-    /// resolved exactly as `run` resolves them: what `run` would refuse
-    /// fails here too. Returns what `run` would use, one setting a line.
-    pub fn check(path: Option<&Path>, flags: RunSettings) -> Result<String> {
-        let file = path.map(Self::load).transpose()?;
+    /// `STALLWATCH_*` variables, which `origins` tells apart) over the file
+    /// and the `OTEL_*` variables resolved exactly as `run` resolves them:
+    /// what `run` would refuse fails here too. Returns what `run` would
+    /// use, one setting a line, each with where its value came from.
+    pub fn check(path: Option<&Path>, flags: RunSettings, origins: &Origins) -> Result<String> {
+        let file = path.map(Self::load).transpose()?.map(|file| file.settings).unwrap_or_default();
+        let in_file = file.given();
         let from = |what: &str| match path {
             Some(path) => format!("config file {}: {what}", path.display()),
             None => what.to_owned(),
         };
-        let s = &flags.over(file.map(|file| file.settings).unwrap_or_default());
+        let origin = |id: &str| origins.of_setting(id, &in_file);
+        let s = &flags.over(file);
         if s.ephemeral && s.bpf_dir.is_some() {
             bail!("{}", from("both a bpf_dir and ephemeral: pin the state in one directory, or nowhere"));
         }
@@ -389,25 +484,53 @@ impl ConfigFile {
         let profile = match &s.profile {
             Some(spec) => {
                 let loaded = Profile::load(spec).with_context(|| from("profile"))?;
-                format!("{} ({}, {} probes)", spec, loaded.origin, loaded.probes.len())
+                with_origin(
+                    &format!("{} ({}, {} probes)", spec, loaded.origin, loaded.probes.len()),
+                    &origin("profile"),
+                )
             }
             None => "not set: pass --profile at run time".to_owned(),
         };
+        let target_ids = ["pid", "exe", "lib", "cmdline", "cgroup"];
         let selector = [("exe", &s.exe), ("lib", &s.lib), ("cmdline", &s.cmdline), ("cgroup", &s.cgroup)]
             .into_iter()
             .filter_map(|(name, value)| value.as_ref().map(|value| format!("{name}={value}")))
             .collect::<Vec<_>>();
+        let target_origin =
+            || target_ids.iter().map(|id| origin(id)).find(|o| o != "default").unwrap_or_else(|| "default".to_owned());
         let pid = match (s.pid, selector.is_empty()) {
-            (Some(pid), true) => pid.to_string(),
+            (Some(pid), true) => with_origin(&pid.to_string(), &target_origin()),
             (Some(_), false) => bail!("{}", from("both a pid and a process selector: give one or the other")),
-            (None, false) => format!("every process matching {}", selector.join(" ")),
+            (None, false) => with_origin(&format!("every process matching {}", selector.join(" ")), &target_origin()),
             (None, true) => "not set: pass --pid or a selector at run time".to_owned(),
         };
-        let or_default =
-            |value: Option<String>, default: String| value.unwrap_or_else(|| format!("{default} (default)"));
+        let shown = |id: &str, value: Option<String>, default: String| match value {
+            Some(value) => with_origin(&value, &origin(id)),
+            None => format!("{default} (default)"),
+        };
+        let env = |name: &str| std::env::var(name).ok().filter(|value| !value.trim().is_empty());
         // The environment too, as `run` reads it.
-        let otlp = match (OtlpOptions { endpoint: s.otlp_endpoint.clone(), protocol: s.otlp_protocol }).resolve() {
+        let options = OtlpOptions {
+            endpoint: s.otlp_endpoint.clone(),
+            protocol: s.otlp_protocol,
+            endpoint_from: Some(origins.otlp_endpoint()),
+        };
+        let otlp = match options.resolve() {
             Ok(Some(t)) => {
+                let endpoint_from =
+                    if s.otlp_endpoint.is_some() { origin("otlp_endpoint") } else { format!("from {}", t.source) };
+                let protocol_from = if s.otlp_protocol.is_some() {
+                    Some(origin("otlp_protocol"))
+                } else {
+                    [otlp::config::TRACES_PROTOCOL, otlp::config::PROTOCOL]
+                        .into_iter()
+                        .find(|name| env(name).is_some())
+                        .map(|name| format!("from {name}"))
+                };
+                let protocol = match protocol_from {
+                    Some(from) => format!("{} {from}", t.protocol),
+                    None => t.protocol.to_string(),
+                };
                 let tls = match (&t.ca, t.is_tls()) {
                     (_, false) => String::new(),
                     (None, true) => ", TLS trusting the system's roots".to_owned(),
@@ -415,50 +538,65 @@ impl ConfigFile {
                         format!(", TLS trusting the system's roots and {} (from {})", ca.path.display(), ca.source)
                     }
                 };
-                format!("{} ({}, from {}{tls})", t.endpoint, t.protocol, t.source)
+                format!("{} ({protocol}, {endpoint_from}{tls})", t.endpoint)
             }
-            Ok(None) => match crate::export::otlp::sampling::disabled_by(&|name: &str| std::env::var(name).ok()) {
+            Ok(None) => match otlp::sampling::disabled_by(&|name: &str| std::env::var(name).ok()) {
                 Ok(Some(why)) => format!("off ({why})"),
                 _ => "off (no --otlp-endpoint, [otlp] endpoint nor OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)".to_owned(),
             },
             Err(err) => bail!("{}", from(&format!("otlp: {err:#}"))),
         };
-        let sampler = crate::export::otlp::sampling::SpanSampler::from_env(&|name: &str| std::env::var(name).ok())
+        let sampler = otlp::sampling::SpanSampler::from_env(&|name: &str| std::env::var(name).ok())
             .map_err(|err| anyhow!("{}", from(&format!("{err:#}"))))?;
+        let sampler = match env(otlp::sampling::TRACES_SAMPLER) {
+            Some(_) => format!("{} (from {})", sampler.name, otlp::sampling::TRACES_SAMPLER),
+            None => format!("{} (default)", sampler.name),
+        };
+        let kubernetes = workload::Source::parse(
+            s.kubernetes.as_deref().unwrap_or("off"),
+            std::env::var("K8S_NODE_NAME").ok(),
+            s.kubernetes_service_account.as_deref(),
+        )
+        .map_err(|err| anyhow!("{}", from(&format!("{err:#}"))))?
+        .to_string();
         let rows = [
             ("watch", pid),
             ("profile", profile),
-            ("timeout", or_default(s.timeout.map(|d| Dur(d).to_string()), Dur(DEFAULT_TIMEOUT).to_string())),
-            ("tick", or_default(s.tick.map(|d| Dur(d).to_string()), Dur(DEFAULT_TICK).to_string())),
-            ("max_tracked", or_default(s.max_tracked.map(|n| n.to_string()), DEFAULT_MAX_TRACKED.to_string())),
-            ("output", or_default(s.output.map(choice_name), choice_name(DEFAULT_OUTPUT))),
-            ("otlp", otlp),
-            ("sampler", sampler.name),
-            ("metrics", s.metrics_addr.map_or_else(|| "off".to_owned(), |addr| format!("http://{addr}/metrics"))),
+            ("timeout", shown("timeout", s.timeout.map(|d| Dur(d).to_string()), Dur(DEFAULT_TIMEOUT).to_string())),
+            ("tick", shown("tick", s.tick.map(|d| Dur(d).to_string()), Dur(DEFAULT_TICK).to_string())),
             (
-                "kubernetes",
-                workload::Source::parse(
-                    s.kubernetes.as_deref().unwrap_or("off"),
-                    std::env::var("K8S_NODE_NAME").ok(),
-                    s.kubernetes_service_account.as_deref(),
-                )
-                .map_err(|err| anyhow!("{}", from(&format!("{err:#}"))))?
-                .to_string(),
+                "max_tracked",
+                shown("max_tracked", s.max_tracked.map(|n| n.to_string()), DEFAULT_MAX_TRACKED.to_string()),
             ),
+            ("output", shown("output", s.output.map(choice_name), choice_name(DEFAULT_OUTPUT))),
+            ("otlp", otlp),
+            ("sampler", sampler),
+            (
+                "metrics",
+                match s.metrics_addr {
+                    Some(addr) => with_origin(&format!("http://{addr}/metrics"), &origin("metrics_addr")),
+                    None => "off (default)".to_owned(),
+                },
+            ),
+            ("kubernetes", with_origin(&kubernetes, &origin("kubernetes"))),
             (
                 "socket",
-                or_default(s.socket.as_ref().map(|p| p.display().to_string()), query::DEFAULT_SOCKET.to_owned()),
+                shown("socket", s.socket.as_ref().map(|p| p.display().to_string()), query::DEFAULT_SOCKET.to_owned()),
             ),
             (
                 "bpf_dir",
                 if s.ephemeral {
-                    "none (ephemeral: nothing outlives the agent)".to_owned()
+                    with_origin("none (ephemeral: nothing outlives the agent)", &origin("ephemeral"))
                 } else {
-                    or_default(s.bpf_dir.as_ref().map(|p| p.display().to_string()), state::DEFAULT_BPF_DIR.to_owned())
+                    shown(
+                        "bpf_dir",
+                        s.bpf_dir.as_ref().map(|p| p.display().to_string()),
+                        state::DEFAULT_BPF_DIR.to_owned(),
+                    )
                 },
             ),
-            ("on_exit", or_default(s.on_exit.map(choice_name), choice_name(OnExit::default()))),
-            ("trust_fuse", s.trust_fuse.to_string()),
+            ("on_exit", shown("on_exit", s.on_exit.map(choice_name), choice_name(OnExit::default()))),
+            ("trust_fuse", with_origin(&s.trust_fuse.to_string(), &origin("trust_fuse"))),
         ];
         let mut out = match path {
             Some(path) => format!("config file {}: ok\n", path.display()),
@@ -881,7 +1019,7 @@ addr = "0.0.0.0:9464"
         let err = error("[otlp]\nprotocol = \"http/json\"\n");
         assert!(err.contains("line 2") && err.contains("\"grpc\", \"http\""), "{err}");
         let err = error("[metrics]\naddr = \"everywhere\"\n");
-        assert!(err.contains("line 2") && err.contains("is not PORT or ADDRESS:PORT"), "{err}");
+        assert!(err.contains("line 2") && err.contains("is not PORT, :PORT or ADDRESS:PORT"), "{err}");
         let err = error("profile = \"demo\"\ntimeout = \"1ms\"\ntick = \"10ms\"\n");
         assert!(err.contains("line 2") && err.contains("shorter than tick 10ms"), "{err}");
         let err = error("timeout = \"1ms\"\n");
@@ -920,6 +1058,8 @@ addr = "0.0.0.0:9464"
     fn the_metrics_port_alone_is_localhost() {
         let settings = parse("[metrics]\naddr = 9464\n").expect("valid");
         assert_eq!(settings.metrics_addr, Some("127.0.0.1:9464".parse().expect("addr")));
+        let settings = parse("[metrics]\naddr = \":9464\"\n").expect("valid");
+        assert_eq!(settings.metrics_addr, Some("0.0.0.0:9464".parse().expect("addr")), "`:PORT` is every interface");
     }
 
     #[test]
@@ -941,14 +1081,34 @@ addr = "0.0.0.0:9464"
         std::fs::create_dir_all(&dir).expect("temp dir");
         let path = dir.join("config.toml");
         std::fs::write(&path, "profile = \"demo\"\ntimeout = \"2s\"\n").expect("write");
-        let out = ConfigFile::check(Some(&path), RunSettings::default()).expect("valid");
+        let out = ConfigFile::check(Some(&path), RunSettings::default(), &Origins::default()).expect("valid");
         assert!(out.contains(": ok"), "{out}");
         assert!(out.contains("watch        not set: pass --pid or a selector at run time"), "{out}");
         assert!(out.contains("built-in profile `demo`"), "{out}");
-        assert!(out.contains("timeout      2s\n"), "{out}");
+        assert!(out.contains("timeout      2s (from the config file)\n"), "{out}");
         assert!(out.contains("tick         10ms (default)"), "{out}");
+        // Each value names its source: a flag over the file, the file over the default.
+        std::fs::write(&path, "profile = \"demo\"\ntimeout = \"2s\"\n[otlp]\nendpoint = \"http://file:4318\"\n")
+            .expect("write");
+        let matches = RunSettings::augment_args(clap::Command::new("check"))
+            .try_get_matches_from(["check", "--timeout", "5s", "--metrics-addr", ":9464"])
+            .expect("flags parse");
+        let flags = <RunSettings as clap::FromArgMatches>::from_arg_matches(&matches).expect("settings");
+        let out = ConfigFile::check(Some(&path), flags, &Origins::of(&matches)).expect("valid");
+        assert!(out.contains("timeout      5s (from --timeout)\n"), "{out}");
+        assert!(out.contains("metrics      http://0.0.0.0:9464/metrics (from --metrics-addr)\n"), "{out}");
+        assert!(out.contains("http://file:4318/v1/traces (http/protobuf, from the config file)"), "{out}");
+        assert!(out.contains("profile      demo (built-in profile `demo`, 5 probes, from the config file)"), "{out}");
+        // `run` names the same source in its log and errors.
+        let run = resolve(Some(&path), RunSettings { pid: Some(1), ..RunSettings::default() }, &Origins::of(&matches))
+            .expect("complete");
+        let target = run.telemetry.otlp.resolve_with(|_| None).expect("valid").expect("set");
+        assert_eq!(target.source, "[otlp] endpoint in the config file");
         std::fs::write(&path, "profile = \"missing.toml\"\n").expect("write");
-        let err = format!("{:#}", ConfigFile::check(Some(&path), RunSettings::default()).expect_err("no such profile"));
+        let err = format!(
+            "{:#}",
+            ConfigFile::check(Some(&path), RunSettings::default(), &Origins::default()).expect_err("no such profile")
+        );
         assert!(err.contains("config file") && err.contains("missing.toml"), "{err}");
         let _ = std::fs::remove_dir_all(&dir);
     }

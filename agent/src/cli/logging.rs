@@ -55,10 +55,27 @@ pub fn parse_filter(text: &str) -> Result<String, String> {
         .map_err(|err| format!("{text:?} is not a log filter ({err}): write e.g. `info` or `info,stallwatch=debug`"))
 }
 
+/// Dependencies whose log lines repeat what the agent says itself, once
+/// and then with a count: rustls-platform-verifier logs an ERROR for every
+/// handshake with a collector whose certificate is not trusted (several a
+/// second while spans wait), which the OTLP exporter's own warning names
+/// with its cause and fix. Off unless the filter names them.
+const REPEATERS: [&str; 1] = ["rustls_platform_verifier"];
+
+/// `filter` with [`REPEATERS`] it does not name turned off.
+fn quieted(filter: &str) -> String {
+    REPEATERS.iter().filter(|target| !filter.contains(*target)).fold(filter.to_owned(), |filter, target| {
+        match filter.as_str() {
+            "" => format!("{target}=off"),
+            _ => format!("{filter},{target}=off"),
+        }
+    })
+}
+
 /// Install the global subscriber. `filter` was checked by [`parse_filter`].
 pub fn init(filter: &str, format: LogFormat) {
     // Checked at parse time; the default is a level.
-    let filter = EnvFilter::builder().with_regex(false).parse_lossy(filter);
+    let filter = EnvFilter::builder().with_regex(false).parse_lossy(quieted(filter));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -102,5 +119,13 @@ mod tests {
         assert!(err.contains("`verbose` is not a log level"), "{err}");
         let err = parse_filter("stallwatch=loud").expect_err("a bad level");
         assert!(err.contains("is not a log filter"), "{err}");
+    }
+
+    #[test]
+    fn repeating_dependencies_are_off_unless_named() {
+        assert_eq!(quieted("info"), "info,rustls_platform_verifier=off");
+        assert_eq!(quieted(""), "rustls_platform_verifier=off");
+        assert_eq!(quieted("info,rustls_platform_verifier=debug"), "info,rustls_platform_verifier=debug");
+        assert!(parse_filter(&quieted("warn,stallwatch=debug")).is_ok());
     }
 }

@@ -13,7 +13,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use clap::{CommandFactory as _, Parser as _};
+use clap::{CommandFactory as _, FromArgMatches as _};
 
 use self::{
     config::ConfigFile,
@@ -29,9 +29,12 @@ use crate::{
 /// `stallwatch`'s `main`: parse the command line, set up logging, run the
 /// command; an error is one line on stderr and a failing exit code.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // The matches too, not only the parsed flags: they say which values
+    // came from the command line and which from a variable.
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|err| err.format(&mut Cli::command()).exit());
     logging::init(&cli.log, cli.log_format);
-    match dispatch(cli) {
+    match dispatch(cli, &matches) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             // Never `eprintln!`: it panics when stderr is gone.
@@ -41,7 +44,7 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn dispatch(cli: Cli) -> Result<()> {
+fn dispatch(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
     match cli.command {
         Command::Run { config, flags } => {
             let config::RunConfig {
@@ -56,7 +59,7 @@ fn dispatch(cli: Cli) -> Result<()> {
                 bpf_dir,
                 on_exit,
                 trust,
-            } = config::resolve(config.as_deref(), flags)?;
+            } = config::resolve(config.as_deref(), flags, &origins(matches, "run"))?;
             let profile = Profile::load(&profile)?;
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -93,7 +96,8 @@ fn dispatch(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Config { command: ConfigCommand::Check { path, flags } } => {
-            let text = ConfigFile::check(path.as_deref(), flags)?;
+            let origins = matches.subcommand_matches("config").map_or_else(Default::default, |m| origins(m, "check"));
+            let text = ConfigFile::check(path.as_deref(), flags, &origins)?;
             print(|out| out.write_all(text.as_bytes()))
         }
         Command::Completions { shell } => {
@@ -151,6 +155,12 @@ fn dispatch(cli: Cli) -> Result<()> {
             }
         },
     }
+}
+
+/// Which run settings subcommand `name` of `matches` took from the command
+/// line and which from their variables.
+fn origins(matches: &clap::ArgMatches, name: &str) -> config::Origins {
+    matches.subcommand_matches(name).map(config::Origins::of).unwrap_or_default()
 }
 
 /// Write to stdout, flushed. A reader that goes away (`| head -1`) ends

@@ -18,6 +18,20 @@ use crate::util::clock::Clock;
 use crate::util::text;
 use crate::{kernel::ProbeHits, profile::ActivityKind};
 
+/// The `version` of every JSON line (alerts and the summary): a log
+/// pipeline parsing them pins it. Fields may be added within a version;
+/// one changing meaning or going away bumps it (docs/schema.md).
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// A JSON line with its [`SCHEMA_VERSION`] (added after `json!`, whose
+/// summary object is at the macro's recursion limit).
+fn versioned(mut line: Value) -> Value {
+    if let Some(object) = line.as_object_mut() {
+        object.insert("version".to_owned(), json!(SCHEMA_VERSION));
+    }
+    line
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
     Human,
@@ -215,7 +229,7 @@ impl<W: Write> AlertWriter<W> {
                     )
                 })
                 .collect::<String>(),
-            Format::Json => json!({
+            Format::Json => versioned(json!({
                 "alert": "summary",
                 "seen": stats.seen,
                 "restored": stats.restored,
@@ -252,7 +266,7 @@ impl<W: Write> AlertWriter<W> {
                 "caught_up": stats.caught_up,
                 "status_reads": status.map(status_json),
                 "probes": probes.iter().map(probe_json).collect::<Vec<_>>(),
-            })
+            }))
             .to_string(),
         };
         self.write_line(&line).map(|()| line)
@@ -333,7 +347,7 @@ impl<W: Write> AlertWriter<W> {
                 object.insert("workload".to_owned(), json!(*workload));
             }
         }
-        value
+        versioned(value)
     }
 
     fn process_name(&self, pid: u32) -> &str {
@@ -502,6 +516,7 @@ mod tests {
             .expect("write");
         let json: Value = serde_json::from_slice(&out).expect("JSON");
         assert_eq!((&json["handle"], &json["behind"]), (&json!("0x7f00"), &json!("17")), "{json}");
+        assert_eq!(json["version"], json!(SCHEMA_VERSION), "every JSON line says its schema version: {json}");
         let mut out = Vec::new();
         AlertWriter::new(&mut out, Format::Human, Clock::new())
             .report(&release_lost(StageSet::EMPTY), None, &fields)

@@ -20,10 +20,14 @@
 //! bounded enums of the engine (class, outcome, stage), never a request or
 //! a process: the series count is fixed (see the metrics table in docs/telemetry.md).
 //!
-//! `/healthz` answers through the event loop (a wedged loop fails it, which
-//! is what a liveness probe should see); `/readyz` answers from a flag the
-//! loop sets once the probes are attached and a previous agent's pinned
-//! state is taken over, so a rolling update waits for the hand-over.
+//! `/healthz` answers through the event loop once it runs (a wedged loop
+//! fails it, which is what a liveness probe should see); `/readyz` answers
+//! from a flag the loop sets once the probes are attached and a previous
+//! agent's pinned state is taken over, so a rolling update waits for the
+//! hand-over. Until then both answer `503` at once: the HTTP side runs on
+//! a thread of its own, because attaching is synchronous work on the
+//! agent's single-threaded runtime and would hold every request for its
+//! length (seconds on a process with many libraries).
 use std::{
     fmt,
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -579,18 +583,25 @@ pub fn render(snapshot: Snapshot, format: Format) -> String {
     out
 }
 
-/// `--metrics-addr`: `PORT` (on 127.0.0.1) or `ADDRESS:PORT`.
+/// `--metrics-addr`: `PORT` (on 127.0.0.1), `:PORT` (every IPv4
+/// interface, as Prometheus's own exporters read `--web.listen-address
+/// :9100`) or `ADDRESS:PORT` (`[::]:PORT` for IPv6 too).
 pub fn parse_addr(text: &str) -> Result<SocketAddr, String> {
     let text = text.trim();
     let localhost = IpAddr::V4(Ipv4Addr::LOCALHOST);
-    if let Ok(port) = text.trim_start_matches(':').parse::<u16>() {
+    if let Ok(port) = text.parse::<u16>() {
         return Ok(SocketAddr::new(localhost, port));
+    }
+    if let Some(port) = text.strip_prefix(':').and_then(|port| port.parse::<u16>().ok()) {
+        return Ok(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port));
     }
     if let Some(port) = text.strip_prefix("localhost:").and_then(|port| port.parse::<u16>().ok()) {
         return Ok(SocketAddr::new(localhost, port));
     }
     text.parse::<SocketAddr>().map_err(|_| {
-        format!("{text:?} is not PORT or ADDRESS:PORT (e.g. `9464` for 127.0.0.1:9464, or `0.0.0.0:9464` for every interface)")
+        format!(
+            "{text:?} is not PORT, :PORT or ADDRESS:PORT (e.g. `9464` for 127.0.0.1:9464, `:9464` for every interface)"
+        )
     })
 }
 
@@ -646,15 +657,29 @@ pub struct MetricsServer {
 }
 
 impl MetricsServer {
-    /// Listen on `addr` and serve from a task on the current runtime.
+    /// Listen on `addr` and serve from a thread of its own (a runtime of
+    /// its own: see the module's doc), which ends when this is dropped.
     pub async fn bind(addr: SocketAddr) -> Result<Self> {
-        let listener = listen(addr).with_context(|| {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting the metrics endpoint's runtime")?;
+        // Registered with that runtime's reactor, which serves it.
+        let listener = {
+            let _serving = runtime.enter();
+            listen(addr)
+        }
+        .with_context(|| {
             format!("binding the metrics endpoint to {addr} (--metrics-addr): is the port in use, or the address not on this host?")
         })?;
         let addr = listener.local_addr().context("reading the metrics endpoint's address")?;
         let (tx, scrapes) = mpsc::channel(MAX_CONNECTIONS);
         let ready = Arc::new(AtomicBool::new(false));
-        tokio::spawn(accept(listener, tx, Arc::clone(&ready)));
+        let serving = Arc::clone(&ready);
+        std::thread::Builder::new()
+            .name("metrics-http".to_owned())
+            .spawn(move || runtime.block_on(accept(listener, tx, serving)))
+            .context("starting the metrics endpoint's thread")?;
         Ok(Self { addr, scrapes, ready })
     }
 
@@ -687,10 +712,15 @@ fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(BACKLOG)
 }
 
+/// Accept connections until the [`MetricsServer`] is dropped.
 async fn accept(listener: TcpListener, scrapes: mpsc::Sender<Scrape>, ready: Arc<AtomicBool>) {
     let connections = Connections::new(MAX_CONNECTIONS);
     loop {
-        let (stream, peer) = match listener.accept().await {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = scrapes.closed() => return,
+        };
+        let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
             Err(err) => {
                 debug!("metrics endpoint: accept failed: {err}");
@@ -783,6 +813,9 @@ impl Response {
     }
 }
 
+/// `/healthz` and `/readyz` before the loop runs.
+const NOT_READY: &str = "not ready: attaching the probes and taking over the previous agent's pinned state\n";
+
 /// The answer to a request head.
 async fn answer(head: &str, scrapes: &mpsc::Sender<Scrape>, ready: &AtomicBool) -> Result<Response> {
     let mut lines = head.split("\r\n");
@@ -804,6 +837,8 @@ async fn answer(head: &str, scrapes: &mpsc::Sender<Scrape>, ready: &AtomicBool) 
             let body = answer.await.context("the agent is shutting down")?;
             Response { status: "200 OK", content_type: format.content_type(), body, head_only: false }
         }
+        // Not asked of the loop before it runs: it is attaching.
+        Some("/healthz") if !ready.load(Ordering::Acquire) => Response::text("503 Service Unavailable", NOT_READY),
         Some("/healthz") => {
             let (reply, answer) = oneshot::channel();
             let asked = async {
@@ -820,10 +855,7 @@ async fn answer(head: &str, scrapes: &mpsc::Sender<Scrape>, ready: &AtomicBool) 
             }
         }
         Some("/readyz") if ready.load(Ordering::Acquire) => Response::text("200 OK", "ready\n"),
-        Some("/readyz") => Response::text(
-            "503 Service Unavailable",
-            "not ready: attaching the probes and taking over the previous agent's pinned state\n",
-        ),
+        Some("/readyz") => Response::text("503 Service Unavailable", NOT_READY),
         Some("/") => Response::text("200 OK", "stallwatch: /metrics, /healthz, /readyz\n"),
         _ => Response::text("404 Not Found", "not found: try /metrics, /healthz or /readyz\n"),
     };
@@ -907,9 +939,9 @@ mod tests {
     }
 
     #[test]
-    fn addresses_default_to_loopback() {
+    fn a_port_alone_is_loopback_and_colon_port_every_interface() {
         assert_eq!(parse_addr("9464"), Ok("127.0.0.1:9464".parse().expect("addr")));
-        assert_eq!(parse_addr(":9464"), Ok("127.0.0.1:9464".parse().expect("addr")));
+        assert_eq!(parse_addr(":9464"), Ok("0.0.0.0:9464".parse().expect("addr")));
         assert_eq!(parse_addr("localhost:1"), Ok("127.0.0.1:1".parse().expect("addr")));
         assert_eq!(parse_addr("0.0.0.0:9464"), Ok("0.0.0.0:9464".parse().expect("addr")));
         assert_eq!(parse_addr("[::]:9464"), Ok("[::]:9464".parse().expect("addr")));
@@ -924,12 +956,33 @@ mod tests {
         response
     }
 
+    /// Attaching is synchronous work on the agent's runtime: the endpoint
+    /// answers meanwhile. Here the test's runtime, single-threaded as the
+    /// agent's, is blocked in a plain socket read, and the answer comes.
+    #[tokio::test]
+    async fn health_answers_at_once_while_the_agents_runtime_is_blocked() {
+        let server = MetricsServer::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
+        let mut stream = std::net::TcpStream::connect(server.local_addr()).expect("connect");
+        // A guard against a hang, not a measure: the answer is immediate.
+        stream.set_read_timeout(Some(Duration::from_secs(30))).expect("read timeout");
+        std::io::Write::write_all(&mut stream, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").expect("write");
+        let mut response = String::new();
+        std::io::Read::read_to_string(&mut stream, &mut response).expect("an answer while the runtime is blocked");
+        assert!(response.starts_with("HTTP/1.1 503 Service Unavailable\r\n"), "{response}");
+    }
+
     #[tokio::test]
     async fn ready_only_once_told_and_live_while_the_loop_answers() {
         let mut server = MetricsServer::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
         let addr = server.local_addr();
-        let before = get(addr, "/readyz").await;
-        assert!(before.starts_with("HTTP/1.1 503 Service Unavailable\r\n") && before.contains("not ready"), "{before}");
+        // Before the loop runs (it is attaching): both at once, 503.
+        for path in ["/readyz", "/healthz"] {
+            let before = get(addr, path).await;
+            assert!(
+                before.starts_with("HTTP/1.1 503 Service Unavailable\r\n") && before.contains("not ready"),
+                "{path}: {before}"
+            );
+        }
         server.set_ready();
         assert!(get(addr, "/readyz").await.ends_with("\r\n\r\nready\n"));
         // /healthz is answered by the loop (here, this test).

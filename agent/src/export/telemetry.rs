@@ -82,7 +82,8 @@ impl Telemetry {
 
     /// Name a watched process (spans carry `process.executable.name`), and
     /// look its workload up in the background: the cgroup at once, the
-    /// pod from the API when `--kubernetes` names one.
+    /// pod from the node's watched pods when `--kubernetes` names an API
+    /// (again as they change, while its pod is not known yet).
     pub fn name_process(&self, pid: u32) {
         if let Some(otlp) = &self.otlp {
             otlp.name_process(pid, &executable_name(pid));

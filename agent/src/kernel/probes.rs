@@ -151,6 +151,10 @@ pub struct Probes {
     /// [`SlotConfig::quiet_ns`] of `quiet` probes; 0 (the default) sends
     /// every event.
     quiet_ns: u64,
+    /// Whether skipped optional probes were said (at info level): once an
+    /// agent, since every process a profile watches on a node skips the
+    /// same ones (a transport the node lacks); each process's at debug.
+    skips_said: bool,
 }
 
 impl Probes {
@@ -199,6 +203,7 @@ impl Probes {
             slots: Vec::new(),
             free: Vec::new(),
             quiet_ns: 0,
+            skips_said: false,
             links: HashMap::new(),
             gated: HashMap::new(),
             openings: Openings::default(),
@@ -434,13 +439,20 @@ impl Probes {
             let attached = self.attach_slot(plan, &target, spec.slot_config(), Role::Signal(Arc::new(spec.clone())));
             skip_if_optional(attached, spec.optional, pid, &spec.symbol, &mut skipped)?;
         }
-        if !skipped.is_empty() {
-            // One line a process, not one a probe with every library the
-            // process maps (the reasons, whole, are at debug level).
+        if skipped.is_empty() {
+            return Ok(());
+        }
+        // One short line an agent, not one a probe or a process with every
+        // library it maps (each probe's reason is at debug level).
+        let skipped = skipped.join(", ");
+        if std::mem::replace(&mut self.skips_said, true) {
+            debug!(pid, %skipped, "optional probes skipped");
+        } else {
             info!(
                 pid,
-                skipped = %skipped.join(", "),
-                "optional probes skipped: their library or function is not in the process (a transport it does not use)"
+                %skipped,
+                "optional probes skipped: their library or function is not in the process (a transport it does not \
+                 use); said once, other processes' at debug level"
             );
         }
         Ok(())

@@ -206,20 +206,35 @@ impl ProcessImage {
         Ok(MappedObject { path: mapping.path.clone(), host_path: link.path(), filesystem })
     }
 
+    /// Says which libraries the process maps, the first
+    /// [`LISTED_LIBRARIES`] of them: a Python server maps hundreds, and
+    /// the error is one log line.
     fn not_mapped(&self, name: &str) -> anyhow::Error {
         let mut libs: Vec<_> =
             self.mapped.iter().filter_map(|m| m.path.file_name()?.to_str()).filter(|n| n.contains(".so")).collect();
         libs.sort_unstable();
         libs.dedup();
+        let listed = match libs.len() {
+            0 => "none".to_owned(),
+            n if n <= LISTED_LIBRARIES => libs.join(", "),
+            n => format!(
+                "{} and {} more (all in /proc/{}/maps)",
+                libs[..LISTED_LIBRARIES].join(", "),
+                n - LISTED_LIBRARIES,
+                self.pid
+            ),
+        };
         anyhow!(
             "pid {} ({}) has no file `{name}` mapped: it is not loaded (yet), or the name differs; \
-             mapped libraries: {}",
+             mapped libraries: {listed}",
             self.pid,
             self.exe.display(),
-            if libs.is_empty() { "none".to_owned() } else { libs.join(", ") }
         )
     }
 }
+
+/// How many mapped libraries a missing object's error names.
+const LISTED_LIBRARIES: usize = 16;
 
 /// Whether the mapped file `path` is the one `name` (no leading `/`)
 /// names: its basename by [`basename_matches`], its directories by the
@@ -1085,6 +1100,12 @@ bad line without a separator
         let err = image.find(Some("libucx.so")).unwrap_err().to_string();
         assert!(err.contains("has no file `libucx.so` mapped"), "{err}");
         assert!(err.contains("libnixl.so.0"), "{err}");
+        // A Python server maps hundreds: the error names a few, and where the rest are.
+        let many =
+            ProcessImage { mapped: (0..300).map(|n| mapping(&format!("/v/lib{n:03}.so"))).collect(), ..image.clone() };
+        let err = many.find(Some("libucx.so")).unwrap_err().to_string();
+        assert!(err.contains("lib015.so and 284 more (all in /proc/1/maps)"), "{err}");
+        assert!(!err.contains("lib016.so"), "{err}");
     }
 
     #[test]

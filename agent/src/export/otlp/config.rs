@@ -91,6 +91,9 @@ pub struct OtlpOptions {
     pub endpoint: Option<String>,
     /// `--otlp-protocol`.
     pub protocol: Option<Protocol>,
+    /// Where `endpoint` was given, as messages name it (its variable, the
+    /// config file); `None`: `--otlp-endpoint`.
+    pub endpoint_from: Option<&'static str>,
 }
 
 /// The collector spans are sent to, fully resolved.
@@ -179,7 +182,7 @@ impl OtlpOptions {
             },
         };
         let (raw, source, append_path) = if let Some(endpoint) = &self.endpoint {
-            (endpoint.clone(), "--otlp-endpoint", AppendPath::IfNone)
+            (endpoint.clone(), self.endpoint_from.unwrap_or("--otlp-endpoint"), AppendPath::IfNone)
         } else if let Some(endpoint) = env(TRACES_ENDPOINT) {
             (endpoint, TRACES_ENDPOINT, AppendPath::Never)
         } else if let Some(endpoint) = env(ENDPOINT) {
@@ -324,7 +327,8 @@ mod tests {
 
     fn resolve(flag: Option<&str>, protocol: Option<Protocol>, env: &[(&str, &str)]) -> Result<Option<OtlpTarget>> {
         let env: HashMap<String, String> = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
-        OtlpOptions { endpoint: flag.map(str::to_owned), protocol }.resolve_with(|name| env.get(name).cloned())
+        OtlpOptions { endpoint: flag.map(str::to_owned), protocol, endpoint_from: None }
+            .resolve_with(|name| env.get(name).cloned())
     }
 
     fn endpoint(

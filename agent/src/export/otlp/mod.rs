@@ -47,8 +47,16 @@ use tracing::{debug, info, warn};
 
 pub use self::config::{OtlpOptions, OtlpTarget, Protocol};
 use self::{connection::Connection, resources::Resources, sampling::SpanSampler, spans::SpanMaker};
-use crate::util::clock::Clock;
+use crate::util::{
+    clock::Clock,
+    warned::{Repeated, Say},
+};
 use crate::{evidence::transport::Evidence, export::workload::Directory, lifecycle::Report};
+
+/// How often a failing export is said again (with the count of batches
+/// that failed since): an untrusted collector certificate fails every
+/// export, several a second.
+const FAILURE_REMINDER: Duration = Duration::from_secs(60);
 
 /// Reports the queue holds; beyond it they are dropped (and counted).
 pub const QUEUE_CAPACITY: usize = 16_384;
@@ -207,7 +215,7 @@ impl OtlpExporter {
                         settings,
                         shutdown: shutdown_rx,
                         target: thread_target,
-                        failing: false,
+                        failing: Repeated::new(FAILURE_REMINDER),
                         in_flight: JoinSet::new(),
                         in_flight_spans: 0,
                     };
@@ -284,8 +292,9 @@ struct Pump {
     settings: ExportSettings,
     shutdown: watch::Receiver<Option<Instant>>,
     target: OtlpTarget,
-    /// The last export failed (so the next success is logged).
-    failing: bool,
+    /// Export failures: the first said, then one line a
+    /// [`FAILURE_REMINDER`] with their count, and the next success.
+    failing: Repeated,
     /// The exports under way: each says how many spans it carries and how
     /// it went.
     in_flight: JoinSet<(u64, Result<(), String>)>,
@@ -424,24 +433,29 @@ impl Pump {
         match result {
             Ok(()) => {
                 self.counters.exported.fetch_add(n, Ordering::Relaxed);
-                if std::mem::take(&mut self.failing) {
+                if self.failing.ended() {
                     info!(endpoint = %self.target.endpoint, "OTLP export works again");
                 }
             }
             Err(err) => {
                 self.counters.export_failed.fetch_add(n, Ordering::Relaxed);
                 self.counters.failed_batches.fetch_add(1, Ordering::Relaxed);
-                if !std::mem::replace(&mut self.failing, true) {
-                    let hint =
-                        if self.target.is_tls() { format!("; {}", connection::UNTRUSTED_HINT) } else { String::new() };
-                    warn!(
+                let hint =
+                    if self.target.is_tls() { format!("; {}", connection::UNTRUSTED_HINT) } else { String::new() };
+                match self.failing.failed(Instant::now().into_std()) {
+                    Say::Started => warn!(
                         endpoint = %self.target.endpoint,
                         protocol = %self.target.protocol,
                         spans = n,
                         "OTLP export failed after retries: {err}{hint}; spans are dropped (and counted) until the collector answers"
-                    );
-                } else {
-                    debug!(spans = n, "OTLP export failed again: {err}");
+                    ),
+                    Say::Again(batches) => warn!(
+                        endpoint = %self.target.endpoint,
+                        batches,
+                        "OTLP export still failing: {batches} more batches failed in the last {}s: {err}{hint}",
+                        FAILURE_REMINDER.as_secs()
+                    ),
+                    Say::Quiet => debug!(spans = n, "OTLP export failed again: {err}"),
                 }
             }
         }

@@ -12,6 +12,15 @@
 //! `OTEL_RESOURCE_ATTRIBUTES`) is the base of each; the agent's own pod
 //! (`K8S_POD_NAME` ...) is left out of them, since it is not the pod the
 //! spans are about.
+//!
+//! A process whose pod is known is its own service: `service.name`,
+//! `service.namespace` and `service.instance.id` as OpenTelemetry's
+//! Kubernetes conventions derive them from the pod (the workload's
+//! attributes), in place of the agent's. The agent that saw it is
+//! `telemetry.sdk.name`/`telemetry.sdk.version`, as OBI names itself on
+//! what it instruments; on a process with no pod known, `service.name`
+//! stays the agent's and `service.instance.id` is the agent's own pod
+//! (`namespace.pod`), else its host.
 use std::{collections::HashMap, sync::Arc};
 
 use opentelemetry::{Key, KeyValue};
@@ -26,6 +35,9 @@ const MAX_EXPORTERS: usize = 4096;
 
 /// The agent's own pod in its resource: not carried on a watched process's.
 const AGENT_POD_KEYS: [&str; 3] = ["k8s.pod.name", "k8s.namespace.name", "k8s.pod.uid"];
+
+/// The agent, as the "SDK" that made every span.
+const SDK_NAME: &str = "stallwatch";
 
 /// A process's exporter and what its resource was made of.
 struct ForProcess {
@@ -77,8 +89,14 @@ impl Resources {
     }
 }
 
-/// `base` without the agent's pod, plus the process and its workload.
+/// `base` without the agent's pod, plus the process and its workload (its
+/// service in place of the agent's), and the agent as the SDK.
 pub fn resource(base: &Resource, pid: u32, executable: Option<&str>, workload: Option<&Workload>) -> Resource {
+    let of_base = |key: &'static str| base.get(&Key::from_static_str(key)).map(|value| value.to_string());
+    let agent = match (of_base("k8s.namespace.name"), of_base("k8s.pod.name")) {
+        (Some(namespace), Some(pod)) => Some(format!("{namespace}.{pod}")),
+        _ => of_base("host.name"),
+    };
     let mut attributes: Vec<KeyValue> = base
         .iter()
         .filter(|(key, _)| !AGENT_POD_KEYS.contains(&key.as_str()))
@@ -88,9 +106,17 @@ pub fn resource(base: &Resource, pid: u32, executable: Option<&str>, workload: O
     if let Some(executable) = executable {
         attributes.push(KeyValue::new(attr::PROCESS_EXECUTABLE_NAME, executable.to_owned()));
     }
-    for (key, value) in workload.map(Workload::attributes).unwrap_or_default() {
+    let mut put = |key: &'static str, value: String| {
         attributes.retain(|kv| kv.key != Key::from_static_str(key));
         attributes.push(KeyValue::new(key, value));
+    };
+    put("telemetry.sdk.name", SDK_NAME.to_owned());
+    put("telemetry.sdk.version", env!("CARGO_PKG_VERSION").to_owned());
+    if let (None, Some(agent)) = (workload.and_then(|w| w.service_name.as_ref()), agent) {
+        put("service.instance.id", agent);
+    }
+    for (key, value) in workload.map(Workload::attributes).unwrap_or_default() {
+        put(key, value);
     }
     let builder = Resource::builder_empty().with_attributes(attributes);
     match base.schema_url() {
@@ -135,7 +161,25 @@ mod tests {
         assert_eq!(get(&resource, "k8s.namespace.name").as_deref(), Some("llm"));
         assert_eq!(get(&resource, "k8s.container.name").as_deref(), Some("sglang"));
         assert_eq!(get(&resource, "container.id"), pod.container_id);
-        assert_eq!(resource.len(), 9, "{resource:?}");
+        // The agent is the SDK; with no service of the pod's, the agent is
+        // the service and its pod the instance.
+        assert_eq!(get(&resource, "telemetry.sdk.name").as_deref(), Some("stallwatch"));
+        assert_eq!(get(&resource, "telemetry.sdk.version").as_deref(), Some(env!("CARGO_PKG_VERSION")));
+        assert_eq!(get(&resource, "service.instance.id").as_deref(), Some("monitoring.stallwatch-x2k4q"));
+        assert_eq!(resource.len(), 12, "{resource:?}");
+
+        // The pod's own service in place of the agent's.
+        let service = Workload {
+            service_name: Some("sglang-prefill".into()),
+            service_namespace: Some("llm".into()),
+            service_instance: Some("llm.prefill-0.sglang".into()),
+            ..pod.clone()
+        };
+        let own = super::resource(&base, 4242, None, Some(&service));
+        assert_eq!(get(&own, "service.name").as_deref(), Some("sglang-prefill"));
+        assert_eq!(get(&own, "service.namespace").as_deref(), Some("llm"));
+        assert_eq!(get(&own, "service.instance.id").as_deref(), Some("llm.prefill-0.sglang"));
+        assert_eq!(get(&own, "telemetry.sdk.name").as_deref(), Some("stallwatch"));
 
         // No workload known: the agent's pod is still not the process's.
         let bare = super::resource(&base, 7, None, None);
