@@ -255,9 +255,10 @@ fn every_sglang_probe_lands_on_an_emulated_instruction_and_a_single_stepped_one_
     };
     let points = check("sglang");
     // 7 lifecycle probes (`releaseXferReq` twice: at its entry, where the
-    // transfer's status is read, and at its return), 8 signals (2 of them
-    // the pickled scheduler messages'), 8 transport probes.
-    assert_eq!(points.len(), 23, "{points:#?}");
+    // transfer's status is read, and at its return), 9 signals (2 of them
+    // the pickled scheduler messages', 1 a destination's page list read
+    // whole), 8 transport probes.
+    assert_eq!(points.len(), 24, "{points:#?}");
     for point in &points {
         assert!(point.contains("(emulated") && !point.contains("single-stepped"), "{point}");
     }

@@ -207,13 +207,19 @@ fn a_tp2_prefill_is_told_apart_process_by_process_and_both_schedulers_follow_eve
 /// The stalls within timeout + 5 s, then one timeout more for anything
 /// else, then the agent's every line.
 fn stalls_then_quiet(agent: Agent, n: usize) -> Vec<Line> {
+    stalls_then_quiet_logged(agent, n).0
+}
+
+/// [`stalls_then_quiet`], and what the agent logged.
+fn stalls_then_quiet_logged(agent: Agent, n: usize) -> (Vec<Line>, String) {
     let mut seen = Vec::new();
     agent.wait_until(&format!("{n} stalls"), TIMEOUT + Duration::from_secs(5), &mut seen, |seen| {
         alerts(seen, "stalled").count() >= n
     });
     std::thread::sleep(TIMEOUT);
-    seen.extend(agent.stop());
-    seen
+    let (lines, logged) = agent.stop_logged(libc::SIGINT);
+    seen.extend(lines);
+    (seen, logged)
 }
 
 /// `alert` came within [timeout, timeout + 1 s] of `since` (less a margin
@@ -305,6 +311,74 @@ fn a_decode_stopped_mid_transfer_hangs_its_room_and_the_rooms_behind_it_say_so()
         assert_eq!(waits, (Some("waiting_for_peer"), Some("0"), Some("peer")), "{alert}");
         timed_from(&alert, at, target.at("request", *r), Duration::from_millis(200));
     }
+}
+
+/// SGLang's default page size (a token a page) with chunked prefill: 22
+/// rooms of 3000 pages, each sent in three chunks, live at once to one TP1
+/// decode whose free list hands pages out in shuffled runs of 64 (a pool
+/// after churn); the last room's decode is stopped once the others
+/// concluded, so its first chunk hangs. A chunk past a room's first 16
+/// pages is told its room by the room's whole page list (`zmq_recv_long`):
+/// no transfer is followed as a lifecycle of its own (`seen` is the rooms,
+/// nothing said unattributed), the hung room is `transfer_hung` under its
+/// room, and nothing else is alerted.
+#[test]
+fn every_chunk_of_long_rooms_to_one_decode_is_its_rooms_and_the_hung_one_is_named() {
+    const ROOMS: u64 = 22;
+    const PAGES: u64 = 3000;
+    // The last room (`--room-start` 1000): nothing is issued after it.
+    let hung = 1000 + ROOMS - 1;
+    let (count, fault_room, per_room) = (ROOMS.to_string(), hung.to_string(), PAGES.to_string());
+    // Every room's pages at once, and the warm-up room's.
+    let pool = ((ROOMS + 1) * PAGES).to_string();
+    let extra = [
+        ["--count", &count, "--fault-room", &fault_room, "--decode-shape", "tp1", "--decodes", "1"].as_slice(),
+        &["--page-size", "1", "--pages-per-request", &per_room, "--chunks", "3", "--page-bytes", "16"],
+        &["--pages", &pool, "--decode-pages", &pool, "--decode-free-runs", "64", "--interval", "0"],
+    ]
+    .concat();
+    let (mut target, agent) = watched("hang", &extra, &[]);
+    target.until("decode_stopped", Duration::from_secs(60));
+    let holding = target.until("holding", Duration::from_secs(60));
+    let rooms = target.rooms();
+    assert_eq!(rooms.len() as u64, ROOMS, "{holding}");
+    assert_eq!((held(&holding, "completed"), &holding["rooms"][&fault_room]), (ROOMS - 1, &Value::from("inflight")));
+    assert!(rooms.iter().filter(|&&r| r != hung).all(|&r| target.chunks(r) == 3), "three chunks a room");
+    // How many rooms were live at once: received by the scheduler and not
+    // concluded, as the target printed them (in order).
+    let when = |event: &str, room: u64| {
+        let line = target.lines.iter().find(|l| l.json().is_some_and(|v| v["event"] == event && v["room"] == room));
+        line.map(|l| l.at)
+    };
+    let live_at = |at: Instant| {
+        let live =
+            |r: &&u64| when("request", **r).is_some_and(|t| t <= at) && when("completed", **r).is_none_or(|t| t > at);
+        rooms.iter().filter(live).count()
+    };
+    let most = rooms.iter().filter_map(|&r| when("request", r)).map(live_at).max();
+    assert!(most.is_some_and(|n| n >= 20), "at most {most:?} rooms live at once");
+    let (seen, logged) = stalls_then_quiet_logged(agent, 1);
+    let raised = alert_lines(&seen);
+    let [alert] = &raised[..] else { panic!("one alert, the hung room's: {raised:#?}") };
+    let named = (alert["class"].as_str(), alert["external_id"].as_str(), alert["key"].as_str());
+    assert_eq!(
+        named,
+        (Some("transfer_hung"), Some(fault_room.as_str()), Some(format!("{hung:#x}").as_str())),
+        "{alert}"
+    );
+    let transfer: u64 = alert["transfer"].as_str().and_then(|t| t.parse().ok()).unwrap_or_else(|| panic!("{alert}"));
+    assert!(target.chunk(hung, transfer - 1).is_some(), "transfer {transfer} is a chunk of room {hung}: {alert}");
+    // Every transfer its room's: no handle counted apart, none said unattributed.
+    assert_counts(&seen, rooms.len(), ROOMS - 1, 1, 0, 0);
+    assert!(!logged.contains("NIXL transfers no SGLang room could be told theirs"), "{logged}");
+    let summary = summary(&seen);
+    let scheduler = target.schedulers()[0].0;
+    eprintln!(
+        "zmq_msg_close hits {} (zmq_msg_send {}) for {ROOMS} rooms: {}",
+        hits(&summary, scheduler, "zmq_msg_close"),
+        hits(&summary, scheduler, "zmq_msg_send"),
+        summary["probes"]
+    );
 }
 
 /// A decode killed once its room is bootstrapped: the room's transfer to

@@ -68,6 +68,9 @@ pub enum Direction {
 pub struct Frame {
     pub bytes: Box<[u8]>,
     pub complete: bool,
+    /// Its length as libzmq holds it, where read (a received frame): what
+    /// tells a whole copy of a long frame read by another signal for it.
+    pub size: Option<usize>,
 }
 
 impl Frame {
@@ -148,11 +151,11 @@ fn step(thread: &mut Thread, hit: Hit<'_>, garbled: &mut u64) -> Option<(Directi
             };
             let frame = match (size, data) {
                 (Some(size), Some(data)) => {
-                    Frame { bytes: data[..size.min(data.len())].into(), complete: size <= data.len() }
+                    Frame { bytes: data[..size.min(data.len())].into(), complete: size <= data.len(), size: Some(size) }
                 }
                 (size, _) => {
                     *garbled += 1;
-                    Frame { bytes: Box::default(), complete: size == Some(0) }
+                    Frame { bytes: Box::default(), complete: size == Some(0), size }
                 }
             };
             push(&mut thread.incoming, frame, garbled);
@@ -161,12 +164,12 @@ fn step(thread: &mut Thread, hit: Hit<'_>, garbled: &mut u64) -> Option<(Directi
         Hit::Send { flags, tail } => {
             let frame = match tail {
                 Some(tail) if tail[TYPE_AT] == TYPE_VSM && usize::from(tail[VSM_SIZE_AT]) <= VSM_MAX => {
-                    Frame { bytes: tail[..usize::from(tail[VSM_SIZE_AT])].into(), complete: true }
+                    Frame { bytes: tail[..usize::from(tail[VSM_SIZE_AT])].into(), complete: true, size: None }
                 }
-                Some(_) => Frame { bytes: Box::default(), complete: false },
+                Some(_) => Frame { bytes: Box::default(), complete: false, size: None },
                 None => {
                     *garbled += 1;
-                    Frame { bytes: Box::default(), complete: false }
+                    Frame { bytes: Box::default(), complete: false, size: None }
                 }
             };
             push(&mut thread.outgoing, frame, garbled);
@@ -243,6 +246,7 @@ mod tests {
         // A long frame of 34 to 64 bytes is whole, cut to its size.
         assert_eq!(message.frames[2].whole(), Some(agent.as_slice()));
         assert_eq!((message.frames[3].bytes.len(), message.frames[3].complete), (EXT_ID_LEN, false));
+        assert_eq!(message.frames[3].size, Some(100), "a long frame's length, read where its bytes are not");
         assert_eq!(message.frames[4].whole(), Some(b"".as_slice()));
         assert!(asm.threads.is_empty(), "nothing held between messages");
         // A long message libzmq allocated (type 102) reads the same.

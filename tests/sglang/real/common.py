@@ -189,6 +189,16 @@ class HostPools:
         args.draft_kv_layers = 0
         return args
 
+    def scatter(self, run, seed=40):
+        """The free list as an allocator's after churn rather than a fresh
+        pool's: runs of `run` pages in a seeded shuffled order, so a room of
+        many pages is many runs, none predictable from its first page."""
+        import random
+
+        runs = [self.free_pages[i:i + run] for i in range(0, len(self.free_pages), run)]
+        random.Random(seed).shuffle(runs)
+        self.free_pages = [page for r in runs for page in r]
+
     def alloc(self, n):
         if len(self.free_pages) < n or not self.free_aux:
             return None, None
@@ -200,15 +210,23 @@ class HostPools:
         if aux is not None:
             self.free_aux.append(aux)
 
-    @staticmethod
-    def pattern(room, k):
-        """The byte a prefill writes into page k of room's KV (never 0)."""
-        return (room * 31 + k * 7) % 251 + 1
+    def patterns(self, room, n):
+        """The byte a prefill writes into each of pages 0..n of room's KV
+        (never 0), a page's bytes all alike."""
+        k = self.np.arange(n, dtype=self.np.int64)
+        return ((room % 251) * 31 + k * 7) % 251 + 1
+
+    def spans(self, pages):
+        """Every byte offset of these pages in a KV buffer, page by page
+        (one numpy index: a room of thousands of pages is written, zeroed
+        and checked at once)."""
+        pages = self.np.asarray(pages, dtype=self.np.int64)
+        return (pages[:, None] * self.page_bytes + self.np.arange(self.page_bytes)).ravel()
 
     def fill(self, room, pages):
-        for k, page in enumerate(pages):
-            for buf in self.kv:
-                buf[page * self.page_bytes:(page + 1) * self.page_bytes] = self.pattern(room, k)
+        at, values = self.spans(pages), self.np.repeat(self.patterns(room, len(pages)), self.page_bytes)
+        for buf in self.kv:
+            buf[at] = values
         return None
 
     def fill_aux(self, room, slot):
@@ -220,17 +238,14 @@ class HostPools:
         return any(buf[p * self.page_bytes:(p + 1) * self.page_bytes].any() for buf in self.kv for p in pages[:1])
 
     def verify(self, room, pages, aux):
-        ok = all(
-            (buf[page * self.page_bytes:(page + 1) * self.page_bytes] == self.pattern(room, k)).all()
-            for k, page in enumerate(pages)
-            for buf in self.kv
-        )
+        at, values = self.spans(pages), self.np.repeat(self.patterns(room, len(pages)), self.page_bytes)
+        ok = all((buf[at] == values).all() for buf in self.kv)
         return ok and all((buf[aux * n:(aux + 1) * n] == room % 255 + 1).all() for n, buf in zip(self.AUX_ITEM_LENS, self.aux))
 
     def zero(self, pages, aux):
-        for page in pages:
-            for buf in self.kv:
-                buf[page * self.page_bytes:(page + 1) * self.page_bytes] = 0
+        at = self.spans(pages)
+        for buf in self.kv:
+            buf[at] = 0
         if aux is not None:
             for n, buf in zip(self.AUX_ITEM_LENS, self.aux):
                 buf[aux * n:(aux + 1) * n] = 0

@@ -7,7 +7,9 @@ DecodeTransferQueue drive them:
   receiver = NixlKVReceiver(mgr, bootstrap_addr, room)       # Bootstrapping
   mgr.try_ensure_parallel_info(bootstrap_addr)              # GET /route (once)
   receiver.init(prefill_dp_rank=0)   # GET /route per rank, registration frames
-  poll() -> WaitingForInput (policy "early"), allocate pages and an aux slot,
+  poll() -> WaitingForInput (policy "early"), allocate pages (from a free
+  list: in order, or with --free-runs N in shuffled runs of N pages, as
+  SGLang's allocator hands them out after churn) and an aux slot,
   receiver.send_metadata(kv_indices, aux_index)             # TransferInfo
   poll() until Success / Failed, then verify the pages, clear().
 
@@ -73,6 +75,8 @@ def main(backend=None):
     p.add_argument("--page-bytes", type=int, default=4096)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--aux-slots", type=int, default=64)
+    p.add_argument("--free-runs", type=int, default=0,
+                   help="hand pages out in shuffled runs of N (a pool after churn); 0: in order, a fresh pool")
     p.add_argument("--max-seconds", type=float, default=300.0)
     args = p.parse_args()
     common.claim_stdout()
@@ -88,6 +92,8 @@ def main(backend=None):
 
     manager_class, receiver_class = backend.classes()
     pools = common.HostPools(np, layers=args.layers, mla=args.mla, pages=args.pages, page_bytes=args.page_bytes, aux_slots=args.aux_slots)
+    if args.free_runs:
+        pools.scatter(args.free_runs)
     kv_args = pools.kv_args(KVArgs, engine_rank=args.tp_rank, page_size=args.page_size, mla=args.mla, kv_head_num=1, total_kv_head_num=2)
     mgr = manager_class(kv_args, DisaggregationMode.DECODE, get_server_args(), args.mla)
     addr = f"127.0.0.1:{args.bootstrap_port}"

@@ -121,7 +121,10 @@ Decode shapes (--decode-shape)
          = 2, every room goes to both ranks (MLA KV is replicated: each rank
          gets the full KV and the aux).
   mixed  MLA model: --decodes TP1 instances plus one TP2 instance.
-The prefill is TP1. A decode instance's room goes to all its ranks.
+The prefill is TP1. A decode instance's room goes to all its ranks. Each
+decode rank has --decode-pages pages, handed out from a free list in order
+(a fresh pool), or with --decode-free-runs N in seeded shuffled runs of N
+pages (a pool after churn: a room of many pages is many runs).
 
 Seeded faults (--fault), on --fault-room:
   none             healthy.
@@ -388,6 +391,8 @@ def build_parser(prog="prefill.py", transfer="NIXL", faults=FAULTS):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--pages", type=int, default=512)
     p.add_argument("--decode-pages", type=int, default=512)
+    p.add_argument("--decode-free-runs", type=int, default=0,
+                   help="the decodes hand pages out in shuffled runs of N (decode.py --free-runs)")
     p.add_argument("--aux-slots", type=int, default=64)
     p.add_argument("--room-start", type=int, default=1000)
     p.add_argument("--interval", type=float, default=0.005)
@@ -571,7 +576,8 @@ class Target:
         cmd = [sys.executable, self.DECODE_SCRIPT, "--bootstrap-port", str(self.bootstrap_port),
                "--tp-size", str(tp), "--tp-rank", str(rank), *self.decode_args(), "--layers", str(a.layers),
                "--pages", str(a.decode_pages), "--page-bytes", str(a.page_bytes), "--page-size", str(a.page_size),
-               "--aux-slots", str(a.aux_slots), "--max-seconds", str(a.max_seconds + 60)]
+               "--aux-slots", str(a.aux_slots), "--free-runs", str(a.decode_free_runs),
+               "--max-seconds", str(a.max_seconds + 60)]
         if mla:
             cmd.append("--mla")
         import ctypes

@@ -39,6 +39,18 @@
 //! `transfer_hung`), and the handle raises no lifecycle of its own. A
 //! handle that cannot be attributed unambiguously stays its own lifecycle.
 //!
+//! A KV chunk (`makeXferReq`) is told by the first decode page it writes,
+//! which is its room's page at the chunk's start (SGLang writes a chunk to
+//! `dst_kv_indices[index_slice]`): the live room whose destination lists
+//! that page at that decode rank is the chunk's, however many rooms await
+//! the rank. A destination's pages are read whole (the optional
+//! `zmq_recv_long` signal, up to 4032 pages: [`LongFrames`]), else their
+//! first 16 (the first 64 bytes every frame is read with); a chunk that
+//! starts past what was read of its room (a room of more than 4032 pages)
+//! falls back to its thread's room, or to nobody while several rooms await
+//! its decode rank ([`Rooms::unattributed`]). A dummy destination
+//! ([`Bootstrap::Dummy`]) is no room of this rank.
+//!
 //! A room's handles are followed on to their release ([`leaks`]): one its
 //! worker left behind, or whose release NIXL refused, unreleased a timeout
 //! after, its room ended, is reported once as a leak of that room
@@ -50,18 +62,19 @@
 //! SGLang's [`Framework`]: which signals are SGLang's, and how a scheduler's
 //! request is paired from its two halves.
 pub mod leaks;
+mod long;
 pub mod rooms;
 
 use std::collections::HashMap;
 
 use tracing::{debug, info, warn};
 
-use self::leaks::Leaks;
 pub use self::rooms::{Bootstrap, Rid, Rooms, output_rids, parse, pickled_record, room_of, scheduler};
+use self::{leaks::Leaks, long::LongFrames};
 use super::{
     AdoptedHandle, Framework, HandOver,
     signals::{Captured, Signal},
-    zmq::{Assembler, Hit, Message},
+    zmq::{Assembler, Direction, Hit, Message},
 };
 use crate::{
     lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, Stage, StageRead},
@@ -91,6 +104,8 @@ pub const NIXL: Dialect = Dialect { prefix: "", parse, leaks: true };
 pub struct Sglang {
     dialect: Dialect,
     zmq: Assembler,
+    /// Long frames read whole, for the messages they are part of.
+    long: LongFrames,
     rooms: Rooms,
     /// SGLang messages (by their tag) that did not read as SGLang writes
     /// them, and why the latest did not.
@@ -101,8 +116,8 @@ pub struct Sglang {
     /// (pid, tid) -> the half of a scheduler's request receive seen first:
     /// its room (`sglang_request_room`) and its rid (the frame, through
     /// the ZMQ signals) come from the same hit (the frame's
-    /// `zmq_msg_close`), as two signals in either order
-    /// ([`Sglang::request`]).
+    /// `zmq_msg_close`), as two signals in either order, each with the
+    /// same bytes of the frame ([`frame_id`]) ([`Sglang::request`]).
     requests: HashMap<(u32, u32), RequestHalf>,
     /// The rooms' handles until their release, and the leaks among them:
     /// from the agent's timeout on ([`Framework::timeout`]), for a
@@ -110,10 +125,28 @@ pub struct Sglang {
     leaks: Option<Leaks>,
 }
 
-/// One half of a request the scheduler received.
+/// One half of a request the scheduler received, with the bytes of the
+/// frame it was read from that tell it from another request's
+/// ([`frame_id`]).
 enum RequestHalf {
-    Room(u64),
-    Rid(Rid),
+    Room { room: u64, frame: u64 },
+    Rid { rid: Rid, frame: u64 },
+}
+
+/// Where in a received request frame the bytes that tell it from the next
+/// are: eight bytes of its `rid` (SGLang's rids are 32 random hex digits),
+/// past a msgpack `TokenizedGenerateReqInput`'s array16 header (3 bytes),
+/// its tag (1 + 25) and the rid's str8 header (2). The kernel reads them
+/// as `sglang_request_room`'s `extra` (profile `sglang`), the agent from the
+/// frame `zmq_recv` captured: the room and the rid of one receive pair up,
+/// and a half whose other was not read (a room past the kernel's msgpack
+/// walk: a prompt of more than about 480 tokens) never pairs with the next
+/// request's half, whose rid's output would then end the wrong room.
+const FRAME_ID_AT: usize = 31;
+
+/// The bytes at [`FRAME_ID_AT`] of a received frame, if it is that long.
+fn frame_id(frame: &[u8]) -> Option<u64> {
+    Some(u64::from_le_bytes(frame.get(FRAME_ID_AT..FRAME_ID_AT + 8)?.try_into().ok()?))
 }
 
 impl Default for Sglang {
@@ -128,6 +161,7 @@ impl Sglang {
         Self {
             dialect,
             zmq: Assembler::default(),
+            long: LongFrames::default(),
             rooms: Rooms::default(),
             unparsed: 0,
             last_unparsed: None,
@@ -147,18 +181,21 @@ impl Sglang {
     }
 
     /// One half of a request received on thread `tid`: with the other
-    /// half already seen on that thread, the room starts; else this one
-    /// waits for it (replacing a half whose other never came).
+    /// half of the same frame already seen on that thread, the room starts;
+    /// else this one waits for it (replacing a half whose other never came).
     fn request(&mut self, pid: u32, tid: u32, ts_ns: u64, half: RequestHalf) -> Option<Observation> {
         let (room, rid) = match (self.requests.remove(&(pid, tid)), half) {
-            (Some(RequestHalf::Rid(rid)), RequestHalf::Room(room))
-            | (Some(RequestHalf::Room(room)), RequestHalf::Rid(rid)) => (room, rid),
+            (Some(RequestHalf::Rid { rid, frame: a }), RequestHalf::Room { room, frame: b })
+            | (Some(RequestHalf::Room { room, frame: b }), RequestHalf::Rid { rid, frame: a })
+                if a == b =>
+            {
+                (room, rid)
+            }
             (before, half) => {
                 if before.is_some() {
-                    // Two halves of one kind in a row: the other of the first
-                    // never came (its capture failed). Said in the debug log: a
-                    // half missing at the wrong moment pairs a rid with the next
-                    // request's room, and that rid's output would end that room.
+                    // The other half of the one before never came (its room
+                    // was not read): it is dropped, never paired with this
+                    // request's ([`FRAME_ID_AT`]).
                     debug!(pid, tid, "a scheduler request's room or rid came without its other half");
                 }
                 self.requests.insert((pid, tid), half);
@@ -193,6 +230,13 @@ impl Framework for Sglang {
                 },
             },
             "zmq_send" => Hit::Send { flags: signal.value, tail: raw },
+            // A long frame with more to come, read whole: kept for its message.
+            "zmq_recv_long" => {
+                if let Captured::Chunk(chunk) = &signal.capture {
+                    self.long.chunk(signal.pid, signal.tid, spec.line as u32, chunk);
+                }
+                return Some(None);
+            }
             // The remote agent named at createXferReq's entry, or read from
             // the remote dlist handle at makeXferReq's: the same news.
             "nixl_remote_agent" | "nixl_dlist_remote_agent" => {
@@ -211,7 +255,10 @@ impl Framework for Sglang {
                     _ => None,
                 };
                 return Some(match room {
-                    Some(room) => self.request(signal.pid, signal.tid, signal.ts_ns, RequestHalf::Room(room)),
+                    Some(room) => {
+                        let half = RequestHalf::Room { room, frame: signal.ret as u64 };
+                        self.request(signal.pid, signal.tid, signal.ts_ns, half)
+                    }
                     None => {
                         self.unparsed(format!(
                             "pid {} thread {}: a request's bootstrap_room is no unsigned integer",
@@ -248,9 +295,22 @@ impl Framework for Sglang {
             _ => return None,
         };
         let Some(message) = self.zmq.hit(signal.pid, signal.tid, signal.ts_ns, hit) else { return Some(None) };
+        let long = (message.direction == Direction::Received).then(|| self.long.take(message.pid, message.tid));
         Some(match (self.dialect.parse)(&message) {
+            Ok(Some(Bootstrap::Destination { room, port, agent, ranks, pages })) => {
+                let pages = long.and_then(|long| self.long.pages(long, &message, &pages)).unwrap_or(pages);
+                let to = Bootstrap::Destination { room, port, agent, ranks, pages };
+                self.rooms.observe(message.pid, message.ts_ns, &to)
+            }
             Ok(Some(Bootstrap::Request { rid, .. })) => {
-                self.request(message.pid, message.tid, message.ts_ns, RequestHalf::Rid(rid))
+                // A scheduler message is one frame; one too short to hold
+                // the bytes that pair it is no request of SGLang's.
+                match message.frames.first().and_then(|frame| frame_id(&frame.bytes)) {
+                    Some(frame) => {
+                        self.request(message.pid, message.tid, message.ts_ns, RequestHalf::Rid { rid, frame })
+                    }
+                    None => None,
+                }
             }
             Ok(Some(bootstrap)) => self.rooms.observe(message.pid, message.ts_ns, &bootstrap),
             Ok(None) => None,
@@ -384,6 +444,7 @@ impl Framework for Sglang {
     fn forget(&mut self, pid: u32) {
         self.requests.retain(|(p, _), _| *p != pid);
         self.zmq.forget(pid);
+        self.long.forget(pid);
         self.rooms.forget(pid);
         if let Some(leaks) = &mut self.leaks {
             leaks.forget(pid);
@@ -418,36 +479,173 @@ impl Framework for Sglang {
             warn!(
                 unattributed = self.rooms.unattributed,
                 "NIXL transfers no SGLang room could be told theirs (several live rooms awaited their decode rank, and the \
-                 page written was none of the first 16 of any room's destination): each was followed, and counted in \
-                 `seen`, as a request of its own, keyed by its handle"
+                 page written was none read of any room's destination: all of its pages up to 4032 with \
+                 `zmq_recv_long`, else its first 16): each was followed, and counted in `seen`, as a request of its own, \
+                 keyed by its handle"
             );
         }
+        debug!(
+            whole = self.long.whole,
+            cut = self.long.cut,
+            "SGLang destinations whose pages were read whole; long frames read cut short (past 4032 pages, or a \
+             chunk lost): their rooms' pages read as their first 16"
+        );
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use stallwatch_common::EXT_ID_LEN;
+
     use super::*;
+    use crate::frameworks::strings::Chunk;
 
     #[test]
-    fn a_requests_room_and_rid_pair_up_per_thread_in_either_order() {
+    fn a_requests_room_and_rid_pair_up_per_thread_in_either_order_by_their_frame() {
         use crate::lifecycle::Stage;
         let mut sglang = Sglang::default();
-        let rid = |r: &[u8]| RequestHalf::Rid(r.into());
-        assert_eq!(sglang.request(9, 10, 1, RequestHalf::Room(7)), None, "waits for its rid");
-        assert_eq!(sglang.request(9, 11, 2, rid(b"a")), None, "another thread's");
-        let started = sglang.request(9, 10, 3, rid(b"b")).expect("room 7 starts");
+        let rid = |r: &[u8], frame| RequestHalf::Rid { rid: r.into(), frame };
+        let room = |room, frame| RequestHalf::Room { room, frame };
+        assert_eq!(sglang.request(9, 10, 1, room(7, 70)), None, "waits for its rid");
+        assert_eq!(sglang.request(9, 11, 2, rid(b"a", 80)), None, "another thread's");
+        let started = sglang.request(9, 10, 3, rid(b"b", 70)).expect("room 7 starts");
         assert_eq!((started.key, started.stage, started.ts_ns), (7, Stage::Enqueued, 3));
-        let started = sglang.request(9, 11, 4, RequestHalf::Room(8)).expect("room 8 starts");
+        let started = sglang.request(9, 11, 4, room(8, 80)).expect("room 8 starts");
         assert_eq!(started.key, 8);
         // A half whose other never came is replaced by the next receive's.
-        assert_eq!(sglang.request(9, 10, 5, RequestHalf::Room(20)), None);
-        assert_eq!(sglang.request(9, 10, 6, RequestHalf::Room(21)), None);
-        assert_eq!(sglang.request(9, 10, 7, rid(b"c")).map(|o| o.key), Some(21));
+        assert_eq!(sglang.request(9, 10, 5, room(20, 200)), None);
+        assert_eq!(sglang.request(9, 10, 6, room(21, 210)), None);
+        assert_eq!(sglang.request(9, 10, 7, rid(b"c", 210)).map(|o| o.key), Some(21));
         assert!(sglang.requests.is_empty());
-        sglang.request(9, 12, 8, RequestHalf::Room(30));
+        // A request whose room was not read (its rid alone), then the next
+        // one's room and rid: the rid is never that room's.
+        assert_eq!(sglang.request(9, 10, 8, rid(b"d", 300)), None);
+        assert_eq!(sglang.request(9, 10, 9, room(31, 310)), None, "not request d's room");
+        assert_eq!(sglang.request(9, 10, 10, rid(b"e", 310)).map(|o| o.key), Some(31));
+        sglang.request(9, 12, 11, room(30, 1));
         sglang.forget(9);
         assert!(sglang.requests.is_empty());
+    }
+
+    /// The `sglang` profile's signal `name`.
+    fn spec(name: &str) -> SignalSpec {
+        let profile = crate::profile::Profile::load("sglang").expect("the sglang profile");
+        profile.signals.into_iter().find(|s| s.name == name).unwrap_or_else(|| panic!("no {name}"))
+    }
+
+    /// Thread `tid` of pid 1 receives `frames` as pyzmq does, each closed
+    /// at `zmq_msg_close`: what `zmq_recv` reads of each (its first 64
+    /// bytes, its size, type and flags) and, for a long frame with more to
+    /// come, the chunks `zmq_recv_long` reads of it, up to `bound` bytes
+    /// (`lengths` says the length the kernel read for it, if not its own).
+    /// Returns what the last frame completes.
+    fn receive(
+        sglang: &mut Sglang,
+        tid: u32,
+        frames: &[Vec<u8>],
+        bound: usize,
+        lengths: &[(usize, usize)],
+    ) -> Option<Observation> {
+        let (recv, long) = (spec("zmq_recv"), spec("zmq_recv_long"));
+        let mut observed = None;
+        for (n, bytes) in frames.iter().enumerate() {
+            let more = n + 1 < frames.len();
+            let inline = bytes.len() <= 33;
+            let kind = if inline { 101 } else { 102 };
+            let head =
+                u64::from_le_bytes([0, if inline { bytes.len() as u8 } else { 0 }, kind, u8::from(more), 0, 0, 0, 0]);
+            // What the kernel keeps by the signal's `when`.
+            let config = long.slot_config();
+            if config.filter_rule.holds((head & config.filter_mask) as i64) {
+                let len = lengths.iter().find(|(at, _)| *at == n).map_or(bytes.len(), |&(_, len)| len);
+                let sent = &bytes[..bytes.len().min(bound)];
+                let parts: Vec<&[u8]> = sent.chunks(stallwatch_common::CHUNK_LEN as usize).collect();
+                for (index, part) in parts.iter().enumerate() {
+                    let chunk = Chunk {
+                        len: len as u32,
+                        item: 0,
+                        index: index as u8,
+                        last: index + 1 == parts.len(),
+                        text: (*part).into(),
+                    };
+                    let signal =
+                        Signal { pid: 1, tid, ts_ns: 5, value: 0, ret: 0, capture: Captured::Chunk(chunk), tag: None };
+                    assert_eq!(sglang.signal(&long, &signal), Some(None));
+                }
+            }
+            let mut data = [0u8; EXT_ID_LEN];
+            data[..bytes.len().min(EXT_ID_LEN)].copy_from_slice(&bytes[..bytes.len().min(EXT_ID_LEN)]);
+            let signal = Signal {
+                pid: 1,
+                tid,
+                ts_ns: 5,
+                value: head,
+                ret: bytes.len() as i64,
+                capture: Captured::Bytes(Box::new(data)),
+                tag: None,
+            };
+            observed = sglang.signal(&recv, &signal).expect("an SGLang signal");
+        }
+        observed
+    }
+
+    /// SGLang's destination of `room` to decode agent `d` (a uuid, a long
+    /// frame), its `pages` as int32s.
+    fn destination(room: u64, pages: &[u32]) -> Vec<Vec<u8>> {
+        let pages = pages.iter().flat_map(|p| (*p as i32).to_le_bytes()).collect();
+        let text = |t: &str| t.as_bytes().to_vec();
+        vec![
+            text("NixlMsgGuard"),
+            text(&room.to_string()),
+            text("127.0.0.1"),
+            text("40001"),
+            text("8c1f7d1e-5b2a-4c3d-9e8f-0a1b2c3d4e5f"),
+            pages,
+            text("3"),
+            text("1"),
+            Vec::new(),
+            Vec::new(),
+            text("0"),
+        ]
+    }
+
+    #[test]
+    fn a_destinations_pages_are_read_whole_up_to_the_bound_and_only_when_they_agree() {
+        let agent = b"8c1f7d1e-5b2a-4c3d-9e8f-0a1b2c3d4e5f";
+        // Pages from a free list, last first.
+        let pages = |from: u32, n: u32| (from..from + n).rev().collect::<Vec<u32>>();
+        // Whose a chunk writing `page` is, made on a thread of no room yet.
+        let mut tid = 30;
+        let mut chunk = |sglang: &mut Sglang, page| {
+            tid += 1;
+            sglang.rooms.creating(1, tid, agent, Some(page));
+            sglang.handle(tid, handle_event(u64::from(tid), Stage::Enqueued, 6));
+            sglang.rooms.attributed_room(1, u64::from(tid))
+        };
+        let mut sglang = Sglang::default();
+        // 3000 pages: read whole.
+        let started = receive(&mut sglang, 7, &destination(70, &pages(10_000, 3000)), 16_128, &[]).expect("room 70");
+        assert_eq!((started.key, started.stage), (70, Stage::Enqueued));
+        assert_eq!(sglang.long.whole, 1);
+        // 5000 pages, past the bound: cut short, so its first 16.
+        receive(&mut sglang, 7, &destination(71, &pages(20_000, 5000)), 16_128, &[]).expect("room 71");
+        assert_eq!(sglang.long.cut, 1);
+        // A whole frame whose length is not the frame's: not its pages.
+        receive(&mut sglang, 8, &destination(72, &pages(30_000, 100)), 16_128, &[(5, 404)]).expect("room 72");
+        assert_eq!(sglang.long.whole, 1);
+        assert!(sglang.long.take(1, 7).is_empty() && sglang.long.take(1, 8).is_empty(), "nothing left per thread");
+        // Chunks past page 16 among the three rooms to that decode: room
+        // 70's by its page; the others' are nobody's, their pages unread.
+        assert_eq!(chunk(&mut sglang, 10_000 + 3000 - 1 - 2000), Some(70));
+        assert_eq!(chunk(&mut sglang, 10_000), Some(70), "its last page");
+        assert_eq!(chunk(&mut sglang, 20_000 + 5000 - 1 - 4000), None);
+        assert_eq!(chunk(&mut sglang, 30_000 + 100 - 1 - 50), None);
+        assert_eq!((chunk(&mut sglang, 20_000 + 5000 - 1 - 15), sglang.rooms.unattributed), (Some(71), 2));
+        // A dummy destination (frame 10 "1", no pages) starts nothing.
+        let mut dummy = destination(73, &[]);
+        dummy[10] = b"1".to_vec();
+        assert_eq!(receive(&mut sglang, 7, &dummy, 16_128, &[]), None);
+        assert!(!sglang.rooms.is_live(1, 73));
     }
 
     const S: u64 = 1_000_000_000;

@@ -1,11 +1,17 @@
 //! The rooms of every watched process, from the bootstrap messages SGLang
 //! sends and receives ([`Bootstrap`], parsed from ZMQ messages) and the NIXL
 //! handles attributed to them, as lifecycles.
+mod dummies;
 mod held;
+mod runs;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use self::held::{Held, decode, encode, encode_ended};
+pub use self::runs::Runs;
+use self::{
+    dummies::Dummies,
+    held::{Held, decode, encode, encode_ended},
+};
 use crate::{
     frameworks::{
         AdoptedHandle, HandOver,
@@ -27,9 +33,16 @@ pub enum Bootstrap {
     /// A decode rank's destination for `room`, on its PULL `port`, its
     /// NIXL agent named `agent`; the room has `ranks` decode ranks
     /// (`required_dst_info_num`), each of which sends one.
-    /// `pages`: the first of the decode's KV pages for the room (frame 5,
-    /// int32s; as many as the first 64 bytes of the frame hold).
+    /// `pages`: the decode's KV pages for the room (frame 5, int32s): all
+    /// of them where the frame was read whole (the `zmq_recv_long` signal,
+    /// up to 4032 pages), else as many as its first 64 bytes hold (16).
     Destination { room: u64, port: u16, agent: Box<str>, ranks: u32, pages: Box<[u32]> },
+    /// A decode rank's destination for `room` (of `ranks`) that is no
+    /// transfer of this prefill rank (SGLang's `is_dummy`: frame 10 says
+    /// 1, or, with no such frame, no pages and no decode prefix length):
+    /// with MLA a decode rank asks every prefill rank of its group, and
+    /// only one for the KV. It answers for the room and moves nothing.
+    Dummy { room: u64, ranks: u32 },
     /// This process, a decode rank, sent its destination for `room`: it
     /// asks for the room's KV.
     Asked { room: u64 },
@@ -192,10 +205,26 @@ pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
                 .map_err(|_| "frame 7 (required_dst_info_num) is past 2^32".to_owned())?;
             // As much of the page list as was read: whole or not, its first
             // pages are the room's.
-            let pages = message.frames.get(5).map_or_else(Default::default, |frame| {
-                frame.bytes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
-            });
-            Bootstrap::Destination { room, port, agent, ranks, pages }
+            let pages: Box<[u32]> = message.frames.get(5).map_or_else(Default::default, |frame| pages(&frame.bytes));
+            // `TransferInfo.from_zmq`: frame 10 when there is one, else no
+            // pages (frame 5 read whole and empty) and no prefix length.
+            let dummy = match message.frames.get(10).filter(|frame| !frame.complete || !frame.bytes.is_empty()) {
+                Some(_) => number(10, "is_dummy")? != 0,
+                None => {
+                    let empty = message.frames.get(5).and_then(Frame::whole).is_some_and(<[u8]>::is_empty);
+                    let prefix = match message.frames.get(9).filter(|frame| !frame.complete || !frame.bytes.is_empty())
+                    {
+                        Some(_) => number(9, "decode prefix len")?,
+                        None => 0,
+                    };
+                    empty && prefix == 0
+                }
+            };
+            if dummy {
+                Bootstrap::Dummy { room, ranks }
+            } else {
+                Bootstrap::Destination { room, port, agent, ranks, pages }
+            }
         }
         // A decode's own destination: only its room is read (the frames
         // after it, the agent name among them, may be past what libzmq
@@ -214,6 +243,12 @@ pub fn parse(message: &Message) -> Result<Option<Bootstrap>, String> {
         _ => return Ok(None),
     };
     Ok(Some(parsed))
+}
+
+/// KV page indices as SGLang sends them (`np.int32`, little-endian on
+/// every platform it runs on): as many whole ones as `bytes` hold.
+pub fn pages(bytes: &[u8]) -> Box<[u32]> {
+    bytes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
 }
 
 /// A message's tag: its first frame, or, when only its first bytes were
@@ -245,12 +280,16 @@ struct Room {
     /// The NIXL agents of its destinations (one per decode rank that
     /// answered).
     agents: Vec<Box<str>>,
-    /// The first KV pages of each destination, by its agent (as `agents`):
-    /// a chunk's transfer writes to its room's pages, which no other live
-    /// room of that decode rank has.
-    pages: Vec<Box<[u32]>>,
+    /// The KV pages of each destination, by its agent (as `agents`), as
+    /// far as they were read ([`Bootstrap::Destination`]): a chunk's
+    /// transfer writes to its room's pages, which no other live room of
+    /// that decode rank has.
+    pages: Vec<Runs>,
     /// Its decode ranks: it is bootstrapped once each sent its destination.
     ranks: u32,
+    /// How many of them sent a dummy destination ([`Bootstrap::Dummy`]):
+    /// answered, with nothing for this rank to write to.
+    dummies: u32,
     /// The sum of its destinations' ports: its worker, modulo [`WORKERS`].
     ports: u32,
     /// How many handles were attributed to it (its transfers in the order
@@ -290,9 +329,12 @@ pub struct Rooms {
     /// Processes seen sending a destination: decode ranks.
     decodes: HashSet<u32>,
     /// Handles created while no room could be told theirs (several live
-    /// rooms await their decode rank, none by the page written): followed
-    /// as lifecycles of their own.
+    /// rooms await their decode rank, none by the page written: a chunk
+    /// past the pages read of its room, a room of more than 4032 pages):
+    /// followed as lifecycles of their own.
     pub unattributed: u64,
+    /// Dummy destinations of rooms not live here ([`Dummies`]).
+    dummies: Dummies,
     /// (pid, rid) -> the room its scheduler received with that rid, while
     /// the room is live: what an abort names.
     rids: HashMap<(u32, Rid), u64>,
@@ -347,11 +389,16 @@ pub struct Ended {
 }
 
 impl Room {
+    /// How many of its decode ranks answered, dummies too.
+    fn answered(&self) -> usize {
+        self.agents.len() + self.dummies as usize
+    }
+
     /// Bootstrapped (every decode rank sent its destination: only a
     /// prefill receives them) with no transfer of its own yet: a transfer
     /// to one of its peers may be its first.
     fn awaits_first_transfer(&self) -> bool {
-        self.transfers == 0 && !self.agents.is_empty() && self.agents.len() >= self.ranks as usize
+        self.transfers == 0 && !self.agents.is_empty() && self.answered() >= self.ranks as usize
     }
 }
 
@@ -361,7 +408,7 @@ struct CutShort {
     pid: u32,
     room: u64,
     agents: Vec<Box<str>>,
-    pages: Vec<Box<[u32]>>,
+    pages: Vec<Runs>,
 }
 
 /// Whether thread `tid` of `pid` runs ([`Rooms::threads`]).
@@ -403,15 +450,17 @@ impl Rooms {
             Bootstrap::Destination { room, port, ref agent, ranks, ref pages } => {
                 let known = self.live.contains_key(&(pid, room));
                 self.dirty.insert((pid, room));
+                let dummies = if known { 0 } else { self.dummies.take(pid, room) };
                 let entry = self.live.entry((pid, room)).or_default();
                 // A room its scheduler received moves on at its first
                 // destination: what it waited on since arrived.
                 let first_answer = entry.received && entry.agents.is_empty();
                 entry.agents.push(agent.clone());
-                entry.pages.push(pages.clone());
+                entry.pages.push(Runs::of(pages));
                 entry.ports += u32::from(port);
                 entry.ranks = ranks;
-                if entry.agents.len() == ranks as usize {
+                entry.dummies += dummies;
+                if entry.answered() == ranks as usize {
                     entry.seq = self.next_seq;
                     self.next_seq += 1;
                 }
@@ -419,6 +468,29 @@ impl Rooms {
                     return None;
                 }
                 (room, Stage::Enqueued)
+            }
+            Bootstrap::Dummy { room, ranks } => {
+                let Some(entry) = self.live.get_mut(&(pid, room)) else {
+                    // Not followed here: remembered, so neither its request
+                    // nor a later real destination starts it knowing nothing.
+                    self.dummies.answer(pid, room, ranks);
+                    return None;
+                };
+                self.dirty.insert((pid, room));
+                entry.dummies += 1;
+                entry.ranks = ranks;
+                if entry.answered() < ranks as usize || !entry.agents.is_empty() {
+                    if entry.answered() == ranks as usize {
+                        entry.seq = self.next_seq;
+                        self.next_seq += 1;
+                    }
+                    return None;
+                }
+                // Every destination a dummy: this rank writes nothing of it
+                // and SGLang sends its decodes no status from here (its
+                // scheduler had it: it ends, done with).
+                tracing::debug!(pid, room, "an SGLang room is nothing of this rank: every destination is a dummy");
+                (room, Stage::Released)
             }
             Bootstrap::Asked { room } => {
                 self.decodes.insert(pid);
@@ -442,7 +514,15 @@ impl Rooms {
                     live.rid = Some(rid.clone());
                     return None;
                 }
-                self.live.insert((pid, room), Room { received: true, rid: Some(rid.clone()), ..Room::default() });
+                if self.dummies.all(pid, room) {
+                    // Its every destination was a dummy, before it came.
+                    self.rids.remove(&(pid, rid.clone()));
+                    self.dirty.remove(&(pid, room));
+                    return None;
+                }
+                let dummies = self.dummies.take(pid, room);
+                self.live
+                    .insert((pid, room), Room { received: true, rid: Some(rid.clone()), dummies, ..Room::default() });
                 (room, Stage::Enqueued)
             }
             Bootstrap::AbortRequest { ref rid } => match self.rids.get(&(pid, rid.clone())) {
@@ -455,7 +535,7 @@ impl Rooms {
                 let unanswered = |rid: &Rid| {
                     let room = *self.rids.get(&(pid, rid.clone()))?;
                     let r = self.live.get(&(pid, room))?;
-                    (r.agents.is_empty() || r.agents.len() < r.ranks as usize).then_some(room)
+                    (r.answered() == 0 || r.answered() < r.ranks as usize).then_some(room)
                 };
                 let room = rids.iter().find_map(unanswered)?;
                 // Why a room fails, in the debug log: a failure the target
@@ -464,7 +544,7 @@ impl Rooms {
                 tracing::debug!(
                     pid,
                     room,
-                    answered = r.map_or(0, |r| r.agents.len()),
+                    answered = r.map_or(0, Room::answered),
                     ranks = r.map_or(0, |r| r.ranks),
                     "an SGLang room fails: its scheduler streamed its output before every decode rank answered"
                 );
@@ -543,7 +623,7 @@ impl Rooms {
             .collect();
         // Bootstrapped rooms taken over queue in the order they are
         // adopted (the kernel's table keeps no order among them).
-        if !this.agents.is_empty() && this.agents.len() == this.ranks as usize {
+        if !this.agents.is_empty() && this.answered() == this.ranks as usize {
             this.seq = self.next_seq;
             self.next_seq += 1;
         }
@@ -768,7 +848,7 @@ impl Rooms {
         }
         let (_, r) = only(self.fresh(pid, agent))?;
         let at = r.agents.iter().position(|a| &**a == agent)?;
-        r.pages.get(at)?.first().copied()
+        r.pages.get(at)?.first()
     }
 
     /// Thread `tid` worked a room of the shard `ports` (sent its status,
@@ -841,7 +921,7 @@ impl Rooms {
         // started whose ranks all answered: on its worker or its prefill.
         let mut fields = Vec::new();
         if this.transfers == 0 {
-            let answered = this.agents.len();
+            let answered = this.answered();
             fields.push(("answered", format!("{answered}/{}", this.ranks)));
             if answered < this.ranks as usize {
                 fields.push(("waiting_on", "peer".to_owned()));
@@ -932,15 +1012,16 @@ impl Rooms {
         self.decodes.remove(&pid);
         self.rids.retain(|(p, _), _| *p != pid);
         self.cut_short.retain(|c| c.pid != pid);
+        self.dummies.forget(pid);
         // The kernel's tables drop all of the process's.
         self.dirty.retain(|(p, _)| *p != pid);
     }
 }
 
-/// Whether a room with destinations `agents` and their first `pages` has
-/// `page` at `agent`: a chunk writing it is that room's.
-fn writes(agents: &[Box<str>], pages: &[Box<[u32]>], agent: &str, page: u32) -> bool {
-    agents.iter().zip(pages).any(|(a, pages)| &**a == agent && pages.contains(&page))
+/// Whether a room with destinations `agents` and their `pages` (as far as
+/// read) has `page` at `agent`: a chunk writing it is that room's.
+fn writes(agents: &[Box<str>], pages: &[Runs], agent: &str, page: u32) -> bool {
+    agents.iter().zip(pages).any(|(a, pages)| &**a == agent && pages.contains(page))
 }
 
 /// The one item of `items`, if there is exactly one.
@@ -980,7 +1061,10 @@ mod tests {
     }
 
     fn message(direction: Direction, frames: &[&[u8]]) -> Message {
-        let frames = frames.iter().map(|bytes| Frame { bytes: (*bytes).into(), complete: true }).collect();
+        let frames = frames
+            .iter()
+            .map(|bytes| Frame { bytes: (*bytes).into(), complete: true, size: Some(bytes.len()) })
+            .collect();
         Message { pid: 1, tid: 2, ts_ns: 3, direction, frames }
     }
 
@@ -1023,17 +1107,12 @@ mod tests {
         );
         assert_eq!(parse(&message(Received, &[b"hello"])), Ok(None));
         // A first frame read in part (its receive began before the probes).
-        let mut cut = message(Received, &[b"NixlMsgGuard\x55\x55", b"5", b"ip", b"40001", b"d", b"", b"0", b"1"]);
+        let mut cut =
+            message(Received, &[b"NixlMsgGuard\x55\x55", b"5", b"ip", b"40001", b"d", b"\x05\0\0\0", b"0", b"1"]);
         cut.frames[0].complete = false;
         assert_eq!(
             parse(&cut),
-            Ok(Some(Bootstrap::Destination {
-                room: 5,
-                port: 40001,
-                agent: "d".into(),
-                ranks: 1,
-                pages: Default::default()
-            }))
+            Ok(Some(Bootstrap::Destination { room: 5, port: 40001, agent: "d".into(), ranks: 1, pages: [5].into() }))
         );
         cut.frames[0].bytes = b"NixlMsgGuar".as_slice().into();
         assert_eq!(parse(&cut), Ok(None));
@@ -1105,7 +1184,7 @@ mod tests {
         str(&mut bytes, rid);
         bytes.resize(len as usize + bytes.len(), 0xc0);
         bytes.truncate(stallwatch_common::EXT_ID_LEN);
-        Frame { bytes: bytes.into(), complete: false }
+        Frame { size: Some(len as usize + 3), bytes: bytes.into(), complete: false }
     }
 
     #[test]
@@ -1127,7 +1206,10 @@ mod tests {
             Ok(Some(Bootstrap::AbortRequest { rid: short }))
         );
         assert_eq!(parse(&received(scheduler_frame(4, b"FlushCacheReqInput", rid))), Ok(None));
-        assert_eq!(parse(&received(Frame { bytes: b"\x93\x01\x02\x03".as_slice().into(), complete: true })), Ok(None));
+        assert_eq!(
+            parse(&received(Frame { bytes: b"\x93\x01\x02\x03".as_slice().into(), complete: true, size: Some(4) })),
+            Ok(None)
+        );
         let sent = Message { direction: Direction::Sent, ..request };
         assert_eq!(parse(&sent), Ok(None));
     }
@@ -1520,6 +1602,120 @@ mod tests {
         assert_eq!(rooms.unattributed, 1);
         assert_eq!(rooms.live[&(4, 7)].transfers, 2);
         assert_eq!(rooms.live[&(4, 8)].transfers, 3);
+    }
+
+    /// `rooms` rooms of `pages` pages each to decode `d`, from one free
+    /// list as a decode's allocator hands them out: each room's pages in a
+    /// few runs, the rooms' runs interleaved, none trivially predictable.
+    fn free_list_rooms(rooms: u64, pages: u32) -> Vec<(u64, Vec<u32>)> {
+        let run = pages / 3;
+        (0..rooms)
+            .map(|r| {
+                let r32 = r as u32;
+                // Three runs per room, far apart and in a scrambled order.
+                let starts = [(r32 * 7 + 3) % 50, (r32 * 11 + 17) % 50 + 50, (r32 * 13 + 5) % 50 + 100];
+                let list = starts.iter().flat_map(|&s| (0..run).map(move |p| s * 100_000 + r32 * run + p)).collect();
+                (100 + r, list)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_chunk_past_page_16_is_its_rooms_among_24_live_rooms_to_one_decode() {
+        use Stage::*;
+        let live = free_list_rooms(24, 3000);
+        let chunk_of = |rooms: &mut Rooms, tid, handle, page| {
+            rooms.creating(4, tid, b"d", Some(page));
+            assert_eq!(rooms.handle(tid, handle_event(4, handle, Enqueued, 3)), None, "{handle:#x}: a room's");
+            rooms.handle(tid, handle_event(4, handle, TransferPosted, 4)).map(|o| o.key)
+        };
+        let mut rooms = Rooms::default();
+        for (room, pages) in &live {
+            rooms.observe(4, 1, &to_pages(*room, pages)).expect("a room");
+            assert!(rooms.live[&(4, *room)].pages[0].runs().len() <= 3, "held as runs");
+        }
+        // Three chunks of 1000 pages per room, the rooms' chunks
+        // interleaved on four workers: each chunk's first page is its
+        // room's page at the chunk's start.
+        let mut handle = 0xa000;
+        for chunk in 0..3 {
+            for (n, (room, pages)) in live.iter().enumerate() {
+                handle += 1;
+                let tid = 30 + (n % 4) as u32;
+                assert_eq!(chunk_of(&mut rooms, tid, handle, pages[chunk * 1100]), Some(*room), "chunk {chunk}");
+            }
+        }
+        assert_eq!(rooms.unattributed, 0);
+        assert!(live.iter().all(|(room, _)| rooms.live[&(4, *room)].transfers == 3));
+        // What the first 16 pages alone told: a chunk past them among
+        // several rooms awaiting the decode, on a fresh thread, is nobody's.
+        let mut first16 = Rooms::default();
+        for (room, pages) in &live {
+            first16.observe(4, 1, &to_pages(*room, &pages[..16])).expect("a room");
+        }
+        first16.creating(4, 99, b"d", Some(live[5].1[1000]));
+        assert!(first16.handle(99, handle_event(4, 0xb0, Enqueued, 3)).is_some(), "its own lifecycle");
+        assert_eq!(first16.unattributed, 1);
+    }
+
+    #[test]
+    fn a_dummy_destination_neither_starts_nor_keeps_a_room_here() {
+        let mut rooms = Rooms::default();
+        let dummy = |room, ranks| Bootstrap::Dummy { room, ranks };
+        let request = |room, rid: &[u8]| Bootstrap::Request { room, rid: rid.into() };
+        // An MLA prefill rank the decode asked for nothing: its scheduler
+        // has the room, every destination is a dummy: done with, here.
+        rooms.observe(4, 1, &request(7, b"r-7")).expect("received");
+        let ended = rooms.observe(4, 2, &dummy(7, 1)).map(|o| (o.key, o.stage, o.ts_ns));
+        assert_eq!(ended, Some((7, Stage::Released, 2)));
+        assert!(rooms.live.is_empty() && rooms.rids.is_empty());
+        // The dummy before the request (the router tells the decode first):
+        // the request starts nothing, and its rid names nothing.
+        assert_eq!(rooms.observe(4, 3, &dummy(8, 1)), None);
+        assert_eq!(rooms.observe(4, 4, &request(8, b"r-8")), None);
+        assert!(rooms.live.is_empty() && rooms.rids.is_empty());
+        assert_eq!(rooms.observe(4, 5, &Bootstrap::AbortRequest { rid: b"r-8".as_slice().into() }), None);
+        // A room of two decode ranks, one of them a dummy, in either order:
+        // started by its real destination, bootstrapped by both answers,
+        // and its output ends nothing (the prefill's timeout did not fail it).
+        assert_eq!(rooms.observe(4, 6, &dummy(9, 2)), None);
+        let to = |room| Bootstrap::Destination { room, port: 1, agent: "d".into(), ranks: 2, pages: [40].into() };
+        assert_eq!(rooms.observe(4, 7, &to(9)).map(|o| o.stage), Some(Stage::Enqueued));
+        rooms.observe(4, 8, &request(10, b"r-10")).expect("received");
+        assert_eq!(rooms.observe(4, 9, &to(10)).map(|o| o.stage), Some(Stage::Enqueued));
+        assert_eq!(rooms.observe(4, 10, &dummy(10, 2)), None);
+        let fields = vec![("answered", "2/2".to_owned()), ("waiting_on", "prefill".to_owned())];
+        assert_eq!((rooms.context(4, 9), rooms.context(4, 10)), (fields.clone(), fields));
+        assert_eq!(rooms.observe(4, 11, &Bootstrap::Output { rids: vec![b"r-10".as_slice().into()] }), None);
+        assert!(rooms.live[&(4, 9)].awaits_first_transfer());
+        rooms.forget(4);
+        assert_eq!(rooms.observe(4, 12, &request(8, b"r-8")).map(|o| o.key), Some(8), "a pid reused knows nothing");
+    }
+
+    #[test]
+    fn a_destination_is_a_dummy_as_sglangs_transfer_info_reads_it() {
+        let frames = |pages: &'static [u8], prefix: Option<&'static [u8]>, dummy: Option<&'static [u8]>| {
+            let mut frames: Vec<&[u8]> = vec![GUARD, b"7", b"ip", b"40001", b"d", pages, b"0", b"1", b""];
+            frames.extend(prefix.into_iter().chain(dummy));
+            parse(&message(Direction::Received, &frames))
+        };
+        let real =
+            Ok(Some(Bootstrap::Destination { room: 7, port: 40001, agent: "d".into(), ranks: 1, pages: [5].into() }));
+        let dummy = Ok(Some(Bootstrap::Dummy { room: 7, ranks: 1 }));
+        let no_pages =
+            Ok(Some(Bootstrap::Destination { room: 7, port: 40001, agent: "d".into(), ranks: 1, pages: [].into() }));
+        // Frame 10 says (SGLang 0.5.23 always sends it; MLA's dummy ranks "1").
+        assert_eq!(frames(b"", Some(b""), Some(b"1")), dummy);
+        assert_eq!(frames(b"\x05\0\0\0", Some(b""), Some(b"0")), real);
+        // Without it: no pages and no prefix length (a decode radix-cache
+        // full hit still sends the aux: not a dummy).
+        assert_eq!(frames(b"", None, None), dummy);
+        assert_eq!(frames(b"", Some(b""), Some(b"")), dummy);
+        assert_eq!(frames(b"", Some(b"0"), None), dummy);
+        assert_eq!(frames(b"", Some(b"32"), None), no_pages);
+        assert_eq!(frames(b"\x05\0\0\0", None, None), real);
+        let err = frames(b"", Some(b""), Some(b"yes")).unwrap_err();
+        assert!(err.contains("frame 10 (is_dummy)"), "{err}");
     }
 
     #[test]

@@ -86,7 +86,10 @@ mod tests {
     use crate::frameworks::zmq::Frame;
 
     fn message(direction: Direction, frames: &[&[u8]]) -> Message {
-        let frames = frames.iter().map(|bytes| Frame { bytes: (*bytes).into(), complete: true }).collect();
+        let frames = frames
+            .iter()
+            .map(|bytes| Frame { bytes: (*bytes).into(), complete: true, size: Some(bytes.len()) })
+            .collect();
         Message { pid: 1, tid: 2, ts_ns: 3, direction, frames }
     }
 

@@ -6,25 +6,35 @@
 //!
 //! Little-endian, in this order: the format (1 byte), flags (1: decode
 //! side, 2: its scheduler received it, 4: it ended, and only its handles
-//! still in flight are held, as nobody's), `ranks`, `ports`, `transfers`
-//! (u32 each); the rid (u8 length, 255 for none, then its bytes); the
-//! destinations (u8 count; each the agent name, u8 length then bytes, and
-//! its first pages, u8 count then u32 each); the outstanding handles,
+//! still in flight are held, as nobody's), `ranks`, `ports`, `transfers`,
+//! `dummies` (u32 each); the rid (u8 length, 255 for none, then its
+//! bytes); the destinations (u8 count; each the agent name, u8 length then
+//! bytes, and its pages' first runs, u8 count then u32 first page and u32
+//! length each); the outstanding handles,
 //! oldest first (u16 count; each u64 handle, u32 ordinal); every handle
 //! attributed to it (u16 count; each u64 handle, u32 ordinal, u8 index of
 //! its peer among the destinations, 255 for none); the worker threads
 //! whose last room it is (u8 count, u32 each).
 //!
+//! Format 1 (the agent before pages were kept as runs) had no `dummies`
+//! and a destination's first pages one u32 each: read too, each page a
+//! run, so an agent upgraded inside a stall takes over what the old one
+//! held.
+//!
 //! [`Rooms`]: super::Rooms
 //! [`Rooms::adopt`]: super::Rooms::adopt
 use stallwatch_common::CONTEXT_BYTES;
 
-use super::{Attributed, Room};
+use super::{Attributed, Room, Runs};
 use crate::lifecycle::Side;
 
-/// The format written; an agent reads only its own (a change of it is a
-/// change of the pinned layout, `STATE_LAYOUT`).
-const FORMAT: u8 = 1;
+/// The format written; an agent reads its own and [`FORMAT_PAGES`].
+const FORMAT: u8 = 2;
+/// The format before runs: pages one by one, no dummies.
+const FORMAT_PAGES: u8 = 1;
+/// How many runs of a destination's pages a context holds at most when
+/// all of them do not fit: its first chunks' pages.
+const FIRST_RUNS: usize = 16;
 const DECODE: u8 = 1;
 const RECEIVED: u8 = 2;
 const ENDED: u8 = 4;
@@ -45,27 +55,28 @@ pub(super) struct Held {
 }
 
 /// `room`'s context, its `handles` and `threads` with it, in at most
-/// [`CONTEXT_BYTES`]; without its destinations' pages (which only help
-/// attribute its next chunks) if it does not fit with them, `None` if it
-/// does not fit without.
+/// [`CONTEXT_BYTES`]; with only the first [`FIRST_RUNS`] runs of its
+/// destinations' pages, or none (they only help attribute its next
+/// chunks), if it does not fit with all, `None` if it does not fit
+/// without.
 pub(super) fn encode(room: &Room, handles: &[(u64, Attributed)], threads: &[u32]) -> Option<Vec<u8>> {
-    [true, false]
+    [usize::from(u8::MAX), FIRST_RUNS, 0]
         .into_iter()
-        .filter_map(|pages| encode_with(room, handles, threads, pages, false))
+        .filter_map(|runs| encode_with(room, handles, threads, runs, false))
         .find(|bytes| bytes.len() <= CONTEXT_BYTES)
 }
 
 /// What is left of a room that ended: its `handles` still in flight,
 /// whose events are nobody's.
 pub(super) fn encode_ended(handles: &[(u64, Attributed)]) -> Option<Vec<u8>> {
-    encode_with(&Room::default(), handles, &[], false, true).filter(|bytes| bytes.len() <= CONTEXT_BYTES)
+    encode_with(&Room::default(), handles, &[], 0, true).filter(|bytes| bytes.len() <= CONTEXT_BYTES)
 }
 
 fn encode_with(
     room: &Room,
     handles: &[(u64, Attributed)],
     threads: &[u32],
-    pages: bool,
+    runs: usize,
     ended: bool,
 ) -> Option<Vec<u8>> {
     let mut out = vec![FORMAT];
@@ -73,7 +84,7 @@ fn encode_with(
         | if room.received { RECEIVED } else { 0 }
         | if ended { ENDED } else { 0 };
     out.push(flags);
-    for n in [room.ranks, room.ports, room.transfers] {
+    for n in [room.ranks, room.ports, room.transfers, room.dummies] {
         out.extend_from_slice(&n.to_le_bytes());
     }
     match &room.rid {
@@ -83,9 +94,13 @@ fn encode_with(
     out.push(u8::try_from(room.agents.len()).ok()?);
     for (n, agent) in room.agents.iter().enumerate() {
         short(&mut out, agent.as_bytes())?;
-        let kept: &[u32] = if pages { room.pages.get(n).map_or(&[], |p| &p[..]) } else { &[] };
+        let all = room.pages.get(n).map_or(&[][..], Runs::runs);
+        let kept = &all[..all.len().min(runs)];
         out.push(u8::try_from(kept.len()).ok()?);
-        kept.iter().for_each(|page| out.extend_from_slice(&page.to_le_bytes()));
+        for &(first, len) in kept {
+            out.extend_from_slice(&first.to_le_bytes());
+            out.extend_from_slice(&len.to_le_bytes());
+        }
     }
     out.extend_from_slice(&u16::try_from(room.outstanding.len()).ok()?.to_le_bytes());
     for &(handle, ordinal) in &room.outstanding {
@@ -115,12 +130,13 @@ fn short(out: &mut Vec<u8>, bytes: &[u8]) -> Option<()> {
 pub(super) fn decode(bytes: &[u8]) -> Result<Held, String> {
     let mut r = Reader { bytes, at: 0 };
     let format = r.u8("its format")?;
-    if format != FORMAT {
-        return Err(format!("format {format}, this agent reads {FORMAT}"));
+    if format != FORMAT && format != FORMAT_PAGES {
+        return Err(format!("format {format}, this agent reads {FORMAT} and {FORMAT_PAGES}"));
     }
     let flags = r.u8("its flags")?;
     let side = if flags & DECODE != 0 { Side::Decode } else { Side::Prefill };
     let (ranks, ports, transfers) = (r.u32("its ranks")?, r.u32("its ports")?, r.u32("its transfers")?);
+    let dummies = if format == FORMAT { r.u32("its dummies")? } else { 0 };
     let rid = match r.u8("its rid's length")? {
         NONE => None,
         len => Some(r.take(usize::from(len), "its rid")?.into()),
@@ -129,8 +145,13 @@ pub(super) fn decode(bytes: &[u8]) -> Result<Held, String> {
     for _ in 0..r.u8("its destinations' count")? {
         let len = r.u8("a destination's name length")?;
         agents.push(String::from_utf8_lossy(r.take(usize::from(len), "a destination's name")?).into());
-        let count = r.u8("a destination's page count")?;
-        pages.push((0..count).map(|_| r.u32("a destination's pages")).collect::<Result<_, _>>()?);
+        let count = r.u8("a destination's run count")?;
+        pages.push(if format == FORMAT {
+            let runs = (0..count).map(|_| Ok((r.u32("a destination's runs")?, r.u32("a destination's runs")?)));
+            Runs::from_runs(runs.collect::<Result<_, String>>()?)
+        } else {
+            Runs::of(&(0..count).map(|_| r.u32("a destination's pages")).collect::<Result<Vec<_>, _>>()?)
+        });
     }
     let count = r.u16("its outstanding handles' count")?;
     let outstanding = (0..count)
@@ -151,7 +172,7 @@ pub(super) fn decode(bytes: &[u8]) -> Result<Held, String> {
     }
     let received = flags & RECEIVED != 0;
     // Its place among bootstrapped rooms is the adopting agent's to give.
-    let room = Room { side, received, agents, pages, ranks, ports, transfers, outstanding, rid, seq: 0 };
+    let room = Room { side, received, agents, pages, ranks, dummies, ports, transfers, outstanding, rid, seq: 0 };
     Ok(Held { room, handles, threads, ended: flags & ENDED != 0 })
 }
 
@@ -194,8 +215,9 @@ mod tests {
             side: Side::Prefill,
             received: true,
             agents: vec!["8c1f7d1e-decode-0".into(), "decode-1".into()],
-            pages: vec![[10, 11, 12].into(), [].into()],
+            pages: vec![Runs::of(&[10, 11, 12, 40]), Runs::default()],
             ranks: 2,
+            dummies: 0,
             ports: 80_004,
             transfers: 3,
             outstanding: vec![(0x7f00_00a0, 2), (0x7f00_00a1, 3)],
@@ -223,21 +245,27 @@ mod tests {
         // A decode's room, adopted knowing nothing before, no rid, no handle.
         let bare = Room { side: Side::Decode, ..Room::default() };
         let bytes = encode(&bare, &[], &[]).expect("fits");
-        assert_eq!(bytes.len(), 1 + 1 + 12 + 1 + 1 + 2 + 2 + 1);
+        assert_eq!(bytes.len(), 1 + 1 + 16 + 1 + 1 + 2 + 2 + 1);
         assert_eq!(decode(&bytes), Ok(Held { room: bare, handles: Vec::new(), threads: Vec::new(), ended: false }));
     }
 
     #[test]
-    fn a_context_too_large_is_held_without_its_pages_or_not_at_all() {
-        // 8 ranks of 64-byte names with 16 pages each: not with the pages.
+    fn a_context_too_large_is_held_with_its_first_runs_without_its_pages_or_not_at_all() {
+        // A room of scattered pages (a run each): its first runs.
+        let mut scattered = room();
+        let pages: Vec<u32> = (0..400).map(|n| n * 2).collect();
+        scattered.pages = vec![Runs::of(&pages), Runs::default()];
+        let held = decode(&encode(&scattered, &[], &[]).expect("fits with its first runs")).expect("reads");
+        assert_eq!(held.room.pages[0].runs(), &Runs::of(&pages).runs()[..FIRST_RUNS]);
+        // 8 ranks of 64-byte names with 16 runs each: not with the pages.
         let mut big = room();
         big.agents = (0..8).map(|n| format!("{n:064}").into()).collect();
-        big.pages = (0..8).map(|_| (0..16).collect()).collect();
+        big.pages = (0..8).map(|_| Runs::of(&(0..32).map(|n| n * 2).collect::<Vec<_>>())).collect();
         let bytes = encode(&big, &[], &[]).expect("fits without its pages");
         assert!(bytes.len() <= CONTEXT_BYTES);
         let held = decode(&bytes).expect("reads");
         assert_eq!(held.room.agents, big.agents);
-        assert!(held.room.pages.iter().all(|pages| pages.is_empty()), "{:?}", held.room.pages);
+        assert!(held.room.pages.iter().all(Runs::is_empty), "{:?}", held.room.pages);
         // Too many handles for the value: none.
         let handles: Vec<_> = (0..100).map(|n| (n, attributed(n as u32, None))).collect();
         assert_eq!(encode(&big, &handles, &[]), None);
@@ -259,7 +287,15 @@ mod tests {
         assert_eq!(decode(&long), Err("1 bytes past its end".to_owned()));
         let mut other = bytes.clone();
         other[0] = 9;
-        assert_eq!(decode(&other), Err("format 9, this agent reads 1".to_owned()));
+        assert_eq!(decode(&other), Err("format 9, this agent reads 2 and 1".to_owned()));
+        // What the agent before runs held: its pages one by one, no dummies.
+        let mut old = vec![FORMAT_PAGES, RECEIVED];
+        [2u32, 80_004, 3].iter().for_each(|n| old.extend_from_slice(&n.to_le_bytes()));
+        old.extend_from_slice(&[255, 1, 1, b'd', 3]);
+        [10u32, 11, 30].iter().for_each(|n| old.extend_from_slice(&n.to_le_bytes()));
+        old.extend_from_slice(&[0, 0, 0, 0, 0]);
+        let held = decode(&old).expect("format 1 reads");
+        assert_eq!((held.room.ranks, held.room.dummies, held.room.pages[0].runs()), (2, 0, &[(10, 2), (30, 1)][..]));
         // A peer index past the destinations reads as no peer.
         let bytes = encode(&room(), &[(0x7f00_00a0, attributed(2, Some(7)))], &[]).expect("fits");
         assert_eq!(decode(&bytes).expect("reads").handles[0].1.agent, None);
