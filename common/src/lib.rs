@@ -527,6 +527,7 @@ pub mod pickle {
     pub const EMPTY_LIST: u8 = b']';
     pub const APPEND: u8 = b'a';
     pub const APPENDS: u8 = b'e';
+    pub const SETITEMS: u8 = b'u';
 
     /// What one opcode is, as far as a walk cares.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -541,6 +542,15 @@ pub mod pickle {
         Get(u64),
         /// A memo store at an explicit index (`BINPUT`, `LONG_BINPUT`).
         Put(u64),
+        /// `MARK`: the start of a container's items (a dict's, a list's,
+        /// a tuple's of more than three).
+        Mark,
+        /// An opcode that takes the items back to the last `MARK` (`APPENDS`,
+        /// `SETITEMS`, `TUPLE`, `LIST`, `DICT`, `OBJ`, `POP_MARK`,
+        /// `ADDITEMS`, `FROZENSET`): the container is done. A walk counts
+        /// marks open to know where it is (a request's own fields, or a
+        /// batch's list of them).
+        PopMark,
         Stop,
         Other,
     }
@@ -562,31 +572,28 @@ pub mod pickle {
             BINPUT => (2, Kind::Put(u8_)),
             LONG_BINPUT => (5, Kind::Put(le32)),
             STOP => (1, Kind::Stop),
-            // MARK POP POP_MARK DUP NONE APPEND APPENDS BUILD DICT
-            // EMPTY_DICT LIST EMPTY_LIST OBJ REDUCE SETITEM SETITEMS TUPLE
-            // EMPTY_TUPLE BINPERSID, and protocol 2+'s argument-less ones.
-            b'('
-            | b'0'
-            | b'1'
+            MARK => (1, Kind::Mark),
+            // APPENDS SETITEMS TUPLE LIST DICT OBJ POP_MARK ADDITEMS FROZENSET
+            APPENDS | SETITEMS | b't' | b'l' | b'd' | b'o' | b'1' | 0x90 | 0x91 => (1, Kind::PopMark),
+            // POP DUP NONE APPEND BUILD EMPTY_DICT EMPTY_LIST REDUCE
+            // SETITEM EMPTY_TUPLE BINPERSID, and protocol 2+'s
+            // argument-less ones.
+            b'0'
             | b'2'
             | b'N'
             | b'a'
-            | b'e'
             | b'b'
-            | b'd'
             | b'}'
-            | b'l'
             | b']'
-            | b'o'
             | b'R'
             | b's'
-            | b'u'
-            | b't'
             | b')'
             | b'Q'
             | 0x81
             | 0x85..=0x89
-            | 0x8f..=0x93
+            | 0x8f
+            | 0x92
+            | 0x93
             | 0x97
             | 0x98 => (1, Kind::Other),
             PROTO | 0x82 | b'K' => (2, Kind::Other),

@@ -1053,6 +1053,14 @@ struct PickleWalk {
     have: u8,
     /// In the list of an `items` key.
     in_items: u8,
+    /// `MARK`s open: how deep in containers the walk is.
+    marks: u32,
+    /// The walk is done once fewer marks than this are open: set when a
+    /// request's record is complete, to the marks open at a batch's list
+    /// of requests (its element's own dict is one deeper; fewer, and the
+    /// list is done), or past any count for a request on its own. 0: no
+    /// record complete yet.
+    batch_marks: u32,
 }
 
 /// Walk the pickle at `at` ([`PickleCapture`](stallwatch_common::PickleCapture))
@@ -1079,6 +1087,8 @@ fn emit_pickle(slot: u32, at: u64, key: u64, ret: i64, pid_tgid: u64) {
             tag: 0,
             have: 0,
             in_items: 0,
+            marks: 0,
+            batch_marks: 0,
         };
     }
     // SAFETY: as in `msgpack_element`.
@@ -1269,20 +1279,31 @@ fn pickle_capture(walk: &mut PickleWalk, cfg: &SlotConfig, k: usize, at: u64) {
     if walk.have == all || cfg.pickle.items != 0 {
         walk.records += 1;
         walk.have = 0;
+        if cfg.pickle.items == 0 {
+            // A request's record is complete, in its dict (`marks` deep):
+            // alone (the outermost container), nothing follows; in a
+            // batch, the next one's comes in the list one mark up.
+            walk.batch_marks = if walk.marks <= 1 { u32::MAX } else { walk.marks - 1 };
+        }
     }
 }
 
 /// One opcode of a pickle walk ([`emit_pickle`]). Stops (1) at the
 /// pickle's end, at an opcode it cannot size, once the records are full,
-/// at an `items` list's end, or when no tag matched within
-/// [`PICKLE_TAG_STEPS`] opcodes.
+/// at an `items` list's end, when no tag matched within
+/// [`PICKLE_TAG_STEPS`] opcodes, or once every request of the frame has
+/// its record: at once for a request on its own (its dict is the
+/// outermost container open), at the end of a batch's list of them.
+/// The rest of a request (its fields after `bootstrap_room` and `rid`,
+/// a third of its opcodes in sglang 0.5.23) is never read.
 #[inline(never)]
 unsafe extern "C" fn pickle_step(_turn: u64, _ctx: *mut c_void) -> i64 {
     let Some(scratch) = PICKLE_SCRATCH.get_ptr_mut(0) else { return 1 };
     // SAFETY: the walk `emit_pickle` set up, in a per-CPU map value.
     let walk = unsafe { &mut (*scratch).walk };
     let Some(cfg) = SLOTS.get(walk.slot) else { return 1 };
-    if walk.records as usize >= PICKLE_RECORDS {
+    // Every request's record read (see `batch_marks`), or no room for more.
+    if walk.marks < walk.batch_marks || walk.records as usize >= PICKLE_RECORDS {
         return 1;
     }
     walk.steps += 1;
@@ -1303,6 +1324,11 @@ unsafe extern "C" fn pickle_step(_turn: u64, _ctx: *mut c_void) -> i64 {
     // What this opcode captures, if anything: (1 + key, where its value is).
     let mut capture: (u8, u64) = (0, 0);
     let mut stop = false;
+    match kind {
+        pickle::Kind::Mark => walk.marks += 1,
+        pickle::Kind::PopMark => walk.marks = walk.marks.saturating_sub(1),
+        _ => {}
+    }
     if walk.pending != 0 {
         // The value of the key just passed, after its memo store if any.
         let k = usize::from((walk.pending - 1) & 1);

@@ -88,6 +88,8 @@ fn healthy(rooms: u64, extra: &[&str], ipc: Ipc) {
     assert_eq!(target.rooms().len() as u64, rooms);
     assert_counts(&lines, target.rooms().len(), rooms, 0, 0, 0);
     assert_eq!(summary(&lines)["in_flight"], 0, "{lines:?}");
+    // Each probe's hits, for traps per room (`--nocapture`).
+    eprintln!("summary: {}", summary(&lines));
 }
 
 #[test]

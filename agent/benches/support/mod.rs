@@ -29,7 +29,7 @@ use aya::{
     },
 };
 use stallwatch::profile::{
-    ActivityKind, At, Profile,
+    At, Profile,
     resolve::{ElfFile, ProcessImage},
 };
 
@@ -214,10 +214,11 @@ impl Drop for Agent {
 
 /// The empty programs attached where the agent links a profile's probes
 /// for the whole run: every lifecycle probe and signal (its entry half too,
-/// for a return probe that reads arguments) and every post and completion
-/// activity probe that resolves. Not the progress probes: the agent links
-/// those only while a request nears its stall, so a healthy run never has
-/// them, and a floor with them would be below the agent's real one.
+/// for a return probe that reads arguments) and every completion activity
+/// probe that resolves. Not the progress and post probes
+/// ([`stallwatch::profile::ActivityKind::near_stall_only`]): the agent links those only while a
+/// request nears its stall, so a healthy run never has them, and a floor
+/// with them would be below the agent's real one.
 pub struct Floor {
     _ebpf: Ebpf,
     /// The functions attached, one entry per attachment.
@@ -272,7 +273,7 @@ impl Floor {
         for spec in &profile.signals {
             halves(spec.object.as_deref(), &spec.symbol, spec.at, spec.args_read(), spec.optional);
         }
-        for spec in profile.activity.iter().filter(|spec| spec.kind != ActivityKind::Progress) {
+        for spec in profile.activity.iter().filter(|spec| !spec.kind.near_stall_only()) {
             wanted.push((spec.object.as_deref(), spec.symbol.as_str(), "empty_entry", spec.optional));
         }
         let mut points = Vec::new();

@@ -1,15 +1,19 @@
-//! When a process's progress probes are linked.
+//! When a process's gated transport probes (progress, posts) are linked.
 //!
 //! UCX's `ucp_worker_progress` is called thousands of times a transfer
 //! (non-stop by a thread-pool engine), and a uprobe on it costs the target
-//! more than every other probe of the `nixl` profile together. Its count
-//! matters only to judge a stall (`peer_unresponsive` vs `no_progress`), so
-//! the probe is linked only while the process holds a request silent for
-//! half the timeout or more (stalled or not), and unlinked once it holds
-//! none. A stall due on time is then judged on progress counted over about
-//! the second half of its silence (the evidence says over how long, see
-//! [`crate::evidence::transport`]); a healthy process, whose requests end long before
-//! half the timeout, never has it linked.
+//! more than every other probe of the `nixl` profile together. UCX's posts
+//! (`ucp_put_nbx` and the like) come once per NIXL descriptor: chunks x KV
+//! buffers x page runs, 130 traps a room at 32 layers where the room's own
+//! lifecycle takes 15. Both counts matter only to judge a stall
+//! (`peer_unresponsive` vs `no_progress`, posts since its last event), so
+//! their probes ([`crate::profile::ActivityKind::near_stall_only`]) are
+//! linked only while the process holds a request silent for half the
+//! timeout or more (stalled or not), and unlinked once it holds none. A
+//! stall due on time is then judged on progress and posts counted over
+//! about the second half of its silence (the evidence says over how long,
+//! see [`crate::evidence::transport`]); a healthy process, whose requests
+//! end long before half the timeout, never has them linked.
 //!
 //! Half: late enough that healthy requests never open the gate, early
 //! enough that the window left before the stall (half the timeout) is far
@@ -40,7 +44,7 @@ use crate::{
 /// Most time between two checks of who holds a request near its stall.
 const MAX_PERIOD_NS: u64 = 250_000_000;
 
-/// The progress-probe gate's timing.
+/// The gate's timing.
 #[derive(Debug, Clone)]
 pub struct Gate {
     /// Silence from which a request opens its process's gate.
@@ -136,7 +140,7 @@ impl Default for Opener {
 }
 
 impl Opener {
-    /// Start linking the progress probes of `pid`, unless there is nothing
+    /// Start linking the gated probes (progress, posts) of `pid`, unless there is nothing
     /// to link or an opening of it is under way.
     pub fn open(&mut self, pid: u32, probes: &mut Probes) {
         match probes.begin_opening(pid) {
@@ -165,7 +169,7 @@ impl Opener {
         }
     }
 
-    /// Take an opening's links: the process's progress probes are on, and
+    /// Take an opening's links: the process's gated probes are on, and
     /// counted from now (the calls made while they were being linked fall
     /// before the window, which is then never longer than the time they
     /// were on). Those of a process detached meanwhile go through
@@ -181,14 +185,14 @@ impl Opener {
                     Ok(()) => transport.progress_attached(pid, Some(since)),
                     Err(err) => warn!(
                         pid,
-                        "sampling transport counts as the progress probes came on (their stalls say progress not \
-                         watched): {err:#}"
+                        "sampling transport counts as the progress and post probes came on (their stalls say \
+                         progress not watched): {err:#}"
                     ),
                 }
                 info!(
                     pid,
                     attach_ms = format_args!("{:.1}", took.as_secs_f64() * 1e3),
-                    "progress probes attached: a request of the process is near its stall"
+                    "progress probes attached, with the post probes: a request of the process is near its stall"
                 );
             }
             Ok(Some(orphaned)) => detacher.start(orphaned),
@@ -200,7 +204,8 @@ impl Opener {
         if self.failures.is_new(pid, err) {
             warn!(
                 pid,
-                "progress probes not attached (retried while a request is near its stall; its stalls tell no no_progress): {err}"
+                "progress and post probes not attached (retried while a request is near its stall; its stalls tell no \
+                 no_progress and count no posts): {err}"
             );
         }
     }

@@ -10,13 +10,16 @@
 //! progress calls since, none completed") and refine the stall's class with
 //! a verdict.
 //!
-//! Progress probes are linked only while a request of their process nears
-//! its stall ([`crate::evidence::gate`]), so progress is counted over a *window*: from
-//! the later of the request's last event and the moment the probe's current
-//! attachment began, to the newest sample. The evidence says how long that
-//! window is, and a window shorter than [`Tracker::min_window_ns`] (the
-//! probe attached just now, e.g. by an agent that took over a request near
-//! its timeout) never yields `no_progress`: zero calls in it prove nothing.
+//! Progress and post probes are linked only while a request of their
+//! process nears its stall ([`crate::evidence::gate`]), so progress and
+//! posts are counted over a *window*: from the later of the request's last
+//! event and the moment the probes' current attachment began, to the
+//! newest sample. The evidence says how long that window is ("no post in
+//! the last 30.0s", "120000 progress calls in the last 30.0s"), never
+//! "last post 57 s ago" for a post it could not have seen, and a window
+//! shorter than [`Tracker::min_window_ns`] (the probes attached just now,
+//! e.g. by an agent that took over a request near its timeout) never
+//! yields `no_progress`: zero calls in it prove nothing.
 //!
 //! Where the stalled transfer's peer is known ([`crate::evidence::peers`]), the
 //! verdict is judged per peer first: completions to that peer since say it
@@ -47,13 +50,24 @@ pub struct Activity {
     pub last_ns: Option<u64>,
 }
 
-/// Every kind, indexed by [`ActivityKind`].
+/// Every kind, indexed by [`ActivityKind`], and which kinds the process
+/// has probes of.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Totals([Activity; 3]);
+pub struct Totals {
+    kinds: [Activity; 3],
+    /// Bit per [`ActivityKind`]: a probe of the kind was counted.
+    probed: u8,
+}
 
 impl Totals {
     pub fn get(&self, kind: ActivityKind) -> Activity {
-        self.0[kind as usize]
+        self.kinds[kind as usize]
+    }
+
+    /// Whether the process has a probe of `kind`: without one, its count
+    /// says nothing (a Mooncake process has no post probe to count).
+    pub fn probed(&self, kind: ActivityKind) -> bool {
+        self.probed & (1 << kind as u8) != 0
     }
 
     #[cfg(test)]
@@ -62,9 +76,14 @@ impl Totals {
     }
 
     fn add(&mut self, kind: ActivityKind, calls: u64, last_ns: Option<u64>) {
-        let slot = &mut self.0[kind as usize];
+        let slot = &mut self.kinds[kind as usize];
         slot.calls += calls;
         slot.last_ns = slot.last_ns.max(last_ns);
+        self.probed |= 1 << kind as u8;
+    }
+
+    fn set_calls(&mut self, kind: ActivityKind, calls: u64) {
+        self.kinds[kind as usize].calls = calls;
     }
 }
 
@@ -74,12 +93,13 @@ pub struct Evidence {
     /// Counts since the process started being watched, and last-seen times.
     pub total: Totals,
     /// Calls since the request's last lifecycle event (at sampling
-    /// resolution: the sample at or before that event); progress calls
-    /// only over `progress_window_ns`.
+    /// resolution: the sample at or before that event); progress calls and
+    /// posts only over `progress_window_ns`.
     pub since: Totals,
-    /// How far back `since` counts progress calls: the probe was attached
-    /// all through the last this many ns. `None`: no progress probe is
-    /// attached now, and the progress count is 0 for want of one.
+    /// How far back `since` counts progress calls and posts (the kinds
+    /// [`ActivityKind::near_stall_only`]): their probes were attached all
+    /// through the last this many ns. `None`: none is attached now, and
+    /// both counts are 0 for want of one.
     pub progress_window_ns: Option<u64>,
     /// When this was measured (monotonic ns).
     pub at_ns: u64,
@@ -93,17 +113,15 @@ pub struct Evidence {
 }
 
 impl Evidence {
-    /// One line for people: "last post 57.0s ago, last completion 57.0s
-    /// ago, 120000 progress calls in the last 30.0s, none completed"; with
-    /// a known peer the completions are told per peer: "none to decode-0
-    /// completed, 14 to other peers"; a process held itself says so first:
-    /// "process stopped (all 57 threads in state T); last post ...".
+    /// One line for people: "no post in the last 30.0s, last completion
+    /// 57.0s ago, 120000 progress calls in the last 30.0s, none
+    /// completed"; with a known peer the completions are told per peer:
+    /// "none to decode-0 completed, 14 to other peers"; a process held
+    /// itself says so first: "process stopped (all 57 threads in state T);
+    /// no post ...". Posts are told as far as the window their probes were
+    /// on reaches ([`Self::posts`]); a process with no post probe has no
+    /// post clause.
     pub fn summary(&self) -> String {
-        let ago = |kind: ActivityKind| match self.total.get(kind).last_ns {
-            Some(ns) => format!("{:.1}s ago", self.at_ns.saturating_sub(ns) as f64 / 1e9),
-            None => "never".to_owned(),
-        };
-        let count = |n: u64| if n == 0 { "none".to_owned() } else { n.to_string() };
         let completed = match (&self.peer, self.since.get(ActivityKind::Completion).calls) {
             (Some(peer), _) => {
                 format!("{} to {} completed, {} to other peers", count(peer.to_peer), peer.peer, count(peer.to_others))
@@ -112,20 +130,52 @@ impl Evidence {
             (None, n) => format!("{n} completed"),
         };
         let progress = match self.progress_window_ns {
-            Some(ns) => format!(
-                "{} progress calls in the last {:.1}s",
-                self.since.get(ActivityKind::Progress).calls,
-                ns as f64 / 1e9
-            ),
+            Some(ns) => {
+                format!("{} progress calls in the last {}", self.since.get(ActivityKind::Progress).calls, seconds(ns))
+            }
             None => "progress not watched".to_owned(),
         };
         let halt = self.halt.map(|halt| format!("{}; ", halt.summary())).unwrap_or_default();
-        format!(
-            "{halt}last post {}, last completion {}, {progress}, {completed}",
-            ago(ActivityKind::Post),
-            ago(ActivityKind::Completion)
-        )
+        let posts = self.posts().map(|posts| format!("{posts}, ")).unwrap_or_default();
+        format!("{halt}{posts}last completion {}, {progress}, {completed}", self.ago(ActivityKind::Completion))
     }
+
+    /// What the post probes saw, as far as they were on: "3 posts in the
+    /// last 30.0s (last 0.4s ago)"; "last post 29.0s ago" (one in the
+    /// window, before the request's last event); "no post in the last
+    /// 30.0s"; "posts not watched" (their probes are not on). `None`: the
+    /// process has no post probe.
+    fn posts(&self) -> Option<String> {
+        if !self.total.probed(ActivityKind::Post) {
+            return None;
+        }
+        let Some(window_ns) = self.progress_window_ns else { return Some("posts not watched".to_owned()) };
+        let last_ns = self.total.get(ActivityKind::Post).last_ns;
+        let in_window = last_ns.is_some_and(|ns| ns >= self.at_ns.saturating_sub(window_ns));
+        Some(match self.since.get(ActivityKind::Post).calls {
+            0 if in_window => format!("last post {}", self.ago(ActivityKind::Post)),
+            0 => format!("no post in the last {}", seconds(window_ns)),
+            n => format!("{n} posts in the last {} (last {})", seconds(window_ns), self.ago(ActivityKind::Post)),
+        })
+    }
+
+    /// "57.0s ago" since the last call of `kind`, or "never".
+    fn ago(&self, kind: ActivityKind) -> String {
+        match self.total.get(kind).last_ns {
+            Some(ns) => format!("{} ago", seconds(self.at_ns.saturating_sub(ns))),
+            None => "never".to_owned(),
+        }
+    }
+}
+
+/// "none", or the number.
+fn count(n: u64) -> String {
+    if n == 0 { "none".to_owned() } else { n.to_string() }
+}
+
+/// "30.0s".
+fn seconds(ns: u64) -> String {
+    format!("{:.1}s", ns as f64 / 1e9)
 }
 
 /// The stall's class refined by the transport's behaviour.
@@ -214,9 +264,9 @@ pub struct ProcessTransport {
     history: VecDeque<Sample>,
     /// Completions seen as lifecycle events.
     done: Activity,
-    /// When the progress probes' current attachment began (the sample
-    /// taken just before they were linked); `None` while none is linked.
-    progress_since: Option<u64>,
+    /// When the gated probes' (progress, posts) current attachment began
+    /// (the sample taken as they came on); `None` while none is linked.
+    gated_since: Option<u64>,
     /// The shortest progress window that can tell `no_progress`.
     min_window_ns: u64,
     has_activity_probe: bool,
@@ -266,20 +316,22 @@ impl ProcessTransport {
             };
             since.add(kind, calls, None);
         }
-        // Progress only from when its probe went on, if that was later.
-        let progress_window_ns = match self.progress_since {
+        // Progress and posts only from when their probes went on, if that
+        // was later; none without them on.
+        let gated = ActivityKind::ALL.into_iter().filter(|kind| kind.near_stall_only());
+        let progress_window_ns = match self.gated_since {
             Some(attached_ns) if attached_ns > request.last_ns => {
                 let from = self.sample_at(attached_ns)?;
-                let calls = total
-                    .get(ActivityKind::Progress)
-                    .calls
-                    .saturating_sub(from.totals.get(ActivityKind::Progress).calls);
-                since.0[ActivityKind::Progress as usize].calls = calls;
+                for kind in gated {
+                    since.set_calls(kind, total.get(kind).calls.saturating_sub(from.totals.get(kind).calls));
+                }
                 Some(newest.at_ns.saturating_sub(from.at_ns))
             }
             Some(_) => Some(newest.at_ns.saturating_sub(before.at_ns)),
             None => {
-                since.0[ActivityKind::Progress as usize].calls = 0;
+                for kind in gated {
+                    since.set_calls(kind, 0);
+                }
                 None
             }
         };
@@ -296,11 +348,11 @@ impl ProcessTransport {
     }
 
     /// The newest totals and when they were sampled, if the process has
-    /// transport probes, with how long its progress probes had been
-    /// attached then (`None`: they were not).
+    /// transport probes, with how long its gated probes (progress, posts)
+    /// had been attached then (`None`: they were not).
     pub fn latest(&self) -> Option<(Totals, u64, Option<u64>)> {
         self.history.back().filter(|_| self.has_activity_probe).map(|sample| {
-            (sample.totals, sample.at_ns, self.progress_since.map(|since| sample.at_ns.saturating_sub(since)))
+            (sample.totals, sample.at_ns, self.gated_since.map(|since| sample.at_ns.saturating_sub(since)))
         })
     }
 }
@@ -330,13 +382,13 @@ impl Tracker {
         }
     }
 
-    /// The progress probes of `pid` were just linked (`Some`: the time of
-    /// the sample taken before linking them, from which they count) or
-    /// unlinked (`None`).
+    /// The gated probes (progress, posts) of `pid` were just linked
+    /// (`Some`: the time of the sample taken as they came on, from which
+    /// they count) or unlinked (`None`).
     pub fn progress_attached(&mut self, pid: u32, since_ns: Option<u64>) {
         let min_window_ns = self.min_window_ns;
         let process = self.processes.entry(pid).or_default();
-        process.progress_since = since_ns;
+        process.gated_since = since_ns;
         process.min_window_ns = min_window_ns;
     }
 
@@ -689,7 +741,7 @@ mod tests {
         let report = Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 60 * S, at_ns: 70 * S };
         let evidence = tracker.for_report(&report, |_| None, None).expect("transport probes");
         assert_ne!(evidence.verdict, Verdict::ProcessStopped);
-        assert!(evidence.summary().starts_with("last post"), "{}", evidence.summary());
+        assert!(evidence.summary().starts_with("posts not watched, last completion"), "{}", evidence.summary());
     }
 
     #[test]
@@ -786,6 +838,74 @@ mod tests {
         tracker.record(7, 2 * S, totals(1, 0, 0, 0));
         let evidence = tracker.evidence(&stalled(7, Stage::TransferPosted, 0), StallClass::TransferHung, None).unwrap();
         assert_eq!((evidence.progress_window_ns, evidence.verdict), (Some(S), Verdict::NoProgress));
+    }
+
+    /// A request silent since 10 s, judged at 70 s (timeout 60 s), the
+    /// post probes linked at 40 s; before, an earlier opening (5-8 s)
+    /// counted 4 posts, the last at 8 s. `posts`: (calls, last) from 40 s.
+    fn judged_with_posts(class: StallClass, stage: Stage, posts: Option<(u64, u64)>) -> Evidence {
+        let mut tracker = Tracker::new(60 * S);
+        let mut old = Totals::default();
+        old.add(ActivityKind::Post, 4, Some(8 * S));
+        old.add(ActivityKind::Progress, 900, Some(8 * S));
+        tracker.record(7, 10 * S, old);
+        tracker.record(7, 40 * S, old);
+        tracker.progress_attached(7, Some(40 * S));
+        let mut now = old;
+        if let Some((calls, last_ns)) = posts {
+            now.add(ActivityKind::Post, calls, Some(last_ns));
+        }
+        tracker.record(7, 70 * S, now);
+        tracker.evidence(&stalled(7, stage, 10 * S), class, None).unwrap()
+    }
+
+    #[test]
+    fn posts_are_counted_over_the_window_their_probes_were_on_and_the_summary_says_so() {
+        // Posts made near the stall: counted, and they tell a request that
+        // waits that the transport is busy with others.
+        let evidence = judged_with_posts(StallClass::WaitingForPeer, Stage::Enqueued, Some((3, 69 * S + S / 2)));
+        assert_eq!(evidence.since.get(ActivityKind::Post).calls, 3);
+        assert_eq!(evidence.verdict, Verdict::PeerUnresponsive);
+        assert!(
+            evidence.summary().starts_with("3 posts in the last 30.0s (last 0.5s ago), "),
+            "{}",
+            evidence.summary()
+        );
+        // None in the window: said over the window, never "last post 62.0s
+        // ago" of the earlier opening's post (posts made while the probes
+        // were off are not known).
+        let evidence = judged_with_posts(StallClass::WaitingForPeer, Stage::Enqueued, None);
+        assert_eq!((evidence.since.get(ActivityKind::Post).calls, evidence.verdict), (0, Verdict::Idle));
+        assert!(evidence.summary().starts_with("no post in the last 30.0s, "), "{}", evidence.summary());
+        // A hung transfer is judged on progress and completions, not posts.
+        let evidence = judged_with_posts(StallClass::TransferHung, Stage::TransferPosted, None);
+        assert_eq!(evidence.verdict, Verdict::NoProgress);
+        // Probes off: nothing claimed, the earlier opening's count not "since".
+        let mut tracker = Tracker::new(60 * S);
+        tracker.record(7, 10 * S, totals(4, 0, 0, 8 * S));
+        tracker.record(7, 70 * S, totals(4, 0, 0, 8 * S));
+        let evidence =
+            tracker.evidence(&stalled(7, Stage::Enqueued, 10 * S), StallClass::WaitingForPeer, None).unwrap();
+        assert_eq!((evidence.since.get(ActivityKind::Post).calls, evidence.progress_window_ns), (0, None));
+        assert!(evidence.summary().starts_with("posts not watched, "), "{}", evidence.summary());
+    }
+
+    #[test]
+    fn a_process_without_post_probes_has_no_post_clause() {
+        let mut tracker = Tracker::new(60 * S);
+        let mut progress = Totals::default();
+        progress.add(ActivityKind::Progress, 10, Some(10 * S));
+        tracker.record(7, 10 * S, progress);
+        tracker.progress_attached(7, Some(10 * S));
+        progress.add(ActivityKind::Progress, 500, Some(60 * S));
+        tracker.record(7, 70 * S, progress);
+        let evidence =
+            tracker.evidence(&stalled(7, Stage::TransferPosted, 10 * S), StallClass::TransferHung, None).unwrap();
+        assert_eq!(
+            evidence.summary(),
+            "last completion never, 500 progress calls in the last 60.0s, none completed",
+            "a Mooncake process has no post probe: no post count is claimed"
+        );
     }
 
     #[test]

@@ -12,10 +12,11 @@
 //! previous agent) and every link is pinned as it is made, so the probes
 //! outlive the agent; see [`crate::kernel::state`].
 //!
-//! Progress probes (`[[activity]]` with `kind = "progress"`) are the
-//! exception: the target calls them thousands of times a transfer, so they
-//! get their slot at attach time but are linked only while the gate says
-//! so (a request of the process nears its stall, see
+//! Progress and post probes (`[[activity]]` of a kind that is
+//! [`ActivityKind::near_stall_only`]) are the exception: the target calls
+//! them thousands of times a transfer (progress) or once per descriptor
+//! (posts), so they get their slot at attach time but are linked only
+//! while the gate says so (a request of the process nears its stall, see
 //! [`crate::evidence::gate`]), off the event loop ([`Probes::begin_opening`],
 //! [`super::uprobe_link`]). Their links are never pinned: they belong to
 //! this agent alone and go with it (the kernel drops an unpinned link when
@@ -86,8 +87,8 @@ pub struct Slot {
     pub first_insn: FirstInsn,
 }
 
-/// A progress probe of one process, resolved and given its slot, linked
-/// only while its gate is open.
+/// A gated probe (progress, posts) of one process, resolved and given its
+/// slot, linked only while its gate is open.
 struct Gated {
     index: u32,
     host_path: PathBuf,
@@ -135,7 +136,8 @@ pub struct Probes {
     /// Slots ready for reuse.
     free: Vec<u32>,
     links: HashMap<u32, Vec<Link>>,
-    /// Per pid, its progress probes, linked only while its gate is open.
+    /// Per pid, its gated probes (progress, posts), linked only while its
+    /// gate is open.
     gated: HashMap<u32, Vec<Gated>>,
     /// Openings of gates under way off the loop.
     openings: Openings,
@@ -297,7 +299,7 @@ impl Probes {
             return Ok(None);
         };
         if keep && dir.has_links()? {
-            // Dropping pinned links leaves them attached. The progress
+            // Dropping pinned links leaves them attached. The gated
             // probes' are never pinned: they go now, together.
             let gates: Vec<u32> = self.gated.keys().copied().collect();
             drop_all(gates.into_iter().flat_map(|pid| self.close_gate(pid)).collect());
@@ -485,19 +487,19 @@ impl Probes {
             file_offset: resolved.file_offset,
             first_insn: resolved.first_insn,
         });
-        if matches!(
-            self.slots[index as usize].as_ref().map(|slot| &slot.role),
-            Some(Role::Activity(ActivityKind::Progress))
-        ) {
+        if let Some(Role::Activity(kind)) = self.slots[index as usize].as_ref().map(|slot| &slot.role)
+            && kind.near_stall_only()
+        {
             let gated =
                 Gated { index, host_path: object.host_path.clone(), file_offset: resolved.file_offset, link: None };
             self.gated.entry(pid).or_default().push(gated);
-            info!(
+            debug!(
                 pid,
+                kind = kind.as_str(),
                 symbol = %target.symbol,
                 object = %object.path.display(),
                 offset = format_args!("{:#x}", resolved.file_offset),
-                "progress probe ready: attached only while a request of the process nears its stall"
+                "transport probe ready: attached only while a request of the process nears its stall"
             );
             return Ok(());
         }
@@ -577,12 +579,14 @@ impl Probes {
         program.take_link(id).context("taking the uprobe link")
     }
 
-    /// Whether `pid` has progress probes that [`Self::begin_opening`] links.
+    /// Whether `pid` has gated probes (progress, posts) that
+    /// [`Self::begin_opening`] links.
     pub fn has_gated(&self, pid: u32) -> bool {
         self.gated.get(&pid).is_some_and(|gated| !gated.is_empty())
     }
 
-    /// The pids with gated progress probes, and whether their gate is open.
+    /// The pids with gated probes (progress, posts), and whether their gate
+    /// is open.
     pub fn gates(&self) -> impl Iterator<Item = (u32, bool)> + '_ {
         self.gated
             .iter()
@@ -590,7 +594,7 @@ impl Probes {
             .map(|(&pid, gated)| (pid, gated.iter().all(|g| g.link.is_some())))
     }
 
-    /// What linking the progress probes of `pid` takes (its slots are
+    /// What linking the gated probes (progress, posts) of `pid` takes (its slots are
     /// configured and armed already; their hit counts go on from where the
     /// last opening left them), for [`Opening::link`] to do off the event
     /// loop: it can take the kernel seconds. `None` when there is nothing
@@ -642,7 +646,7 @@ impl Probes {
         Ok(None)
     }
 
-    /// Unlink every progress probe of `pid`; its slots stay its own, so
+    /// Unlink every gated probe (progress, posts) of `pid`; its slots stay its own, so
     /// their counts keep their meaning and a later opening goes on from
     /// them. The links are returned: dropping one detaches it, which takes
     /// the kernel tens of ms, so the caller may drop them off the event
@@ -684,7 +688,7 @@ impl Probes {
         // half, as in `release_old_links`.
         let mut links: Vec<Box<dyn Send>> =
             self.links.remove(&pid).unwrap_or_default().into_iter().rev().filter_map(Link::unpin).collect();
-        // Their final counts say whether the progress probes were on.
+        // Their final counts say whether the gated probes were on.
         let finals: Vec<ProbeHits> = self
             .slots()
             .filter(|(_, slot)| slot.pid == pid)
@@ -852,8 +856,8 @@ pub struct ProbeHits {
 pub enum Attached {
     /// From attach to detach.
     Always,
-    /// Only while a request of its process nears its stall (progress
-    /// probes); `now`: whether it is linked at this moment.
+    /// Only while a request of its process nears its stall (progress and
+    /// post probes); `now`: whether it is linked at this moment.
     OnDemand { now: bool },
 }
 

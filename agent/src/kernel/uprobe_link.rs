@@ -8,8 +8,8 @@
 //! calling thread's kernel stack all the while). Measured on the SGLang
 //! test target's prefill mid-transfer, on the shared 2-core host: 5 ms to
 //! 1.3 s per link, median 8-24 ms (an alert 1.3 s late in CI was judged
-//! 2.1 s after its gate opened: the link held the loop). The progress probes
-//! are linked exactly then (a request nears its stall), so they are linked
+//! 2.1 s after its gate opened: the link held the loop). The gated probes
+//! (progress, posts) are linked exactly then (a request nears its stall), so they are linked
 //! here, off the loop, from a duplicate of the program's fd: the two calls
 //! aya makes (`perf_event_open` of the `uprobe` PMU, then `BPF_LINK_CREATE`
 //! of a perf-event link with the slot's cookie), and nothing else. The link
@@ -81,7 +81,7 @@ pub struct UprobeLink {
     _fd: OwnedFd,
 }
 
-/// The progress probes of one process to link, handed off the event loop
+/// The gated probes (progress, posts) of one process to link, handed off the event loop
 /// by [`super::Probes::begin_opening`]; [`Self::link`] links them there,
 /// and [`super::Probes::end_opening`] takes the result back on the loop.
 pub struct Opening {

@@ -198,6 +198,17 @@ impl ActivityKind {
             Self::Progress => "progress",
         }
     }
+
+    /// Whether probes of this kind are linked only while a request of
+    /// their process nears its stall ([`crate::evidence::gate`]), and so
+    /// counted over that window alone. Progress is called thousands of
+    /// times a transfer and posts once per descriptor (chunks x KV buffers
+    /// x page runs: a hundred and more a request); both matter only to
+    /// judge a stall. Completions are kept linked: none of the built-in
+    /// profiles counts one, and a profile that does wants them all.
+    pub fn near_stall_only(self) -> bool {
+        matches!(self, Self::Post | Self::Progress)
+    }
 }
 
 /// A `[[activity]]` table: a transport function counted, never an event.
