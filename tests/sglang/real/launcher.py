@@ -19,8 +19,10 @@ sglang/srt/managers/scheduler.py `run_scheduler_process` /
   scheduler_input_ipc_name, True)`). Besides SGLang's: the test's router and
   the decode processes it starts (a client and a load balancer would be
   elsewhere), and the JSON lines on stdout.
-- One scheduler process per TP rank, started with multiprocessing's spawn
-  method (`mp.Process(target=run_scheduler_process_func, ...)`), which
+- One scheduler process per TP rank, started as a multiprocessing Process
+  (`mp.Process(target=run_scheduler_process_func, ...)`, which SGLang
+  starts with the spawn method; here with the fork server's, forks.py: the
+  same process, SGLang imported once for all of them), which
   publishes its ServerArgs with its rank (`SpawnRanks(world_rank=tp_rank,
   gpu_id=0)`) and calls SGLang's own `configure_scheduler_process`: the
   parent-death signal, SGLang's logger prefix and the process title
@@ -34,7 +36,7 @@ sglang/srt/managers/scheduler.py `run_scheduler_process` /
   `broadcast_pyobj` over a gloo process group (SGLang's `tp_cpu_group`),
   as `Scheduler.recv_requests` does for tp_size > 1: no rank but 0 reads a
   request from ZMQ.
-- A detokenizer process (spawned the same way, titled `sglang::detokenizer`
+- A detokenizer process (started the same way, titled `sglang::detokenizer`
   as run_detokenizer_process titles it): the scheduler's outputs land
   there. Test stand-in: it only takes them (SGLang's DetokenizerManager
   needs a tokenizer).
@@ -50,7 +52,6 @@ it each room's decode instance, the fault room, and asks what it holds.
 None of that is ZMQ or NIXL: the agent sees only SGLang's own traffic.
 """
 
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -66,6 +67,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 import common  # noqa: E402
+import forks  # noqa: E402
 from common import log  # noqa: E402
 
 # How far a room has gone; a TP > 1 room is as far as its slowest rank.
@@ -142,9 +144,14 @@ class FrontMixin:
         base = f"{tempfile.gettempdir()}/stallwatch-sglang-{os.getpid()}"
         self.ipc_name = f"ipc://{base}-scheduler"
         self.detokenizer_ipc = f"ipc://{base}-detokenizer"
-        # _set_envs_and_config, then _launch_scheduler_processes and
-        # _launch_detokenizer_subprocesses.
-        mp.set_start_method("spawn", force=True)
+        # This process's imports (SGLang's, for the bootstrap server's
+        # class) first, beside the fork server's, which a fork waits for:
+        # the schedulers, up in about a second once forked, then find the
+        # bootstrap server up or about to be.
+        BootstrapServer = self.bootstrap_server_class()
+        # _set_envs_and_config (its start method: forks.py), then
+        # _launch_scheduler_processes and _launch_detokenizer_subprocesses.
+        mp = forks.context()
         dist_port = free_port() if a.prefill_tp > 1 else None
         for rank in range(a.prefill_tp):
             conn, child = mp.Pipe(duplex=True)
@@ -157,11 +164,11 @@ class FrontMixin:
         self.detok.start()
         # Then the TokenizerManager, which starts the bootstrap server: the
         # schedulers' managers retry their PUT until it answers
-        # (CommonKVManager.register_to_bootstrap), and their imports run
-        # meanwhile.
-        BootstrapServer = self.bootstrap_server_class()
+        # (CommonKVManager.register_to_bootstrap).
         self.server = BootstrapServer(host="127.0.0.1", port=self.bootstrap_port)
         threading.Thread(target=self.tokenizer, daemon=True).start()
+        # The decode servers (the test's), set up beside the schedulers.
+        self.start_decodes()
         # wait_for_ready: each scheduler's init info on its pipe.
         deadline = time.monotonic() + SETUP_S
         while any(s["info"] is None for s in self.sched):
@@ -171,7 +178,6 @@ class FrontMixin:
         rank0 = self.sched[0]["info"]
         # main() prints the rank's ZMQ port as `rank_port`: rank 0's.
         self.mgr = types.SimpleNamespace(rank_port=rank0["rank_port"])
-        self.start_decodes()
         for s in self.sched:
             s["conn"].send(("set", "instances", self.instances))
 

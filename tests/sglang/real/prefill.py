@@ -4,14 +4,16 @@ server running SGLang's own NixlKVBootstrapServer, NixlKVManager (PREFILL)
 and NixlKVSender, imported unchanged from the sglang 0.5.23 wheel (PyPI),
 with real NIXL over UCX on loopback and real pyzmq, on CPU. It starts the
 decode ranks as separate processes (decode.py: NixlKVManager (DECODE) and
-NixlKVReceiver), each with its own pid.
+NixlKVReceiver), each with its own pid. Every process but this one is
+forked from a fork server that imported torch and SGLang once for all
+(forks.py), not a fresh interpreter that imports them again.
 
 Processes (--processes). `sglang` (what the tests run): the classes in the
 processes sglang 0.5.23's launcher puts them in (entrypoints/engine.py
 Engine._launch_subprocesses; launcher.py says how and what it supplies):
 this main process runs the bootstrap server, the tokenizer side of the
 scheduler IPC and the router; one scheduler process per prefill TP rank
-(--prefill-tp), spawned and retitled `sglang::scheduler` /
+(--prefill-tp), started and retitled `sglang::scheduler` /
 `sglang::scheduler_TP<rank>` as SGLang does, runs that rank's KV manager,
 transfer workers, senders and the scheduler loop below; a detokenizer
 process takes the outputs. `one` (the class default, PROCESSES; the
@@ -343,7 +345,6 @@ import os
 import queue
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -352,6 +353,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
+import forks  # noqa: E402
 from common import emit, log  # noqa: E402
 
 FAULTS = ("none", "no-answer", "bootstrap-timeout", "decode-dies", "hang", "abort", "prefill-abort", "prefill-stops",
@@ -572,23 +574,17 @@ class Target:
         threading.Thread(target=self.watch_decodes, daemon=True).start()
 
     def spawn_decode(self, instance, tp, rank, mla):
+        """A decode rank: `python DECODE_SCRIPT ...`, forked from the fork
+        server (forks.py)."""
         a = self.args
-        cmd = [sys.executable, self.DECODE_SCRIPT, "--bootstrap-port", str(self.bootstrap_port),
-               "--tp-size", str(tp), "--tp-rank", str(rank), *self.decode_args(), "--layers", str(a.layers),
-               "--pages", str(a.decode_pages), "--page-bytes", str(a.page_bytes), "--page-size", str(a.page_size),
-               "--aux-slots", str(a.aux_slots), "--free-runs", str(a.decode_free_runs),
-               "--max-seconds", str(a.max_seconds + 60)]
+        args = ["--bootstrap-port", str(self.bootstrap_port),
+                "--tp-size", str(tp), "--tp-rank", str(rank), *self.decode_args(), "--layers", str(a.layers),
+                "--pages", str(a.decode_pages), "--page-bytes", str(a.page_bytes), "--page-size", str(a.page_size),
+                "--aux-slots", str(a.aux_slots), "--free-runs", str(a.decode_free_runs),
+                "--max-seconds", str(a.max_seconds + 60)]
         if mla:
-            cmd.append("--mla")
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-
-        def pdeathsig():
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True,
-                                preexec_fn=pdeathsig)
+            args.append("--mla")
+        proc = forks.Script(self.DECODE_SCRIPT, args)
         index = len(self.decodes)
         self.decodes.append({"index": index, "instance": instance, "proc": proc, "tp_size": tp, "tp_rank": rank})
         return index
@@ -1022,6 +1018,8 @@ def main(argv, target_class=Target, args=None):
     if args.fault == "bootstrap-timeout":
         os.environ["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] = str(args.bootstrap_timeout)
     common.claim_stdout()
+    # Its imports run beside this process's own (forks.py).
+    forks.context()
     start = time.monotonic()
     deadline = start + args.max_seconds
     t = target_class(args)
