@@ -27,16 +27,6 @@ const NAMED_CAPS: [(u32, &str); 5] = [
 pub struct Caps(pub u64);
 
 impl Caps {
-    /// The hex mask of a `Cap*:` line (`000001fffeffffff`).
-    pub fn parse_hex(text: &str) -> Option<Self> {
-        u64::from_str_radix(text.trim(), 16).ok().map(Caps)
-    }
-
-    /// The `CapEff:` line of a `/proc/PID/status` text.
-    pub fn effective_from_status(status: &str) -> Option<Self> {
-        status.lines().find_map(|line| line.strip_prefix("CapEff:")).and_then(Self::parse_hex)
-    }
-
     pub fn has(self, cap: u32) -> bool {
         cap < 64 && self.0 & (1 << cap) != 0
     }
@@ -46,11 +36,11 @@ impl Caps {
         self.has(CAP_SYS_ADMIN) || self.has(CAP_BPF)
     }
 
-    /// This process's effective capabilities.
+    /// This process's effective capabilities (`CapEff:` of
+    /// `/proc/self/status`, read by procfs).
     pub fn of_self() -> Result<Self, String> {
-        let status =
-            std::fs::read_to_string("/proc/self/status").map_err(|err| format!("reading /proc/self/status: {err}"))?;
-        Self::effective_from_status(&status).ok_or_else(|| "no CapEff line in /proc/self/status".to_owned())
+        let status = procfs::process::Process::myself().and_then(|me| me.status());
+        status.map(|status| Caps(status.capeff)).map_err(|err| format!("reading /proc/self/status: {err}"))
     }
 
     /// The mask, and the named capabilities it has and lacks.
@@ -107,8 +97,7 @@ pub fn cap_last() -> Option<u32> {
 
 /// The effective user id of this process.
 pub fn euid() -> u32 {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() }
+    rustix::process::geteuid().as_raw()
 }
 
 /// Refuse to start `run` without the privileges to load and attach, before
@@ -131,25 +120,28 @@ mod tests {
 
     #[test]
     fn capability_masks() {
-        let root = Caps::parse_hex("000001fffeffffff").expect("hex");
+        let root = Caps(0x0000_01ff_feff_ffff);
         for cap in [CAP_BPF, CAP_PERFMON, CAP_SYS_PTRACE, CAP_SYS_ADMIN] {
             assert!(root.has(cap), "bit {cap}");
         }
         assert!(!root.has(CAP_SYS_RESOURCE), "bit 24 is clear in ...fe...");
         assert!(root.has(40) && !root.has(41) && !root.has(64), "bits 0..=40 (CAP_CHECKPOINT_RESTORE is the last)");
-        let status =
-            "Name:\tstallwatch\nCapInh:\t0000000000000000\nCapPrm:\t000001ffffffffff\nCapEff:\t000000c000000000\n";
-        let bpf_perf = Caps::effective_from_status(status).expect("CapEff");
-        assert_eq!(bpf_perf, Caps((1 << CAP_BPF) | (1 << CAP_PERFMON)));
+        let bpf_perf = Caps((1 << CAP_BPF) | (1 << CAP_PERFMON));
         assert!(bpf_perf.can_bpf() && bpf_perf.can_perf() && !bpf_perf.has(CAP_SYS_ADMIN));
         let admin = Caps(1 << CAP_SYS_ADMIN);
         assert!(admin.can_bpf() && admin.can_perf());
         assert!(!Caps(1 << CAP_BPF).can_perf());
-        assert_eq!(Caps::effective_from_status("CapPrm:\t0\n"), None);
-        assert_eq!(Caps::parse_hex("not hex"), None);
         assert_eq!(
             Caps(1 << CAP_BPF).describe(),
             "CapEff 0000008000000000, has CAP_BPF, lacks CAP_PERFMON CAP_SYS_PTRACE CAP_SYS_ADMIN CAP_SYS_RESOURCE"
         );
+    }
+
+    #[test]
+    fn this_process_capabilities_are_the_cap_eff_line_of_its_status() {
+        let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+        let line = status.lines().find_map(|line| line.strip_prefix("CapEff:")).expect("a CapEff line");
+        let mask = u64::from_str_radix(line.trim(), 16).expect("a hex mask");
+        assert_eq!(Caps::of_self(), Ok(Caps(mask)));
     }
 }

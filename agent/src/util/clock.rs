@@ -12,9 +12,12 @@ use std::{
     time::{Duration, SystemTime},
 };
 
+use procfs::FromRead as _;
+use rustix::time::ClockId;
+
 /// Now on the host's CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns()`.
 pub fn monotonic_ns() -> u64 {
-    host_clock_ns(libc::CLOCK_MONOTONIC, time_offsets().monotonic_ns)
+    host_clock_ns(ClockId::Monotonic, time_offsets().monotonic_ns)
 }
 
 /// How far this process's time namespace shifts CLOCK_MONOTONIC and
@@ -65,7 +68,7 @@ pub fn time_offsets() -> TimeOffsets {
 }
 
 /// `clock` as the host reads it: this namespace's reading less its offset.
-fn host_clock_ns(clock: libc::clockid_t, offset_ns: i64) -> u64 {
+fn host_clock_ns(clock: ClockId, offset_ns: i64) -> u64 {
     let ns = i128::from(clock_ns(clock)) - i128::from(offset_ns);
     u64::try_from(ns.max(0)).unwrap_or(u64::MAX)
 }
@@ -76,25 +79,18 @@ fn host_clock_ns(clock: libc::clockid_t, offset_ns: i64) -> u64 {
 /// by the time suspended; taking today's gap makes the result early, never
 /// late, so "the process started after an event" is never said wrongly.
 pub fn process_start_ns(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Field 22, counted from the one after the `(comm)`, which may hold
-    // spaces and parentheses.
-    let ticks: u64 = stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()?;
-    // SAFETY: sysconf has no preconditions.
-    let hz = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).ok().filter(|&hz| hz > 0)?;
+    let ticks = procfs::process::Stat::from_file(format!("/proc/{pid}/stat")).ok()?.starttime;
+    let hz = Some(rustix::param::clock_ticks_per_second()).filter(|&hz| hz > 0)?;
     // `/proc` shows it shifted by this namespace's boottime offset.
     let offsets = time_offsets();
     let boot_ns = i128::from(ticks) * 1_000_000_000 / i128::from(hz) - i128::from(offsets.boottime_ns);
     let boot_ns = u64::try_from(boot_ns.max(0)).ok()?;
-    let ahead = host_clock_ns(libc::CLOCK_BOOTTIME, offsets.boottime_ns).saturating_sub(monotonic_ns());
+    let ahead = host_clock_ns(ClockId::Boottime, offsets.boottime_ns).saturating_sub(monotonic_ns());
     Some(boot_ns.saturating_sub(ahead))
 }
 
-fn clock_ns(clock: libc::clockid_t) -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: clock_gettime writes the timespec we own; both clocks used
-    // here always exist on Linux.
-    unsafe { libc::clock_gettime(clock, &mut ts) };
+fn clock_ns(clock: ClockId) -> u64 {
+    let ts = rustix::time::clock_gettime(clock);
     (ts.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(ts.tv_nsec as u64)
 }
 
@@ -140,8 +136,8 @@ mod tests {
         assert!(TimeOffsets::parse("monotonic 0 0\nboottime 0 0\n").is_zero());
         assert!(TimeOffsets::parse("garbage\nmonotonic x 1\n").is_zero());
         // Back on the host's clock: a namespace behind reads earlier.
-        let host = host_clock_ns(libc::CLOCK_MONOTONIC, 0);
-        assert!(host_clock_ns(libc::CLOCK_MONOTONIC, -1_000_000_000) >= host + 1_000_000_000);
+        let host = host_clock_ns(ClockId::Monotonic, 0);
+        assert!(host_clock_ns(ClockId::Monotonic, -1_000_000_000) >= host + 1_000_000_000);
     }
 
     #[test]

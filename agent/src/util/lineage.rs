@@ -95,6 +95,9 @@ pub fn split_cmdline(raw: &[u8]) -> Vec<String> {
 
 /// The parent's pid, from `/proc/PID/stat` (field 4, after the command
 /// name in parentheses, which may itself hold spaces and parentheses).
+/// Parsed here rather than by procfs's `Stat`, which parses all 52
+/// fields: [`descendants`] reads every process's, and procfs's parse
+/// took 4-5 us a line against 0.2 us for this one field.
 fn parent(pid: u32) -> Option<u32> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     parent_of_stat(&stat)

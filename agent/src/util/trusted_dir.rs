@@ -28,17 +28,21 @@ use std::{
     fs::File,
     io,
     os::{
-        fd::{AsFd, AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
+        fd::{AsFd, BorrowedFd, OwnedFd},
         unix::ffi::{OsStrExt as _, OsStringExt as _},
     },
     path::{Component, Path, PathBuf},
 };
 
 use anyhow::{Context as _, Result};
+use rustix::{
+    fs::{AtFlags, FileType, Mode, OFlags, Stat},
+    io::Errno,
+};
 use tracing::debug;
 
-/// Mode of every directory the walk creates.
-const CREATED_MODE: libc::mode_t = 0o700;
+/// Mode of every directory the walk creates (0700).
+const CREATED_MODE: Mode = Mode::RWXU;
 
 /// A directory the whole path to which has passed the checks, held open
 /// (an `O_PATH` descriptor: it needs no read permission, only the walk's
@@ -111,18 +115,14 @@ impl TrustedDir {
 
     /// The `statfs(2)` type of the filesystem the directory is on.
     pub fn fs_type(&self) -> Result<i64> {
-        // SAFETY: fstatfs writes into the zeroed struct we own.
-        let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
-        // SAFETY: a descriptor we hold and a valid out pointer.
-        if unsafe { libc::fstatfs(self.fd.as_raw_fd(), &mut stat) } != 0 {
-            return Err(io::Error::last_os_error()).with_context(|| format!("statfs of {}", self.path.display()));
-        }
+        let stat = rustix::fs::fstatfs(&self.fd).with_context(|| format!("statfs of {}", self.path.display()))?;
         Ok(stat.f_type as i64)
     }
 
     /// The directory opened for reading (to list it, or `flock` it).
     pub fn reopen(&self) -> Result<File> {
-        let fd = openat(self.fd.as_fd(), c".", libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC)
+        let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
+        let fd = rustix::fs::openat(&self.fd, c".", flags, Mode::empty())
             .with_context(|| format!("opening {}", self.path.display()))?;
         Ok(File::from(fd))
     }
@@ -137,7 +137,7 @@ impl AsFd for TrustedDir {
 fn walk(path: &Path, missing: Missing) -> Result<Option<TrustedDir>> {
     let names = components(path)?;
     let mut checked = PathBuf::from("/");
-    let root = openat_path(None, c"/").context("opening /")?;
+    let root = openat_path(rustix::fs::CWD, c"/").context("opening /")?;
     judge(&checked, &fstat(root.as_fd(), &checked)?, if names.is_empty() { Role::Own } else { Role::Ancestor })?;
     let mut dir = root;
     for (i, name) in names.iter().enumerate() {
@@ -174,23 +174,19 @@ fn components(path: &Path) -> Result<Vec<OsString>> {
 /// missing and asked to, and check it. `None`: missing, not created.
 fn step(parent: BorrowedFd<'_>, name: &OsStr, path: &Path, role: Role, missing: Missing) -> Result<Option<OwnedFd>> {
     let c_name = CString::new(name.as_bytes()).with_context(|| format!("{} has a NUL byte", path.display()))?;
-    let fd = match openat_path(Some(parent), &c_name) {
+    let fd = match openat_path(parent, &c_name) {
         Ok(fd) => fd,
-        Err(err) if err.raw_os_error() == Some(libc::ENOENT) => {
+        Err(Errno::NOENT) => {
             if missing == Missing::Stop {
                 return Ok(None);
             }
-            // SAFETY: a NUL-terminated name relative to a descriptor we hold.
-            if unsafe { libc::mkdirat(parent.as_raw_fd(), c_name.as_ptr(), CREATED_MODE) } != 0 {
-                let err = io::Error::last_os_error();
+            match rustix::fs::mkdirat(parent, c_name.as_c_str(), CREATED_MODE) {
+                Ok(()) => debug!(path = %path.display(), "created (mode 0700)"),
                 // Made meanwhile by someone else: judged below like any other.
-                if err.raw_os_error() != Some(libc::EEXIST) {
-                    return Err(err).with_context(|| format!("creating {}", path.display()));
-                }
-            } else {
-                debug!(path = %path.display(), "created (mode 0700)");
+                Err(Errno::EXIST) => {}
+                Err(err) => return Err(io::Error::from(err)).with_context(|| format!("creating {}", path.display())),
             }
-            openat_path(Some(parent), &c_name).map_err(|err| unopened(parent, &c_name, path, role, err))?
+            openat_path(parent, &c_name).map_err(|err| unopened(parent, &c_name, path, role, err))?
         }
         Err(err) => return Err(unopened(parent, &c_name, path, role, err)),
     };
@@ -200,16 +196,16 @@ fn step(parent: BorrowedFd<'_>, name: &OsStr, path: &Path, role: Role, missing: 
 
 /// The error for a component `O_DIRECTORY | O_NOFOLLOW` would not open: a
 /// symlink is refused with where it points, anything else said as it is.
-fn unopened(parent: BorrowedFd<'_>, name: &CStr, path: &Path, role: Role, err: io::Error) -> anyhow::Error {
-    if !matches!(err.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
-        return anyhow::Error::new(err).context(format!("opening {}", path.display()));
+fn unopened(parent: BorrowedFd<'_>, name: &CStr, path: &Path, role: Role, err: Errno) -> anyhow::Error {
+    if !matches!(err, Errno::LOOP | Errno::NOTDIR) {
+        return anyhow::Error::new(io::Error::from(err)).context(format!("opening {}", path.display()));
     }
-    // SAFETY: fstatat writes into the zeroed struct we own.
-    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: a NUL-terminated name relative to a descriptor we hold.
-    let stated = unsafe { libc::fstatat(parent.as_raw_fd(), name.as_ptr(), &mut stat, libc::AT_SYMLINK_NOFOLLOW) } == 0;
-    if stated && stat.st_mode & libc::S_IFMT == libc::S_IFLNK {
-        let target = readlinkat(parent, name).map_or_else(|_| "?".to_owned(), |t| t.display().to_string());
+    let stated = rustix::fs::statat(parent, name, AtFlags::SYMLINK_NOFOLLOW);
+    if stated.is_ok_and(|stat| FileType::from_raw_mode(stat.st_mode) == FileType::Symlink) {
+        let target = rustix::fs::readlinkat(parent, name, Vec::new()).map_or_else(
+            |_| "?".to_owned(),
+            |target| Path::new(&OsString::from_vec(target.into_bytes())).display().to_string(),
+        );
         let shown = path.display();
         let fix = match role {
             Role::Ancestor => format!("give the path without symlinks (the real directory {shown} points to)"),
@@ -231,13 +227,12 @@ fn unopened(parent: BorrowedFd<'_>, name: &CStr, path: &Path, role: Role, err: i
 }
 
 /// Refuse a component another user could change (see the module's doc).
-fn judge(path: &Path, stat: &libc::stat, role: Role) -> Result<(), Untrusted> {
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
+fn judge(path: &Path, stat: &Stat, role: Role) -> Result<(), Untrusted> {
+    let euid = rustix::process::geteuid().as_raw();
     let mode = stat.st_mode & 0o7777;
     let shown = path.display();
     let others_write = mode & 0o022 != 0;
-    let sticky = mode & libc::S_ISVTX != 0;
+    let sticky = mode & Mode::SVTX.bits() != 0;
     let untrusted = |reason: String, fix: String| Err(Untrusted { path: path.to_owned(), reason, fix });
     let own_fix = || format!("`chown root {shown} && chmod 700 {shown}`, or remove it and let stallwatch create it");
     if stat.st_uid != 0 && stat.st_uid != euid {
@@ -280,54 +275,17 @@ fn judge(path: &Path, stat: &libc::stat, role: Role) -> Result<(), Untrusted> {
     }
 }
 
-/// `openat(parent, name, O_PATH | O_DIRECTORY | O_NOFOLLOW)`; `None` is
-/// the working directory (used only with an absolute name).
-fn openat_path(parent: Option<BorrowedFd<'_>>, name: &CStr) -> io::Result<OwnedFd> {
-    let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
-    match parent {
-        Some(parent) => openat(parent, name, flags),
-        None => {
-            // SAFETY: a NUL-terminated path; the descriptor is ours once returned.
-            let fd = unsafe { libc::openat(libc::AT_FDCWD, name.as_ptr(), flags) };
-            owned(fd)
-        }
-    }
+/// `openat(parent, name, O_PATH | O_DIRECTORY | O_NOFOLLOW)`; `parent`
+/// is [`rustix::fs::CWD`] only with an absolute name.
+fn openat_path(parent: BorrowedFd<'_>, name: &CStr) -> rustix::io::Result<OwnedFd> {
+    let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    rustix::fs::openat(parent, name, flags, Mode::empty())
 }
 
-fn openat(parent: BorrowedFd<'_>, name: &CStr, flags: libc::c_int) -> io::Result<OwnedFd> {
-    // SAFETY: a NUL-terminated name relative to a descriptor we hold.
-    let fd = unsafe { libc::openat(parent.as_raw_fd(), name.as_ptr(), flags) };
-    owned(fd)
-}
-
-fn owned(fd: libc::c_int) -> io::Result<OwnedFd> {
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a descriptor the kernel just returned, owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-fn fstat(fd: BorrowedFd<'_>, path: &Path) -> Result<libc::stat> {
-    // SAFETY: fstat writes into the zeroed struct we own.
-    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: a descriptor we hold and a valid out pointer.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut stat) } != 0 {
-        return Err(io::Error::last_os_error())
-            .with_context(|| format!("reading the owner and mode of {}", path.display()));
-    }
-    Ok(stat)
-}
-
-fn readlinkat(parent: BorrowedFd<'_>, name: &CStr) -> io::Result<PathBuf> {
-    let mut buf = vec![0u8; libc::PATH_MAX as usize];
-    // SAFETY: the buffer is ours and its length is passed.
-    let len = unsafe { libc::readlinkat(parent.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    if len < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    buf.truncate(len as usize);
-    Ok(PathBuf::from(OsString::from_vec(buf)))
+fn fstat(fd: BorrowedFd<'_>, path: &Path) -> Result<Stat> {
+    rustix::fs::fstat(fd)
+        .map_err(io::Error::from)
+        .with_context(|| format!("reading the owner and mode of {}", path.display()))
 }
 
 #[cfg(test)]
@@ -344,10 +302,8 @@ mod tests {
     }
 
     fn chown_nobody(path: &Path) {
-        let c = CString::new(path.as_os_str().as_bytes()).expect("path");
-        // SAFETY: a NUL-terminated path.
-        let done = unsafe { libc::chown(c.as_ptr(), NOBODY, NOBODY) } == 0;
-        assert!(done, "chown {} to nobody: {} (these tests need root)", path.display(), io::Error::last_os_error());
+        std::os::unix::fs::chown(path, Some(NOBODY), Some(NOBODY))
+            .unwrap_or_else(|err| panic!("chown {} to nobody: {err} (these tests need root)", path.display()));
     }
 
     fn refusal(result: Result<impl fmt::Debug>) -> Untrusted {
@@ -371,8 +327,12 @@ mod tests {
         for path in [&sub, &sub.join("a"), &deep] {
             let meta = std::fs::symlink_metadata(path).expect("made");
             assert!(meta.is_dir(), "{}", path.display());
-            // SAFETY: geteuid has no preconditions.
-            assert_eq!((meta.mode() & 0o7777, meta.uid()), (0o700, unsafe { libc::geteuid() }), "{}", path.display());
+            assert_eq!(
+                (meta.mode() & 0o7777, meta.uid()),
+                (0o700, rustix::process::geteuid().as_raw()),
+                "{}",
+                path.display()
+            );
         }
         // Again: all there, all fine.
         TrustedDir::create(&deep).expect("opened");
