@@ -215,7 +215,7 @@ fn exporter(protocol: Protocol, endpoint: &str) -> OtlpExporter {
     let target = OtlpTarget::new(endpoint.to_owned(), protocol, "bench");
     let exporter = OtlpExporter::start(target, "bench-host".into(), Clock::new(), ExportSettings::default())
         .expect("starting the exporter");
-    exporter.name_process(4242, "demo-prefill");
+    exporter.name_process(4242, "demo-prefill", "demo");
     exporter
 }
 

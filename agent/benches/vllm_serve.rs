@@ -64,7 +64,7 @@ fn ticks(prefill: &ServerPids, decode: &ServerPids, agent: Option<u32>) -> Resul
 /// One round of `n` healthy streamed requests, watched or not.
 fn round(d: &mut Deployment, n: usize, watched: bool) -> Result<Round> {
     let (prefill, decode) = (d.prefill.pids(), d.decode.pids());
-    let agent = watched.then(|| node_agent(&["--lib", "libnixl.so"], "vllm", "10s"));
+    let agent = watched.then(|| node_agent("10s"));
     let agent_pid = agent.as_ref().map(|agent| agent.proc.pid());
     let before = ticks(&prefill, &decode, agent_pid)?;
     let requests = d.scenario(&format!(r#"{{"cmd": "healthy", "n": {n}, "stream": true}}"#), Duration::from_secs(600));

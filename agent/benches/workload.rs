@@ -167,7 +167,7 @@ fn main() -> Result<()> {
                 container: Some("sglang".into()),
                 ..Workload::default()
             };
-            (w.labels(), StallClass::ALL[n % 3], 1)
+            (w.labels(), "sglang".into(), StallClass::ALL[n % 3], 1)
         })
         .collect();
     let mut times = Vec::with_capacity(renders);

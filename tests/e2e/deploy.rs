@@ -111,7 +111,12 @@ fn the_example_config_passes_config_check() {
     let (ok, stdout, stderr) = run_to_end(Command::new(agent_bin()).args(["config", "check"]).arg(&config));
     assert!(ok, "stallwatch config check {}: {stdout}\n{stderr}", config.display());
     assert!(stdout.contains(": ok"), "{stdout}");
-    assert!(stdout.contains("built-in profile `nixl`"), "{stdout}");
+    // No profile: every process a built-in rule matches, each with its
+    // rule's profile, the rules listed in order.
+    assert!(setting(&stdout, "watch").starts_with("every process a rule matches"), "{stdout}");
+    let profile = setting(&stdout, "profile");
+    let rules = ["-> sglang-mooncake", "-> sglang;", "-> vllm", "-> nixl"].map(|rule| profile.find(rule));
+    assert!(rules.iter().all(Option::is_some) && rules.is_sorted(), "the built-in rules in order: {stdout}");
 }
 
 #[test]

@@ -167,7 +167,7 @@ fn pinned_requests_are_listed_with_their_stage_then_their_class_oldest_first() {
         assert!(line.contains(kind.as_str()) && line.contains(expected_stage(kind)), "{line}");
     }
     assert!(table.contains(", 6 stalled (timeout 2.0s)"), "{table}");
-    assert!(table.contains(&format!("pid {} (demo-prefill):", demo.proc.pid())), "{table}");
+    assert!(table.contains(&format!("pid {} (demo-prefill, profile demo):", demo.proc.pid())), "{table}");
 
     // Removed when the agent exits.
     let _ = agent.stop();

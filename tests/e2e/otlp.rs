@@ -213,8 +213,8 @@ fn http_export_from_the_environment_with_resource_and_metrics() {
     let (status, body) = http_get(port, "/metrics", Some("application/openmetrics-text; version=1.0.0"));
     assert_eq!(status, "HTTP/1.1 200 OK", "{body}");
     for line in [
-        "stallwatch_stalls_total{class=\"waiting_for_peer\"} 1",
-        "stallwatch_requests_stalled{class=\"waiting_for_peer\"} 1",
+        "stallwatch_stalls_total{profile=\"demo\",class=\"waiting_for_peer\"} 1",
+        "stallwatch_requests_stalled{profile=\"demo\",class=\"waiting_for_peer\"} 1",
         "stallwatch_lost_events_total{reason=\"ringbuf_full\"} 0",
         "stallwatch_export_drops_total{reason=\"queue_full\"} 0",
         "# EOF",

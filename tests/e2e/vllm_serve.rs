@@ -5,9 +5,10 @@
 //! protocol), one deployment shared by this file's tests
 //! (tests/support/vllm_serve.rs).
 //!
-//! ONE agent per test, found by discovery with a selector (`--lib
-//! libnixl.so`, no `--pid`), the `vllm` profile, a 3 s timeout (the
-//! prefill's lease is [`LEASE_S`]).
+//! ONE agent per test, as the README runs it on a node: no `--pid`, no
+//! selector, no profile (the built-in rules give vLLM's engine cores and
+//! workers the `vllm` profile), a 3 s timeout (the prefill's lease is
+//! [`LEASE_S`]).
 //!
 //! The test that kills the decode runs last (libtest runs a binary's tests
 //! in name order; with `--test-threads=1` one after another): no test
@@ -20,16 +21,18 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use stallwatch_tests::{
-    Agent, Line, alerts, summary,
+    Agent, Line, alerts,
+    sglang::{Ipc, Target as Sglang},
+    summary,
     vllm_serve::{self, Deployment, LEASE_S, Stopped, deployment, inflight, maps, rss_mib},
 };
 
 const TIMEOUT: Duration = Duration::from_secs(3);
 const LATENESS: Duration = Duration::from_secs(1);
 
-/// The agent on the node: every process that maps libnixl.so.
+/// The agent on the node: every process a built-in rule matches.
 fn node_agent() -> Agent {
-    vllm_serve::node_agent(&["--lib", "libnixl.so"], "vllm", "3s")
+    vllm_serve::node_agent("3s")
 }
 
 /// The alert lines (not the summary).
@@ -165,6 +168,74 @@ fn requests_no_decode_reads_are_alerted_on_the_prefill_as_waiting_for_peer() {
     let counts = ["seen", "stalled", "in_flight", "lost_events"].map(|k| summary[k].as_u64());
     assert_eq!(counts, [Some(3), Some(3), Some(3), Some(0)], "{summary}\nthe agent logged:\n{logged}");
     assert!(TIMEOUT.as_secs() * 2 < LEASE_S, "the test ends before vLLM frees the requests at the lease");
+}
+
+/// Two frameworks on one node under one agent, each process watched with
+/// its built-in rule's profile: the real vLLM servers beside SGLang
+/// 0.5.23's real prefill (tests/sglang/real/, SGLang's process layout, its
+/// schedulers on NIXL) whose decode never answers one room. One request
+/// the vLLM decode never reads is alerted `waiting_for_peer` by the `vllm`
+/// profile on the vLLM prefill, the room by the `sglang` profile on the
+/// SGLang scheduler; the alerts, the `inflight` rows and the agent's
+/// `watching` lines name each process's profile; no process is said to
+/// match several rules (an SGLang scheduler maps NIXL too: its rule's
+/// profile extends `nixl`).
+#[test]
+fn one_agent_watches_vllm_and_sglang_on_the_node_each_with_its_rules_profile() {
+    let mut d = deployment();
+    let vllm = d.prefill.pids();
+    let vllm_pids = d.pids();
+    let mut sglang = Sglang::start("no-answer", &["--decode-shape", "tp1"], Ipc::Msgpack);
+    let schedulers: Vec<u32> = sglang.schedulers().into_iter().map(|(pid, _)| pid).collect();
+    let agent = node_agent();
+    for &pid in &schedulers {
+        agent.wait_watching(pid);
+    }
+    sglang.proc.write_line("go");
+    let requests = d.scenario(r#"{"cmd": "prefill_only", "n": 1}"#, Duration::from_secs(60));
+    let id = requests.first().map(|(_, r)| id_of(r)).expect("one request");
+    let room = sglang.fault_room();
+    let mut seen = Vec::new();
+    agent.wait_until("a stall on each framework", TIMEOUT * 4 + LATENESS, &mut seen, |seen| {
+        let on = |pids: &[u32]| alerts(seen, "stalled").any(|(_, a)| pids.contains(&pid(&a)));
+        on(&vllm_pids) && on(&schedulers)
+    });
+    let rows = inflight(&agent);
+    let (lines, logged) = agent.stop_logged(libc::SIGINT);
+    let seen = [seen, lines].concat();
+    print_agent(&seen);
+    let stalls: Vec<Value> = alerts(&seen, "stalled").map(|(_, a)| a).collect();
+    let of = |pids: &[u32]| stalls.iter().filter(|a| pids.contains(&pid(a))).cloned().collect::<Vec<_>>();
+    let [on_vllm] = &of(&vllm_pids)[..] else { panic!("one vLLM stall: {stalls:?}") };
+    assert!(on_vllm["external_id"] == id.as_str() || on_vllm["vllm_request_id"] == id.as_str(), "{on_vllm}");
+    assert_eq!((on_vllm["class"].as_str(), on_vllm["profile"].as_str()), (Some("waiting_for_peer"), Some("vllm")));
+    assert!([vllm.engine_core, vllm.worker].contains(&pid(on_vllm)), "{on_vllm} not on the vLLM prefill");
+    let [on_sglang] = &of(&schedulers)[..] else { panic!("one SGLang stall: {stalls:?}") };
+    assert!(of(&[sglang.prefill()]).is_empty(), "SGLang's main process moves no KV: {stalls:?}");
+    assert_eq!(on_sglang["key"].as_str(), Some(format!("{room:#x}").as_str()), "{on_sglang}");
+    let judged = (on_sglang["class"].as_str(), on_sglang["profile"].as_str());
+    assert_eq!(judged, (Some("waiting_for_peer"), Some("sglang")), "{on_sglang}");
+    // What `stallwatch inflight` said of each watched process.
+    let profile_of = |pid: u32| {
+        let processes = rows["processes"].as_array().expect("processes");
+        let row = processes.iter().find(|p| p["pid"] == pid);
+        row.and_then(|p| p["profile"].as_str()).map(str::to_owned)
+    };
+    for (pids, profile) in [(vec![vllm.engine_core, vllm.worker], "vllm"), (schedulers.clone(), "sglang")] {
+        for pid in pids {
+            assert_eq!(profile_of(pid).as_deref(), Some(profile), "pid {pid} in {rows}");
+            let watching = format!("watching pid={pid} ");
+            let said = logged.lines().find(|line| line.contains(&watching));
+            assert!(said.is_some_and(|line| line.contains(&format!("profile={profile}"))), "{said:?}\n{logged}");
+        }
+    }
+    // The servers' other processes are their framework's too, never the
+    // catch-all `nixl` rule's (vLLM's API server maps NIXL).
+    for (pid, profile) in [(vllm.api, "vllm"), (sglang.prefill(), "sglang")] {
+        let got = profile_of(pid);
+        assert!(got.is_none() || got.as_deref() == Some(profile), "pid {pid}: {got:?}\n{rows}");
+    }
+    assert!(!logged.contains("matches several rules"), "{logged}");
 }
 
 /// Every agent line but the summary, printed (what the agent said).
@@ -569,7 +640,7 @@ fn when_the_decode_is_killed_its_queued_requests_are_abandoned_on_the_prefill_un
     let (prefill, decode) = (d.prefill.pids(), d.decode.pids());
     let pids = d.pids();
     step_the_prefill(&mut d);
-    let agent = vllm_serve::node_agent(&["--lib", "libnixl.so"], "vllm", "5s");
+    let agent = vllm_serve::node_agent("5s");
     d.hog();
     let from = d.send(r#"{"cmd": "healthy", "n": 2}"#);
     let answered = [d.event("prefill", Duration::from_secs(60)), d.event("prefill", Duration::from_secs(60))];

@@ -345,7 +345,9 @@ fn alerts_spans_and_metrics_name_the_pod_from_the_api() {
         table.lines().skip(1).take(rows.len()).all(|line| line.split_whitespace().nth(2) == Some(shown.as_str())),
         "{table}"
     );
-    assert!(table.contains(&format!("({}, {shown})", rows[0]["process"].as_str().expect("process"))), "{table}");
+    let (process, profile) =
+        (rows[0]["process"].as_str().expect("process"), rows[0]["profile"].as_str().expect("profile"));
+    assert!(table.contains(&format!("({process}, profile {profile}, {shown})")), "{table}");
 
     // So does the stall span, as its resource: the watched process's pod,
     // not the agent's own (K8S_POD_NAME).

@@ -617,11 +617,36 @@ pub fn summary(lines: &[Line]) -> Value {
     })
 }
 
-/// The value of the sample `series` (name and labels) in an exposition.
+/// The value of `series` (a name, and labels in braces if any) in an
+/// exposition: summed over the samples of that name whose labels include
+/// the ones given (`stallwatch_stalls_total{class="transfer_hung"}` is
+/// every profile's). Panics when no sample matches.
 pub fn metric(body: &str, series: &str) -> u64 {
-    body.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("no `{series}` in:\n{body}"))
+    let (name, wanted) = split_series(series);
+    let matching: Vec<u64> = body
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| {
+            let (sample, value) = line.rsplit_once(' ')?;
+            let (sample_name, labels) = split_series(sample);
+            (sample_name == name && wanted.iter().all(|label| labels.contains(label))).then(|| value.parse().ok())?
+        })
+        .collect();
+    assert!(!matching.is_empty(), "no `{series}` in:\n{body}");
+    matching.into_iter().sum()
+}
+
+/// A series' name and its `label="value"` pairs, as written.
+fn split_series(series: &str) -> (&str, Vec<&str>) {
+    match series.split_once('{') {
+        Some((name, labels)) => {
+            let labels = labels.trim_end_matches('}');
+            // Label values here never hold `",`.
+            let pairs = labels.split_inclusive("\",").map(|pair| pair.trim_end_matches(',')).filter(|p| !p.is_empty());
+            (name, pairs.collect())
+        }
+        None => (series, Vec::new()),
+    }
 }
 
 /// A memory cgroup of its own for a process a test starts: its memory is

@@ -106,17 +106,18 @@ impl Server {
 /// while the machine's other core built and tested the agent.
 const ATTACH_WITHIN: Duration = Duration::from_secs(180);
 
-/// `stallwatch run` on the node, found by discovery (`selectors`, no
-/// `--pid`), with the `profile` and `timeout`, JSON output, its own query
-/// socket and bpf directory: [`Agent::discover`] with room for a slow
-/// attach (within 180 s). Ready once it serves its query socket.
-pub fn node_agent(selectors: &[&str], profile: &str, timeout: &str) -> Agent {
+/// `stallwatch run` on the node as the README runs it: no `--pid`, no
+/// selector and no profile, so every process a built-in rule matches is
+/// watched with its rule's profile (vLLM's engine cores and workers with
+/// `vllm`); the `timeout`, JSON output, its own query socket and bpf
+/// directory, with room for a slow attach (within 180 s). Ready once it
+/// serves its query socket.
+pub fn node_agent(timeout: &str) -> Agent {
     let bpf_dir = test_bpf_dir();
     let mut command = Command::new(agent_bin());
     command
         .arg("run")
-        .args(selectors)
-        .args(["--profile", profile, "--timeout", timeout, "--output", "json"])
+        .args(["--timeout", timeout, "--output", "json"])
         .arg("--socket")
         .arg(test_socket())
         .arg("--bpf-dir")

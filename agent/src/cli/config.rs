@@ -5,9 +5,11 @@
 //! file wins over the built-in defaults. Unknown keys are errors, and every
 //! error names the file and the line.
 //!
-//! Where the processes to watch come from: one `pid`, or a `[select]`
-//! table (executable, library, command line, cgroup) for the DaemonSet,
-//! where no pid is known in advance; one or the other.
+//! Where the processes to watch come from, and with which profile: one
+//! `pid`, or a `[select]` table (executable, library, command line,
+//! cgroup), with one `profile`; or, with no profile, `[[rule]]` tables
+//! (a selector and a profile each) before the built-in rules, so one
+//! agent per node watches every framework (see [`crate::run::rules`]).
 use std::{
     collections::BTreeMap,
     fmt,
@@ -32,8 +34,11 @@ use crate::{
     kernel::state,
     profile::{self, Profile, plan::Trust},
     query,
-    run::discovery::Selector,
-    run::{OnExit, Target},
+    run::{
+        OnExit, Target,
+        discovery::Selector,
+        rules::{self, Rule},
+    },
 };
 
 /// `--timeout` when neither the flag nor the file sets it.
@@ -70,9 +75,19 @@ pub struct RunSettings {
     #[arg(long, value_name = "TEXT", env = "STALLWATCH_CGROUP")]
     pub cgroup: Option<String>,
     /// A built-in profile name (see `stallwatch profile list`) or the
-    /// path of a profile TOML file.
+    /// path of a profile TOML file, for the --pid or the selected
+    /// processes. Without it, each process is watched with the profile of
+    /// the first rule it matches: the config file's `[[rule]]` tables, then
+    /// the built-in rules (SGLang on Mooncake and on NIXL, vLLM, NIXL).
     #[arg(long, env = "STALLWATCH_PROFILE")]
     pub profile: Option<String>,
+    /// The config file's `[[rule]]` tables (no flag: a rule list is a file's).
+    #[arg(skip)]
+    pub rules: Vec<RuleSetting>,
+    /// Whether the built-in rules follow the file's (`builtin_rules`; no
+    /// flag) [default: true].
+    #[arg(skip)]
+    pub builtin_rules: Option<bool>,
     /// How long a request may stay silent before it is reported stalled
     /// [default: 60s].
     #[arg(long, value_parser = parse_duration, env = "STALLWATCH_TIMEOUT")]
@@ -152,6 +167,7 @@ impl RunSettings {
             ("cmdline", self.cmdline.is_some()),
             ("cgroup", self.cgroup.is_some()),
             ("profile", self.profile.is_some()),
+            ("rules", !self.rules.is_empty() || self.builtin_rules.is_some()),
             ("timeout", self.timeout.is_some()),
             ("tick", self.tick.is_some()),
             ("max_tracked", self.max_tracked.is_some()),
@@ -182,13 +198,15 @@ impl RunSettings {
 
     /// These settings (the flags) over `file`'s: each one given here wins;
     /// a target given here (a pid or any selector) replaces the file's
-    /// whole target, so `--pid` works with a DaemonSet's selecting config.
+    /// whole target, so `--pid` works with a DaemonSet's selecting config,
+    /// and a profile given here replaces the file's rules.
     pub fn over(self, file: RunSettings) -> RunSettings {
         let (pid, exe, lib, cmdline, cgroup) = if self.names_target() {
             (self.pid, self.exe, self.lib, self.cmdline, self.cgroup)
         } else {
             (file.pid, file.exe, file.lib, file.cmdline, file.cgroup)
         };
+        let rules = if self.profile.is_some() { Vec::new() } else { file.rules };
         RunSettings {
             pid,
             exe,
@@ -196,6 +214,8 @@ impl RunSettings {
             cmdline,
             cgroup,
             profile: self.profile.or(file.profile),
+            rules,
+            builtin_rules: file.builtin_rules,
             timeout: self.timeout.or(file.timeout),
             tick: self.tick.or(file.tick),
             max_tracked: self.max_tracked.or(file.max_tracked),
@@ -213,32 +233,62 @@ impl RunSettings {
         }
     }
 
-    /// The defaults for what is still unset; the target (a pid or a
-    /// selector) and the profile have none and must have been given.
-    pub fn finish(self) -> Result<RunConfig> {
+    /// Which processes, and the rules that give each its profile: a
+    /// `--profile` for the pid or the selected processes, or, without one,
+    /// the file's rules and the built-in ones.
+    fn watch(&self) -> Result<(Target, Rules)> {
         let selects = self.has_selector();
         let target = match (self.pid, selects) {
             (Some(pid), false) => Target::Pid(pid),
-            (None, true) => Target::Select(Selector::new(self.exe, self.lib, self.cmdline.as_deref(), self.cgroup)?),
+            (None, _) => Target::Discover,
             (Some(_), true) => bail!(
                 "both a pid and a process selector: watch one process (--pid) or every matching one \
                  (--exe/--lib/--cmdline/--cgroup), not both"
             ),
-            (None, false) => bail!(
-                "no process to watch: pass --pid PID, or a selector (--exe NAME, --lib NAME, --cmdline REGEX, \
-                 --cgroup TEXT), or set `pid` or a [select] table in the --config file"
-            ),
         };
+        let rules = match &self.profile {
+            Some(profile) => {
+                let selector = match target {
+                    Target::Pid(_) => Selector::any(),
+                    Target::Discover if selects => {
+                        Selector::new(self.exe.clone(), self.lib.clone(), self.cmdline.as_deref(), self.cgroup.clone())?
+                    }
+                    Target::Discover => bail!(
+                        "--profile {profile} with no process: pass --pid PID or a selector (--exe NAME, --lib NAME, \
+                         --cmdline REGEX, --cgroup TEXT) for it, or leave the profile out to watch every process the \
+                         rules match (the config file's [[rule]] tables, then the built-in rules)"
+                    ),
+                };
+                Rules { own: vec![RuleSetting::given(selector, profile)], builtin: false }
+            }
+            None if selects => bail!(
+                "a process selector with no profile: pass --profile NAME|FILE for the selected processes (built-ins: \
+                 see `stallwatch profile list`), or leave the selector out to watch every process the rules match"
+            ),
+            None => {
+                let builtin = self.builtin_rules.unwrap_or(true);
+                if self.rules.is_empty() && !builtin {
+                    bail!(
+                        "no rules: the config file sets `builtin_rules = false` and has no [[rule]] table; add one, \
+                         or pass --profile with --pid or a selector"
+                    );
+                }
+                Rules { own: self.rules.clone(), builtin }
+            }
+        };
+        Ok((target, rules))
+    }
+
+    /// The defaults for what is still unset; the target and its profile
+    /// come from [`Self::watch`].
+    pub fn finish(self) -> Result<RunConfig> {
+        let (target, rules) = self.watch()?;
         if self.ephemeral && self.bpf_dir.is_some() {
             bail!("both a --bpf-dir and --ephemeral: pin the state in one directory, or nowhere");
         }
-        let profile = self.profile.context(
-            "no probe profile: pass --profile NAME|FILE, or set `profile` in the --config file \
-             (built-ins: see `stallwatch profile list`)",
-        )?;
         Ok(RunConfig {
             target,
-            profile,
+            rules,
             timeout: self.timeout.unwrap_or(DEFAULT_TIMEOUT),
             tick: self.tick.unwrap_or(DEFAULT_TICK),
             max_tracked: self.max_tracked.unwrap_or(DEFAULT_MAX_TRACKED),
@@ -314,11 +364,65 @@ fn with_origin(value: &str, origin: &str) -> String {
     }
 }
 
+/// One rule as given, its profile not loaded yet: a config file's
+/// `[[rule]]`, or `--profile` with its pid or selector.
+#[derive(Debug, Clone)]
+pub struct RuleSetting {
+    pub selector: Selector,
+    /// A built-in profile's name or a profile file's path.
+    pub profile: String,
+    /// Where it was written (`config file F, line N`, `--profile`).
+    pub origin: String,
+}
+
+impl PartialEq for RuleSetting {
+    fn eq(&self, other: &Self) -> bool {
+        (self.selector.describe(), &self.profile, &self.origin)
+            == (other.selector.describe(), &other.profile, &other.origin)
+    }
+}
+
+impl Eq for RuleSetting {}
+
+impl RuleSetting {
+    fn given(selector: Selector, profile: &str) -> Self {
+        Self { selector, profile: profile.to_owned(), origin: "--profile".to_owned() }
+    }
+}
+
+/// The rules of a run, their profiles not loaded yet.
+#[derive(Debug, Clone)]
+pub struct Rules {
+    /// The file's, or the one `--profile` makes.
+    pub own: Vec<RuleSetting>,
+    /// Whether the built-in rules ([`rules::BUILTIN`]) follow.
+    pub builtin: bool,
+}
+
+impl Rules {
+    /// Each with its profile loaded (an error names the rule).
+    pub fn load(&self) -> Result<Vec<Rule>> {
+        let mut loaded = self
+            .own
+            .iter()
+            .map(|rule| {
+                let profile = Profile::load(&rule.profile)
+                    .with_context(|| format!("{}: profile {}", rule.origin, rule.profile))?;
+                Ok(Rule { selector: rule.selector.clone(), profile, origin: rule.origin.clone() })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if self.builtin {
+            loaded.extend(Rule::builtin()?);
+        }
+        Ok(loaded)
+    }
+}
+
 /// Everything `stallwatch run` needs, flags, file and defaults merged.
 #[derive(Debug, Clone)]
 pub struct RunConfig {
     pub target: Target,
-    pub profile: String,
+    pub rules: Rules,
     pub timeout: Duration,
     pub tick: Duration,
     pub max_tracked: usize,
@@ -415,6 +519,7 @@ impl ConfigFile {
                 dir.display().to_string()
             );
         }
+        let select_given = raw.select.is_some();
         let select = raw.select.unwrap_or_default();
         if let Some(pattern) = &select.cmdline {
             regex::Regex::new(pattern.get_ref()).map_err(|err| {
@@ -427,6 +532,32 @@ impl ConfigFile {
         }
         let kubernetes_service_account =
             raw.kubernetes_service_account.map(Spanned::into_inner).map(|dir| PathBuf::from(beside(dir)));
+        let rules = raw.rule.unwrap_or_default();
+        if let (Some(first), true) = (rules.first(), profile.is_some() || select_given) {
+            bail!(
+                "{}: a [[rule]] table beside `profile` or [select]: give rules (each process watched with its \
+                 rule's profile) or one profile for the selected processes, not both",
+                at(first.span())
+            );
+        }
+        let rules = rules
+            .into_iter()
+            .map(|rule| {
+                let line = at(rule.span());
+                let rule = rule.into_inner();
+                let name = rule.profile.into_inner();
+                let profile = if profile::builtin_text(&name).is_some() { name } else { beside(name) };
+                let (exe, lib, cmdline, cgroup) = (rule.exe, rule.lib, rule.cmdline, rule.cgroup);
+                if exe.is_none() && lib.is_none() && cmdline.is_none() && cgroup.is_none() {
+                    bail!(
+                        "{line}: [[rule]] for {profile} selects nothing: give at least one of exe, lib, cmdline, cgroup"
+                    );
+                }
+                let selector = Selector::new(exe, lib, cmdline.as_deref(), cgroup)
+                    .map_err(|err| anyhow!("{line}: [[rule]]: {err:#}"))?;
+                Ok(RuleSetting { selector, profile, origin: line })
+            })
+            .collect::<Result<Vec<_>>>()?;
         let settings = RunSettings {
             pid: raw.pid.map(|pid| pid.into_inner().0),
             exe: select.exe,
@@ -434,6 +565,8 @@ impl ConfigFile {
             cmdline: select.cmdline.map(Spanned::into_inner),
             cgroup: select.cgroup,
             profile,
+            rules,
+            builtin_rules: raw.builtin_rules.map(Spanned::into_inner),
             timeout: raw.timeout.map(|d| d.into_inner().0),
             tick: raw.tick.map(|d| d.into_inner().0),
             max_tracked: raw.max_tracked.map(|n| n.into_inner().0),
@@ -489,7 +622,11 @@ impl ConfigFile {
                     &origin("profile"),
                 )
             }
-            None => "not set: pass --profile at run time".to_owned(),
+            None => {
+                let (_, rules) = s.watch().map_err(|err| anyhow!("{}", from(&format!("{err:#}"))))?;
+                let loaded = rules.load().with_context(|| from("rules"))?;
+                format!("by rule, the first a process matches: {}", rules::Rules::new(loaded).0.describe_all())
+            }
         };
         let target_ids = ["pid", "exe", "lib", "cmdline", "cgroup"];
         let selector = [("exe", &s.exe), ("lib", &s.lib), ("cmdline", &s.cmdline), ("cgroup", &s.cgroup)]
@@ -502,7 +639,8 @@ impl ConfigFile {
             (Some(pid), true) => with_origin(&pid.to_string(), &target_origin()),
             (Some(_), false) => bail!("{}", from("both a pid and a process selector: give one or the other")),
             (None, false) => with_origin(&format!("every process matching {}", selector.join(" ")), &target_origin()),
-            (None, true) => "not set: pass --pid or a selector at run time".to_owned(),
+            (None, true) if s.profile.is_some() => "not set: pass --pid or a selector at run time".to_owned(),
+            (None, true) => "every process a rule matches, now and later".to_owned(),
         };
         let shown = |id: &str, value: Option<String>, default: String| match value {
             Some(value) => with_origin(&value, &origin(id)),
@@ -617,6 +755,8 @@ struct RawConfig {
     pid: Option<Spanned<Pid>>,
     select: Option<RawSelect>,
     profile: Option<Spanned<String>>,
+    rule: Option<Vec<Spanned<RawRule>>>,
+    builtin_rules: Option<Spanned<bool>>,
     timeout: Option<Spanned<Dur>>,
     tick: Option<Spanned<Dur>>,
     max_tracked: Option<Spanned<Count>>,
@@ -639,6 +779,18 @@ struct RawSelect {
     exe: Option<String>,
     lib: Option<String>,
     cmdline: Option<Spanned<String>>,
+    cgroup: Option<String>,
+}
+
+/// `[[rule]]`: a selector, as `[select]`, and the profile of the processes
+/// it matches.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    profile: Spanned<String>,
+    exe: Option<String>,
+    lib: Option<String>,
+    cmdline: Option<String>,
     cgroup: Option<String>,
 }
 
@@ -874,6 +1026,8 @@ addr = "0.0.0.0:9464"
                 cmdline: None,
                 cgroup: None,
                 profile: Some("nixl".to_owned()),
+                rules: Vec::new(),
+                builtin_rules: None,
                 timeout: Some(Duration::from_secs(90)),
                 tick: Some(Duration::from_millis(5)),
                 max_tracked: Some(500_000),
@@ -941,7 +1095,8 @@ addr = "0.0.0.0:9464"
         assert_eq!(config.output, Format::Human);
         assert_eq!(config.socket, Path::new("/tmp/mine.sock"));
         // What the flags leave unset comes from the file.
-        assert_eq!(config.profile, "nixl");
+        assert_eq!(config.rules.own, [RuleSetting::given(Selector::any(), "nixl")]);
+        assert!(!config.rules.builtin);
         assert_eq!(config.tick, Duration::from_millis(5));
         assert_eq!(config.max_tracked, 500_000);
         assert_eq!(config.telemetry.otlp.protocol, Some(Protocol::Grpc));
@@ -954,8 +1109,8 @@ addr = "0.0.0.0:9464"
             parse("profile = \"nixl\"\n[select]\nlib = \"libnixl.so\"\ncmdline = \"sglang\"\n").expect("valid");
         assert_eq!(settings.lib.as_deref(), Some("libnixl.so"));
         let config = settings.finish().expect("complete");
-        let Target::Select(selector) = config.target else { panic!("a selector") };
-        assert_eq!(selector.describe(), "lib=libnixl.so cmdline=/sglang/");
+        assert_eq!(config.target, Target::Discover);
+        assert_eq!(config.rules.own[0].selector.describe(), "lib=libnixl.so cmdline=/sglang/");
         let err = error("profile = \"nixl\"\n\n[select]\ncmdline = \"(\"\n");
         assert!(err.contains("line 4") && err.contains("not a valid regular expression"), "{err}");
         let both =
@@ -968,14 +1123,67 @@ addr = "0.0.0.0:9464"
     }
 
     #[test]
-    fn pid_and_profile_must_come_from_somewhere() {
+    fn a_profile_needs_its_processes_and_a_selector_its_profile() {
         let err = format!(
             "{:#}",
             RunSettings { profile: Some("demo".into()), ..Default::default() }.finish().expect_err("no pid")
         );
-        assert!(err.contains("pass --pid PID, or a selector"), "{err}");
-        let err = format!("{:#}", RunSettings { pid: Some(1), ..Default::default() }.finish().expect_err("no profile"));
+        assert!(err.contains("pass --pid PID or a selector") && err.contains("leave the profile out"), "{err}");
+        let lib = RunSettings { lib: Some("libnixl.so".into()), ..Default::default() };
+        let err = format!("{:#}", lib.finish().expect_err("no profile"));
         assert!(err.contains("pass --profile"), "{err}");
+    }
+
+    #[test]
+    fn with_no_profile_every_process_is_watched_by_the_files_rules_then_the_builtin_ones() {
+        let config = RunSettings::default().finish().expect("the built-in rules");
+        assert_eq!(config.target, Target::Discover);
+        assert!(config.rules.own.is_empty() && config.rules.builtin);
+        let loaded = config.rules.load().expect("the built-in profiles load");
+        assert_eq!(loaded.len(), rules::BUILTIN.len());
+        // A pid alone: the rules choose its profile.
+        let pid = RunSettings { pid: Some(1), ..Default::default() }.finish().expect("a pid");
+        assert!(pid.rules.builtin && pid.target == Target::Pid(1));
+
+        let file = parse(
+            "builtin_rules = false\n\n[[rule]]\nprofile = \"sglang\"\nlib = \"libnixl.so\"\ncmdline = \"^sglang::\"\n\n\
+             [[rule]]\nprofile = \"vllm\"\ncgroup = \"pod-1\"\n",
+        )
+        .expect("valid");
+        let config = file.clone().finish().expect("the file's rules");
+        assert!(!config.rules.builtin);
+        let own: Vec<(String, String, String)> = config
+            .rules
+            .own
+            .iter()
+            .map(|rule| (rule.selector.describe(), rule.profile.clone(), rule.origin.clone()))
+            .collect();
+        assert_eq!(
+            own,
+            [
+                (
+                    "lib=libnixl.so cmdline=/^sglang::/".into(),
+                    "sglang".into(),
+                    "config file /etc/stallwatch/config.toml, line 3".into()
+                ),
+                ("cgroup=pod-1".into(), "vllm".into(), "config file /etc/stallwatch/config.toml, line 8".into()),
+            ]
+        );
+        // A --profile on call replaces the file's rules.
+        let flags = RunSettings { pid: Some(5), profile: Some("nixl".into()), ..Default::default() };
+        let config = flags.over(file).finish().expect("one profile");
+        assert_eq!(config.rules.own, [RuleSetting::given(Selector::any(), "nixl")]);
+
+        let err = error("[[rule]]\nprofile = \"nixl\"\n");
+        assert!(err.contains("line 1") && err.contains("selects nothing"), "{err}");
+        let err = error("profile = \"nixl\"\n[[rule]]\nprofile = \"nixl\"\nlib = \"x\"\n");
+        assert!(err.contains("line 2") && err.contains("not both"), "{err}");
+        let err = error("[[rule]]\nprofile = \"nixl\"\ncmdline = \"(\"\n");
+        assert!(err.contains("line 1") && err.contains("not a valid regular expression"), "{err}");
+        let err = error("[[rule]]\nprofile = \"nixl\"\nlibrary = \"x\"\n");
+        assert!(err.contains("unknown field `library`"), "{err}");
+        let none = parse("builtin_rules = false\n").expect("valid").finish().expect_err("no rules");
+        assert!(format!("{none:#}").contains("no rules"), "{none:#}");
     }
 
     #[test]
@@ -1119,7 +1327,11 @@ addr = "0.0.0.0:9464"
             ConfigFile::parse(include_str!("../../deploy/base/config.toml"), Path::new("/etc/stallwatch/config.toml"))
                 .expect("agent/deploy/base/config.toml parses")
                 .settings;
-        assert!(settings.profile.is_some(), "the example names a profile");
+        // One agent per node for every framework: no profile, no selector,
+        // the built-in rules.
+        let config = settings.finish().expect("the example resolves");
+        assert_eq!(config.target, Target::Discover);
+        assert!(config.rules.own.is_empty() && config.rules.builtin, "{:?}", config.rules);
     }
 
     #[test]

@@ -49,7 +49,7 @@ fn dispatch(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
         Command::Run { config, flags } => {
             let config::RunConfig {
                 target,
-                profile,
+                rules,
                 timeout,
                 tick,
                 max_tracked,
@@ -60,14 +60,14 @@ fn dispatch(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
                 on_exit,
                 trust,
             } = config::resolve(config.as_deref(), flags, &origins(matches, "run"))?;
-            let profile = Profile::load(&profile)?;
+            let rules = rules.load()?;
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .context("starting the tokio runtime")?;
             let options = run::Options {
                 target,
-                profile,
+                rules,
                 timeout,
                 tick,
                 max_tracked,

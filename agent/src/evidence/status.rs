@@ -63,6 +63,20 @@ impl StatusReads {
     }
 }
 
+/// The reads of several profiles' readers, one count.
+impl std::iter::Sum for StatusReads {
+    fn sum<I: Iterator<Item = Self>>(reads: I) -> Self {
+        reads.fold(Self::default(), |sum, r| Self {
+            answered: sum.answered + r.answered,
+            unrecognised: sum.unrecognised + r.unrecognised,
+            not_held: sum.not_held + r.not_held,
+            process_gone: sum.process_gone + r.process_gone,
+            unreadable: sum.unreadable + r.unreadable,
+            off: sum.off + r.off,
+        })
+    }
+}
+
 /// Reads `[status]` for requests whose stall is due.
 pub struct StatusReader {
     spec: StatusSpec,

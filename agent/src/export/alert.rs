@@ -57,9 +57,9 @@ pub struct AlertWriter<W> {
     out: W,
     format: Format,
     clock: Clock,
-    /// Process names by pid, taken when a process is attached (it may be
-    /// gone by the time its requests are reported).
-    names: HashMap<u32, Box<str>>,
+    /// Process names and profiles by pid, taken when a process is attached
+    /// (it may be gone by the time its requests are reported).
+    names: HashMap<u32, (Box<str>, Box<str>)>,
     /// The watched processes' workloads (pod, container), when known.
     workloads: Option<Directory>,
     /// Set when stdout's reader went away (`| head`): the first write that
@@ -124,8 +124,10 @@ impl<W: Write> AlertWriter<W> {
         &mut self.out
     }
 
-    pub fn name_process(&mut self, pid: u32, name: &str) {
-        self.names.insert(pid, name.into());
+    /// The name alerts give `pid`'s process, and the profile that judges
+    /// its requests.
+    pub fn name_process(&mut self, pid: u32, name: &str, profile: &str) {
+        self.names.insert(pid, (name.into(), profile.into()));
     }
 
     /// Write the alert line a report calls for, if any, with the transport
@@ -275,11 +277,12 @@ impl<W: Write> AlertWriter<W> {
     fn human(&self, alert: &Alert<'_>) -> String {
         let request = alert.request;
         let mut line = format!(
-            "{} {:<14} pid={} process={} key={:#x}",
+            "{} {:<14} pid={} process={} profile={} key={:#x}",
             self.clock.rfc3339(alert.at_ns),
             alert.kind.to_uppercase(),
             request.pid,
             text::value(self.process_name(request.pid)),
+            text::value(self.profile(request.pid)),
             request.key
         );
         if let Some(workload) = self.workload(request.pid) {
@@ -326,6 +329,7 @@ impl<W: Write> AlertWriter<W> {
             "alert": alert.kind,
             "pid": request.pid,
             "process": self.process_name(request.pid),
+            "profile": self.profile(request.pid),
             "key": format!("{:#x}", request.key),
             "external_id": request.external_id.as_deref(),
             "stage": request.stage.as_str(),
@@ -351,7 +355,11 @@ impl<W: Write> AlertWriter<W> {
     }
 
     fn process_name(&self, pid: u32) -> &str {
-        self.names.get(&pid).map_or("?", |name| name)
+        self.names.get(&pid).map_or("?", |(name, _)| name)
+    }
+
+    fn profile(&self, pid: u32) -> &str {
+        self.names.get(&pid).map_or("?", |(_, profile)| profile)
     }
 }
 

@@ -1,17 +1,16 @@
-//! The Prometheus `/metrics` endpoint (off unless `--metrics-addr`).
+//! The Prometheus `/metrics` endpoint (off unless `--metrics-addr`): the
+//! series here, the HTTP side (and `/healthz`, `/readyz`) in [`http`].
 //!
 //! Values are taken when a scrape arrives, on the event loop (which owns
 //! the engine and the kernel maps): the HTTP side only forwards the scrape
-//! and writes the answer, so a slow or hostile client costs the event path
-//! nothing but that one render. The in-flight gauges walk the tracked
-//! requests, O(tracked) per scrape.
+//! and writes the answer. The in-flight gauges walk the tracked requests,
+//! O(tracked) per scrape.
 //!
 //! The exposition format is written by `prometheus-client` (the Prometheus
 //! project's Rust client): OpenMetrics text when the scraper asks for it
 //! (`Accept: application/openmetrics-text`, as Prometheus does), the
 //! classic 0.0.4 text format otherwise, with names, types, `_total`
-//! suffixes and escaping done by the library. The HTTP part is a few lines
-//! on tokio: one `GET /metrics`, one response, close.
+//! suffixes and escaping done by the library.
 //!
 //! Durations are histograms in seconds (Prometheus base units), beside the
 //! serving frameworks' own (`vllm:e2e_request_latency_seconds`,
@@ -20,48 +19,35 @@
 //! bounded enums of the engine (class, outcome, stage), never a request or
 //! a process: the series count is fixed (see the metrics table in docs/telemetry.md).
 //!
-//! `/healthz` answers through the event loop once it runs (a wedged loop
-//! fails it, which is what a liveness probe should see); `/readyz` answers
-//! from a flag the loop sets once the probes are attached and a previous
-//! agent's pinned state is taken over, so a rolling update waits for the
-//! hand-over. Until then both answer `503` at once: the HTTP side runs on
-//! a thread of its own, because attaching is synchronous work on the
-//! agent's single-threaded runtime and would hold every request for its
-//! length (seconds on a process with many libraries).
+//! The series of what was judged (requests in flight and stalled, stalls,
+//! recoveries, durations) carry the `profile` that judged it: one agent
+//! watches every framework of its node, each process with its rule's
+//! profile; the engine's totals and the agent's own health are the
+//! agent's.
+mod http;
+
 use std::{
+    collections::{BTreeMap, HashMap},
     fmt,
-    net::{IpAddr, Ipv4Addr, SocketAddr},
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    time::Duration,
+    sync::Arc,
 };
 
-use anyhow::{Context as _, Result};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric as _},
     metrics::{MetricType, TypedMetric as _, counter::ConstCounter, gauge::ConstGauge, histogram::Histogram},
     registry::{Registry, Unit},
 };
-use tokio::{
-    io::{AsyncReadExt as _, AsyncWriteExt as _},
-    net::{TcpListener, TcpSocket, TcpStream},
-    sync::{mpsc, oneshot},
-};
 use tracing::{debug, warn};
 
+pub use self::http::{Ask, Format, MetricsServer, Scrape, parse_addr};
 use super::otlp::ExportCounts;
 use crate::{
     evidence::status::StatusReads,
     export::workload::Directory,
     kernel::ring::Losses,
     lifecycle::{Engine, EngineStats, Outcome, Report, Stage, StallClass},
-    util::{
-        build_info,
-        connections::{Admitted, Connections},
-    },
+    util::build_info,
 };
 
 /// Buckets of `stallwatch_stall_duration_seconds`: a stall lasts at least
@@ -103,39 +89,71 @@ fn seconds(ns: u64) -> f64 {
 }
 
 /// Counters kept from the reports themselves (the engine counts stalls and
-/// recoveries, but not by class), and the duration histograms.
+/// recoveries, but not by class), and the duration histograms, by the
+/// profile that judged them.
 #[derive(Debug, Clone, Default)]
 pub struct Metrics {
+    /// The profile each watched process is watched with.
+    profiles: HashMap<u32, Arc<str>>,
+    /// What each profile judged, from its first process on (its series
+    /// are there, at zero, from then).
+    judged: BTreeMap<Arc<str>, Judged>,
+}
+
+/// What one profile judged.
+#[derive(Debug, Clone, Default)]
+struct Judged {
     stalls: [u64; CLASSES],
     recoveries: [u64; CLASSES],
     histograms: Histograms,
 }
 
+/// The profile of a request of a process never named (none: every watched
+/// process is named before its first event).
+const UNKNOWN_PROFILE: &str = "unknown";
+
 /// Stall classes, each with its own series.
 const CLASSES: usize = StallClass::ALL.len();
 
 impl Metrics {
+    /// `pid` is watched with `profile`: its requests count under it.
+    pub fn name_process(&mut self, pid: u32, profile: &str) {
+        let profile: Arc<str> = match self.judged.get_key_value(profile) {
+            Some((known, _)) => Arc::clone(known),
+            None => profile.into(),
+        };
+        self.judged.entry(Arc::clone(&profile)).or_default();
+        self.profiles.insert(pid, profile);
+    }
+
+    /// The profile `pid`'s requests count under.
+    fn profile(&self, pid: u32) -> Arc<str> {
+        self.profiles.get(&pid).cloned().unwrap_or_else(|| UNKNOWN_PROFILE.into())
+    }
+
     pub fn report(&mut self, report: &Report) {
+        let judged = self.judged.entry(self.profile(report.request().pid)).or_default();
         match report {
-            Report::Stalled { class, .. } => self.stalls[*class as usize] += 1,
+            Report::Stalled { class, .. } => judged.stalls[*class as usize] += 1,
             Report::Recovered { class, stuck_ns, .. } => {
-                self.recoveries[*class as usize] += 1;
-                self.histograms.stall[*class as usize].observe(seconds(*stuck_ns));
+                judged.recoveries[*class as usize] += 1;
+                judged.histograms.stall[*class as usize].observe(seconds(*stuck_ns));
             }
             Report::Ended { request, outcome, at_ns } => {
+                let histograms = &judged.histograms;
                 // Still stalled at its end (evicted, its process gone): the
                 // stall lasted until then. A revived one was counted above.
                 if let Some(class) = request.stalled {
-                    self.histograms.stall[class as usize].observe(seconds(at_ns.saturating_sub(request.last_ns)));
+                    histograms.stall[class as usize].observe(seconds(at_ns.saturating_sub(request.last_ns)));
                 }
                 if let Some(at) = Outcome::ALL.iter().position(|o| o == outcome) {
-                    self.histograms.request[at].observe(seconds(at_ns.saturating_sub(request.first_ns)));
+                    histograms.request[at].observe(seconds(at_ns.saturating_sub(request.first_ns)));
                 }
                 // Each live stage whose next stage was seen: its time.
                 let next = [request.stage_ns[1], request.stage_ns[2], request.stage_ns[3].or(Some(*at_ns))];
                 for (slot, (from, to)) in request.stage_ns.iter().take(3).zip(next).enumerate() {
                     if let (Some(from), Some(to)) = (from, to) {
-                        self.histograms.stage[slot].observe(seconds(to.saturating_sub(*from)));
+                        histograms.stage[slot].observe(seconds(to.saturating_sub(*from)));
                     }
                 }
             }
@@ -144,27 +162,36 @@ impl Metrics {
 
     /// Everything a scrape shows, as of now.
     pub fn snapshot(&self, engine: &Engine, losses: Option<Losses>, export: Option<ExportCounts>) -> Snapshot {
-        let mut in_flight = [0; 3];
-        let mut stalled = [0; CLASSES];
+        let mut profiles: BTreeMap<Arc<str>, ProfileSeries> = self
+            .judged
+            .iter()
+            .map(|(name, judged)| {
+                let series = ProfileSeries {
+                    in_flight: [0; 3],
+                    stalled: [0; CLASSES],
+                    stalls: judged.stalls,
+                    recoveries: judged.recoveries,
+                    histograms: judged.histograms.clone(),
+                };
+                (Arc::clone(name), series)
+            })
+            .collect();
         for request in engine.inflight() {
+            let series = profiles.entry(self.profile(request.pid)).or_default();
             if let Some(slot) = request.stage.timestamp_slot().filter(|&slot| slot < 3) {
-                in_flight[slot] += 1;
+                series.in_flight[slot] += 1;
             }
             if let Some(class) = request.stalled {
-                stalled[class as usize] += 1;
+                series.stalled[class as usize] += 1;
             }
         }
         Snapshot {
             engine: engine.stats(),
-            in_flight,
-            stalled,
-            stalls: self.stalls,
-            recoveries: self.recoveries,
+            profiles: profiles.into_iter().collect(),
             losses,
             export,
             status_reads: None,
             progress_probes: None,
-            histograms: self.histograms.clone(),
             process: ProcessStats::read(),
             workload_stalled: Vec::new(),
             alert_lines_dropped: 0,
@@ -176,12 +203,8 @@ impl Metrics {
 #[derive(Debug, Clone)]
 pub struct Snapshot {
     pub engine: EngineStats,
-    /// Tracked requests by stage: enqueued, transfer_posted, transfer_done.
-    pub in_flight: [u64; 3],
-    /// Tracked requests stuck right now, by class.
-    pub stalled: [u64; CLASSES],
-    pub stalls: [u64; CLASSES],
-    pub recoveries: [u64; CLASSES],
+    /// What each profile judged, by its name.
+    pub profiles: Vec<(Arc<str>, ProfileSeries)>,
     /// `None` when the kernel's counters could not be read.
     pub losses: Option<Losses>,
     pub export: Option<ExportCounts>,
@@ -190,7 +213,6 @@ pub struct Snapshot {
     /// Processes whose progress probes are attached now and those whose
     /// are not (attached only near a stall); `None`: no process has any.
     pub progress_probes: Option<[u64; 2]>,
-    pub histograms: Histograms,
     /// The agent's own process; `None` when /proc/self could not be read.
     pub process: Option<ProcessStats>,
     /// Requests stalled right now by workload and class: one series per
@@ -201,24 +223,40 @@ pub struct Snapshot {
     pub alert_lines_dropped: u64,
 }
 
-/// Requests of one workload stalled at one class right now.
-pub type WorkloadStalled = ([(&'static str, String); 4], StallClass, u64);
+/// One profile's series in a scrape.
+#[derive(Debug, Clone, Default)]
+pub struct ProfileSeries {
+    /// Tracked requests by stage: enqueued, transfer_posted, transfer_done.
+    pub in_flight: [u64; 3],
+    /// Tracked requests stuck right now, by class.
+    pub stalled: [u64; CLASSES],
+    pub stalls: [u64; CLASSES],
+    pub recoveries: [u64; CLASSES],
+    pub histograms: Histograms,
+}
 
-/// The stalled requests now, by the workload of their process (processes
-/// with no known workload count under empty labels).
-pub fn workload_stalled(engine: &Engine, workloads: &Directory) -> Vec<WorkloadStalled> {
-    type Key = ([(&'static str, String); 4], usize);
-    let mut counts: std::collections::BTreeMap<Key, u64> = std::collections::BTreeMap::new();
-    for request in engine.inflight() {
-        if let Some(class) = request.stalled {
-            let labels = workloads
-                .get(request.pid)
-                .map(|w| w.labels())
-                .unwrap_or_else(|| crate::export::workload::Workload::default().labels());
-            *counts.entry((labels, class as usize)).or_default() += 1;
+/// Requests of one workload stalled at one class right now, and the
+/// profile that judged them.
+pub type WorkloadStalled = ([(&'static str, String); 4], Arc<str>, StallClass, u64);
+
+impl Metrics {
+    /// The stalled requests now, by the workload of their process
+    /// (processes with no known workload count under empty labels) and
+    /// their profile.
+    pub fn workload_stalled(&self, engine: &Engine, workloads: &Directory) -> Vec<WorkloadStalled> {
+        type Key = ([(&'static str, String); 4], Arc<str>, usize);
+        let mut counts: BTreeMap<Key, u64> = BTreeMap::new();
+        for request in engine.inflight() {
+            if let Some(class) = request.stalled {
+                let labels = workloads
+                    .get(request.pid)
+                    .map(|w| w.labels())
+                    .unwrap_or_else(|| crate::export::workload::Workload::default().labels());
+                *counts.entry((labels, self.profile(request.pid), class as usize)).or_default() += 1;
+            }
         }
+        counts.into_iter().map(|((labels, profile, class), n)| (labels, profile, StallClass::ALL[class], n)).collect()
     }
-    counts.into_iter().map(|((labels, class), n)| (labels, StallClass::ALL[class], n)).collect()
 }
 
 /// The agent process's own resource use, under the names every Prometheus
@@ -270,17 +308,44 @@ impl Collector for Snapshot {
             }
             Ok::<(), fmt::Error>(())
         };
-        let in_flight: Vec<(&str, u64)> = Stage::LIVE.iter().map(|s| s.as_str()).zip(self.in_flight).collect();
-        gauges(
-            &mut encoder,
-            "stallwatch_requests_in_flight",
-            "Requests tracked right now, by furthest stage",
-            "stage",
-            &in_flight,
-        )?;
+        // A family of one profile-labelled series per (profile, value
+        // label): `values` picks a profile's values, by label.
+        let judged = |encoder: &mut DescriptorEncoder,
+                      kind: MetricType,
+                      name: &str,
+                      help: &str,
+                      label: &str,
+                      values: &dyn Fn(&ProfileSeries) -> Vec<(&'static str, u64)>| {
+            let mut family = encoder.encode_descriptor(name, help, None, kind)?;
+            for (profile, series) in &self.profiles {
+                for (value_label, value) in values(series) {
+                    let labels = [("profile", &**profile), (label, value_label)];
+                    match kind {
+                        MetricType::Counter => ConstCounter::new(value).encode(family.encode_family(&labels)?)?,
+                        _ => ConstGauge::new(value).encode(family.encode_family(&labels)?)?,
+                    }
+                }
+            }
+            Ok::<(), fmt::Error>(())
+        };
         let classes = || StallClass::ALL.iter().map(|c| c.as_str());
-        let stalled: Vec<(&str, u64)> = classes().zip(self.stalled).collect();
-        gauges(&mut encoder, "stallwatch_requests_stalled", "Requests stalled right now, by class", "class", &stalled)?;
+        let stages = || Stage::LIVE.iter().map(|s| s.as_str());
+        judged(
+            &mut encoder,
+            MetricType::Gauge,
+            "stallwatch_requests_in_flight",
+            "Requests tracked right now, by profile and furthest stage",
+            "stage",
+            &|series| stages().zip(series.in_flight).collect(),
+        )?;
+        judged(
+            &mut encoder,
+            MetricType::Gauge,
+            "stallwatch_requests_stalled",
+            "Requests stalled right now, by profile and class",
+            "class",
+            &|series| classes().zip(series.stalled).collect(),
+        )?;
 
         let counters =
             |encoder: &mut DescriptorEncoder, name: &str, help: &str, label: &str, values: &[(&str, u64)]| {
@@ -320,21 +385,21 @@ impl Collector for Snapshot {
             })
             .collect();
         counters(&mut encoder, "stallwatch_requests_ended", "Request lifecycles ended, by outcome", "outcome", &ended)?;
-        let stalls: Vec<(&str, u64)> = classes().zip(self.stalls).collect();
-        counters(
+        judged(
             &mut encoder,
+            MetricType::Counter,
             "stallwatch_stalls",
-            "Stalls reported (silence episodes past the timeout), by class",
+            "Stalls reported (silence episodes past the timeout), by profile and class",
             "class",
-            &stalls,
+            &|series| classes().zip(series.stalls).collect(),
         )?;
-        let recoveries: Vec<(&str, u64)> = classes().zip(self.recoveries).collect();
-        counters(
+        judged(
             &mut encoder,
+            MetricType::Counter,
             "stallwatch_recoveries",
-            "Stalled requests that moved on, by the class they had",
+            "Stalled requests that moved on, by profile and the class they had",
             "class",
-            &recoveries,
+            &|series| classes().zip(series.recoveries).collect(),
         )?;
         counters(
             &mut encoder,
@@ -443,51 +508,52 @@ impl Collector for Snapshot {
                 MetricType::Gauge,
             )?)?;
         }
-        let histograms =
-            |encoder: &mut DescriptorEncoder, name: &str, help: &str, label: &str, values: &[(&str, &Histogram)]| {
-                let mut family = encoder.encode_descriptor(name, help, Some(&Unit::Seconds), Histogram::TYPE)?;
-                for (value_label, histogram) in values {
-                    histogram.encode(family.encode_family(&[(label, *value_label)])?)?;
+        let histograms = |encoder: &mut DescriptorEncoder,
+                          name: &str,
+                          help: &str,
+                          label: &str,
+                          values: &dyn Fn(&Histograms) -> Vec<(&'static str, Histogram)>| {
+            let mut family = encoder.encode_descriptor(name, help, Some(&Unit::Seconds), Histogram::TYPE)?;
+            for (profile, series) in &self.profiles {
+                for (value_label, histogram) in values(&series.histograms) {
+                    histogram.encode(family.encode_family(&[("profile", &**profile), (label, value_label)])?)?;
                 }
-                Ok::<(), fmt::Error>(())
-            };
-        let h = &self.histograms;
-        let stall: Vec<(&str, &Histogram)> = classes().zip(&h.stall).collect();
+            }
+            Ok::<(), fmt::Error>(())
+        };
         histograms(
             &mut encoder,
             "stallwatch_stall_duration",
-            "How long stalls lasted (last event to the reviving event, or to the end while stalled), by class",
+            "How long stalls lasted (last event to the reviving event, or to the end while stalled), by profile and class",
             "class",
-            &stall,
+            &|h| classes().zip(h.stall.iter().cloned()).collect(),
         )?;
-        let request: Vec<(&str, &Histogram)> = Outcome::ALL.iter().map(|o| o.as_str()).zip(&h.request).collect();
         histograms(
             &mut encoder,
             "stallwatch_request_duration",
-            "Request lifetimes (first event to end), by outcome",
+            "Request lifetimes (first event to end), by profile and outcome",
             "outcome",
-            &request,
+            &|h| Outcome::ALL.iter().map(|o| o.as_str()).zip(h.request.iter().cloned()).collect(),
         )?;
-        let stage: Vec<(&str, &Histogram)> = Stage::LIVE.iter().map(|s| s.as_str()).zip(&h.stage).collect();
         histograms(
             &mut encoder,
             "stallwatch_stage_duration",
-            "Time requests spent in a stage before the next one (enqueued: waiting for the peer; transfer_posted: the transfer; transfer_done: the release)",
+            "Time requests spent in a stage before the next one (enqueued: waiting for the peer; transfer_posted: the transfer; transfer_done: the release), by profile and stage",
             "stage",
-            &stage,
+            &|h| stages().zip(h.stage.iter().cloned()).collect(),
         )?;
         if !self.workload_stalled.is_empty() {
             let mut family = encoder.encode_descriptor(
                 "stallwatch_workload_requests_stalled",
-                "Requests stalled right now, by the watched workload (namespace, owner, pod, container) and class",
+                "Requests stalled right now, by the watched workload (namespace, owner, pod, container), profile and class",
                 None,
                 MetricType::Gauge,
             )?;
-            for (labels, class, n) in &self.workload_stalled {
+            for (labels, profile, class, n) in &self.workload_stalled {
                 let labels: Vec<(&str, &str)> = labels
                     .iter()
                     .map(|(k, v)| (*k, v.as_str()))
-                    .chain(std::iter::once(("class", class.as_str())))
+                    .chain([("profile", &**profile), ("class", class.as_str())])
                     .collect();
                 ConstGauge::new(*n).encode(family.encode_family(&labels)?)?;
             }
@@ -545,28 +611,6 @@ impl Collector for Snapshot {
     }
 }
 
-/// The two text formats a scraper can ask for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
-    /// OpenMetrics 1.0 text.
-    OpenMetrics,
-    /// Prometheus text 0.0.4.
-    Prometheus,
-}
-
-impl Format {
-    fn from_accept(accept: &str) -> Self {
-        if accept.contains("application/openmetrics-text") { Format::OpenMetrics } else { Format::Prometheus }
-    }
-
-    fn content_type(self) -> &'static str {
-        match self {
-            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            Format::Prometheus => "text/plain; version=0.0.4; charset=utf-8",
-        }
-    }
-}
-
 /// The exposition text of a snapshot.
 pub fn render(snapshot: Snapshot, format: Format) -> String {
     let mut registry = Registry::default();
@@ -581,285 +625,6 @@ pub fn render(snapshot: Snapshot, format: Format) -> String {
         warn!("encoding the metrics failed: {err}");
     }
     out
-}
-
-/// `--metrics-addr`: `PORT` (on 127.0.0.1), `:PORT` (every IPv4
-/// interface, as Prometheus's own exporters read `--web.listen-address
-/// :9100`) or `ADDRESS:PORT` (`[::]:PORT` for IPv6 too).
-pub fn parse_addr(text: &str) -> Result<SocketAddr, String> {
-    let text = text.trim();
-    let localhost = IpAddr::V4(Ipv4Addr::LOCALHOST);
-    if let Ok(port) = text.parse::<u16>() {
-        return Ok(SocketAddr::new(localhost, port));
-    }
-    if let Some(port) = text.strip_prefix(':').and_then(|port| port.parse::<u16>().ok()) {
-        return Ok(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port));
-    }
-    if let Some(port) = text.strip_prefix("localhost:").and_then(|port| port.parse::<u16>().ok()) {
-        return Ok(SocketAddr::new(localhost, port));
-    }
-    text.parse::<SocketAddr>().map_err(|_| {
-        format!(
-            "{text:?} is not PORT, :PORT or ADDRESS:PORT (e.g. `9464` for 127.0.0.1:9464, `:9464` for every interface)"
-        )
-    })
-}
-
-/// What a client asked the event loop for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ask {
-    /// `/metrics`, in this format.
-    Metrics(Format),
-    /// `/healthz`: is the loop turning? Any answer says yes.
-    Health,
-}
-
-/// A request waiting for the event loop's answer.
-pub struct Scrape {
-    pub ask: Ask,
-    reply: oneshot::Sender<String>,
-}
-
-impl Scrape {
-    pub fn answer(self, body: String) {
-        // The client may have gone away; nothing to do then.
-        let _ = self.reply.send(body);
-    }
-}
-
-/// How long `/healthz` waits for the event loop: far above a turn of the
-/// loop (milliseconds), below a liveness probe's usual timeout.
-const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Connections open at once, each a task and a 1 KiB buffer. Past it the
-/// oldest one that has not sent its request yet is closed to make room
-/// ([`Connections`]): idle or slow clients (the endpoint may listen on
-/// every interface) never keep a scrape out, however many they hold.
-const MAX_CONNECTIONS: usize = 512;
-/// Connections the kernel holds for the accept loop (capped by
-/// `net.core.somaxconn`, 4096 by default).
-const BACKLOG: u32 = 1024;
-/// How long a client may take to send its request head: a scraper sends it
-/// at once, and this is well under any scrape interval (15 s and up), so a
-/// half-sent request frees its place long before the next scrape.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
-const MAX_REQUEST: usize = 8 * 1024;
-/// How long a client may take to read its answer: it holds a place
-/// meanwhile, and is no longer idle (it sent its request), so nothing
-/// else frees that place.
-const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// The listening socket and the queue of scrapes it forwards.
-pub struct MetricsServer {
-    addr: SocketAddr,
-    scrapes: mpsc::Receiver<Scrape>,
-    ready: Arc<AtomicBool>,
-}
-
-impl MetricsServer {
-    /// Listen on `addr` and serve from a thread of its own (a runtime of
-    /// its own: see the module's doc), which ends when this is dropped.
-    pub async fn bind(addr: SocketAddr) -> Result<Self> {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .context("starting the metrics endpoint's runtime")?;
-        // Registered with that runtime's reactor, which serves it.
-        let listener = {
-            let _serving = runtime.enter();
-            listen(addr)
-        }
-        .with_context(|| {
-            format!("binding the metrics endpoint to {addr} (--metrics-addr): is the port in use, or the address not on this host?")
-        })?;
-        let addr = listener.local_addr().context("reading the metrics endpoint's address")?;
-        let (tx, scrapes) = mpsc::channel(MAX_CONNECTIONS);
-        let ready = Arc::new(AtomicBool::new(false));
-        let serving = Arc::clone(&ready);
-        std::thread::Builder::new()
-            .name("metrics-http".to_owned())
-            .spawn(move || runtime.block_on(accept(listener, tx, serving)))
-            .context("starting the metrics endpoint's thread")?;
-        Ok(Self { addr, scrapes, ready })
-    }
-
-    /// `/readyz` answers 200 from now on: the probes are attached and a
-    /// previous agent's state is taken over.
-    pub fn set_ready(&self) {
-        self.ready.store(true, Ordering::Release);
-    }
-
-    pub fn local_addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// The next scrape to answer.
-    pub async fn next(&mut self) -> Option<Scrape> {
-        self.scrapes.recv().await
-    }
-}
-
-/// Listen on `addr` with room for [`BACKLOG`] connections not accepted
-/// yet: the default (128) overflows when a burst of clients connects
-/// faster than the loop accepts, and a dropped connection's client
-/// retries only a second later.
-fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    let socket = if addr.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }?;
-    // As `TcpListener::bind` does: a restarted agent binds its port again
-    // at once, whatever connections of the last one linger.
-    socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    socket.listen(BACKLOG)
-}
-
-/// Accept connections until the [`MetricsServer`] is dropped.
-async fn accept(listener: TcpListener, scrapes: mpsc::Sender<Scrape>, ready: Arc<AtomicBool>) {
-    let connections = Connections::new(MAX_CONNECTIONS);
-    loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            () = scrapes.closed() => return,
-        };
-        let (stream, peer) = match accepted {
-            Ok(accepted) => accepted,
-            Err(err) => {
-                debug!("metrics endpoint: accept failed: {err}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let Some(admitted) = connections.admit() else {
-            debug!(%peer, "metrics endpoint: {MAX_CONNECTIONS} requests are being answered, closing a new connection");
-            continue;
-        };
-        let scrapes = scrapes.clone();
-        let ready = Arc::clone(&ready);
-        tokio::spawn(async move {
-            if let Err(err) = serve(stream, admitted, scrapes, &ready).await {
-                debug!(%peer, "metrics endpoint: {err:#}");
-            }
-        });
-    }
-}
-
-/// One connection: its request head read (unless it is closed first to
-/// make room for a newer one), answered, closed.
-async fn serve(
-    mut stream: TcpStream,
-    mut place: Admitted,
-    scrapes: mpsc::Sender<Scrape>,
-    ready: &AtomicBool,
-) -> Result<()> {
-    let mut request = Vec::with_capacity(1024);
-    let head = tokio::select! {
-        head = tokio::time::timeout(REQUEST_TIMEOUT, read_head(&mut stream, &mut request)) => head,
-        () = place.evicted() => {
-            debug!("metrics endpoint: closing a connection that sent nothing, to make room for a newer one");
-            return Ok(());
-        }
-    };
-    place.busy();
-    let response = match head {
-        Ok(Ok(Some(end))) => answer(&String::from_utf8_lossy(&request[..end]), &scrapes, ready).await?,
-        _ => Response::text("400 Bad Request", "bad request\n"),
-    };
-    tokio::time::timeout(WRITE_TIMEOUT, response.write(&mut stream))
-        .await
-        .context("the client did not read its answer in time")?
-}
-
-/// Read up to the end of the request head: its length, or `None` when the
-/// client closed first or sent too much.
-async fn read_head(stream: &mut TcpStream, request: &mut Vec<u8>) -> std::io::Result<Option<usize>> {
-    let mut buf = [0; 1024];
-    loop {
-        let n = stream.read(&mut buf).await?;
-        request.extend_from_slice(&buf[..n]);
-        if let Some(end) = request.windows(4).position(|w| w == b"\r\n\r\n") {
-            return Ok(Some(end));
-        }
-        if n == 0 || request.len() > MAX_REQUEST {
-            return Ok(None);
-        }
-    }
-}
-
-/// What a request is answered.
-struct Response {
-    status: &'static str,
-    content_type: &'static str,
-    body: String,
-    /// `HEAD`: the head a `GET` has (its `Content-Length` too), no body.
-    head_only: bool,
-}
-
-impl Response {
-    fn text(status: &'static str, body: impl Into<String>) -> Self {
-        Self { status, content_type: "text/plain", body: body.into(), head_only: false }
-    }
-
-    async fn write(self, stream: &mut TcpStream) -> Result<()> {
-        let Self { status, content_type, body, head_only } = self;
-        let head = format!(
-            "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            body.len()
-        );
-        stream.write_all(head.as_bytes()).await?;
-        if !head_only {
-            stream.write_all(body.as_bytes()).await?;
-        }
-        stream.shutdown().await?;
-        Ok(())
-    }
-}
-
-/// `/healthz` and `/readyz` before the loop runs.
-const NOT_READY: &str = "not ready: attaching the probes and taking over the previous agent's pinned state\n";
-
-/// The answer to a request head.
-async fn answer(head: &str, scrapes: &mpsc::Sender<Scrape>, ready: &AtomicBool) -> Result<Response> {
-    let mut lines = head.split("\r\n");
-    let mut first = lines.next().unwrap_or_default().split_whitespace();
-    let (method, path) = (first.next().unwrap_or_default(), first.next().unwrap_or_default());
-    let accept = lines
-        .filter_map(|line| line.split_once(':'))
-        .find(|(name, _)| name.trim().eq_ignore_ascii_case("accept"))
-        .map_or("", |(_, value)| value.trim());
-    let head_only = method == "HEAD";
-    if method != "GET" && !head_only {
-        return Ok(Response::text("405 Method Not Allowed", "only GET (or HEAD)\n"));
-    }
-    let response = match path.split('?').next() {
-        Some("/metrics") => {
-            let format = Format::from_accept(accept);
-            let (reply, answer) = oneshot::channel();
-            scrapes.send(Scrape { ask: Ask::Metrics(format), reply }).await.context("the agent is shutting down")?;
-            let body = answer.await.context("the agent is shutting down")?;
-            Response { status: "200 OK", content_type: format.content_type(), body, head_only: false }
-        }
-        // Not asked of the loop before it runs: it is attaching.
-        Some("/healthz") if !ready.load(Ordering::Acquire) => Response::text("503 Service Unavailable", NOT_READY),
-        Some("/healthz") => {
-            let (reply, answer) = oneshot::channel();
-            let asked = async {
-                scrapes.send(Scrape { ask: Ask::Health, reply }).await.ok()?;
-                answer.await.ok()
-            };
-            match tokio::time::timeout(HEALTH_TIMEOUT, asked).await {
-                Ok(Some(body)) => Response::text("200 OK", body),
-                Ok(None) => Response::text("503 Service Unavailable", "the agent is shutting down\n"),
-                Err(_) => Response::text(
-                    "503 Service Unavailable",
-                    format!("the event loop did not answer within {}s\n", HEALTH_TIMEOUT.as_secs()),
-                ),
-            }
-        }
-        Some("/readyz") if ready.load(Ordering::Acquire) => Response::text("200 OK", "ready\n"),
-        Some("/readyz") => Response::text("503 Service Unavailable", NOT_READY),
-        Some("/") => Response::text("200 OK", "stallwatch: /metrics, /healthz, /readyz\n"),
-        _ => Response::text("404 Not Found", "not found: try /metrics, /healthz or /readyz\n"),
-    };
-    Ok(Response { head_only, ..response })
 }
 
 #[cfg(test)]
@@ -882,6 +647,9 @@ mod tests {
     fn renders_both_formats_with_labels() {
         let engine = engine_with_requests();
         let mut metrics = Metrics::default();
+        metrics.name_process(1, "demo");
+        // A profile whose processes judged nothing yet has its series, at zero.
+        metrics.name_process(2, "nixl");
         let stalled = Report::Stalled {
             request: engine.get(1, 2).expect("tracked"),
             class: StallClass::TransferHung,
@@ -901,12 +669,14 @@ mod tests {
         snapshot.progress_probes = Some([1, 2]);
         let open = render(snapshot, Format::OpenMetrics);
         for line in [
-            "stallwatch_requests_in_flight{stage=\"transfer_posted\"} 2",
-            "stallwatch_requests_in_flight{stage=\"enqueued\"} 1",
-            "stallwatch_requests_stalled{class=\"transfer_hung\"} 2",
-            "stallwatch_stalls_total{class=\"transfer_hung\"} 1",
-            "stallwatch_stalls_total{class=\"release_lost\"} 0",
-            "stallwatch_stalls_total{class=\"waiting_for_kv\"} 1",
+            "stallwatch_requests_in_flight{profile=\"demo\",stage=\"transfer_posted\"} 2",
+            "stallwatch_requests_in_flight{profile=\"demo\",stage=\"enqueued\"} 1",
+            "stallwatch_requests_in_flight{profile=\"nixl\",stage=\"enqueued\"} 0",
+            "stallwatch_requests_stalled{profile=\"demo\",class=\"transfer_hung\"} 2",
+            "stallwatch_stalls_total{profile=\"demo\",class=\"transfer_hung\"} 1",
+            "stallwatch_stalls_total{profile=\"demo\",class=\"release_lost\"} 0",
+            "stallwatch_stalls_total{profile=\"demo\",class=\"waiting_for_kv\"} 1",
+            "stallwatch_stalls_total{profile=\"nixl\",class=\"waiting_for_kv\"} 0",
             "stallwatch_requests_seen_total 3",
             "stallwatch_requests_restored_total 0",
             "stallwatch_state_full_total 0",
@@ -927,7 +697,7 @@ mod tests {
             assert!(open.lines().any(|l| l == line), "no `{line}` in:\n{open}");
         }
         let classic = render(metrics.snapshot(&engine, None, None), Format::Prometheus);
-        assert!(classic.contains("stallwatch_stalls_total{class=\"transfer_hung\"} 1"), "{classic}");
+        assert!(classic.contains("stallwatch_stalls_total{profile=\"demo\",class=\"transfer_hung\"} 1"), "{classic}");
         assert!(
             !classic.contains("# EOF")
                 && !classic.contains("lost_events")
@@ -936,62 +706,6 @@ mod tests {
                 && !classic.contains("progress_probes"),
             "{classic}"
         );
-    }
-
-    #[test]
-    fn a_port_alone_is_loopback_and_colon_port_every_interface() {
-        assert_eq!(parse_addr("9464"), Ok("127.0.0.1:9464".parse().expect("addr")));
-        assert_eq!(parse_addr(":9464"), Ok("0.0.0.0:9464".parse().expect("addr")));
-        assert_eq!(parse_addr("localhost:1"), Ok("127.0.0.1:1".parse().expect("addr")));
-        assert_eq!(parse_addr("0.0.0.0:9464"), Ok("0.0.0.0:9464".parse().expect("addr")));
-        assert_eq!(parse_addr("[::]:9464"), Ok("[::]:9464".parse().expect("addr")));
-        assert!(parse_addr("metrics").expect_err("bad").contains("PORT or ADDRESS:PORT"));
-    }
-
-    async fn get(addr: SocketAddr, path: &str) -> String {
-        let mut stream = TcpStream::connect(addr).await.expect("connect");
-        stream.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes()).await.expect("write");
-        let mut response = String::new();
-        stream.read_to_string(&mut response).await.expect("read");
-        response
-    }
-
-    /// Attaching is synchronous work on the agent's runtime: the endpoint
-    /// answers meanwhile. Here the test's runtime, single-threaded as the
-    /// agent's, is blocked in a plain socket read, and the answer comes.
-    #[tokio::test]
-    async fn health_answers_at_once_while_the_agents_runtime_is_blocked() {
-        let server = MetricsServer::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
-        let mut stream = std::net::TcpStream::connect(server.local_addr()).expect("connect");
-        // A guard against a hang, not a measure: the answer is immediate.
-        stream.set_read_timeout(Some(Duration::from_secs(30))).expect("read timeout");
-        std::io::Write::write_all(&mut stream, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").expect("write");
-        let mut response = String::new();
-        std::io::Read::read_to_string(&mut stream, &mut response).expect("an answer while the runtime is blocked");
-        assert!(response.starts_with("HTTP/1.1 503 Service Unavailable\r\n"), "{response}");
-    }
-
-    #[tokio::test]
-    async fn ready_only_once_told_and_live_while_the_loop_answers() {
-        let mut server = MetricsServer::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
-        let addr = server.local_addr();
-        // Before the loop runs (it is attaching): both at once, 503.
-        for path in ["/readyz", "/healthz"] {
-            let before = get(addr, path).await;
-            assert!(
-                before.starts_with("HTTP/1.1 503 Service Unavailable\r\n") && before.contains("not ready"),
-                "{path}: {before}"
-            );
-        }
-        server.set_ready();
-        assert!(get(addr, "/readyz").await.ends_with("\r\n\r\nready\n"));
-        // /healthz is answered by the loop (here, this test).
-        let health = tokio::spawn(get(addr, "/healthz"));
-        let ask = server.next().await.expect("a health check");
-        assert_eq!(ask.ask, Ask::Health);
-        ask.answer("ok\n".into());
-        let health = health.await.expect("client");
-        assert!(health.starts_with("HTTP/1.1 200 OK\r\n") && health.ends_with("ok\n"), "{health}");
     }
 
     #[test]
@@ -1009,6 +723,7 @@ mod tests {
                 .observe(Observation { pid: 1, key: 1, stage, ts_ns: at, external_id: None, ends: None }, &mut reports);
         }
         let mut metrics = Metrics::default();
+        metrics.name_process(1, "demo");
         for report in &reports {
             metrics.report(report);
         }
@@ -1020,12 +735,16 @@ mod tests {
         // Every outcome has its series (one added to `Outcome` once had
         // none, and its first end panicked the agent).
         let mut outcomes = Metrics::default();
+        outcomes.name_process(1, "demo");
         for outcome in Outcome::ALL {
             outcomes.report(&Report::Ended { request: request.clone(), outcome, at_ns: request.first_ns + 5 * ms });
         }
         let text = render(outcomes.snapshot(&engine, None, None), Format::OpenMetrics);
         for outcome in Outcome::ALL {
-            let line = format!("stallwatch_request_duration_seconds_count{{outcome=\"{}\"}} 1", outcome.as_str());
+            let line = format!(
+                "stallwatch_request_duration_seconds_count{{profile=\"demo\",outcome=\"{}\"}} 1",
+                outcome.as_str()
+            );
             assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
         }
         metrics.report(&Report::Recovered { request, class: StallClass::ReleaseLost, stuck_ns: 90_000 * ms });
@@ -1033,15 +752,15 @@ mod tests {
         for line in [
             "# TYPE stallwatch_request_duration_seconds histogram",
             "# UNIT stallwatch_request_duration_seconds seconds",
-            "stallwatch_request_duration_seconds_count{outcome=\"released\"} 1",
-            "stallwatch_request_duration_seconds_sum{outcome=\"released\"} 0.012",
-            "stallwatch_stage_duration_seconds_sum{stage=\"enqueued\"} 0.003",
-            "stallwatch_stage_duration_seconds_sum{stage=\"transfer_posted\"} 0.007",
-            "stallwatch_stage_duration_seconds_sum{stage=\"transfer_done\"} 0.002",
-            "stallwatch_stall_duration_seconds_count{class=\"release_lost\"} 1",
-            "stallwatch_stall_duration_seconds_bucket{le=\"60.0\",class=\"release_lost\"} 0",
-            "stallwatch_stall_duration_seconds_bucket{le=\"120.0\",class=\"release_lost\"} 1",
-            "stallwatch_stall_duration_seconds_count{class=\"waiting_for_peer\"} 0",
+            "stallwatch_request_duration_seconds_count{profile=\"demo\",outcome=\"released\"} 1",
+            "stallwatch_request_duration_seconds_sum{profile=\"demo\",outcome=\"released\"} 0.012",
+            "stallwatch_stage_duration_seconds_sum{profile=\"demo\",stage=\"enqueued\"} 0.003",
+            "stallwatch_stage_duration_seconds_sum{profile=\"demo\",stage=\"transfer_posted\"} 0.007",
+            "stallwatch_stage_duration_seconds_sum{profile=\"demo\",stage=\"transfer_done\"} 0.002",
+            "stallwatch_stall_duration_seconds_count{profile=\"demo\",class=\"release_lost\"} 1",
+            "stallwatch_stall_duration_seconds_bucket{le=\"60.0\",profile=\"demo\",class=\"release_lost\"} 0",
+            "stallwatch_stall_duration_seconds_bucket{le=\"120.0\",profile=\"demo\",class=\"release_lost\"} 1",
+            "stallwatch_stall_duration_seconds_count{profile=\"demo\",class=\"waiting_for_peer\"} 0",
         ] {
             assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
         }
@@ -1050,50 +769,5 @@ mod tests {
             "{text}"
         );
         assert!(text.lines().any(|l| l.starts_with("process_resident_memory_bytes ")), "{text}");
-    }
-
-    #[tokio::test]
-    async fn serves_a_scrape_over_http() {
-        let mut server = MetricsServer::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
-        let addr = server.local_addr();
-        let client = tokio::spawn(async move {
-            let mut stream = TcpStream::connect(addr).await.expect("connect");
-            stream
-                .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: application/openmetrics-text\r\n\r\n")
-                .await
-                .expect("write");
-            let mut response = String::new();
-            stream.read_to_string(&mut response).await.expect("read");
-            response
-        });
-        let scrape = server.next().await.expect("a scrape");
-        assert_eq!(scrape.ask, Ask::Metrics(Format::OpenMetrics));
-        scrape.answer("x 1\n# EOF\n".into());
-        let response = client.await.expect("client");
-        assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
-        assert!(response.contains("application/openmetrics-text"), "{response}");
-        assert!(response.ends_with("\r\n\r\nx 1\n# EOF\n"), "{response}");
-    }
-
-    #[tokio::test]
-    async fn idle_connections_past_the_limit_never_keep_a_scrape_out() {
-        let mut server = MetricsServer::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
-        let addr = server.local_addr();
-        // More than the limit, holding their places and sending nothing.
-        let mut idle = Vec::new();
-        for _ in 0..MAX_CONNECTIONS + 64 {
-            idle.push(TcpStream::connect(addr).await.expect("connect"));
-        }
-        for _ in 0..3 {
-            let client = tokio::spawn(get(addr, "/metrics"));
-            let scrape = server.next().await.expect("a scrape");
-            scrape.answer("x 1\n".into());
-            let response = client.await.expect("client");
-            assert!(response.starts_with("HTTP/1.1 200 OK\r\n") && response.ends_with("x 1\n"), "{response}");
-        }
-        // The oldest idle ones were closed to make room: they read an end.
-        let mut first = idle.swap_remove(0);
-        let mut byte = [0; 1];
-        assert_eq!(first.read(&mut byte).await.expect("read"), 0);
     }
 }

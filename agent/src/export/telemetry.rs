@@ -80,14 +80,17 @@ impl Telemetry {
         self.workloads.clone()
     }
 
-    /// Name a watched process (spans carry `process.executable.name`), and
-    /// look its workload up in the background: the cgroup at once, the
-    /// pod from the node's watched pods when `--kubernetes` names an API
-    /// (again as they change, while its pod is not known yet).
-    pub fn name_process(&self, pid: u32) {
+    /// Name a watched process and the profile it is watched with (spans
+    /// carry `process.executable.name` and `stallwatch.profile`, its metric
+    /// series `profile`), and look its workload up in the background: the
+    /// cgroup at once, the pod from the node's watched pods when
+    /// `--kubernetes` names an API (again as they change, while its pod is
+    /// not known yet).
+    pub fn name_process(&mut self, pid: u32, profile: &str) {
         if let Some(otlp) = &self.otlp {
-            otlp.name_process(pid, &executable_name(pid));
+            otlp.name_process(pid, &executable_name(pid), profile);
         }
+        self.metrics.name_process(pid, profile);
         let workloads = self.workloads.clone();
         tokio::spawn(async move {
             workloads.resolve(pid).await;
@@ -146,7 +149,7 @@ impl Telemetry {
             .map(|kernel| Losses { kernel, undecodable });
         let export = self.otlp.as_ref().map(OtlpExporter::counts);
         let mut snapshot = self.metrics.snapshot(engine, losses, export);
-        snapshot.workload_stalled = metrics::workload_stalled(engine, &self.workloads);
+        snapshot.workload_stalled = self.metrics.workload_stalled(engine, &self.workloads);
         snapshot.status_reads = status;
         snapshot.alert_lines_dropped = alert_drops;
         let mut gates = probes.gates().peekable();

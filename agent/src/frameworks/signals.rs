@@ -9,7 +9,7 @@
 //! knows every handle's peer, for the verdict per peer. A signal no one
 //! takes is only logged (`STALLWATCH_LOG=debug`), which is how a profile
 //! author checks what a signal reads.
-use std::sync::Arc;
+use std::{collections::HashMap, sync::Arc};
 
 use stallwatch_common::{EXT_ID_LEN, Event, event_flags, stage};
 use tracing::{debug, info};
@@ -19,7 +19,7 @@ use crate::{
     evidence::peers::{PeerCompletions, Peers},
     kernel::{Role, Slot},
     lifecycle::{Observation, RequestSnapshot, Restored, Side, Silent, StageRead},
-    profile::SignalSpec,
+    profile::{Profile, SignalSpec},
     util::{lineage::Lineage, text},
 };
 
@@ -90,20 +90,27 @@ pub struct Signals {
     pub unrouted: u64,
     peers: Peers,
     frameworks: Vec<Box<dyn Framework>>,
+    /// Of each watched process, the frameworks that follow its profile's
+    /// signals ([`Framework::follows`]), by place in `frameworks`: only
+    /// they hear of its events and answer for its requests (a room a
+    /// previous agent followed is adopted by its own backend's tracker
+    /// only, an SGLang room on Mooncake is judged by the Mooncake one).
+    following: HashMap<u32, Vec<usize>>,
+    /// Every place in `frameworks`: those of a process never attached.
+    all: Vec<usize>,
+}
+
+/// The places of the frameworks that follow `pid` ([`Signals::following`]).
+fn of<'a>(following: &'a HashMap<u32, Vec<usize>>, all: &'a [usize], pid: u32) -> &'a [usize] {
+    following.get(&pid).map_or(all, Vec::as_slice)
 }
 
 impl Signals {
     /// `timeout_ns`: the stall timeout, how far back peers' completions
-    /// are needed. Every framework stallwatch knows follows its signals.
+    /// are needed. Every framework stallwatch knows, each following the
+    /// processes whose profile has its signals ([`Signals::attached`]).
     pub fn new(timeout_ns: u64) -> Self {
         Self::with(timeout_ns, super::all())
-    }
-
-    /// The frameworks whose signals `profile` has ([`Framework::follows`]):
-    /// a room a previous agent followed is adopted by its own backend's
-    /// tracker only.
-    pub fn for_profile(timeout_ns: u64, profile: &crate::profile::Profile) -> Self {
-        Self::with(timeout_ns, super::all().into_iter().filter(|framework| framework.follows(profile)).collect())
     }
 
     /// With these frameworks only.
@@ -111,7 +118,8 @@ impl Signals {
         for framework in &mut frameworks {
             framework.timeout(timeout_ns);
         }
-        Self { unrouted: 0, peers: Peers::new(timeout_ns), frameworks }
+        let all = (0..frameworks.len()).collect();
+        Self { unrouted: 0, peers: Peers::new(timeout_ns), frameworks, following: HashMap::new(), all }
     }
 
     /// Route one signal event of slot `slot` (`None`: not attached now):
@@ -129,7 +137,8 @@ impl Signals {
         if let (true, Captured::Text(agent)) = (peer, &signal.capture) {
             self.peers.creating(signal.pid, signal.tid, agent);
         }
-        for framework in &mut self.frameworks {
+        for &at in of(&self.following, &self.all, signal.pid) {
+            let framework = &mut self.frameworks[at];
             if let Some(observation) = framework.signal(&spec, &signal) {
                 if let Some((pid, key, peer)) = framework.started_transfer() {
                     self.peers.started(pid, key, &peer);
@@ -157,9 +166,10 @@ impl Signals {
         match observation {
             Some(observation) => {
                 self.peers.observe(event.tid, &observation);
-                self.frameworks
-                    .iter_mut()
-                    .try_fold(observation, |observation, framework| framework.handle(event.tid, observation))
+                let frameworks = &mut self.frameworks;
+                of(&self.following, &self.all, observation.pid)
+                    .iter()
+                    .try_fold(observation, |observation, &at| frameworks[at].handle(event.tid, observation))
             }
             None => self.route(event, slot),
         }
@@ -173,8 +183,8 @@ impl Signals {
     /// nothing of it.
     pub fn adopt(&mut self, request: &Restored, held: Option<&[u8]>) -> Result<(), String> {
         let mut result = Ok(());
-        for framework in &mut self.frameworks {
-            match framework.adopt(request, held) {
+        for &at in of(&self.following, &self.all, request.pid) {
+            match self.frameworks[at].adopt(request, held) {
                 Ok(handles) => {
                     for handle in handles {
                         self.peers.adopt(request.pid, handle.key, handle.peer.as_deref(), handle.posted);
@@ -190,13 +200,14 @@ impl Signals {
     /// agent followed it ([`Framework::adopt_ended`]); `false` for a
     /// context no framework takes (stale).
     pub fn adopt_ended(&mut self, pid: u32, key: u64, held: &[u8]) -> bool {
-        self.frameworks.iter_mut().any(|framework| framework.adopt_ended(pid, key, held))
+        let frameworks = &mut self.frameworks;
+        of(&self.following, &self.all, pid).iter().any(|&at| frameworks[at].adopt_ended(pid, key, held))
     }
 
     /// Whether the probes' lifecycle (`pid`, `key`) is part of a
     /// framework's request ([`Framework::owns`]).
     pub fn owns(&self, pid: u32, key: u64) -> bool {
-        self.frameworks.iter().any(|framework| framework.owns(pid, key))
+        self.each(pid).any(|framework| framework.owns(pid, key))
     }
 
     /// What changed of the frameworks' requests since the last call, for
@@ -212,13 +223,13 @@ impl Signals {
     /// Which side of the transfer `pid` serves, as its frameworks' traffic
     /// tells (a prefill unless one says decode).
     pub fn side(&self, pid: u32) -> Side {
-        let decode = self.frameworks.iter().any(|framework| framework.side(pid) == Side::Decode);
+        let decode = self.each(pid).any(|framework| framework.side(pid) == Side::Decode);
         if decode { Side::Decode } else { Side::Prefill }
     }
 
     /// What an alert of `request` says besides its lifecycle.
     pub fn context(&self, request: &RequestSnapshot) -> Vec<(&'static str, String)> {
-        self.frameworks.iter().flat_map(|framework| framework.context(request)).collect()
+        self.each(request.pid).flat_map(|framework| framework.context(request)).collect()
     }
 
     /// What the target's memory says of a silent request a framework reads
@@ -229,7 +240,8 @@ impl Signals {
         silent: &Silent,
         read: &mut dyn FnMut(&Silent) -> Option<StageRead>,
     ) -> Option<Option<StageRead>> {
-        self.frameworks.iter_mut().find_map(|framework| framework.read(silent, read))
+        let frameworks = &mut self.frameworks;
+        of(&self.following, &self.all, silent.pid).iter().find_map(|&at| frameworks[at].read(silent, read))
     }
 
     /// What the peer of `request`'s stalled transfer, and the other peers
@@ -242,7 +254,7 @@ impl Signals {
     pub fn peer_completions(&self, request: &RequestSnapshot) -> Option<PeerCompletions> {
         let handle = match self.stalled_transfer(request) {
             Some(Some(handle)) => handle,
-            Some(None) => self.frameworks.iter().find_map(|framework| framework.queued_behind(request))?,
+            Some(None) => self.each(request.pid).find_map(|framework| framework.queued_behind(request))?,
             None => request.key,
         };
         self.peers.since(request.pid, handle, request.last_ns)
@@ -252,7 +264,7 @@ impl Signals {
     /// it ([`Framework::stalled_transfer`]; `Some(None)`: its, with no
     /// transfer of its own out), `None` for a request no framework follows.
     pub fn stalled_transfer(&self, request: &RequestSnapshot) -> Option<Option<u64>> {
-        self.frameworks.iter().find_map(|framework| framework.stalled_transfer(request))
+        self.each(request.pid).find_map(|framework| framework.stalled_transfer(request))
     }
 
     /// One warning for what could not be read since the last one (called
@@ -266,6 +278,7 @@ impl Signals {
     /// The process is gone: what it was in the middle of goes with it.
     pub fn forget(&mut self, pid: u32) {
         self.peers.forget(pid);
+        self.following.remove(&pid);
         for framework in &mut self.frameworks {
             framework.forget(pid);
         }
@@ -277,11 +290,20 @@ impl Signals {
         self.frameworks.iter_mut().find_map(|framework| framework.pending())
     }
 
-    /// Process `pid` is watched from now ([`Framework::attached`]).
-    pub fn attached(&mut self, pid: u32, lineage: &Lineage) {
-        for framework in &mut self.frameworks {
-            framework.attached(pid, lineage);
+    /// The frameworks that follow `pid`, in order.
+    fn each(&self, pid: u32) -> impl Iterator<Item = &dyn Framework> {
+        of(&self.following, &self.all, pid).iter().map(|&at| &*self.frameworks[at])
+    }
+
+    /// Process `pid` is watched from now, with `profile`: the frameworks
+    /// whose signals it has follow it ([`Framework::attached`]).
+    pub fn attached(&mut self, pid: u32, lineage: &Lineage, profile: &Profile) {
+        let following: Vec<usize> =
+            (0..self.frameworks.len()).filter(|&at| self.frameworks[at].follows(profile)).collect();
+        for &at in &following {
+            self.frameworks[at].attached(pid, lineage);
         }
+        self.following.insert(pid, following);
     }
 
     /// What the frameworks end on their own by `now_ns`
@@ -350,7 +372,7 @@ mod tests {
     use super::*;
     use crate::{
         frameworks::sglang::{Bootstrap, Sglang},
-        profile::{Profile, resolve::FirstInsn},
+        profile::resolve::FirstInsn,
     };
 
     fn event(flags: u32, ext: &[u8]) -> Event {
@@ -490,6 +512,8 @@ mod tests {
         };
         assert!(signals.held().is_empty(), "handed over once");
         let mut next = Signals::with(1_000_000_000, vec![Box::new(Sglang::default())]);
+        let sglang = Profile::load("sglang").expect("the sglang profile");
+        next.attached(9, &Lineage(Vec::new()), &sglang);
         let restored = |key, external_id: Option<&str>| Restored {
             pid: 9,
             key,
@@ -510,8 +534,15 @@ mod tests {
             next.context(&stalled(7, Some("7"), 20)),
             [("handle", "0xa0".to_owned()), ("transfer", "1".to_owned())]
         );
-        let err = Signals::with(1, vec![Box::new(Sglang::default())]).adopt(&restored(8, Some("8")), Some(b"\x01"));
+        let mut other = Signals::with(1, vec![Box::new(Sglang::default())]);
+        other.attached(9, &Lineage(Vec::new()), &sglang);
+        let err = other.adopt(&restored(8, Some("8")), Some(b"\x01"));
         assert!(err.is_err_and(|why| why.contains("cut short")));
+        // A process of a profile without the framework's signals: what a
+        // previous agent knew of it is none of that framework's.
+        let mut nixl = Signals::with(1, vec![Box::new(Sglang::default())]);
+        nixl.attached(9, &Lineage(Vec::new()), &Profile::load("nixl").expect("the nixl profile"));
+        assert_eq!(nixl.adopt(&restored(8, Some("8")), Some(b"\x01")), Ok(()), "not read at all");
     }
 
     #[test]

@@ -160,7 +160,7 @@ pub fn write_table(inflight: &Inflight, mut out: impl Write) -> std::io::Result<
         writeln!(out, "the agent watches no process")?;
     }
     for p in &inflight.processes {
-        write!(out, "pid {} ({}", p.pid, text::value(&p.process))?;
+        write!(out, "pid {} ({}, profile {}", p.pid, text::value(&p.process), text::value(&p.profile))?;
         if p.workload.is_some() {
             write!(out, ", {}", workload_cell(p.workload.as_ref()))?;
         }
@@ -277,6 +277,7 @@ mod tests {
             processes: vec![Process {
                 pid: 42,
                 process: "demo-prefill".to_owned(),
+                profile: "demo".to_owned(),
                 workload: Some(pod()),
                 in_flight: 2,
                 stalled: 1,
@@ -286,6 +287,7 @@ mod tests {
                 InflightRequest {
                     pid: 42,
                     process: "demo-prefill".to_owned(),
+                    profile: "demo".to_owned(),
                     workload: Some(pod()),
                     key: 0x10000000000,
                     external_id: Some("room-1099511627776".to_owned()),
@@ -303,6 +305,7 @@ mod tests {
                 InflightRequest {
                     pid: 42,
                     process: "demo-prefill".to_owned(),
+                    profile: "demo".to_owned(),
                     workload: Some(Workload { container_id: Some("ab".repeat(32)), ..Workload::default() }),
                     key: 7,
                     external_id: None,
@@ -403,7 +406,7 @@ mod tests {
                 "42   demo-prefill  llm/prefill-0/sglang    0x10000000000  room-1099511627776  transfer_posted           2m05s  1m01s   transfer_hung [handle=0x7f00 transfer=2] (peer_unresponsive: last post 61.0s ago, last completion never, 900 progress calls in the last 30.0s, none completed)",
                 "42   demo-prefill  container abababababab  0x7            -                   transfer_done (inferred)  3ms    3ms     -",
                 "2 requests in flight, 1 stalled (timeout 1m00s), as of 2025-01-01T00:00:00.000Z",
-                "pid 42 (demo-prefill, llm/prefill-0/sglang): 2 in flight, 1 stalled",
+                "pid 42 (demo-prefill, profile demo, llm/prefill-0/sglang): 2 in flight, 1 stalled",
             ]
         );
     }
@@ -419,7 +422,7 @@ mod tests {
         let text = String::from_utf8(out).expect("UTF-8");
         assert_eq!(
             text,
-            "0 requests in flight, 0 stalled (timeout 1m00s), as of 2025-01-01T00:00:00.000Z\npid 42 (demo-prefill, llm/prefill-0/sglang): 0 in flight, 0 stalled\n"
+            "0 requests in flight, 0 stalled (timeout 1m00s), as of 2025-01-01T00:00:00.000Z\npid 42 (demo-prefill, profile demo, llm/prefill-0/sglang): 0 in flight, 0 stalled\n"
         );
     }
 

@@ -55,7 +55,8 @@ pub struct Pending {
 pub struct QueryServer {
     socket: SocketFile,
     queries: mpsc::Receiver<Pending>,
-    names: HashMap<u32, String>,
+    /// Watched processes' names and profiles.
+    names: HashMap<u32, (String, String)>,
     clock: Clock,
     /// The watched processes' workloads, named on every row.
     workloads: Option<Directory>,
@@ -87,8 +88,8 @@ impl QueryServer {
     }
 
     /// Name a watched process (the answers list every named process).
-    pub fn name_process(&mut self, pid: u32, name: &str) {
-        self.names.insert(pid, name.to_owned());
+    pub fn name_process(&mut self, pid: u32, name: &str, profile: &str) {
+        self.names.insert(pid, (name.to_owned(), profile.to_owned()));
     }
 
     /// The process is no longer watched.
@@ -122,7 +123,7 @@ impl QueryServer {
             at: self.clock.rfc3339(now_ns),
             now_ns,
             timeout_ns: engine.config().timeout_ns,
-            processes: self.names.iter().map(|(pid, name)| (*pid, name.clone())).collect(),
+            processes: self.names.iter().map(|(pid, (name, profile))| (*pid, name.clone(), profile.clone())).collect(),
             workloads: self
                 .workloads
                 .iter()
@@ -501,7 +502,7 @@ mod tests {
         let rt = runtime();
         let _guard = rt.enter();
         let mut server = bind(&tmp.0.join("agent.sock")).expect("bind");
-        server.name_process(42, "demo-prefill");
+        server.name_process(42, "demo-prefill", "demo");
         let engine = engine();
         let answer = ask(&rt, &mut server, &engine, b"{\"query\":\"inflight\"}\n");
         let answer = wire::decode_inflight(&answer).expect("an answer");

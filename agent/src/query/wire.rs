@@ -5,10 +5,10 @@
 //! ```text
 //! -> {"version":1,"query":"inflight"}
 //! <- {"version":1,"agent_pid":4242,"at":"2025-01-01T00:00:00.000Z","timeout_ms":2000,
-//!     "processes":[{"pid":4243,"process":"demo-prefill","in_flight":3,"stalled":2,
+//!     "processes":[{"pid":4243,"process":"demo-prefill","profile":"demo","in_flight":3,"stalled":2,
 //!                   "workload":{"k8s.namespace.name":"llm","k8s.pod.name":"prefill-0",..},
 //!                   "transport":{"post":{"total":9,"last_ago_ms":5000},"completion":{..},"progress":{..}}}],
-//!     "requests":[{"pid":4243,"process":"demo-prefill","key":"0x10000000000",
+//!     "requests":[{"pid":4243,"process":"demo-prefill","profile":"demo","key":"0x10000000000",
 //!                  "workload":{"k8s.namespace.name":"llm","k8s.pod.name":"prefill-0",..},
 //!                  "external_id":"room-1099511627776","stage":"enqueued",
 //!                  "age_ms":5012,"silent_ms":5012,"class":"waiting_for_peer",
@@ -82,6 +82,9 @@ pub struct Process {
     pub pid: u32,
     /// Its name when the agent attached (`/proc/PID/comm`).
     pub process: String,
+    /// The profile it is watched with (the first rule it matched).
+    #[serde(default)]
+    pub profile: String,
     /// Requests it holds now.
     pub in_flight: u64,
     /// Of those, the ones stalled.
@@ -148,6 +151,9 @@ pub struct RequestTransport {
 pub struct InflightRequest {
     pub pid: u32,
     pub process: String,
+    /// The profile that judges it: its process's.
+    #[serde(default)]
+    pub profile: String,
     /// Its process's container and pod, where known: on every row, so a
     /// row read alone (`jq '.requests[]'`) names the stuck workload.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -195,8 +201,8 @@ pub struct Snapshot {
     pub at: String,
     pub now_ns: u64,
     pub timeout_ns: u64,
-    /// Watched processes and their names.
-    pub processes: Vec<(u32, String)>,
+    /// Watched processes: their names and profiles.
+    pub processes: Vec<(u32, String, String)>,
     /// The workloads of those whose workload is known.
     pub workloads: HashMap<u32, Arc<Workload>>,
     /// In any order.
@@ -226,14 +232,14 @@ impl Snapshot {
         let workload = |pid: u32| workloads.get(&pid).map(|workload| Workload::clone(workload));
         requests.sort_unstable_by_key(oldest_first);
         processes.sort_unstable();
-        processes.dedup_by_key(|(pid, _)| *pid);
+        processes.dedup_by_key(|(pid, _, _)| *pid);
         let mut counts: Vec<Process> = processes
             .into_iter()
-            .map(|(pid, process)| {
+            .map(|(pid, process, profile)| {
                 let transport = transport_of(&transport, pid)
                     .and_then(ProcessTransport::latest)
                     .map(|(totals, at_ns, attached_ns)| TransportEvidence::of(&totals, at_ns, attached_ns));
-                Process { pid, workload: workload(pid), process, in_flight: 0, stalled: 0, transport }
+                Process { pid, workload: workload(pid), process, profile, in_flight: 0, stalled: 0, transport }
             })
             .collect();
         let rows = requests
@@ -242,20 +248,21 @@ impl Snapshot {
                 let evidence = request
                     .stalled
                     .and_then(|class| transport_of(&transport, request.pid)?.evidence(&request, class, None));
-                let process = match counts.binary_search_by_key(&request.pid, |p| p.pid) {
+                let (process, profile) = match counts.binary_search_by_key(&request.pid, |p| p.pid) {
                     Ok(i) => {
                         let entry = &mut counts[i];
                         entry.in_flight += 1;
                         entry.stalled += u64::from(request.stalled.is_some());
-                        entry.process.clone()
+                        (entry.process.clone(), entry.profile.clone())
                     }
                     // A request of a process the agent never named (it
                     // only watches named ones): shown, not counted.
-                    Err(_) => "?".to_owned(),
+                    Err(_) => ("?".to_owned(), "?".to_owned()),
                 };
                 InflightRequest {
                     pid: request.pid,
                     process,
+                    profile,
                     workload: workload(request.pid),
                     key: request.key,
                     age_ms: ms(request.age_ns(now_ns)),
@@ -478,7 +485,10 @@ mod tests {
             at: "2025-01-01T00:00:00.000Z".to_owned(),
             now_ns: 10_000_000_000,
             timeout_ns: 2_000_000_000,
-            processes: vec![(42, "demo-prefill".to_owned()), (7, "other".to_owned())],
+            processes: vec![
+                (42, "demo-prefill".to_owned(), "demo".to_owned()),
+                (7, "other".to_owned(), "nixl".to_owned()),
+            ],
             workloads: HashMap::new(),
             requests,
             transport: Vec::new(),
@@ -503,6 +513,7 @@ mod tests {
             json!({
                 "pid": 42,
                 "process": "demo-prefill",
+                "profile": "demo",
                 "key": "0x10000000000",
                 "external_id": "room-1099511627776",
                 "stage": "transfer_posted",
@@ -520,8 +531,8 @@ mod tests {
         assert_eq!(
             value["processes"],
             json!([
-                {"pid": 7, "process": "other", "in_flight": 0, "stalled": 0, "transport": null},
-                {"pid": 42, "process": "demo-prefill", "in_flight": 1, "stalled": 1, "transport": null},
+                {"pid": 7, "process": "other", "profile": "nixl", "in_flight": 0, "stalled": 0, "transport": null},
+                {"pid": 42, "process": "demo-prefill", "profile": "demo", "in_flight": 1, "stalled": 1, "transport": null},
             ])
         );
     }

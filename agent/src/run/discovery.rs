@@ -2,11 +2,13 @@
 //! `--pid` is given.
 //!
 //! A [`Selector`] matches on the executable, a mapped library, the command
-//! line and the cgroup (container) of a process; every condition given must
-//! hold. The agent scans `/proc` at start, hears of every exec through the
+//! line (a title `setproctitle` gave is the command line) and the cgroup
+//! (container) of a process; every condition given must hold. The agent
+//! scans `/proc` at start, hears of every exec through the
 //! `sched_process_exec` BTF tracepoint, and re-checks recent execs for a
 //! while because a library such as `libnixl.so` is `dlopen`ed well after
-//! the exec (Python imports it).
+//! the exec (Python imports it). Which profile a matched process is
+//! watched with is [`super::rules`]'.
 use std::{
     collections::HashMap,
     path::{Path, PathBuf},
@@ -50,6 +52,11 @@ impl Selector {
         Ok(selector)
     }
 
+    /// Every process: `--pid` with `--profile`, where the pid is the choice.
+    pub fn any() -> Self {
+        Self::default()
+    }
+
     fn is_empty(&self) -> bool {
         self.exe.is_none() && self.lib.is_none() && self.cmdline.is_none() && self.cgroup.is_none()
     }
@@ -57,43 +64,43 @@ impl Selector {
     /// Whether `pid` matches now. A process that vanished, or that this
     /// agent may not inspect, does not match.
     pub fn matches(&self, pid: u32) -> bool {
-        self.check(Path::new(&format!("/proc/{pid}")), pid).unwrap_or(false)
+        self.matches_facts(&mut Facts::of(pid))
     }
 
-    fn check(&self, proc_dir: &Path, pid: u32) -> Result<bool> {
+    /// Whether the process `facts` reads matches; the cheap conditions
+    /// first, the mapped libraries last (several selectors asking of one
+    /// process read each of its files once).
+    pub fn matches_facts(&self, facts: &mut Facts) -> bool {
+        self.check(facts).unwrap_or(false)
+    }
+
+    fn check(&self, facts: &mut Facts) -> Result<bool> {
         if let Some(exe) = &self.exe {
-            let path = std::fs::read_link(proc_dir.join("exe"))?;
-            if !exe_matches(&path, exe) {
+            if !exe_matches(facts.exe()?, exe) {
                 return Ok(false);
             }
         }
         if let Some(cmdline) = &self.cmdline {
-            let raw = std::fs::read(proc_dir.join("cmdline"))?;
-            if !cmdline.is_match(&join_cmdline(&raw)) {
+            if !cmdline.is_match(facts.cmdline()?) {
                 return Ok(false);
             }
         }
         if let Some(cgroup) = &self.cgroup {
-            if !std::fs::read_to_string(proc_dir.join("cgroup"))?.contains(cgroup.as_str()) {
+            if !facts.cgroup()?.contains(cgroup.as_str()) {
                 return Ok(false);
             }
         }
         if let Some(lib) = &self.lib {
-            return Ok(ProcessImage::read(pid)?.find(Some(lib)).is_ok());
+            return facts.maps(lib);
         }
         Ok(true)
     }
 
-    /// Every process on the host that matches, but this agent.
-    pub fn scan(&self) -> Result<Vec<u32>> {
-        let me = std::process::id();
-        let mut pids: Vec<u32> = std::fs::read_dir("/proc")
-            .context("listing /proc")?
-            .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
-            .filter(|&pid| pid != me && self.matches(pid))
-            .collect();
-        pids.sort_unstable();
-        Ok(pids)
+    /// Whether the process maps the library this selector names (`false`
+    /// for one that names none): a process that does, but that no rule
+    /// matches, is one an operator may have meant to watch.
+    pub fn maps_its_library(&self, facts: &mut Facts) -> bool {
+        self.lib.as_ref().is_some_and(|lib| facts.maps(lib).unwrap_or(false))
     }
 
     /// Human-readable, for logs.
@@ -113,6 +120,71 @@ impl Selector {
         }
         parts.join(" ")
     }
+}
+
+/// What the selectors read of one process, each file read once, when
+/// first asked.
+pub struct Facts {
+    pub pid: u32,
+    proc_dir: PathBuf,
+    exe: Option<PathBuf>,
+    cmdline: Option<String>,
+    cgroup: Option<String>,
+    image: Option<ProcessImage>,
+}
+
+impl Facts {
+    pub fn of(pid: u32) -> Self {
+        Self {
+            pid,
+            proc_dir: PathBuf::from(format!("/proc/{pid}")),
+            exe: None,
+            cmdline: None,
+            cgroup: None,
+            image: None,
+        }
+    }
+
+    fn exe(&mut self) -> Result<&Path> {
+        if self.exe.is_none() {
+            self.exe = Some(std::fs::read_link(self.proc_dir.join("exe"))?);
+        }
+        Ok(self.exe.as_deref().unwrap_or(Path::new("")))
+    }
+
+    /// The command line, arguments joined by spaces.
+    pub fn cmdline(&mut self) -> Result<&str> {
+        if self.cmdline.is_none() {
+            self.cmdline = Some(join_cmdline(&std::fs::read(self.proc_dir.join("cmdline"))?));
+        }
+        Ok(self.cmdline.as_deref().unwrap_or_default())
+    }
+
+    fn cgroup(&mut self) -> Result<&str> {
+        if self.cgroup.is_none() {
+            self.cgroup = Some(std::fs::read_to_string(self.proc_dir.join("cgroup"))?);
+        }
+        Ok(self.cgroup.as_deref().unwrap_or_default())
+    }
+
+    fn maps(&mut self, lib: &str) -> Result<bool> {
+        if self.image.is_none() {
+            self.image = Some(ProcessImage::read(self.pid)?);
+        }
+        Ok(self.image.as_ref().is_some_and(|image| image.find(Some(lib)).is_ok()))
+    }
+}
+
+/// Every pid in `/proc` but this agent's, in order.
+pub fn all_pids() -> Result<Vec<u32>> {
+    let me = std::process::id();
+    let mut pids: Vec<u32> = std::fs::read_dir("/proc")
+        .context("listing /proc")?
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != me)
+        .collect();
+    pids.sort_unstable();
+    Ok(pids)
 }
 
 fn exe_matches(path: &Path, exe: &str) -> bool {
@@ -141,27 +213,42 @@ impl Pending {
         self.since.entry(pid).or_insert(now_ns);
     }
 
-    /// The pending pids that match now (and are no longer pending); drops
-    /// those past their patience or gone.
-    pub fn recheck(&mut self, selector: &Selector, now_ns: u64) -> Vec<u32> {
-        let mut matched = Vec::new();
+    /// The pending pids `choose` finds a match for now (and are no longer
+    /// pending), with it; drops those gone, and those past their patience,
+    /// which are returned as `expired` (alive, matching nothing).
+    pub fn recheck<T>(&mut self, now_ns: u64, mut choose: impl FnMut(u32) -> Option<T>) -> Rechecked<T> {
+        let mut rechecked = Rechecked { matched: Vec::new(), expired: Vec::new() };
         self.since.retain(|&pid, since| {
-            if !Path::new(&format!("/proc/{pid}")).exists() || now_ns.saturating_sub(*since) > Self::PATIENCE_NS {
+            if !Path::new(&format!("/proc/{pid}")).exists() {
                 return false;
             }
-            if selector.matches(pid) {
-                matched.push(pid);
+            if now_ns.saturating_sub(*since) > Self::PATIENCE_NS {
+                rechecked.expired.push(pid);
                 return false;
             }
-            true
+            match choose(pid) {
+                Some(chosen) => {
+                    rechecked.matched.push((pid, chosen));
+                    false
+                }
+                None => true,
+            }
         });
-        matched.sort_unstable();
-        matched
+        rechecked.matched.sort_unstable_by_key(|(pid, _)| *pid);
+        rechecked
     }
 
     pub fn is_empty(&self) -> bool {
         self.since.is_empty()
     }
+}
+
+/// What [`Pending::recheck`] found.
+pub struct Rechecked<T> {
+    /// Pids that match now, with what matched.
+    pub matched: Vec<(u32, T)>,
+    /// Pids that matched nothing within [`Pending::PATIENCE_NS`].
+    pub expired: Vec<u32>,
 }
 
 #[cfg(test)]
@@ -202,19 +289,26 @@ mod tests {
         assert!(by_both.matches(me));
         let not_me = Selector::new(None, Some("libnixl.so".into()), None, None).unwrap();
         assert!(!not_me.matches(me));
-        // scan() leaves the agent itself out.
-        assert!(!by_exe.scan().unwrap().contains(&me));
+        assert!(Selector::any().matches(me));
+        // The scan leaves the agent itself out.
+        assert!(!all_pids().unwrap().contains(&me));
     }
 
     #[test]
     fn pending_execs_are_dropped_when_gone_or_past_patience() {
         let never = Selector::new(None, Some("libnixl.so".into()), None, None).unwrap();
+        let choose = |pid| never.matches(pid).then_some(());
         let mut pending = Pending::default();
         pending.add(std::process::id(), 0);
         pending.add(u32::MAX - 1, 0);
-        assert!(pending.recheck(&never, 1).is_empty());
+        let first = pending.recheck(1, choose);
+        assert!(first.matched.is_empty() && first.expired.is_empty());
         assert_eq!(pending.since.len(), 1, "the vanished pid is dropped");
-        assert!(pending.recheck(&never, Pending::PATIENCE_NS + 1).is_empty());
+        let late = pending.recheck(Pending::PATIENCE_NS + 1, choose);
+        assert_eq!(late.expired, [std::process::id()], "past its patience, said as matching nothing");
         assert!(pending.is_empty());
+        pending.add(std::process::id(), 0);
+        let me = pending.recheck(1, Some);
+        assert_eq!(me.matched, [(std::process::id(), std::process::id())]);
     }
 }

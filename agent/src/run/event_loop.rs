@@ -18,20 +18,24 @@ use tracing::{error, info, warn};
 
 use super::{
     Target, deployment,
-    discovery::{Pending, Selector},
+    discovery::{self, Facts, Pending},
     ingest::warn_on_loss,
     processes::Gone,
     reads::{Read, Reads},
+    rules::{ProfileId, Rules},
     session::{Session, Synced, withheld_in},
     stops::Stops,
 };
 use crate::{
-    evidence::status::{self, StatusReader},
+    evidence::status,
     export::metrics::Scrape,
     kernel::{KernelCounters, Releasing, detach::Detached, reactor},
     profile::plan::Trust,
     query::{QueryServer, SocketPlace, server::Pending as QueryPending},
-    util::clock::{Clock, monotonic_ns},
+    util::{
+        clock::{Clock, monotonic_ns},
+        text,
+    },
 };
 
 /// How often the kernel's loss counters and transport counts are sampled.
@@ -52,17 +56,25 @@ enum Flow {
     Stop,
 }
 
+/// Which processes the agent watches, and with which profile.
+pub struct Watch {
+    pub target: Target,
+    pub rules: Rules,
+}
+
 /// What the loop waits on besides the session.
 pub struct EventLoop {
     session: Session,
-    /// `--pid`: `None`, and the agent ends with its target.
-    selector: Option<Selector>,
+    /// Which profile watches which process.
+    rules: Rules,
+    /// `--pid`: the agent ends with its target; else processes are found.
+    target: Target,
     /// The pids that exit ([`super::processes::Processes::new`]).
     exits: mpsc::UnboundedReceiver<u32>,
     /// Exec notifications (`None`: the target's execs go unnoticed).
     execs: Option<AsyncFd<RingBuf<MapData>>>,
-    /// Processes that exec'd and may match the selector once they load
-    /// their libraries.
+    /// Processes that exec'd and may match a rule once they load their
+    /// libraries.
     pending: Pending,
     /// Processes whose objects are being read, to be watched once read.
     reads: Reads,
@@ -79,14 +91,14 @@ pub struct EventLoop {
 }
 
 impl EventLoop {
-    /// Attach to the target (or every process the selector matches), take
-    /// over what a previous agent left, then serve queries. `None` when a
+    /// Attach to the target (or every process a rule matches), take over
+    /// what a previous agent left, then serve queries. `None` when a
     /// stop signal came first: the session is dropped then, which detaches
     /// what it attached and leaves a previous agent's state as it was.
     pub async fn start(
         mut session: Session,
         exits: mpsc::UnboundedReceiver<u32>,
-        target: Target,
+        watch: Watch,
         socket: SocketPlace,
         clock: Clock,
         mut stops: Stops,
@@ -110,8 +122,9 @@ impl EventLoop {
                 }
             }
         });
+        let Watch { target, mut rules } = watch;
         let mut reads = Reads::new(trust);
-        let (execs, selector) = match target {
+        let execs = match target {
             Target::Pid(pid) => {
                 // First, so an exec during the attach is heard of too.
                 let execs = match session.probes.watch_execs() {
@@ -125,22 +138,34 @@ impl EventLoop {
                         None
                     }
                 };
-                reads.start(pid, &session.profile)?;
+                let id = rules.choose(&mut Facts::of(pid)).with_context(|| {
+                    format!(
+                        "pid {pid} matches no rule ({}): name its profile with --profile",
+                        text::value(&rules.describe_all())
+                    )
+                })?;
+                reads.start(pid, id, &session.profiles[id.0])?;
                 let Some(read) = stops.unless_stopped("reading the target's objects", reads.next()).await else {
                     return Ok(None);
                 };
                 let (plan, exited) = read.plan?;
-                session.watch(&plan, exited)?;
-                deployment::warn_if_partial(&session.profile, &plan.lineage).await;
-                (execs, None)
+                session.watch(&plan, id, exited)?;
+                deployment::warn_if_partial(&session.profiles[id.0], &plan.lineage).await;
+                execs
             }
-            Target::Select(selector) => {
+            Target::Discover => {
                 // Hear of execs first, so nothing starting during the scan is missed.
                 let execs = reactor::register(session.probes.watch_execs()?, "the EXECS ring buffer")?;
-                info!(selector = %selector.describe(), profile = %session.profile.name, "discovering processes");
-                for pid in selector.scan()? {
-                    if let Err(err) = reads.start(pid, &session.profile) {
-                        session.refuse(pid, &err);
+                info!(rules = %rules.describe_all(), "discovering processes");
+                for pid in discovery::all_pids()? {
+                    let mut facts = Facts::of(pid);
+                    match rules.choose(&mut facts) {
+                        Some(id) => {
+                            if let Err(err) = reads.start(pid, id, &session.profiles[id.0]) {
+                                session.refuse(pid, &err);
+                            }
+                        }
+                        None => rules.unmatched(&mut facts),
                     }
                 }
                 // Each read on its own deadline: one process whose files
@@ -151,7 +176,7 @@ impl EventLoop {
                     };
                     session.watch_or_log(read);
                 }
-                (Some(execs), Some(selector))
+                Some(execs)
             }
         };
         // Ours are attached: what a previous agent's probes recorded is ours
@@ -166,7 +191,7 @@ impl EventLoop {
         // when another agent serves this socket (a second agent fails here).
         let mut queries = QueryServer::bind(socket, clock)?.with_workloads(session.telemetry.workloads());
         for pid in session.processes.pids() {
-            queries.name_process(pid, session.processes.name(pid).unwrap_or("?"));
+            name_for_queries(&mut queries, &session, pid);
         }
         session.transport.sample(&session.probes, monotonic_ns())?;
         // Attached, and a previous agent's requests taken over: a rolling
@@ -176,7 +201,8 @@ impl EventLoop {
         let unread_ns = unread_ns(config.timeout_ns, config.tick_ns);
         Ok(Some(Self {
             session,
-            selector,
+            rules,
+            target,
             exits,
             execs,
             pending: Pending::default(),
@@ -267,9 +293,7 @@ impl EventLoop {
         session.signals.warn();
         session.state.warn();
         session.warn_alert_drops();
-        if let Some(status) = &mut session.status {
-            status.warn();
-        }
+        session.warn_status();
         let now = monotonic_ns();
         session.transport.sample(&session.probes, now)?;
         session.sample_scheduling(now);
@@ -281,51 +305,58 @@ impl EventLoop {
     fn on_exit(&mut self, pid: u32) -> Flow {
         self.session.unwatch(pid, Gone::Exited);
         self.queries.forget_process(pid);
-        if self.selector.is_none() { Flow::Stop } else { Flow::Continue }
+        if self.target == Target::Discover { Flow::Continue } else { Flow::Stop }
     }
 
     /// Processes exec'd: a watched one's probes and requests went with its
-    /// old image; a selected one is read to be watched in its new program,
-    /// one that may match later waits in `pending`.
+    /// old image; one a rule matches is read to be watched in its new
+    /// program, one that may match later waits in `pending`.
     fn on_execs(&mut self, pids: Vec<u32>) -> Result<Flow> {
         for pid in pids {
-            let was_watched = self.session.processes.contains(pid);
-            if was_watched {
+            let was = self.session.processes.profile(pid);
+            if was.is_some() {
                 self.session.unwatch(pid, Gone::Exec);
                 self.queries.forget_process(pid);
             }
-            match &self.selector {
-                Some(selector) if selector.matches(pid) => self.read(pid),
-                Some(_) => self.pending.add(pid, monotonic_ns()),
-                // `--pid`: follow the target into its new program if the
+            match (self.target, was) {
+                (Target::Discover, _) => match self.rules.choose(&mut Facts::of(pid)) {
+                    Some(id) => self.read(pid, id),
+                    None => self.pending.add(pid, monotonic_ns()),
+                },
+                // `--pid`: follow the target into its new program if its
                 // profile attaches to it ([`Self::on_read`]); else stop, as
                 // when it exits.
-                None if was_watched => {
-                    if let Err(err) = self.reads.start(pid, &self.session.profile) {
+                (Target::Pid(_), Some(id)) => {
+                    if let Err(err) = self.reads.start(pid, id, &self.session.profiles[id.0]) {
                         return self.target_lost(pid, &err);
                     }
                 }
-                None => {}
+                (Target::Pid(_), None) => {}
             }
         }
         Ok(Flow::Continue)
     }
 
-    /// Exec'd processes that may have loaded what the selector looks for.
+    /// Exec'd processes that may have loaded what a rule looks for; those
+    /// that matched none within [`Pending::PATIENCE_NS`] are said once if
+    /// they look like serving processes ([`Rules::unmatched`]).
     fn on_recheck(&mut self) -> Flow {
-        if let Some(selector) = &self.selector {
-            for pid in self.pending.recheck(selector, monotonic_ns()) {
-                self.read(pid);
-            }
+        let rules = &mut self.rules;
+        let rechecked = self.pending.recheck(monotonic_ns(), |pid| rules.choose(&mut Facts::of(pid)));
+        for pid in rechecked.expired {
+            self.rules.unmatched(&mut Facts::of(pid));
+        }
+        for (pid, id) in rechecked.matched {
+            self.read(pid, id);
         }
         Flow::Continue
     }
 
-    /// Begin reading a selected process's objects; one that cannot even be
-    /// begun (gone already) is logged and counted as one that could not be
-    /// watched.
-    fn read(&mut self, pid: u32) {
-        if let Err(err) = self.reads.start(pid, &self.session.profile) {
+    /// Begin reading a selected process's objects for profile `id`; one
+    /// that cannot even be begun (gone already) is logged and counted as
+    /// one that could not be watched.
+    fn read(&mut self, pid: u32, id: ProfileId) {
+        if let Err(err) = self.reads.start(pid, id, &self.session.profiles[id.0]) {
             self.session.refuse(pid, &err);
         }
     }
@@ -334,15 +365,15 @@ impl EventLoop {
     /// program cannot be watched ends the agent, as its exit would.
     fn on_read(&mut self, read: Read) -> Result<Flow> {
         let pid = read.pid;
-        if self.selector.is_some() {
+        if self.target == Target::Discover {
             if self.session.watch_or_log(read) {
-                self.queries.name_process(pid, self.session.processes.name(pid).unwrap_or("?"));
+                name_for_queries(&mut self.queries, &self.session, pid);
             }
             return Ok(Flow::Continue);
         }
-        match read.plan.and_then(|(plan, exited)| self.session.watch(&plan, exited)) {
+        match read.plan.and_then(|(plan, exited)| self.session.watch(&plan, read.profile, exited)) {
             Ok(()) => {
-                self.queries.name_process(pid, self.session.processes.name(pid).unwrap_or("?"));
+                name_for_queries(&mut self.queries, &self.session, pid);
                 Ok(Flow::Continue)
             }
             Err(err) => self.target_lost(pid, &err),
@@ -369,7 +400,7 @@ impl EventLoop {
             &session.engine,
             &session.probes,
             session.ingest.undecodable,
-            session.status.as_ref().map(StatusReader::reads),
+            session.status_reads(),
             session.alerts.output().dropped(),
         );
         Flow::Continue
@@ -424,6 +455,12 @@ impl EventLoop {
         self.wake.as_mut().reset(tokio::time::Instant::now() + Duration::from_nanos(next.saturating_sub(now)));
         Ok(Flow::Continue)
     }
+}
+
+/// Tell the query server a watched process's name and profile.
+fn name_for_queries(queries: &mut QueryServer, session: &Session, pid: u32) {
+    let profile = session.processes.profile(pid).map_or("?", |id| session.profiles[id.0].name.as_str());
+    queries.name_process(pid, session.processes.name(pid).unwrap_or("?"), profile);
 }
 
 /// Until the release under way, if any, is done; never without one.

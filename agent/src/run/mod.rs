@@ -1,8 +1,9 @@
-//! `stallwatch run`: attach a profile to one process (`--pid`) or to every
-//! process a selector matches, now and later, and follow their requests
-//! until told to stop (or, with `--pid`, until that process exits or execs
-//! a program the profile does not attach to).
+//! `stallwatch run`: attach to one process (`--pid`) or to every process a
+//! rule matches, now and later, each with its rule's profile, and follow
+//! their requests until told to stop (or, with `--pid`, until that process
+//! exits or execs a program the profile does not attach to).
 //!
+//! [`rules`] says which profile watches which process,
 //! [`session`] holds what one run holds and the steps taken on it,
 //! [`processes`] the process table, [`ingest`] turns ring-buffer records
 //! into observations, [`event_loop`] waits on everything that can wake the
@@ -15,6 +16,7 @@ mod event_loop;
 mod ingest;
 mod processes;
 mod reads;
+pub mod rules;
 mod session;
 mod stops;
 
@@ -22,7 +24,12 @@ use std::{io::Write, path::PathBuf, time::Duration};
 
 use anyhow::{Result, bail};
 
-use self::{discovery::Selector, event_loop::EventLoop, session::Session, stops::Stops};
+use self::{
+    event_loop::{EventLoop, Watch},
+    rules::Rule,
+    session::Session,
+    stops::Stops,
+};
 use crate::{
     export::{
         alert::Format,
@@ -30,23 +37,25 @@ use crate::{
     },
     kernel::{Probes, state::BpfDir},
     lifecycle::EngineConfig,
-    profile::{Profile, plan::Trust},
+    profile::plan::Trust,
     query::SocketPlace,
     util::clock::Clock,
 };
 
 /// Which processes to watch.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Target {
-    /// This one; the agent ends when it exits.
+    /// This one, with the profile of the first rule it matches; the agent
+    /// ends when it exits.
     Pid(u32),
-    /// Every process matching, including those started later.
-    Select(Selector),
+    /// Every process a rule matches, including those started later.
+    Discover,
 }
 
 pub struct Options {
     pub target: Target,
-    pub profile: Profile,
+    /// Which profile watches which process, in order ([`rules`]).
+    pub rules: Vec<Rule>,
     pub timeout: Duration,
     pub tick: Duration,
     pub max_tracked: usize,
@@ -77,7 +86,7 @@ pub enum OnExit {
 }
 
 pub async fn run(options: Options, out: impl Write + Send + 'static) -> Result<()> {
-    let Options { target, profile, timeout, tick, max_tracked, format, telemetry, socket, bpf_dir, on_exit, trust } =
+    let Options { target, rules, timeout, tick, max_tracked, format, telemetry, socket, bpf_dir, on_exit, trust } =
         options;
     if timeout < tick {
         bail!("--timeout {timeout:?} is shorter than --tick {tick:?}: raise the timeout or lower the tick");
@@ -88,7 +97,8 @@ pub async fn run(options: Options, out: impl Write + Send + 'static) -> Result<(
     // A stop from here on ends the agent at once, whatever start-up is
     // doing; before anything is attached nothing is left behind.
     let mut stops = Stops::install()?;
-    tracing::info!(version = crate::util::build_info::VERSION, profile = %profile.name, "starting");
+    let (rules, profiles) = rules::Rules::new(rules);
+    tracing::info!(version = crate::util::build_info::VERSION, rules = %rules.describe_all(), "starting");
     let clock = Clock::new();
     let started = stops
         .unless_stopped("starting", async {
@@ -103,8 +113,10 @@ pub async fn run(options: Options, out: impl Write + Send + 'static) -> Result<(
         .await;
     let Some((telemetry, socket, probes)) = started.transpose()? else { return Ok(()) };
     let limits = EngineConfig { timeout_ns: duration_ns(timeout), max_tracked, tick_ns: duration_ns(tick) };
-    let (session, exits) = Session::start(profile, limits, format, out, clock, telemetry, probes)?;
-    let Some(event_loop) = EventLoop::start(session, exits, target, socket, clock, stops, trust).await? else {
+    let (session, exits) = Session::start(profiles, limits, format, out, clock, telemetry, probes)?;
+    let Some(event_loop) =
+        EventLoop::start(session, exits, Watch { target, rules }, socket, clock, stops, trust).await?
+    else {
         return Ok(());
     };
     let (session, ended) = event_loop.run().await;

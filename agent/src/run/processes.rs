@@ -11,6 +11,7 @@ use anyhow::{Context as _, Result, bail};
 use tokio::{io::unix::AsyncFd, sync::mpsc, task::JoinHandle};
 use tracing::warn;
 
+use super::rules::ProfileId;
 use crate::{
     kernel::reactor,
     profile::{Profile, plan::Plan},
@@ -21,6 +22,8 @@ use crate::{
 struct Watched {
     /// Its name when attached (an exec changes it).
     name: String,
+    /// The profile it is watched with.
+    profile: ProfileId,
     exit_waiter: JoinHandle<()>,
 }
 
@@ -62,9 +65,14 @@ impl Processes {
         self.watched.get(&pid).map(|watched| watched.name.as_str())
     }
 
-    /// Follow `pid`, named `name`, until `exited` (its pidfd, opened before
-    /// it was attached) says it exited.
-    pub fn insert(&mut self, pid: u32, name: String, exited: AsyncFd<OwnedFd>) {
+    /// The profile `pid` is watched with.
+    pub fn profile(&self, pid: u32) -> Option<ProfileId> {
+        self.watched.get(&pid).map(|watched| watched.profile)
+    }
+
+    /// Follow `pid`, named `name` and watched with `profile`, until
+    /// `exited` (its pidfd, opened before it was attached) says it exited.
+    pub fn insert(&mut self, pid: u32, name: String, profile: ProfileId, exited: AsyncFd<OwnedFd>) {
         let exit_tx = self.exit_tx.clone();
         let waiter = tokio::spawn(async move {
             // Readable means exited; an error means it cannot be watched,
@@ -74,7 +82,7 @@ impl Processes {
             }
             let _ = exit_tx.send(pid);
         });
-        self.watched.insert(pid, Watched { name, exit_waiter: waiter });
+        self.watched.insert(pid, Watched { name, profile, exit_waiter: waiter });
     }
 
     /// Stop following `pid`.

@@ -14,12 +14,13 @@ use super::{
     ingest::Ingest,
     processes::{Gone, Processes, process_name, shown_name},
     reads::Read,
+    rules::ProfileId,
 };
 use crate::{
     evidence::{
         gate::{Change, Gate, Opener},
         sched::{self, Scheduling},
-        status::StatusReader,
+        status::{StatusReader, StatusReads},
         transport::{self, Tracker},
     },
     export::{
@@ -34,7 +35,7 @@ use crate::{
         ring::{EventReader, Losses},
         state::KernelState,
     },
-    lifecycle::{Engine, EngineConfig, Observation, Outcome, Report, Restored, Side, Silent, Withheld},
+    lifecycle::{Engine, EngineConfig, Observation, Outcome, Report, Restored, Side, Silent, StageRead, Withheld},
     profile::{Profile, plan::Plan},
     util::clock::{Clock, monotonic_ns, process_start_ns},
     util::warned::Warned,
@@ -64,15 +65,17 @@ pub(super) struct Session {
     /// The kernel's in-flight table, kept in step with the reports.
     pub(super) state: KernelState,
     pub(super) reader: EventReader,
-    /// The profile's `[status]`, read for requests whose stall is due.
-    pub(super) status: Option<StatusReader>,
-    pub(super) profile: Profile,
+    /// Each profile's `[status]`, read for requests whose stall is due; by
+    /// [`ProfileId`], as `profiles`.
+    status: Vec<Option<StatusReader>>,
+    /// The profiles the rules name, by [`ProfileId`].
+    pub(super) profiles: Vec<Profile>,
     /// Attached processes: their names and the tasks waiting on their
     /// pidfds.
     pub(super) processes: Processes,
     pub(super) reports: Vec<Report>,
     pub(super) ingest: Ingest,
-    /// Where the profile's `[[signal]]` hits go.
+    /// Where the profiles' `[[signal]]` hits go.
     pub(super) signals: Signals,
     /// The kernel's loss counts the engine was last brought in step with.
     pub(super) synced: Synced,
@@ -97,7 +100,7 @@ impl Session {
     /// ([`Probes::load`], which took over a previous agent's pinned maps);
     /// no process is watched yet. Also the stream of watched pids that exit.
     pub(super) fn start(
-        profile: Profile,
+        profiles: Vec<Profile>,
         limits: EngineConfig,
         format: Format,
         out: impl Write + Send + 'static,
@@ -129,9 +132,12 @@ impl Session {
             probes,
             state,
             reader,
-            status: profile.status.clone().map(|spec| StatusReader::new(spec, profile.complete_at)),
-            signals: Signals::for_profile(limits.timeout_ns, &profile),
-            profile,
+            status: profiles
+                .iter()
+                .map(|profile| profile.status.clone().map(|spec| StatusReader::new(spec, profile.complete_at)))
+                .collect(),
+            signals: Signals::new(limits.timeout_ns),
+            profiles,
             processes,
             reports: Vec::new(),
             ingest: Ingest::default(),
@@ -141,33 +147,35 @@ impl Session {
         Ok((session, exits))
     }
 
-    /// Attach the profile to `pid` and learn when it exits.
-    /// `plan` is what was read of its objects ([`super::reads`]), `exited`
-    /// its pidfd, opened before that read: if the pid is reused after an
-    /// exit, the pidfd still refers to the process read.
-    pub(super) fn watch(&mut self, plan: &Plan, exited: AsyncFd<OwnedFd>) -> Result<()> {
+    /// Attach profile `id` to `pid` and learn when it exits.
+    /// `plan` is what was read of its objects for that profile
+    /// ([`super::reads`]), `exited` its pidfd, opened before that read: if
+    /// the pid is reused after an exit, the pidfd still refers to the
+    /// process read.
+    pub(super) fn watch(&mut self, plan: &Plan, id: ProfileId, exited: AsyncFd<OwnedFd>) -> Result<()> {
         let pid = plan.image.pid;
         if self.processes.contains(pid) {
             return Ok(());
         }
-        let probes = if self.processes.foreign_build(plan, &self.profile) {
-            let probes = self.probes.attach(plan, &self.profile.without_offsets())?;
-            if let Some(status) = &mut self.status {
+        let profile = &self.profiles[id.0];
+        let probes = if self.processes.foreign_build(plan, profile) {
+            let probes = self.probes.attach(plan, &profile.without_offsets())?;
+            if let Some(status) = &mut self.status[id.0] {
                 status.turn_off(pid);
             }
             probes
         } else {
-            self.probes.attach(plan, &self.profile)?
+            self.probes.attach(plan, profile)?
         };
-        self.signals.attached(pid, &plan.lineage);
+        self.signals.attached(pid, &plan.lineage, profile);
         let name = shown_name(pid, &plan.lineage);
-        self.alerts.name_process(pid, &name);
-        self.telemetry.name_process(pid);
-        self.processes.insert(pid, name.clone(), exited);
+        self.alerts.name_process(pid, &name, &profile.name);
+        self.telemetry.name_process(pid, &profile.name);
+        self.processes.insert(pid, name.clone(), id, exited);
         info!(
             pid,
             process = %crate::util::text::value(&name),
-            profile = %self.profile.name,
+            profile = %profile.name,
             probes,
             timeout = %humantime::format_duration(Duration::from_nanos(self.engine.config().timeout_ns)),
             "watching"
@@ -180,7 +188,7 @@ impl Session {
     /// it exited meanwhile) is logged once and counted, and the agent goes
     /// on with the others. Whether it is watched.
     pub(super) fn watch_or_log(&mut self, read: Read) -> bool {
-        match read.plan.and_then(|(plan, exited)| self.watch(&plan, exited)) {
+        match read.plan.and_then(|(plan, exited)| self.watch(&plan, read.profile, exited)) {
             Ok(()) => true,
             Err(err) => {
                 self.refuse(read.pid, &err);
@@ -194,6 +202,33 @@ impl Session {
     pub(super) fn refuse(&mut self, pid: u32, err: &anyhow::Error) {
         self.refused += 1;
         error!(pid, "not watching: {err:#}");
+    }
+
+    /// The profile `pid` is watched with, if it is.
+    fn profile_of(&self, pid: u32) -> Option<&Profile> {
+        self.processes.profile(pid).map(|id| &self.profiles[id.0])
+    }
+
+    /// Whether `pid`'s profile follows rooms (an SGLang one): its handles
+    /// are then parts of rooms, and what a previous agent knew of them is
+    /// its framework's to adopt.
+    fn follows_rooms(&self, pid: u32) -> bool {
+        self.profile_of(pid).is_some_and(Profile::follows_rooms)
+    }
+
+    /// How the `[status]` reads went, over every profile that has one.
+    pub(super) fn status_reads(&self) -> Option<StatusReads> {
+        let mut readers = self.status.iter().flatten().peekable();
+        readers.peek()?;
+        Some(readers.map(StatusReader::reads).sum())
+    }
+
+    /// One warning a counter period for what the `[status]` reads could not
+    /// tell since the last one.
+    pub(super) fn warn_status(&mut self) {
+        for status in self.status.iter_mut().flatten() {
+            status.warn();
+        }
     }
 
     /// Take over the requests the kernel's in-flight table holds (a
@@ -250,18 +285,16 @@ impl Session {
         for (&pid, &exit_ns) in &exits {
             self.engine.process_exited(pid, exit_ns, &mut self.reports);
         }
-        let follows_rooms = self.profile.follows_rooms();
         let (mut with_context, mut unread) = (0, Vec::new());
-        if follows_rooms {
-            // The requests the agent made first, with what the previous
-            // agent knew of them: the handles that are parts of them are
-            // then known as such, not taken over as requests of their own.
-            for request in &taken {
-                if let Some(held) = contexts.remove(&(request.pid, request.key)) {
-                    with_context += 1;
-                    if let Err(why) = self.signals.adopt(request, Some(&held)) {
-                        unread.push(format!("pid {} key {:#x}: {why}", request.pid, request.key));
-                    }
+        // The requests the agent made first, with what the previous agent
+        // knew of them: the handles that are parts of them are then known
+        // as such, not taken over as requests of their own.
+        let with_rooms: Vec<&Restored> = taken.iter().filter(|request| self.follows_rooms(request.pid)).collect();
+        for request in with_rooms {
+            if let Some(held) = contexts.remove(&(request.pid, request.key)) {
+                with_context += 1;
+                if let Err(why) = self.signals.adopt(request, Some(&held)) {
+                    unread.push(format!("pid {} key {:#x}: {why}", request.pid, request.key));
                 }
             }
         }
@@ -270,10 +303,8 @@ impl Session {
         // stale.
         let mut leftovers = 0;
         for ((pid, key), held) in contexts {
-            let kept = follows_rooms
-                && self.processes.contains(pid)
-                && !exits.contains_key(&pid)
-                && self.signals.adopt_ended(pid, key, &held);
+            let kept =
+                self.follows_rooms(pid) && !exits.contains_key(&pid) && self.signals.adopt_ended(pid, key, &held);
             if kept {
                 leftovers += 1;
             } else {
@@ -282,7 +313,7 @@ impl Session {
         }
         let (mut taken_count, mut parts) = (0, 0);
         for request in taken {
-            if follows_rooms {
+            if self.follows_rooms(request.pid) {
                 if self.signals.owns(request.pid, request.key) {
                     parts += 1;
                     continue;
@@ -293,12 +324,11 @@ impl Session {
             taken_count += 1;
             self.engine.restore(request, &mut self.reports);
         }
-        if follows_rooms {
-            // Which side each process serves, as its rooms tell: a decode's
-            // silent room waits for its KV.
-            for pid in self.processes.pids() {
-                self.engine.set_side(pid, self.signals.side(pid));
-            }
+        // Which side each process serves, as its rooms tell: a decode's
+        // silent room waits for its KV.
+        let with_rooms: Vec<u32> = self.processes.pids().filter(|&pid| self.follows_rooms(pid)).collect();
+        for pid in with_rooms {
+            self.engine.set_side(pid, self.signals.side(pid));
         }
         if !unread.is_empty() {
             warn!(
@@ -364,18 +394,19 @@ impl Session {
         };
         // Ends submitted while the table was read come through the ring.
         self.drain();
-        let follows_rooms = self.profile.follows_rooms();
         // A handle that is part of a room is the room's, never a request
         // of its own the engine never heard of.
         let table: Vec<Restored> = table
             .into_iter()
-            .filter(|r| self.processes.contains(r.pid) && !(follows_rooms && self.signals.owns(r.pid, r.key)))
+            .filter(|r| {
+                self.processes.contains(r.pid) && !(self.follows_rooms(r.pid) && self.signals.owns(r.pid, r.key))
+            })
             .collect();
-        if follows_rooms {
-            for request in table.iter().filter(|request| self.engine.get(request.pid, request.key).is_none()) {
-                // This agent followed it: nothing to be handed over.
-                let _ = self.signals.adopt(request, None);
-            }
+        let unknown: Vec<&Restored> =
+            table.iter().filter(|r| self.follows_rooms(r.pid) && self.engine.get(r.pid, r.key).is_none()).collect();
+        for request in unknown {
+            // This agent followed it: nothing to be handed over.
+            let _ = self.signals.adopt(request, None);
         }
         let complete = counters.state_full <= self.synced.state_full && self.state.unheld() == 0;
         let before = self.engine.stats();
@@ -514,52 +545,51 @@ impl Session {
     /// most `budget` of them (the rest wait for the next calls).
     pub(super) fn advance(&mut self, now: u64, budget: usize) {
         self.expire(now);
-        let Session { engine, status, state, reports, signals, .. } = self;
+        let Session { engine, status, state, reports, signals, processes, .. } = self;
         // What `quiet` probes kept in the kernel's table comes first: a
         // request they moved along is not silent.
         let mut withheld = withheld_in(state);
-        match status {
-            Some(status) => engine.advance_checking(
-                now,
-                budget,
-                &mut withheld,
-                &mut |silents, answers| {
-                    let holds = |silent: &Silent| state.holds(silent.pid, silent.key, silent.last_ns);
-                    let start = answers.len();
-                    answers.resize(start + silents.len(), None);
-                    // A room has no memory of its own: its handles have,
-                    // read one by one (rooms are few); the rest in a batch.
-                    let (mut own, mut own_at) = (Vec::new(), Vec::new());
-                    for (n, silent) in silents.iter().enumerate() {
-                        let mut one = |handle: &Silent| {
-                            let mut answer = Vec::with_capacity(1);
-                            status.read(std::slice::from_ref(handle), holds, &mut answer);
-                            answer.pop().flatten()
-                        };
-                        match signals.read_room(silent, &mut one) {
-                            Some(answer) => answers[start + n] = answer,
-                            None => {
-                                own.push(*silent);
-                                own_at.push(start + n);
-                            }
-                        }
-                    }
-                    let mut read = Vec::with_capacity(own.len());
-                    status.read(&own, holds, &mut read);
-                    for (at, answer) in own_at.into_iter().zip(read) {
-                        answers[at] = answer;
-                    }
-                },
-                reports,
-            ),
-            None => engine.advance_checking(
-                now,
-                budget,
-                &mut withheld,
-                &mut |silents, answers| answers.extend(silents.iter().map(|_| None)),
-                reports,
-            ),
+        if status.iter().all(Option::is_none) {
+            let mut unread = |silents: &[Silent], answers: &mut Vec<Option<StageRead>>| {
+                answers.extend(silents.iter().map(|_| None));
+            };
+            engine.advance_checking(now, budget, &mut withheld, &mut unread, reports);
+            return;
         }
+        let mut read = |silents: &[Silent], answers: &mut Vec<Option<StageRead>>| {
+            let holds = |silent: &Silent| state.holds(silent.pid, silent.key, silent.last_ns);
+            let start = answers.len();
+            answers.resize(start + silents.len(), None);
+            // Each by its process's profile's reader. A room has no memory
+            // of its own: its handles have, read one by one (rooms are
+            // few); the rest in a batch a profile.
+            let mut own: Vec<(Vec<Silent>, Vec<usize>)> = status.iter().map(|_| Default::default()).collect();
+            for (n, silent) in silents.iter().enumerate() {
+                let Some(id) = processes.profile(silent.pid) else { continue };
+                let Some(reader) = &mut status[id.0] else { continue };
+                let mut one = |handle: &Silent| {
+                    let mut answer = Vec::with_capacity(1);
+                    reader.read(std::slice::from_ref(handle), holds, &mut answer);
+                    answer.pop().flatten()
+                };
+                match signals.read_room(silent, &mut one) {
+                    Some(answer) => answers[start + n] = answer,
+                    None => {
+                        own[id.0].0.push(*silent);
+                        own[id.0].1.push(start + n);
+                    }
+                }
+            }
+            for (reader, (own, at)) in status.iter_mut().zip(own) {
+                let Some(reader) = reader.as_mut().filter(|_| !own.is_empty()) else { continue };
+                let mut read = Vec::with_capacity(own.len());
+                reader.read(&own, holds, &mut read);
+                for (at, answer) in at.into_iter().zip(read) {
+                    answers[at] = answer;
+                }
+            }
+        };
+        engine.advance_checking(now, budget, &mut withheld, &mut read, reports);
     }
 
     /// The process is gone, or its program is: what it did before counts
@@ -592,7 +622,7 @@ impl Session {
         self.sched.forget(pid);
         self.signals.forget(pid);
         self.opener.forget(pid);
-        if let Some(status) = &mut self.status {
+        if let Some(status) = self.processes.profile(pid).and_then(|id| self.status[id.0].as_mut()) {
             status.forget(pid);
         }
         self.processes.remove(pid);
@@ -658,9 +688,7 @@ impl Session {
         if let Err(err) = self.emit() {
             failures.push(err.context("the last reports"));
         }
-        if let Some(status) = &mut self.status {
-            status.warn();
-        }
+        self.warn_status();
         let kernel = self.probes.counters().unwrap_or_else(|err| {
             failures.push(err.context("reading the kernel's loss counters for the summary"));
             KernelCounters::default()
@@ -673,6 +701,7 @@ impl Session {
         self.ingest.warn_undecodable();
         self.signals.finish();
         self.warn_alert_drops();
+        let status = self.status_reads();
         let export = self.telemetry.finish();
         let (failed_before, _) = self.alerts.output().failed();
         let outputs = Shortfalls {
@@ -681,7 +710,6 @@ impl Session {
             alert_lines_failed: failed_before,
             refused_processes: self.refused,
         };
-        let status = self.status.as_ref().map(StatusReader::reads);
         let summary = self.alerts.summary(&self.engine.stats(), &losses, &outputs, &probe_hits, status.as_ref());
         // The hand-over before the wait on stdout: it never waits on a
         // stdout that does not drain, and never depends on one that fails.

@@ -1,7 +1,8 @@
 //! The open connections of one of the agent's small servers (`/metrics`,
 //! the query socket), bounded, in which an idle connection gives way: one
-//! that has sent nothing yet is closed, oldest first, when a new client
-//! needs its place. A deadline alone would let clients that connect and
+//! that is not being answered (it has sent nothing yet, or, kept alive,
+//! nothing since its last answer) is closed, oldest first, when a new
+//! client needs its place. A deadline alone would let clients that connect and
 //! send nothing, faster than it expires, keep every place taken and every
 //! scrape or `stallwatch inflight` unanswered; this way any number of them
 //! costs a new client nothing, and one whose request is read is answered.
@@ -26,8 +27,10 @@ struct Table {
 }
 
 struct Open {
-    /// Closes it; `Some` while it is idle (its request not read yet).
-    evict: Option<oneshot::Sender<()>>,
+    /// Closes it.
+    evict: oneshot::Sender<()>,
+    /// Not being answered: it may be closed to make room.
+    idle: bool,
 }
 
 impl Connections {
@@ -41,17 +44,17 @@ impl Connections {
     pub fn admit(&self) -> Option<Admitted> {
         let mut table = lock(&self.table);
         if table.open.len() >= table.limit {
-            let oldest_idle = table.open.iter().find(|(_, open)| open.evict.is_some()).map(|(&id, _)| id)?;
-            if let Some(evict) = table.open.remove(&oldest_idle).and_then(|open| open.evict) {
+            let oldest_idle = table.open.iter().find(|(_, open)| open.idle).map(|(&id, _)| id)?;
+            if let Some(open) = table.open.remove(&oldest_idle) {
                 // Its task may be gone already; the place is free either way.
-                let _ = evict.send(());
+                let _ = open.evict.send(());
             }
         }
         let id = table.next;
         table.next += 1;
         let (evict, evicted) = oneshot::channel();
-        table.open.insert(id, Open { evict: Some(evict) });
-        Some(Admitted { table: Arc::clone(&self.table), id, evicted })
+        table.open.insert(id, Open { evict, idle: true });
+        Some(Admitted { activity: Activity { table: Arc::clone(&self.table), id }, evicted })
     }
 
     /// How many are open (for tests).
@@ -63,8 +66,7 @@ impl Connections {
 
 /// One connection's place; given back when dropped.
 pub struct Admitted {
-    table: Arc<Mutex<Table>>,
-    id: u64,
+    activity: Activity,
     evicted: oneshot::Receiver<()>,
 }
 
@@ -74,7 +76,7 @@ impl Admitted {
     /// reading the request.
     pub async fn evicted(&mut self) {
         if (&mut self.evicted).await.is_err() {
-            // Not closed to make room: its request was read ([`Self::busy`]).
+            // The sender goes only with the place, which this holds.
             std::future::pending::<()>().await;
         }
     }
@@ -82,15 +84,48 @@ impl Admitted {
     /// Its request is read: it is answered from now on, never closed to
     /// make room (how long that takes is bounded by the server).
     pub fn busy(&self) {
-        if let Some(open) = lock(&self.table).open.get_mut(&self.id) {
-            open.evict = None;
-        }
+        self.activity.busy();
+    }
+
+    /// A handle that says when it is answered, for a server that answers
+    /// more than one request on a connection (HTTP keep-alive) while this
+    /// place waits on [`Self::evicted`].
+    pub fn activity(&self) -> Activity {
+        self.activity.clone()
     }
 }
 
 impl Drop for Admitted {
     fn drop(&mut self) {
-        lock(&self.table).open.remove(&self.id);
+        lock(&self.activity.table).open.remove(&self.activity.id);
+    }
+}
+
+/// Whether one connection is being answered, said as its requests come
+/// and go; a clone says it of the same connection.
+#[derive(Clone)]
+pub struct Activity {
+    table: Arc<Mutex<Table>>,
+    id: u64,
+}
+
+impl Activity {
+    /// A request is being answered: never closed to make room meanwhile.
+    pub fn busy(&self) {
+        self.set_idle(false);
+    }
+
+    /// Its answer is given and it waits for its next request: it may be
+    /// closed to make room again.
+    pub fn idle(&self) {
+        self.set_idle(true);
+    }
+
+    fn set_idle(&self, idle: bool) {
+        // Gone from the table: closed to make room already.
+        if let Some(open) = lock(&self.table).open.get_mut(&self.id) {
+            open.idle = idle;
+        }
     }
 }
 
@@ -134,6 +169,23 @@ mod tests {
         assert!(connections.admit().is_some(), "a place given back is free");
         // A busy connection is never told it was evicted.
         assert!(!was_evicted(&mut fourth));
+    }
+
+    #[test]
+    fn a_kept_alive_connection_gives_way_again_once_answered() {
+        let connections = Connections::new(2);
+        let mut kept = connections.admit().expect("room");
+        let other = connections.admit().expect("room");
+        other.busy();
+        let activity = kept.activity();
+        activity.busy();
+        assert!(connections.admit().is_none(), "both are being answered");
+        activity.idle();
+        let _newer = connections.admit().expect("the answered one makes room");
+        assert!(was_evicted(&mut kept));
+        // Its place is gone: saying it is answered again keeps none.
+        activity.busy();
+        assert_eq!(connections.len(), 2);
     }
 
     #[test]

@@ -101,7 +101,7 @@ impl Default for ExportSettings {
 }
 
 enum Msg {
-    Process(u32, Box<str>),
+    Process(u32, Box<str>, Box<str>),
     /// Evidence is rare (stalls only) and large: boxed; so are the stall's
     /// fields (an SGLang room's, see [`SpanMaker::push`]).
     Report(Report, Option<Box<Evidence>>, Vec<(&'static str, String)>),
@@ -237,9 +237,10 @@ impl OtlpExporter {
         &self.target
     }
 
-    /// Tell the span maker the executable name of `pid`.
-    pub fn name_process(&self, pid: u32, executable: &str) {
-        if self.tx.try_send(Msg::Process(pid, executable.into())).is_err() {
+    /// Tell the span maker the executable name of `pid` and the profile
+    /// it is watched with.
+    pub fn name_process(&self, pid: u32, executable: &str, profile: &str) {
+        if self.tx.try_send(Msg::Process(pid, executable.into(), profile.into())).is_err() {
             debug!(pid, "export queue full: process name not sent");
         }
     }
@@ -318,8 +319,8 @@ impl Pump {
             let mut closed = false;
             loop {
                 match rx.try_recv() {
-                    Ok(Msg::Process(pid, name)) => {
-                        self.maker.name_process(pid, &name);
+                    Ok(Msg::Process(pid, name, profile)) => {
+                        self.maker.name_process(pid, &name, &profile);
                         self.resources.name_process(pid, &name);
                     }
                     Ok(Msg::Report(report, evidence, fields)) => {

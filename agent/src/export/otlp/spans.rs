@@ -46,6 +46,8 @@ pub mod attr {
     /// The watched process (semantic conventions).
     pub const PROCESS_PID: &str = "process.pid";
     pub const PROCESS_EXECUTABLE_NAME: &str = "process.executable.name";
+    /// The profile that watched the process and judged the request.
+    pub const PROFILE: &str = "stallwatch.profile";
     /// The request key, hex (`0x…`), as in the alert lines.
     pub const KEY: &str = "stallwatch.request.key";
     /// The cross-node identity the probe captured (a bootstrap room).
@@ -177,7 +179,8 @@ pub struct SpanMaker {
     host: String,
     clock: Clock,
     scope: InstrumentationScope,
-    executables: HashMap<u32, Arc<str>>,
+    /// Of each watched process: its executable's name and its profile's.
+    processes: HashMap<u32, (Arc<str>, Arc<str>)>,
     open: HashMap<(u32, u64), Open>,
     ids: RandomIdGenerator,
     sampler: SpanSampler,
@@ -190,7 +193,7 @@ impl SpanMaker {
             host,
             clock,
             scope: InstrumentationScope::builder("stallwatch").with_version(env!("CARGO_PKG_VERSION")).build(),
-            executables: HashMap::new(),
+            processes: HashMap::new(),
             open: HashMap::new(),
             ids: RandomIdGenerator::default(),
             sampler: SpanSampler::default(),
@@ -204,9 +207,10 @@ impl SpanMaker {
         self
     }
 
-    /// The executable name spans of `pid` carry (`process.executable.name`).
-    pub fn name_process(&mut self, pid: u32, executable: &str) {
-        self.executables.insert(pid, executable.into());
+    /// The executable name (`process.executable.name`) and profile
+    /// (`stallwatch.profile`) spans of `pid` carry.
+    pub fn name_process(&mut self, pid: u32, executable: &str, profile: &str) {
+        self.processes.insert(pid, (executable.into(), profile.into()));
     }
 
     /// The spans a report calls for (none for a recovery, which becomes an
@@ -386,9 +390,10 @@ impl SpanMaker {
     fn base(&self, request: &RequestSnapshot) -> Vec<KeyValue> {
         let mut attributes = Vec::with_capacity(9);
         attributes.push(KeyValue::new(attr::PROCESS_PID, i64::from(request.pid)));
-        if let Some(name) = self.executables.get(&request.pid) {
+        if let Some((name, profile)) = self.processes.get(&request.pid) {
             attributes
                 .push(KeyValue::new(attr::PROCESS_EXECUTABLE_NAME, Value::String(StringValue::from(Arc::clone(name)))));
+            attributes.push(KeyValue::new(attr::PROFILE, Value::String(StringValue::from(Arc::clone(profile)))));
         }
         attributes.push(KeyValue::new(attr::KEY, format!("{:#x}", request.key)));
         if let Some(id) = &request.external_id {
@@ -556,7 +561,7 @@ mod tests {
     #[test]
     fn a_healthy_request_is_one_span_with_its_stage_events() {
         let mut maker = SpanMaker::new("node-a".into(), Clock::new());
-        maker.name_process(7, "demo-prefill");
+        maker.name_process(7, "demo-prefill", "demo");
         let mut spans = Vec::new();
         let request = snapshot(Stage::Released, Some("room-9"));
         let urgent = maker.push(
