@@ -548,12 +548,21 @@ impl ConfigFile {
                 let name = rule.profile.into_inner();
                 let profile = if profile::builtin_text(&name).is_some() { name } else { beside(name) };
                 let (exe, lib, cmdline, cgroup) = (rule.exe, rule.lib, rule.cmdline, rule.cgroup);
-                if exe.is_none() && lib.is_none() && cmdline.is_none() && cgroup.is_none() {
-                    bail!(
-                        "{line}: [[rule]] for {profile} selects nothing: give at least one of exe, lib, cmdline, cgroup"
-                    );
-                }
-                let selector = Selector::new(exe, lib, cmdline.as_deref(), cgroup)
+                let selector =
+                    match (exe.is_none() && lib.is_none() && cmdline.is_none() && cgroup.is_none(), rule.image) {
+                        (true, None) => bail!(
+                            "{line}: [[rule]] for {profile} selects nothing: give at least one of exe, lib, cmdline, \
+                         cgroup, image"
+                        ),
+                        // An image alone selects.
+                        (true, Some(image)) => Selector::any().with_image(&image),
+                        (false, image) => {
+                            Selector::new(exe, lib, cmdline.as_deref(), cgroup).and_then(|selector| match image {
+                                Some(image) => selector.with_image(&image),
+                                None => Ok(selector),
+                            })
+                        }
+                    }
                     .map_err(|err| anyhow!("{line}: [[rule]]: {err:#}"))?;
                 Ok(RuleSetting { selector, profile, origin: line })
             })
@@ -792,6 +801,8 @@ struct RawRule {
     lib: Option<String>,
     cmdline: Option<String>,
     cgroup: Option<String>,
+    /// A regular expression over the image the process's container runs.
+    image: Option<String>,
 }
 
 /// `[otlp]`: `--otlp-endpoint`, `--otlp-protocol`.
@@ -1147,7 +1158,7 @@ addr = "0.0.0.0:9464"
 
         let file = parse(
             "builtin_rules = false\n\n[[rule]]\nprofile = \"sglang\"\nlib = \"libnixl.so\"\ncmdline = \"^sglang::\"\n\n\
-             [[rule]]\nprofile = \"vllm\"\ncgroup = \"pod-1\"\n",
+             [[rule]]\nprofile = \"vllm\"\ncgroup = \"pod-1\"\n\n[[rule]]\nprofile = \"nixl\"\nimage = \"^nvcr.io/\"\n",
         )
         .expect("valid");
         let config = file.clone().finish().expect("the file's rules");
@@ -1167,6 +1178,7 @@ addr = "0.0.0.0:9464"
                     "config file /etc/stallwatch/config.toml, line 3".into()
                 ),
                 ("cgroup=pod-1".into(), "vllm".into(), "config file /etc/stallwatch/config.toml, line 8".into()),
+                ("image=/^nvcr.io//".into(), "nixl".into(), "config file /etc/stallwatch/config.toml, line 12".into()),
             ]
         );
         // A --profile on call replaces the file's rules.
@@ -1180,6 +1192,8 @@ addr = "0.0.0.0:9464"
         assert!(err.contains("line 2") && err.contains("not both"), "{err}");
         let err = error("[[rule]]\nprofile = \"nixl\"\ncmdline = \"(\"\n");
         assert!(err.contains("line 1") && err.contains("not a valid regular expression"), "{err}");
+        let err = error("[[rule]]\nprofile = \"nixl\"\nlib = \"x\"\nimage = \"(\"\n");
+        assert!(err.contains("line 1") && err.contains("image `(` is not a valid regular expression"), "{err}");
         let err = error("[[rule]]\nprofile = \"nixl\"\nlibrary = \"x\"\n");
         assert!(err.contains("unknown field `library`"), "{err}");
         let none = parse("builtin_rules = false\n").expect("valid").finish().expect_err("no rules");

@@ -2,8 +2,9 @@
 //! `--pid` is given.
 //!
 //! A [`Selector`] matches on the executable, a mapped library, the command
-//! line (a title `setproctitle` gave is the command line) and the cgroup
-//! (container) of a process; every condition given must hold. The agent
+//! line (a title `setproctitle` gave is the command line), the cgroup
+//! (container) of a process and the image its container runs (from the
+//! node's pods, with `--kubernetes`); every condition given must hold. The agent
 //! scans `/proc` at start, hears of every exec through the
 //! `sched_process_exec` BTF tracepoint, and re-checks recent execs for a
 //! while because a library such as `libnixl.so` is `dlopen`ed well after
@@ -17,7 +18,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use regex::Regex;
 
-use crate::profile::resolve::ProcessImage;
+use crate::{export::workload::Directory, profile::resolve::ProcessImage};
 
 /// What a watched process must look like.
 #[derive(Debug, Clone, Default)]
@@ -31,6 +32,9 @@ pub struct Selector {
     /// A substring of `/proc/PID/cgroup`: a container id, a pod UID, a
     /// systemd unit.
     pub cgroup: Option<String>,
+    /// Matched against the image the process's container runs, as its
+    /// pod's status names it (a config file's `[[rule]]` only).
+    pub image: Option<Regex>,
 }
 
 impl Selector {
@@ -45,11 +49,19 @@ impl Selector {
                 Regex::new(pattern).with_context(|| format!("--cmdline `{pattern}` is not a valid regular expression"))
             })
             .transpose()?;
-        let selector = Self { exe, lib, cmdline, cgroup };
+        let selector = Self { exe, lib, cmdline, cgroup, image: None };
         if selector.is_empty() {
             bail!("nothing to watch: give --pid, or at least one of --exe, --lib, --cmdline, --cgroup");
         }
         Ok(selector)
+    }
+
+    /// Also the image of the process's container (a regular expression).
+    pub fn with_image(mut self, pattern: &str) -> Result<Self> {
+        let image =
+            Regex::new(pattern).with_context(|| format!("image `{pattern}` is not a valid regular expression"))?;
+        self.image = Some(image);
+        Ok(self)
     }
 
     /// Every process: `--pid` with `--profile`, where the pid is the choice.
@@ -58,13 +70,17 @@ impl Selector {
     }
 
     fn is_empty(&self) -> bool {
-        self.exe.is_none() && self.lib.is_none() && self.cmdline.is_none() && self.cgroup.is_none()
+        self.exe.is_none()
+            && self.lib.is_none()
+            && self.cmdline.is_none()
+            && self.cgroup.is_none()
+            && self.image.is_none()
     }
 
     /// Whether `pid` matches now. A process that vanished, or that this
     /// agent may not inspect, does not match.
     pub fn matches(&self, pid: u32) -> bool {
-        self.matches_facts(&mut Facts::of(pid))
+        self.matches_facts(&mut Facts::of(pid, None))
     }
 
     /// Whether the process `facts` reads matches; the cheap conditions
@@ -87,6 +103,11 @@ impl Selector {
         }
         if let Some(cgroup) = &self.cgroup {
             if !facts.cgroup()?.contains(cgroup.as_str()) {
+                return Ok(false);
+            }
+        }
+        if let Some(image) = &self.image {
+            if !facts.image().is_some_and(|name| image.is_match(name)) {
                 return Ok(false);
             }
         }
@@ -118,31 +139,41 @@ impl Selector {
         if let Some(cgroup) = &self.cgroup {
             parts.push(format!("cgroup={cgroup}"));
         }
+        if let Some(image) = &self.image {
+            parts.push(format!("image=/{image}/"));
+        }
         parts.join(" ")
     }
 }
 
 /// What the selectors read of one process, each file read once, when
 /// first asked.
-pub struct Facts {
+pub struct Facts<'a> {
     pub pid: u32,
     proc_dir: PathBuf,
     exe: Option<PathBuf>,
     cmdline: Option<String>,
     cgroup: Option<String>,
-    image: Option<ProcessImage>,
+    mapped: Option<ProcessImage>,
+    /// Where its container's image is looked up (`None`: no Kubernetes).
+    pods: Option<&'a Directory>,
+    /// Its container's image, once asked (`Some(None)`: not known).
+    container_image: Option<Option<String>>,
 }
 
-impl Facts {
-    pub fn of(pid: u32) -> Self {
-        Self {
-            pid,
-            proc_dir: PathBuf::from(format!("/proc/{pid}")),
-            exe: None,
-            cmdline: None,
-            cgroup: None,
-            image: None,
+impl<'a> Facts<'a> {
+    /// `pid`, its container's image looked up in `pods` if given.
+    pub fn of(pid: u32, pods: Option<&'a Directory>) -> Self {
+        let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+        Self { pid, proc_dir, exe: None, cmdline: None, cgroup: None, mapped: None, pods, container_image: None }
+    }
+
+    /// The image its container runs, if the node's pods say.
+    fn image(&mut self) -> Option<&str> {
+        if self.container_image.is_none() {
+            self.container_image = Some(self.pods.and_then(|pods| pods.image_of(self.pid)));
         }
+        self.container_image.as_ref().and_then(Option::as_deref)
     }
 
     fn exe(&mut self) -> Result<&Path> {
@@ -168,10 +199,10 @@ impl Facts {
     }
 
     fn maps(&mut self, lib: &str) -> Result<bool> {
-        if self.image.is_none() {
-            self.image = Some(ProcessImage::read(self.pid)?);
+        if self.mapped.is_none() {
+            self.mapped = Some(ProcessImage::read(self.pid)?);
         }
-        Ok(self.image.as_ref().is_some_and(|image| image.find(Some(lib)).is_ok()))
+        Ok(self.mapped.as_ref().is_some_and(|mapped| mapped.find(Some(lib)).is_ok()))
     }
 }
 
@@ -292,6 +323,20 @@ mod tests {
         assert!(Selector::any().matches(me));
         // The scan leaves the agent itself out.
         assert!(!all_pids().unwrap().contains(&me));
+    }
+
+    #[test]
+    fn an_image_selector_matches_the_containers_image_and_nothing_without_one() {
+        let nvidia = Selector::any().with_image("^nvcr\\.io/nvidia/").unwrap();
+        assert_eq!(nvidia.describe(), "image=/^nvcr\\.io/nvidia//");
+        let mut facts = Facts::of(std::process::id(), None);
+        assert!(!nvidia.matches_facts(&mut facts), "no pods watched: no image, no match");
+        facts.container_image = Some(Some("nvcr.io/nvidia/tritonserver:25.01".into()));
+        assert!(nvidia.matches_facts(&mut facts));
+        facts.container_image = Some(Some("docker.io/lmsysorg/sglang:latest".into()));
+        assert!(!nvidia.matches_facts(&mut facts));
+        let err = Selector::any().with_image("(").unwrap_err().to_string();
+        assert!(err.contains("image `(`"), "{err}");
     }
 
     #[test]

@@ -18,7 +18,7 @@ use tracing::{error, info, warn};
 
 use super::{
     Target, deployment,
-    discovery::{self, Facts, Pending},
+    discovery::{self, Pending},
     ingest::warn_on_loss,
     processes::Gone,
     reads::{Read, Reads},
@@ -122,7 +122,8 @@ impl EventLoop {
                 }
             }
         });
-        let Watch { target, mut rules } = watch;
+        let Watch { target, rules } = watch;
+        let mut rules = rules.with_pods(session.telemetry.workloads());
         let mut reads = Reads::new(trust);
         let execs = match target {
             Target::Pid(pid) => {
@@ -138,7 +139,7 @@ impl EventLoop {
                         None
                     }
                 };
-                let id = rules.choose(&mut Facts::of(pid)).with_context(|| {
+                let id = rules.choose(pid).with_context(|| {
                     format!(
                         "pid {pid} matches no rule ({}): name its profile with --profile",
                         text::value(&rules.describe_all())
@@ -158,14 +159,10 @@ impl EventLoop {
                 let execs = reactor::register(session.probes.watch_execs()?, "the EXECS ring buffer")?;
                 info!(rules = %rules.describe_all(), "discovering processes");
                 for pid in discovery::all_pids()? {
-                    let mut facts = Facts::of(pid);
-                    match rules.choose(&mut facts) {
-                        Some(id) => {
-                            if let Err(err) = reads.start(pid, id, &session.profiles[id.0]) {
-                                session.refuse(pid, &err);
-                            }
+                    if let Some(id) = rules.choose_or_say(pid) {
+                        if let Err(err) = reads.start(pid, id, &session.profiles[id.0]) {
+                            session.refuse(pid, &err);
                         }
-                        None => rules.unmatched(&mut facts),
                     }
                 }
                 // Each read on its own deadline: one process whose files
@@ -319,7 +316,7 @@ impl EventLoop {
                 self.queries.forget_process(pid);
             }
             match (self.target, was) {
-                (Target::Discover, _) => match self.rules.choose(&mut Facts::of(pid)) {
+                (Target::Discover, _) => match self.rules.choose(pid) {
                     Some(id) => self.read(pid, id),
                     None => self.pending.add(pid, monotonic_ns()),
                 },
@@ -339,12 +336,12 @@ impl EventLoop {
 
     /// Exec'd processes that may have loaded what a rule looks for; those
     /// that matched none within [`Pending::PATIENCE_NS`] are said once if
-    /// they look like serving processes ([`Rules::unmatched`]).
+    /// they look like serving processes ([`Rules::choose_or_say`]).
     fn on_recheck(&mut self) -> Flow {
         let rules = &mut self.rules;
-        let rechecked = self.pending.recheck(monotonic_ns(), |pid| rules.choose(&mut Facts::of(pid)));
+        let rechecked = self.pending.recheck(monotonic_ns(), |pid| rules.choose(pid));
         for pid in rechecked.expired {
-            self.rules.unmatched(&mut Facts::of(pid));
+            self.rules.choose_or_say(pid);
         }
         for (pid, id) in rechecked.matched {
             self.read(pid, id);

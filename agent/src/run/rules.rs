@@ -21,7 +21,7 @@ use std::collections::HashSet;
 use tracing::{info, warn};
 
 use super::discovery::{Facts, Selector};
-use crate::{profile::Profile, util::text};
+use crate::{export::workload::Directory, profile::Profile, util::text};
 
 /// A profile's place in the run's list of profiles ([`Rules::new`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -81,13 +81,14 @@ struct Kept {
 
 /// The rules of a run, and the processes already said to match several or
 /// none.
-#[derive(Debug)]
 pub struct Rules {
     rules: Vec<Kept>,
     /// Of each profile: its name, its origin and the origin of the one it
     /// extends (whether one refines another).
     profiles: Vec<(String, String, Option<String>)>,
     said: HashSet<u32>,
+    /// Where a container's image is looked up ([`Self::with_pods`]).
+    pods: Option<Directory>,
 }
 
 /// Most pids remembered as said: a node that execs without end must not
@@ -111,15 +112,60 @@ impl Rules {
             kept.push(Kept { selector: rule.selector, profile: ProfileId(id), origin: rule.origin });
         }
         let known = profiles.iter().map(|p| (p.name.clone(), p.origin.clone(), p.extends.clone())).collect();
-        (Self { rules: kept, profiles: known, said: HashSet::new() }, profiles)
+        (Self { rules: kept, profiles: known, said: HashSet::new(), pods: None }, profiles)
     }
 
-    /// The profile `facts`' process is watched with: its first rule's, if
-    /// any. One a later rule matches too is said once ([`Rules`]).
-    pub fn choose(&mut self, facts: &mut Facts) -> Option<ProfileId> {
+    /// Rules that select by image look it up in `pods` (the node's pods,
+    /// watched with `--kubernetes`); without them such a rule matches
+    /// nothing, said once here.
+    pub fn with_pods(mut self, pods: Directory) -> Self {
+        if !pods.watches_pods() {
+            for rule in self.rules.iter().filter(|rule| rule.selector.image.is_some()) {
+                warn!(
+                    rule = %self.describe(rule),
+                    "a rule selects by container image but no pods are watched: it matches nothing (set \
+                     --kubernetes, as the DaemonSet does)"
+                );
+            }
+        }
+        self.pods = Some(pods);
+        self
+    }
+
+    /// The profile `pid` is watched with: its first rule's, if any. One a
+    /// later rule matches too is said once ([`Rules`]).
+    pub fn choose(&mut self, pid: u32) -> Option<ProfileId> {
+        self.judge(pid, false)
+    }
+
+    /// [`Self::choose`], and said once if no rule matches it but it maps a
+    /// library a rule names: at the start-up scan, and for a process that
+    /// matched nothing within its patience after an exec.
+    pub fn choose_or_say(&mut self, pid: u32) -> Option<ProfileId> {
+        self.judge(pid, true)
+    }
+
+    fn judge(&mut self, pid: u32, say_unmatched: bool) -> Option<ProfileId> {
+        let mut facts = Facts::of(pid, self.pods.as_ref());
         let matched: Vec<usize> =
-            (0..self.rules.len()).filter(|&at| self.rules[at].selector.matches_facts(facts)).collect();
-        let (&first, later) = matched.split_first()?;
+            (0..self.rules.len()).filter(|&at| self.rules[at].selector.matches_facts(&mut facts)).collect();
+        let Some((&first, later)) = matched.split_first() else {
+            let near = say_unmatched
+                .then(|| self.rules.iter().find(|rule| rule.selector.maps_its_library(&mut facts)))
+                .flatten()
+                .map(|rule| self.describe(rule));
+            let process = facts.cmdline().unwrap_or("?").to_owned();
+            if let Some(near) = near.filter(|_| self.say(pid)) {
+                info!(
+                    pid,
+                    process = %text::value(&process),
+                    near = %near,
+                    "a process maps a library a rule names but matches no rule: not watched (add a rule for it in \
+                     the --config file if it serves requests)"
+                );
+            }
+            return None;
+        };
         let profile = self.rules[first].profile;
         let others: Vec<String> = later
             .iter()
@@ -127,38 +173,18 @@ impl Rules {
             .filter(|rule| !self.refines(profile, rule.profile))
             .map(|rule| self.describe(rule))
             .collect();
-        if !others.is_empty() && self.say(facts.pid) {
-            let (pid, others) = (facts.pid, others.join("; "));
-            let process = facts.cmdline().unwrap_or("?").to_owned();
+        let process = facts.cmdline().unwrap_or("?").to_owned();
+        if !others.is_empty() && self.say(pid) {
             warn!(
                 pid,
                 process = %text::value(&process),
                 watched_by = %self.describe(&self.rules[first]),
-                also_matched = %text::value(&others),
+                also_matched = %text::value(&others.join("; ")),
                 "a process matches several rules: it is watched with the first one's profile; make the rules \
-                 exclusive (a narrower lib, cmdline or cgroup) or order them as meant"
+                 exclusive (a narrower lib, cmdline, cgroup or image) or order them as meant"
             );
         }
         Some(profile)
-    }
-
-    /// Say once that `facts`' process, which no rule matched, maps a
-    /// library a rule names.
-    pub fn unmatched(&mut self, facts: &mut Facts) {
-        let Some(near) = self.rules.iter().find(|rule| rule.selector.maps_its_library(facts)) else { return };
-        let near = self.describe(near);
-        let pid = facts.pid;
-        if !self.say(pid) {
-            return;
-        }
-        let process = facts.cmdline().unwrap_or("?").to_owned();
-        info!(
-            pid,
-            process = %text::value(&process),
-            near = %near,
-            "a process maps a library a rule names but matches no rule: not watched (add a rule for it in the \
-             --config file if it serves requests)"
-        );
     }
 
     /// The name of profile `id`.
@@ -211,9 +237,8 @@ mod tests {
         }
     }
 
-    /// This test process, as a rule sees it.
-    fn me() -> Facts {
-        Facts::of(std::process::id())
+    fn me() -> u32 {
+        std::process::id()
     }
 
     #[test]
@@ -240,24 +265,25 @@ mod tests {
             rule("nixl", Some("libc.so"), None, "rule 3"),
             rule("sglang", None, None, "rule 4"),
         ]);
-        let chosen = rules.choose(&mut me()).expect("rule 3 matches");
+        let chosen = rules.choose(me()).expect("rule 3 matches");
         assert_eq!(profiles[chosen.0].name, "nixl");
         assert_eq!(rules.name(chosen), "nixl");
         // Rule 4 matches too and refines nothing: said once.
         assert!(rules.said.contains(&std::process::id()));
         let (mut none, _) = Rules::new(vec![rule("vllm", Some("libnixl.so"), None, "rule 1")]);
-        assert_eq!(none.choose(&mut me()), None);
+        assert_eq!(none.choose(me()), None);
     }
 
     #[test]
     fn a_process_mapping_a_rules_library_but_matching_none_is_said_once() {
         let (mut rules, _) = Rules::new(vec![rule("nixl", Some("libc.so"), Some("nothing-is-called-this"), "r")]);
-        assert_eq!(rules.choose(&mut me()), None);
-        rules.unmatched(&mut me());
+        assert_eq!(rules.choose(me()), None);
+        assert!(rules.said.is_empty(), "said only when asked to");
+        assert_eq!(rules.choose_or_say(me()), None);
         assert!(rules.said.contains(&std::process::id()), "maps libc.so, which the rule names");
         assert!(!rules.say(std::process::id()), "once");
         let (mut unrelated, _) = Rules::new(vec![rule("nixl", Some("libnixl.so"), None, "r")]);
-        unrelated.unmatched(&mut me());
+        assert_eq!(unrelated.choose_or_say(me()), None);
         assert!(unrelated.said.is_empty(), "a process mapping no rule's library is none of the agent's business");
     }
 

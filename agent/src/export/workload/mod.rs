@@ -57,6 +57,10 @@ pub struct Workload {
     pub pod: Option<String>,
     #[serde(rename = "k8s.container.name", default, skip_serializing_if = "Option::is_none")]
     pub container: Option<String>,
+    /// The image the container runs, from its pod's status: what a rule's
+    /// `image` matches ([`crate::run::rules`]).
+    #[serde(rename = "container.image.name", default, skip_serializing_if = "Option::is_none")]
+    pub container_image: Option<String>,
     /// The pod's controller, with a ReplicaSet's Deployment named instead
     /// (as Beyla's `k8s.owner.name`): `Deployment/vllm-prefill`.
     #[serde(rename = "k8s.owner.kind", default, skip_serializing_if = "Option::is_none")]
@@ -91,6 +95,7 @@ impl Workload {
         put("k8s.namespace.name", &self.namespace);
         put("k8s.pod.name", &self.pod);
         put("k8s.container.name", &self.container);
+        put("container.image.name", &self.container_image);
         put("k8s.owner.name", &self.owner);
         put("k8s.owner.kind", &self.owner_kind);
         put("k8s.node.name", &self.node);
@@ -247,6 +252,21 @@ impl Directory {
         ids
     }
 
+    /// The image `pid`'s container runs, as the node's pods known now say
+    /// (no wait: a pod not listed yet is asked again by the next recheck);
+    /// `None` without Kubernetes, for a process in no container, or one
+    /// whose pod does not list its container yet.
+    pub fn image_of(&self, pid: u32) -> Option<String> {
+        let shared = self.pods.as_ref()?;
+        let ids = from_cgroup(&std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?);
+        shared.pods.lock().ok()?.find(&ids)?.container_image
+    }
+
+    /// Whether pods are looked up (`--kubernetes` names an API).
+    pub fn watches_pods(&self) -> bool {
+        self.pods.is_some()
+    }
+
     /// Pod lists made so far (a watch that goes on lists no more).
     pub fn lists(&self) -> u64 {
         self.pods.as_ref().map_or(0, watch::Shared::lists)
@@ -377,6 +397,7 @@ mod tests {
             namespace: Some("llm".into()),
             pod: Some("p".into()),
             container: Some("c".into()),
+            container_image: Some("registry/serve:1".into()),
             owner_kind: Some("Deployment".into()),
             owner: Some("d".into()),
             node: Some("n".into()),

@@ -170,6 +170,7 @@ fn workloads(pod: Pod) -> (Workload, Vec<Workload>) {
             Some(Workload {
                 container_id: Some(id),
                 container: container.name,
+                container_image: container.image,
                 service_instance: instance,
                 ..base.clone()
             })
@@ -286,6 +287,8 @@ struct ContainerStatus {
     name: Option<String>,
     #[serde(rename = "containerID")]
     container_id: Option<String>,
+    /// The image it runs, as the kubelet reports it.
+    image: Option<String>,
 }
 
 #[cfg(test)]
@@ -300,8 +303,13 @@ pub(super) mod tests {
     /// A pod of the Deployment `prefill`, at resource version `version`,
     /// its container `sglang` started as `id` when given.
     pub fn pod(uid: &str, version: u32, id: Option<&str>, labels: Value) -> Value {
-        let statuses: Vec<Value> =
-            id.map(|id| json!({"name": "sglang", "containerID": format!("containerd://{id}")})).into_iter().collect();
+        let statuses: Vec<Value> = id
+            .map(|id| {
+                json!({"name": "sglang", "containerID": format!("containerd://{id}"),
+                       "image": "docker.io/lmsysorg/sglang:v0.5.3-cu129"})
+            })
+            .into_iter()
+            .collect();
         let mut labels = labels;
         labels["pod-template-hash"] = json!("7d9f8");
         json!({
@@ -334,6 +342,8 @@ pub(super) mod tests {
         assert_eq!(w.node.as_deref(), Some("gpu-1"));
         assert_eq!(w.service_instance.as_deref(), Some("llm.prefill-7d9f8-abcde.sglang"));
         assert_eq!(w.labels()[1], ("k8s_owner_name", "prefill".to_owned()));
+        // Its image, as the kubelet reports it: what a rule's `image` matches.
+        assert_eq!(w.container_image.as_deref(), Some("docker.io/lmsysorg/sglang:v0.5.3-cu129"));
         // By UID alone (another container of it, not reported yet).
         let other = "ab".repeat(32);
         let by_uid = pods.find(&ids(&other, UID)).expect("by uid");
