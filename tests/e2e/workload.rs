@@ -32,6 +32,8 @@ use stallwatch_tests::{
 const NAMESPACE: &str = "llm";
 const POD: &str = "prefill-7d9f8-abcde";
 const NODE: &str = "gpu-node-7";
+/// The image the pod's container runs, as its status reports it.
+const IMAGE: &str = "registry.example.com/serving/sglang:v0.5.23-cu129";
 
 /// A container id and pod UID unique to this test run.
 fn ids(salt: u32) -> (String, String) {
@@ -249,7 +251,7 @@ fn list_then_watch() -> [String; 2] {
 /// being `id`.
 fn pod(uid: &str, id: Option<&str>) -> Value {
     let statuses: Vec<Value> = id
-        .map(|id| json!({"name": "sglang", "containerID": format!("containerd://{id}"), "ready": true}))
+        .map(|id| json!({"name": "sglang", "containerID": format!("containerd://{id}"), "ready": true, "image": IMAGE}))
         .into_iter()
         .collect();
     json!({
@@ -373,6 +375,49 @@ fn alerts_spans_and_metrics_name_the_pod_from_the_api() {
     assert_eq!(requests, list_then_watch(), "{requests:?}");
     drop(agent);
     let _ = collector.stop();
+}
+
+/// A node's agent with rules only (no profile, no selector), one of which
+/// selects by the image the pod's container runs: the demo process, in
+/// that container and running before the agent, is watched with that
+/// rule's profile (the pods are listed before the start-up scan), not with
+/// the rule of another image before it; its stall names the profile and
+/// the image.
+#[test]
+fn a_rule_selects_a_process_by_its_containers_image_from_the_api() {
+    require_root();
+    let (id, uid) = ids(5);
+    let mut demo = stalled_demo();
+    let pid = demo.proc.pid();
+    let _cgroup = PodCgroup::enter(pid, &uid, &id);
+    let api = ApiServer::start(vec![pod(&uid, Some(&id))], None);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("config.toml");
+    let rules = "builtin_rules = false\n\n[[rule]]\nprofile = \"nixl\"\nimage = \"^registry\\\\.example\\\\.com/other/\"\n\n\
+                 [[rule]]\nprofile = \"demo\"\nimage = \"^registry\\\\.example\\\\.com/serving/sglang:\"\n";
+    std::fs::write(&config, rules).expect("config");
+    let socket = dir.path().join("agent.sock");
+    let mut command = Command::new(agent_bin());
+    command
+        .arg("run")
+        .arg("--config")
+        .arg(&config)
+        .args(["--kubernetes", &api.url(), "--timeout", "1s", "--output", "json", "--ephemeral", "--socket"])
+        .arg(&socket)
+        .env("K8S_NODE_NAME", NODE);
+    let agent = Agent { proc: stallwatch_tests::Proc::spawn("stallwatch", &mut command), bpf_dir: None };
+    let watching = format!("watching pid={pid} ");
+    agent.proc.wait_stderr(&watching, Duration::from_secs(30));
+    let logged = agent.proc.stderr();
+    let line = logged.lines().find(|line| line.contains(&watching)).expect("the watching line");
+    assert!(line.contains("profile=demo"), "{line}\n{logged}");
+    assert!(!logged.contains("matches several rules"), "{logged}");
+    demo.go();
+    let mut seen = Vec::new();
+    let stalled = agent.wait_alerts("stalled", 1, Duration::from_secs(10), &mut seen);
+    let alert = &stalled[0].1;
+    assert_eq!((alert["pid"].as_u64(), alert["profile"].as_str()), (Some(u64::from(pid)), Some("demo")), "{alert}");
+    assert_eq!(alert["workload"]["container.image.name"], IMAGE, "{alert}");
 }
 
 #[test]

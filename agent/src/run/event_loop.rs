@@ -158,6 +158,12 @@ impl EventLoop {
                 // Hear of execs first, so nothing starting during the scan is missed.
                 let execs = reactor::register(session.probes.watch_execs()?, "the EXECS ring buffer")?;
                 info!(rules = %rules.describe_all(), "discovering processes");
+                if rules.selects_by_image() {
+                    let pods = session.telemetry.workloads();
+                    if stops.unless_stopped("listing the node's pods", pods.listed()).await.is_none() {
+                        return Ok(None);
+                    }
+                }
                 for pid in discovery::all_pids()? {
                     if let Some(id) = rules.choose_or_say(pid) {
                         if let Err(err) = reads.start(pid, id, &session.profiles[id.0]) {

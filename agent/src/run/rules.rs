@@ -132,6 +132,12 @@ impl Rules {
         self
     }
 
+    /// Whether a rule selects by container image (the node's pods are then
+    /// listed before the start-up scan: [`Directory::listed`]).
+    pub fn selects_by_image(&self) -> bool {
+        self.rules.iter().any(|rule| rule.selector.image.is_some())
+    }
+
     /// The profile `pid` is watched with: its first rule's, if any. One a
     /// later rule matches too is said once ([`Rules`]).
     pub fn choose(&mut self, pid: u32) -> Option<ProfileId> {

@@ -262,6 +262,15 @@ impl Directory {
         shared.pods.lock().ok()?.find(&ids)?.container_image
     }
 
+    /// Until the node's pods were listed once (at most [`PATIENCE`];
+    /// nothing to wait for without an API): a rule that selects by image
+    /// needs them to judge the processes running at start-up.
+    pub async fn listed(&self) {
+        let Some(shared) = &self.pods else { return };
+        let mut changes = shared.changes.subscribe();
+        let _ = tokio::time::timeout(PATIENCE, changes.wait_for(|_| shared.lists() > 0)).await;
+    }
+
     /// Whether pods are looked up (`--kubernetes` names an API).
     pub fn watches_pods(&self) -> bool {
         self.pods.is_some()
