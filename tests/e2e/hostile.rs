@@ -118,7 +118,7 @@ fn a_target_cannot_forge_alerts_table_rows_or_log_lines() {
     let rows: Vec<&str> = table.lines().collect();
     assert_eq!(rows.len(), 4, "header, one row, the totals, one process: {table}");
     assert!(rows[1].contains(ROOM_SHOWN) && rows[1].contains(EXE_SHOWN), "{table}");
-    assert!(rows[3].contains(&format!("({EXE_SHOWN})")), "{table}");
+    assert!(rows[3].contains(&format!("({EXE_SHOWN}, profile demo)")), "{table}");
 
     lines.extend(agent.lines_until_exit(Duration::from_secs(20)).into_iter().map(|l| l.text));
     let stdout = lines.join("\n");
