@@ -77,15 +77,10 @@ impl Selector {
             && self.image.is_none()
     }
 
-    /// Whether `pid` matches now. A process that vanished, or that this
-    /// agent may not inspect, does not match.
-    pub fn matches(&self, pid: u32) -> bool {
-        self.matches_facts(&mut Facts::of(pid, None))
-    }
-
     /// Whether the process `facts` reads matches; the cheap conditions
     /// first, the mapped libraries last (several selectors asking of one
-    /// process read each of its files once).
+    /// process read each of its files once). A process that vanished, or
+    /// that this agent may not inspect, does not match.
     pub fn matches_facts(&self, facts: &mut Facts) -> bool {
         self.check(facts).unwrap_or(false)
     }
@@ -285,6 +280,13 @@ pub struct Rechecked<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Selector {
+        /// Whether `pid` matches now, no pods watched.
+        fn matches(&self, pid: u32) -> bool {
+            self.matches_facts(&mut Facts::of(pid, None))
+        }
+    }
 
     #[test]
     fn an_empty_selector_is_refused_with_the_flags_to_use() {

@@ -462,7 +462,7 @@ impl EventLoop {
 
 /// Tell the query server a watched process's name and profile.
 fn name_for_queries(queries: &mut QueryServer, session: &Session, pid: u32) {
-    let profile = session.processes.profile(pid).map_or("?", |id| session.profiles[id.0].name.as_str());
+    let profile = session.profile_of(pid).map_or("?", |profile| profile.name.as_str());
     queries.name_process(pid, session.processes.name(pid).unwrap_or("?"), profile);
 }
 

@@ -156,12 +156,13 @@ impl Rules {
         let matched: Vec<usize> =
             (0..self.rules.len()).filter(|&at| self.rules[at].selector.matches_facts(&mut facts)).collect();
         let Some((&first, later)) = matched.split_first() else {
+            // The command line only for a line that may be said: most
+            // processes a scan or a recheck meets are none of the rules'.
             let near = say_unmatched
                 .then(|| self.rules.iter().find(|rule| rule.selector.maps_its_library(&mut facts)))
                 .flatten()
-                .map(|rule| self.describe(rule));
-            let process = facts.cmdline().unwrap_or("?").to_owned();
-            if let Some(near) = near.filter(|_| self.say(pid)) {
+                .map(|rule| (self.describe(rule), facts.cmdline().unwrap_or("?").to_owned()));
+            if let Some((near, process)) = near.filter(|_| self.say(pid)) {
                 info!(
                     pid,
                     process = %text::value(&process),
@@ -179,8 +180,8 @@ impl Rules {
             .filter(|rule| !self.refines(profile, rule.profile))
             .map(|rule| self.describe(rule))
             .collect();
-        let process = facts.cmdline().unwrap_or("?").to_owned();
-        if !others.is_empty() && self.say(pid) {
+        let process = (!others.is_empty()).then(|| facts.cmdline().unwrap_or("?").to_owned());
+        if let Some(process) = process.filter(|_| self.say(pid)) {
             warn!(
                 pid,
                 process = %text::value(&process),
@@ -194,7 +195,7 @@ impl Rules {
     }
 
     /// The name of profile `id`.
-    pub fn name(&self, id: ProfileId) -> &str {
+    fn name(&self, id: ProfileId) -> &str {
         &self.profiles[id.0].0
     }
 

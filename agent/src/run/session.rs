@@ -205,7 +205,7 @@ impl Session {
     }
 
     /// The profile `pid` is watched with, if it is.
-    fn profile_of(&self, pid: u32) -> Option<&Profile> {
+    pub(super) fn profile_of(&self, pid: u32) -> Option<&Profile> {
         self.processes.profile(pid).map(|id| &self.profiles[id.0])
     }
 
