@@ -2,7 +2,7 @@
 //! DRAM-to-DRAM transfers over UCX on loopback (tests/nixl/driver.py), real
 //! faults, the real eBPF object in this kernel.
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     process::Command,
     time::{Duration, Instant},
 };
@@ -238,12 +238,21 @@ fn done_never_released_is_release_lost() {
         &["--socket", socket_arg],
     );
     driver.until("holding", Duration::from_secs(20));
-    assert!(
-        driver.requests("posted").len() == 3
-            && driver.lines.iter().filter_map(Line::json).all(|v| v["event"] != "posted" || v["post"] == "PROC"),
-        "{:?}",
-        driver.lines
-    );
+    assert_eq!(driver.requests("posted").len(), 3, "{:?}", driver.lines);
+    // A post that finished inside the call (it returned DONE: rare, seen
+    // in CI beside builds) was seen done by the post's probe; the others
+    // finished in a poll, which no probe sees.
+    let done_in_post: HashSet<String> = driver
+        .lines
+        .iter()
+        .filter_map(Line::json)
+        .filter(|v| v["event"] == "posted" && v["post"] == "DONE")
+        .map(|v| v["room"].as_str().expect("room").to_owned())
+        .collect();
+    assert!(done_in_post.len() < 3, "no post returned IN_PROG, nothing to infer: {:?}", driver.lines);
+    let inferred_of = |room: &str| {
+        if done_in_post.contains(room) { serde_json::json!([]) } else { serde_json::json!(["transfer_done"]) }
+    };
     let mut seen = Vec::new();
     let stalls = agent.wait_alerts("stalled", 3, TIMEOUT + Duration::from_secs(5), &mut seen);
     // Silent since the post: the completion is a poll's, which no probe
@@ -251,9 +260,10 @@ fn done_never_released_is_release_lost() {
     // does not move the stall's due time.
     assert_stalls(&stalls, &driver.requests("posted"), "release_lost");
     for (_, alert) in &stalls {
+        let room = alert["external_id"].as_str().expect("external_id");
         assert_eq!(
             (&alert["stage"], &alert["inferred"]),
-            (&Value::from("transfer_done"), &serde_json::json!(["transfer_done"])),
+            (&Value::from("transfer_done"), &inferred_of(room)),
             "{alert}"
         );
         // Observed: created and posted; inferred: done, timed at the read.
@@ -270,15 +280,16 @@ fn done_never_released_is_release_lost() {
     let requests = inflight["requests"].as_array().expect("requests");
     assert_eq!(requests.len(), 3, "{inflight}");
     for request in requests {
+        let room = request["external_id"].as_str().expect("external_id");
         assert_eq!(
             (&request["class"], &request["inferred"]),
-            (&Value::from("release_lost"), &serde_json::json!(["transfer_done"])),
+            (&Value::from("release_lost"), &inferred_of(room)),
             "{request}"
         );
     }
     let (ok, table, stderr) = run_to_end(Command::new(agent_bin()).args(["inflight", "--socket", socket_arg]));
     assert!(ok, "{stderr}");
-    assert_eq!(table.matches("transfer_done (inferred)").count(), 3, "{table}");
+    assert_eq!(table.matches("transfer_done (inferred)").count(), 3 - done_in_post.len(), "{table}");
     let lines = agent.stop();
     assert_eq!(summary(&lines)["in_flight"], 3, "{lines:?}");
     assert_status_read(&lines, 3);
