@@ -19,7 +19,7 @@
 //!    [`READS_PER_TICK`](stallwatch::evidence::status::READS_PER_TICK) a tick in
 //!    batched calls (the agent now). Each read is asked of the kernel's
 //!    in-flight table before and after, as the agent does
-//!    (`KernelState::holds`, a `bpf(2)` lookup each, of the eBPF object
+//!    (`KernelState::is_live`, a `bpf(2)` lookup each, of the eBPF object
 //!    loaded here, nothing attached), so (4) needs root.
 //!
 //! Run: `cargo bench -p stallwatch --bench engine` (about 20 s, as root). Without
@@ -391,7 +391,7 @@ fn status_ticks(n: usize, reads: Reads, state: &KernelState) -> StatusTicks {
         Reads::AllAtOnceOneEach => usize::MAX,
         Reads::BudgetBatched => READS_PER_TICK,
     };
-    let holds = |silent: &Silent| state.holds(silent.pid, silent.key, silent.last_ns).map(|_| true);
+    let holds = |silent: &Silent| state.is_live(silent.pid, silent.key, silent.last_ns).map(|_| true);
     let mut read = |silents: &[Silent], answers: &mut Vec<Option<StageRead>>| match reads {
         Reads::AllAtOnceOneEach => {
             for silent in silents {

@@ -12,7 +12,7 @@
 //! a released handle is freed, and the allocator hands its address to the
 //! next request. So a read is taken only while the kernel's in-flight table
 //! holds the lifecycle live (its probes saw no end, even one whose event was
-//! lost or is not read yet; see [`crate::kernel::state::KernelState::holds`]), and
+//! lost or is not read yet; see [`crate::kernel::state::KernelState::is_live`]), and
 //! checked again after the read: a release that raced the read voids it.
 //! What cannot be read (the process is gone, the address is unmapped, the
 //! agent lacks the right to read it) or reads a value no rule takes is

@@ -176,7 +176,7 @@ impl Signals {
     }
 
     /// Follow again a request a previous agent followed (what
-    /// [`crate::kernel::state::KernelState::hold`] kept of it), if it is a
+    /// [`crate::kernel::state::KernelState::track`] kept of it), if it is a
     /// framework's, with what that agent handed over of it (`held`): the
     /// handles that are part of it are its own again, each with its peer.
     /// `Err`: `held` did not read (why); the request is followed knowing

@@ -239,10 +239,10 @@ impl Session {
     /// watch are dropped.
     pub(super) fn restore(&mut self) -> Result<()> {
         let requests = self.state.snapshot()?;
-        let mut contexts = self.state.contexts()?;
+        let mut contexts = self.state.pinned_contexts()?;
         if requests.is_empty() {
             for (pid, key) in contexts.into_keys() {
-                self.state.hand_over(pid, key, None);
+                self.state.pin_context(pid, key, None);
             }
             return Ok(());
         }
@@ -308,7 +308,7 @@ impl Session {
             if kept {
                 leftovers += 1;
             } else {
-                self.state.hand_over(pid, key, None);
+                self.state.pin_context(pid, key, None);
             }
         }
         let (mut taken_count, mut parts) = (0, 0);
@@ -408,7 +408,7 @@ impl Session {
             // This agent followed it: nothing to be handed over.
             let _ = self.signals.adopt(request, None);
         }
-        let complete = counters.state_full <= self.synced.state_full && self.state.unheld() == 0;
+        let complete = counters.state_full <= self.synced.state_full && self.state.untracked() == 0;
         let before = self.engine.stats();
         let state = &self.state;
         self.engine.resync(
@@ -454,7 +454,7 @@ impl Session {
             if probed == Some(made.key) {
                 return Some((made, Side::Prefill));
             }
-            state.hold(&made);
+            state.track(&made);
             let side = signals.side(made.pid);
             Some((made, side))
         };
@@ -468,7 +468,7 @@ impl Session {
     /// judged a stall is what the next one knows.
     fn hand_over(&mut self) {
         for held in self.signals.held() {
-            self.state.hand_over(held.pid, held.key, held.context.as_deref());
+            self.state.pin_context(held.pid, held.key, held.context.as_deref());
         }
     }
 
@@ -496,7 +496,7 @@ impl Session {
     fn expire(&mut self, now: u64) {
         self.signals.expire(now);
         while let Some(made) = self.signals.pending() {
-            self.state.hold(&made);
+            self.state.track(&made);
             let side = self.signals.side(made.pid);
             self.ingest.made(made, side, &mut self.transport, &mut self.engine, &mut self.reports);
         }
@@ -557,7 +557,7 @@ impl Session {
             return;
         }
         let mut read = |silents: &[Silent], answers: &mut Vec<Option<StageRead>>| {
-            let holds = |silent: &Silent| state.holds(silent.pid, silent.key, silent.last_ns);
+            let holds = |silent: &Silent| state.is_live(silent.pid, silent.key, silent.last_ns);
             let start = answers.len();
             answers.resize(start + silents.len(), None);
             // Each by its process's profile's reader. A room has no memory

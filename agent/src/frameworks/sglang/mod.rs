@@ -365,7 +365,7 @@ impl Framework for Sglang {
         self.leaks.as_mut()?.pending()
     }
 
-    /// A room (what [`crate::kernel::state::KernelState::hold`] kept of
+    /// A room (what [`crate::kernel::state::KernelState::track`] kept of
     /// it), with what the previous agent knew of it: it goes on as it
     /// would have ([`Rooms::adopt`]).
     fn adopt(&mut self, request: &Restored, held: Option<&[u8]>) -> Result<Vec<AdoptedHandle>, String> {

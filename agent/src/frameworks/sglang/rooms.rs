@@ -572,7 +572,7 @@ impl Rooms {
 
     /// Follow `room` again after an agent restart: the previous agent
     /// followed it and the kernel kept it (see
-    /// [`crate::kernel::state::KernelState::hold`]), and handed over what
+    /// [`crate::kernel::state::KernelState::track`]), and handed over what
     /// it knew of it, `held` ([`Rooms::held`]): its destinations, answers,
     /// rid, worker threads and transfer handles, so its alerts say what
     /// they said ([`Rooms::context`]), its handles are its own again (the
