@@ -4,9 +4,16 @@
 //! `rust-src` component, `bpf-linker` built against the nightly rustc's own
 //! libLLVM, and (for tests) the Python venv with NIXL and the manifest
 //! checkers (promtool, kubectl).
+//!
+//! Inside, the modules use each other one way only: `steps` (build, run,
+//! test) uses `setup` (toolchain, venvs) and `tools` (manifest checkers),
+//! which use `venvs` (where the venvs are) and `shell` (running a command).
 mod setup;
+mod shell;
 mod steps;
 mod tools;
+#[allow(dead_code, reason = "`CachedVenv::find` and `venv_dir` are for tests/support, which includes the file")]
+mod venvs;
 
 use std::time::{Duration, Instant};
 

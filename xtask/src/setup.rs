@@ -7,7 +7,10 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::steps::{root, run};
+use crate::{
+    shell::{output, root, run},
+    venvs::{self, CachedVenv, STAMP},
+};
 
 /// The bpf-linker release this project is built and tested with.
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -36,8 +39,7 @@ pub fn python() -> Result<Venvs> {
     let sglang = sglang_venv()?;
     mooncake(&sglang)?;
     let vllm = vllm_venv()?;
-    // Tests find it through its pointer file (`vllm_serve_python()` in
-    // tests/support/lib.rs).
+    // Tests find it through its pointer file (`venvs::VLLM_SERVE`).
     vllm_serve_venv()?;
     Ok(Venvs { sglang, vllm, phoenix: phoenix_venv()? })
 }
@@ -100,11 +102,11 @@ fn bpf_linker() -> Result<()> {
 /// `target/venv`; reinstalled only when the requirement files change.
 fn venv() -> Result<()> {
     let root = root()?;
-    let venv = root.join("target/venv");
+    let venv = root.join(venvs::VENV);
     let nodeps = root.join("tests/nixl/requirements-nodeps.txt");
     let deps = root.join("tests/nixl/requirements.txt");
     let wanted = format!("{}\n--\n{}", fs::read_to_string(&nodeps)?, fs::read_to_string(&deps)?);
-    let stamp = venv.join(".stallwatch-requirements");
+    let stamp = venv.join(STAMP);
     if fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
         return Ok(());
     }
@@ -125,7 +127,7 @@ fn venv() -> Result<()> {
 /// `tests/sglang/requirements{-nodeps,}.txt`. The stamp is written last, so
 /// an interrupted install is redone from scratch.
 fn sglang_venv() -> Result<PathBuf> {
-    cached_venv("sglang", SGLANG_VENV_POINTER)
+    cached_venv("sglang", &venvs::SGLANG)
 }
 
 /// The venv for the vLLM target (tests/vllm/): vLLM 0.33.0's wheel and the
@@ -133,7 +135,7 @@ fn sglang_venv() -> Result<PathBuf> {
 /// SGLang's wheels (tests/vllm/requirements-nodeps.txt says why each is
 /// there), in `~/.cache/stallwatch/venv-vllm-<hash>`, made as the SGLang one.
 fn vllm_venv() -> Result<PathBuf> {
-    cached_venv("vllm", VLLM_VENV_POINTER)
+    cached_venv("vllm", &venvs::VLLM)
 }
 
 /// The venv for the real vLLM server (tests/vllm/serve/): PyPI's
@@ -146,25 +148,25 @@ fn vllm_venv() -> Result<PathBuf> {
 /// Debian's libnuma.so.1.
 fn vllm_serve_venv() -> Result<PathBuf> {
     debian_packages(&["libnuma1"], "vLLM's CPU extension (vllm/_C.abi3.so needs libnuma.so.1)")?;
-    cached_venv_in("vllm-serve", "tests/vllm/serve", VLLM_SERVE_VENV_POINTER)
+    cached_venv_in("vllm-serve", "tests/vllm/serve", &venvs::VLLM_SERVE)
 }
 
 /// A venv for `tests/<name>/requirements{-nodeps,}.txt` in
 /// `~/.cache/stallwatch/venv-<name>-<hash of both files>`, every package
 /// installed `--no-deps` from the wheel cache; its path also written to
-/// `pointer` (under the workspace root).
-fn cached_venv(name: &str, pointer: &str) -> Result<PathBuf> {
-    cached_venv_in(name, &format!("tests/{name}"), pointer)
+/// `cached`'s pointer file.
+fn cached_venv(name: &str, cached: &CachedVenv) -> Result<PathBuf> {
+    cached_venv_in(name, &format!("tests/{name}"), cached)
 }
 
 /// [`cached_venv`] for the requirement files in `dir` (under the workspace
 /// root), the venv named after `name`.
-fn cached_venv_in(name: &str, dir: &str, pointer: &str) -> Result<PathBuf> {
+fn cached_venv_in(name: &str, dir: &str, cached: &CachedVenv) -> Result<PathBuf> {
     let root = root()?;
     let nodeps = root.join(dir).join("requirements-nodeps.txt");
     let deps = root.join(dir).join("requirements.txt");
     let wanted = format!("{}\n--\n{}", read(&nodeps)?, read(&deps)?);
-    stamped_venv(name, &wanted, "python3.11", pointer, |python| {
+    stamped_venv(name, &wanted, "python3.11", cached, |python| {
         let wheels = cache_dir()?.join("wheels");
         fs::create_dir_all(&wheels)?;
         // Every package --no-deps: the wheels' metadata asks for far more than
@@ -195,21 +197,22 @@ fn cached_venv_in(name: &str, dir: &str, pointer: &str) -> Result<PathBuf> {
 /// The venv `venv-<name>-<hash of wanted>` under `~/.cache/stallwatch`,
 /// made with `base` (a Python interpreter) and filled by `install` (given
 /// the venv's python) unless its stamp already holds `wanted`; its path
-/// also written to `pointer` (under the workspace root), where tests and
-/// benches run by hand (without the xtask's STALLWATCH_*_VENV) find it.
+/// also written to `cached`'s pointer file, where tests and benches run by
+/// hand (without the xtask's STALLWATCH_*_VENV) find it
+/// ([`CachedVenv::find`]).
 /// The stamp is written last, so an interrupted install is redone from
 /// scratch.
 fn stamped_venv(
     name: &str,
     wanted: &str,
     base: &str,
-    pointer: &str,
+    cached: &CachedVenv,
     install: impl FnOnce(&Path) -> Result<()>,
 ) -> Result<PathBuf> {
     let cache = cache_dir()?;
     let venv = cache.join(format!("venv-{name}-{}", venv_hash(wanted)));
-    let stamp = venv.join(".stallwatch-requirements");
-    let pointer = root()?.join(pointer);
+    let stamp = venv.join(STAMP);
+    let pointer = root()?.join(cached.pointer);
     if fs::read_to_string(&stamp).is_ok_and(|have| have == wanted) {
         write_if_changed(&pointer, &venv.to_string_lossy())?;
         return Ok(venv);
@@ -315,31 +318,18 @@ fn debian_packages(packages: &[&str], why: &str) -> Result<()> {
     Ok(())
 }
 
-/// The file, under the workspace root, that holds the SGLang venv's path.
-pub const SGLANG_VENV_POINTER: &str = "target/sglang-venv";
-
-/// The file, under the workspace root, that holds the vLLM venv's path.
-pub const VLLM_VENV_POINTER: &str = "target/vllm-venv";
-
-/// The file, under the workspace root, that holds the vLLM server venv's
-/// path.
-pub const VLLM_SERVE_VENV_POINTER: &str = "target/vllm-serve-venv";
-
 /// The venv of Arize Phoenix (tests/phoenix/requirements.txt), the trace
 /// store tests/e2e/phoenix.rs runs: about 860 MB with its dependencies
 /// (installed with them, from PyPI), made once per content of the file
 /// (about a minute).
 fn phoenix_venv() -> Result<PathBuf> {
     let requirements = root()?.join("tests/phoenix/requirements.txt");
-    stamped_venv("phoenix", &read(&requirements)?, "python3", PHOENIX_VENV_POINTER, |python| {
+    stamped_venv("phoenix", &read(&requirements)?, "python3", &venvs::PHOENIX, |python| {
         run(Command::new(python)
             .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r"])
             .arg(&requirements))
     })
 }
-
-/// The file, under the workspace root, that holds the Phoenix venv's path.
-pub const PHOENIX_VENV_POINTER: &str = "target/phoenix-venv";
 
 fn write_if_changed(path: &Path, text: &str) -> Result<()> {
     if fs::read_to_string(path).is_ok_and(|have| have == text) {
@@ -362,12 +352,4 @@ fn venv_hash(text: &str) -> String {
 fn cache_dir() -> Result<PathBuf> {
     let home = std::env::var_os("HOME").context("HOME is not set")?;
     Ok(PathBuf::from(home).join(".cache/stallwatch"))
-}
-
-fn output(command: &mut Command) -> Result<String> {
-    let out = command.output().with_context(|| format!("running {command:?}"))?;
-    if !out.status.success() {
-        bail!("{command:?} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

@@ -8,27 +8,19 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
+use crate::{
+    setup::Venvs,
+    shell::{root, run},
+    tools::Tools,
+    venvs,
+};
+
 /// What `build` produced.
 pub struct Built {
     pub agent: PathBuf,
     pub demo: PathBuf,
     /// libstallwatch_marker.so, the marker library the `marker` profile probes.
     pub marker: PathBuf,
-}
-
-/// The workspace root (xtask lives one level below it).
-pub fn root() -> Result<PathBuf> {
-    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    manifest.parent().map(PathBuf::from).context("xtask has no parent directory")
-}
-
-pub fn run(command: &mut Command) -> Result<()> {
-    eprintln!("xtask: running {command:?}");
-    let status = command.status().with_context(|| format!("starting {command:?}"))?;
-    if !status.success() {
-        bail!("{command:?} failed with {status}");
-    }
-    Ok(())
 }
 
 /// The agent in release mode (its build script compiles and embeds the
@@ -121,7 +113,7 @@ pub fn demo(built: &Built, duration: Duration, timeout: Duration) -> Result<()> 
 /// fails here, not when someone next wants its figures.
 /// Every target runs even after one fails (`--no-fail-fast`), so a CI run
 /// reports every failure at once.
-pub fn test(built: &Built, tools: &crate::tools::Tools, venvs: &crate::setup::Venvs) -> Result<()> {
+pub fn test(built: &Built, tools: &Tools, made: &Venvs) -> Result<()> {
     let root = root()?;
     run(Command::new("cargo")
         .current_dir(&root)
@@ -139,10 +131,10 @@ pub fn test(built: &Built, tools: &crate::tools::Tools, venvs: &crate::setup::Ve
         .env("STALLWATCH_BIN", &built.agent)
         .env("STALLWATCH_DEMO", &built.demo)
         .env("STALLWATCH_MARKER", &built.marker)
-        .env("STALLWATCH_VENV", root.join("target/venv"))
-        .env("STALLWATCH_SGLANG_VENV", &venvs.sglang)
-        .env("STALLWATCH_VLLM_VENV", &venvs.vllm)
-        .env("STALLWATCH_PHOENIX_VENV", &venvs.phoenix)
+        .env(venvs::VENV_VARIABLE, root.join(venvs::VENV))
+        .env(venvs::SGLANG.variable, &made.sglang)
+        .env(venvs::VLLM.variable, &made.vllm)
+        .env(venvs::PHOENIX.variable, &made.phoenix)
         .env("STALLWATCH_PROMTOOL", &tools.promtool)
         .env("STALLWATCH_KUBECTL", &tools.kubectl)
         .env("STALLWATCH_DEBIAN_KUBECTL", &tools.debian_kubectl)
@@ -185,8 +177,8 @@ pub fn bench(built: &Built, sglang_venv: &Path) -> Result<()> {
         .args(["bench", "-p", "stallwatch"])
         .env("STALLWATCH_BIN", &built.agent)
         .env("STALLWATCH_DEMO", &built.demo)
-        .env("STALLWATCH_VENV", root.join("target/venv"))
-        .env("STALLWATCH_SGLANG_VENV", sglang_venv))
+        .env(venvs::VENV_VARIABLE, root.join(venvs::VENV))
+        .env(venvs::SGLANG.variable, sglang_venv))
 }
 
 /// `apt-get install -y bpftrace` unless it runs already.

@@ -27,7 +27,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::steps::{root, run};
+use crate::shell::{root, run};
 
 pub struct Tools {
     pub promtool: PathBuf,
