@@ -116,8 +116,10 @@ fn a_restarted_busy_target_is_re_attached_without_false_stalls() {
     require_root();
     let marker = format!("demo-prefill-attach-test-{}", std::process::id());
     let first = busy_demo(&marker);
-    let agent =
-        Agent::discover(&["--exe", "demo-prefill", "--cmdline", &format!("^{marker} ")], "demo", TIMEOUT, &METRICS);
+    let agent = Agent::selecting(&["--exe", "demo-prefill", "--cmdline", &format!("^{marker} ")])
+        .timeout(TIMEOUT)
+        .metrics()
+        .discover();
     agent.wait_watching(first.pid());
     // The first target's requests are followed before it dies.
     agent.wait_completed(1_000);

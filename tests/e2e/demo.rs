@@ -336,13 +336,11 @@ fn signal_probes_deliver_their_value_and_capture_without_touching_lifecycles() {
     let path = std::env::temp_dir().join(format!("stallwatch-signal-{}.toml", std::process::id()));
     std::fs::write(&path, profile).expect("writing the profile");
     let mut demo = Demo::start(&["--rate", "200", "--duration", "3s"]);
-    let agent = Agent::watch_with_env(
-        demo.proc.pid(),
-        path.to_str().expect("utf-8 path"),
-        "1s",
-        &[],
-        &[("STALLWATCH_LOG", "stallwatch=debug")],
-    );
+    let agent = Agent::on_pid(demo.proc.pid())
+        .profile(path.to_str().expect("utf-8 path"))
+        .timeout("1s")
+        .env(&[("STALLWATCH_LOG", "stallwatch=debug")])
+        .watch();
     demo.go();
     let agent_lines = agent.proc.lines_until_exit(Duration::from_secs(30));
     let _ = std::fs::remove_file(&path);

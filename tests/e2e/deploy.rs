@@ -364,12 +364,10 @@ fn a_selecting_agent_says_its_skipped_optional_probes_once() {
     // agent: `13[1]` is not itself a match) matches.
     let demos =
         [Demo::start(&["--rate", "131", "--duration", "9s"]), Demo::start(&["--rate", "131", "--duration", "9s"])];
-    let agent = Agent::discover(
-        &["--cmdline", "demo-prefill --wait-for-go --rate 13[1] "],
-        profile.to_str().expect("UTF-8"),
-        "5s",
-        &[],
-    );
+    let agent = Agent::selecting(&["--cmdline", "demo-prefill --wait-for-go --rate 13[1] "])
+        .profile(profile.to_str().expect("UTF-8"))
+        .timeout("5s")
+        .discover();
     let pids = demos.each_ref().map(|demo| demo.proc.pid());
     let stderr = wait_for("both processes watched", Duration::from_secs(30), || {
         let stderr = agent.proc.stderr();

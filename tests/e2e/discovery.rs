@@ -25,7 +25,7 @@ fn running_later_and_restarted_processes_are_all_watched() {
     require_root();
     // One demo runs before the agent starts: found by the scan.
     let mut before = Demo::start(PINNED);
-    let agent = Agent::discover(&["--exe", "demo-prefill", "--cmdline", "duration 31s"], "demo", "1s", &[]);
+    let agent = Agent::selecting(&["--exe", "demo-prefill", "--cmdline", "duration 31s"]).timeout("1s").discover();
     agent.wait_watching(before.proc.pid());
     before.go();
     let mut seen = Vec::new();
@@ -70,7 +70,7 @@ fn a_process_exiting_holds_back_no_other_process_stall() {
     const STALLED: &[&str] =
         &["--rate", "200", "--duration", "37s", "--inject-after", "100ms", "--waiting-for-peer", "1"];
     const HEALTHY: &[&str] = &["--rate", "200", "--duration", "37s"];
-    let agent = Agent::discover(&["--cmdline", "demo-prefill .*--duration 37s"], "demo", "1s", &[]);
+    let agent = Agent::selecting(&["--cmdline", "demo-prefill .*--duration 37s"]).timeout("1s").discover();
     let mut seen = Vec::new();
     let (mut late_ms, mut stalls, mut gone) = (Vec::new(), Vec::new(), Vec::new());
     let mut still = None;
@@ -146,7 +146,10 @@ fn a_library_loaded_after_exec_is_found_and_watched() {
     require_root();
     // Python exec's first and imports NIXL (dlopen of libnixl.so) later:
     // the exec alone does not match `--lib`, the re-check after it does.
-    let agent = Agent::discover(&["--lib", "libnixl.so", "--cmdline", "driver\\.py --mode"], "nixl", "2s", &[]);
+    let agent = Agent::selecting(&["--lib", "libnixl.so", "--cmdline", "driver\\.py --mode"])
+        .profile("nixl")
+        .timeout("2s")
+        .discover();
     let mut driver = Proc::spawn(
         "nixl driver",
         Command::new(venv_python()).arg(root().join("tests/nixl/driver.py")).args([
@@ -177,7 +180,8 @@ fn selectors_that_match_nothing_yet_still_run_and_a_bad_one_is_refused() {
     require_root();
     let socket = test_socket();
     let socket = socket.to_str().expect("utf-8 socket path");
-    let agent = Agent::discover(&["--exe", "no-such-program-here"], "demo", "1s", &["--socket", socket]);
+    let agent =
+        Agent::selecting(&["--exe", "no-such-program-here"]).timeout("1s").args(&["--socket", socket]).discover();
     // Still running after its first scan: it answers, watching nothing yet.
     let (ok, answer, stderr) =
         run_to_end(Command::new(stallwatch_tests::agent_bin()).args(["inflight", "--json", "--socket", socket]));
@@ -223,7 +227,7 @@ fn threads_killed_inside_a_return_probed_function_do_not_disable_return_probes()
     const SAVED_CAPACITY: u64 = 16_384;
     const THREADS: u64 = 2_000;
     let threads = THREADS.to_string();
-    let agent = Agent::discover(&["--exe", "demo-prefill", "--cmdline", "stuck-in-poll"], "demo", "1s", &[]);
+    let agent = Agent::selecting(&["--exe", "demo-prefill", "--cmdline", "stuck-in-poll"]).timeout("1s").discover();
     let mut killed_inside = 0;
     while killed_inside <= SAVED_CAPACITY {
         let mut demo = Demo::start(&["--stuck-in-poll", &threads, "--rate", "100", "--duration", "60s"]);

@@ -179,28 +179,8 @@ struct Run {
 fn run() -> Run {
     require_root();
     let mut collector = Collector::start();
-    let mut demo = Demo::start(&[
-        "--rate",
-        "500",
-        "--duration",
-        "6s",
-        "--inject-after",
-        "300ms",
-        "--waiting-for-peer",
-        "1",
-        "--transfer-hung",
-        "1",
-        "--release-lost",
-        "1",
-        "--recover",
-        "1",
-        "--recover-after",
-        "2500ms",
-        "--fail",
-        "1",
-        "--abort",
-        "1",
-    ]);
+    let mut demo =
+        Demo::builder().rate(500).duration("6s").inject_after("300ms").each_stall("2500ms").fail(1).abort(1).start();
     let endpoint = collector.http_endpoint();
     let mut extra = vec!["--otlp-endpoint", &endpoint];
     extra.extend(METRICS);

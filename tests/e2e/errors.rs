@@ -6,7 +6,7 @@ use std::{
     process::{Child, ChildStderr, Command, Stdio},
 };
 
-use stallwatch_tests::{Demo, agent_bin, require_root, root, run_to_end, test_socket};
+use stallwatch_tests::{Demo, agent_bin, require_root, root, run_to_end, test_socket, wait_for};
 
 /// Run the agent to its end and return its stderr, asserting it failed
 /// without panicking.
@@ -377,10 +377,11 @@ fn an_agent_whose_stdout_nobody_reads_keeps_answering_and_counts_what_it_drops()
 fn an_agent_whose_stderr_is_gone_runs_and_stops_cleanly() {
     require_root();
     let mut demo = Demo::start(&["--duration", "30s", "--inject-after", "1s", "--waiting-for-peer", "1"]);
+    let socket = test_socket();
     let mut agent = Command::new(agent_bin())
         .args(["run", "--pid", &demo.proc.pid().to_string(), "--profile", "demo", "--timeout", "500ms", "--ephemeral"])
         .args(["--output", "json", "--socket"])
-        .arg(test_socket())
+        .arg(&socket)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -388,8 +389,8 @@ fn an_agent_whose_stderr_is_gone_runs_and_stops_cleanly() {
         .expect("starting stallwatch");
     drop(agent.stderr.take());
     let mut out = BufReader::new(agent.stdout.take().expect("piped stdout"));
-    // Give it time to attach (its "watching" line goes nowhere).
-    std::thread::sleep(std::time::Duration::from_secs(2));
+    // Attached once it serves its socket (its "watching" line goes nowhere).
+    wait_for("the agent's query socket", std::time::Duration::from_secs(30), || socket.exists().then_some(()));
     demo.go();
     let mut line = String::new();
     assert!(out.read_line(&mut line).expect("reading stdout") > 0, "the agent exited: {:?}", agent.wait());

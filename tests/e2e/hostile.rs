@@ -223,7 +223,7 @@ fn a_library_changed_after_mapping_is_watched_as_mapped(change: Change) {
     change.apply(&lib);
 
     let cgroup = MemoryCgroup::new(AGENT_MEMORY_MAX);
-    let agent = Agent::start_in(&cgroup, pid, "marker", "1s");
+    let agent = Agent::on_pid(pid).profile("marker").timeout("1s").in_cgroup(&cgroup).start();
     agent.proc.wait_stderr(&format!("watching pid={pid}"), Duration::from_secs(15));
     let stderr = agent.proc.stderr();
     let attached = stderr.lines().filter(|l| l.contains("probe attached")).collect::<Vec<_>>();
@@ -320,7 +320,12 @@ impl FrozenBeside {
     /// to be ready.
     fn discover(&self, cgroup: &MemoryCgroup, extra: &[&str]) -> (Agent, String, Duration) {
         let started = Instant::now();
-        let agent = Agent::discover_in(cgroup, &["--lib", "libstallwatch_marker.so"], "marker", "1s", extra);
+        let agent = Agent::selecting(&["--lib", "libstallwatch_marker.so"])
+            .profile("marker")
+            .timeout("1s")
+            .args(extra)
+            .in_cgroup(cgroup)
+            .discover();
         let ready = started.elapsed();
         agent.wait_watching(self.healthy_pid);
         let stderr = agent.proc.stderr();

@@ -15,33 +15,27 @@ use stallwatch_tests::{Agent, Demo, alerts, require_root, summary};
 #[test]
 fn a_paused_agent_reports_exactly_the_stalls_the_kernel_holds_after_losing_events() {
     require_root();
-    let mut demo = Demo::start(&[
-        "--rate",
-        "8000",
-        "--duration",
-        "40s",
-        "--inject-after",
-        "4s",
-        "--waiting-for-peer",
-        "1",
-        "--transfer-hung",
-        "1",
-    ]);
+    let mut demo =
+        Demo::builder().rate(8000).duration("40s").inject_after("4s").waiting_for_peer(1).transfer_hung(1).start();
     let pid = demo.proc.pid();
-    let agent = Agent::watch(pid, "demo", "2s", &[]);
+    let agent = Agent::on_pid(pid).timeout("2s").metrics().watch();
     demo.go();
-    std::thread::sleep(Duration::from_secs(1));
+    // Paused once it follows the demo's requests to their end.
+    agent.wait_completed(1);
     agent.proc.signal(libc::SIGSTOP);
-    // The demo pins its two requests 3 s into the pause, the ring long full.
+    // The demo pins its two requests seconds into the pause, the ring long
+    // full: every event of theirs is lost once their `injected` lines are
+    // out.
     let mut demo_lines = Vec::new();
     let pinned = demo.wait_injected(2, &mut demo_lines);
-    std::thread::sleep(Duration::from_secs(3));
     agent.proc.signal(libc::SIGCONT);
     let mut seen = Vec::new();
-    // Their stalls are due at once (their silence began during the pause).
+    // Their stalls come due a timeout after they were pinned. A stall
+    // invented from a lost release would be of a request whose last event
+    // the agent read before the ring filled, seconds before they were
+    // pinned: it would come due, and be reported, before theirs (the demo
+    // profile reads no status, so stalls are reported as they come due).
     let stalls = agent.wait_alerts("stalled", 2, Duration::from_secs(10), &mut seen);
-    // Time for a stall invented from a lost release to show up too.
-    std::thread::sleep(Duration::from_secs(4));
     let lines = agent.stop();
     seen.extend(lines.iter().cloned());
     let stalled: Vec<String> =
@@ -74,18 +68,7 @@ fn a_paused_agent_reports_exactly_the_stalls_the_kernel_holds_after_losing_event
 #[test]
 fn a_caught_up_request_that_recovers_counts_no_duplicate_event() {
     require_root();
-    let mut demo = Demo::start(&[
-        "--rate",
-        "2000",
-        "--duration",
-        "30s",
-        "--inject-after",
-        "500ms",
-        "--recover",
-        "1",
-        "--recover-after",
-        "3s",
-    ]);
+    let mut demo = Demo::builder().rate(2000).duration("30s").inject_after("500ms").recover(1, "3s").start();
     let agent = Agent::watch(demo.proc.pid(), "demo", "2s", &[]);
     demo.go();
     let mut seen = Vec::new();

@@ -8,7 +8,7 @@ use std::{
 use serde_json::Value;
 use stallwatch_tests::{
     Agent, Demo, Injected, Line, metric,
-    otlp::{Collector, Span, TlsFront, expected_trace_id, http_get, watch_with_env},
+    otlp::{Collector, Span, TlsFront, expected_trace_id, http_get},
     require_root, summary,
 };
 
@@ -50,24 +50,7 @@ fn check_request_span(span: &Span, pid: u32) {
 fn stalled_spans_arrive_while_stuck_and_lifecycles_when_they_end_grpc() {
     require_root();
     let mut collector = Collector::start();
-    let mut demo = Demo::start(&[
-        "--rate",
-        "200",
-        "--duration",
-        "6s",
-        "--inject-after",
-        "300ms",
-        "--waiting-for-peer",
-        "1",
-        "--transfer-hung",
-        "1",
-        "--release-lost",
-        "1",
-        "--recover",
-        "1",
-        "--recover-after",
-        "2500ms",
-    ]);
+    let mut demo = Demo::builder().rate(200).duration("6s").inject_after("300ms").each_stall("2500ms").start();
     let pid = demo.proc.pid();
     let endpoint = collector.grpc_endpoint();
     let agent = Agent::watch(pid, "demo", "1s", &["--otlp-endpoint", &endpoint, "--otlp-protocol", "grpc"]);
@@ -171,11 +154,10 @@ fn http_export_from_the_environment_with_resource_and_metrics() {
         Demo::start(&["--rate", "100", "--duration", "5s", "--inject-after", "200ms", "--waiting-for-peer", "1"]);
     let pid = demo.proc.pid();
     let endpoint = collector.http_endpoint();
-    let agent = watch_with_env(
-        pid,
-        "1s",
-        &["--metrics-addr", "127.0.0.1:0"],
-        &[
+    let agent = Agent::on_pid(pid)
+        .timeout("1s")
+        .metrics()
+        .env(&[
             // Base URL: the agent appends /v1/traces.
             ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
             ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
@@ -183,8 +165,8 @@ fn http_export_from_the_environment_with_resource_and_metrics() {
             ("OTEL_SERVICE_NAME", "prefill-watch"),
             ("K8S_NODE_NAME", "gpu-node-7"),
             ("K8S_POD_NAME", "stallwatch-x1"),
-        ],
-    );
+        ])
+        .watch();
     demo.go();
     let mut demo_lines = Vec::new();
     let injected = demo.wait_injected(1, &mut demo_lines);
@@ -269,20 +251,8 @@ fn a_collector_restart_never_stops_alerting_and_later_spans_arrive() {
     // The collector goes down once it has spans, before the stalls are
     // injected at 2 s; it comes back once both stalls were alerted, before
     // the recovering one moves on at 5.5 s.
-    let mut demo = Demo::start(&[
-        "--rate",
-        "200",
-        "--duration",
-        "8s",
-        "--inject-after",
-        "2s",
-        "--transfer-hung",
-        "1",
-        "--recover",
-        "1",
-        "--recover-after",
-        "3500ms",
-    ]);
+    let mut demo =
+        Demo::builder().rate(200).duration("8s").inject_after("2s").transfer_hung(1).recover(1, "3500ms").start();
     let pid = demo.proc.pid();
     let endpoint = collector.grpc_endpoint();
     let agent = Agent::watch(pid, "demo", "1s", &["--otlp-endpoint", &endpoint, "--otlp-protocol", "grpc"]);
@@ -383,12 +353,11 @@ fn a_dead_collector_costs_counted_drops_not_alerts_http() {
     let mut demo =
         Demo::start(&["--rate", "200", "--duration", "4s", "--inject-after", "300ms", "--release-lost", "1"]);
     let endpoint = format!("http://127.0.0.1:{port}");
-    let agent = watch_with_env(
-        demo.proc.pid(),
-        "1s",
-        &["--otlp-endpoint", &endpoint, "--otlp-protocol", "http", "--metrics-addr", "127.0.0.1:0"],
-        &[("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "300")],
-    );
+    let agent = Agent::on_pid(demo.proc.pid())
+        .timeout("1s")
+        .args(&["--otlp-endpoint", &endpoint, "--otlp-protocol", "http", "--metrics-addr", "127.0.0.1:0"])
+        .env(&[("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "300")])
+        .watch();
     demo.go();
     let mut demo_lines = Vec::new();
     let injected = demo.wait_injected(1, &mut demo_lines);
@@ -442,18 +411,16 @@ fn an_export_the_collector_never_answers_fails_at_the_per_request_timeout() {
     let endpoint = format!("http://127.0.0.1:{port}");
     for protocol in ["http/protobuf", "grpc"] {
         let mut demo = one_stall();
-        let agent = watch_with_env(
-            demo.proc.pid(),
-            "1s",
-            &[],
-            &[
+        let agent = Agent::on_pid(demo.proc.pid())
+            .timeout("1s")
+            .env(&[
                 ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
                 ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol),
                 ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "500"),
                 // The stall span is the first and only export.
                 ("OTEL_TRACES_SAMPLER", "stallwatch_stalls"),
-            ],
-        );
+            ])
+            .watch();
         demo.go();
         let mut seen = Vec::new();
         agent.wait_alerts("stalled", 1, Duration::from_secs(10), &mut seen);
@@ -483,7 +450,7 @@ fn scrapes_are_answered_with_hundreds_of_idle_connections_open() {
     use std::io::Write as _;
     require_root();
     let mut demo = Demo::start(&["--rate", "100", "--duration", "20s"]);
-    let agent = watch_with_env(demo.proc.pid(), "1s", &["--metrics-addr", "127.0.0.1:0"], &[]);
+    let agent = Agent::on_pid(demo.proc.pid()).timeout("1s").metrics().watch();
     demo.go();
     let port = agent.metrics_port();
     // Half-sent requests, held open: a slowloris, or clients that hang.
@@ -510,8 +477,10 @@ fn the_standard_switches_turn_span_export_off() {
     for (name, value) in [("OTEL_SDK_DISABLED", "true"), ("OTEL_TRACES_EXPORTER", "none")] {
         let mut demo =
             Demo::start(&["--rate", "200", "--duration", "2s", "--inject-after", "100ms", "--waiting-for-peer", "1"]);
-        let agent =
-            watch_with_env(demo.proc.pid(), "1s", &[], &[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), (name, value)]);
+        let agent = Agent::on_pid(demo.proc.pid())
+            .timeout("1s")
+            .env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), (name, value)])
+            .watch();
         demo.go();
         let lines = agent.proc.lines_until_exit(Duration::from_secs(20));
         let summary = summary(&lines);
@@ -533,26 +502,13 @@ fn stalls_only_sends_every_stalled_request_and_none_of_the_healthy() {
     require_root();
     let mut collector = Collector::start();
     let endpoint = collector.http_endpoint();
-    let mut demo = Demo::start(&[
-        "--rate",
-        "200",
-        "--duration",
-        "4s",
-        "--inject-after",
-        "200ms",
-        "--waiting-for-peer",
-        "1",
-        "--recover",
-        "1",
-        "--recover-after",
-        "1500ms",
-    ]);
-    let agent = watch_with_env(
-        demo.proc.pid(),
-        "1s",
-        &["--metrics-addr", "127.0.0.1:0"],
-        &[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), ("OTEL_TRACES_SAMPLER", "stallwatch_stalls")],
-    );
+    let mut demo =
+        Demo::builder().rate(200).duration("4s").inject_after("200ms").waiting_for_peer(1).recover(1, "1500ms").start();
+    let agent = Agent::on_pid(demo.proc.pid())
+        .timeout("1s")
+        .metrics()
+        .env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), ("OTEL_TRACES_SAMPLER", "stallwatch_stalls")])
+        .watch();
     demo.go();
     let mut demo_lines = Vec::new();
     let injected = demo.wait_injected(2, &mut demo_lines);
@@ -630,17 +586,15 @@ fn tls_export_trusts_the_ca_file_or_the_system_roots_and_sends_the_headers() {
     for (protocol, endpoint, trust) in runs {
         let mut demo = one_stall();
         let pid = demo.proc.pid();
-        let agent = watch_with_env(
-            pid,
-            "1s",
-            &[],
-            &[
+        let agent = Agent::on_pid(pid)
+            .timeout("1s")
+            .env(&[
                 ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
                 ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol),
                 ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-tenant=stallwatch-tls"),
                 trust,
-            ],
-        );
+            ])
+            .watch();
         demo.go();
         let spans =
             collector.wait_for(Duration::from_secs(10), &format!("the stall span over TLS ({protocol})"), |spans| {
@@ -665,19 +619,17 @@ fn an_untrusted_collector_certificate_is_an_error_that_names_the_fix() {
     let front = TlsFront::start(&collector);
     for (protocol, endpoint) in [("grpc", front.grpc_endpoint()), ("http/protobuf", front.http_endpoint())] {
         let mut demo = one_stall();
-        let agent = watch_with_env(
-            demo.proc.pid(),
-            "1s",
-            &[],
-            &[
+        let agent = Agent::on_pid(demo.proc.pid())
+            .timeout("1s")
+            .env(&[
                 ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
                 ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol),
                 ("OTEL_EXPORTER_OTLP_CERTIFICATE", &front.wrong_ca()),
                 ("OTEL_EXPORTER_OTLP_TIMEOUT", "1000"),
                 // Not the system's roots either.
                 ("SSL_CERT_FILE", &front.wrong_ca()),
-            ],
-        );
+            ])
+            .watch();
         demo.go();
         let mut seen = Vec::new();
         agent.wait_alerts("stalled", 1, Duration::from_secs(10), &mut seen);

@@ -136,13 +136,10 @@ fn phoenix_stores_every_span_over_http_and_grpc_stalls_as_errors_rooms_as_traces
             "1",
         ]);
         let pid = demo.proc.pid();
-        let agent = Agent::watch_with_env(
-            pid,
-            "demo",
-            "1s",
-            &[],
-            &[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)],
-        );
+        let agent = Agent::on_pid(pid)
+            .timeout("1s")
+            .env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)])
+            .watch();
         demo.go();
         let mut demo_lines = Vec::new();
         let injected = demo.wait_injected(2, &mut demo_lines);

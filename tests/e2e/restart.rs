@@ -58,27 +58,10 @@ fn a_stall_reported_before_a_crash_is_not_reported_again_and_its_recovery_is() {
     require_root();
     let dir = test_bpf_dir();
     let _cleanup = Cleanup(&dir);
-    let mut demo = Demo::start(&[
-        "--rate",
-        "500",
-        "--duration",
-        "30s",
-        "--inject-after",
-        "300ms",
-        "--waiting-for-peer",
-        "1",
-        "--transfer-hung",
-        "1",
-        "--release-lost",
-        "1",
-        "--recover",
-        "1",
-        "--recover-after",
-        "5s",
-    ]);
+    let mut demo = Demo::builder().rate(500).duration("30s").inject_after("300ms").each_stall("5s").start();
     let pid = demo.proc.pid();
     let (socket, socket_arg) = new_socket();
-    let first = Agent::watch_on(pid, &dir, TIMEOUT, &["--socket", &socket_arg]);
+    let first = Agent::on_pid(pid).bpf_dir(&dir).timeout(TIMEOUT).args(&["--socket", &socket_arg]).watch();
     demo.go();
     let mut seen = Vec::new();
     let stalled = first.wait_alerts("stalled", 4, Duration::from_secs(10), &mut seen);
@@ -93,7 +76,7 @@ fn a_stall_reported_before_a_crash_is_not_reported_again_and_its_recovery_is() {
     // Healthy requests go on for a while with no agent; the next starts.
     thread::sleep(Duration::from_millis(500));
     let (socket, socket_arg) = new_socket();
-    let second = Agent::watch_on(pid, &dir, TIMEOUT, &["--socket", &socket_arg]);
+    let second = Agent::on_pid(pid).bpf_dir(&dir).timeout(TIMEOUT).args(&["--socket", &socket_arg]).watch();
     second.proc.wait_stderr("took over the requests in flight", Duration::from_secs(10));
     let mut after = Vec::new();
     // The recovering request comes back 5 s after injection.
@@ -132,20 +115,10 @@ fn a_stall_that_begins_while_no_agent_runs_is_reported_by_the_next_once() {
     require_root();
     let dir = test_bpf_dir();
     let _cleanup = Cleanup(&dir);
-    let mut demo = Demo::start(&[
-        "--rate",
-        "500",
-        "--duration",
-        "30s",
-        "--inject-after",
-        "1500ms",
-        "--waiting-for-peer",
-        "1",
-        "--transfer-hung",
-        "1",
-    ]);
+    let mut demo =
+        Demo::builder().rate(500).duration("30s").inject_after("1500ms").waiting_for_peer(1).transfer_hung(1).start();
     let pid = demo.proc.pid();
-    let first = Agent::watch_on(pid, &dir, "2s", &[]);
+    let first = Agent::on_pid(pid).bpf_dir(&dir).timeout("2s").watch();
     demo.go();
     crash(first);
     let crashed_at = Instant::now();
@@ -156,10 +129,10 @@ fn a_stall_that_begins_while_no_agent_runs_is_reported_by_the_next_once() {
     let injected_at = injected.values().map(|pinned| pinned.at).max().expect("injected");
     assert!(injected.values().all(|pinned| pinned.at > crashed_at), "the requests were pinned after the crash");
     // They stay silent past the timeout while no agent runs.
-    thread::sleep(Duration::from_millis(3500));
+    thread::sleep((injected_at + Duration::from_millis(3500)).saturating_duration_since(Instant::now()));
 
     let (socket, socket_arg) = new_socket();
-    let second = Agent::watch_on(pid, &dir, "2s", &["--socket", &socket_arg]);
+    let second = Agent::on_pid(pid).bpf_dir(&dir).timeout("2s").args(&["--socket", &socket_arg]).watch();
     let mut seen = Vec::new();
     let stalls = second.wait_alerts("stalled", 2, Duration::from_secs(5), &mut seen);
     for (at, alert) in &stalls {
@@ -195,25 +168,15 @@ fn forty_requests_held_across_a_restart_are_each_reported_within_a_second_of_the
     require_root();
     let dir = test_bpf_dir();
     let _cleanup = Cleanup(&dir);
-    let mut demo = Demo::start(&[
-        "--rate",
-        "500",
-        "--duration",
-        "30s",
-        "--inject-after",
-        "300ms",
-        "--waiting-for-peer",
-        "20",
-        "--transfer-hung",
-        "20",
-    ]);
+    let mut demo =
+        Demo::builder().rate(500).duration("30s").inject_after("300ms").waiting_for_peer(20).transfer_hung(20).start();
     let pid = demo.proc.pid();
-    let first = Agent::watch_on(pid, &dir, "3s", &[]);
+    let first = Agent::on_pid(pid).bpf_dir(&dir).timeout("3s").watch();
     demo.go();
     let injected = demo.wait_injected(HELD, &mut Vec::new());
     crash(first);
     let restarted = Instant::now();
-    let second = Agent::watch_on(pid, &dir, "3s", &[]);
+    let second = Agent::on_pid(pid).bpf_dir(&dir).timeout("3s").watch();
     let started = restarted.elapsed();
     second.proc.wait_stderr("taken over from a previous agent of this build", Duration::from_secs(1));
     let mut seen = Vec::new();
@@ -247,20 +210,10 @@ fn sigterm_hands_over_a_second_agent_is_refused_and_state_clear_detaches() {
     require_root();
     let dir = test_bpf_dir();
     let _cleanup = Cleanup(&dir);
-    let mut demo = Demo::start(&[
-        "--rate",
-        "200",
-        "--duration",
-        "30s",
-        "--inject-after",
-        "300ms",
-        "--waiting-for-peer",
-        "1",
-        "--transfer-hung",
-        "1",
-    ]);
+    let mut demo =
+        Demo::builder().rate(200).duration("30s").inject_after("300ms").waiting_for_peer(1).transfer_hung(1).start();
     let pid = demo.proc.pid();
-    let mut first = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
+    let mut first = Agent::on_pid(pid).bpf_dir(&dir).timeout(TIMEOUT).watch();
     demo.go();
     let mut seen = Vec::new();
     first.wait_alerts("stalled", 2, Duration::from_secs(10), &mut seen);
@@ -293,7 +246,7 @@ fn sigterm_hands_over_a_second_agent_is_refused_and_state_clear_detaches() {
     // ... which takes over both stalls with their own silence, and does not
     // report them again.
     let (socket, socket_arg) = new_socket();
-    let mut next = Agent::watch_on(pid, &dir, TIMEOUT, &["--socket", &socket_arg]);
+    let mut next = Agent::on_pid(pid).bpf_dir(&dir).timeout(TIMEOUT).args(&["--socket", &socket_arg]).watch();
     next.proc.wait_stderr("took over the requests in flight", Duration::from_secs(10));
     let since: HashMap<&String, Duration> = injected.iter().map(|(key, pinned)| (key, pinned.at.elapsed())).collect();
     let rows = inflight(&socket);
@@ -338,7 +291,7 @@ fn on_exit_detach_and_ephemeral_leave_nothing_pinned() {
 
     let dir = test_bpf_dir();
     let _cleanup = Cleanup(&dir);
-    let agent = Agent::watch_on(pid, &dir, TIMEOUT, &["--on-exit", "detach"]);
+    let agent = Agent::on_pid(pid).bpf_dir(&dir).timeout(TIMEOUT).args(&["--on-exit", "detach"]).watch();
     assert!(pinned_links(&dir) > 0, "links are pinned while the agent runs");
     let held = bpf_objects_of(agent.proc.pid());
     // The check below sees an agent's pins wherever they are.
@@ -368,7 +321,7 @@ fn state_of_another_layout_is_discarded_with_a_warning() {
         std::fs::create_dir_all(other.join(sub)).expect("creating an old layout's directories");
     }
     let mut demo = Demo::start(&["--rate", "200", "--duration", "30s"]);
-    let agent = Agent::watch_on(demo.proc.pid(), &dir, TIMEOUT, &METRICS);
+    let agent = Agent::on_pid(demo.proc.pid()).bpf_dir(&dir).timeout(TIMEOUT).metrics().watch();
     demo.go();
     agent.proc.wait_stderr("discarding state pinned by a stallwatch of another layout", Duration::from_secs(5));
     assert!(!other.exists(), "{} is left", other.display());
@@ -502,29 +455,11 @@ fn a_stall_taken_over_and_ended_is_not_ended_again_by_a_third_agent() {
     let _cleanup = Cleanup(&dir);
     // Healthy requests stop early, so the third agent finds only what is
     // still pinned.
-    let mut demo = Demo::start(&[
-        "--rate",
-        "1000",
-        "--requests",
-        "200",
-        "--duration",
-        "30s",
-        "--inject-after",
-        "300ms",
-        "--waiting-for-peer",
-        "1",
-        "--transfer-hung",
-        "1",
-        "--release-lost",
-        "1",
-        "--recover",
-        "1",
-        "--recover-after",
-        "4s",
-    ]);
+    let mut demo =
+        Demo::builder().rate(1000).requests(200).duration("30s").inject_after("300ms").each_stall("4s").start();
     let pid = demo.proc.pid();
     let (socket, socket_arg) = new_socket();
-    let first = Agent::watch_on(pid, &dir, TIMEOUT, &["--socket", &socket_arg]);
+    let first = Agent::on_pid(pid).bpf_dir(&dir).timeout(TIMEOUT).args(&["--socket", &socket_arg]).watch();
     demo.go();
     let mut seen = Vec::new();
     first.wait_alerts("stalled", 4, Duration::from_secs(10), &mut seen);
@@ -534,7 +469,7 @@ fn a_stall_taken_over_and_ended_is_not_ended_again_by_a_third_agent() {
     // The second takes the marked stalls over; the recovering one moves on,
     // is released, and leaves its in-flight list.
     let (socket, socket_arg) = new_socket();
-    let second = Agent::watch_on(pid, &dir, TIMEOUT, &["--socket", &socket_arg]);
+    let second = Agent::on_pid(pid).bpf_dir(&dir).timeout(TIMEOUT).args(&["--socket", &socket_arg]).watch();
     second.proc.wait_stderr("took over the requests in flight", Duration::from_secs(10));
     let mut after = Vec::new();
     let recovered = second.wait_alerts("recovered", 1, Duration::from_secs(10), &mut after);
@@ -546,7 +481,7 @@ fn a_stall_taken_over_and_ended_is_not_ended_again_by_a_third_agent() {
     crash(second);
 
     // The third finds the three still pinned, and nothing the second saw end.
-    let third = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
+    let third = Agent::on_pid(pid).bpf_dir(&dir).timeout(TIMEOUT).watch();
     third.proc.wait_stderr("took over the requests in flight", Duration::from_secs(10));
     let lines = third.stop();
     let summary = summary(&lines);
@@ -580,7 +515,7 @@ fn requests_of_a_pid_reused_while_no_agent_ran_end_process_exited() {
     let mut old =
         Demo::start(&["--rate", "200", "--duration", "30s", "--inject-after", "200ms", "--waiting-for-peer", "2"]);
     let pid = old.proc.pid();
-    let first = Agent::watch_on(pid, &dir, TIMEOUT, &[]);
+    let first = Agent::on_pid(pid).bpf_dir(&dir).timeout(TIMEOUT).watch();
     old.go();
     let mut seen = Vec::new();
     first.wait_alerts("stalled", 2, Duration::from_secs(10), &mut seen);
@@ -592,7 +527,7 @@ fn requests_of_a_pid_reused_while_no_agent_ran_end_process_exited() {
 
     // Another process gets the pid; the next agent is told to watch it.
     let mut new = demo_as_pid(pid, &["--rate", "200", "--duration", "30s"]);
-    let second = Agent::watch_on(pid, &dir, TIMEOUT, &METRICS);
+    let second = Agent::on_pid(pid).bpf_dir(&dir).timeout(TIMEOUT).metrics().watch();
     new.go();
     // Both stalls end process_exited; so may a healthy request the old
     // process had in flight when it was killed (no agent ran to see it end).

@@ -125,7 +125,7 @@ fn a_full_disk_under_stdout_costs_the_lines_not_the_agent_nor_its_state() {
     assert!(pinned_links(&dir) > 0);
 
     // The next agent takes the stuck request over.
-    let mut next = Agent::watch_on(demo.proc.pid(), &dir, "500ms", &[]);
+    let mut next = Agent::on_pid(demo.proc.pid()).bpf_dir(&dir).timeout("500ms").watch();
     next.proc.wait_stderr("took over the requests in flight", Duration::from_secs(10));
     next.bpf_dir = None;
     let lines = next.stop_with(libc::SIGTERM);
@@ -144,12 +144,10 @@ fn detaching_gone_processes_and_stopping_the_agent_are_timed() {
     // watched, the slowest stop there is.
     const GROUP: usize = 3;
     const ARGS: &[&str] = &["--rate", "200", "--duration", "41s"];
-    let agent = Agent::discover(
-        &["--cmdline", "demo-prefill .*--duration 41s"],
-        "demo",
-        "5s",
-        &["--on-exit", "detach", "--ephemeral", METRICS[0], METRICS[1]],
-    );
+    let agent = Agent::selecting(&["--cmdline", "demo-prefill .*--duration 41s"])
+        .timeout("5s")
+        .args(&["--on-exit", "detach", "--ephemeral", METRICS[0], METRICS[1]])
+        .discover();
     let mut demos: Vec<Demo> = (0..GROUP * 2).map(|_| Demo::start(ARGS)).collect();
     for demo in &mut demos {
         agent.wait_watching(demo.proc.pid());

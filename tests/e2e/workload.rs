@@ -283,11 +283,9 @@ fn alerts_spans_and_metrics_name_the_pod_from_the_api() {
     let dir = tempfile::tempdir().expect("temp dir");
     let socket = dir.path().join("run/agent.sock");
     let socket = socket.to_str().expect("UTF-8 temp path");
-    let agent = Agent::watch_with_env(
-        pid,
-        "demo",
-        "1s",
-        &[
+    let agent = Agent::on_pid(pid)
+        .timeout("1s")
+        .args(&[
             "--kubernetes",
             &api.url(),
             "--metrics-addr",
@@ -296,9 +294,9 @@ fn alerts_spans_and_metrics_name_the_pod_from_the_api() {
             &endpoint,
             "--socket",
             socket,
-        ],
-        &[("K8S_NODE_NAME", NODE), ("K8S_POD_NAME", "stallwatch-x2k4q"), ("K8S_NAMESPACE_NAME", "monitoring")],
-    );
+        ])
+        .env(&[("K8S_NODE_NAME", NODE), ("K8S_POD_NAME", "stallwatch-x2k4q"), ("K8S_NAMESPACE_NAME", "monitoring")])
+        .watch();
     // Created after the agent started: scheduled (its container not
     // started, so no id yet), then started, as the kubelet reports them;
     // the agent names the process from the watch, not at a later list.
@@ -491,18 +489,16 @@ fn service_account(dir: &Path, token: Option<&str>, ca: &str) {
 fn in_cluster_agent(pid: u32, port: u16, account: &Path) -> Agent {
     let port = port.to_string();
     let account = account.to_str().expect("UTF-8 temp path");
-    Agent::watch_with_env(
-        pid,
-        "demo",
-        "1s",
-        &["--kubernetes", "in-cluster"],
-        &[
+    Agent::on_pid(pid)
+        .timeout("1s")
+        .args(&["--kubernetes", "in-cluster"])
+        .env(&[
             ("KUBERNETES_SERVICE_HOST", "127.0.0.1"),
             ("KUBERNETES_SERVICE_PORT", &port),
             ("STALLWATCH_KUBERNETES_SERVICE_ACCOUNT", account),
             ("K8S_NODE_NAME", NODE),
-        ],
-    )
+        ])
+        .watch()
 }
 
 #[test]

