@@ -16,6 +16,10 @@ pub const MAX_DEREF: usize = 4;
 pub const EXT_ID_LEN: usize = 64;
 /// Return-value rules a slot can carry; an event is emitted when any matches.
 pub const MAX_RET_RULES: usize = 2;
+/// Most slots one hit of a chain runs ([`SlotConfig::next`]): a bound on
+/// what one hit costs the target, and on the filters a chain shares
+/// ([`SlotConfig::filter_share`]).
+pub const MAX_CHAIN: u32 = 8;
 /// Function arguments a probe can read: the six integer registers of the
 /// x86-64 SysV ABI and the first four stack slots (NIXL's span overload of
 /// `makeXferReq` passes its handle reference as the ninth).
@@ -248,7 +252,13 @@ pub struct SlotConfig {
     /// The event every hit stands for, when the slot has no return rules
     /// (one of [`stage`]).
     pub stage: u8,
-    pub _pad: [u8; 7],
+    pub _pad: [u8; 3],
+    /// 1 + the slot the entry program runs next on the same hit, 0 for
+    /// none: the slots of one function's entry share one link (the first
+    /// of the chain's cookie), so a hit runs one program, which does the
+    /// work of each of them in turn (at most [`MAX_CHAIN`]), each as its
+    /// own slot (its own flags, counts and events).
+    pub next: u32,
     /// With [`slot_flags::QUIET`]: the longest gap after a request's
     /// previous event within which an event of it is not sent. Half the
     /// agent's timeout, so an event after a silence the agent may have
@@ -275,7 +285,12 @@ pub struct SlotConfig {
     pub select: ValueSource,
     pub ext_else: ValueSource,
     pub select_byte: u8,
-    pub _pad_select: [u8; 7],
+    /// With [`slot_flags::FILTER`] in a chain (see [`SlotConfig::next`]):
+    /// 1 to [`MAX_CHAIN`] when another slot of the chain has the very same
+    /// filter and number, so the filter is read once a hit and its
+    /// verdict reused; 0: read for this slot alone.
+    pub filter_share: u8,
+    pub _pad_select: [u8; 6],
     /// With [`slot_flags::EXT_STRINGS`]: where the strings are.
     pub strings: StringWalk,
     /// With [`slot_flags::EXT_PICKLE`]: which values to capture.
@@ -821,7 +836,9 @@ pub const NOT_EMITTED: u32 = u32::MAX;
 /// answers and transfer handles); [`SlotConfig`] grew (`filter`, `select`,
 /// `ext_else`, [`SlotConfig::strings`],
 /// [`SlotConfig::pickle`]) with new [`slot_flags`]. 10: [`SlotConfig::filter_mask`].
-pub const STATE_LAYOUT: u32 = 10;
+/// 11: [`SlotConfig::next`] (slots chained on one link: a follower has no
+/// link pinned of its own) and [`SlotConfig::filter_share`].
+pub const STATE_LAYOUT: u32 = 11;
 
 /// How many bytes of a request's context [`HeldContext`] holds.
 pub const CONTEXT_BYTES: usize = 1016;

@@ -4,7 +4,10 @@
 //! lives, which hits become events and which lifecycle stage each one is. No
 //! target-specific code lives here. A slot stays silent until the agent
 //! arms it (`slot_flags::ARMED`), once every probe of its process is
-//! attached.
+//! attached. The slots of one function's entry share one link: the first
+//! names the next (`SlotConfig::next`), and a hit runs each in turn, the
+//! entry program handing on to itself by a tail call, so the function
+//! traps into one program, not one a slot.
 //!
 //! Besides the events, the programs keep the in-flight table (`INFLIGHT`):
 //! the agent pins it with the other maps and the links in bpffs, so the
@@ -28,16 +31,16 @@ use aya_ebpf::{
         bpf_probe_read_user_str_bytes, generated::bpf_get_attach_cookie,
     },
     macros::{btf_tracepoint, map, uprobe, uretprobe},
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf, ring_buf::RingBufEntry},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray, RingBuf, ring_buf::RingBufEntry},
     programs::{BtfTracePointContext, ProbeContext, RetProbeContext},
 };
 use aya_log_ebpf::warn;
 use core::ffi::c_void;
 use stallwatch_common::{
-    CHUNK_LEN, EXT_ID_LEN, Event, HeldContext, InflightEntry, LastEmitted, MAX_DEREF, MAX_RET_RULES, MAX_SLOTS,
-    MSGPACK_HEAD, MSGPACK_STEPS, MSGPACK_TAG_LEN, MsgpackElement, NOT_EMITTED, PICKLE_FIRST_WIDTH, PICKLE_HEAD,
-    PICKLE_KEYS, PICKLE_NAME_LEN, PICKLE_RECORDS, PICKLE_STEPS, PICKLE_TAG_STEPS, RequestKey, RetRule, SAVED_ARGS,
-    STRINGS_STEPS, SavedArgs, SavedArgsKey, SlotConfig, StringWalk, ValueSource, base, chunk, cmp, counter,
+    CHUNK_LEN, EXT_ID_LEN, Event, HeldContext, InflightEntry, LastEmitted, MAX_CHAIN, MAX_DEREF, MAX_RET_RULES,
+    MAX_SLOTS, MSGPACK_HEAD, MSGPACK_STEPS, MSGPACK_TAG_LEN, MsgpackElement, NOT_EMITTED, PICKLE_FIRST_WIDTH,
+    PICKLE_HEAD, PICKLE_KEYS, PICKLE_NAME_LEN, PICKLE_RECORDS, PICKLE_STEPS, PICKLE_TAG_STEPS, RequestKey, RetRule,
+    SAVED_ARGS, STRINGS_STEPS, SavedArgs, SavedArgsKey, SlotConfig, StringWalk, ValueSource, base, chunk, cmp, counter,
     event_flags, msgpack, pickle, slot_flags, stage, widen, withheld,
 };
 
@@ -115,20 +118,121 @@ static CONTEXT: HashMap<RequestKey, HeldContext> = HashMap::with_max_entries(1 <
 
 #[uprobe]
 pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
-    let Some((slot, cfg)) = slot_of(&ctx) else {
+    let Some((mut slot, mut cfg)) = slot_of(&ctx) else {
         return 0;
     };
-    let args = Args::Live(ctx.regs);
+    let mut shared = Shared { known: 0, passed: 0 };
+    // A chain's link (see `SlotConfig::next`): this run may be the next
+    // slot of a hit whose earlier slots ran already, handed on below.
+    if cfg.next != 0
+        && let Some((next, was)) = chain_taken()
+    {
+        match SLOTS.get(next) {
+            Some(next_cfg) if next_cfg.flags != 0 => {
+                (slot, cfg, shared) = (next, next_cfg, was);
+            }
+            _ => {
+                bump(counter::NO_SLOT);
+                return 0;
+            }
+        }
+    }
+    entry_slot(slot, cfg, ctx.regs, &mut shared);
+    if cfg.next != 0 {
+        chain_to(&ctx, cfg.next - 1, &shared);
+    }
+    0
+}
+
+/// The entry program, for a chain to go on in ([`chain_to`]).
+#[map]
+static CHAIN: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
+/// Ways a chain's next slot is handed to the program run next, per CPU:
+/// each 0 (free) or one word, `tid << 32 | passed << 24 | known << 16 |
+/// 1 + slot`, written and taken whole (one store each, so a program of
+/// another thread preempting this one on its CPU never sees half of
+/// one). More than one for such a preemption, which takes another way.
+#[map]
+static CHAINED: PerCpuArray<[u64; CHAIN_WAYS]> = PerCpuArray::with_max_entries(1, 0);
+const CHAIN_WAYS: usize = 4;
+
+/// The verdicts of the filters a chain's slots share, so far in a hit
+/// (bit `n - 1` of each for [`SlotConfig::filter_share`] `n`).
+struct Shared {
+    known: u32,
+    passed: u32,
+}
+
+/// The next slot of this thread's chain, if this run is one (handed on by
+/// [`chain_to`]), with the verdicts of its shared filters so far.
+#[inline(always)]
+fn chain_taken() -> Option<(u32, Shared)> {
+    let ways = CHAINED.get_ptr_mut(0)?;
+    // SAFETY: a per-CPU map value; each way is read and written whole.
+    let ways = unsafe { &mut *ways };
+    let tid = bpf_get_current_pid_tgid() as u32;
+    for way in ways.iter_mut() {
+        // SAFETY: as above.
+        let word = unsafe { core::ptr::read_volatile(way) };
+        if word != 0 && (word >> 32) as u32 == tid {
+            // SAFETY: as above.
+            unsafe { core::ptr::write_volatile(way, 0) };
+            let shared = Shared { known: ((word >> 16) & 0xff) as u32, passed: ((word >> 24) & 0xff) as u32 };
+            return Some((((word & 0xffff) as u32).wrapping_sub(1), shared));
+        }
+    }
+    None
+}
+
+/// Run `next` for this hit: handed on through a free way of [`CHAINED`]
+/// to the entry program again, by a tail call (the program is verified
+/// once, not once per slot of a chain). One that cannot be (no free way,
+/// no program in [`CHAIN`]) is counted as [`counter::NO_SLOT`]: its slot,
+/// and the chain's rest, miss this hit.
+#[inline(always)]
+fn chain_to(ctx: &ProbeContext, next: u32, shared: &Shared) {
+    let Some(ways) = CHAINED.get_ptr_mut(0) else {
+        bump(counter::NO_SLOT);
+        return;
+    };
+    // SAFETY: as in `chain_taken`.
+    let ways = unsafe { &mut *ways };
+    let tid = bpf_get_current_pid_tgid() as u32;
+    let word = (u64::from(tid) << 32)
+        | (u64::from(shared.passed & 0xff) << 24)
+        | (u64::from(shared.known & 0xff) << 16)
+        | u64::from(next.wrapping_add(1) & 0xffff);
+    for way in ways.iter_mut() {
+        // SAFETY: as above.
+        if unsafe { core::ptr::read_volatile(way) } != 0 {
+            continue;
+        }
+        // SAFETY: as above; the tail call returns only when it failed.
+        unsafe {
+            core::ptr::write_volatile(way, word);
+            CHAIN.tail_call(ctx, 0);
+            core::ptr::write_volatile(way, 0);
+        }
+        break;
+    }
+    bump(counter::NO_SLOT);
+}
+
+/// What the entry program does for one slot of a hit.
+#[inline(always)]
+fn entry_slot(slot: u32, cfg: &SlotConfig, regs: *mut pt_regs, shared: &mut Shared) {
+    let args = Args::Live(regs);
     if cfg.flags & slot_flags::RETURN != 0 {
         // The entry half of a return slot: keep the arguments for the
         // return, armed or not, since the return may come after arming.
         // SAFETY: `regs` is the probe context the kernel handed this program.
-        let frame = unsafe { (*ctx.regs).rsp };
+        let frame = unsafe { (*regs).rsp };
         save_args(slot, cfg, &args, frame);
-        return 0;
+        return;
     }
     if cfg.flags & slot_flags::ARMED == 0 {
-        return 0;
+        return;
     }
     if cfg.flags & slot_flags::COUNT_ONLY != 0 {
         count_hit(slot);
@@ -136,15 +240,15 @@ pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
             // SAFETY: per-CPU slot, no other writer on this CPU while we run.
             unsafe { *seen = bpf_ktime_get_ns() };
         }
-        return 0;
+        return;
     }
     count_hit(slot);
-    if !filter_holds(cfg, &args, 0) {
-        return 0;
+    if !shared_filter_holds(cfg, &args, shared) {
+        return;
     }
     if cfg.flags & slot_flags::EXT_STRINGS != 0 {
         walk_strings(slot, cfg, &args, 0);
-        return 0;
+        return;
     }
     if cfg.flags & slot_flags::ENTRY_VALUE != 0 {
         let (value, matched) = entry_value(cfg, &args);
@@ -152,7 +256,26 @@ pub fn lifecycle_entry(ctx: ProbeContext) -> u32 {
     } else {
         emit(slot, cfg, &args, 0, Matched { rules: 0, stage: cfg.stage });
     }
-    0
+}
+
+/// [`filter_holds`] at entry, read once a hit for the slots of a chain
+/// that share the filter ([`SlotConfig::filter_share`]).
+#[inline(always)]
+fn shared_filter_holds(cfg: &SlotConfig, args: &Args, trap: &mut Shared) -> bool {
+    let share = u32::from(cfg.filter_share);
+    if cfg.flags & slot_flags::FILTER == 0 || share == 0 || share > MAX_CHAIN {
+        return filter_holds(cfg, args, 0);
+    }
+    let bit = 1u32 << (share - 1);
+    if trap.known & bit != 0 {
+        return trap.passed & bit != 0;
+    }
+    let holds = filter_holds(cfg, args, 0);
+    trap.known |= bit;
+    if holds {
+        trap.passed |= bit;
+    }
+    holds
 }
 
 /// The value an [`slot_flags::ENTRY_VALUE`] slot reads at entry (carried

@@ -3,7 +3,10 @@
 //! One eBPF object holds two generic programs (`lifecycle_entry`,
 //! `lifecycle_return`). Each probe of a profile attached to a pid becomes a
 //! *slot*: a [`SlotConfig`] written to the `SLOTS` map at the slot's index,
-//! and one or two uprobe attachments whose cookie is that index. Slots are
+//! and one or two uprobe attachments whose cookie is that index, except
+//! that the entry halves of one function's slots share one attachment (the
+//! first slot's cookie; each names the next, [`SlotConfig::next`]), so a
+//! hit of the function runs one program, not one a slot. Slots are
 //! reused once their process is detached and its links are gone (dropped
 //! off the event loop, see [`super::detach`]): events name their own
 //! stage, so nothing in the ring buffer depends on what a slot meant.
@@ -40,7 +43,7 @@ use aya::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeScope},
     },
 };
-use stallwatch_common::{MAX_SLOTS, SlotConfig, cmp, counter, slot_flags};
+use stallwatch_common::{MAX_CHAIN, MAX_SLOTS, SlotConfig, cmp, counter, slot_flags};
 use tracing::{debug, info, warn};
 
 use super::{
@@ -222,7 +225,7 @@ impl Probes {
     /// [`Self::release_old_links`]; clear every other slot config a previous
     /// agent left (nothing drives it any more).
     fn reserve_old_slots(&mut self) -> Result<()> {
-        let held: HashSet<u32> = self.old_links.iter().map(|link| link.slot).collect();
+        let held = self.old_slots(&self.old_links);
         let len = held.iter().max().map_or(0, |max| max + 1);
         self.slots = (0..len).map(|_| None).collect();
         self.free = (0..len).rev().filter(|slot| !held.contains(slot)).collect();
@@ -237,6 +240,24 @@ impl Probes {
         Ok(())
     }
 
+    /// The slots a previous agent's `links` drive: their own, and those
+    /// chained after them ([`SlotConfig::next`]), which have no link of
+    /// their own.
+    fn old_slots(&self, links: &[OldLink]) -> HashSet<u32> {
+        let mut held = HashSet::new();
+        for link in links {
+            let mut slot = link.slot;
+            for _ in 0..MAX_CHAIN {
+                held.insert(slot);
+                match self.slots_map.get(&slot, 0) {
+                    Ok(cfg) if cfg.flags != 0 && cfg.next != 0 => slot = cfg.next - 1,
+                    _ => break,
+                }
+            }
+        }
+        held
+    }
+
     /// Let a previous agent's links go once ours are attached (make before
     /// break: the targets are never without probes), on a thread of their
     /// own: each detach waits for the kernel's uprobe grace period (~0.1 s
@@ -248,7 +269,7 @@ impl Probes {
         if old_links.is_empty() {
             return Ok(None);
         }
-        let slots: HashSet<u32> = old_links.iter().map(|old| old.slot).collect();
+        let slots = self.old_slots(&old_links);
         // Return halves first: a call entering between the two finds its
         // return probe gone, not its arguments unsaved (`args_missing`).
         let (returns, entries): (Vec<_>, Vec<_>) = old_links
@@ -419,6 +440,15 @@ impl Probes {
 
     fn attach_all(&mut self, plan: &Plan, profile: &Profile) -> Result<()> {
         let pid = plan.image.pid;
+        let mut entries = Vec::new();
+        self.place_all(plan, profile, &mut entries)?;
+        self.link_entries(pid, entries)
+    }
+
+    /// Write every probe's slot config, link its return half, and add its
+    /// entry half (if it has one) to `entries`, for [`Self::link_entries`].
+    fn place_all(&mut self, plan: &Plan, profile: &Profile, entries: &mut Vec<EntryPoint>) -> Result<()> {
+        let pid = plan.image.pid;
         let mut skipped = Vec::new();
         for spec in &profile.probes {
             let mut cfg = spec.slot_config();
@@ -427,18 +457,20 @@ impl Probes {
             }
             let target =
                 Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
-            self.attach_slot(plan, &target, cfg, Role::Lifecycle(Arc::new(spec.clone())))?;
+            self.attach_slot(plan, &target, cfg, Role::Lifecycle(Arc::new(spec.clone())), entries)?;
         }
         for spec in &profile.activity {
             let target =
                 Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
-            let attached = self.attach_slot(plan, &target, ActivitySpec::slot_config(), Role::Activity(spec.kind));
+            let attached =
+                self.attach_slot(plan, &target, ActivitySpec::slot_config(), Role::Activity(spec.kind), entries);
             skip_if_optional(attached, spec.optional, pid, &spec.symbol, &mut skipped)?;
         }
         for spec in &profile.signals {
             let target =
                 Target { object: spec.object.as_deref(), symbol: &spec.symbol, origin: &spec.origin, line: spec.line };
-            let attached = self.attach_slot(plan, &target, spec.slot_config(), Role::Signal(Arc::new(spec.clone())));
+            let attached =
+                self.attach_slot(plan, &target, spec.slot_config(), Role::Signal(Arc::new(spec.clone())), entries);
             skip_if_optional(attached, spec.optional, pid, &spec.symbol, &mut skipped)?;
         }
         if skipped.is_empty() {
@@ -460,9 +492,18 @@ impl Probes {
         Ok(())
     }
 
-    /// Write one probe's slot config and attach its program(s) where the
-    /// plan found its function.
-    fn attach_slot(&mut self, plan: &Plan, target: &Target<'_>, cfg: SlotConfig, role: Role) -> Result<()> {
+    /// Write one probe's slot config and attach its return program where
+    /// the plan found its function; its entry program (an entry probe's,
+    /// or a return probe's that saves arguments) goes to `entries`, linked
+    /// once every probe of the process is placed ([`Self::link_entries`]).
+    fn attach_slot(
+        &mut self,
+        plan: &Plan,
+        target: &Target<'_>,
+        cfg: SlotConfig,
+        role: Role,
+        entries: &mut Vec<EntryPoint>,
+    ) -> Result<()> {
         let pid = plan.image.pid;
         let found = plan.target(target.object, target.symbol).map_err(|missing| match missing {
             Missing::NotMapped(why) => anyhow::Error::new(Unresolved(why)),
@@ -503,35 +544,18 @@ impl Probes {
             );
             return Ok(());
         }
-        let mut programs = Vec::new();
-        if at == At::Entry || cfg.flags & slot_flags::NEEDS_ARGS != 0 {
-            programs.push(ENTRY_PROGRAM);
-        }
+        let point = EntryPoint {
+            index,
+            symbol: target.symbol.to_owned(),
+            object: object.path.clone(),
+            host_path: object.host_path.clone(),
+            file_offset: resolved.file_offset,
+        };
         if at == At::Return {
-            programs.push(RETURN_PROGRAM);
+            self.link_point(RETURN_PROGRAM, &point, pid)?;
         }
-        for name in programs {
-            let link = self.link(name, index, pid, &object.host_path, resolved.file_offset).with_context(|| {
-                // EACCES/EPERM here is the capability, not the target: 6.x
-                // kernels want CAP_SYS_ADMIN for a uprobe perf event.
-                let hint = if Caps::of_self().is_ok_and(|caps| !caps.has(CAP_SYS_ADMIN)) {
-                    " (this process lacks CAP_SYS_ADMIN, which attaching a uprobe through perf_event_open needs: \
-                     run as root, or add SYS_ADMIN to the container's capabilities; `stallwatch doctor` checks it)"
-                } else {
-                    ""
-                };
-                format!(
-                    "attaching a uprobe to `{}` at {:#x} in {} for pid {pid}{hint}",
-                    target.symbol,
-                    resolved.file_offset,
-                    object.path.display()
-                )
-            })?;
-            let link = match &self.dir {
-                Some(dir) => Link::Pinned(pin(link, &dir.link_path(index, pid, name))?),
-                None => Link::Owned(link),
-            };
-            self.links.entry(pid).or_default().push(link);
+        if at == At::Entry || cfg.flags & slot_flags::NEEDS_ARGS != 0 {
+            entries.push(point);
         }
         info!(
             pid,
@@ -556,6 +580,74 @@ impl Probes {
                 target.line
             );
         }
+        Ok(())
+    }
+
+    /// Link the entry program once per function for `pid`'s `entries`
+    /// (the slots placed by [`Self::place_all`]): the slots of one
+    /// function's entry are chained ([`entry_chains`], [`chain_configs`]),
+    /// so a hit runs one program, which does each slot's work in turn, not
+    /// one program per slot. The links go before the process's return
+    /// links, as they did when each probe was linked whole in turn (a
+    /// detach drops the newest first: a return half before its entry).
+    fn link_entries(&mut self, pid: u32, entries: Vec<EntryPoint>) -> Result<()> {
+        let returns = self.links.remove(&pid).unwrap_or_default();
+        let keys: Vec<(&Path, u64)> =
+            entries.iter().map(|point| (point.host_path.as_path(), point.file_offset)).collect();
+        let chains = entry_chains(&keys);
+        let mut result = Ok(());
+        for chain in chains {
+            let mut configs = Vec::with_capacity(chain.len());
+            for &n in &chain {
+                let index = entries[n].index;
+                configs.push((index, self.slots_map.get(&index, 0).context("reading the slot config map")?));
+            }
+            chain_configs(&mut configs);
+            for (index, cfg) in &configs {
+                self.slots_map.set(*index, *cfg, 0).context("chaining a slot in the slot config map")?;
+            }
+            let leader = &entries[chain[0]];
+            if chain.len() > 1 {
+                debug!(
+                    pid,
+                    symbol = %leader.symbol,
+                    slots = ?configs.iter().map(|(index, _)| index).collect::<Vec<_>>(),
+                    "probes of one function share one link (one program a hit)"
+                );
+            }
+            if let Err(err) = self.link_point(ENTRY_PROGRAM, leader, pid) {
+                result = Err(err);
+                break;
+            }
+        }
+        self.links.entry(pid).or_default().extend(returns);
+        result
+    }
+
+    /// Link program `name` at `point` for `pid`, its hits on the point's
+    /// slot (the cookie); pinned with a bpf directory.
+    fn link_point(&mut self, name: &str, point: &EntryPoint, pid: u32) -> Result<()> {
+        let link = self.link(name, point.index, pid, &point.host_path, point.file_offset).with_context(|| {
+            // EACCES/EPERM here is the capability, not the target: 6.x
+            // kernels want CAP_SYS_ADMIN for a uprobe perf event.
+            let hint = if Caps::of_self().is_ok_and(|caps| !caps.has(CAP_SYS_ADMIN)) {
+                " (this process lacks CAP_SYS_ADMIN, which attaching a uprobe through perf_event_open needs: \
+                 run as root, or add SYS_ADMIN to the container's capabilities; `stallwatch doctor` checks it)"
+            } else {
+                ""
+            };
+            format!(
+                "attaching a uprobe to `{}` at {:#x} in {} for pid {pid}{hint}",
+                point.symbol,
+                point.file_offset,
+                point.object.display()
+            )
+        })?;
+        let link = match &self.dir {
+            Some(dir) => Link::Pinned(pin(link, &dir.link_path(point.index, pid, name))?),
+            None => Link::Owned(link),
+        };
+        self.links.entry(pid).or_default().push(link);
         Ok(())
     }
 
@@ -820,6 +912,68 @@ impl Drop for Probes {
                 warn!("removing the unused bpf directory: {err:#}");
             }
         }
+    }
+}
+
+/// A slot's entry half, placed and not yet linked.
+struct EntryPoint {
+    index: u32,
+    symbol: String,
+    object: PathBuf,
+    host_path: PathBuf,
+    file_offset: u64,
+}
+
+/// Which entry points (given in the order their slots were placed, as
+/// (object, file offset)) share one link: a chain per function, each its
+/// points' positions in the order the program runs them. That is the
+/// newest first, as the kernel ran the programs of several links on one
+/// function (each link's uprobe consumer goes first in its list): a hit's
+/// events come in the order they did with a link a slot. A function with
+/// more than [`MAX_CHAIN`] slots has several chains.
+fn entry_chains<K: PartialEq>(points: &[K]) -> Vec<Vec<usize>> {
+    let mut functions: Vec<(&K, Vec<usize>)> = Vec::new();
+    for (n, key) in points.iter().enumerate() {
+        match functions.iter_mut().find(|(function, _)| *function == key) {
+            Some((_, members)) => members.push(n),
+            None => functions.push((key, vec![n])),
+        }
+    }
+    let mut chains = Vec::new();
+    for (_, mut members) in functions {
+        members.reverse();
+        chains.extend(members.chunks(MAX_CHAIN as usize).map(<[usize]>::to_vec));
+    }
+    chains
+}
+
+/// Chain `configs` (one function's slots, in the order the entry program
+/// runs them): each names the next ([`SlotConfig::next`]), and a filter
+/// that two or more of them have alike is numbered
+/// ([`SlotConfig::filter_share`]), so a hit reads it once.
+fn chain_configs(configs: &mut [(u32, SlotConfig)]) {
+    let nexts: Vec<u32> = configs.iter().skip(1).map(|(index, _)| index + 1).chain([0]).collect();
+    let filter = |cfg: &SlotConfig| {
+        (cfg.flags & slot_flags::FILTER != 0).then_some((cfg.filter, cfg.filter_rule, cfg.filter_mask))
+    };
+    let filters: Vec<_> = configs.iter().map(|(_, cfg)| filter(cfg)).collect();
+    let mut shared = Vec::new();
+    for (n, (_, cfg)) in configs.iter_mut().enumerate() {
+        cfg.next = nexts[n];
+        cfg.filter_share = 0;
+        let Some(mine) = filters[n] else { continue };
+        if filters.iter().filter(|other| **other == Some(mine)).count() < 2 {
+            continue;
+        }
+        let number = match shared.iter().position(|known| *known == mine) {
+            Some(at) => at + 1,
+            None => {
+                shared.push(mine);
+                shared.len()
+            }
+        };
+        // A chain has at most MAX_CHAIN slots, so as many filters.
+        cfg.filter_share = u8::try_from(number).unwrap_or(0);
     }
 }
 
@@ -1090,6 +1244,80 @@ mod tests {
                     || !slots.iter().any(|(_, cfg)| cfg.flags & slot_flags::COUNT_ONLY != 0)
             );
         }
+    }
+
+    #[test]
+    fn the_entry_slots_of_one_function_share_a_link_newest_first() {
+        // Placed in this order: two functions, a third with one slot.
+        let points = ["close", "send", "close", "other", "close", "send"];
+        assert_eq!(entry_chains(&points), [vec![4, 2, 0], vec![5, 1], vec![3]]);
+        // Past MAX_CHAIN, several links.
+        let many = vec!["f"; MAX_CHAIN as usize + 2];
+        let chains = entry_chains(&many);
+        assert_eq!(chains.len(), 2);
+        assert_eq!(chains[0].len(), MAX_CHAIN as usize);
+        assert_eq!(chains[0][0], MAX_CHAIN as usize + 1);
+        assert_eq!(chains[1], [1, 0]);
+        assert!(entry_chains::<&str>(&[]).is_empty());
+    }
+
+    #[test]
+    fn a_chain_names_each_next_slot_and_numbers_the_filters_it_shares() {
+        // The `sglang` profile's slots on `zmq_msg_close`, as the program
+        // runs them: three of four share `when = arg0 deref [0] != 0`.
+        let profile = Profile::load("sglang").unwrap();
+        let close: Vec<SlotConfig> = profile
+            .signals
+            .iter()
+            .filter(|spec| spec.symbol == "zmq_msg_close")
+            .map(|spec| spec.slot_config())
+            .rev()
+            .collect();
+        assert_eq!(close.len(), 4);
+        let mut chain: Vec<(u32, SlotConfig)> = [40, 31, 30, 12].into_iter().zip(close.iter().copied()).collect();
+        chain_configs(&mut chain);
+        assert_eq!(chain.iter().map(|(_, cfg)| cfg.next).collect::<Vec<_>>(), [32, 31, 13, 0]);
+        let shares: Vec<u8> = chain.iter().map(|(_, cfg)| cfg.filter_share).collect();
+        let long = profile
+            .signals
+            .iter()
+            .rev()
+            .filter(|spec| spec.symbol == "zmq_msg_close")
+            .position(|spec| spec.name == "zmq_recv_long");
+        for (n, share) in shares.iter().enumerate() {
+            if Some(n) == long {
+                assert_eq!(*share, 0, "{shares:?}");
+            } else {
+                assert_eq!(*share, 1, "{shares:?}");
+            }
+        }
+        // Nothing else of a config changes.
+        for ((_, chained), alone) in chain.iter().zip(&close) {
+            assert_eq!(SlotConfig { next: 0, filter_share: 0, ..*chained }, *alone);
+        }
+        // One slot: no chain; slots without filters share none.
+        let send: Vec<(u32, SlotConfig)> = profile
+            .signals
+            .iter()
+            .filter(|spec| spec.symbol == "zmq_msg_send")
+            .enumerate()
+            .map(|(n, spec)| (n as u32, spec.slot_config()))
+            .collect();
+        let mut alone = vec![send[0]];
+        chain_configs(&mut alone);
+        assert_eq!((alone[0].1.next, alone[0].1.filter_share), (0, 0));
+        let mut send = send;
+        chain_configs(&mut send);
+        assert!(send.iter().all(|(_, cfg)| cfg.filter_share == 0));
+        // Two different filters each shared: numbered apart.
+        let with = |mask| {
+            let mut cfg = close[0];
+            cfg.filter_mask = mask;
+            (0, cfg)
+        };
+        let mut two = vec![with(1), with(2), with(1), with(2)];
+        chain_configs(&mut two);
+        assert_eq!(two.iter().map(|(_, cfg)| cfg.filter_share).collect::<Vec<_>>(), [1, 2, 1, 2]);
     }
 
     #[test]

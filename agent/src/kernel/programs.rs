@@ -16,7 +16,7 @@ use std::{path::Path, time::Instant};
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
     Ebpf,
-    maps::MapInfo,
+    maps::{MapInfo, ProgramArray},
     programs::{ProbeKind, UProbe},
 };
 use tracing::{info, warn};
@@ -28,6 +28,8 @@ use super::state::{BpfDir, PINNED_MAPS};
 pub const ENTRY: &str = "lifecycle_entry";
 /// The return program.
 pub const RETURN: &str = "lifecycle_return";
+/// The entry program's map of programs, for chains (see [`chain_entry`]).
+const CHAIN: &str = "CHAIN";
 
 /// Where the agent's lifecycle programs came from.
 pub enum Programs {
@@ -73,14 +75,25 @@ impl Programs {
         }
         let started = Instant::now();
         verify_together(ebpf)?;
+        chain_entry(ebpf)?;
         if let Some(pins) = &pins {
-            for name in [ENTRY, RETURN] {
-                // A pin left by a run that failed half-way is replaced.
-                let path = pins.join(name);
-                let _ = std::fs::remove_file(&path);
-                if let Err(err) = object_program(ebpf, name)?.pin(&path) {
-                    warn!(path = %path.display(), "pinning an eBPF program for the next agent: {err}");
+            // The chain's map first: a program pinned without it is never
+            // taken over (see `take_over`).
+            let path = pins.join(CHAIN);
+            let _ = std::fs::remove_file(&path);
+            let chain = ebpf.map(CHAIN).ok_or_else(|| anyhow!("the eBPF object has no map `{CHAIN}`"))?;
+            match chain.pin(&path) {
+                Ok(()) => {
+                    for name in [ENTRY, RETURN] {
+                        // A pin left by a run that failed half-way is replaced.
+                        let path = pins.join(name);
+                        let _ = std::fs::remove_file(&path);
+                        if let Err(err) = object_program(ebpf, name)?.pin(&path) {
+                            warn!(path = %path.display(), "pinning an eBPF program for the next agent: {err}");
+                        }
+                    }
                 }
+                Err(err) => warn!(path = %path.display(), "pinning an eBPF map for the next agent: {err}"),
             }
         }
         info!(
@@ -129,6 +142,20 @@ fn verify_together(ebpf: &mut Ebpf) -> Result<()> {
     })
 }
 
+/// The entry program's own map of programs (`CHAIN`, one entry: the
+/// entry program), through which a hit goes on to the next slot of a
+/// chain (the slots of one function's entry on one link,
+/// [`SlotConfig::next`](stallwatch_common::SlotConfig::next)). Its entry
+/// stays while the map is held: by the agent's [`Ebpf`], and pinned with
+/// the programs (a map of programs no one holds is emptied, and the
+/// chains of the pinned programs with it).
+fn chain_entry(ebpf: &mut Ebpf) -> Result<()> {
+    let entry = object_program(ebpf, ENTRY)?.fd()?.try_clone().context("duplicating the entry program's fd")?;
+    let map = ebpf.map_mut(CHAIN).ok_or_else(|| anyhow!("the eBPF object has no map `{CHAIN}`"))?;
+    ProgramArray::try_from(map)?.set(0, &entry, 0).context("putting the entry program in its chain map")?;
+    Ok(())
+}
+
 /// Program `name` of the eBPF object.
 fn object_program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {
     Ok(ebpf.program_mut(name).ok_or_else(|| anyhow!("the eBPF object has no program `{name}`"))?.try_into()?)
@@ -138,7 +165,7 @@ fn object_program<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> 
 /// pinned in `dir` now.
 fn take_over(pins: &Path, dir: &BpfDir) -> Result<Option<Programs>> {
     let (entry, ret) = (pins.join(ENTRY), pins.join(RETURN));
-    if !entry.exists() || !ret.exists() {
+    if !entry.exists() || !ret.exists() || !pins.join(CHAIN).exists() {
         return Ok(None);
     }
     let entry = UProbe::from_pin(&entry, ProbeKind::Entry).with_context(|| format!("opening {}", entry.display()))?;
