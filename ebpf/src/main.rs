@@ -678,7 +678,7 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
         if wants_ext && guard_holds(cfg, args, ret, key) {
             let bytes = cfg.flags & slot_flags::EXT_BYTES != 0;
             match element.or_else(|| ext_at(cfg, args, ret, key)) {
-                Some(at) if bytes && bpf_probe_read_user_buf(at as *const u8, &mut (*event).ext).is_ok() => {
+                Some(at) if bytes && read_bytes_to_page_end(at, &mut (*event).ext) => {
                     (*event).flags |= event_flags::HAS_EXT | event_flags::EXT_BYTES;
                 }
                 Some(at) if bpf_probe_read_user_str_bytes(at as *const u8, &mut (*event).ext).is_ok() => {
@@ -712,6 +712,30 @@ fn emit(slot: u32, cfg: &SlotConfig, args: &Args, ret: i64, matched: Matched) {
     if only_on_change && ends {
         let _ = LAST.insert(&request, &emitted, 0);
     }
+}
+
+/// The bytes of an `EXT_BYTES` capture: [`EXT_ID_LEN`] at `at`, or, where
+/// they run into a page that cannot be read (one the process never
+/// touched: a probe cannot fault it in), those before that page and the
+/// rest zero. A field near its buffer's end is read so wherever the
+/// buffer ends: an SGLang msgpack request's `bootstrap_room` is 39 bytes
+/// before its frame's end, in libzmq's fresh receive buffer.
+#[inline(always)]
+fn read_bytes_to_page_end(at: u64, out: &mut [u8; EXT_ID_LEN]) -> bool {
+    /// The smallest page there is: a boundary of any larger page is one.
+    const PAGE: u64 = 4096;
+    // SAFETY: the helper writes at most `out`'s length into it.
+    if unsafe { bpf_probe_read_user_buf(at as *const u8, out) }.is_ok() {
+        return true;
+    }
+    let left = (PAGE - (at & (PAGE - 1))) as usize;
+    if left >= EXT_ID_LEN {
+        return false;
+    }
+    *out = [0; EXT_ID_LEN];
+    // SAFETY: as above; `left` < EXT_ID_LEN, a power of two, so the mask
+    // keeps it and shows the verifier the bound.
+    unsafe { bpf_probe_read_user_buf(at as *const u8, &mut out[..left & (EXT_ID_LEN - 1)]) }.is_ok()
 }
 
 /// What became of the event [`track`] records, as its entry keeps it.
