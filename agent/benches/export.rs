@@ -37,7 +37,7 @@ use stallwatch::{
         metrics::Metrics,
         otlp::{ExportSettings, MAX_IN_FLIGHT, OtlpExporter, OtlpTarget, Protocol},
     },
-    lifecycle::{Engine, EngineConfig, Observation, Report, Stage},
+    lifecycle::{Context, Engine, EngineConfig, Observation, Report, Stage},
     util::clock::Clock,
 };
 
@@ -113,7 +113,7 @@ fn enqueue_cost(endpoint: &str, n: u64) -> f64 {
         reports.extend((done..done + chunk).map(ended));
         let started = thread_cpu();
         for report in reports.drain(..) {
-            exporter.report(report, None, Vec::new());
+            exporter.report(report, None, Context::default());
         }
         busy += thread_cpu() - started;
         done += chunk;
@@ -141,7 +141,7 @@ fn throughput(protocol: Protocol, endpoint: &str, n: u64) -> (f64, u64) {
             sent += 1;
         }
         for report in reports.drain(..) {
-            exporter.report(report, None, Vec::new());
+            exporter.report(report, None, Context::default());
         }
     }
     while exporter.counts().exported + exporter.counts().dropped() < n {
@@ -179,10 +179,10 @@ fn event_path(endpoint: Option<&str>, n: u64) -> Cost {
                 );
             }
             for report in reports.drain(..) {
-                alerts.report(&report, None, &[]).expect("sink");
+                alerts.report(&report, None, &Context::default()).expect("sink");
                 metrics.report(&report);
                 if let Some(exporter) = &exporter {
-                    exporter.report(report, None, Vec::new());
+                    exporter.report(report, None, Context::default());
                 }
             }
         }

@@ -196,20 +196,6 @@ impl Halt {
     }
 }
 
-/// An alert's fields ([`crate::frameworks::signals::Signals::context`]) for a
-/// request of a process that is `halt`ed itself: it waits on itself,
-/// `waiting_on=self`, whatever its framework read from its traffic (a
-/// peer that "has not answered" may well have: the stopped process did not
-/// read it; a worker it is `behind` is stopped with it), and
-/// `process_state` says how (`stopped`, `throttled`, `not_scheduled`).
-/// Every other field (a room's `handle`, `transfer`, `answered`) stays: it
-/// is where the request stood when the process stopped.
-pub fn say_halt(fields: &mut Vec<(&'static str, String)>, halt: Halt) {
-    fields.retain(|(name, _)| !matches!(*name, "waiting_on" | "behind" | "process_state"));
-    fields.push(("waiting_on", "self".to_owned()));
-    fields.push(("process_state", halt.as_str().to_owned()));
-}
-
 /// What `now` says, against `before` (the newest kept sample at least
 /// [`MIN_WINDOW_NS`] older, if any), of how the process is held:
 /// stopped first (one sample tells), then throttled, then not scheduled.
@@ -471,26 +457,6 @@ mod tests {
         // One thread left running (a stop not yet taken by all): not stopped.
         assert_eq!(judge(None, &sample(1_000 * MS, 57, 56, &[(3, 10)], None), TICK), None);
         assert_eq!(judge(None, &sample(1_000 * MS, 0, 0, &[], None), TICK), None, "nothing read says nothing");
-    }
-
-    #[test]
-    fn a_held_process_waits_on_itself_whatever_its_framework_read() {
-        let owned = |fields: &[(&'static str, &str)]| -> Vec<(&'static str, String)> {
-            fields.iter().map(|&(name, value)| (name, value.to_owned())).collect()
-        };
-        let mut behind = owned(&[("answered", "1/1"), ("behind", "1007"), ("waiting_on", "worker")]);
-        say_halt(&mut behind, Halt::Stopped { threads: 9 });
-        assert_eq!(behind, owned(&[("answered", "1/1"), ("waiting_on", "self"), ("process_state", "stopped")]));
-        let mut hung = owned(&[("handle", "0x7f00"), ("transfer", "2")]);
-        say_halt(&mut hung, Halt::Throttled { throttled_ns: 1, window_ns: 2 });
-        assert_eq!(
-            hung,
-            owned(&[("handle", "0x7f00"), ("transfer", "2"), ("waiting_on", "self"), ("process_state", "throttled")])
-        );
-        // A framework with nothing to say (the `nixl` profile) still says it.
-        let mut none = Vec::new();
-        say_halt(&mut none, Halt::NotScheduled { runnable: 1, ran_ns: 0, window_ns: 1 });
-        assert_eq!(none, owned(&[("waiting_on", "self"), ("process_state", "not_scheduled")]));
     }
 
     #[test]

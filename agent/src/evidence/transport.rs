@@ -497,18 +497,18 @@ impl Tracker {
 }
 
 /// The class of a stall refined by what its framework knows of its
-/// transfers (`own_transfer`, [`crate::frameworks::Framework::stalled_transfer`]:
-/// `Some(None)` is a request of the framework's with no transfer of its
-/// own out). A request at `transfer_posted` with none out is between its
+/// transfers (`between_transfers`: a request of a framework's with no
+/// transfer of its own out, [`crate::frameworks::Framework::stalled_transfer`]).
+/// A request at `transfer_posted` with none out is between its
 /// transfers: an SGLang room whose chunk is done and whose next chunk waits
 /// on its forward pass or in its worker's queue (behind another room's hung
 /// transfer). Nothing of its own hangs, so it is no second `transfer_hung`
 /// beside the room whose transfer does: it waits, as a room not started
 /// does (`waiting_for_peer`, with what it waits on in its alert's
 /// `waiting_on`/`behind`).
-pub fn refined_class(class: StallClass, own_transfer: Option<Option<u64>>) -> StallClass {
-    match (class, own_transfer) {
-        (StallClass::TransferHung, Some(None)) => StallClass::WaitingForPeer,
+pub fn refined_class(class: StallClass, between_transfers: bool) -> StallClass {
+    match class {
+        StallClass::TransferHung if between_transfers => StallClass::WaitingForPeer,
         _ => class,
     }
 }
@@ -748,12 +748,11 @@ mod tests {
     fn a_request_with_no_transfer_of_its_own_out_is_never_transfer_hung() {
         use StallClass::*;
         // A room between its chunks (its framework says none of its own is out).
-        assert_eq!(refined_class(TransferHung, Some(None)), WaitingForPeer);
+        assert_eq!(refined_class(TransferHung, true), WaitingForPeer);
         // Its own transfer out, or a request no framework knows: its stage's class.
-        assert_eq!(refined_class(TransferHung, Some(Some(0x7f00))), TransferHung);
-        assert_eq!(refined_class(TransferHung, None), TransferHung);
+        assert_eq!(refined_class(TransferHung, false), TransferHung);
         for class in [WaitingForPeer, ReleaseLost, WaitingForKv] {
-            assert_eq!(refined_class(class, Some(None)), class);
+            assert_eq!(refined_class(class, true), class);
         }
     }
 

@@ -13,7 +13,7 @@ use crate::evidence::status::StatusReads;
 use crate::evidence::transport::Evidence;
 use crate::export::workload::{Directory, Workload};
 use crate::kernel::ring::Losses;
-use crate::lifecycle::{EngineStats, Outcome, Report, RequestSnapshot, Stage};
+use crate::lifecycle::{Context, EngineStats, Outcome, Report, RequestSnapshot, Stage};
 use crate::util::clock::Clock;
 use crate::util::text;
 use crate::{kernel::ProbeHits, profile::ActivityKind};
@@ -132,17 +132,12 @@ impl<W: Write> AlertWriter<W> {
 
     /// Write the alert line a report calls for, if any, with the transport
     /// evidence of its process where there is some.
-    pub fn report(
-        &mut self,
-        report: &Report,
-        evidence: Option<&Evidence>,
-        fields: &[(&'static str, String)],
-    ) -> std::io::Result<()> {
+    pub fn report(&mut self, report: &Report, evidence: Option<&Evidence>, said: &Context) -> std::io::Result<()> {
         let Some(mut alert) = Alert::of(report) else {
             return Ok(());
         };
         alert.evidence = evidence;
-        alert.fields = fields;
+        alert.said = said;
         let line = match self.format {
             Format::Human => self.human(&alert),
             Format::Json => self.json(&alert).to_string(),
@@ -307,7 +302,7 @@ impl<W: Write> AlertWriter<W> {
                 request.inferred.iter().map(Stage::as_str).collect::<Vec<_>>().join(",")
             ));
         }
-        for (name, value) in alert.fields {
+        for (name, value) in alert.said.pairs() {
             line.push_str(&format!(" {name}={}", text::value(value)));
         }
         if let Some(evidence) = alert.evidence {
@@ -344,8 +339,8 @@ impl<W: Write> AlertWriter<W> {
             if let Some(evidence) = alert.evidence {
                 object.insert("transport".to_owned(), evidence_json(evidence));
             }
-            for (name, value) in alert.fields {
-                object.insert((*name).to_owned(), json!(value));
+            for (name, value) in alert.said.pairs() {
+                object.insert(name.to_owned(), json!(value));
             }
             if let Some(workload) = self.workload(request.pid) {
                 object.insert("workload".to_owned(), json!(*workload));
@@ -372,10 +367,13 @@ struct Alert<'a> {
     duration: Option<(&'static str, u64)>,
     at_ns: u64,
     evidence: Option<&'a Evidence>,
-    /// What the request's tracker adds (an SGLang room's hung `handle`,
-    /// or the room it is queued `behind`).
-    fields: &'a [(&'static str, String)],
+    /// What is said of the request besides its lifecycle (an SGLang
+    /// room's hung `handle`, or the room it is queued `behind`).
+    said: &'a Context,
 }
+
+/// An alert's context until [`AlertWriter::report`] gives its own.
+static NOTHING_SAID: Context = Context { fields: Vec::new(), native: Vec::new() };
 
 impl<'a> Alert<'a> {
     fn of(report: &'a Report) -> Option<Self> {
@@ -387,7 +385,7 @@ impl<'a> Alert<'a> {
                 duration: Some(("silent", *silent_ns)),
                 at_ns: *at_ns,
                 evidence: None,
-                fields: &[],
+                said: &NOTHING_SAID,
             }),
             Report::Recovered { request, class, stuck_ns } => Some(Self {
                 kind: "recovered",
@@ -396,7 +394,7 @@ impl<'a> Alert<'a> {
                 duration: Some(("stuck", *stuck_ns)),
                 at_ns: request.last_ns,
                 evidence: None,
-                fields: &[],
+                said: &NOTHING_SAID,
             }),
             Report::Ended { request, outcome, at_ns } => {
                 let kind = match outcome {
@@ -421,7 +419,7 @@ impl<'a> Alert<'a> {
                     duration: Some(("age", at_ns.saturating_sub(request.first_ns))),
                     at_ns: *at_ns,
                     evidence: None,
-                    fields: &[],
+                    said: &NOTHING_SAID,
                 })
             }
         }
@@ -511,23 +509,23 @@ mod tests {
 
     fn line(format: Format, report: &Report) -> String {
         let mut out = Vec::new();
-        AlertWriter::new(&mut out, format, Clock::new()).report(report, None, &[]).expect("write");
+        AlertWriter::new(&mut out, format, Clock::new()).report(report, None, &Context::default()).expect("write");
         String::from_utf8(out).expect("UTF-8")
     }
 
     #[test]
     fn alerts_carry_their_trackers_fields() {
-        let fields = [("handle", "0x7f00".to_owned()), ("behind", "17".to_owned())];
+        let said = Context::said_by("sglang", [("handle", "0x7f00".to_owned()), ("behind", "17".to_owned())]);
         let mut out = Vec::new();
         AlertWriter::new(&mut out, Format::Json, Clock::new())
-            .report(&release_lost(StageSet::EMPTY), None, &fields)
+            .report(&release_lost(StageSet::EMPTY), None, &said)
             .expect("write");
         let json: Value = serde_json::from_slice(&out).expect("JSON");
         assert_eq!((&json["handle"], &json["behind"]), (&json!("0x7f00"), &json!("17")), "{json}");
         assert_eq!(json["version"], json!(SCHEMA_VERSION), "every JSON line says its schema version: {json}");
         let mut out = Vec::new();
         AlertWriter::new(&mut out, Format::Human, Clock::new())
-            .report(&release_lost(StageSet::EMPTY), None, &fields)
+            .report(&release_lost(StageSet::EMPTY), None, &said)
             .expect("write");
         assert!(String::from_utf8(out).expect("UTF-8").contains(" handle=0x7f00 behind=17"));
     }
@@ -547,7 +545,7 @@ mod tests {
         let write = |format| {
             let mut out = Vec::new();
             AlertWriter::new(&mut out, format, Clock::new())
-                .report(&release_lost(StageSet::EMPTY), Some(&evidence), &[])
+                .report(&release_lost(StageSet::EMPTY), Some(&evidence), &Context::default())
                 .expect("write");
             String::from_utf8(out).expect("UTF-8")
         };
@@ -571,7 +569,7 @@ mod tests {
         let evidence = Evidence { peer: None, ..evidence.clone() };
         let mut out = Vec::new();
         AlertWriter::new(&mut out, Format::Json, Clock::new())
-            .report(&release_lost(StageSet::EMPTY), Some(&evidence), &[])
+            .report(&release_lost(StageSet::EMPTY), Some(&evidence), &Context::default())
             .expect("write");
         let json: Value = serde_json::from_slice(&out).expect("JSON");
         assert!(
@@ -594,16 +592,12 @@ mod tests {
     }
 
     /// A stopped prefill's stall: the verdict and `waiting_on` its agent
-    /// sets (the fields as [`crate::evidence::sched::say_halt`] leaves
+    /// sets (the fields as [`Context::say_halt`] leaves
     /// them), in both formats, the peer of its transfer still named (it is
     /// where the transfer goes, not who is blamed).
     #[test]
     fn a_stall_of_a_stopped_process_says_so_and_waits_on_itself() {
-        use crate::evidence::{
-            peers::PeerCompletions,
-            sched::{Halt, say_halt},
-            transport::Verdict,
-        };
+        use crate::evidence::{peers::PeerCompletions, sched::Halt, transport::Verdict};
         let halt = Halt::Stopped { threads: 57 };
         let evidence = Evidence {
             total: Default::default(),
@@ -614,13 +608,15 @@ mod tests {
             halt: Some(halt),
             verdict: Verdict::ProcessStopped,
         };
-        let mut fields =
-            vec![("answered", "1/1".to_owned()), ("behind", "17".to_owned()), ("waiting_on", "worker".to_owned())];
-        say_halt(&mut fields, halt);
+        let mut said = Context::said_by(
+            "sglang",
+            [("answered", "1/1".to_owned()), ("behind", "17".to_owned()), ("waiting_on", "worker".to_owned())],
+        );
+        said.say_halt(halt.as_str());
         let write = |format| {
             let mut out = Vec::new();
             AlertWriter::new(&mut out, format, Clock::new())
-                .report(&release_lost(StageSet::EMPTY), Some(&evidence), &fields)
+                .report(&release_lost(StageSet::EMPTY), Some(&evidence), &said)
                 .expect("write");
             String::from_utf8(out).expect("UTF-8")
         };
@@ -651,7 +647,7 @@ mod tests {
         let evidence = Evidence { halt: None, verdict: Verdict::PeerUnresponsive, ..evidence.clone() };
         let mut out = Vec::new();
         AlertWriter::new(&mut out, Format::Json, Clock::new())
-            .report(&release_lost(StageSet::EMPTY), Some(&evidence), &[])
+            .report(&release_lost(StageSet::EMPTY), Some(&evidence), &Context::default())
             .expect("write");
         let json: Value = serde_json::from_slice(&out).expect("JSON");
         assert!(json["transport"]["process_state"].is_null(), "{json}");
@@ -675,13 +671,13 @@ mod tests {
         let report = release_lost(StageSet::EMPTY);
         let mut running = AlertWriter::new(Closed, Format::Json, Clock::new());
         assert!(
-            running.report(&report, None, &[]).is_err(),
+            running.report(&report, None, &Context::default()).is_err(),
             "the write that finds stdout closed fails, so the agent stops"
         );
         assert!(running.is_closed());
         let mut stopping = AlertWriter::new(Closed, Format::Json, Clock::new());
         stopping.stopping();
-        stopping.report(&report, None, &[]).expect("at the stop a closed stdout is no error");
+        stopping.report(&report, None, &Context::default()).expect("at the stop a closed stdout is no error");
         stopping
             .summary(&EngineStats::default(), &Losses::default(), &Shortfalls::default(), &[], None)
             .expect("nor for the summary");

@@ -16,7 +16,7 @@ use crate::{
     export::workload::{self, Directory},
     kernel::Probes,
     kernel::ring::Losses,
-    lifecycle::{Engine, Report},
+    lifecycle::{Context, Engine, Report},
     util::clock::Clock,
 };
 
@@ -98,12 +98,11 @@ impl Telemetry {
     }
 
     /// Count a report and queue it for export, with the transport evidence
-    /// a stall carries and `fields`, what the request's tracker says of
-    /// where it stopped (an SGLang room's, on its stall span).
-    pub fn report(&mut self, report: Report, evidence: Option<Evidence>, fields: Vec<(&'static str, String)>) {
+    /// a stall carries and its `context`, what is said of where it stopped.
+    pub fn report(&mut self, report: Report, evidence: Option<Evidence>, context: Context) {
         self.metrics.report(&report);
         if let Some(otlp) = &self.otlp {
-            otlp.report(report, evidence, fields);
+            otlp.report(report, evidence, context);
         }
     }
 

@@ -1,8 +1,9 @@
 //! What follows a serving framework's own protocol: each framework is a
 //! folder here behind one small interface, [`Framework`]: signals in, its
-//! requests' lifecycle observations and their context out. [`signals`]
-//! routes every signal hit to them; [`zmq`] reassembles the ZMQ messages
-//! that several frameworks' control planes speak.
+//! requests' lifecycle observations and their context out, and, where a
+//! next agent takes its requests over, [`TakeOver`]. [`signals`] routes
+//! every signal hit to them and owns the take-over; [`zmq`] reassembles
+//! the ZMQ messages that several frameworks' control planes speak.
 //!
 //! Adding a framework adds a folder and one line in [`all`]; it touches no
 //! other framework.
@@ -20,41 +21,54 @@ use crate::{
     util::lineage::Lineage,
 };
 
+/// A framework's answer about a signal or a request: not its own, or its
+/// own with what it makes of it, if anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim<T> {
+    /// Another framework's, or none's.
+    NotMine,
+    /// Its own; what it makes of it (`None`: nothing, or nothing yet).
+    Mine(Option<T>),
+}
+
+impl<T> Claim<T> {
+    /// Its own, with nothing to tell.
+    pub const NOTHING: Self = Self::Mine(None);
+
+    /// What its framework made of it, which must be one's.
+    #[cfg(test)]
+    pub fn expect_mine(self, what: &str) -> Option<T> {
+        match self {
+            Self::NotMine => panic!("{what}: not the framework's"),
+            Self::Mine(made) => made,
+        }
+    }
+}
+
 /// A serving framework's tracker. It sees every signal hit and every
-/// probe's lifecycle event of the watched processes, and may make requests
-/// of its own from them (an SGLang room, from its bootstrap messages and
-/// the NIXL handles that move its KV).
+/// probe's lifecycle event of the processes whose profile it follows
+/// ([`Framework::follows`]), and may make requests of its own from them
+/// (an SGLang room, from its bootstrap messages and the NIXL handles that
+/// move its KV). What a next agent takes over of its requests is a
+/// capability of its own ([`TakeOver`]).
 pub trait Framework {
-    /// A signal hit, read as `spec` says: `None` if it is not one of this
-    /// framework's signals, else the observation it completes, if any.
-    fn signal(&mut self, spec: &SignalSpec, signal: &Signal) -> Option<Option<Observation>>;
+    /// Its name: the scope of what it says of its requests
+    /// ([`crate::lifecycle::Field::scope`]), so a span names a field
+    /// `stallwatch.<name>.<field>`.
+    fn name(&self) -> &'static str;
+
+    /// Whether a process watched under `profile` is this framework's to
+    /// follow (the profile has its signals).
+    fn follows(&self, profile: &Profile) -> bool;
+
+    /// A signal hit, read as `spec` says: the observation it completes,
+    /// if it is one of this framework's signals and completes one.
+    fn signal(&mut self, spec: &SignalSpec, signal: &Signal) -> Claim<Observation>;
 
     /// A probe's lifecycle event seen on thread `tid`: returned as it is,
     /// made an event of one of this framework's requests, or taken (`None`)
     /// when it is part of a request that ended.
     fn handle(&mut self, tid: u32, observation: Observation) -> Option<Observation>;
-
-    /// Follow again a request a previous agent followed, if it is this
-    /// framework's, with what that agent handed over of it ([`HandOver`]),
-    /// if anything: the transfer handles that are part of it (each then
-    /// [`Framework::owns`]), or why `held` does not read (the request is
-    /// then followed knowing nothing of it).
-    fn adopt(&mut self, request: &Restored, held: Option<&[u8]>) -> Result<Vec<AdoptedHandle>, String>;
-
-    /// What is left of a request of this framework that ended while a
-    /// previous agent followed it (`held`, handed over under (`pid`,
-    /// `key`)): its parts still in flight, which are then its
-    /// ([`Framework::owns`]). `false`: `held` is no such thing.
-    fn adopt_ended(&mut self, pid: u32, key: u64, held: &[u8]) -> bool;
-
-    /// Whether the probes' lifecycle (`pid`, `key`) is part of one of this
-    /// framework's requests (an SGLang room's NIXL handle): never a request
-    /// of its own, also when taken over from the kernel's table.
-    fn owns(&self, pid: u32, key: u64) -> bool;
-
-    /// What changed of its requests since the last call, for the next
-    /// agent: each request's context, at most once a call.
-    fn held(&mut self, out: &mut Vec<HandOver>);
 
     /// Which side of the transfer `pid` serves, as its traffic tells.
     fn side(&self, pid: u32) -> Side;
@@ -63,18 +77,21 @@ pub trait Framework {
     /// a request that is not this framework's).
     fn context(&self, request: &RequestSnapshot) -> Vec<(&'static str, String)>;
 
-    /// What the target's memory says of a silent request this framework
-    /// reads its own way (`read` reads one handle's status); `None` for a
-    /// request that is not its own.
-    fn read(
-        &mut self,
-        silent: &Silent,
-        read: &mut dyn FnMut(&Silent) -> Option<StageRead>,
-    ) -> Option<Option<StageRead>>;
+    /// What the spans of `request` carry under the framework's own names,
+    /// so they and its own spans are found by one query
+    /// ([`crate::lifecycle::Context::native`]). Nothing by default.
+    fn native(&self, _request: &RequestSnapshot) -> Vec<(&'static str, i64)> {
+        Vec::new()
+    }
+
+    /// What the target's memory says of a silent request of this
+    /// framework's, read its own way (`read` reads one handle's status).
+    /// Not its own: [`Claim::NotMine`], read as a handle.
+    fn read(&mut self, silent: &Silent, read: &mut dyn FnMut(&Silent) -> Option<StageRead>) -> Claim<StageRead>;
 
     /// The transfer handle `request` is stalled on, if it is this
-    /// framework's request (`Some(None)`: its, with no transfer).
-    fn stalled_transfer(&self, request: &RequestSnapshot) -> Option<Option<u64>>;
+    /// framework's request (`Mine(None)`: its, with no transfer out).
+    fn stalled_transfer(&self, request: &RequestSnapshot) -> Claim<u64>;
 
     /// The transfer a request of this framework with none of its own out
     /// waits behind, if it does (an SGLang room queued on its transfer
@@ -85,15 +102,21 @@ pub trait Framework {
         None
     }
 
-    /// One warning for what could not be read since the last one (called
-    /// once per counter period).
-    fn warn(&mut self);
-
     /// The process is gone: what it was in the middle of goes with it.
     fn forget(&mut self, pid: u32);
 
-    /// At exit: what it could not do, said once.
-    fn finish(&mut self);
+    /// What a next agent takes over of this framework's requests, if it
+    /// hands any over. None by default.
+    fn take_over(&mut self) -> Option<&mut dyn TakeOver> {
+        None
+    }
+
+    /// One warning for what could not be read since the last one (called
+    /// once per counter period). Nothing by default.
+    fn warn(&mut self) {}
+
+    /// At exit: what it could not do, said once. Nothing by default.
+    fn finish(&mut self) {}
 
     /// An observation made besides the one [`Framework::handle`] or
     /// [`Framework::signal`] returned (a Mooncake batch whose free was
@@ -111,12 +134,6 @@ pub trait Framework {
     /// its peer. Taken once, after each signal the framework took.
     fn started_transfer(&mut self) -> Option<(u32, u64, Box<str>)> {
         None
-    }
-
-    /// Whether a run under `profile` needs this framework (its signals
-    /// are the profile's). Every framework by default.
-    fn follows(&self, _profile: &Profile) -> bool {
-        true
     }
 
     /// The agent's stall timeout, told once before anything is observed:
@@ -139,6 +156,34 @@ pub trait Framework {
     fn next_expiry(&self) -> Option<u64> {
         None
     }
+}
+
+/// A framework whose requests a next agent takes over: what it knew of
+/// them is pinned for that agent ([`HandOver`]), which adopts them, and
+/// the probes' lifecycles that are parts of them are its own, never
+/// requests of their own.
+pub trait TakeOver {
+    /// Follow again a request a previous agent followed, if it is this
+    /// framework's, with what that agent handed over of it ([`HandOver`]),
+    /// if anything: the transfer handles that are part of it (each then
+    /// [`TakeOver::owns`]), or why `held` does not read (the request is
+    /// then followed knowing nothing of it).
+    fn adopt(&mut self, request: &Restored, held: Option<&[u8]>) -> Result<Vec<AdoptedHandle>, String>;
+
+    /// What is left of a request of this framework that ended while a
+    /// previous agent followed it (`held`, handed over under (`pid`,
+    /// `key`)): its parts still in flight, which are then its
+    /// ([`TakeOver::owns`]). `false`: `held` is no such thing.
+    fn adopt_ended(&mut self, pid: u32, key: u64, held: &[u8]) -> bool;
+
+    /// Whether the probes' lifecycle (`pid`, `key`) is part of one of this
+    /// framework's requests (an SGLang room's NIXL handle): never a request
+    /// of its own, also when taken over from the kernel's table.
+    fn owns(&self, pid: u32, key: u64) -> bool;
+
+    /// What changed of its requests since the last call, for the next
+    /// agent: each request's context, at most once a call.
+    fn held(&mut self, out: &mut Vec<HandOver>);
 }
 
 /// What a framework hands the next agent of one of its requests (`pid`,

@@ -563,6 +563,8 @@ struct RawSignal {
     bytes_else: Option<RawBytesElse>,
     #[serde(default)]
     optional: bool,
+    #[serde(default)]
+    peer: bool,
 }
 
 /// A signal's `when = { from, deref, add, mask, is = "RULE" }`.
@@ -767,6 +769,12 @@ impl RawSignal {
             bail!("`strings` is a signal's capture of its own: drop `text`, `bytes` and `msgpack`, or `strings`");
         }
         let strings = self.strings.map(|strings| strings.validate(self.at)).transpose()?;
+        if self.peer && !matches!(capture, Some(Capture::Text(_))) {
+            bail!(
+                "`peer = true` says the signal's `text` names the peer of the transfer its thread creates next: \
+                 give `text` (where the remote agent's name is), or drop `peer`"
+            );
+        }
         Ok(SignalSpec {
             origin,
             line,
@@ -787,6 +795,7 @@ impl RawSignal {
             extra_if_else,
             bytes_else,
             optional: self.optional,
+            peer: self.peer,
         })
     }
 }

@@ -279,6 +279,11 @@ pub struct SignalSpec {
     /// its object or lacks its symbol, where the profile's other probes
     /// still serve (a NIXL process without pyzmq's libzmq).
     pub optional: bool,
+    /// `peer = true`: its `text` names the peer (the remote agent) of the
+    /// transfer its thread creates next (NIXL's `createXferReq`,
+    /// `makeXferReq`), so every handle's completions count for its peer
+    /// ([`crate::evidence::peers`]), whichever framework reads it.
+    pub peer: bool,
 }
 
 /// A signal's `when`: the value at `at` must satisfy `rule`.
@@ -660,14 +665,6 @@ impl Profile {
     pub fn role_of(&self, args: &[String]) -> Option<&ProcessRole> {
         let line = args.join(" ");
         self.processes.iter().find(|role| role.title.is_match(&line))
-    }
-
-    /// Whether the agent follows SGLang's rooms under this profile (it
-    /// reads the bootstrap ZMQ messages, [`crate::frameworks::sglang`]): a request the
-    /// kernel holds that is keyed by its room is then one of those rooms,
-    /// not a probe's (the `marker` profile's are keyed by room too).
-    pub fn follows_rooms(&self) -> bool {
-        self.signals.iter().any(|spec| spec.name == "zmq_recv" || spec.name == "mooncake_zmq_recv")
     }
 
     /// The probe slots each process watched under this profile takes: one

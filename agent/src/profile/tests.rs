@@ -1235,3 +1235,25 @@ fn process_tables_name_what_fires_where_and_an_extension_keeps_its_bases() {
     let err = error_of(&format!("{ENTRY_F}[[process]]\ntitle = 'x'\nis = \" \"\n"));
     assert!(err.contains("`is` is empty"), "{err}");
 }
+
+/// `peer = true` marks a signal whose text names the peer of the transfer
+/// its thread creates next: the built-ins say which of theirs do, and a
+/// `peer` signal without a `text` is refused with the fix.
+#[test]
+fn a_peer_signal_names_the_remote_agent_in_its_text() {
+    let peers = |name: &str| -> Vec<String> {
+        let profile = Profile::load(name).expect("built-in");
+        profile.signals.iter().filter(|spec| spec.peer).map(|spec| spec.name.clone()).collect()
+    };
+    assert_eq!(peers("sglang"), ["nixl_remote_agent", "nixl_dlist_remote_agent"]);
+    assert_eq!(peers("vllm"), ["vllm_read"]);
+    let signal = |capture: &str| {
+        format!(
+            "{ONE_PROBE}[[signal]]\nname = \"remote\"\nobject = \"libnixl.so\"\nsymbol = \"f\"\nat = \"entry\"\n\
+             value = {{ from = \"arg0\" }}\n{capture}peer = true\n"
+        )
+    };
+    Profile::parse(&signal("text = { from = \"arg4\", deref = [0] }\n"), "p.toml").expect("a text names the peer");
+    let err = format!("{:#}", Profile::parse(&signal(""), "p.toml").expect_err("no text"));
+    assert!(err.contains("`peer = true`") && err.contains("give `text`"), "{err}");
+}

@@ -114,7 +114,8 @@ impl QueryServer {
         let fields = requests
             .iter()
             .filter_map(|request| {
-                let fields = signals.context(request);
+                let fields: Vec<_> =
+                    signals.context(request).fields.into_iter().map(|field| (field.name, field.value)).collect();
                 (!fields.is_empty()).then_some(((request.pid, request.key), fields))
             })
             .collect();

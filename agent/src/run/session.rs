@@ -19,7 +19,7 @@ use super::{
 use crate::{
     evidence::{
         gate::{Change, Gate, Opener},
-        sched::{self, Scheduling},
+        sched::Scheduling,
         status::{StatusReader, StatusReads},
         transport::{self, Tracker},
     },
@@ -28,7 +28,7 @@ use crate::{
         queue::{self, LineQueue},
         telemetry::Telemetry,
     },
-    frameworks::signals::Signals,
+    frameworks::{Claim, signals::Signals},
     kernel::{
         KernelCounters, Probes,
         detach::Detacher,
@@ -209,13 +209,6 @@ impl Session {
         self.processes.profile(pid).map(|id| &self.profiles[id.0])
     }
 
-    /// Whether `pid`'s profile follows rooms (an SGLang one): its handles
-    /// are then parts of rooms, and what a previous agent knew of them is
-    /// its framework's to adopt.
-    fn follows_rooms(&self, pid: u32) -> bool {
-        self.profile_of(pid).is_some_and(Profile::follows_rooms)
-    }
-
     /// How the `[status]` reads went, over every profile that has one.
     pub(super) fn status_reads(&self) -> Option<StatusReads> {
         let mut readers = self.status.iter().flatten().peekable();
@@ -239,7 +232,7 @@ impl Session {
     /// watch are dropped.
     pub(super) fn restore(&mut self) -> Result<()> {
         let requests = self.state.snapshot()?;
-        let mut contexts = self.state.pinned_contexts()?;
+        let contexts = self.state.pinned_contexts()?;
         if requests.is_empty() {
             for (pid, key) in contexts.into_keys() {
                 self.state.pin_context(pid, key, None);
@@ -285,58 +278,20 @@ impl Session {
         for (&pid, &exit_ns) in &exits {
             self.engine.process_exited(pid, exit_ns, &mut self.reports);
         }
-        let (mut with_context, mut unread) = (0, Vec::new());
-        // The requests the agent made first, with what the previous agent
-        // knew of them: the handles that are parts of them are then known
-        // as such, not taken over as requests of their own.
-        let with_rooms: Vec<&Restored> = taken.iter().filter(|request| self.follows_rooms(request.pid)).collect();
-        for request in with_rooms {
-            if let Some(held) = contexts.remove(&(request.pid, request.key)) {
-                with_context += 1;
-                if let Err(why) = self.signals.adopt(request, Some(&held)) {
-                    unread.push(format!("pid {} key {:#x}: {why}", request.pid, request.key));
-                }
-            }
+        // The frameworks take over their own requests and what is left of
+        // them; the engine follows the rest.
+        let taken_over = self.signals.take_over(taken, contexts, |pid| exits.contains_key(&pid));
+        for &(pid, key) in &taken_over.stale {
+            self.state.pin_context(pid, key, None);
         }
-        // The rest: what is left of requests that ended (their parts
-        // still in flight, in a process still the one that held them), or
-        // stale.
-        let mut leftovers = 0;
-        for ((pid, key), held) in contexts {
-            let kept =
-                self.follows_rooms(pid) && !exits.contains_key(&pid) && self.signals.adopt_ended(pid, key, &held);
-            if kept {
-                leftovers += 1;
-            } else {
-                self.state.pin_context(pid, key, None);
-            }
-        }
-        let (mut taken_count, mut parts) = (0, 0);
-        for request in taken {
-            if self.follows_rooms(request.pid) {
-                if self.signals.owns(request.pid, request.key) {
-                    parts += 1;
-                    continue;
-                }
-                // Adopted above already, or with nothing known of it.
-                let _ = self.signals.adopt(&request, None);
-            }
-            taken_count += 1;
+        let taken_count = taken_over.requests.len();
+        for request in taken_over.requests {
             self.engine.restore(request, &mut self.reports);
         }
-        // Which side each process serves, as its rooms tell: a decode's
-        // silent room waits for its KV.
-        let with_rooms: Vec<u32> = self.processes.pids().filter(|&pid| self.follows_rooms(pid)).collect();
-        for pid in with_rooms {
+        // Which side each process serves, as its frameworks' traffic tells:
+        // a decode's silent room waits for its KV.
+        for pid in self.processes.pids().collect::<Vec<_>>() {
             self.engine.set_side(pid, self.signals.side(pid));
-        }
-        if !unread.is_empty() {
-            warn!(
-                requests = unread.len(),
-                first = %unread[0],
-                "what the previous agent knew of some requests could not be read: they are taken over knowing nothing \
-                 of what they wait on"
-            );
         }
         for pid in unwatched {
             info!(pid, "in-flight requests of a process this agent does not watch are dropped");
@@ -346,9 +301,9 @@ impl Session {
         }
         info!(
             requests = taken_count,
-            with_context,
-            parts,
-            leftovers,
+            with_context = taken_over.with_context,
+            parts = taken_over.parts,
+            leftovers = taken_over.leftovers,
             exited = gone.len(),
             reused = reused.len(),
             "took over the requests in flight in the kernel"
@@ -394,20 +349,11 @@ impl Session {
         };
         // Ends submitted while the table was read come through the ring.
         self.drain();
-        // A handle that is part of a room is the room's, never a request
-        // of its own the engine never heard of.
-        let table: Vec<Restored> = table
-            .into_iter()
-            .filter(|r| {
-                self.processes.contains(r.pid) && !(self.follows_rooms(r.pid) && self.signals.owns(r.pid, r.key))
-            })
-            .collect();
-        let unknown: Vec<&Restored> =
-            table.iter().filter(|r| self.follows_rooms(r.pid) && self.engine.get(r.pid, r.key).is_none()).collect();
-        for request in unknown {
-            // This agent followed it: nothing to be handed over.
-            let _ = self.signals.adopt(request, None);
-        }
+        // A handle that is part of a framework's request (a room's) is
+        // that request's, never one of its own the engine never heard of.
+        let watched: Vec<Restored> = table.into_iter().filter(|r| self.processes.contains(r.pid)).collect();
+        let engine = &self.engine;
+        let table = self.signals.resync(watched, |pid, key| engine.get(pid, key).is_some());
         let complete = counters.state_full <= self.synced.state_full && self.state.untracked() == 0;
         let before = self.engine.stats();
         let state = &self.state;
@@ -572,9 +518,9 @@ impl Session {
                     reader.read(std::slice::from_ref(handle), holds, &mut answer);
                     answer.pop().flatten()
                 };
-                match signals.read_room(silent, &mut one) {
-                    Some(answer) => answers[start + n] = answer,
-                    None => {
+                match signals.read_own(silent, &mut one) {
+                    Claim::Mine(answer) => answers[start + n] = answer,
+                    Claim::NotMine => {
                         own[id.0].0.push(*silent);
                         own[id.0].1.push(start + n);
                     }
@@ -641,7 +587,8 @@ impl Session {
             // transfers, and on whether its process is itself held (then
             // it waits on itself, whatever its transport and traffic say).
             if let Report::Stalled { request, class, .. } = &mut report {
-                let refined = transport::refined_class(*class, self.signals.stalled_transfer(request));
+                let between = self.signals.stalled_transfer(request) == Claim::Mine(None);
+                let refined = transport::refined_class(*class, between);
                 if refined != *class && self.engine.reclass(request.pid, request.key, refined) {
                     (*class, request.stalled) = (refined, Some(refined));
                 }
@@ -657,18 +604,18 @@ impl Session {
                 _ => None,
             };
             let evidence = self.transport.for_report(&report, |request| self.signals.peer_completions(request), halt);
-            let mut fields = self.signals.context(report.request());
+            let mut context = self.signals.context(report.request());
             if let Some(halt) = halt {
-                sched::say_halt(&mut fields, halt);
+                context.say_halt(halt.as_str());
             }
-            self.alerts.report(&report, evidence.as_ref(), &fields).context("writing an alert to stdout")?;
+            self.alerts.report(&report, evidence.as_ref(), &context).context("writing an alert to stdout")?;
             // After the alert: an agent that dies in between reports the
             // stall again rather than never. A failure costs only restart
             // safety for this request, never the alerts: logged, not fatal.
             if let Err(err) = self.state.apply(&report) {
                 warn!(pid = report.request().pid, "recording a report in the kernel's in-flight table: {err:#}");
             }
-            self.telemetry.report(report, evidence, fields);
+            self.telemetry.report(report, evidence, context);
         }
         Ok(())
     }

@@ -22,6 +22,7 @@
 //! ([`resources`]): a batch is sent as one request per process in it.
 pub mod config;
 pub mod connection;
+pub mod names;
 pub mod resources;
 pub mod sampling;
 pub mod spans;
@@ -51,7 +52,11 @@ use crate::util::{
     clock::Clock,
     warned::{Repeated, Say},
 };
-use crate::{evidence::transport::Evidence, export::workload::Directory, lifecycle::Report};
+use crate::{
+    evidence::transport::Evidence,
+    export::workload::Directory,
+    lifecycle::{Context, Report},
+};
 
 /// How often a failing export is said again (with the count of batches
 /// that failed since): an untrusted collector certificate fails every
@@ -102,9 +107,9 @@ impl Default for ExportSettings {
 
 enum Msg {
     Process(u32, Box<str>, Box<str>),
-    /// Evidence is rare (stalls only) and large: boxed; so are the stall's
-    /// fields (an SGLang room's, see [`SpanMaker::push`]).
-    Report(Report, Option<Box<Evidence>>, Vec<(&'static str, String)>),
+    /// Evidence is rare (stalls only) and large: boxed; the context is
+    /// most often empty (see [`SpanMaker::push`]).
+    Report(Report, Option<Box<Evidence>>, Context),
 }
 
 #[derive(Default)]
@@ -247,9 +252,9 @@ impl OtlpExporter {
 
     /// Queue a report for export; never blocks. A full queue drops it and
     /// counts the drop.
-    pub fn report(&self, report: Report, evidence: Option<Evidence>, fields: Vec<(&'static str, String)>) {
+    pub fn report(&self, report: Report, evidence: Option<Evidence>, context: Context) {
         let urgent = matches!(report, Report::Stalled { .. });
-        if self.tx.try_send(Msg::Report(report, evidence.map(Box::new), fields)).is_err() {
+        if self.tx.try_send(Msg::Report(report, evidence.map(Box::new), context)).is_err() {
             self.counters.queue_full.fetch_add(1, Ordering::Relaxed);
         } else if urgent {
             self.wake.notify_one();
@@ -323,9 +328,9 @@ impl Pump {
                         self.maker.name_process(pid, &name, &profile);
                         self.resources.name_process(pid, &name);
                     }
-                    Ok(Msg::Report(report, evidence, fields)) => {
+                    Ok(Msg::Report(report, evidence, context)) => {
                         let pid = report.request().pid;
-                        urgent |= self.maker.push(report, evidence.map(|e| *e), &fields, &mut batch.spans);
+                        urgent |= self.maker.push(report, evidence.map(|e| *e), &context, &mut batch.spans);
                         // The spans it made are the ones past the pids.
                         batch.pids.resize(batch.spans.len(), pid);
                         self.counters.sampled_out.store(self.maker.sampled_out(), Ordering::Relaxed);

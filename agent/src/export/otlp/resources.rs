@@ -26,7 +26,7 @@ use std::{collections::HashMap, sync::Arc};
 use opentelemetry::{Key, KeyValue};
 use opentelemetry_sdk::{Resource, trace::SpanExporter as _};
 
-use super::{connection::Connection, spans::attr};
+use super::{connection::Connection, names::attr};
 use crate::export::workload::{Directory, Workload};
 
 /// Exporters kept at most; past it they are dropped and rebuilt as needed

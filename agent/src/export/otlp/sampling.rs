@@ -137,14 +137,14 @@ impl SpanSampler {
 /// A stall span, or a request span of a request that stalled or ended
 /// badly: what the stalls-only sampler always keeps.
 fn is_bad(span: &SpanData) -> bool {
-    span.name == super::spans::STALL_SPAN
+    span.name == super::names::STALL_SPAN
         || matches!(span.status, opentelemetry::trace::Status::Error { .. })
         || span
             .attributes
             .iter()
-            .any(|kv| kv.key.as_str() == super::spans::attr::STALL_CLASS || kv.key.as_str() == "error.type")
+            .any(|kv| kv.key.as_str() == super::names::attr::STALL_CLASS || kv.key.as_str() == "error.type")
         || span.attributes.iter().any(|kv| {
-            kv.key.as_str() == super::spans::attr::OUTCOME
+            kv.key.as_str() == super::names::attr::OUTCOME
                 && !["released", "completed"].contains(&kv.value.as_str().as_ref())
         })
 }

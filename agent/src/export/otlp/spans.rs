@@ -29,86 +29,13 @@ use sha2::{Digest as _, Sha256};
 
 use crate::{
     evidence::transport::Evidence,
-    lifecycle::{Outcome, Report, RequestSnapshot, Stage, StallClass},
+    lifecycle::{Context, Outcome, Report, RequestSnapshot, Stage, StallClass},
     profile::ActivityKind,
     util::clock::Clock,
 };
 
+use super::names::{REQUEST_SPAN, STALL_SPAN, attr};
 use super::sampling::SpanSampler;
-
-/// Span names.
-pub const REQUEST_SPAN: &str = "stallwatch.request";
-pub const STALL_SPAN: &str = "stallwatch.stall";
-
-/// Span attribute keys: semantic-convention names where one exists, the
-/// rest under `stallwatch.`.
-pub mod attr {
-    /// The watched process (semantic conventions).
-    pub const PROCESS_PID: &str = "process.pid";
-    pub const PROCESS_EXECUTABLE_NAME: &str = "process.executable.name";
-    /// The profile that watched the process and judged the request.
-    pub const PROFILE: &str = "stallwatch.profile";
-    /// The request key, hex (`0x…`), as in the alert lines.
-    pub const KEY: &str = "stallwatch.request.key";
-    /// The cross-node identity the probe captured (a bootstrap room).
-    pub const EXTERNAL_ID: &str = "stallwatch.request.external_id";
-    /// An SGLang request's room (an integer), under the name SGLang's own
-    /// spans give it, so its spans and SGLang's are found by one query.
-    /// Set for a request keyed by its room ([`crate::frameworks::sglang::room_of`]).
-    pub const BOOTSTRAP_ROOM: &str = "bootstrap_room";
-    /// Where a stalled SGLang room stopped, on its stall span: the fields
-    /// of its alert (`handle`, `transfer`, `answered`, `waiting_on`,
-    /// `behind`) under this prefix, e.g. `stallwatch.sglang.waiting_on`.
-    pub const SGLANG_PREFIX: &str = "stallwatch.sglang.";
-    /// The furthest stage reached (for an ended request, how it ended if by
-    /// an event).
-    pub const STAGE: &str = "stallwatch.request.stage";
-    /// How the lifecycle ended (request spans).
-    pub const OUTCOME: &str = "stallwatch.request.outcome";
-    /// The stages a probe saw (string array, in order).
-    pub const STAGES_OBSERVED: &str = "stallwatch.request.stages_observed";
-    /// The stages no probe saw, inferred from the request's state read in
-    /// the target's memory (string array; empty when none): their span
-    /// events are timed at the read, the latest they can have happened.
-    pub const STAGES_INFERRED: &str = "stallwatch.request.stages_inferred";
-    /// `true` on the span event of an inferred stage.
-    pub const STAGE_INFERRED: &str = "stallwatch.stage.inferred";
-    /// Silence episodes this lifecycle had (request spans, when > 0).
-    pub const STALLS: &str = "stallwatch.request.stalls";
-    /// `waiting_for_peer`, `transfer_hung` or `release_lost`: on stall
-    /// spans, and on request spans of a lifecycle that stalled (the last
-    /// episode's class).
-    pub const STALL_CLASS: &str = "stallwatch.stall.class";
-    /// On every span whose status is ERROR: the stall class, `failed` or
-    /// `process_exited` (semantic conventions' `error.type`).
-    pub const ERROR_TYPE: &str = "error.type";
-    /// How long the request had been silent when the stall was detected.
-    pub const SILENT_MS: &str = "stallwatch.stall.silent_ms";
-    /// How long a recovered request had been stuck (`recovered` events).
-    pub const STUCK_MS: &str = "stallwatch.stall.stuck_ms";
-    /// The transport's verdict on a stall (`peer_unresponsive`, ...;
-    /// `process_stopped` when the process itself was held).
-    pub const TRANSPORT_VERDICT: &str = "stallwatch.transport.verdict";
-    /// How the process itself was held when its stall was judged
-    /// (`stopped`, `throttled`, `not_scheduled`): the reason of a
-    /// `process_stopped` verdict. Absent: it was not held.
-    pub const TRANSPORT_PROCESS_STATE: &str = "stallwatch.transport.process_state";
-    /// "last post 57.0s ago, last completion 57.0s ago, 120000 progress calls in the last 30.0s, none completed".
-    pub const TRANSPORT_SUMMARY: &str = "stallwatch.transport.summary";
-    /// Calls of each kind since the request's last event.
-    pub const TRANSPORT_POSTS_SINCE: &str = "stallwatch.transport.posts_since";
-    pub const TRANSPORT_COMPLETIONS_SINCE: &str = "stallwatch.transport.completions_since";
-    pub const TRANSPORT_PROGRESS_SINCE: &str = "stallwatch.transport.progress_calls_since";
-    /// How far back `progress_calls_since` counts, in ms: the progress
-    /// probe is attached only near a stall. Absent: it was not attached.
-    pub const TRANSPORT_PROGRESS_WINDOW_MS: &str = "stallwatch.transport.progress_window_ms";
-    /// The stalled transfer's peer (the remote NIXL agent), where known.
-    pub const TRANSPORT_PEER: &str = "stallwatch.transport.peer";
-    /// Completions to that peer, and to the process's other peers, since
-    /// the request's last event.
-    pub const TRANSPORT_PEER_COMPLETIONS_SINCE: &str = "stallwatch.transport.peer_completions_since";
-    pub const TRANSPORT_OTHER_PEERS_COMPLETIONS_SINCE: &str = "stallwatch.transport.other_peers_completions_since";
-}
 
 /// Domain prefixes of the trace-id hash; see [`trace_id`].
 const EXTERNAL_DOMAIN: &[u8] = b"stallwatch/v1/external\0";
@@ -214,21 +141,24 @@ impl SpanMaker {
     }
 
     /// The spans a report calls for (none for a recovery, which becomes an
-    /// event of the request span); a stall's span carries `fields`, what
-    /// the request's tracker says of where it stopped. Returns whether one
-    /// is a stall span, which should be sent at once.
+    /// event of the request span). A stall's span carries the fields `said`
+    /// of where it stopped, each as
+    /// `stallwatch.<scope>.<name>` ([`crate::lifecycle::Field::attribute`]);
+    /// every span carries its native attributes (SGLang's
+    /// `bootstrap_room`). Returns whether one is a stall span, which should
+    /// be sent at once.
     pub fn push(
         &mut self,
         report: Report,
         evidence: Option<Evidence>,
-        fields: &[(&'static str, String)],
+        said: &Context,
         out: &mut Vec<SpanData>,
     ) -> bool {
         // Every span is made (a stall's context is remembered for its
         // request span's links either way); the sampler then says which
         // are sent.
         let from = out.len();
-        let urgent = self.make(report, evidence, fields, out);
+        let urgent = self.make(report, evidence, said, out);
         let made = out.len() - from;
         let kept: Vec<SpanData> = out.drain(from..).filter(|span| self.sampler.keep(span)).collect();
         self.sampled_out += (made - kept.len()) as u64;
@@ -242,13 +172,7 @@ impl SpanMaker {
         self.sampled_out
     }
 
-    fn make(
-        &mut self,
-        report: Report,
-        evidence: Option<Evidence>,
-        fields: &[(&'static str, String)],
-        out: &mut Vec<SpanData>,
-    ) -> bool {
+    fn make(&mut self, report: Report, evidence: Option<Evidence>, said: &Context, out: &mut Vec<SpanData>) -> bool {
         match report {
             Report::Stalled { request, class, silent_ns, at_ns } => {
                 let span_id = self.ids.new_span_id();
@@ -266,7 +190,7 @@ impl SpanMaker {
                 open.stalls.push(context.clone());
                 open.last_class = class;
                 open.events.push(detected);
-                let mut attributes = self.base(&request);
+                let mut attributes = self.base(&request, said);
                 attributes.push(KeyValue::new(attr::STALL_CLASS, class.as_str()));
                 // The semantic conventions' low-cardinality class of the
                 // error this span's ERROR status is.
@@ -275,11 +199,8 @@ impl SpanMaker {
                 if let Some(evidence) = &evidence {
                     attributes.extend(transport_attributes(evidence));
                 }
-                attributes.extend(
-                    fields
-                        .iter()
-                        .map(|(name, value)| KeyValue::new(format!("{}{name}", attr::SGLANG_PREFIX), value.clone())),
-                );
+                attributes
+                    .extend(said.fields.iter().map(|field| KeyValue::new(field.attribute(), field.value.clone())));
                 let status =
                     Status::error(format!("{class}: silent for {:.2}s at {}", silent_ns as f64 / 1e9, request.stage));
                 let events = self.stage_events(&request).collect();
@@ -310,7 +231,7 @@ impl SpanMaker {
                 let trace_id = open.as_ref().map_or_else(|| trace_id(&self.host, &request), |open| open.trace_id);
                 let context =
                     SpanContext::new(trace_id, self.ids.new_span_id(), TraceFlags::SAMPLED, false, TraceState::NONE);
-                let mut attributes = self.base(&request);
+                let mut attributes = self.base(&request, said);
                 attributes.push(KeyValue::new(attr::OUTCOME, outcome.as_str()));
                 let mut events: Vec<Event> = self.stage_events(&request).collect();
                 // A release or a completion at a live stage ends the span
@@ -387,7 +308,7 @@ impl SpanMaker {
         })
     }
 
-    fn base(&self, request: &RequestSnapshot) -> Vec<KeyValue> {
+    fn base(&self, request: &RequestSnapshot, said: &Context) -> Vec<KeyValue> {
         let mut attributes = Vec::with_capacity(9);
         attributes.push(KeyValue::new(attr::PROCESS_PID, i64::from(request.pid)));
         if let Some((name, profile)) = self.processes.get(&request.pid) {
@@ -399,11 +320,7 @@ impl SpanMaker {
         if let Some(id) = &request.external_id {
             attributes.push(KeyValue::new(attr::EXTERNAL_ID, id.to_string()));
         }
-        if let Some(room) = crate::frameworks::sglang::room_of(request.key, request.external_id.as_deref())
-            .and_then(|room| i64::try_from(room).ok())
-        {
-            attributes.push(KeyValue::new(attr::BOOTSTRAP_ROOM, room));
-        }
+        attributes.extend(said.native.iter().map(|&(name, value)| KeyValue::new(name, value)));
         attributes.push(KeyValue::new(attr::STAGE, request.stage.as_str()));
         let reached =
             |stage: &Stage| request.stage_at(*stage).is_some() || (stage.is_terminal() && *stage == request.stage);
@@ -567,7 +484,7 @@ mod tests {
         let urgent = maker.push(
             Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released },
             None,
-            &[],
+            &Context::default(),
             &mut spans,
         );
         assert!(!urgent);
@@ -584,28 +501,26 @@ mod tests {
         assert_eq!(attribute(span, attr::EXTERNAL_ID).as_deref(), Some("room-9"));
         assert_eq!(attribute(span, attr::OUTCOME).as_deref(), Some("released"));
         assert_eq!(attribute(span, attr::STALL_CLASS), None);
-        assert_eq!(attribute(span, attr::BOOTSTRAP_ROOM), None, "not keyed by a room");
+        assert_eq!(attribute(span, "bootstrap_room"), None, "none said");
         assert!(span.links.is_empty());
         assert_eq!(span.start_time, Clock::new().wall(1_000_000_000).max(span.start_time));
     }
 
     #[test]
-    fn a_request_keyed_by_its_room_carries_bootstrap_room_and_the_rooms_trace_id() {
+    fn a_request_carries_its_frameworks_native_attributes_and_its_external_ids_trace_id() {
         let mut maker = SpanMaker::new("node-a".into(), Clock::new());
         let mut spans = Vec::new();
         let request = RequestSnapshot { key: 171, ..snapshot(Stage::Released, Some("171")) };
+        let said = Context { native: vec![("bootstrap_room", 171)], ..Context::default() };
         maker.push(
             Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released },
             None,
-            &[],
+            &said,
             &mut spans,
         );
         let [span] = spans.as_slice() else { panic!("{spans:?}") };
-        let room = span
-            .attributes
-            .iter()
-            .find(|kv| kv.key == Key::from_static_str(attr::BOOTSTRAP_ROOM))
-            .expect("bootstrap_room");
+        let room =
+            span.attributes.iter().find(|kv| kv.key == Key::from_static_str("bootstrap_room")).expect("bootstrap_room");
         assert_eq!(room.value, Value::I64(171));
         assert_eq!(span.span_context.trace_id(), external_trace_id("171"));
     }
@@ -624,15 +539,15 @@ mod tests {
         let mut maker = SpanMaker::new("node-a".into(), Clock::new());
         let mut spans = Vec::new();
         let at_ns = request.last_ns + 2_000_000_000;
-        let fields = [("handle", "0x7f00".to_owned()), ("transfer", "2".to_owned())];
+        let said = Context::said_by("sglang", [("handle", "0x7f00".to_owned()), ("transfer", "2".to_owned())]);
         maker.push(
             Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns },
             evidence,
-            &fields,
+            &said,
             &mut spans,
         );
         let [stall] = spans.as_slice() else { panic!("{spans:?}") };
-        // Where its tracker says it stopped.
+        // Where its framework says it stopped, in its name.
         assert_eq!(attribute(stall, "stallwatch.sglang.handle").as_deref(), Some("0x7f00"));
         assert_eq!(attribute(stall, "stallwatch.sglang.transfer").as_deref(), Some("2"));
         assert_eq!(attribute(stall, attr::TRANSPORT_VERDICT).as_deref(), Some("peer_unresponsive"));
@@ -660,7 +575,7 @@ mod tests {
         maker.push(
             Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns },
             evidence,
-            &[],
+            &Context::default(),
             &mut spans,
         );
         let [stall] = spans.as_slice() else { panic!("{spans:?}") };
@@ -675,7 +590,7 @@ mod tests {
     /// verdict, the process's state, and `waiting_on=self` among the fields.
     #[test]
     fn a_stall_span_of_a_stopped_process_says_it_waits_on_itself() {
-        use crate::evidence::sched::{Halt, say_halt};
+        use crate::evidence::sched::Halt;
         let request = snapshot(Stage::TransferPosted, Some("room-3"));
         let mut tracker = crate::evidence::transport::Tracker::new(2_000_000_000);
         tracker.record_for_test(7, request.last_ns, crate::evidence::transport::Totals::default());
@@ -685,15 +600,17 @@ mod tests {
         let report = Report::Stalled { request, class: StallClass::TransferHung, silent_ns: 2_000_000_000, at_ns };
         let halt = Halt::Stopped { threads: 12 };
         let evidence = tracker.for_report(&report, |_| Some(peer), Some(halt));
-        let mut fields = vec![("handle", "0x7f00".to_owned())];
-        say_halt(&mut fields, halt);
+        let mut said = Context::said_by("sglang", [("handle", "0x7f00".to_owned())]);
+        said.say_halt(halt.as_str());
         let mut maker = SpanMaker::new("node-a".into(), Clock::new());
         let mut spans = Vec::new();
-        maker.push(report, evidence, &fields, &mut spans);
+        maker.push(report, evidence, &said, &mut spans);
         let [stall] = spans.as_slice() else { panic!("{spans:?}") };
         assert_eq!(attribute(stall, attr::TRANSPORT_VERDICT).as_deref(), Some("process_stopped"));
         assert_eq!(attribute(stall, attr::TRANSPORT_PROCESS_STATE).as_deref(), Some("stopped"));
-        assert_eq!(attribute(stall, "stallwatch.sglang.waiting_on").as_deref(), Some("self"));
+        // The agent's own judgement, in its own name; the framework's stays.
+        assert_eq!(attribute(stall, "stallwatch.stall.waiting_on").as_deref(), Some("self"));
+        assert_eq!(attribute(stall, "stallwatch.sglang.handle").as_deref(), Some("0x7f00"));
     }
 
     #[test]
@@ -710,7 +627,7 @@ mod tests {
             silent_ns: 2_000_000_000,
             at_ns,
         };
-        assert!(maker.push(stalled, None, &[], &mut spans), "stall spans are urgent");
+        assert!(maker.push(stalled, None, &Context::default(), &mut spans), "stall spans are urgent");
         let stall = spans.pop().expect("stall span");
         assert_eq!(stall.name, STALL_SPAN);
         assert!(
@@ -730,7 +647,7 @@ mod tests {
         request.stage_ns[2] = Some(request.last_ns);
         let recovered =
             Report::Recovered { request: request.clone(), class: StallClass::TransferHung, stuck_ns: 2_500_000_000 };
-        assert!(!maker.push(recovered, None, &[], &mut spans));
+        assert!(!maker.push(recovered, None, &Context::default(), &mut spans));
         assert!(spans.is_empty(), "a recovery is an event of the request span");
         request.stage = Stage::Released;
         request.last_ns += 1_000_000;
@@ -738,7 +655,7 @@ mod tests {
         maker.push(
             Report::Ended { at_ns: request.last_ns, request, outcome: Outcome::Released },
             None,
-            &[],
+            &Context::default(),
             &mut spans,
         );
         let [span] = spans.as_slice() else { panic!("{spans:?}") };
@@ -771,7 +688,7 @@ mod tests {
                 at_ns,
             },
             None,
-            &[],
+            &Context::default(),
             &mut spans,
         );
         let stall = spans.pop().expect("stall span");
@@ -792,7 +709,7 @@ mod tests {
         maker.push(
             Report::Ended { at_ns: failed.last_ns + 2_000_000_000, request: failed, outcome: Outcome::Failed },
             None,
-            &[],
+            &Context::default(),
             &mut spans,
         );
         let [span] = spans.as_slice() else { panic!("{spans:?}") };
@@ -809,7 +726,12 @@ mod tests {
         let mut request = snapshot(Stage::Enqueued, Some("room-3"));
         request.stalled = Some(StallClass::WaitingForPeer);
         let at_ns = request.last_ns + 5_000_000_000;
-        maker.push(Report::Ended { request, outcome: Outcome::ProcessExited, at_ns }, None, &[], &mut spans);
+        maker.push(
+            Report::Ended { request, outcome: Outcome::ProcessExited, at_ns },
+            None,
+            &Context::default(),
+            &mut spans,
+        );
         let [span] = spans.as_slice() else { panic!("{spans:?}") };
         assert!(matches!(&span.status, Status::Error { description } if description.contains("waiting_for_peer")));
         assert_eq!(span.events.last().map(|e| e.name.as_ref()), Some("process_exited"));

@@ -72,7 +72,7 @@ use tracing::{debug, info, warn};
 pub use self::rooms::{Bootstrap, Rid, Rooms, output_rids, parse, pickled_record, room_of, scheduler};
 use self::{leaks::Leaks, long::LongFrames};
 use super::{
-    AdoptedHandle, Framework, HandOver,
+    AdoptedHandle, Claim, Framework, HandOver, TakeOver,
     signals::{Captured, Signal},
     zmq::{Assembler, Direction, Hit, Message},
 };
@@ -212,12 +212,12 @@ impl Sglang {
 }
 
 impl Framework for Sglang {
-    fn signal(&mut self, spec: &SignalSpec, signal: &Signal) -> Option<Option<Observation>> {
+    fn signal(&mut self, spec: &SignalSpec, signal: &Signal) -> Claim<Observation> {
         let raw = match &signal.capture {
             Captured::Bytes(bytes) => Some(&**bytes),
             _ => None,
         };
-        let name = spec.name.strip_prefix(self.dialect.prefix)?;
+        let Some(name) = spec.name.strip_prefix(self.dialect.prefix) else { return Claim::NotMine };
         let hit = match name {
             "zmq_recv" => Hit::Received {
                 head: signal.value,
@@ -235,7 +235,7 @@ impl Framework for Sglang {
                 if let Captured::Chunk(chunk) = &signal.capture {
                     self.long.chunk(signal.pid, signal.tid, spec.line as u32, chunk);
                 }
-                return Some(None);
+                return Claim::NOTHING;
             }
             // The remote agent named at createXferReq's entry, or read from
             // the remote dlist handle at makeXferReq's: the same news.
@@ -246,7 +246,7 @@ impl Framework for Sglang {
                     let page = (name == "nixl_dlist_remote_agent").then_some(signal.value as u32);
                     self.rooms.creating(signal.pid, signal.tid, agent, page);
                 }
-                return Some(None);
+                return Claim::NOTHING;
             }
             // The `bootstrap_room` of a request SGLang's scheduler receives.
             "sglang_request_room" => {
@@ -254,7 +254,7 @@ impl Framework for Sglang {
                     Captured::Bytes(bytes) => stallwatch_common::msgpack::uint(&bytes[..]),
                     _ => None,
                 };
-                return Some(match room {
+                return Claim::Mine(match room {
                     Some(room) => {
                         let half = RequestHalf::Room { room, frame: signal.ret as u64 };
                         self.request(signal.pid, signal.tid, signal.ts_ns, half)
@@ -276,7 +276,7 @@ impl Framework for Sglang {
                     Captured::Bytes(bytes) => pickled_record(name, signal.tag, &bytes[..]),
                     _ => Err("its record could not be read".to_owned()),
                 };
-                return Some(match record {
+                return Claim::Mine(match record {
                     Ok(bootstrap) => self.rooms.observe(signal.pid, signal.ts_ns, &bootstrap),
                     Err(why) => {
                         self.unparsed(format!("pid {} thread {}: {why}", signal.pid, signal.tid));
@@ -290,13 +290,13 @@ impl Framework for Sglang {
                     Captured::Bytes(bytes) => output_rids(&bytes[..]),
                     _ => Vec::new(),
                 };
-                return Some(self.rooms.observe(signal.pid, signal.ts_ns, &Bootstrap::Output { rids }));
+                return Claim::Mine(self.rooms.observe(signal.pid, signal.ts_ns, &Bootstrap::Output { rids }));
             }
-            _ => return None,
+            _ => return Claim::NotMine,
         };
-        let Some(message) = self.zmq.hit(signal.pid, signal.tid, signal.ts_ns, hit) else { return Some(None) };
+        let Some(message) = self.zmq.hit(signal.pid, signal.tid, signal.ts_ns, hit) else { return Claim::NOTHING };
         let long = (message.direction == Direction::Received).then(|| self.long.take(message.pid, message.tid));
-        Some(match (self.dialect.parse)(&message) {
+        Claim::Mine(match (self.dialect.parse)(&message) {
             Ok(Some(Bootstrap::Destination { room, port, agent, ranks, pages })) => {
                 let pages = long.and_then(|long| self.long.pages(long, &message, &pages)).unwrap_or(pages);
                 let to = Bootstrap::Destination { room, port, agent, ranks, pages };
@@ -365,30 +365,19 @@ impl Framework for Sglang {
         self.leaks.as_mut()?.pending()
     }
 
-    /// A room (what [`crate::kernel::state::KernelState::track`] kept of
-    /// it), with what the previous agent knew of it: it goes on as it
-    /// would have ([`Rooms::adopt`]).
-    fn adopt(&mut self, request: &Restored, held: Option<&[u8]>) -> Result<Vec<AdoptedHandle>, String> {
-        match room_of(request.key, request.external_id.as_deref()) {
-            Some(room) => self.rooms.adopt(request.pid, room, held),
-            None => Ok(Vec::new()),
-        }
-    }
-
-    fn adopt_ended(&mut self, pid: u32, key: u64, held: &[u8]) -> bool {
-        self.rooms.adopt_ended(pid, key, held)
-    }
-
-    fn owns(&self, pid: u32, key: u64) -> bool {
-        self.rooms.owns(pid, key)
-    }
-
-    fn held(&mut self, out: &mut Vec<HandOver>) {
-        self.rooms.held(out);
-    }
-
     fn side(&self, pid: u32) -> Side {
         self.rooms.side(pid)
+    }
+
+    fn name(&self) -> &'static str {
+        "sglang"
+    }
+
+    /// A room's spans carry its room under the name SGLang's own spans
+    /// give it.
+    fn native(&self, request: &RequestSnapshot) -> Vec<(&'static str, i64)> {
+        let room = room_of(request.key, request.external_id.as_deref()).and_then(|room| i64::try_from(room).ok());
+        room.map(|room| ("bootstrap_room", room)).into_iter().collect()
     }
 
     fn context(&self, request: &RequestSnapshot) -> Vec<(&'static str, String)> {
@@ -399,17 +388,21 @@ impl Framework for Sglang {
     }
 
     /// A room has no memory of its own: its handles have ([`Rooms::read`]).
-    fn read(
-        &mut self,
-        silent: &Silent,
-        read: &mut dyn FnMut(&Silent) -> Option<StageRead>,
-    ) -> Option<Option<StageRead>> {
+    fn read(&mut self, silent: &Silent, read: &mut dyn FnMut(&Silent) -> Option<StageRead>) -> Claim<StageRead> {
         self.rooms.read(silent, read)
     }
 
+    /// Its rooms: what this agent knew of each is pinned for the next.
+    fn take_over(&mut self) -> Option<&mut dyn TakeOver> {
+        Some(self)
+    }
+
     /// A room's oldest transfer posted and not done ([`Rooms::hung_handle`]).
-    fn stalled_transfer(&self, request: &RequestSnapshot) -> Option<Option<u64>> {
-        room_of(request.key, request.external_id.as_deref()).map(|room| self.rooms.hung_handle(request.pid, room))
+    fn stalled_transfer(&self, request: &RequestSnapshot) -> Claim<u64> {
+        match room_of(request.key, request.external_id.as_deref()) {
+            Some(room) => Claim::Mine(self.rooms.hung_handle(request.pid, room)),
+            None => Claim::NotMine,
+        }
     }
 
     /// The hung transfer of the room a room is `behind` on its worker, as
@@ -493,6 +486,30 @@ impl Framework for Sglang {
     }
 }
 
+impl TakeOver for Sglang {
+    /// A room (what [`crate::kernel::state::KernelState::track`] kept of
+    /// it), with what the previous agent knew of it: it goes on as it
+    /// would have ([`Rooms::adopt`]).
+    fn adopt(&mut self, request: &Restored, held: Option<&[u8]>) -> Result<Vec<AdoptedHandle>, String> {
+        match room_of(request.key, request.external_id.as_deref()) {
+            Some(room) => self.rooms.adopt(request.pid, room, held),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn adopt_ended(&mut self, pid: u32, key: u64, held: &[u8]) -> bool {
+        self.rooms.adopt_ended(pid, key, held)
+    }
+
+    fn owns(&self, pid: u32, key: u64) -> bool {
+        self.rooms.owns(pid, key)
+    }
+
+    fn held(&mut self, out: &mut Vec<HandOver>) {
+        self.rooms.held(out);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use stallwatch_common::EXT_ID_LEN;
@@ -570,7 +587,7 @@ mod tests {
                     };
                     let signal =
                         Signal { pid: 1, tid, ts_ns: 5, value: 0, ret: 0, capture: Captured::Chunk(chunk), tag: None };
-                    assert_eq!(sglang.signal(&long, &signal), Some(None));
+                    assert_eq!(sglang.signal(&long, &signal), Claim::NOTHING);
                 }
             }
             let mut data = [0u8; EXT_ID_LEN];
@@ -584,7 +601,7 @@ mod tests {
                 capture: Captured::Bytes(Box::new(data)),
                 tag: None,
             };
-            observed = sglang.signal(&recv, &signal).expect("an SGLang signal");
+            observed = sglang.signal(&recv, &signal).expect_mine("an SGLang signal");
         }
         observed
     }

@@ -45,7 +45,7 @@ use tracing::{debug, info, warn};
 use pages::Layout;
 
 use super::{
-    AdoptedHandle, Framework, HandOver,
+    AdoptedHandle, Claim, Framework, HandOver, TakeOver,
     sglang::{Dialect, Sglang},
     signals::{Captured, Signal},
 };
@@ -341,7 +341,7 @@ fn hex(id: u64) -> String {
 }
 
 impl Framework for SglangMooncake {
-    fn signal(&mut self, spec: &SignalSpec, signal: &Signal) -> Option<Option<Observation>> {
+    fn signal(&mut self, spec: &SignalSpec, signal: &Signal) -> Claim<Observation> {
         match spec.name.as_str() {
             // TransferEngineImpl::openSegment(name) returned the segment id.
             "mooncake_segment" => {
@@ -349,12 +349,12 @@ impl Framework for SglangMooncake {
                     let session = String::from_utf8_lossy(session).into();
                     self.segments.insert((signal.pid, signal.value), session);
                 }
-                Some(None)
+                Claim::NOTHING
             }
-            "mooncake_submit" => Some(self.submit(signal)),
+            "mooncake_submit" => Claim::Mine(self.submit(signal)),
             "mooncake_zmq_send" => {
                 // A room's status, sent by its worker thread.
-                let made = self.sglang.signal(spec, signal)?;
+                let Claim::Mine(made) = self.sglang.signal(spec, signal) else { return Claim::NotMine };
                 let ended = self.sglang.rooms_mut().last_ended.take();
                 if let (Some(end), Some(ended)) = (&made, ended)
                     && (ended.pid, ended.room) == (end.pid, end.key)
@@ -362,7 +362,7 @@ impl Framework for SglangMooncake {
                     self.sglang.rooms_mut().worked_by(ended.pid, ended.ports, signal.tid);
                     self.concluded(ended.pid, signal.tid, ended.room, &ended.agents);
                 }
-                Some(made)
+                Claim::Mine(made)
             }
             _ => self.sglang.signal(spec, signal),
         }
@@ -410,24 +410,23 @@ impl Framework for SglangMooncake {
         self.sglang.follows(profile)
     }
 
-    fn adopt(&mut self, request: &Restored, held: Option<&[u8]>) -> Result<Vec<AdoptedHandle>, String> {
-        self.sglang.adopt(request, held)
-    }
-
-    fn adopt_ended(&mut self, pid: u32, key: u64, held: &[u8]) -> bool {
-        self.sglang.adopt_ended(pid, key, held)
-    }
-
-    fn owns(&self, pid: u32, key: u64) -> bool {
-        self.sglang.owns(pid, key)
-    }
-
-    fn held(&mut self, out: &mut Vec<HandOver>) {
-        self.sglang.held(out);
+    /// Its rooms, as SGLang's on NIXL: what this agent knew of each is
+    /// pinned for the next.
+    fn take_over(&mut self) -> Option<&mut dyn TakeOver> {
+        Some(self)
     }
 
     fn side(&self, pid: u32) -> Side {
         self.sglang.side(pid)
+    }
+
+    /// SGLang's, on another transfer engine.
+    fn name(&self) -> &'static str {
+        self.sglang.name()
+    }
+
+    fn native(&self, request: &RequestSnapshot) -> Vec<(&'static str, i64)> {
+        self.sglang.native(request)
     }
 
     /// A room's alert names the batch it is stopped on and its peer; a
@@ -465,15 +464,11 @@ impl Framework for SglangMooncake {
         fields
     }
 
-    fn read(
-        &mut self,
-        silent: &Silent,
-        read: &mut dyn FnMut(&Silent) -> Option<StageRead>,
-    ) -> Option<Option<StageRead>> {
+    fn read(&mut self, silent: &Silent, read: &mut dyn FnMut(&Silent) -> Option<StageRead>) -> Claim<StageRead> {
         self.sglang.read(silent, read)
     }
 
-    fn stalled_transfer(&self, request: &RequestSnapshot) -> Option<Option<u64>> {
+    fn stalled_transfer(&self, request: &RequestSnapshot) -> Claim<u64> {
         self.sglang.stalled_transfer(request)
     }
 
@@ -518,6 +513,24 @@ impl Framework for SglangMooncake {
                  contradicted, batches whose free Mooncake refused"
             );
         }
+    }
+}
+
+impl TakeOver for SglangMooncake {
+    fn adopt(&mut self, request: &Restored, held: Option<&[u8]>) -> Result<Vec<AdoptedHandle>, String> {
+        TakeOver::adopt(&mut self.sglang, request, held)
+    }
+
+    fn adopt_ended(&mut self, pid: u32, key: u64, held: &[u8]) -> bool {
+        TakeOver::adopt_ended(&mut self.sglang, pid, key, held)
+    }
+
+    fn owns(&self, pid: u32, key: u64) -> bool {
+        TakeOver::owns(&self.sglang, pid, key)
+    }
+
+    fn held(&mut self, out: &mut Vec<HandOver>) {
+        TakeOver::held(&mut self.sglang, out);
     }
 }
 
@@ -574,10 +587,13 @@ mod tests {
         for room in [7, 8, 9] {
             rooms(&mut mc, room, "127.0.0.1:15290");
         }
-        assert_eq!(mc.signal(&segment_spec, &segment(4, 1, "127.0.0.1:15290")), Some(None));
+        assert_eq!(mc.signal(&segment_spec, &segment(4, 1, "127.0.0.1:15290")), Claim::NOTHING);
         // Room 7's two chunks reuse one batch id: each submit is its room's post.
         for ts in [10, 20] {
-            let posted = mc.signal(&submit_spec, &submit(4, 30, 0xb0, 1, ts)).unwrap().expect("room 7's");
+            let posted = mc
+                .signal(&submit_spec, &submit(4, 30, 0xb0, 1, ts))
+                .expect_mine("a Mooncake signal")
+                .expect("room 7's");
             assert_eq!((posted.key, posted.stage, posted.ts_ns), (7, Stage::TransferPosted, ts));
             // The batch and its peer, for the transport evidence per peer; once.
             assert_eq!(mc.started_transfer(), Some((4, 0xb0, "127.0.0.1:15290".into())));
@@ -587,7 +603,8 @@ mod tests {
         }
         mc.sglang.rooms_mut().observe(4, 25, &Bootstrap::Status { room: 7, status: 4 }).expect("room 7 released");
         // The next batch on the worker is room 8's (the earliest bootstrapped); it hangs.
-        let posted = mc.signal(&submit_spec, &submit(4, 30, 0xb0, 1, 30)).unwrap().expect("room 8's");
+        let posted =
+            mc.signal(&submit_spec, &submit(4, 30, 0xb0, 1, 30)).expect_mine("a Mooncake signal").expect("room 8's");
         assert_eq!(posted.key, 8);
         let field =
             |fields: &[(&str, String)], name: &str| fields.iter().find(|(n, _)| *n == name).map(|(_, v)| v.clone());
@@ -627,7 +644,10 @@ mod tests {
             "its failed status ends nothing more"
         );
         // A new batch id for room 9 (the leaked one is never freed).
-        assert_eq!(mc.signal(&submit_spec, &submit(4, 30, 0xc0, 1, 5040)).unwrap().map(|o| o.key), Some(9));
+        assert_eq!(
+            mc.signal(&submit_spec, &submit(4, 30, 0xc0, 1, 5040)).expect_mine("a Mooncake signal").map(|o| o.key),
+            Some(9)
+        );
         assert_eq!(mc.leaked, 1);
         mc.forget(4);
         assert!(mc.batches.is_empty() && mc.segments.is_empty() && mc.leaks.is_empty());
@@ -640,7 +660,7 @@ mod tests {
         let mut mc = SglangMooncake::default();
         let (segment_spec, submit_spec) = (spec("mooncake_segment"), spec("mooncake_submit"));
         let peer = "127.0.0.1:15290";
-        assert_eq!(mc.signal(&segment_spec, &segment(4, 1, peer)), Some(None));
+        assert_eq!(mc.signal(&segment_spec, &segment(4, 1, peer)), Claim::NOTHING);
         let room = |mc: &mut SglangMooncake, room: u64, pages: &[u32]| {
             let port = wire::session_port(peer.as_bytes()).unwrap();
             let to = Bootstrap::Destination { room, port, agent: peer.into(), ranks: 1, pages: pages.into() };
@@ -657,7 +677,10 @@ mod tests {
             signal
         };
         let post = |mc: &mut SglangMooncake, tid, id, page| {
-            let made = mc.signal(&submit_spec, &batch(tid, id, page)).unwrap().expect("an observation");
+            let made = mc
+                .signal(&submit_spec, &batch(tid, id, page))
+                .expect_mine("a Mooncake signal")
+                .expect("an observation");
             assert_eq!(mc.handle(tid, free(4, id, Stage::Released, 11)).map(|o| o.key), Some(made.key));
             made.key
         };
@@ -704,7 +727,7 @@ mod tests {
             mc.sglang.rooms_mut().observe(pid, room, &destination(room, session)).expect("a room");
         }
         let at = |metadata: &[u64; 30]| Signal { ret: metadata.as_ptr() as i64, ..submit(pid, 30, 0xa0, 2, 5) };
-        let posted = mc.signal(&submit_spec, &at(&metadata)).unwrap().expect("room 8's");
+        let posted = mc.signal(&submit_spec, &at(&metadata)).expect_mine("a Mooncake signal").expect("room 8's");
         assert_eq!((posted.key, posted.stage), (8, Stage::TransferPosted));
         assert_eq!((mc.read_segments, mc.learned, mc.unknown_segment), (2, 0, 0));
         assert_eq!(mc.segments.get(&(pid, 1)).map(|s| &**s), Some(names[0]));
@@ -712,12 +735,12 @@ mod tests {
         // (its count now too large) is not read again for a known one.
         metadata[0xe8 / 8] = u64::MAX;
         assert_eq!(mc.handle(30, free(pid, 0xa0, Stage::Released, 6)).map(|o| o.key), Some(8));
-        assert_eq!(mc.signal(&submit_spec, &at(&metadata)).unwrap().map(|o| o.key), Some(8));
+        assert_eq!(mc.signal(&submit_spec, &at(&metadata)).expect_mine("a Mooncake signal").map(|o| o.key), Some(8));
         assert_eq!(mc.tables_unread, 0);
         // A segment the table does not list, in a table that cannot be
         // read: counted with its reason, and the batch is its own.
         let unread = Signal { ret: metadata.as_ptr() as i64, ..submit(pid, 31, 0xb0, 9, 7) };
-        assert_eq!(mc.signal(&submit_spec, &unread).unwrap().map(|o| o.key), Some(0xb0));
+        assert_eq!(mc.signal(&submit_spec, &unread).expect_mine("a Mooncake signal").map(|o| o.key), Some(0xb0));
         assert_eq!((mc.tables_unread, mc.unknown_segment), (1, 1));
         assert!(mc.table_problem.as_deref().is_some_and(|p| p.contains("not the table")), "{:?}", mc.table_problem);
     }
@@ -727,7 +750,8 @@ mod tests {
         let mut mc = SglangMooncake::default();
         let submit_spec = spec("mooncake_submit");
         // No room yet: the batch to unknown segment 3 is its own lifecycle.
-        let own = mc.signal(&submit_spec, &submit(4, 30, 0xa0, 3, 5)).unwrap().expect("its own");
+        let own =
+            mc.signal(&submit_spec, &submit(4, 30, 0xa0, 3, 5)).expect_mine("a Mooncake signal").expect("its own");
         assert_eq!((own.key, own.stage), (0xa0, Stage::TransferPosted));
         assert_eq!(mc.unknown_segment, 1);
         assert_eq!(mc.started_transfer(), None, "no peer known: no transfer for the evidence per peer");
@@ -736,17 +760,21 @@ mod tests {
         assert_eq!((freed.key, freed.stage), (0xa0, Stage::Released));
         // One bootstrapped room: segment 3 is its session from now on.
         mc.sglang.rooms_mut().observe(4, 7, &destination(7, "127.0.0.1:15292")).expect("room 7");
-        let posted = mc.signal(&submit_spec, &submit(4, 30, 0xa0, 3, 8)).unwrap().expect("room 7's");
+        let posted =
+            mc.signal(&submit_spec, &submit(4, 30, 0xa0, 3, 8)).expect_mine("a Mooncake signal").expect("room 7's");
         assert_eq!(posted.key, 7);
         assert_eq!((mc.learned, mc.segments.get(&(4, 3)).map(|s| &**s)), (1, Some("127.0.0.1:15292")));
         // A submit of a batch id whose free was missed starts its next batch.
-        assert_eq!(mc.signal(&submit_spec, &submit(4, 30, 0xa0, 3, 9)).unwrap().map(|o| o.key), Some(7));
+        assert_eq!(
+            mc.signal(&submit_spec, &submit(4, 30, 0xa0, 3, 9)).expect_mine("a Mooncake signal").map(|o| o.key),
+            Some(7)
+        );
         // Signals of other frameworks pass on; NIXL's SGLang takes none of these.
         let nixl_zmq = Profile::load("sglang").unwrap().signals.into_iter().find(|s| s.name == "zmq_recv").unwrap();
-        assert_eq!(mc.signal(&nixl_zmq, &submit(4, 30, 0, 0, 10)), None);
+        assert_eq!(mc.signal(&nixl_zmq, &submit(4, 30, 0, 0, 10)), Claim::NotMine);
         let mut nixl = Sglang::default();
-        assert_eq!(nixl.signal(&submit_spec, &submit(4, 30, 0, 0, 10)), None);
-        assert_eq!(nixl.signal(&spec("mooncake_zmq_recv"), &submit(4, 30, 0, 0, 10)), None);
+        assert_eq!(nixl.signal(&submit_spec, &submit(4, 30, 0, 0, 10)), Claim::NotMine);
+        assert_eq!(nixl.signal(&spec("mooncake_zmq_recv"), &submit(4, 30, 0, 0, 10)), Claim::NotMine);
         assert!(
             mc.follows(&Profile::load("sglang-mooncake").unwrap()) && !mc.follows(&Profile::load("sglang").unwrap())
         );

@@ -65,13 +65,13 @@ mod recall;
 
 use self::{lease::Lease, recall::Recall};
 use super::{
-    AdoptedHandle, Framework, HandOver,
+    AdoptedHandle, Claim, Framework, HandOver, TakeOver,
     signals::{Captured, Signal},
     strings::{Assembler, Whole},
 };
 use crate::{
     lifecycle::{Observation, Outcome, RequestSnapshot, Restored, Side, Silent, Stage, StageRead},
-    profile::SignalSpec,
+    profile::{Profile, SignalSpec},
     util::{clock::monotonic_ns, lineage::Lineage, warned::Warned},
 };
 
@@ -518,7 +518,7 @@ fn secs(from_ns: u64, to_ns: u64) -> String {
 }
 
 impl Framework for Vllm {
-    fn signal(&mut self, spec: &SignalSpec, signal: &Signal) -> Option<Option<Observation>> {
+    fn signal(&mut self, spec: &SignalSpec, signal: &Signal) -> Claim<Observation> {
         match spec.name.as_str() {
             "vllm_read" => {
                 if let Captured::Text(agent) = &signal.capture {
@@ -528,7 +528,7 @@ impl Framework for Vllm {
                 if signal.value == NIXL_READ {
                     self.decodes.insert(signal.pid);
                 }
-                Some(None)
+                Claim::NOTHING
             }
             "vllm_notif_sent" | "vllm_notifs" | "vllm_outputs" => {
                 if let Captured::Chunk(chunk) = &signal.capture {
@@ -544,9 +544,9 @@ impl Framework for Vllm {
                         }
                     }
                 }
-                Some(self.pending.pop_front())
+                Claim::Mine(self.pending.pop_front())
             }
-            _ => None,
+            _ => Claim::NotMine,
         }
     }
 
@@ -593,29 +593,19 @@ impl Framework for Vllm {
         Some(observation)
     }
 
-    /// A held request a previous agent followed (its key is its id's) is
-    /// followed again, knowing nothing of its consumers and heartbeats: no
-    /// context is handed over (`held` is never written for vLLM).
-    fn adopt(&mut self, request: &Restored, _held: Option<&[u8]>) -> Result<Vec<AdoptedHandle>, String> {
-        if let Some(id) = request.external_id.as_deref()
-            && key_of(id) == request.key
-        {
-            self.held.entry((request.pid, request.key)).or_insert_with(|| (id.into(), Held::default()));
-        }
-        Ok(Vec::new())
+    fn name(&self) -> &'static str {
+        "vllm"
     }
 
-    fn adopt_ended(&mut self, _pid: u32, _key: u64, _held: &[u8]) -> bool {
-        false
+    /// A profile with vLLM's signals (`vllm_*`).
+    fn follows(&self, profile: &Profile) -> bool {
+        profile.signals.iter().any(|spec| spec.name.starts_with("vllm_"))
     }
 
-    /// A READ handle stays a lifecycle of its own (its request id is its
-    /// external id), never part of another request.
-    fn owns(&self, _pid: u32, _key: u64) -> bool {
-        false
+    /// Its held requests, followed again by the next agent.
+    fn take_over(&mut self) -> Option<&mut dyn TakeOver> {
+        Some(self)
     }
-
-    fn held(&mut self, _out: &mut Vec<HandOver>) {}
 
     fn side(&self, pid: u32) -> Side {
         if self.decodes.contains(&pid) { Side::Decode } else { Side::Prefill }
@@ -703,16 +693,12 @@ impl Framework for Vllm {
     }
 
     /// Held requests have no memory of their own to read: none.
-    fn read(
-        &mut self,
-        silent: &Silent,
-        _read: &mut dyn FnMut(&Silent) -> Option<StageRead>,
-    ) -> Option<Option<StageRead>> {
-        self.held.contains_key(&(silent.pid, silent.key)).then_some(None)
+    fn read(&mut self, silent: &Silent, _read: &mut dyn FnMut(&Silent) -> Option<StageRead>) -> Claim<StageRead> {
+        if self.held.contains_key(&(silent.pid, silent.key)) { Claim::NOTHING } else { Claim::NotMine }
     }
 
-    fn stalled_transfer(&self, request: &RequestSnapshot) -> Option<Option<u64>> {
-        self.held_of(request).map(|_| None)
+    fn stalled_transfer(&self, request: &RequestSnapshot) -> Claim<u64> {
+        if self.held_of(request).is_some() { Claim::NOTHING } else { Claim::NotMine }
     }
 
     fn warn(&mut self) {
@@ -799,6 +785,32 @@ impl Framework for Vllm {
             );
         }
     }
+}
+
+impl TakeOver for Vllm {
+    /// A held request a previous agent followed (its key is its id's) is
+    /// followed again, knowing nothing of its consumers and heartbeats: no
+    /// context is handed over (`held` is never written for vLLM).
+    fn adopt(&mut self, request: &Restored, _held: Option<&[u8]>) -> Result<Vec<AdoptedHandle>, String> {
+        if let Some(id) = request.external_id.as_deref()
+            && key_of(id) == request.key
+        {
+            self.held.entry((request.pid, request.key)).or_insert_with(|| (id.into(), Held::default()));
+        }
+        Ok(Vec::new())
+    }
+
+    fn adopt_ended(&mut self, _pid: u32, _key: u64, _held: &[u8]) -> bool {
+        false
+    }
+
+    /// A READ handle stays a lifecycle of its own (its request id is its
+    /// external id), never part of another request.
+    fn owns(&self, _pid: u32, _key: u64) -> bool {
+        false
+    }
+
+    fn held(&mut self, _out: &mut Vec<HandOver>) {}
 }
 
 #[cfg(test)]

@@ -61,9 +61,9 @@ fn a_prefill_follows_a_request_from_its_heartbeat_to_its_last_consumer() {
     assert_eq!(fields["vllm_heartbeats"], "1");
     assert!(fields["vllm_decode"].starts_with("abandoned"), "{fields:?}");
     assert_eq!(fields["vllm_recent_other_notifications"], "req-0:1");
-    assert_eq!(vllm.stalled_transfer(&snapshot), Some(None));
+    assert_eq!(vllm.stalled_transfer(&snapshot), Claim::NOTHING);
     let silent = Silent { pid: 9, key: key_of("req-2"), stage: Stage::Enqueued, first_ns: 10, last_ns: 10 };
-    assert_eq!(vllm.read(&silent, &mut |_| panic!("no memory of its own")), Some(None));
+    assert_eq!(vllm.read(&silent, &mut |_| panic!("no memory of its own")), Claim::NOTHING);
 }
 
 /// An `EngineCoreOutputs` frame finishing `ids` as pull-mode prefills.
