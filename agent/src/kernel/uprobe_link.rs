@@ -206,21 +206,18 @@ pub fn uprobe_pmu() -> Result<u32> {
     text.trim().parse().with_context(|| format!("{UPROBE_PMU_TYPE} holds {text:?}, not a perf type number"))
 }
 
-/// Link `program` (an entry program) at `file_offset` in `host_path`, for
-/// `pid` alone, its hits carrying `cookie`.
-pub fn link_entry(
-    program: BorrowedFd<'_>,
-    pmu: u32,
-    host_path: &Path,
-    file_offset: u64,
-    pid: u32,
-    cookie: u64,
-) -> Result<UprobeLink> {
+/// A uprobe perf event at `file_offset` in `host_path` (its return when
+/// `at_return`), for thread or process `pid` alone: what a program is
+/// linked to, and, read as a `u64`, the count of its hits (the `room`
+/// bench counts traps per thread so, with no program at all).
+pub fn uprobe_event(pmu: u32, host_path: &Path, file_offset: u64, at_return: bool, pid: u32) -> Result<OwnedFd> {
     let path = CString::new(host_path.as_os_str().as_bytes())
         .map_err(|_| anyhow!("{} has a NUL byte in its path", host_path.display()))?;
     let attr = PerfEventAttr {
         kind: pmu,
         size: PERF_ATTR_SIZE_VER1,
+        // The PMU's `retprobe` format bit: config:0.
+        config: u64::from(at_return),
         config1: path.as_ptr() as u64,
         config2: file_offset,
         ..PerfEventAttr::default()
@@ -236,7 +233,20 @@ pub fn link_entry(
         });
     }
     // SAFETY: a fresh fd nothing else owns.
-    let perf = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Link `program` (an entry program) at `file_offset` in `host_path`, for
+/// `pid` alone, its hits carrying `cookie`.
+pub fn link_entry(
+    program: BorrowedFd<'_>,
+    pmu: u32,
+    host_path: &Path,
+    file_offset: u64,
+    pid: u32,
+    cookie: u64,
+) -> Result<UprobeLink> {
+    let perf = uprobe_event(pmu, host_path, file_offset, false, pid)?;
     let attr = LinkCreateAttr {
         prog_fd: program.as_raw_fd() as u32,
         target_fd: perf.as_raw_fd() as u32,
