@@ -114,6 +114,20 @@ pub struct Summary {
     /// Its probes linked for the whole run (`attached: always`), each with
     /// its hits as the summary counts them, in the summary's order.
     pub always_attached: Vec<(String, u64)>,
+    /// Every probe of the summary (each slot, linked always or near a
+    /// stall only), in the summary's order.
+    pub probes: Vec<ProbeCount>,
+}
+
+/// One probe (slot) of an agent's summary.
+#[derive(Debug, Default, Clone)]
+pub struct ProbeCount {
+    pub symbol: String,
+    /// `lifecycle`, `signal`, or the activity kind.
+    pub role: String,
+    pub hits: u64,
+    /// `always`, `on_demand` (linked at the stop) or `on_demand_idle`.
+    pub attached: String,
 }
 
 /// The real agent, `stallwatch run --pid PID --profile NAME`, with
@@ -193,11 +207,21 @@ impl Agent {
                 Ok((symbol.to_owned(), hits))
             })
             .collect::<Result<_>>()?;
+        let every = probes
+            .iter()
+            .map(|probe| ProbeCount {
+                symbol: probe["symbol"].as_str().unwrap_or_default().to_owned(),
+                role: probe["role"].as_str().unwrap_or_default().to_owned(),
+                hits: probe["hits"].as_u64().unwrap_or_default(),
+                attached: probe["attached"].as_str().unwrap_or_default().to_owned(),
+            })
+            .collect();
         Ok(Summary {
             seen: field("seen")?,
             completed: field("completed")?,
             lost_events: field("lost_events")?,
             always_attached,
+            probes: every,
         })
     }
 }
@@ -242,7 +266,13 @@ impl Floor {
             program.load()?;
         }
         let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).context("pid 0")?);
+        let mut linked = std::collections::HashSet::new();
         for point in &points {
+            // One entry program a function, as the agent links its probes
+            // of one function's entry (chained on one link).
+            if point.program == "empty_entry" && !linked.insert((&point.path, point.offset)) {
+                continue;
+            }
             let program: &mut UProbe = ebpf.program_mut(point.program).context("empty program")?.try_into()?;
             program.attach(UProbeAttachLocation::AbsoluteOffset(point.offset), &point.path, scope)?;
         }
@@ -252,6 +282,16 @@ impl Floor {
     /// The functions a floor on `pid` attaches, without attaching them.
     pub fn symbols(pid: u32, profile: &Profile) -> Result<Vec<String>> {
         Ok(Self::points(pid, profile)?.into_iter().map(|point| point.symbol).collect())
+    }
+
+    /// Where a floor on `pid` attaches its empty programs, without
+    /// attaching them: (function, at its return, object, file offset), one
+    /// a program (a function with two programs at its entry is there twice).
+    pub fn places(pid: u32, profile: &Profile) -> Result<Vec<(String, bool, PathBuf, u64)>> {
+        Ok(Self::points(pid, profile)?
+            .into_iter()
+            .map(|point| (point.symbol, point.program == "empty_return", point.path, point.offset))
+            .collect())
     }
 
     fn points<'a>(pid: u32, profile: &'a Profile) -> Result<Vec<Point>> {
@@ -510,4 +550,26 @@ impl Drop for Driver {
             let _ = self.child.wait();
         }
     }
+}
+
+/// The keys of the requests an [`Agent`] has in flight, asked on its own
+/// socket with `bin inflight --json` (`bin` the binary that runs it): what
+/// it follows now, request by request (its summary only counts them).
+pub fn inflight_keys(bin: &Path, agent: &Agent) -> Result<Vec<u64>> {
+    let out = Command::new(bin)
+        .args(["inflight", "--json", "--socket"])
+        .arg(agent.dir.join("agent.sock"))
+        .output()
+        .with_context(|| format!("running {} inflight", bin.display()))?;
+    if !out.status.success() {
+        bail!("{} inflight: {}", bin.display(), String::from_utf8_lossy(&out.stderr));
+    }
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).context("inflight --json")?;
+    let rows = answer["requests"].as_array().with_context(|| format!("inflight without requests: {answer}"))?;
+    rows.iter()
+        .map(|row| {
+            let key = row["key"].as_str().with_context(|| format!("a request without key: {row}"))?;
+            u64::from_str_radix(key.trim_start_matches("0x"), 16).with_context(|| format!("key {key}"))
+        })
+        .collect()
 }

@@ -415,6 +415,12 @@ def build_parser(prog="prefill.py", transfer="NIXL", faults=FAULTS):
                    "[default: the target's PROCESSES]")
     p.add_argument("--prefill-tp", type=int, default=1, help="prefill TP ranks, one scheduler process each "
                    "(--processes sglang)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="serve --count rooms this many times, each round on its own `go` (after the first round's "
+                   "`done`), rooms numbered on; `done` counts the round's rooms (agent/benches/room.rs)")
+    p.add_argument("--report-threads", action="store_true",
+                   help="the ready line also names this process's threads by role (`threads`: {tid: role}; "
+                   "agent/benches/room.rs reads each role's CPU)")
     p.add_argument("--disaggregation-mode", choices=("prefill",), default="prefill",
                    help="SGLang's own flag, so the main process's command line reads as an SGLang prefill's "
                    "(`pgrep -f 'sglang.*disaggregation-mode prefill'` finds it, as it finds SGLang's)")
@@ -990,6 +996,22 @@ class Target:
             time.sleep(0.0005)
         return "max-seconds"
 
+    def next_round(self, deadline):
+        """--rounds: the scheduler loop runs (idle) until the next `go` on
+        stdin; False on EOF, `quit` or the deadline."""
+        stdin_lines = []
+        while time.monotonic() < deadline:
+            self.step()
+            self.drain_events(stdin_lines)
+            for line in stdin_lines:
+                if line == "" or line.strip() == "quit":
+                    return False
+                if line.strip() == "go":
+                    return True
+            stdin_lines.clear()
+            time.sleep(0.0005)
+        return False
+
     def holding(self):
         emit("holding", **self.holding_state())
 
@@ -1003,6 +1025,31 @@ class Target:
     def holding_fields(self):
         """What a backend's `holding` line says besides rooms and workers."""
         return {}
+
+
+# The role of each Python thread of the target, by the function it runs
+# (SGLang's own threads and this target's); the main thread is the
+# scheduler (--processes one).
+THREAD_ROLES = {"bootstrap_thread_guarded": "bootstrap", "bootstrap_thread": "bootstrap",
+                "transfer_worker": "transfer_worker", "tokenizer": "tokenizer", "detokenizer": "detokenizer"}
+
+
+def thread_roles():
+    """{tid: role} of every thread of this process: the Python threads by
+    THREAD_ROLES (else `python:<name>`), the rest `native` (NIXL's and UCX's
+    progress threads, torch's pools)."""
+    roles = {}
+    for t in threading.enumerate():
+        if t.native_id is None:
+            continue
+        target = getattr(getattr(t, "_target", None), "__name__", None)
+        if t is threading.main_thread():
+            roles[t.native_id] = "scheduler"
+        else:
+            roles[t.native_id] = THREAD_ROLES.get(target, f"python:{target or t.name}")
+    for tid in os.listdir("/proc/self/task"):
+        roles.setdefault(int(tid), "native")
+    return {str(tid): role for tid, role in sorted(roles.items())}
 
 
 def main(argv, target_class=Target, args=None):
@@ -1067,6 +1114,7 @@ def main(argv, target_class=Target, args=None):
     mode_of = {"no-answer": "no-answer", "bootstrap-timeout": "no-answer", "abort": "abort"}
     plan = [(room, inst, mode_of.get(args.fault, "answer") if room == t.fault_room else "answer") for room, inst in plan_rooms]
     emit("ready", prefill_pid=os.getpid(), sglang="0.5.23", **t.ready_fields(),
+         **({"threads": thread_roles()} if args.report_threads else {}),
          shape=args.decode_shape, mla=t.mla, rank_port=t.mgr.rank_port,
          bootstrap_port=t.bootstrap_port, fault=args.fault, fault_room=t.fault_room,
          instances=[{"instance": i["instance"], "tp": i["tp"], "decodes": i["ranks"]} for i in t.instances],
@@ -1090,6 +1138,16 @@ def main(argv, target_class=Target, args=None):
                 break
         threading.Thread(target=read_stdin, daemon=True).start()
     result = t.run_rooms(plan, deadline)
+    for k in range(1, args.rounds):
+        if result != "done" or not t.next_round(deadline):
+            break
+        # Each round's rooms its own; the concluded ones forgotten, so that
+        # every round's loop walks as many rooms as the first's.
+        for room in [r for r, st in t.rooms.items() if r < WARMUP_ROOM and st["phase"] in ("completed", "failed")]:
+            del t.rooms[room]
+            t.decode_status.pop(room, None)
+        start_room = args.room_start + k * args.count
+        result = t.run_rooms([(start_room + i, i % n_inst, "answer") for i in range(args.count)], deadline)
     if result in ("quit", "stdin-eof"):
         finish(result, 0)
     if result == "max-seconds":
