@@ -9,7 +9,7 @@
 
 /// The scope of what the agent says of a request itself rather than
 /// what a framework read ([`Context::say_halt`]).
-pub const AGENT_SCOPE: &str = "stall";
+const AGENT_SCOPE: &str = "stall";
 
 /// One thing said of a request: by whom, under what name, and its value.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,11 +54,6 @@ impl Context {
     /// Its fields as an alert line says them, in order.
     pub fn pairs(&self) -> impl Iterator<Item = (&'static str, &str)> {
         self.fields.iter().map(|field| (field.name, field.value.as_str()))
-    }
-
-    /// The value of the field `name`, whoever said it.
-    pub fn get(&self, name: &str) -> Option<&str> {
-        self.fields.iter().find(|field| field.name == name).map(|field| field.value.as_str())
     }
 
     pub fn extend(&mut self, other: Self) {
@@ -106,7 +101,6 @@ mod tests {
             [("answered", "1/1"), ("waiting_on", "self"), ("process_state", "stopped")]
         );
         assert_eq!(context.fields[1].attribute(), "stallwatch.stall.waiting_on");
-        assert_eq!(context.get("answered"), Some("1/1"));
         // A process no framework says anything of (the `nixl` profile's)
         // still waits on itself.
         let mut nothing = Context::default();

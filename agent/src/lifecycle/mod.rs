@@ -198,7 +198,7 @@ mod wheel;
 #[cfg(test)]
 mod tests;
 
-pub use context::{AGENT_SCOPE, Context, Field};
+pub use context::{Context, Field};
 pub use engine::{Engine, EngineConfig, RECENT_ENDS, RECENT_ENDS_MIN, RECENT_EXITS};
 pub use report::{EngineStats, Observation, Report, RequestSnapshot, Restored, Silent, StageRead, Withheld};
 pub use stage::{Outcome, Side, Stage, StageSet, StallClass, UnknownStage, UnknownStallClass};
