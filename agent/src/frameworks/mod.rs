@@ -188,7 +188,7 @@ pub trait TakeOver {
 
 /// What a framework hands the next agent of one of its requests (`pid`,
 /// `key`): its context, in bytes the framework reads back
-/// ([`Framework::adopt`]); `None` once it is no longer held (it ended).
+/// ([`TakeOver::adopt`]); `None` once it is no longer held (it ended).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HandOver {
     pub pid: u32,

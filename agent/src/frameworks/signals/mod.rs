@@ -176,7 +176,7 @@ impl Signals {
     }
 
     /// What changed of the frameworks' requests since the last call, for
-    /// the next agent ([`Framework::held`]).
+    /// the next agent ([`TakeOver::held`](super::TakeOver::held)).
     pub fn held(&mut self) -> Vec<HandOver> {
         let mut out = Vec::new();
         for take_over in self.frameworks.iter_mut().filter_map(|framework| framework.take_over()) {
