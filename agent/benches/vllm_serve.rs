@@ -54,7 +54,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use serde_json::Value;
-use stallwatch::profile::{At, Profile};
+use stallwatch::profile::Profile;
 use stallwatch_tests::vllm_serve::{Deployment, ServerPids, cpu_ticks, deployment, node_agent};
 use support::median;
 
@@ -255,19 +255,13 @@ fn short(symbol: &str) -> String {
 /// Progress and post probes linked only near a stall are left out.
 fn links(profile: &Profile) -> HashMap<String, (bool, u32)> {
     let mut links: HashMap<String, (bool, u32)> = HashMap::new();
-    let mut add = |symbol: &str, at: At, args_read: u32| {
-        let link = links.entry(symbol.to_owned()).or_default();
-        link.0 |= at == At::Entry || args_read > 0;
-        link.1 += u32::from(at == At::Return);
-    };
-    for spec in &profile.probes {
-        add(&spec.symbol, spec.at, spec.args_read());
-    }
-    for spec in &profile.signals {
-        add(&spec.symbol, spec.at, spec.args_read());
-    }
-    for spec in profile.activity.iter().filter(|spec| !spec.kind.near_stall_only()) {
-        add(&spec.symbol, At::Entry, 0);
+    for half in support::halves(profile) {
+        let link = links.entry(half.symbol.to_owned()).or_default();
+        if half.at_return {
+            link.1 += 1;
+        } else {
+            link.0 = true;
+        }
     }
     links
 }

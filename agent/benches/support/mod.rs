@@ -294,30 +294,11 @@ impl Floor {
             .collect())
     }
 
-    fn points<'a>(pid: u32, profile: &'a Profile) -> Result<Vec<Point>> {
+    fn points(pid: u32, profile: &Profile) -> Result<Vec<Point>> {
         let image = ProcessImage::read(pid)?;
-        let mut wanted = Vec::new();
-        // A probe's halves: its entry (also a return probe's, when it
-        // reads arguments) and its return.
-        let mut halves = |object: Option<&'a str>, symbol: &'a str, at: At, args_read: u32, optional: bool| {
-            if at == At::Entry || args_read > 0 {
-                wanted.push((object, symbol, "empty_entry", optional));
-            }
-            if at == At::Return {
-                wanted.push((object, symbol, "empty_return", optional));
-            }
-        };
-        for spec in &profile.probes {
-            halves(spec.object.as_deref(), &spec.symbol, spec.at, spec.args_read(), false);
-        }
-        for spec in &profile.signals {
-            halves(spec.object.as_deref(), &spec.symbol, spec.at, spec.args_read(), spec.optional);
-        }
-        for spec in profile.activity.iter().filter(|spec| !spec.kind.near_stall_only()) {
-            wanted.push((spec.object.as_deref(), spec.symbol.as_str(), "empty_entry", spec.optional));
-        }
         let mut points = Vec::new();
-        for (object, symbol, program, optional) in wanted {
+        for Half { object, symbol, at_return, optional } in halves(profile) {
+            let program = if at_return { "empty_return" } else { "empty_entry" };
             let resolved =
                 image.find(object).and_then(|mapped| Ok((ElfFile::open(&mapped.host_path)?.resolve(symbol)?, mapped)));
             match resolved {
@@ -334,6 +315,41 @@ impl Floor {
         }
         Ok(points)
     }
+}
+
+/// One half of a probe of a profile, as the agent links it.
+pub struct Half<'a> {
+    pub object: Option<&'a str>,
+    pub symbol: &'a str,
+    /// Its return (else its entry).
+    pub at_return: bool,
+    pub optional: bool,
+}
+
+/// The halves of `profile`'s probes the agent links on a healthy run: a
+/// probe's entry (also a return probe's, when it reads arguments) and its
+/// return; of the activity probes those always linked (not the ones
+/// linked only near a stall).
+pub fn halves<'a>(profile: &'a Profile) -> Vec<Half<'a>> {
+    let mut halves = Vec::new();
+    let mut add = |object: Option<&'a str>, symbol: &'a str, at: At, args_read: u32, optional: bool| {
+        if at == At::Entry || args_read > 0 {
+            halves.push(Half { object, symbol, at_return: false, optional });
+        }
+        if at == At::Return {
+            halves.push(Half { object, symbol, at_return: true, optional });
+        }
+    };
+    for spec in &profile.probes {
+        add(spec.object.as_deref(), &spec.symbol, spec.at, spec.args_read(), false);
+    }
+    for spec in &profile.signals {
+        add(spec.object.as_deref(), &spec.symbol, spec.at, spec.args_read(), spec.optional);
+    }
+    for spec in profile.activity.iter().filter(|spec| !spec.kind.near_stall_only()) {
+        add(spec.object.as_deref(), &spec.symbol, At::Entry, 0, spec.optional);
+    }
+    halves
 }
 
 /// Debian's bpftrace, as `apt-get install bpftrace` gives it.
